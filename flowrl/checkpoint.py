@@ -1,0 +1,180 @@
+"""Atomic, pickle-free checkpoints: safetensors for tensors, JSON for everything else.
+
+Layout of ``RUN_DIR/checkpoints/``::
+
+    iter_000010/            one complete checkpoint
+        model.safetensors   trainable weights (all of them, or only the LoRA)
+        optimizer.safetensors, optimizer.json
+        rng.safetensors     torch RNG states
+        state.json          iteration, counters, LR schedule
+        recipe.toml         the resolved recipe
+    latest.json             {"name": "iter_000010"}: the newest COMPLETE checkpoint
+
+A checkpoint is written into a temporary directory, flushed to disk, and renamed into place;
+only then is ``latest.json`` replaced (write-to-temp, fsync, os.replace). A process killed at
+any moment leaves ``latest.json`` pointing at a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import FlowrlError
+
+LATEST = "latest.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def optimizer_to_files(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into tensors and JSON (no pickle)."""
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
+    for idx, entry in state["state"].items():
+        meta["state"][str(idx)] = {}
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{key}"] = value
+                meta["state"][str(idx)][key] = {"tensor": f"{idx}.{key}"}
+            else:
+                meta["state"][str(idx)][key] = value
+    return tensors, meta
+
+
+def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state = {}
+    for idx, entry in meta["state"].items():
+        state[int(idx)] = {
+            k: (tensors[v["tensor"]] if isinstance(v, dict) and "tensor" in v else v) for k, v in entry.items()
+        }
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"torch_cuda_{i}"] = s
+    return out
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def save_checkpoint(
+    ckpt_root: Path,
+    name: str,
+    *,
+    model: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    state: dict[str, Any],
+    recipe_toml: str,
+    keep_last: int = 2,
+    _fail_after: str | None = None,
+) -> Path:
+    """Write one checkpoint atomically and point ``latest.json`` at it.
+
+    ``_fail_after`` (tests only) raises after writing the named file, simulating a kill.
+    """
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    opt_tensors, opt_meta = optimizer_to_files(optimizer)
+    steps = [
+        ("model.safetensors", lambda p: _save_tensors(model, p)),
+        ("optimizer.safetensors", lambda p: _save_tensors(opt_tensors, p)),
+        ("optimizer.json", lambda p: write_text_atomic(p, json.dumps(opt_meta))),
+        ("rng.safetensors", lambda p: _save_tensors(rng_state(), p)),
+        ("recipe.toml", lambda p: write_text_atomic(p, recipe_toml)),
+        ("state.json", lambda p: write_text_atomic(p, json.dumps(state, indent=1))),
+    ]
+    for filename, write in steps:
+        write(tmp / filename)
+        if _fail_after == filename:
+            raise KeyboardInterrupt(f"simulated kill after {filename}")
+    _fsync_dir(tmp)
+    final = ckpt_root / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
+    write_text_atomic(ckpt_root / LATEST, json.dumps({"name": name}))
+    _prune(ckpt_root, keep_last, keep=name)
+    return final
+
+
+def _prune(ckpt_root: Path, keep_last: int, keep: str) -> None:
+    done = sorted(p for p in ckpt_root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    for old in done[:-keep_last]:
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / LATEST
+    if not pointer.is_file():
+        return None
+    name = json.loads(pointer.read_text())["name"]
+    path = pointer.parent / name
+    if not (path / "state.json").is_file():
+        raise FlowrlError(f"latest checkpoint {path} is incomplete", hint="delete latest.json to fall back, or start a new run")
+    return path
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint directory written by :func:`save_checkpoint`."""
+    return {
+        "model": load_file(str(path / "model.safetensors")),
+        "optimizer": optimizer_from_files(
+            load_file(str(path / "optimizer.safetensors")), json.loads((path / "optimizer.json").read_text())
+        ),
+        "rng": load_file(str(path / "rng.safetensors")),
+        "state": json.loads((path / "state.json").read_text()),
+        "recipe_toml": (path / "recipe.toml").read_text(),
+    }

@@ -1,0 +1,111 @@
+"""Data parallelism on plain torch.distributed (works under torchrun and `accelerate launch`).
+
+Both launchers set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; :func:`setup` joins the process
+group (gloo on CPU, nccl on CUDA). Gradients are averaged explicitly with one coalesced
+all-reduce per optimizer step (:func:`average_gradients`), which is what DDP does, but lets the
+memory-lean chunk update call backward many times per micro-batch without a sync each time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup(device: torch.device) -> DistContext:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistContext()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather_cat(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Concatenate equal-shaped tensors from every rank along dim 0, in rank order."""
+    if not ctx.enabled:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def average_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> None:
+    """Average .grad over ranks with one flat all-reduce."""
+    if not ctx.enabled:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= ctx.world_size
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        chunk = flat[offset : offset + n].view_as(g)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += n
+
+
+def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:
+    if not ctx.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def broadcast_object(obj, ctx: DistContext):
+    if not ctx.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def launch(num_processes: int, argv: list[str]) -> int:
+    """Re-run this command under torchrun with ``num_processes`` local processes."""
+    args = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--num-processes":
+            skip = True
+            continue
+        if a.startswith("--num-processes="):
+            continue
+        args.append(a)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", "-m", "flowrl", *args]
+    return subprocess.call(cmd, env=env)

@@ -1,0 +1,543 @@
+"""The training loop, top to bottom: one engine for the whole GRPO family.
+
+    rollout -> rewards -> advantages -> chunk selection -> policy update -> logs and checkpoints
+
+Step-level GRPO, GSPO, fixed chunks and Chunk-GRPO differ only in the components the recipe
+names (chunker, selector, loss); nothing below branches on the algorithm.
+
+Reproducibility: every random draw comes from a generator seeded by (seed, purpose, iteration,
+global sample index) (:mod:`flowrl.seeding`), so a run does not depend on the number of
+processes, and a resumed run repeats exactly what the uninterrupted one would have done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from . import distributed
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state, write_text_atomic
+from .chunk_update import lean_chunk_backward
+from .errors import FlowrlError
+from .finetune import load_trainable_state_dict, prepare_trainable, trainable_state_dict
+from .geometry import resolve_geometry
+from .interfaces import TextEmbeddings, score, select_embeddings
+from .plugins import get_registry
+from .recipe import Recipe, dump_toml, load_recipe
+from .runlog import MetricsLog, image_grid
+from .sampling import make_kernels, make_step_log_prob_fn, rollout, trainable_mask
+from .seeding import derive_seed, generator, sample_generators
+
+
+@dataclasses.dataclass
+class Components:
+    """Everything the recipe names, built."""
+
+    model: Any
+    schedule: Any
+    kernel: Any
+    chunker: Any
+    selector: Any
+    advantage: Any
+    loss: Any
+    rewards: list[tuple[str, float, Any]]  # (label, weight, reward)
+    trackers: list[Any]
+
+
+def build_components(recipe: Recipe, registry=None) -> Components:
+    registry = registry or get_registry()
+
+    def build(section):
+        choice = recipe.components[section]
+        return registry.get(section, choice.use).build(choice.params)
+
+    rewards = []
+    for choice in recipe.rewards:
+        reward = registry.get("reward", choice.use).build(choice.params)
+        rewards.append((choice.label, choice.weight, reward))
+    trackers = [registry.get("tracker", t.use).build(t.params) for t in recipe.trackers]
+    return Components(
+        model=build("model"),
+        schedule=build("schedule"),
+        kernel=build("kernel"),
+        chunker=build("chunker"),
+        selector=build("selector"),
+        advantage=build("advantage"),
+        loss=build("loss"),
+        rewards=rewards,
+        trackers=trackers,
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise FlowrlError(f"invalid device '{name}'", where="[run].device", hint="'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
+
+
+class PhaseTimer:
+    """Seconds per phase for this iteration (synchronising CUDA so the numbers are real)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[phase] += time.perf_counter() - start
+
+
+class GracefulInterrupt:
+    """First Ctrl-C: finish the current phase safely, checkpoint, exit. Second: stop now."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        def handler(signum, frame):
+            if self.requested:
+                raise KeyboardInterrupt
+            self.requested = True
+
+        try:
+            self._previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class PromptCache:
+    """Text embeddings computed once per prompt and reused (users.md item 10)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache: dict[str, TextEmbeddings] = {}
+
+    def get(self, prompts: list[str]) -> TextEmbeddings:
+        new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
+        if new:
+            with torch.no_grad():
+                encoded = self.model.encode_prompts(new)
+            for i, p in enumerate(new):
+                self.cache[p] = {k: v[i : i + 1] for k, v in encoded.items()}
+        keys = self.cache[prompts[0]].keys()
+        return {k: torch.cat([self.cache[p][k] for p in prompts]) for k in keys}
+
+
+def read_prompts(source: str, model, where: str) -> list[str]:
+    if source == "model":
+        prompts = model.prompt_source()
+        if not prompts:
+            raise FlowrlError("the model has no prompt source of its own", where=where, hint="give a prompt file path")
+        return list(prompts)
+    path = Path(source)
+    if not path.is_file():
+        raise FlowrlError(f"prompt file not found: {path}", where=where)
+    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise FlowrlError(f"prompt file {path} is empty", where=where)
+    return prompts
+
+
+def prompts_for_iteration(prompts: list[str], seed: int, iteration: int, count: int) -> list[str]:
+    """The global prompts of one iteration: epoch-wise shuffles of the list, seeded.
+
+    The data position is fully determined by (seed, iteration), which makes resume exact.
+    """
+    out = []
+    start = iteration * count
+    for k in range(start, start + count):
+        epoch, pos = divmod(k, len(prompts))
+        perm = torch.randperm(len(prompts), generator=generator(seed, "data", epoch))
+        out.append(prompts[int(perm[pos])])
+    return out
+
+
+def lr_lambda(train, total_steps: int):
+    def f(step: int) -> float:
+        if train.warmup_steps and step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
+        if train.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if train.lr_schedule == "linear":
+            return 1.0 - progress
+        return 1.0
+
+    return f
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.float()
+    return {
+        f"{prefix}/mean": x.mean().item(),
+        f"{prefix}/std": x.std(unbiased=False).item() if x.numel() > 1 else 0.0,
+        f"{prefix}/min": x.min().item(),
+        f"{prefix}/max": x.max().item(),
+    }
+
+
+def _resumable_recipe(recipe: Recipe, run_dir: Path) -> None:
+    """A resumed run must use the recipe that wrote it (iterations, logging may change)."""
+    saved = run_dir / "recipe.toml"
+    if not saved.is_file():
+        return
+    old = load_recipe(saved).to_toml_dict()
+    new = recipe.to_toml_dict()
+    for section in ("log", "checkpoint"):
+        old.pop(section, None)
+        new.pop(section, None)
+    for d in (old, new):
+        d["train"].pop("iterations", None)
+        d["run"].pop("output_dir", None)
+    if old != new:
+        diff = sorted(
+            f"[{s}]" for s in set(old) | set(new) if old.get(s) != new.get(s)
+        )
+        raise FlowrlError(
+            f"the recipe differs from the one that started {run_dir} in {', '.join(diff)}",
+            hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log] and [checkpoint] may change)",
+        )
+
+
+@torch.no_grad()
+def evaluate(model, schedule_sigmas, rewards, prompts: list[str], seeds: int, seed: int, cache: PromptCache, batch: int):
+    """Mean reward on a fixed prompt set with fixed noise and ODE sampling (the policy's mean)."""
+    from .sde import ODEKernel
+
+    kernels = (ODEKernel(),) * (len(schedule_sigmas) - 1)
+    scores: dict[str, list[torch.Tensor]] = defaultdict(list)
+    items = [(p, s) for s in range(seeds) for p in prompts]
+    for start in range(0, len(items), batch):
+        chunk = items[start : start + batch]
+        ps = [p for p, _ in chunk]
+        text = cache.get(ps)
+        gens = [generator(seed, "eval", i + start) for i in range(len(chunk))]
+        noise = torch.stack([torch.randn(model.latent_shape, generator=g) for g in gens]).to(schedule_sigmas.device)
+        traj = rollout(lambda x, s: model.velocity(x, s, text), noise, schedule_sigmas, kernels, image_from="final")
+        images = model.decode(traj.image_latents)
+        for label, _, reward in rewards:
+            scores[label].append(score(reward, images, ps).scores)
+    return {label: torch.cat(v) for label, v in scores.items()}
+
+
+def train(
+    recipe: Recipe,
+    *,
+    resume: Path | None = None,
+    dry_run: bool = False,
+    console: Console | None = None,
+    _fail_checkpoint_after: str | None = None,
+) -> Path:
+    """Run (or resume) training for a validated recipe; returns the run directory."""
+    console = console or Console()
+    registry = get_registry()
+    cfg, train_cfg = recipe, recipe.train
+
+    # ---- Setup: device, processes, batch geometry ------------------------------------------
+    device = resolve_device(cfg.run.device)
+    ctx = distributed.setup(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", ctx.local_rank)
+    geometry = resolve_geometry(train_cfg, ctx.world_size, cfg.source)
+    run_dir = Path(resume) if resume is not None else cfg.output_dir
+    if ctx.is_main:
+        console.print(f"[bold]flowrl[/bold] {cfg.source} -> {run_dir}")
+        console.print(f"geometry: {geometry.describe()}")
+    if dry_run:
+        return run_dir
+    if resume is not None:
+        if not run_dir.is_dir():
+            raise FlowrlError(f"cannot resume: {run_dir} does not exist", where="--resume")
+        _resumable_recipe(recipe, run_dir)
+
+    # ---- Build the components the recipe names ---------------------------------------------
+    comps = build_components(recipe, registry)
+    model = comps.model
+    model.to(device)
+    N = cfg.sampler.steps
+    sigmas = comps.schedule.sigmas(N, model).to(device=device, dtype=torch.float32)
+    window = tuple(cfg.sampler.sde_window) if cfg.sampler.sde_window else None
+    kernels = make_kernels(N, comps.kernel, window)
+    trainable = trainable_mask(kernels, sigmas.cpu(), cfg.sampler.image_from)
+    T = int(trainable.sum())
+    sizes = tuple(comps.chunker.sizes(T))
+    params = prepare_trainable(model, train_cfg)
+    optimizer = torch.optim.AdamW(
+        params, lr=train_cfg.lr, betas=tuple(train_cfg.adam_betas), eps=train_cfg.adam_eps,
+        weight_decay=train_cfg.weight_decay,
+    )
+    total_opt_steps = train_cfg.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train_cfg, total_opt_steps))
+    train_prompts = read_prompts(cfg.prompts.source, model, f"{cfg.source}: [prompts].source")
+    eval_prompts: list[str] = []
+    if cfg.prompts.num_eval:
+        pool = read_prompts(cfg.prompts.eval_source or cfg.prompts.source, model, f"{cfg.source}: [prompts].eval_source")
+        perm = torch.randperm(len(pool), generator=generator(cfg.run.seed, "eval-prompts"))
+        eval_prompts = [pool[int(i)] for i in perm[: cfg.prompts.num_eval]]
+    cache = PromptCache(model)
+    reward_weights = {label: w for label, w, _ in comps.rewards}
+
+    # ---- Resume: weights, optimizer, LR schedule, RNG, position ------------------------------
+    start_iteration, nonfinite_steps = 0, 0
+    if resume is not None and (ckpt := latest_checkpoint(run_dir)) is not None:
+        state = load_checkpoint(ckpt)
+        load_trainable_state_dict(model.denoiser, state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["state"]["lr_scheduler"])
+        set_rng_state(state["rng"])
+        start_iteration = state["state"]["iteration"]
+        nonfinite_steps = state["state"]["nonfinite_steps"]
+        if ctx.is_main:
+            console.print(f"resumed from {ckpt} at iteration {start_iteration}")
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / "recipe.toml", dump_toml(recipe.to_toml_dict()))
+        (run_dir / "images").mkdir(exist_ok=True)
+        for tracker in comps.trackers:
+            if hasattr(tracker, "start"):
+                tracker.start(run_dir)
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_from=start_iteration) if ctx.is_main else None
+    local = geometry.local_sample_range(ctx.rank)
+    G = geometry.group_size
+
+    def checkpoint(next_iteration: int) -> Path:
+        return save_checkpoint(
+            run_dir / "checkpoints",
+            f"iter_{next_iteration:06d}",
+            model=trainable_state_dict(model.denoiser),
+            optimizer=optimizer.state_dict(),
+            state={
+                "iteration": next_iteration,
+                "nonfinite_steps": nonfinite_steps,
+                "lr_scheduler": scheduler.state_dict(),
+                "data_position": next_iteration * geometry.prompts_per_iteration,
+                "world_size": ctx.world_size,
+            },
+            recipe_toml=dump_toml(recipe.to_toml_dict()),
+            keep_last=cfg.checkpoint.keep_last,
+            _fail_after=_fail_checkpoint_after,
+        )
+
+    progress = _progress(console, cfg.log.progress and ctx.is_main)
+    task = progress.add_task("training", total=train_cfg.iterations, completed=start_iteration, reward="-")
+    interrupted = False
+    next_iteration = start_iteration  # the first iteration not yet completed
+    with progress, GracefulInterrupt() as interrupt:
+        for iteration in range(start_iteration, train_cfg.iterations):
+            timer = PhaseTimer(device)
+            record: dict[str, Any] = {"iteration": iteration}
+
+            # ---- Evaluate the current policy on the fixed set (before this iteration's update)
+            if eval_prompts and iteration % cfg.log.eval_every == 0:
+                with timer("eval"):
+                    if ctx.is_main:
+                        ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds,
+                                      cfg.run.seed, cache, train_cfg.micro_batch_size * 4)
+                        for label, v in ev.items():
+                            record[f"eval/{label}/mean"] = v.mean().item()
+                            record[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
+
+            # ---- Prompts and text embeddings (cached per prompt) -----------------------------
+            with timer("encode"):
+                global_prompts = prompts_for_iteration(train_prompts, cfg.run.seed, iteration, geometry.prompts_per_iteration)
+                sample_prompts = [global_prompts[j // G] for j in local]
+                group_ids = torch.tensor([j // G for j in local])
+                text = cache.get(sample_prompts)
+
+            # ---- Rollout: every local sample in one batched trajectory -----------------------
+            with timer("rollout"):
+                noise_index = [(j // G) * G if train_cfg.same_noise_in_group else j for j in local]
+                gens = sample_generators(cfg.run.seed, "rollout", iteration, local)
+                noise = torch.stack([
+                    torch.randn(model.latent_shape, generator=generator(cfg.run.seed, "noise", iteration, k))
+                    for k in noise_index
+                ]).to(device)
+                traj = rollout(
+                    lambda x, s: model.velocity(x, s, text), noise, sigmas, kernels,
+                    generators=gens, image_from=cfg.sampler.image_from,
+                    reduction=cfg.sampler.logprob_reduction, prompts=sample_prompts, group_ids=group_ids,
+                )
+
+            # ---- Decode and score with every reward -----------------------------------------
+            with timer("decode"):
+                images = model.decode(traj.image_latents)
+            local_rewards: dict[str, torch.Tensor] = {}
+            with timer("reward"):
+                for label, _, reward in comps.rewards:
+                    local_rewards[label] = score(reward, images, sample_prompts).scores
+
+            # ---- Advantages over whole groups (rewards gathered from every process) ----------
+            all_rewards = {k: distributed.all_gather_cat(v, ctx) for k, v in local_rewards.items()}
+            all_groups = distributed.all_gather_cat(group_ids, ctx)
+            finite = all(torch.isfinite(v).all() for v in all_rewards.values())
+            for label, v in all_rewards.items():
+                record.update({f"reward/{label}/{k.split('/')[-1]}": x for k, x in _stats("r", v).items()})
+            if finite:
+                advantages_all = comps.advantage(all_rewards, reward_weights, all_groups).float()
+                offset = ctx.rank * geometry.samples_per_process
+                advantages = advantages_all[offset : offset + geometry.samples_per_process].to(device)
+                record.update({f"advantage/{k.split('/')[-1]}": x for k, x in _stats("a", advantages_all).items()})
+
+            # ---- Policy update: chunk selection, memory-lean chunk backward, optimizer --------
+            update_metrics: dict[str, list[float]] = defaultdict(list)
+            trained_units: list[list[int]] = []
+            skipped = not finite
+            if interrupt.requested:
+                interrupted = True
+                break
+            with timer("update"):
+                step_fn = make_step_log_prob_fn(
+                    lambda idx: (lambda x, s: model.velocity(x, s, select_embeddings(text, idx))), traj
+                )
+                old_lp = traj.trainable_log_probs.to(device)
+                for epoch in range(geometry.updates_per_rollout if finite else 0):
+                    order = torch.randperm(len(local), generator=generator(cfg.run.seed, "order", iteration, epoch, ctx.rank))
+                    per_step = geometry.micro_batch_size * geometry.grad_accumulation
+                    for opt_step in range(geometry.optimizer_steps_per_update):
+                        optimizer.zero_grad(set_to_none=True)
+                        step_loss = 0.0
+                        for mb in range(geometry.grad_accumulation):
+                            start = opt_step * per_step + mb * geometry.micro_batch_size
+                            idx = order[start : start + geometry.micro_batch_size].to(device)
+                            sel_gens = [generator(cfg.run.seed, "select", iteration, epoch, local[int(i)]) for i in idx]
+                            mask = comps.selector.select(len(idx), sizes, sel_gens)
+                            trained_units += [torch.nonzero(row).flatten().tolist() for row in mask.cpu()] if epoch == 0 else []
+                            loss_value, m = lean_chunk_backward(
+                                lambda t, b, grad: step_fn(t, idx[b], grad),
+                                old_lp[idx], advantages[idx], sizes, mask.to(device),
+                                comps.loss.objective, normaliser=per_step,
+                            )
+                            step_loss += float(loss_value)
+                            for k, v in m.items():
+                                update_metrics[k].append(float(v))
+                        if epoch == 0 and opt_step == 0:
+                            # On-policy check: nothing has changed since the rollout yet.
+                            dev = max(
+                                max(abs(v - 1.0) for v in update_metrics["ratio_max"]),
+                                max(abs(1.0 - v) for v in update_metrics["ratio_min"]),
+                            )
+                            record["on_policy/max_abs_log_ratio"] = dev
+                            if dev > train_cfg.on_policy_tolerance:
+                                raise FlowrlError(
+                                    f"on-policy check failed: |log ratio| = {dev:.3g} > {train_cfg.on_policy_tolerance:g} "
+                                    "before any update; rollout and training log-probs disagree",
+                                    hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
+                                )
+                        distributed.average_gradients(params, ctx)
+                        grad_norm = torch.nn.utils.clip_grad_norm_(
+                            params, train_cfg.max_grad_norm if train_cfg.max_grad_norm > 0 else float("inf")
+                        )
+                        if not (math.isfinite(step_loss) and torch.isfinite(grad_norm)):
+                            skipped = True
+                            optimizer.zero_grad(set_to_none=True)
+                            continue
+                        optimizer.step()
+                        scheduler.step()
+                        update_metrics["loss"].append(step_loss)
+                        update_metrics["grad_norm"].append(float(grad_norm))
+            if skipped:
+                nonfinite_steps += 1
+                record["skipped_nonfinite"] = True
+                console.print(f"[yellow]warning:[/yellow] iteration {iteration}: non-finite reward, loss or gradient; update skipped ({nonfinite_steps} so far)")
+            record["nonfinite_steps"] = nonfinite_steps
+            for k, v in update_metrics.items():
+                agg = min if k.endswith("min") else max if k.endswith("max") else (lambda xs: sum(xs) / len(xs))
+                record[k] = agg(v)
+            record["lr"] = scheduler.get_last_lr()[0]
+            record["trained_units"] = trained_units
+            record["chunk_sizes"] = list(sizes)
+
+            # ---- Image grid of one group, annotated with reward and advantage ---------------
+            if ctx.is_main and cfg.log.image_every and iteration % cfg.log.image_every == 0:
+                first = comps.rewards[0][0]
+                caps = [
+                    f"r={local_rewards[first][i]:.3f}\nA={advantages[i]:+.2f}" if finite else "non-finite"
+                    for i in range(min(G, len(local)))
+                ]
+                grid = image_grid(images[: len(caps)], caps)
+                grid.save(run_dir / "images" / f"iter_{iteration:06d}.png")
+                for tracker in comps.trackers:
+                    tracker.log_image(iteration, "group", grid)
+
+            # ---- Checkpoint, metrics, progress ------------------------------------------------
+            done = next_iteration = iteration + 1
+            if done % cfg.checkpoint.every == 0 or done == train_cfg.iterations or interrupt.requested:
+                with timer("checkpoint"):
+                    if ctx.is_main:
+                        checkpoint(done)
+            record.update({f"time/{k}": v for k, v in timer.seconds.items()})
+            if ctx.is_main:
+                metrics_log.write(record)
+                for tracker in comps.trackers:
+                    tracker.log_metrics(iteration, {k: v for k, v in record.items() if isinstance(v, float)})
+            first = comps.rewards[0][0]
+            progress.update(task, advance=1, reward=f"{first}={record.get(f'reward/{first}/mean', float('nan')):.4f}")
+            if nonfinite_steps > train_cfg.max_nonfinite_steps:
+                raise FlowrlError(
+                    f"stopping: {nonfinite_steps} updates skipped for non-finite values "
+                    f"(limit max_nonfinite_steps = {train_cfg.max_nonfinite_steps})",
+                    where=f"{cfg.source}: [train].max_nonfinite_steps",
+                    hint=f"inspect {run_dir / 'metrics.jsonl'}; lower the learning rate or check the reward",
+                )
+            if interrupt.requested:
+                interrupted = True
+                break
+
+        # ---- Final evaluation ------------------------------------------------------------------
+        if not interrupted and eval_prompts and ctx.is_main and start_iteration < train_cfg.iterations:
+            ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds, cfg.run.seed, cache,
+                          train_cfg.micro_batch_size * 4)
+            final = {"iteration": train_cfg.iterations, "final": True}
+            for label, v in ev.items():
+                final[f"eval/{label}/mean"] = v.mean().item()
+                final[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
+            metrics_log.write(final)
+
+    if interrupted and ctx.is_main:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None or load_checkpoint(ckpt)["state"]["iteration"] != next_iteration:
+            checkpoint(next_iteration)
+        console.print(f"interrupted: checkpoint written; continue with `flowrl train {cfg.source} --resume {run_dir}`")
+    if metrics_log is not None:
+        metrics_log.close()
+    for tracker in comps.trackers:
+        tracker.close()
+    if interrupted:
+        raise KeyboardInterrupt
+    return run_dir
+
+
+def _progress(console: Console, enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[reward]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=console, disable=not enabled, transient=False,
+    )

@@ -1,0 +1,75 @@
+"""User-facing errors.
+
+Every error a user can cause (a broken recipe, an unknown component, a missing file, a missing
+optional dependency) is a :class:`FlowrlError`. The CLI prints it as one short message, with
+*where* it happened and *how to fix it*, and exits non-zero without a traceback (``--debug``
+shows the traceback). Library code raises these; it never calls ``sys.exit``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Iterable
+from types import ModuleType
+
+
+class FlowrlError(Exception):
+    """An error caused by user input, reported without a traceback.
+
+    Args:
+        message: what is wrong, in one sentence.
+        where: where it is, e.g. ``"recipes/x.toml: [chunker].sizes"``.
+        hint: how to fix it.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, where: str | None = None, hint: str | None = None):
+        self.message = message
+        self.where = where
+        self.hint = hint
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        text = f"{self.where}: {self.message}" if self.where else self.message
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
+        return text
+
+
+class RecipeError(FlowrlError):
+    """A recipe is malformed: syntax, unknown table or key, wrong type, out-of-range value."""
+
+
+class PluginError(FlowrlError):
+    """A plugin failed to load, or two plugins registered the same component name."""
+
+
+class MissingDependencyError(FlowrlError):
+    """An optional dependency (an extra) is not installed."""
+
+
+def suggest(name: str, valid: Iterable[str]) -> str:
+    """Return a hint naming the closest valid name and listing all of them."""
+    valid = sorted(valid)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    listing = ", ".join(valid) if valid else "(none)"
+    if close:
+        return f"did you mean '{close[0]}'? valid: {listing}"
+    return f"valid: {listing}"
+
+
+def require(module: str, *, extra: str, purpose: str) -> ModuleType:
+    """Import an optional dependency lazily, or explain which extra to install.
+
+    >>> require("json", extra="dev", purpose="tests").__name__
+    'json'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"{purpose} needs the optional package '{module}', which is not installed ({exc})",
+            hint=f'pip install "flowrl[{extra}]"',
+        ) from exc

@@ -1,0 +1,69 @@
+"""Full fine-tuning or LoRA (peft) on a model adapter's denoiser: one recipe field."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import FlowrlError
+
+
+def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
+    """Set requires_grad for ``train.finetune`` and return the trainable parameters.
+
+    LoRA: the base is frozen first (``add_adapter`` alone does not freeze it), then peft injects
+    rank-``r`` adapters into ``train.lora_targets`` (or the adapter's ``lora_targets``). B starts
+    at zero, so the LoRA model starts exactly equal to the base model.
+    """
+    denoiser = model.denoiser
+    if train.finetune == "full":
+        denoiser.requires_grad_(True)
+    else:
+        from peft import LoraConfig
+
+        targets = list(train.lora_targets) or list(getattr(model, "lora_targets", []) or [])
+        if not targets:
+            raise FlowrlError(
+                "finetune = 'lora' needs target modules",
+                where="[train].lora_targets",
+                hint='list module names, e.g. ["to_q", "to_k", "to_v", "to_out.0"]',
+            )
+        denoiser.requires_grad_(False)
+        config = LoraConfig(
+            r=train.lora_rank,
+            lora_alpha=train.lora_alpha,
+            target_modules=targets,
+            init_lora_weights=True if train.lora_init == "default" else "gaussian",
+        )
+        try:
+            if hasattr(denoiser, "add_adapter"):  # diffusers models: keeps save_lora_weights working
+                denoiser.add_adapter(config)
+            else:
+                from peft import inject_adapter_in_model
+
+                inject_adapter_in_model(config, denoiser)
+        except ValueError as exc:
+            raise FlowrlError(f"LoRA could not be attached: {exc}", where="[train].lora_targets") from exc
+    params = [p for p in denoiser.parameters() if p.requires_grad]
+    if not params:
+        raise FlowrlError("the model has no trainable parameters", where="[train].finetune")
+    return params
+
+
+def trainable_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable weights by name (all weights, or only the LoRA matrices)."""
+    return {n: p.detach() for n, p in denoiser.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state_dict(denoiser: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    params = dict(denoiser.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
+    unknown = [n for n in state if n not in params]
+    if missing or unknown:
+        raise FlowrlError(
+            f"checkpoint does not match the model: {len(missing)} missing and {len(unknown)} unknown tensors "
+            f"(e.g. {(missing or unknown)[0]})",
+            hint="resume with the same recipe (model and finetune settings) that wrote the checkpoint",
+        )
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t)

@@ -1,0 +1,450 @@
+"""TOML recipes: the schema, loading, ``--set`` overrides and validation.
+
+A recipe is a TOML file. Plain tables (``[run]``, ``[train]``, ``[sampler]``, ``[prompts]``,
+``[log]``, ``[checkpoint]``) configure the engine and are documented field by field below.
+Component tables name a registered component and give its parameters::
+
+    [chunker]
+    use = "explicit"
+    sizes = [2, 3, 4, 7]
+
+    [[rewards]]
+    use = "verifier"
+    weight = 1.0
+
+:func:`load_recipe` validates everything (types, ranges, unknown tables and keys, component
+names and their parameters, cross-field rules such as chunk sizes summing to the number of
+trainable transitions) before any model is built. ``flowrl validate --explain`` prints every
+key's documentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import from_dict, param, to_dict
+from .errors import RecipeError, suggest
+from .plugins import Registry, get_registry
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclasses.dataclass
+class RunConfig:
+    name: str = param("run", "Run name; used in the default output directory.")
+    output_dir: str = param("runs/{name}", "Run directory ({name} is replaced by the run name).")
+    seed: int = param(42, "Global seed: sampling noise, selection and data order derive from it.", min=0)
+    device: str = param("auto", "'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    iterations: int = param(100, "RL iterations: each is one rollout followed by its updates.", min=1)
+    prompts_per_iteration: int = param(
+        4, "Prompts per iteration, over ALL processes (global, not per GPU).", min=1
+    )
+    group_size: int = param(8, "Samples per prompt (G); advantages compare within a group.", min=2)
+    updates_per_rollout: int = param(
+        1, "Passes over each rollout (inner epochs); the first is exactly on-policy.", min=1
+    )
+    optimizer_steps_per_update: int = param(
+        1,
+        "Optimizer steps per pass over the rollout. Gradient accumulation is derived: "
+        "samples per process / (micro_batch_size * this).",
+        min=1,
+    )
+    micro_batch_size: int = param(
+        8, "Samples per forward/backward on one process during the update.", min=1
+    )
+    lr: float = param(1e-5, "AdamW learning rate.", min=0.0, exclusive_min=True)
+    weight_decay: float = param(1e-4, "AdamW weight decay.", min=0.0)
+    adam_betas: list[float] = param([0.9, 0.999], "AdamW betas.", min=0.0, max=1.0)
+    adam_eps: float = param(1e-8, "AdamW epsilon.", min=0.0, exclusive_min=True)
+    max_grad_norm: float = param(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = param(
+        "constant", "LR schedule over all optimizer steps."
+    )
+    warmup_steps: int = param(0, "Linear LR warm-up, in optimizer steps.", min=0)
+    finetune: Literal["full", "lora"] = param("full", "Train all weights or a LoRA adapter (peft).")
+    lora_rank: int = param(64, "LoRA rank r (finetune = 'lora').", min=1)
+    lora_alpha: float = param(128.0, "LoRA alpha (scale alpha / r).", min=0.0, exclusive_min=True)
+    lora_targets: list[str] = param(
+        [], "Module names LoRA attaches to; empty uses the model adapter's default."
+    )
+    lora_init: Literal["gaussian", "default"] = param(
+        "gaussian", "LoRA init of A ('gaussian' as diffusers trainers, or peft 'default'); B is 0."
+    )
+    same_noise_in_group: bool = param(
+        False, "Give all samples of a group the same starting noise (the anchors' default)."
+    )
+    max_nonfinite_steps: int = param(
+        3, "Stop after this many updates skipped for a non-finite loss or reward.", min=0
+    )
+    on_policy_tolerance: float = param(
+        1e-6, "The first update's |ratio - 1| must stay below this (on-policy check).", min=0.0
+    )
+
+
+@dataclasses.dataclass
+class SamplerConfig:
+    steps: int = param(16, "Sampling steps N (the schedule has N + 1 sigmas).", min=2)
+    image_from: Literal["x0_hat", "final"] = param(
+        "x0_hat",
+        "Decode the image from the last step's x0_hat (anchors' default; the last transition "
+        "is then not trainable) or from the final sample x_N.",
+    )
+    logprob_reduction: Literal["mean", "sum"] = param(
+        "mean", "Reduce a transition's Gaussian log-prob over latent elements by mean or sum."
+    )
+    sde_window: list[int] = param(
+        [],
+        "[start, end): steps that use the SDE kernel; other steps are ODE. Empty = all steps.",
+        min=0,
+    )
+
+    def __post_init__(self):
+        if self.sde_window:
+            if len(self.sde_window) != 2 or not (0 <= self.sde_window[0] < self.sde_window[1] <= self.steps):
+                raise ValueError(
+                    f"sde_window must be [start, end) with 0 <= start < end <= steps ({self.steps}),"
+                    f" got {self.sde_window}"
+                )
+
+    @property
+    def num_trainable(self) -> int:
+        """T: the number of trainable (stochastic, reward-relevant) transitions."""
+        start, end = self.sde_window or [0, self.steps]
+        end = min(end, self.steps - 1) if self.image_from == "x0_hat" else end
+        return max(end - start, 0)
+
+
+@dataclasses.dataclass
+class PromptsConfig:
+    source: str = param(
+        "model", "'model' (the model's own prompt source) or a path to a text file, one prompt a line."
+    )
+    eval_source: str = param("", "Evaluation prompts: same forms as source; empty = same as source.")
+    num_eval: int = param(0, "Evaluation prompts used per evaluation (0 = no evaluation).", min=0)
+    eval_seeds: int = param(1, "Seeds per evaluation prompt.", min=1)
+
+
+@dataclasses.dataclass
+class LogConfig:
+    every: int = param(1, "Write metrics every N iterations.", min=1)
+    image_every: int = param(10, "Write an annotated image grid of one group every N iterations (0 = never).", min=0)
+    eval_every: int = param(5, "Evaluate on the fixed evaluation set every N iterations.", min=1)
+    progress: bool = param(True, "Show a rich progress bar.")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every: int = param(10, "Write a checkpoint every N iterations (and always at the end).", min=1)
+    keep_last: int = param(2, "Keep this many most recent checkpoints.", min=1)
+
+
+#: Plain tables and their dataclasses.
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "train": TrainConfig,
+    "sampler": SamplerConfig,
+    "prompts": PromptsConfig,
+    "log": LogConfig,
+    "checkpoint": CheckpointConfig,
+}
+#: Component tables (one component each) and their kinds.
+COMPONENT_SECTIONS: dict[str, str] = {
+    "model": "model",
+    "schedule": "schedule",
+    "kernel": "kernel",
+    "chunker": "chunker",
+    "selector": "selector",
+    "advantage": "advantage",
+    "loss": "loss",
+}
+#: Arrays of component tables and their kinds.
+LIST_SECTIONS: dict[str, str] = {"rewards": "reward", "trackers": "tracker"}
+
+
+@dataclasses.dataclass
+class ComponentChoice:
+    """A validated component table: the component's name and its params dataclass."""
+
+    use: str
+    params: Any
+    #: rewards only: the weight in the combined advantage.
+    weight: float = 1.0
+    #: rewards only: the name it is logged under (defaults to ``use``).
+    label: str = ""
+
+    def as_table(self) -> dict[str, Any]:
+        table: dict[str, Any] = {"use": self.use}
+        if self.label and self.label != self.use:
+            table["name"] = self.label
+        if self.params is not None:
+            table.update(to_dict(self.params))
+        return table
+
+
+@dataclasses.dataclass
+class Recipe:
+    """A fully validated recipe. ``source`` is the file it came from."""
+
+    run: RunConfig
+    train: TrainConfig
+    sampler: SamplerConfig
+    prompts: PromptsConfig
+    log: LogConfig
+    checkpoint: CheckpointConfig
+    components: dict[str, ComponentChoice]
+    rewards: list[ComponentChoice]
+    trackers: list[ComponentChoice]
+    source: str = "<recipe>"
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir.replace("{name}", self.run.name))
+
+    def to_toml_dict(self) -> dict[str, Any]:
+        """The resolved recipe, every default filled in (written into the run directory)."""
+        out: dict[str, Any] = {name: to_dict(getattr(self, name)) for name in SECTIONS}
+        for section, choice in self.components.items():
+            out[section] = choice.as_table()
+        out["rewards"] = [dict(r.as_table(), weight=r.weight) for r in self.rewards]
+        if self.trackers:
+            out["trackers"] = [t.as_table() for t in self.trackers]
+        return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file not found: {path}", hint="check the path (`ls recipes/`)")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"TOML syntax error: {exc}", where=str(path)) from exc
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"not a UTF-8 text file ({exc})", where=str(path)) from exc
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``section.key=value`` (value in TOML syntax, bare words taken as strings)."""
+    if "=" not in text:
+        raise RecipeError(f"override '{text}' must look like section.key=value", where="--set")
+    dotted, raw = text.split("=", 1)
+    keys = [k.strip() for k in dotted.strip().split(".")]
+    if len(keys) < 2 or not all(keys):
+        raise RecipeError(f"override '{text}' must name a section and a key, e.g. train.lr=1e-5", where="--set")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return keys, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``--set`` overrides. ``rewards.0.weight=2`` indexes arrays of tables."""
+    for text in overrides:
+        keys, value = parse_override(text)
+        node: Any = data
+        for key in keys[:-1]:
+            if isinstance(node, list):
+                if not key.isdigit() or int(key) >= len(node):
+                    raise RecipeError(f"override '{text}': no entry {key} in that list", where="--set")
+                node = node[int(key)]
+            else:
+                if key in COMPONENT_SECTIONS or key in SECTIONS:
+                    node = node.setdefault(key, {})
+                elif key in node:
+                    node = node[key]
+                else:
+                    node = node.setdefault(key, {})  # unknown tables are reported by validation
+        last = keys[-1]
+        if isinstance(node, list):
+            raise RecipeError(f"override '{text}' must end with a key, not a list index", where="--set")
+        if last == "use" and isinstance(node, dict) and node.get("use") != value:
+            # switching component: the old component's parameters do not apply to the new one
+            node.clear()
+        node[last] = value
+    return data
+
+
+def load_recipe(
+    path: str | Path,
+    overrides: list[str] | None = None,
+    registry: Registry | None = None,
+) -> Recipe:
+    """Read, override and validate a recipe file. Raises RecipeError with file and key."""
+    data = read_toml(path)
+    data = apply_overrides(data, overrides or [])
+    return validate(data, source=str(path), registry=registry)
+
+
+def validate(data: dict[str, Any], *, source: str = "<recipe>", registry: Registry | None = None) -> Recipe:
+    """Validate a parsed recipe dict and return a :class:`Recipe`."""
+    registry = registry or get_registry()
+    valid_tables = list(SECTIONS) + list(COMPONENT_SECTIONS) + list(LIST_SECTIONS)
+    for key, value in data.items():
+        if key not in valid_tables:
+            raise RecipeError(f"unknown table [{key}]", where=source, hint=suggest(key, valid_tables))
+        is_list = key in LIST_SECTIONS
+        if is_list and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            raise RecipeError(f"[[{key}]] must be an array of tables ([[{key}]] entries)", where=source)
+        if not is_list and not isinstance(value, dict):
+            raise RecipeError(f"'{key}' must be a table ([{key}]), got {type(value).__name__}", where=source)
+
+    plain = {
+        name: from_dict(cls, data.get(name, {}), where=f"{source}: [{name}]") for name, cls in SECTIONS.items()
+    }
+    components = {}
+    for section, kind in COMPONENT_SECTIONS.items():
+        table = data.get(section)
+        if table is None:
+            default = registry.default(kind)
+            if default is None:
+                raise RecipeError(
+                    f"table [{section}] is missing and no plugin provides a default {kind}",
+                    where=source,
+                    hint=f'add [{section}] with use = "<name>"; valid: {", ".join(registry.names(kind))}',
+                )
+            table = {"use": default}
+        components[section] = _component(registry, kind, table, f"{source}: [{section}]")
+
+    rewards = [
+        _component(registry, "reward", t, f"{source}: [[rewards]] #{i + 1}", extra=("weight", "name"))
+        for i, t in enumerate(data.get("rewards", []))
+    ]
+    if not rewards:
+        raise RecipeError(
+            "no reward: add at least one [[rewards]] entry",
+            where=source,
+            hint=f'valid rewards: {", ".join(registry.names("reward"))}',
+        )
+    labels = [r.label for r in rewards]
+    dupes = sorted({n for n in labels if labels.count(n) > 1})
+    if dupes:
+        raise RecipeError(
+            f"reward '{dupes[0]}' is listed twice",
+            where=f"{source}: [[rewards]]",
+            hint="give each entry a distinct `name = \"...\"`",
+        )
+    trackers = [
+        _component(registry, "tracker", t, f"{source}: [[trackers]] #{i + 1}")
+        for i, t in enumerate(data.get("trackers", []))
+    ]
+    recipe = Recipe(
+        **plain, components=components, rewards=rewards, trackers=trackers, source=source
+    )
+    _cross_check(recipe, registry)
+    return recipe
+
+
+def _component(
+    registry: Registry, kind: str, table: dict[str, Any], where: str, extra: tuple[str, ...] = ()
+) -> ComponentChoice:
+    if "use" not in table:
+        raise RecipeError(
+            "required key 'use' is missing",
+            where=where,
+            hint=f'name a registered {kind}: {", ".join(registry.names(kind))}',
+        )
+    name = table["use"]
+    if not isinstance(name, str):
+        raise RecipeError(f"key 'use' must be a string, got {name!r}", where=where)
+    comp = registry.get(kind, name, where=f"{where}.use")
+    where = f"{where} ({kind} '{name}')"
+    body = {k: v for k, v in table.items() if k != "use" and k not in extra}
+    if comp.params is None:
+        if body:
+            key = next(iter(body))
+            raise RecipeError(
+                f"unknown key '{key}': {kind} '{name}' takes no parameters", where=where,
+                hint=f"valid: use{', ' + ', '.join(extra) if extra else ''}",
+            )
+        params = None
+    else:
+        params = from_dict(comp.params, body, where=where, ignore=("use",) + extra)
+    choice = ComponentChoice(use=name, params=params)
+    if "weight" in extra:
+        weight = table.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise RecipeError(f"key 'weight' must be a number, got {weight!r}", where=where)
+        choice.weight = float(weight)
+        label = table.get("name", name)
+        if not isinstance(label, str) or not label:
+            raise RecipeError(f"key 'name' must be a non-empty string, got {label!r}", where=where)
+        choice.label = label
+    return choice
+
+
+def _cross_check(recipe: Recipe, registry: Registry) -> None:
+    """Rules that span tables, checked by building the light components (chunker)."""
+    T = recipe.sampler.num_trainable
+    where = f"{recipe.source}: [chunker]"
+    if T < 1:
+        raise RecipeError(
+            "the sampler leaves no trainable transition",
+            where=f"{recipe.source}: [sampler]",
+            hint="increase steps or widen sde_window (with image_from = 'x0_hat' the last step is not trainable)",
+        )
+    if recipe.train.micro_batch_size > recipe.train.prompts_per_iteration * recipe.train.group_size:
+        raise RecipeError(
+            f"micro_batch_size ({recipe.train.micro_batch_size}) exceeds the samples per iteration "
+            f"({recipe.train.prompts_per_iteration} x {recipe.train.group_size})",
+            where=f"{recipe.source}: [train].micro_batch_size",
+        )
+    choice = recipe.components["chunker"]
+    comp = registry.get("chunker", choice.use)
+    chunker = comp.build(choice.params)
+    if getattr(chunker, "needs_model", False):
+        return  # boundaries come from profiling the model at start
+    try:
+        chunker.sizes(T)
+    except (ValueError, FileNotFoundError) as exc:
+        raise RecipeError(
+            f"{exc} (the sampler has T = {T} trainable transitions: steps = {recipe.sampler.steps}, "
+            f"image_from = '{recipe.sampler.image_from}')",
+            where=where,
+        ) from exc
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(data: dict[str, Any]) -> str:
+    """Write a recipe dict (tables of scalars/lists, arrays of tables) as TOML."""
+    lines: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(f"[{key}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in value.items()]
+            lines.append("")
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for entry in value:
+                lines.append(f"[[{key}]]")
+                lines += [f"{k} = {_toml_value(v)}" for k, v in entry.items()]
+                lines.append("")
+        else:
+            lines.insert(0, f"{key} = {_toml_value(value)}")
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""What a run writes for people: metrics.jsonl, annotated image grids, trackers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+
+class MetricsLog:
+    """Append-only JSONL, one object per iteration; flushed every line.
+
+    On resume, lines for iterations at or after the resumed iteration are dropped first, so the
+    file reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: Path, resume_from: int | None = None):
+        self.path = path
+        if resume_from is not None and path.is_file():
+            kept = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("iteration", -1) < resume_from]
+            path.write_text("".join(k + "\n" for k in kept))
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, default=_jsonable) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _jsonable(value):
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    raise TypeError(type(value).__name__)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
+
+def image_grid(images: torch.Tensor, captions: Sequence[str], columns: int | None = None, scale: int = 4):
+    """A PIL image: ``images [B, 3, H, W]`` in [0, 1] tiled with a caption under each."""
+    from PIL import Image, ImageDraw
+
+    b, _, h, w = images.shape
+    columns = columns or min(b, 8)
+    rows = math.ceil(b / columns)
+    cell_w, cell_h, text_h = w * scale, h * scale, 26
+    grid = Image.new("RGB", (columns * cell_w, rows * (cell_h + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    for i in range(b):
+        r, c = divmod(i, columns)
+        tile = Image.fromarray(arr[i]).resize((cell_w, cell_h), Image.NEAREST)
+        grid.paste(tile, (c * cell_w, r * (cell_h + text_h)))
+        for j, line in enumerate(captions[i].split("\n")[:2]):
+            draw.text((c * cell_w + 2, r * (cell_h + text_h) + cell_h + 1 + 12 * j), line, fill="black")
+    return grid

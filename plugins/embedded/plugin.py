@@ -1,0 +1,98 @@
+"""The embedded default as a flowrl plugin: model ``embedded`` and its offline rewards.
+
+Registered through the ``flowrl`` entry-point group like any other plugin. The model is a tiny
+pretrained FLUX transformer (diffusers ``FluxTransformer2DModel``) in pixel space, shipped as
+safetensors inside the package; see MODEL_CARD.md beside this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flowrl import hookimpl
+from flowrl.config import param
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedConfig:
+    weights: str = param("", "Path to embedded.safetensors (and its .json); empty = the weights shipped in the package.")
+    random_init: bool = param(False, "Start from random weights instead (for tests of the machinery).")
+    seed: int = param(0, "Seed of the random init (random_init = true).", min=0)
+
+
+class EmbeddedModel:
+    """The embedded tiny text-to-image model: 32x32 RGB, 16x16x12 latent packed to [64, 48] tokens."""
+
+    Config = EmbeddedConfig
+    latent_shape = (64, 48)
+    image_seq_len = 64
+    lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
+
+    def __init__(self, config: EmbeddedConfig):
+        from .network import EmbeddedT2I, load_pretrained
+
+        if config.random_init:
+            torch.manual_seed(config.seed)
+            self.network = EmbeddedT2I().eval()
+        else:
+            self.network = load_pretrained(config.weights or None)
+        self.network.requires_grad_(False)
+        self.denoiser = self.network.transformer
+
+    def to(self, device):
+        self.network.to(device)
+        return self
+
+    def encode_prompts(self, prompts):
+        with torch.no_grad():
+            embeds, pooled = self.network.encode_prompts(list(prompts))
+        return {"prompt_embeds": embeds, "pooled": pooled}
+
+    def velocity(self, latents, sigma, text):
+        net = self.network
+        return self.denoiser(
+            hidden_states=latents,
+            encoder_hidden_states=text["prompt_embeds"],
+            pooled_projections=text["pooled"],
+            timestep=sigma.to(latents.dtype),
+            img_ids=net.img_ids,
+            txt_ids=net.txt_ids[: text["prompt_embeds"].shape[1]],
+            return_dict=False,
+        )[0]
+
+    def decode(self, latents):
+        from .network import decode, unpack
+
+        return decode(unpack(latents.float())).clamp(0, 1)
+
+    def trainable_parameters(self):
+        return [p for p in self.denoiser.parameters() if p.requires_grad]
+
+    def sigmas(self, num_steps):
+        return None
+
+    def prompt_source(self):
+        from .dataset import all_prompts
+
+        return all_prompts()
+
+
+@hookimpl(trylast=True)
+def register_models(register):
+    register("embedded", EmbeddedModel)
+
+
+@hookimpl(trylast=True)
+def register_rewards(register):
+    from . import rewards
+
+    register("verifier", rewards.verifier_score, help="Soft prompt-correctness (background, foreground colour, shape) in [0, 1].")
+    register("area", rewards.foreground_area, help="Fraction of pixels not of the background colour (trades off against correctness).")
+    register("brightness", rewards.brightness, help="Mean pixel brightness in [0, 1].")
+
+
+@hookimpl(trylast=True)
+def default_component(kind):
+    return "embedded" if kind == "model" else None
