@@ -193,6 +193,18 @@ def plot(
     console.print(f"wrote {path}")
 
 
+def _register_command_modules() -> None:
+    import importlib
+
+    from .commands import MODULES
+
+    for name in MODULES:
+        importlib.import_module(f"flowrl.commands.{name}")
+
+
+_register_command_modules()
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: run the app, turning user errors into one clean message."""
     import click

@@ -1,0 +1,1 @@
+"""`flowrl evaluate` (to be implemented)."""

@@ -1,0 +1,1 @@
+"""`flowrl export` (to be implemented)."""

@@ -1,0 +1,1 @@
+"""`flowrl plan` (to be implemented)."""

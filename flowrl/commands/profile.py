@@ -1,0 +1,1 @@
+"""`flowrl profile` (to be implemented)."""

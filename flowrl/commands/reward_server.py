@@ -1,0 +1,1 @@
+"""`flowrl reward_server` (to be implemented)."""

@@ -1,0 +1,1 @@
+"""`flowrl sample` (to be implemented)."""

@@ -1,0 +1,1 @@
+"""`flowrl zoo` (to be implemented)."""
