@@ -1,1 +1,0 @@
-"""`flowrl zoo` (to be implemented)."""
