@@ -1,0 +1,217 @@
+"""Group-relative advantages (algorithms.md section 7).
+
+``A = clip((r - mean_g) / (std + eps), -clip, clip)`` within each group ``g`` of samples that
+share a prompt (``group_ids``). Options, each an anchor's choice:
+
+- ``std="unbiased"`` (``/ (n - 1)``), ``eps=1e-8``: DanceGRPO, MixGRPO, GCPO (defaults here);
+- ``std="biased"`` (``/ n``), ``eps=1e-4``, ``global_std=True`` (std of ALL rewards in the
+  batch, centred on the batch mean): Flow-GRPO's default.
+
+A group whose rewards are all equal gets exactly 0 (never NaN, also with ``eps=0``). A group
+of size 1 is such a group, so it gets 0 (its unbiased std is undefined). Statistics are
+computed in float64 and the result returned in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+__all__ = [
+    "group_zscore",
+    "weighted_sum_rewards",
+    "combine_group_advantages",
+    "gather_group_advantages",
+]
+
+_STDS = ("unbiased", "biased")
+
+
+def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.as_tensor(rewards)
+    g = torch.as_tensor(group_ids)
+    if r.ndim != 1 or r.numel() < 1:
+        raise ValueError(f"rewards must be a non-empty 1-D tensor [B], got shape {tuple(r.shape)}")
+    if g.shape != r.shape:
+        raise ValueError(f"group_ids must be [B] = {tuple(r.shape)} like rewards, got {tuple(g.shape)}")
+    if g.is_floating_point() or g.dtype == torch.bool:
+        raise ValueError(f"group_ids must be integers, got dtype {g.dtype}")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError("rewards must be finite, got NaN or inf")
+    return r, g.to(device=r.device, dtype=torch.long)
+
+
+def group_zscore(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    std: str = "unbiased",
+    eps: float = 1e-8,
+    global_std: bool = False,
+    clip: float | None = 5.0,
+) -> torch.Tensor:
+    """Group z-score of ``rewards [B]`` with groups ``group_ids [B]`` (any integers).
+
+    ``A_b = (r_b - mean_{g(b)}) / (std + eps)``, ``std`` of the group (or of the whole batch when
+    ``global_std``), ``"unbiased"`` or ``"biased"``; then clamped to ``[-clip, clip]``
+    (``clip=None``: no clamp). All-equal groups (and groups of one) -> exactly 0.
+    Returns float32 ``[B]`` on the rewards' device.
+    """
+    if std not in _STDS:
+        raise ValueError(f"std must be one of {_STDS}, got {std!r}")
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
+    r, g = _check_rewards(rewards, group_ids)
+    r = r.to(torch.float64)
+    _, inv = torch.unique(g, return_inverse=True)
+    n_groups = int(inv.max()) + 1
+    counts = torch.bincount(inv, minlength=n_groups).to(torch.float64)
+    mean = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, inv, r) / counts
+    dev = r - mean[inv]
+    gmax = torch.full((n_groups,), -math.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, inv, r, reduce="amax"
+    )
+    gmin = torch.full((n_groups,), math.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, inv, r, reduce="amin"
+    )
+    constant = (gmax == gmin)[inv]
+    ddof = 1 if std == "unbiased" else 0
+    if global_std:
+        n = r.numel()
+        sd_b = (
+            torch.sqrt(((r - r.mean()) ** 2).sum() / (n - ddof)).expand_as(r)
+            if n - ddof > 0
+            else torch.zeros_like(r)
+        )
+    else:
+        sq = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, inv, dev**2)
+        denom = (counts - ddof).clamp(min=1.0)  # size-1 groups are constant: masked below
+        sd_b = torch.sqrt(sq / denom)[inv]
+    den = sd_b + eps
+    safe = torch.where(constant | (den == 0), torch.ones_like(den), den)
+    adv = torch.where(constant, torch.zeros_like(dev), dev / safe)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.to(torch.float32)
+
+
+def _check_weights(rewards: Mapping[str, torch.Tensor], weights: Mapping[str, float]) -> None:
+    if not rewards:
+        raise ValueError("rewards must hold at least one named reward")
+    if set(rewards) != set(weights):
+        raise ValueError(
+            f"weights must name exactly the rewards: rewards {sorted(rewards)}, weights {sorted(weights)}"
+        )
+    for k, w in weights.items():
+        if not (isinstance(w, (int, float)) and math.isfinite(w)):
+            raise ValueError(f"weight of reward {k!r} must be a finite number, got {w!r}")
+
+
+def weighted_sum_rewards(
+    rewards: Mapping[str, torch.Tensor], weights: Mapping[str, float]
+) -> torch.Tensor:
+    """Flow-GRPO-style multi-reward: ``r = sum_k w_k r_k`` on raw rewards; float32 ``[B]``."""
+    _check_weights(rewards, weights)
+    shapes = {tuple(torch.as_tensor(v).shape) for v in rewards.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+        raise ValueError(f"every reward must be a tensor [B] of the same B, got shapes {sorted(shapes)}")
+    keys = sorted(rewards)
+    total = sum(float(weights[k]) * torch.as_tensor(rewards[k]).to(torch.float64) for k in keys)
+    return total.to(torch.float32)
+
+
+def combine_group_advantages(
+    rewards: Mapping[str, torch.Tensor],
+    group_ids: torch.Tensor,
+    weights: Mapping[str, float],
+    **zscore_kwargs,
+) -> torch.Tensor:
+    """MixGRPO-style multi-reward: ``A = sum_k w_k * group_zscore(r_k, group_ids, ...)``.
+
+    Each reward is normalised (and clipped) within its group, then weighted. MixGRPO's weights
+    sum to 1; they are used as given (not renormalised). Float32 ``[B]``.
+    """
+    _check_weights(rewards, weights)
+    total = None
+    for k in sorted(rewards):
+        a = group_zscore(rewards[k], group_ids, **zscore_kwargs).to(torch.float64) * float(weights[k])
+        total = a if total is None else total + a
+    return total.to(torch.float32)
+
+
+def _all_gather_1d(t: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:
+    """All-gather a tensor ``[n, ...]`` whose ``n`` may differ per rank; returns concat, sizes."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    n = torch.tensor([t.shape[0]], dtype=torch.long, device=t.device)
+    sizes_t = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes_t, n, group=group)
+    sizes = [int(s) for s in sizes_t]
+    m = max(sizes)
+    padded = torch.zeros((m, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    padded[: t.shape[0]] = t
+    out = [torch.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return torch.cat([o[:s] for o, s in zip(out, sizes)], dim=0), sizes
+
+
+def gather_group_advantages(
+    local_rewards: torch.Tensor | Mapping[str, torch.Tensor],
+    local_group_ids: torch.Tensor,
+    *,
+    weights: Mapping[str, float] | None = None,
+    process_group=None,
+    **zscore_kwargs,
+) -> torch.Tensor:
+    """Advantages for groups that may span processes (section 7); returns this rank's slice.
+
+    Gathers every rank's rewards and group ids (``torch.distributed.all_gather``; ranks may hold
+    different numbers of samples), computes :func:`group_zscore` (a tensor) or
+    :func:`combine_group_advantages` (a dict of named rewards, with ``weights``) on the whole
+    batch in rank order, and returns the rows of this rank. ``group_ids`` must be global (the
+    same prompt has the same id on every rank). Without an initialised process group it is the
+    single-process computation. The result equals the single-process computation on the
+    concatenated batch.
+    """
+    import torch.distributed as dist
+
+    is_dict = isinstance(local_rewards, Mapping)
+    if is_dict:
+        if weights is None:
+            raise ValueError("a dict of named rewards needs weights (one per reward)")
+        _check_weights(local_rewards, weights)
+        keys = sorted(local_rewards)
+        r_local = torch.stack([torch.as_tensor(local_rewards[k]).to(torch.float64) for k in keys], dim=1)
+    else:
+        if weights is not None:
+            raise ValueError("weights apply to a dict of named rewards, not to a single reward tensor")
+        r_local = torch.as_tensor(local_rewards).to(torch.float64).unsqueeze(1)
+    if r_local.ndim != 2:
+        raise ValueError(f"rewards must be [B] per reward, got shape {tuple(r_local.shape)[:-1]}")
+    g_local = torch.as_tensor(local_group_ids).to(device=r_local.device, dtype=torch.long).flatten()
+    if g_local.numel() != r_local.shape[0]:
+        raise ValueError(
+            f"group_ids must have B = {r_local.shape[0]} entries like the rewards, got {g_local.numel()}"
+        )
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        r_all, sizes = _all_gather_1d(r_local, process_group)
+        g_all, _ = _all_gather_1d(g_local, process_group)
+        rank = dist.get_rank(process_group)
+        start = sum(sizes[:rank])
+        stop = start + sizes[rank]
+    else:
+        r_all, g_all, start, stop = r_local, g_local, 0, r_local.shape[0]
+
+    if is_dict:
+        adv = combine_group_advantages(
+            {k: r_all[:, j] for j, k in enumerate(keys)}, g_all, weights, **zscore_kwargs
+        )
+    else:
+        adv = group_zscore(r_all[:, 0], g_all, **zscore_kwargs)
+    return adv[start:stop]

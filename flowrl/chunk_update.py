@@ -1,0 +1,150 @@
+"""Exact chunk-level update with the memory of one step (algorithms.md section 5).
+
+The loss depends on the new log-probs only through the unit log-ratios
+``z_u = (1/|u|) sum_{i in u} (l_i - l_i^old)``, so by the chain rule
+
+    dL/dtheta = sum_u dL/dz_u * (1/|u|) * sum_{i in u} dl_i/dtheta.
+
+:func:`lean_chunk_backward` uses this in three phases:
+
+1. without grad, compute the new log-prob of every selected transition, hence every ``z_u``;
+2. make ``z`` a leaf, evaluate the objective, and get ``dL/dz_u`` by autograd (any objective
+   of the unit log-ratios works, not only the clipped surrogate);
+3. for each transition position ``t``, recompute its log-prob WITH grad for the samples that
+   selected its unit and backpropagate ``sum_b coef[b, t] * l_t[b]`` with
+   ``coef = dL/dz_u / |u|``. Only one step's graph is alive at a time.
+
+The gradients accumulate into ``.grad`` exactly as ``loss.backward()`` of the full graph would
+(:func:`full_graph_backward`, same signature, is the reference). Cost: one extra forward without
+grad per selected transition (phase 1). ``step_log_prob_fn`` must be deterministic: phases 1 and
+3 must agree (the ``recompute_mismatch`` metric reports the largest difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from flowrl.chunking import chunk_index, validate_chunks
+from flowrl.losses import Objective, _adv_like, _check_mask, reduce_units, unit_log_ratios, unit_metrics
+
+__all__ = ["StepLogProbFn", "lean_chunk_backward", "full_graph_backward"]
+
+# (t: position in the trainable sequence, batch_idx: LongTensor [n], grad: bool) -> [n]
+StepLogProbFn = Callable[[int, torch.Tensor, bool], torch.Tensor]
+
+
+def _setup(old_lp, advantages, sizes, unit_mask):
+    if old_lp.ndim != 2:
+        raise ValueError(f"old_lp must be [B, T], got shape {tuple(old_lp.shape)}")
+    B, T = old_lp.shape
+    s = validate_chunks(sizes, T)
+    old = old_lp.detach().to(torch.float32)
+    m = _check_mask(unit_mask, B, len(s), old.device)
+    uid = chunk_index(s, device=old.device)
+    trans = m[:, uid]  # [B, T] selected transitions
+    adv = _adv_like(advantages, torch.empty(B, len(s), device=old.device))
+    return B, T, s, old, m, uid, trans, adv
+
+
+def _checked(lp: torch.Tensor, n: int, t: int) -> torch.Tensor:
+    if lp.shape != (n,):
+        raise ValueError(f"step_log_prob_fn(t={t}) must return [{n}] log-probs, got shape {tuple(lp.shape)}")
+    return lp
+
+
+def lean_chunk_backward(
+    step_log_prob_fn: StepLogProbFn,
+    old_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    sizes: Sequence[int],
+    unit_mask: torch.Tensor,
+    objective: Objective,
+    normaliser: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Backpropagate ``reduce_units(objective(z, A), unit_mask, normaliser)`` one step at a time.
+
+    Args:
+        step_log_prob_fn: ``(t, batch_idx, grad) -> [len(batch_idx)]`` log-prob of trainable
+            position ``t`` (0 <= t < T) for those samples, with gradient iff ``grad``.
+        old_lp: ``[B, T]`` rollout log-probs of the trainable transitions.
+        advantages: ``[B]`` (or ``[B, K]``).
+        sizes: chunk layout summing to ``T``.
+        unit_mask: bool ``[B, K]``, at least one unit per sample.
+        objective: ``(z [B, K], A [B, K]) -> per-unit loss [B, K]``, e.g.
+            :class:`flowrl.losses.ClippedObjective`.
+        normaliser: divides the sum over samples (default ``B``).
+
+    Returns:
+        ``(loss, metrics)``: the detached loss value and :func:`flowrl.losses.unit_metrics`
+        plus ``recompute_mismatch``. Gradients are accumulated into the parameters' ``.grad``.
+    """
+    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    idx_per_t = [torch.nonzero(trans[:, t], as_tuple=False).flatten() for t in range(T)]
+
+    # phase 1: new log-probs without grad
+    new = old.clone()
+    with torch.no_grad():
+        for t, idx in enumerate(idx_per_t):
+            if idx.numel():
+                new[idx, t] = _checked(step_log_prob_fn(t, idx, False), idx.numel(), t).detach().to(torch.float32)
+    z = unit_log_ratios(new, old, s)
+    z = torch.where(m, z, torch.zeros_like(z)).detach().requires_grad_(True)
+
+    # phase 2: dL/dz
+    with torch.enable_grad():
+        loss = reduce_units(objective(z, adv), m, normaliser)
+        (dz,) = torch.autograd.grad(loss, z)
+    size_t = torch.tensor(s, dtype=torch.float32, device=old.device)
+    coef = (dz / size_t)[:, uid] * trans  # [B, T]
+
+    # phase 3: one step's graph at a time
+    mismatch = 0.0
+    for t, idx in enumerate(idx_per_t):
+        if not idx.numel():
+            continue
+        with torch.enable_grad():
+            lp = _checked(step_log_prob_fn(t, idx, True), idx.numel(), t)
+            if not lp.requires_grad:
+                raise ValueError(
+                    f"step_log_prob_fn(t={t}, grad=True) returned a tensor without gradient; "
+                    "nothing to train"
+                )
+            (coef[idx, t].to(lp.dtype) * lp).sum().backward()
+        mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[idx, t]).abs().max()))
+
+    metrics = unit_metrics(z.detach(), adv, m, objective)
+    metrics["recompute_mismatch"] = mismatch
+    return loss.detach(), metrics
+
+
+def full_graph_backward(
+    step_log_prob_fn: StepLogProbFn,
+    old_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    sizes: Sequence[int],
+    unit_mask: torch.Tensor,
+    objective: Objective,
+    normaliser: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Reference for :func:`lean_chunk_backward`: every selected transition's graph kept alive,
+    one ``loss.backward()``. Same arguments and return value (``recompute_mismatch`` is 0)."""
+    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    with torch.enable_grad():
+        cols = []
+        for t in range(T):
+            idx = torch.nonzero(trans[:, t], as_tuple=False).flatten()
+            col = old[:, t]
+            if idx.numel():
+                lp = _checked(step_log_prob_fn(t, idx, True), idx.numel(), t).to(torch.float32)
+                col = col.index_put((idx,), lp)
+            cols.append(col)
+        new = torch.stack(cols, dim=1)
+        z = unit_log_ratios(new, old, s)
+        z = torch.where(m, z, torch.zeros_like(z))
+        loss = reduce_units(objective(z, adv), m, normaliser)
+        loss.backward()
+    metrics = unit_metrics(z.detach(), adv, m, objective)
+    metrics["recompute_mismatch"] = 0.0
+    return loss.detach(), metrics

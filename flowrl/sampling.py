@@ -1,0 +1,227 @@
+"""Rollouts: sample trajectories with one kernel per step, and re-score their transitions.
+
+algorithms.md section 1 (conventions), 2 (kernels), 3 (log-probs) and 4 (trainable set).
+
+``velocity_fn(x [B, ...], sigma [B]) -> v [B, ...]`` is a closure over the model and the text
+embeddings of exactly the samples it is given (for re-scoring a sub-batch, build the closure
+for that sub-batch; see :func:`make_step_log_prob_fn`). ``sigma`` is passed as a float32 tensor
+``[B]`` taken from the stored schedule, identical at rollout and at training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from flowrl.schedules import validate_sigmas
+from flowrl.sde import GeneratorArg, Kernel, ODEKernel
+from flowrl.trajectory import Trajectory
+
+__all__ = [
+    "VelocityFn",
+    "make_kernels",
+    "trainable_mask",
+    "rollout",
+    "transition_log_prob",
+    "make_step_log_prob_fn",
+]
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_IMAGE_FROM = ("x0_hat", "final")
+
+
+def make_kernels(
+    num_steps: int,
+    sde_kernel: Kernel,
+    window: tuple[int, int] | None = None,
+    outside: str | Kernel = "ode",
+) -> tuple[Kernel, ...]:
+    """One kernel per step: ``sde_kernel`` inside ``window``, ``outside`` elsewhere.
+
+    ``window = (start, stop)`` is a half-open range of step indices ``start <= i < stop``
+    (MixGRPO's sliding window, Flow-GRPO-Fast's SDE-only-early steps); ``None`` means every step.
+    ``outside`` is ``"ode"`` (deterministic Euler, the default) or any :class:`Kernel`.
+    """
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+    if not isinstance(sde_kernel, Kernel):
+        raise ValueError(f"sde_kernel must be a Kernel instance, got {type(sde_kernel).__name__}")
+    if isinstance(outside, str):
+        if outside != "ode":
+            raise ValueError(f"outside must be 'ode' or a Kernel instance, got {outside!r}")
+        outside_k: Kernel = ODEKernel()
+    elif isinstance(outside, Kernel):
+        outside_k = outside
+    else:
+        raise ValueError(f"outside must be 'ode' or a Kernel instance, got {outside!r}")
+    if window is None:
+        start, stop = 0, num_steps
+    else:
+        try:
+            start, stop = (int(w) for w in window)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"window must be a pair (start, stop) of step indices, got {window!r}") from exc
+        if not (0 <= start < stop <= num_steps):
+            raise ValueError(
+                f"window (start, stop) must satisfy 0 <= start < stop <= num_steps = {num_steps}, "
+                f"got {window!r}"
+            )
+    return tuple(sde_kernel if start <= i < stop else outside_k for i in range(num_steps))
+
+
+def trainable_mask(
+    kernels: Sequence[Kernel], sigmas: torch.Tensor, image_from: str = "x0_hat"
+) -> torch.Tensor:
+    """Bool ``[N]``: steps whose kernel injects noise there, minus the last transition when
+    the image is decoded from the last step's ``x0_hat`` (its noise never reaches the reward;
+    algorithms.md section 4: N = 17 flow steps give 16 trainable transitions)."""
+    if image_from not in _IMAGE_FROM:
+        raise ValueError(f"image_from must be one of {_IMAGE_FROM}, got {image_from!r}")
+    sig = validate_sigmas(sigmas)
+    n = sig.numel() - 1
+    if len(kernels) != n:
+        raise ValueError(f"need one kernel per step: {n} steps, got {len(kernels)} kernels")
+    mask = torch.tensor(
+        [kernels[i].stochastic_at(float(sig[i]), float(sig[i + 1])) for i in range(n)],
+        dtype=torch.bool,
+    )
+    if image_from == "x0_hat":
+        mask[-1] = False
+    return mask
+
+
+def _group_ids_from_prompts(prompts: Sequence[str]) -> torch.Tensor:
+    first: dict[str, int] = {}
+    return torch.tensor([first.setdefault(p, len(first)) for p in prompts], dtype=torch.long)
+
+
+@torch.no_grad()
+def rollout(
+    velocity_fn: VelocityFn,
+    initial_noise: torch.Tensor,
+    sigmas,
+    kernels: Sequence[Kernel] | Kernel,
+    *,
+    generators: GeneratorArg = None,
+    image_from: str = "x0_hat",
+    reduction: str = "mean",
+    prompts: Sequence[str] | None = None,
+    group_ids: torch.Tensor | Sequence[int] | None = None,
+) -> Trajectory:
+    """Sample ``B`` trajectories from ``initial_noise [B, ...]`` along ``sigmas [N + 1]``.
+
+    Step ``i``: ``v = velocity_fn(x_i, sigma_i [B])``, then ``kernels[i].step`` samples
+    ``x_{i+1}`` and its log-prob (float32, ``reduction`` of section 3). ``generators`` is one
+    generator or a list of ``B`` per-sample generators (noise independent of the batch
+    composition). ``image_latents`` is the last step's ``x0_hat = x_{N-1} - sigma_{N-1} v``
+    (``image_from="x0_hat"``, DanceGRPO / MixGRPO / GCPO) or ``x_N`` (``"final"``, Flow-GRPO).
+    ``trainable`` follows :func:`trainable_mask`. ``prompts`` defaults to ``[""] * B``;
+    ``group_ids`` defaults to one group per distinct prompt (order of first appearance).
+    Runs under ``torch.no_grad``.
+    """
+    if image_from not in _IMAGE_FROM:
+        raise ValueError(f"image_from must be one of {_IMAGE_FROM}, got {image_from!r}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if initial_noise.ndim < 2:
+        raise ValueError(f"initial_noise must be [B, ...] with >= 2 dims, got {tuple(initial_noise.shape)}")
+    device = initial_noise.device
+    sig = validate_sigmas(sigmas).to(device)
+    n = sig.numel() - 1
+    if isinstance(kernels, Kernel):
+        kernels = (kernels,) * n
+    kernels = tuple(kernels)
+    trainable = trainable_mask(kernels, sig.cpu(), image_from)
+    b = initial_noise.shape[0]
+    if prompts is None:
+        prompts = [""] * b
+    prompts = list(prompts)
+    if len(prompts) != b:
+        raise ValueError(f"prompts must have B = {b} entries, got {len(prompts)}")
+    if group_ids is None:
+        gids = _group_ids_from_prompts(prompts)
+    else:
+        gids = torch.as_tensor(group_ids, dtype=torch.long).flatten()
+        if gids.numel() != b:
+            raise ValueError(f"group_ids must have B = {b} entries, got {gids.numel()}")
+    gids = gids.to(device)
+
+    x = initial_noise.to(torch.float32)
+    states = [x]
+    log_probs = []
+    x0_hat = None
+    for i in range(n):
+        s_i = sig[i].repeat(b)
+        s_n = sig[i + 1].repeat(b)
+        v = velocity_fn(x, s_i)
+        if v.shape != x.shape:
+            raise ValueError(f"velocity_fn returned shape {tuple(v.shape)}, expected {tuple(x.shape)}")
+        if i == n - 1 and image_from == "x0_hat":
+            x0_hat = x - s_i.reshape(b, *([1] * (x.ndim - 1))) * v.to(torch.float32)
+        out = kernels[i].step(v, x, s_i, s_n, generator=generators, reduction=reduction)
+        x = out.next_sample
+        states.append(x)
+        log_probs.append(out.log_prob)
+    latents = torch.stack(states, dim=1)
+    image = x0_hat if image_from == "x0_hat" else x
+    return Trajectory(
+        latents=latents,
+        log_probs=torch.stack(log_probs, dim=1),
+        sigmas=sig,
+        trainable=trainable.to(device),
+        prompts=prompts,
+        group_ids=gids,
+        image_latents=image,
+        kernels=kernels,
+        reduction=reduction,
+        image_from=image_from,
+    )
+
+
+def transition_log_prob(
+    velocity_fn: VelocityFn,
+    trajectory: Trajectory,
+    i: int,
+    batch_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Re-score transition ``i`` of the samples ``batch_idx`` (default all) with the current
+    ``velocity_fn`` (built for exactly those samples): float32 ``[len(batch_idx)]`` with the
+    gradient of ``velocity_fn`` (when grad mode is on). Uses the trajectory's stored kernel,
+    sigmas, float32 latents and reduction, so on-policy the ratio is 1 (section 3)."""
+    if not trajectory.kernels:
+        raise ValueError("the trajectory has no kernels; re-scoring needs the kernel of each step")
+    tr = trajectory.transition(i)
+    if batch_idx is None:
+        x, nxt = tr.sample, tr.next_sample
+    else:
+        idx = torch.as_tensor(batch_idx, dtype=torch.long).to(trajectory.latents.device)
+        x, nxt = tr.sample[idx], tr.next_sample[idx]
+    b = x.shape[0]
+    s_i = tr.sigma.repeat(b)
+    s_n = tr.sigma_next.repeat(b)
+    v = velocity_fn(x, s_i)
+    out = tr.kernel.step(v, x, s_i, s_n, next_sample=nxt, reduction=trajectory.reduction)
+    return out.log_prob
+
+
+def make_step_log_prob_fn(
+    velocity_fn_for: Callable[[torch.Tensor], VelocityFn], trajectory: Trajectory
+) -> Callable[[int, torch.Tensor, bool], torch.Tensor]:
+    """Adapter for :mod:`flowrl.chunk_update`: returns ``fn(t, batch_idx, grad) -> [len]``
+    where ``t`` is a position in the trainable sequence (``0 <= t < T``) and
+    ``velocity_fn_for(batch_idx)`` builds the velocity closure for those samples.
+
+    Section 3 pitfall: on a GPU a sub-batch can round differently from the rollout's batch, so
+    the on-policy ratio may drift from 1 by more than 1e-6. If that matters, write a
+    ``step_log_prob_fn`` that evaluates the rollout's batch composition and indexes it."""
+    positions = trajectory.trainable_indices.tolist()
+
+    def step_log_prob(t: int, batch_idx: torch.Tensor, grad: bool) -> torch.Tensor:
+        if not 0 <= t < len(positions):
+            raise ValueError(f"trainable position must be in [0, {len(positions) - 1}], got {t}")
+        with torch.set_grad_enabled(grad):
+            return transition_log_prob(velocity_fn_for(batch_idx), trajectory, positions[t], batch_idx)
+
+    return step_log_prob

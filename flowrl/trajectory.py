@@ -1,0 +1,181 @@
+"""The record of a rollout: exactly what training needs (algorithms.md sections 1, 3 and 4).
+
+Shapes (``B`` samples, ``N`` sampling steps, latent shape ``...``, ``T`` trainable transitions):
+
+===================  ===========================  =============================================
+field                shape / type                 meaning
+===================  ===========================  =============================================
+``latents``          ``[B, N + 1, ...]`` float32  ``x_0 .. x_N``; transition ``i`` goes
+                                                  ``latents[:, i] -> latents[:, i + 1]``.
+                                                  Stored in float32: the very values that
+                                                  were scored (section 3 pitfall: never cast
+                                                  them to bf16 after computing log-probs).
+``log_probs``        ``[B, N]`` float32           ``l_i`` at rollout (0 for deterministic
+                                                  steps); the "old" log-probs.
+``sigmas``           ``[N + 1]`` float32          the schedule, ``sigmas[N] == 0``.
+``trainable``        ``[N]`` bool                 explicit set of trainable transitions
+                                                  (shared by the batch); ``T = sum``.
+``prompts``          ``list[str]`` of length B
+``group_ids``        ``[B]`` long                 samples with the same id form one group
+                                                  for advantages (section 7).
+``image_latents``    ``[B, ...]`` float32         what gets decoded: the last step's
+                                                  ``x0_hat`` (default) or ``x_N``.
+``kernels``          ``tuple[Kernel]`` of len N   the kernel of each step, to re-score.
+``reduction``        ``"mean"`` | ``"sum"``       log-prob reduction, identical at rollout and
+                                                  training (section 3).
+``image_from``       ``"x0_hat"`` | ``"final"``   how ``image_latents`` was made (section 4).
+===================  ===========================  =============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from flowrl.sde import Kernel
+
+__all__ = ["Trajectory", "Transition"]
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One transition ``i``: ``sample [B, ...] -> next_sample [B, ...]`` from ``sigma`` to
+    ``sigma_next`` (0-d float32 tensors), its rollout ``log_prob [B]``, kernel, trainability."""
+
+    index: int
+    sample: torch.Tensor
+    next_sample: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    log_prob: torch.Tensor
+    kernel: Kernel | None
+    trainable: bool
+
+
+@dataclass
+class Trajectory:
+    """A batch of sampled trajectories; see the module docstring for every shape."""
+
+    latents: torch.Tensor
+    log_probs: torch.Tensor
+    sigmas: torch.Tensor
+    trainable: torch.Tensor
+    prompts: list[str]
+    group_ids: torch.Tensor
+    image_latents: torch.Tensor
+    kernels: tuple[Kernel, ...] = field(default=())
+    reduction: str = "mean"
+    image_from: str = "x0_hat"
+
+    def __post_init__(self) -> None:
+        lat = self.latents
+        if lat.ndim < 3:
+            raise ValueError(
+                f"latents must be [B, N + 1, ...] with at least 3 dims, got {tuple(lat.shape)}"
+            )
+        b, n1 = lat.shape[0], lat.shape[1]
+        n = n1 - 1
+        if n < 1:
+            raise ValueError(f"latents must hold N + 1 >= 2 states, got {n1}")
+        if tuple(self.log_probs.shape) != (b, n):
+            raise ValueError(f"log_probs must be [B, N] = {(b, n)}, got {tuple(self.log_probs.shape)}")
+        if tuple(self.sigmas.shape) != (n1,):
+            raise ValueError(f"sigmas must be [N + 1] = ({n1},), got {tuple(self.sigmas.shape)}")
+        if tuple(self.trainable.shape) != (n,) or self.trainable.dtype != torch.bool:
+            raise ValueError(
+                f"trainable must be a bool tensor [N] = ({n},), got {self.trainable.dtype} "
+                f"{tuple(self.trainable.shape)}"
+            )
+        if len(self.prompts) != b:
+            raise ValueError(f"prompts must have B = {b} entries, got {len(self.prompts)}")
+        if tuple(self.group_ids.shape) != (b,):
+            raise ValueError(f"group_ids must be [B] = ({b},), got {tuple(self.group_ids.shape)}")
+        if tuple(self.image_latents.shape) != (b, *lat.shape[2:]):
+            raise ValueError(
+                f"image_latents must be [B, ...] = {(b, *lat.shape[2:])}, "
+                f"got {tuple(self.image_latents.shape)}"
+            )
+        self.kernels = tuple(self.kernels)
+        if self.kernels and len(self.kernels) != n:
+            raise ValueError(f"kernels must hold one kernel per step (N = {n}), got {len(self.kernels)}")
+        if self.reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {self.reduction!r}")
+        if self.image_from not in ("x0_hat", "final"):
+            raise ValueError(f"image_from must be 'x0_hat' or 'final', got {self.image_from!r}")
+
+    # ---------------------------------------------------------------- sizes
+    @property
+    def batch_size(self) -> int:
+        return int(self.latents.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        """``N``, the number of transitions."""
+        return int(self.latents.shape[1]) - 1
+
+    @property
+    def num_trainable(self) -> int:
+        """``T``, the number of trainable transitions."""
+        return int(self.trainable.sum())
+
+    @property
+    def trainable_indices(self) -> torch.Tensor:
+        """LongTensor ``[T]``: transition index of each trainable position, in order."""
+        return torch.nonzero(self.trainable.cpu(), as_tuple=False).flatten()
+
+    @property
+    def trainable_log_probs(self) -> torch.Tensor:
+        """``[B, T]`` float32 rollout log-probs of the trainable transitions (old policy)."""
+        return self.log_probs[:, self.trainable_indices.to(self.log_probs.device)]
+
+    # ---------------------------------------------------------------- access
+    def transition(self, i: int) -> Transition:
+        """Transition ``i`` (0 <= i < N): ``latents[:, i] -> latents[:, i + 1]``."""
+        n = self.num_steps
+        if not (isinstance(i, int) and 0 <= i < n):
+            raise ValueError(f"transition index must be an int in [0, {n - 1}], got {i!r}")
+        return Transition(
+            index=i,
+            sample=self.latents[:, i],
+            next_sample=self.latents[:, i + 1],
+            sigma=self.sigmas[i],
+            sigma_next=self.sigmas[i + 1],
+            log_prob=self.log_probs[:, i],
+            kernel=self.kernels[i] if self.kernels else None,
+            trainable=bool(self.trainable[i]),
+        )
+
+    def to(self, device) -> "Trajectory":
+        """A copy with every tensor on ``device`` (dtypes unchanged)."""
+        return replace(
+            self,
+            latents=self.latents.to(device),
+            log_probs=self.log_probs.to(device),
+            sigmas=self.sigmas.to(device),
+            trainable=self.trainable.to(device),
+            group_ids=self.group_ids.to(device),
+            image_latents=self.image_latents.to(device),
+            prompts=list(self.prompts),
+        )
+
+    def select(self, indices) -> "Trajectory":
+        """The sub-batch ``indices`` (list, LongTensor or bool mask [B]); shared fields kept."""
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            if tuple(idx.shape) != (self.batch_size,):
+                raise ValueError(f"a bool mask must be [B] = ({self.batch_size},), got {tuple(idx.shape)}")
+            idx = torch.nonzero(idx, as_tuple=False).flatten()
+        idx = idx.to(torch.long).flatten()
+        if idx.numel() and (int(idx.min()) < -self.batch_size or int(idx.max()) >= self.batch_size):
+            raise ValueError(f"batch indices must be in [0, {self.batch_size - 1}], got {idx.tolist()}")
+        idx_cpu = idx.cpu()
+        dev = self.latents.device
+        return replace(
+            self,
+            latents=self.latents[idx.to(dev)],
+            log_probs=self.log_probs[idx.to(self.log_probs.device)],
+            group_ids=self.group_ids[idx.to(self.group_ids.device)],
+            image_latents=self.image_latents[idx.to(self.image_latents.device)],
+            prompts=[self.prompts[int(j)] for j in idx_cpu],
+        )
