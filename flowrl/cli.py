@@ -84,8 +84,10 @@ def validate(
         _explain(resolved)
     T = resolved.sampler.num_trainable
     chunk = resolved.components["chunker"]
+    from rich.markup import escape
+
     console.print(
-        f"[green]ok[/green] {recipe}: model={resolved.components['model'].use}, "
+        f"[green]ok[/green] {escape(str(recipe))}: model={resolved.components['model'].use}, "
         f"kernel={resolved.components['kernel'].use}, chunker={chunk.use}, "
         f"selector={resolved.components['selector'].use}, loss={resolved.components['loss'].use}, "
         f"rewards={[r.label for r in resolved.rewards]}, T={T} trainable transitions"
@@ -209,26 +211,40 @@ def main(argv: Optional[list[str]] = None) -> None:
     """Entry point: run the app, turning user errors into one clean message."""
     import click
 
+    # typer >= 0.2x vendors its own copy of click (typer._click), whose exceptions do not derive
+    # from click's: catch both families, or a usage error becomes a traceback.
+    exit_types = (click.exceptions.Exit, typer.Exit)
+    abort_types = (click.exceptions.Abort, typer.Abort)
+    usage_types = (click.ClickException, typer.TyperException)
+
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        app(args=argv, prog_name="flowrl", standalone_mode=False)
+        # standalone_mode=False returns a command's `raise typer.Exit(code)` as the value.
+        code = app(args=argv, prog_name="flowrl", standalone_mode=False)
     except FlowrlError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/bold red] {exc.format()}", highlight=False, markup=True)
+        from rich.markup import escape
+
+        # escape(): "[train]" or "[[rewards]]" in a message would otherwise be eaten as markup.
+        err_console.print(f"[bold red]error:[/bold red] {escape(exc.format())}", highlight=False)
         sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
+    except exit_types as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except abort_types:
         err_console.print("aborted")
         sys.exit(130)
-    except click.ClickException as exc:
+    except usage_types as exc:
+        if debug or not hasattr(exc, "show"):
+            raise
         exc.show()
-        sys.exit(exc.exit_code)
+        sys.exit(getattr(exc, "exit_code", 2))
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+        sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

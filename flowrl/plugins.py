@@ -82,21 +82,25 @@ class Registry:
         self.pm = pm
         self.plugins = plugins
         self.components: dict[str, dict[str, Component]] = {kind: {} for kind in KINDS}
+        self._seen: dict[tuple[str, str, bool], Component] = {}
 
     def add(self, component: Component) -> None:
+        # Two registrations of one name clash unless exactly one of them says replace=True.
+        # Registrations are remembered per (kind, name, replace) so that order never matters.
+        key = (component.kind, component.name, component.replace)
+        other = self._seen.get(key)
+        if other is not None:
+            raise PluginError(
+                f"{component.kind} '{component.name}' is registered twice: by plugin "
+                f"'{other.plugin}' and by plugin '{component.plugin}'",
+                hint=f"rename one, disable one with {DISABLE_ENV}=<plugin>, or pass replace=True "
+                "in the plugin that should win",
+            )
+        self._seen[key] = component
         table = self.components[component.kind]
         old = table.get(component.name)
         if old is None or (component.replace and not old.replace):
             table[component.name] = component
-            return
-        if old.replace and not component.replace:
-            return  # an explicit override already won
-        raise PluginError(
-            f"{component.kind} '{component.name}' is registered twice: by plugin "
-            f"'{old.plugin}' and by plugin '{component.plugin}'",
-            hint=f"rename one, disable one with {DISABLE_ENV}=<plugin>, or pass replace=True "
-            "in the plugin that should win",
-        )
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.components[kind])
@@ -208,6 +212,13 @@ def _load(disabled: frozenset[str]) -> Registry:
         info = PluginInfo(name=name, distribution="(registered in-process)", version="-", module=module)
         candidates.append((name, lambda obj=obj: obj, info))
 
+    known = {name for name, _, _ in candidates}
+    for name in sorted(disabled - known):
+        raise PluginError(
+            f"cannot disable plugin '{name}': no plugin has that name",
+            where=f"{DISABLE_ENV} / --disable-plugin",
+            hint=suggest(name, known) + " (see `flowrl plugins`)",
+        )
     for name, load, info in candidates:
         if name in disabled:
             continue

@@ -256,7 +256,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for text in overrides:
         keys, value = parse_override(text)
         node: Any = data
-        for key in keys[:-1]:
+        for depth, key in enumerate(keys[:-1]):
+            if not isinstance(node, (dict, list)):
+                parent = ".".join(keys[:depth])
+                raise RecipeError(
+                    f"override '{text}': '{parent}' is a value ({node!r}), not a table", where="--set"
+                )
             if isinstance(node, list):
                 if not key.isdigit() or int(key) >= len(node):
                     raise RecipeError(f"override '{text}': no entry {key} in that list", where="--set")
@@ -269,6 +274,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 else:
                     node = node.setdefault(key, {})  # unknown tables are reported by validation
         last = keys[-1]
+        if not isinstance(node, (dict, list)):
+            raise RecipeError(
+                f"override '{text}': '{'.'.join(keys[:-1])}' is a value ({node!r}), not a table",
+                where="--set",
+            )
         if isinstance(node, list):
             raise RecipeError(f"override '{text}' must end with a key, not a list index", where="--set")
         if last == "use" and isinstance(node, dict) and node.get("use") != value:

@@ -1,0 +1,113 @@
+"""Shared test fixtures. Keep this file small: a fixture used by one file lives in that file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+# One thread everywhere: the test machine has 2 cores shared by many processes, and these
+# variables are inherited by every subprocess a test starts.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+FLOWRL_BIN = Path(sys.executable).parent / "flowrl"
+
+
+@dataclass
+class CliResult:
+    argv: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def flat_err(self) -> str:
+        """stderr with rich's line wrapping undone (whitespace runs become one space)."""
+        return " ".join(self.stderr.split())
+
+    @property
+    def flat_out(self) -> str:
+        return " ".join(self.stdout.split())
+
+
+def cli_env(pythonpath: list[Path] | tuple = (), **extra: str) -> dict[str, str]:
+    """The environment for a flowrl subprocess: one thread, wide output, extra import paths."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", COLUMNS="250", PYTHONIOENCODING="utf-8")
+    env.pop("FLOWRL_DISABLE_PLUGINS", None)
+    paths = [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(extra)
+    return env
+
+
+# Runs several `flowrl` command lines through flowrl.cli.main (what the console script calls) in
+# ONE interpreter: torch's import costs 2-3 s per process. An exception that escapes main() is
+# printed the way the interpreter would print it, so "Traceback" in stderr means what it means
+# for a real process.
+_DRIVER = r"""
+import contextlib, io, json, os, sys, traceback
+calls = json.loads(sys.argv[1])
+from flowrl import cli
+results = []
+for call in calls:
+    saved = dict(os.environ)
+    os.environ.update(call.get("env", {}))
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            cli.main(call["argv"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    os.environ.clear()
+    os.environ.update(saved)
+    results.append({"argv": call["argv"], "returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+sys.stdout.write("\n@@RESULTS@@" + json.dumps(results))
+"""
+
+
+def run_cli_batch(calls: list, *, pythonpath=(), cwd: Path = REPO, timeout: float = 120) -> list[CliResult]:
+    """Run ``flowrl`` command lines in one subprocess.
+
+    Each call is an argv list, or a dict ``{"argv": [...], "env": {...}}`` (env set for that
+    call only). Returns one :class:`CliResult` per call.
+    """
+    calls = [c if isinstance(c, dict) else {"argv": list(c)} for c in calls]
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps(calls)],
+        cwd=cwd,
+        env=cli_env(pythonpath),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    marker = "\n@@RESULTS@@"
+    assert marker in proc.stdout, f"driver failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return [CliResult(**r) for r in json.loads(proc.stdout.split(marker, 1)[1])]
+
+
+@pytest.fixture(scope="session")
+def flowrl_cli():
+    """Helpers to run the CLI in subprocesses: ``.batch(calls, pythonpath=...)`` (see
+    :func:`run_cli_batch`), ``.env(pythonpath)`` for a hand-made subprocess, ``.script`` (the
+    installed ``flowrl`` console script) and ``.repo``.
+
+    Use the fixture rather than importing this module: ``conftest`` is not a unique module name.
+    """
+    return SimpleNamespace(batch=run_cli_batch, env=cli_env, script=FLOWRL_BIN, repo=REPO)

@@ -1,0 +1,115 @@
+"""Packaging: what `pip install flowrl` ships, its entry points, and the CLI's help screens."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import typer.main
+
+from flowrl import cli
+from flowrl.plugins import ENTRY_POINT_GROUP
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+#: source directory -> import name, as [tool.setuptools] package-dir maps them
+ROOTS = {"flowrl": "flowrl", "plugins": "flowrl_plugins"}
+
+
+def _package_dirs() -> dict[str, Path]:
+    found = {}
+    for src, name in ROOTS.items():
+        for init in (REPO / src).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / src)
+            if any(part.startswith((".", "__")) for part in rel.parts):
+                continue
+            found[".".join((name, *rel.parts))] = init.parent
+    return found
+
+
+def test_package_dir_mapping():
+    assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"flowrl": "flowrl", "flowrl_plugins": "plugins"}
+
+
+def test_every_package_directory_is_listed():
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    found = _package_dirs()
+    assert {"flowrl", "flowrl_plugins"} <= set(found)
+    missing = sorted(set(found) - listed)
+    assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {missing}"
+    stale = sorted(listed - set(found))
+    assert not stale, f"listed in pyproject.toml but no such package directory: {stale}"
+
+
+def _declared_entry_points() -> dict[str, str]:
+    return PYPROJECT["project"]["entry-points"][ENTRY_POINT_GROUP]
+
+
+def test_declared_entry_points_are_installed():
+    installed = {
+        ep.name: ep.value
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+        if ep.dist is not None and ep.dist.metadata["Name"] == "flowrl"
+    }
+    assert installed == _declared_entry_points(), (
+        "the installed metadata differs from pyproject.toml: reinstall with `pip install -e .`"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(_declared_entry_points()))
+def test_entry_point_loads(name):
+    (ep,) = [ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    plugin = ep.load()
+    assert plugin.__name__ == ep.value  # a module, as every built-in plugin is
+
+
+def test_console_script_is_cli_main():
+    (ep,) = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == "flowrl"]
+    assert ep.value == PYPROJECT["project"]["scripts"]["flowrl"]
+    assert ep.load() is cli.main
+
+
+def _commands():
+    group = typer.main.get_command(cli.app)
+    return {name: cmd for name, cmd in group.commands.items() if not cmd.hidden}
+
+
+def test_python_m_flowrl_help(flowrl_cli):
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl", "--help"],
+        cwd=REPO, env=flowrl_cli.env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for option in ("--debug", "--disable-plugin"):
+        assert option in proc.stdout
+    for name in _commands():
+        assert name in proc.stdout, f"command {name} missing from `flowrl --help`"
+
+
+def test_core_commands_exist():
+    assert {"validate", "plugins", "train"} <= set(_commands())
+
+
+@pytest.mark.parametrize("name", sorted(_commands()))
+def test_command_help_mentions_its_options(name, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    cmd = _commands()[name]
+    cli.main([name, "--help"])  # returns normally: exit status 0
+    out = capsys.readouterr().out
+    assert "Usage" in out and name in out
+    assert cmd.help and cmd.help.split()[0] in out, f"command {name} needs a docstring"
+    for p in cmd.params:
+        if p.param_type_name == "option":
+            assert any(opt in out for opt in p.opts), f"`flowrl {name} --help` does not show {p.opts}"
+            assert p.help, f"option {p.opts} of `flowrl {name}` has no help text"
+        else:
+            assert p.name.upper() in out.upper(), f"`flowrl {name} --help` does not show argument {p.name}"
