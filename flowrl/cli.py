@@ -107,7 +107,7 @@ def _explain(resolved) -> None:
         for col in ("key", "type", "default", "meaning"):
             t.add_column(col, overflow="fold")
         for row in explain_rows(cls):
-            t.add_row(*row)
+            t.add_row(*(escape(str(c)) for c in row))
         console.print(t)
 
     for name, cls in SECTIONS.items():

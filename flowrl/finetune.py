@@ -43,6 +43,11 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
                 inject_adapter_in_model(config, denoiser)
         except ValueError as exc:
             raise FlowrlError(f"LoRA could not be attached: {exc}", where="[train].lora_targets") from exc
+        # peft gives new LoRA matrices the base layer's dtype; AdamW on bf16/fp16 weights drops
+        # updates below their resolution, so the LoRA trains in float32 (the base keeps its dtype).
+        for p in denoiser.parameters():
+            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
+                p.data = p.data.float()
     params = [p for p in denoiser.parameters() if p.requires_grad]
     if not params:
         raise FlowrlError("the model has no trainable parameters", where="[train].finetune")

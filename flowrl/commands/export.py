@@ -1,1 +1,126 @@
-"""`flowrl export` (to be implemented)."""
+"""``flowrl export``: a run's latest checkpoint in diffusers' formats.
+
+::
+
+    flowrl export runs/chunk_grpo_sd3                 # LoRA run -> pytorch_lora_weights.safetensors
+    flowrl export runs/chunk_grpo_sd3 --merge         # LoRA merged into the base -> full pipeline
+    flowrl export runs/chunk_grpo_flux -o flux_rl     # full fine-tuning -> save_pretrained pipeline
+
+- LoRA: ``pytorch_lora_weights.safetensors`` in diffusers' layout (``transformer.`` prefixed
+  peft keys, plus the adapter's rank / alpha / targets in the safetensors metadata), so::
+
+      pipe = FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev")
+      pipe.load_lora_weights("OUT")
+
+- Full fine-tuning (or ``--merge``): the whole pipeline via ``save_pretrained`` (the adapter's
+  ``save_pretrained``), loadable with ``Pipeline.from_pretrained("OUT")``; for a model that is
+  not a diffusers pipeline, the denoiser's ``save_pretrained`` or a plain safetensors file.
+
+``OUT/flowrl_export.json`` records the run, checkpoint, iteration and format. The checkpoint's
+own recipe rebuilds the model (``--set model.path=...`` if the base weights moved).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..cli import SetOpt, app, console
+from ..errors import FlowrlError
+
+
+def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | None = None,
+               overrides: list[str] | None = None, merge: bool = False) -> Path:
+    """Export a run's checkpoint (the latest by default); returns the output directory."""
+    from .sample import checkpoint_iteration, load_policy, resolve_source
+
+    src = resolve_source(Path(run_dir), None, list(overrides or []), checkpoint)
+    if src.checkpoint is None:
+        raise FlowrlError(f"{run_dir} has no checkpoint yet", where="RUN_DIR",
+                          hint="checkpoints appear every [checkpoint].every iterations and at the end of training")
+    out = Path(out) if out is not None else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
+    out.mkdir(parents=True, exist_ok=True)
+    model = load_policy(src, "cpu")
+    finetune = src.recipe.train.finetune
+    if finetune == "lora" and not merge:
+        fmt = _save_lora(model, out)
+    else:
+        if finetune == "lora":
+            _merge_lora(model)
+        fmt = _save_full(model, out)
+    info = {
+        "run_dir": str(src.run_dir) if src.run_dir else None,
+        "checkpoint": str(src.checkpoint),
+        "iteration": checkpoint_iteration(src.checkpoint),
+        "model": src.model_name,
+        "base": getattr(src.model_params, "path", None),
+        "finetune": finetune,
+        "merged": bool(merge and finetune == "lora"),
+        "format": fmt,
+    }
+    if finetune == "lora":
+        t = src.recipe.train
+        info["lora"] = {"rank": t.lora_rank, "alpha": t.lora_alpha,
+                        "targets": list(t.lora_targets) or list(getattr(model, "lora_targets", []) or [])}
+    (out / "flowrl_export.json").write_text(json.dumps(info, indent=1))
+    return out
+
+
+def _save_lora(model, out: Path) -> str:
+    if callable(getattr(model, "save_lora", None)):
+        model.save_lora(out)  # diffusers pipeline format: pipe.load_lora_weights(out)
+        return "diffusers_lora"
+    denoiser = model.denoiser
+    if callable(getattr(denoiser, "save_lora_adapter", None)):
+        denoiser.save_lora_adapter(str(out))  # diffusers model format: model.load_lora_adapter(out)
+        return "diffusers_model_lora"
+    from safetensors.torch import save_file
+
+    from ..finetune import trainable_state_dict
+
+    save_file({k: v.float().contiguous() for k, v in trainable_state_dict(denoiser).items()}, str(out / "lora.safetensors"))
+    return "peft_state_dict"
+
+
+def _merge_lora(model) -> None:
+    denoiser = model.denoiser
+    if not (callable(getattr(denoiser, "fuse_lora", None)) and callable(getattr(denoiser, "unload_lora", None))):
+        raise FlowrlError("--merge needs a diffusers denoiser (fuse_lora / unload_lora)", where="--merge",
+                          hint="export the LoRA without --merge")
+    denoiser.fuse_lora()
+    denoiser.unload_lora()
+
+
+def _save_full(model, out: Path) -> str:
+    if callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained(out)
+        return "diffusers_pipeline"
+    denoiser = model.denoiser
+    if callable(getattr(denoiser, "save_pretrained", None)):
+        denoiser.save_pretrained(str(out / "transformer"))
+        return "diffusers_model"
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in denoiser.state_dict().items()}, str(out / "denoiser.safetensors"))
+    return "state_dict"
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (its latest checkpoint is exported).")],
+    set_: SetOpt = None,
+    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Export this checkpoint directory instead of the latest.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (default RUN_DIR/export/<checkpoint>).")] = None,
+    merge: Annotated[bool, typer.Option("--merge", help="LoRA runs: merge the LoRA into the base and save full weights.")] = False,
+) -> None:
+    """Export the trained weights: LoRA for pipe.load_lora_weights, or a full save_pretrained pipeline."""
+    out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge)
+    info = json.loads((out / "flowrl_export.json").read_text())
+    console.print(f"exported {info['checkpoint']} ({info['format']}) to {out}")
+    if info["format"] == "diffusers_lora":
+        console.print(f"load it with: pipe.load_lora_weights({str(out)!r})")
+    elif info["format"] == "diffusers_pipeline":
+        console.print(f"load it with: Pipeline.from_pretrained({str(out)!r})")

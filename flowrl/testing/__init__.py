@@ -1,0 +1,8 @@
+"""Test helpers shipped with flowrl, for plugin authors as much as for flowrl itself.
+
+- :mod:`flowrl.testing.conformance`: the model-adapter conformance suite
+  (``check_adapter(adapter)``, or ``run_check(adapter, name)`` per pytest test).
+- :mod:`flowrl.testing.tiny_pipelines`: tiny random FLUX and SD3 diffusers pipelines built
+  offline (``build_tiny_flux(path)``, ``build_tiny_sd3(path)``) to test against the real code
+  paths without downloading weights.
+"""

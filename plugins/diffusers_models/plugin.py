@@ -1,1 +1,49 @@
-"""Built-in plugin (to be implemented): registers nothing yet."""
+"""Built-in plugin: real text-to-image models through diffusers, ``flux`` and ``sd3``.
+
+Both adapters import diffusers and load weights only when a recipe builds them, so listing
+plugins or validating a recipe stays fast and works without the weights. See docs/models.md.
+"""
+
+from __future__ import annotations
+
+from flowrl import hookimpl
+
+from .flux import FluxConfig
+from .sd3 import SD3Config
+
+
+def _flux(config: FluxConfig):
+    """FLUX.1 dev / schnell (diffusers FluxPipeline): embedded guidance, timestep = sigma."""
+    from .flux import FluxModel
+
+    return FluxModel(config)
+
+
+def _sd3(config: SD3Config):
+    """Stable Diffusion 3 / 3.5 (diffusers): true CFG as the policy, timestep = 1000 sigma."""
+    from .sd3 import SD3Model
+
+    return SD3Model(config)
+
+
+def _flux_memory(config: FluxConfig):
+    from .memory import flux_memory_spec
+
+    return flux_memory_spec(config)
+
+
+def _sd3_memory(config: SD3Config):
+    from .memory import sd3_memory_spec
+
+    return sd3_memory_spec(config)
+
+
+# `flowrl plan` reads these to estimate memory without loading weights.
+_flux.memory_spec = _flux_memory
+_sd3.memory_spec = _sd3_memory
+
+
+@hookimpl(trylast=True)
+def register_models(register):
+    register("flux", _flux, params=FluxConfig)
+    register("sd3", _sd3, params=SD3Config)

@@ -1,0 +1,247 @@
+"""What the FLUX and SD3 adapters share: loading, dtypes, devices, offloading, LoRA targets,
+the reference model for KL, and export.
+
+An adapter wraps a diffusers pipeline. ``denoiser`` is the pipeline's transformer (the module
+that is trained and that LoRA attaches to); the text encoders and the VAE stay frozen and, with
+``offload_encoders = true``, live on the CPU and visit the GPU only while they encode or decode.
+
+Precision: ``dtype`` is the compute dtype and the storage dtype of the frozen parts;
+``denoiser_dtype`` stores the transformer's weights. Full fine-tuning in bf16 storage loses
+updates below bf16's resolution (an AdamW step of 1e-5 on a weight of 0.02 rounds away), so full
+fine-tuning recipes keep the transformer in fp32 (``denoiser_dtype = "fp32"``) and compute in
+bf16 under autocast; LoRA keeps the base in bf16 (peft keeps its own matrices in fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from flowrl.errors import FlowrlError
+
+from .loading import DTYPES, resolve_dtype
+
+#: LoRA target presets (module-name suffixes, as peft matches them). "attention" is DanceGRPO's
+#: choice (with r = 128, alpha = 256); "attention_ff" is Flow-GRPO FLUX's (r = 64, alpha = 128).
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+FEED_FORWARD = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+
+
+def has_lora(module: torch.nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in module.modules())
+
+
+@contextlib.contextmanager
+def lora_disabled(module: torch.nn.Module):
+    """Run ``module`` as its base model: every peft LoRA layer bypassed, restored afterwards."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    previous = [not m.disable_adapters for m in layers]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m, enabled in zip(layers, previous):
+            m.enable_adapters(enabled)
+
+
+class DiffusersAdapter:
+    """Base class of the diffusers-backed adapters (see :mod:`flowrl.interfaces`)."""
+
+    #: the diffusers pipeline class (FluxPipeline, StableDiffusion3Pipeline); also writes LoRAs.
+    pipeline_class_name: str = ""
+    #: default LoRA target modules (replaced per instance from ``lora_preset``).
+    lora_targets: list[str] = ATTENTION
+
+    def __init__(self, config, where: str):
+        self.config = config
+        self.where = where
+        self.dtype = resolve_dtype(config.dtype, f"{where}.dtype")
+        self.denoiser_dtype = (
+            self.dtype if config.denoiser_dtype == "auto" else resolve_dtype(config.denoiser_dtype, f"{where}.denoiser_dtype")
+        )
+        self.device = torch.device("cpu")
+        self.pipe = self._load()
+        self.denoiser = self.pipe.transformer
+        if self.denoiser_dtype != self.dtype:
+            self.denoiser.to(self.denoiser_dtype)
+        for module in self._frozen_modules() + [self.denoiser]:
+            module.requires_grad_(False)
+            module.eval()
+        if config.gradient_checkpointing:
+            self.denoiser.enable_gradient_checkpointing()
+        self.lora_targets = self._lora_preset(config.lora_preset)
+        self._reference: torch.nn.Module | None = None
+        self._reference_mode: str | None = None
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    @property
+    def pipeline_class(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class_name)
+
+    def _load_kwargs(self) -> dict:
+        return {}
+
+    def _load(self):
+        from .loading import dtype_kwarg, load_pipeline
+
+        return load_pipeline(
+            self.pipeline_class, self.config.path, where=f"{self.where}.path", revision=self.config.revision,
+            **dtype_kwarg(self.dtype), **self._load_kwargs(),
+        )
+
+    def _frozen_modules(self) -> list[torch.nn.Module]:
+        """Text encoders and the VAE (everything but the denoiser)."""
+        raise NotImplementedError
+
+    def _lora_preset(self, preset: str) -> list[str]:
+        return list(ATTENTION) + (list(FEED_FORWARD) if preset == "attention_ff" else [])
+
+    # ---- devices ------------------------------------------------------------------------------
+
+    def to(self, device):
+        self.device = torch.device(device)
+        self.denoiser.to(self.device)
+        if isinstance(self._reference, torch.nn.Module):
+            self._reference.to(self.device)
+        # Offloaded encoders stay on the CPU and visit the device in _visiting().
+        target = torch.device("cpu") if self._offloading else self.device
+        for module in self._frozen_modules():
+            module.to(target)
+        return self
+
+    @property
+    def _offloading(self) -> bool:
+        return self.config.offload_encoders and self.device.type != "cpu"
+
+    @contextlib.contextmanager
+    def _visiting(self, *modules: torch.nn.Module):
+        """Bring offloaded modules to the device for a block, then back to the CPU."""
+        if not self._offloading:
+            yield
+            return
+        for m in modules:
+            m.to(self.device)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _autocast(self):
+        """bf16/fp16 compute over fp32-stored weights (full fine-tuning with fp32 master weights)."""
+        if self.denoiser_dtype == self.dtype or self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    # ---- the interface ----------------------------------------------------------------------
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor, text) -> torch.Tensor:
+        """Velocity ``[B, *L]`` (float32) of the trained denoiser, called as ``self.denoiser``."""
+        return self._velocity(self.denoiser, latents, sigma, text)
+
+    def _velocity(self, module, latents, sigma, text) -> torch.Tensor:
+        raise NotImplementedError
+
+    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
+        return [p for p in self.denoiser.parameters() if p.requires_grad]
+
+    def prompt_source(self) -> Sequence[str] | None:
+        return None
+
+    def _scheduler_sigmas(self, num_steps: int, image_seq_len: int, flux_style: bool) -> torch.Tensor:
+        """The pipeline scheduler's own sigmas ``[N + 1]`` (float32, ends at 0), as its pipeline
+        would set them: FLUX passes ``linspace(1, 1/N, N)`` and a resolution-dependent ``mu``;
+        SD3 asks for N steps (``mu`` only if its scheduler uses dynamic shifting)."""
+        import numpy as np
+
+        sched = copy.deepcopy(self.pipe.scheduler)
+        cfg = sched.config
+        kwargs = {}
+        if cfg.get("use_dynamic_shifting", False):
+            base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+            base, top = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+            kwargs["mu"] = base + (top - base) / (max_len - base_len) * (image_seq_len - base_len)
+        if flux_style and not cfg.get("use_flow_sigmas", False):
+            sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / num_steps, num_steps), **kwargs)
+        else:
+            sched.set_timesteps(num_inference_steps=num_steps, **kwargs)
+        sigmas = sched.sigmas.detach().to(torch.float32).cpu()
+        if sigmas.numel() != num_steps + 1 or float(sigmas[-1]) != 0.0:
+            raise FlowrlError(
+                f"the pipeline's scheduler ({type(sched).__name__}) did not give {num_steps + 1} sigmas ending at 0",
+                where="[schedule].use",
+                hint='use [schedule] use = "shift" or "flux_dynamic" instead of "model"',
+            )
+        return sigmas
+
+    # ---- reference model (KL regularisation) ------------------------------------------------
+
+    def snapshot_reference(self) -> str:
+        """Fix the reference policy for KL terms; call once, after LoRA is attached, before training.
+
+        With LoRA the reference is the same denoiser with the adapter disabled (no copy). For full
+        fine-tuning it is a frozen copy of the denoiser as it is now (costs one more set of
+        weights, stored in ``dtype``). Returns ``"lora_disabled"`` or ``"frozen_copy"``.
+        """
+        if has_lora(self.denoiser):
+            self._reference, self._reference_mode = None, "lora_disabled"
+        else:
+            ref = copy.deepcopy(self.denoiser)
+            if self.denoiser_dtype != self.dtype:  # the reference never trains: compute dtype suffices
+                ref.to(dtype=self.dtype)
+            ref.requires_grad_(False).eval()
+            self._reference, self._reference_mode = ref, "frozen_copy"
+        return self._reference_mode
+
+    @torch.no_grad()
+    def reference_velocity(self, latents: torch.Tensor, sigma: torch.Tensor, text) -> torch.Tensor:
+        """Velocity of the reference (base) model at the same inputs, without gradient."""
+        if self._reference_mode is None:
+            if has_lora(self.denoiser):
+                self._reference_mode = "lora_disabled"
+            else:
+                raise FlowrlError(
+                    "reference_velocity() needs a reference model: call snapshot_reference() once before "
+                    "training (full fine-tuning keeps a frozen copy of the starting weights)",
+                )
+        if self._reference_mode == "lora_disabled":
+            with lora_disabled(self.denoiser):
+                return self._velocity(self.denoiser, latents, sigma, text)
+        return self._velocity(self._reference, latents, sigma, text)
+
+    # ---- export -------------------------------------------------------------------------------
+
+    def save_lora(self, out_dir, *, weight_name: str = "pytorch_lora_weights.safetensors") -> None:
+        """Write the LoRA in diffusers' format (``pipe.load_lora_weights(out_dir)`` reads it)."""
+        from peft import get_peft_model_state_dict
+
+        config = self.denoiser.peft_config["default"]
+        layers = {k: v.detach().to(torch.float32).cpu().contiguous()
+                  for k, v in get_peft_model_state_dict(self.denoiser).items()}
+        metadata = config.to_dict()
+        self.pipeline_class.save_lora_weights(
+            str(out_dir), transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata,
+            weight_name=weight_name,
+        )
+
+    def save_pretrained(self, out_dir) -> None:
+        """Write the whole pipeline with the current denoiser (merged LoRA, if any, must be fused first)."""
+        self.pipe.transformer = self.denoiser
+        self.pipe.save_pretrained(str(out_dir))
+
+
+def dtype_names() -> list[str]:
+    return list(DTYPES)

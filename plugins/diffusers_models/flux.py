@@ -1,0 +1,169 @@
+"""FLUX.1 (dev, schnell) as a flowrl model adapter, on diffusers' FluxPipeline components.
+
+- Latents are FLUX's packed tokens: the VAE latent ``[C, H/8, W/8]`` cut into 2x2 patches,
+  ``latent_shape = ((H/16) * (W/16), 4 C)``; ``image_seq_len`` is the token count (it sets FLUX's
+  dynamic shift). Image ids are ``(0, row, col)`` of the token grid, text ids are zeros.
+- Timestep convention: the transformer takes ``timestep = sigma`` (it multiplies by 1000 inside;
+  the pipeline passes ``t / 1000``).
+- Guidance: FLUX.1-dev is guidance-distilled: ``guidance`` (3.5) enters through the guidance
+  embedding, one forward per step, no CFG. FLUX.1-schnell has no guidance embedding: set
+  ``guidance = 0``.
+- Decode: unpack, ``z / scaling_factor + shift_factor``, VAE decode, ``x / 2 + 0.5`` clamped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from flowrl.config import param
+from flowrl.errors import FlowrlError
+
+from .common import DiffusersAdapter
+
+
+@dataclasses.dataclass(frozen=True)
+class FluxConfig:
+    path: str = param(
+        "black-forest-labs/FLUX.1-dev",
+        "Hub id or local pipeline directory (model_index.json). FLUX.1-dev is gated: accept its licence "
+        "on the model page and `huggingface-cli login`.",
+    )
+    revision: str = param("", "Hub revision (branch, tag or commit); empty = default branch.")
+    dtype: Literal["bf16", "fp16", "fp32"] = param("bf16", "Compute dtype, and storage of text encoders and VAE.")
+    denoiser_dtype: Literal["auto", "bf16", "fp16", "fp32"] = param(
+        "auto",
+        "Storage dtype of the transformer's weights; 'auto' = dtype. Use 'fp32' for full fine-tuning "
+        "(fp32 master weights, bf16 compute under autocast).",
+    )
+    height: int = param(512, "Image height in pixels (a multiple of 16; the GCPO paper trains at 720).", min=16)
+    width: int = param(512, "Image width in pixels (a multiple of 16).", min=16)
+    guidance: float = param(
+        3.5, "Embedded guidance scale (FLUX.1-dev: 3.5). 0 for models without a guidance embedding (schnell).",
+        min=0.0,
+    )
+    max_sequence_length: int = param(512, "T5 prompt tokens (FLUX.1-dev 512, schnell 256).", min=1)
+    gradient_checkpointing: bool = param(False, "Recompute transformer blocks in backward (saves activation memory).")
+    offload_encoders: bool = param(
+        True, "Keep the text encoders and VAE on the CPU; move them to the GPU only to encode / decode."
+    )
+    lora_preset: Literal["attention", "attention_ff"] = param(
+        "attention_ff",
+        "Default LoRA targets when train.lora_targets is empty: 'attention' (DanceGRPO: r128/a256) "
+        "or 'attention_ff' = attention + feed-forward (Flow-GRPO FLUX: r64/a128).",
+    )
+    vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+
+
+class FluxModel(DiffusersAdapter):
+    """FLUX.1 (dev / schnell) through diffusers: packed latents, embedded guidance, timestep = sigma."""
+
+    Config = FluxConfig
+    pipeline_class_name = "FluxPipeline"
+
+    def __init__(self, config: FluxConfig, where: str = "[model] (model 'flux')"):
+        super().__init__(config, where)
+        vae_cfg = self.pipe.vae.config
+        self.vae_scale = 2 ** (len(vae_cfg.block_out_channels) - 1)
+        step = 2 * self.vae_scale
+        for key in ("height", "width"):
+            if getattr(config, key) % step:
+                raise FlowrlError(
+                    f"{key} = {getattr(config, key)} is not a multiple of {step} (VAE factor {self.vae_scale} x 2x2 packing)",
+                    where=f"{where}.{key}", hint=f"use a multiple of {step}",
+                )
+        self.grid = (config.height // step, config.width // step)
+        channels = self.denoiser.config.in_channels
+        self.latent_shape = (self.grid[0] * self.grid[1], channels)
+        self.image_seq_len = self.latent_shape[0]
+        if self.denoiser.config.in_channels != 4 * vae_cfg.latent_channels:
+            raise FlowrlError(
+                f"transformer in_channels ({channels}) != 4 x VAE latent_channels ({vae_cfg.latent_channels})",
+                where=f"{where}.path", hint="the pipeline's transformer and VAE do not belong together",
+            )
+        self.uses_guidance = bool(self.denoiser.config.guidance_embeds)
+        if not self.uses_guidance and config.guidance:
+            raise FlowrlError(
+                f"this FLUX transformer has no guidance embedding (schnell-like), but guidance = {config.guidance}",
+                where=f"{where}.guidance", hint="set model.guidance = 0 for FLUX.1-schnell",
+            )
+        self._img_ids: torch.Tensor | None = None
+
+    def _frozen_modules(self):
+        p = self.pipe
+        return [m for m in (p.text_encoder, p.text_encoder_2, p.vae) if m is not None]
+
+    def to(self, device):
+        super().to(device)
+        self._img_ids = None
+        return self
+
+    def image_ids(self) -> torch.Tensor:
+        """``[seq, 3]`` ids ``(0, row, col)`` of the packed token grid, as FLUX's pipeline makes them."""
+        if self._img_ids is None:
+            h, w = self.grid
+            ids = torch.zeros(h, w, 3)
+            ids[..., 1] = torch.arange(h)[:, None]
+            ids[..., 2] = torch.arange(w)[None, :]
+            self._img_ids = ids.reshape(h * w, 3).to(self.device)
+        return self._img_ids
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        p = self.pipe
+        with self._visiting(*[m for m in (p.text_encoder, p.text_encoder_2) if m is not None]):
+            embeds, pooled, _ = p.encode_prompt(
+                prompt=list(prompts), prompt_2=None, device=self.device,
+                max_sequence_length=self.config.max_sequence_length,
+            )
+        return {"prompt_embeds": embeds.to(self.device), "pooled": pooled.to(self.device)}
+
+    def _velocity(self, module, latents, sigma, text):
+        b = latents.shape[0]
+        embeds = text["prompt_embeds"].to(self.device)
+        kwargs = {}
+        if self.uses_guidance:
+            kwargs["guidance"] = torch.full((b,), float(self.config.guidance), device=self.device, dtype=torch.float32)
+        compute = self.dtype
+        with self._autocast():
+            out = module(
+                hidden_states=latents.to(self.device, compute),
+                encoder_hidden_states=embeds.to(compute),
+                pooled_projections=text["pooled"].to(self.device, compute),
+                timestep=sigma.to(self.device, torch.float32),  # FLUX: timestep = sigma
+                img_ids=self.image_ids().to(compute),
+                txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=compute),
+                return_dict=False,
+                **kwargs,
+            )[0]
+        return out.to(torch.float32)
+
+    def unpack(self, latents: torch.Tensor) -> torch.Tensor:
+        """Packed tokens ``[B, seq, 4C]`` -> VAE latents ``[B, C, H/8, W/8]``."""
+        b, _, c4 = latents.shape
+        h, w = self.grid
+        x = latents.reshape(b, h, w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c4 // 4, 2 * h, 2 * w)
+
+    def pack(self, vae_latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents ``[B, C, H/8, W/8]`` -> packed tokens ``[B, seq, 4C]`` (inverse of unpack)."""
+        b, c, hh, ww = vae_latents.shape
+        x = vae_latents.reshape(b, c, hh // 2, 2, ww // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (hh // 2) * (ww // 2), 4 * c)
+
+    @torch.no_grad()
+    def decode(self, latents):
+        vae = self.pipe.vae
+        out = []
+        with self._visiting(vae):
+            for chunk in latents.split(self.config.vae_batch_size):
+                z = self.unpack(chunk.to(self.device, torch.float32))
+                z = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+                img = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+                out.append((img.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(out)
+
+    def sigmas(self, num_steps):
+        return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=True)

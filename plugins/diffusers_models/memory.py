@@ -1,0 +1,333 @@
+"""Memory facts about a FLUX / SD3 pipeline for ``flowrl plan``, without loading any weights.
+
+- Parameter counts are exact: each component is instantiated from its config on the ``meta``
+  device (no memory, no weights). Configs come from a local pipeline directory, from the
+  built-in copies below of the public FLUX.1 and SD3.x configs (so ``flowrl plan`` works offline
+  and without access to the gated repositories), or, for another hub id, from the hub
+  (config files only).
+- Activation constants are measured, not assumed: a one-block replica of the transformer (same
+  classes, same head dimension and MLP ratio, 2 heads) runs one forward pass with autograd on the
+  CPU, and the tensors autograd saves for backward (parameters and shared storage excluded) are
+  counted per block, per token and per unit of width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowrl.errors import FlowrlError
+
+_CLIP_L = {
+    "_class": "CLIPTextModel", "vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072,
+    "num_hidden_layers": 12, "num_attention_heads": 12, "max_position_embeddings": 77, "projection_dim": 768,
+}
+_CLIP_G = {
+    "_class": "CLIPTextModelWithProjection", "vocab_size": 49408, "hidden_size": 1280, "intermediate_size": 5120,
+    "num_hidden_layers": 32, "num_attention_heads": 20, "max_position_embeddings": 77, "projection_dim": 1280,
+}
+_T5_XXL = {
+    "_class": "T5EncoderModel", "vocab_size": 32128, "d_model": 4096, "d_ff": 10240, "d_kv": 64,
+    "num_heads": 64, "num_layers": 24, "feed_forward_proj": "gated-gelu",
+}
+_VAE16 = {
+    "_class": "AutoencoderKL", "in_channels": 3, "out_channels": 3, "latent_channels": 16,
+    "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
+_FLUX = {
+    "_class": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 64, "num_layers": 19,
+    "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
+}
+_SD35M = {
+    "_class": "SD3Transformer2DModel", "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24,
+    "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096, "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048, "out_channels": 16, "pos_embed_max_size": 384,
+    "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm",
+}
+_SD35L = dict(_SD35M, num_layers=38, num_attention_heads=38, caption_projection_dim=2432, pos_embed_max_size=192,
+              dual_attention_layers=[])
+_SD3M = dict(_SD35M, pos_embed_max_size=192, dual_attention_layers=[], qk_norm=None)
+
+#: Built-in copies of public pipeline configs (component -> class and config).
+KNOWN: dict[str, dict[str, dict[str, Any]]] = {
+    "black-forest-labs/FLUX.1-dev": {"transformer": _FLUX, "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL, "vae": _VAE16},
+    "black-forest-labs/FLUX.1-schnell": {
+        "transformer": dict(_FLUX, guidance_embeds=False), "text_encoder": _CLIP_L, "text_encoder_2": _T5_XXL, "vae": _VAE16,
+    },
+    "stabilityai/stable-diffusion-3.5-medium": {
+        "transformer": _SD35M, "text_encoder": dict(_CLIP_L, _class="CLIPTextModelWithProjection"),
+        "text_encoder_2": _CLIP_G, "text_encoder_3": _T5_XXL, "vae": _VAE16,
+    },
+    "stabilityai/stable-diffusion-3.5-large": {
+        "transformer": _SD35L, "text_encoder": dict(_CLIP_L, _class="CLIPTextModelWithProjection"),
+        "text_encoder_2": _CLIP_G, "text_encoder_3": _T5_XXL, "vae": _VAE16,
+    },
+    "stabilityai/stable-diffusion-3-medium-diffusers": {
+        "transformer": _SD3M, "text_encoder": dict(_CLIP_L, _class="CLIPTextModelWithProjection"),
+        "text_encoder_2": _CLIP_G, "text_encoder_3": _T5_XXL, "vae": _VAE16,
+    },
+}
+_COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+
+
+def pipeline_configs(path: str, revision: str = "", where: str = "[model].path") -> dict[str, dict[str, Any]]:
+    """Component configs (``_class`` + config keys) of a pipeline: local dir, built-in, or hub."""
+    from .loading import check_local_pipeline, looks_like_local_path
+
+    if looks_like_local_path(path):
+        root = check_local_pipeline(path, where)
+        index = json.loads((root / "model_index.json").read_text())
+        out = {}
+        for name in _COMPONENTS:
+            entry = index.get(name)
+            if not entry or entry[1] is None or not (root / name / "config.json").is_file():
+                continue
+            cfg = json.loads((root / name / "config.json").read_text())
+            out[name] = dict(cfg, _class=entry[1])
+        return out
+    if path in KNOWN and not revision:
+        return KNOWN[path]
+    try:
+        from huggingface_hub import hf_hub_download
+
+        index = json.loads(Path(hf_hub_download(path, "model_index.json", revision=revision or None)).read_text())
+        out = {}
+        for name in _COMPONENTS:
+            entry = index.get(name)
+            if not entry or entry[1] is None:
+                continue
+            cfg = json.loads(Path(hf_hub_download(path, f"{name}/config.json", revision=revision or None)).read_text())
+            out[name] = dict(cfg, _class=entry[1])
+        return out
+    except Exception as exc:  # no network, gated, unknown repo: all say the same to the user
+        raise FlowrlError(
+            f"cannot read the configs of '{path}' to plan its memory ({type(exc).__name__})",
+            where=where,
+            hint=f"built-in configs exist for: {', '.join(KNOWN)}; or point [model].path at a local pipeline "
+            "directory (`huggingface-cli download ID --include '*.json'` fetches only the configs)",
+        ) from exc
+
+
+def _instantiate_meta(cfg: dict[str, Any]) -> torch.nn.Module:
+    cls_name = cfg["_class"]
+    kwargs = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        import diffusers
+        import transformers
+
+        if hasattr(diffusers, cls_name) and not hasattr(transformers, cls_name):
+            cls = getattr(diffusers, cls_name)
+            return cls.from_config(cls.extract_init_dict(kwargs)[0])
+        cls = getattr(transformers, cls_name)
+        config_cls = cls.config_class
+        known = {k: v for k, v in kwargs.items() if k not in ("architectures", "transformers_version", "dtype", "torch_dtype")}
+        return cls(config_cls(**known))
+
+
+def count_parameters(cfg: dict[str, Any]) -> int:
+    """Parameters plus buffers (SD3's positional-embedding table is a buffer, yet takes memory)."""
+    model = _instantiate_meta(cfg)
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+
+
+def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """``{module name: (in_features, out_features)}`` of every Linear in the component."""
+    model = _instantiate_meta(cfg)
+    return {n: (m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+# ---------------------------------------------------------------------------- activations
+
+
+def _saved_elements(module: torch.nn.Module, fn) -> int:
+    """Elements autograd saves for backward during ``fn()``: each storage once, parameters
+    (and views of them) excluded, since they are weights, not activations."""
+    for p in module.parameters():
+        p.requires_grad_(True)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += storage.nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConstants:
+    """Saved elements per token per unit of width: per block of each kind, and outside blocks."""
+
+    per_block: dict[str, float]
+    outside: float
+
+
+def measure_flux_constants(cfg: dict[str, Any]) -> BlockConstants:
+    from diffusers import FluxTransformer2DModel
+
+    head = int(cfg.get("attention_head_dim", 128))
+    axes = list(cfg.get("axes_dims_rope", [16, 56, 56]))
+    img, txt, width = 256, 64, 2 * head
+    joint = 32
+
+    def run(double: int, single: int) -> float:
+        torch.manual_seed(0)
+        m = FluxTransformer2DModel(
+            patch_size=1, in_channels=int(cfg.get("in_channels", 64)), num_layers=double, num_single_layers=single,
+            attention_head_dim=head, num_attention_heads=2, joint_attention_dim=joint, pooled_projection_dim=32,
+            guidance_embeds=bool(cfg.get("guidance_embeds", True)), axes_dims_rope=axes,
+        )
+        x = torch.randn(1, img, int(cfg.get("in_channels", 64)))
+        side = int(img ** 0.5)
+        ids = torch.zeros(side, side, 3)
+        ids[..., 1] = torch.arange(side)[:, None]
+        ids[..., 2] = torch.arange(side)[None, :]
+        kw = {"guidance": torch.tensor([3.5])} if cfg.get("guidance_embeds", True) else {}
+        n = _saved_elements(m, lambda: m(
+            hidden_states=x, encoder_hidden_states=torch.randn(1, txt, joint), pooled_projections=torch.randn(1, 32),
+            timestep=torch.tensor([0.5]), img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(txt, 3), return_dict=False, **kw,
+        )[0])
+        return n / ((img + txt) * width)
+
+    base = run(0, 0)
+    return BlockConstants({"double": run(1, 0) - base, "single": run(0, 1) - base}, max(base, 0.0))
+
+
+def measure_sd3_constants(cfg: dict[str, Any]) -> BlockConstants:
+    from diffusers import SD3Transformer2DModel
+
+    head = int(cfg.get("attention_head_dim", 64))
+    patch = int(cfg.get("patch_size", 2))
+    side, txt, width, joint = 16 * patch, 64, 2 * head, 32
+
+    def run(layers: int, dual: bool) -> float:
+        torch.manual_seed(0)
+        m = SD3Transformer2DModel(
+            sample_size=side, patch_size=patch, in_channels=int(cfg.get("in_channels", 16)), num_layers=layers,
+            attention_head_dim=head, num_attention_heads=2, joint_attention_dim=joint, caption_projection_dim=width,
+            pooled_projection_dim=32, out_channels=int(cfg.get("in_channels", 16)), pos_embed_max_size=side,
+            dual_attention_layers=tuple(range(layers)) if dual else (), qk_norm=cfg.get("qk_norm"),
+        )
+        x = torch.randn(1, int(cfg.get("in_channels", 16)), side, side)
+        n = _saved_elements(m, lambda: m(
+            hidden_states=x, encoder_hidden_states=torch.randn(1, txt, joint), pooled_projections=torch.randn(1, 32),
+            timestep=torch.tensor([500.0]), return_dict=False,
+        )[0])
+        return n / (((side // patch) ** 2 + txt) * width)
+
+    # A one-layer SD3 is all "last layer" (context_pre_only); two layers give one ordinary block.
+    one = run(1, False)
+    joint_block = run(2, False) - one
+    dual_block = run(2, True) - run(1, True) if cfg.get("dual_attention_layers") else joint_block
+    return BlockConstants({"joint": joint_block, "dual": dual_block}, max(one - joint_block, 0.0))
+
+
+# ---------------------------------------------------------------------------- memory specs
+
+_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@functools.lru_cache(maxsize=8)
+def _flux_constants(key: str) -> BlockConstants:
+    return measure_flux_constants(json.loads(key))
+
+
+@functools.lru_cache(maxsize=8)
+def _sd3_constants(key: str) -> BlockConstants:
+    return measure_sd3_constants(json.loads(key))
+
+
+def _vae_facts(vae_cfg: dict[str, Any], height: int, width: int, compute: int) -> tuple[int, int]:
+    """(scale factor, transient decode bytes per image). The decoder's last stage runs at full
+    resolution with ``block_out_channels[0]`` channels and keeps about six such maps alive."""
+    channels = list(vae_cfg.get("block_out_channels", [128, 256, 512, 512]))
+    return 2 ** (len(channels) - 1), 6 * height * width * channels[0] * compute
+
+
+def _frozen(cfgs, names, nbytes) -> dict[str, tuple[int, int]]:
+    return {n: (count_parameters(cfgs[n]), nbytes) for n in names if n in cfgs}
+
+
+def flux_memory_spec(config):
+    """:class:`flowrl.commands.plan.ModelMemory` of the ``flux`` adapter, without weights."""
+    from flowrl.commands.plan import ModelMemory
+
+    from .common import ATTENTION, FEED_FORWARD
+
+    cfgs = pipeline_configs(config.path, config.revision)
+    t = cfgs["transformer"]
+    compute = _BYTES[config.dtype]
+    storage = compute if config.denoiser_dtype == "auto" else _BYTES[config.denoiser_dtype]
+    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
+    img_tokens = (config.height // (2 * scale)) * (config.width // (2 * scale))
+    key = json.dumps({k: t.get(k) for k in ("attention_head_dim", "axes_dims_rope", "in_channels", "guidance_embeds")})
+    consts = _flux_constants(key)
+    width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
+    return ModelMemory(
+        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "vae"), compute),
+        offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
+        default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
+        tokens=img_tokens + config.max_sequence_length, width=width,
+        blocks={"double": int(t["num_layers"]), "single": int(t["num_single_layers"])},
+        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=1,
+        latent_elements=img_tokens * int(t["in_channels"]),
+        text_bytes_per_prompt=(config.max_sequence_length * int(t["joint_attention_dim"]) + int(t["pooled_projection_dim"])) * compute,
+        decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
+        gradient_checkpointing=config.gradient_checkpointing,
+        notes=[f"{img_tokens} image + {config.max_sequence_length} text tokens per sample; activation constants "
+               f"measured on a one-block replica: {', '.join(f'{k} {v:.1f}' for k, v in consts.per_block.items())} "
+               "widths per token"],
+    )
+
+
+def sd3_memory_spec(config):
+    """:class:`flowrl.commands.plan.ModelMemory` of the ``sd3`` adapter, without weights."""
+    from flowrl.commands.plan import ModelMemory
+
+    from .common import ATTENTION, FEED_FORWARD
+
+    cfgs = dict(pipeline_configs(config.path, config.revision))
+    if not config.use_t5:
+        cfgs.pop("text_encoder_3", None)
+    t = cfgs["transformer"]
+    compute = _BYTES[config.dtype]
+    storage = compute if config.denoiser_dtype == "auto" else _BYTES[config.denoiser_dtype]
+    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
+    patch = int(t.get("patch_size", 2))
+    img_tokens = (config.height // scale // patch) * (config.width // scale // patch)
+    txt_tokens = 77 + config.max_sequence_length
+    key = json.dumps({k: t.get(k) for k in ("attention_head_dim", "patch_size", "in_channels", "qk_norm", "dual_attention_layers")})
+    consts = _sd3_constants(key)
+    dual = len(t.get("dual_attention_layers") or [])
+    cfg_factor = 2 if config.cfg_scale != 1.0 else 1
+    return ModelMemory(
+        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"), compute),
+        offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
+        default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
+        tokens=img_tokens + txt_tokens, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
+        blocks={"dual": dual, "joint": int(t["num_layers"]) - dual},
+        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg_factor,
+        latent_elements=int(t["in_channels"]) * (config.height // scale) * (config.width // scale),
+        text_bytes_per_prompt=cfg_factor * (txt_tokens * int(t["joint_attention_dim"]) + int(t["pooled_projection_dim"])) * compute,
+        decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
+        gradient_checkpointing=config.gradient_checkpointing,
+        notes=[f"{img_tokens} image + {txt_tokens} text tokens per sample, x{cfg_factor} for true CFG; activation "
+               f"constants measured on a one-block replica: {', '.join(f'{k} {v:.1f}' for k, v in consts.per_block.items())} "
+               "widths per token"],
+    )
