@@ -5,19 +5,24 @@ The loss depends on the new log-probs only through the unit log-ratios
 
     dL/dtheta = sum_u dL/dz_u * (1/|u|) * sum_{i in u} dl_i/dtheta.
 
-:func:`lean_chunk_backward` uses this in three phases:
+:func:`lean_chunk_backward` uses this unit by unit (chunk by chunk), for the samples that
+selected the unit:
 
-1. without grad, compute the new log-prob of every selected transition, hence every ``z_u``;
-2. make ``z`` a leaf, evaluate the objective, and get ``dL/dz_u`` by autograd (any objective
-   of the unit log-ratios works, not only the clipped surrogate);
-3. for each transition position ``t``, recompute its log-prob WITH grad for the samples that
-   selected its unit and backpropagate ``sum_b coef[b, t] * l_t[b]`` with
-   ``coef = dL/dz_u / |u|``. Only one step's graph is alive at a time.
+1. compute the new log-probs of the unit's positions: all but the last without grad, the last
+   WITH grad (its graph is the only one alive), hence ``z_u``;
+2. make ``z`` a leaf, evaluate the objective, and get ``dL/dz_u`` by autograd (any objective that
+   is elementwise in the units works, not only the clipped surrogate);
+3. backpropagate ``sum_b coef[b] * l_t[b]`` with ``coef = dL/dz_u / |u|``: first through the
+   graph kept from step 1, then, for each other position, recompute its log-prob WITH grad and
+   backpropagate. Samples whose ``coef`` is exactly 0 (clipped, or zero advantage) contribute
+   exactly 0 and are not recomputed. Only one step's graph is alive at a time.
 
 The gradients accumulate into ``.grad`` exactly as ``loss.backward()`` of the full graph would
 (:func:`full_graph_backward`, same signature, is the reference). Cost: one extra forward without
-grad per selected transition (phase 1). ``step_log_prob_fn`` must be deterministic: phases 1 and
-3 must agree (the ``recompute_mismatch`` metric reports the largest difference).
+grad per selected transition that is not the last of its unit, so a unit of size 1 (step-level
+GRPO) costs exactly a step-level update and a chunk of ``k`` costs ``k - 1`` extra no-grad
+forwards. ``step_log_prob_fn`` must be deterministic: steps 1 and 3 must agree (the
+``recompute_mismatch`` metric reports the largest difference over recomputed positions).
 """
 
 from __future__ import annotations
@@ -72,8 +77,9 @@ def lean_chunk_backward(
         advantages: ``[B]`` (or ``[B, K]``).
         sizes: chunk layout summing to ``T``.
         unit_mask: bool ``[B, K]``, at least one unit per sample.
-        objective: ``(z [B, K], A [B, K]) -> per-unit loss [B, K]``, e.g.
-            :class:`flowrl.losses.ClippedObjective`.
+        objective: ``(z [B, K], A [B, K]) -> per-unit loss [B, K]``, elementwise in the units
+            (unit ``u``'s loss depends on ``z_u`` and ``A_u`` only), e.g.
+            :class:`flowrl.losses.ClippedObjective`; checked at the end.
         normaliser: divides the sum over samples (default ``B``).
 
     Returns:
@@ -81,39 +87,68 @@ def lean_chunk_backward(
         plus ``recompute_mismatch``. Gradients are accumulated into the parameters' ``.grad``.
     """
     B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
-    idx_per_t = [torch.nonzero(trans[:, t], as_tuple=False).flatten() for t in range(T)]
+    starts = [sum(s[:u]) for u in range(len(s))]
 
-    # phase 1: new log-probs without grad
-    new = old.clone()
-    with torch.no_grad():
-        for t, idx in enumerate(idx_per_t):
-            if idx.numel():
-                new[idx, t] = _checked(step_log_prob_fn(t, idx, False), idx.numel(), t).detach().to(torch.float32)
-    z = unit_log_ratios(new, old, s)
-    z = torch.where(m, z, torch.zeros_like(z)).detach().requires_grad_(True)
+    def units_grad(new_lp):
+        # dL/dz on the whole [B, K] matrix; column u is final once unit u has been scored
+        z = unit_log_ratios(new_lp, old, s)
+        z = torch.where(m, z, torch.zeros_like(z)).detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = reduce_units(objective(z, adv), m, normaliser)
+            (dz,) = torch.autograd.grad(loss, z)
+        return z, loss, dz
 
-    # phase 2: dL/dz
-    with torch.enable_grad():
-        loss = reduce_units(objective(z, adv), m, normaliser)
-        (dz,) = torch.autograd.grad(loss, z)
-    size_t = torch.tensor(s, dtype=torch.float32, device=old.device)
-    coef = (dz / size_t)[:, uid] * trans  # [B, T]
-
-    # phase 3: one step's graph at a time
-    mismatch = 0.0
-    for t, idx in enumerate(idx_per_t):
-        if not idx.numel():
-            continue
+    def with_grad(t, idx):
         with torch.enable_grad():
             lp = _checked(step_log_prob_fn(t, idx, True), idx.numel(), t)
-            if not lp.requires_grad:
-                raise ValueError(
-                    f"step_log_prob_fn(t={t}, grad=True) returned a tensor without gradient; "
-                    "nothing to train"
-                )
-            (coef[idx, t].to(lp.dtype) * lp).sum().backward()
-        mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[idx, t]).abs().max()))
+        if not lp.requires_grad:
+            raise ValueError(
+                f"step_log_prob_fn(t={t}, grad=True) returned a tensor without gradient; nothing to train"
+            )
+        return lp
 
+    new = old.clone()
+    dz_used = torch.zeros(B, len(s), dtype=torch.float32, device=old.device)
+    mismatch = 0.0
+    for u, (first, size) in enumerate(zip(starts, s)):
+        idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
+        if not idx.numel():
+            continue
+        last = first + size - 1
+        # 1. the unit's log-probs: the others without grad, the last with grad (kept)
+        with torch.no_grad():
+            for t in range(first, last):
+                new[idx, t] = _checked(step_log_prob_fn(t, idx, False), idx.numel(), t).detach().to(torch.float32)
+        lp = with_grad(last, idx)
+        new[idx, last] = lp.detach().to(torch.float32)
+        # 2. dL/dz_u
+        _, _, dz = units_grad(new)
+        dz_used[:, u] = dz[:, u]
+        coef = dz[idx, u] / size
+        live = coef != 0
+        # 3. backward through the kept graph, then recompute the other positions one at a time;
+        # a unit clipped (or with zero advantage) for every sample has exactly zero gradient
+        if bool(live.any()):
+            with torch.enable_grad():
+                (coef.to(lp.dtype) * lp).sum().backward()
+        del lp  # free the graph before the next forward (the memory of one step)
+        if not bool(live.any()):
+            continue
+        sub, c = idx[live], coef[live]
+        for t in range(first, last):
+            lp = with_grad(t, sub)
+            with torch.enable_grad():
+                (c.to(lp.dtype) * lp).sum().backward()
+            mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[sub, t]).abs().max()))
+            del lp
+
+    z, loss, dz = units_grad(new)
+    # equal_nan: a diverged model gives NaN log-probs; the caller's finiteness check handles that
+    if not torch.allclose(dz, dz_used, rtol=1e-5, atol=0.0, equal_nan=True):
+        raise ValueError(
+            "the objective is not elementwise in the units: a unit's dL/dz changed once later units "
+            "were scored, so the gradient accumulated unit by unit is wrong; use full_graph_backward"
+        )
     metrics = unit_metrics(z.detach(), adv, m, objective)
     metrics["recompute_mismatch"] = mismatch
     return loss.detach(), metrics
