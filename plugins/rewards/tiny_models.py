@@ -1,0 +1,235 @@
+"""Tiny, randomly initialised reward models built offline, for tests and the HPSv3 parity check.
+
+Nothing here downloads anything: the tokenizers are written by hand (a byte-level BPE with no
+merges, so every byte is a token) and the models are random. They exercise the real loading and
+scoring code paths (``CLIPModel.from_pretrained``, ``AutoProcessor.from_pretrained``,
+``open_clip.create_model_and_transforms``, Qwen2-VL) at a size that runs in milliseconds.
+
+This module imports only torch, transformers and tokenizers, and runs on transformers 4.45+
+as well as 5.x, because ``scripts/hpsv3_parity.py`` loads it by file path inside the separate
+environment of the upstream ``hpsv3`` package.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _torchvision_shim() -> None:
+    """Apply flowrl's torchvision shim when flowrl is importable (the parity script's upstream
+    environment loads this file by path and applies the shim itself)."""
+    try:
+        from flowrl_plugins.rewards.torchvision_compat import ensure_torchvision_importable
+    except ImportError:
+        return
+    ensure_torchvision_importable()
+
+
+def byte_unicode() -> dict[int, str]:
+    """The reversible byte -> printable character map of byte-level BPE tokenizers."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, (chr(c) for c in chars)))
+
+
+# ----------------------------------------------------------------------------- CLIP
+
+
+def write_clip_tokenizer(directory: str | Path) -> int:
+    """Write vocab.json / merges.txt of a CLIP tokenizer with no merges; returns the vocab size.
+
+    CLIP marks the last character of each word with ``</w>``, so every byte appears twice.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    symbols = list(byte_unicode().values())
+    vocab: dict[str, int] = {}
+    for s in symbols:
+        vocab[s] = len(vocab)
+    for s in symbols:
+        vocab[s + "</w>"] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (directory / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    return len(vocab)
+
+
+def build_tiny_clip(directory: str | Path, *, image_size: int = 32, seed: int = 0, logit_scale: float | None = None):
+    """Save a tiny ``CLIPModel`` and its ``CLIPProcessor`` to ``directory``; returns the path.
+
+    The processor resizes the shorter side to ``image_size`` and centre-crops ``image_size``.
+    """
+    _torchvision_shim()
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    directory = Path(directory)
+    vocab_size = write_clip_tokenizer(directory / "tok")
+    tokenizer = CLIPTokenizer(str(directory / "tok" / "vocab.json"), str(directory / "tok" / "merges.txt"))
+    text = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, projection_dim=16,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=image_size, patch_size=8, projection_dim=16,
+    )
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    torch.manual_seed(seed)
+    model = CLIPModel(config).eval()
+    if logit_scale is not None:
+        with torch.no_grad():
+            model.logit_scale.fill_(logit_scale)
+    tokenizer.model_max_length = 64
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def write_tiny_open_clip_config(directory: str | Path, name: str = "flowrl-tiny-clip", *, image_size: int = 32) -> Path:
+    """Write an open_clip model config JSON (the model name is the file stem); returns its path.
+
+    ``vocab_size`` stays 49408 so open_clip's bundled tokenizer fits its embedding table.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": image_size, "layers": 2, "width": 32, "patch_size": 8, "head_width": 8},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 2},
+    }
+    path = directory / f"{name}.json"
+    path.write_text(json.dumps(cfg), encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------- Qwen2-VL (HPSv3)
+
+#: Qwen2-VL's special tokens, in the order the tiny tokenizer appends them after the 256 bytes.
+QWEN_SPECIAL = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|image_pad|>", "<|video_pad|>",
+]
+
+#: A minimal chat template in the Qwen2-VL format (system turn, image placeholder, text).
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_qwen2_vl(
+    directory: str | Path, *, seed: int = 0, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280,
+    init_std: float = 0.2,
+):
+    """Save a tiny ``Qwen2VLForConditionalGeneration`` with its processor to ``directory``.
+
+    Vision: width 32, depth 2, patch 14, merge 2 (as the real model). Language model: width 64,
+    2 layers, M-RoPE sections summing to half the head dim. The tokenizer is byte-level BPE with
+    no merges plus Qwen2-VL's special tokens. ``init_std`` is larger than the usual 0.02 so the
+    random model's output visibly depends on the image and the prompt.
+    """
+    _torchvision_shim()
+    import torch
+    import transformers
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    symbols = list(byte_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols)}
+    (directory / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (directory / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    major = int(transformers.__version__.split(".")[0])
+    specials = dict(unk_token=None, bos_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    if major >= 5:  # transformers 5 builds tokenizers from in-memory vocab and merges
+        tokenizer = transformers.Qwen2Tokenizer(vocab=dict(vocab), merges=[], **specials)
+    else:
+        tokenizer = transformers.Qwen2TokenizerFast(
+            vocab_file=str(directory / "vocab.json"), merges_file=str(directory / "merges.txt"), **specials
+        )
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL[1:]})
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    hidden, heads = 64, 4
+    head_dim = hidden // heads
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=4096,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"], initializer_range=init_std,
+    )
+    assert sum(text["rope_scaling"]["mrope_section"]) * 2 == head_dim
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=hidden, num_heads=4, mlp_ratio=2, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=init_std,
+    )
+    special = dict(
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    if major >= 5:
+        config = Qwen2VLConfig(text_config=text, vision_config=vision, **special)
+    else:  # 4.x keeps the language model's keys at the top level
+        config = Qwen2VLConfig(vision_config=vision, **text, **special)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.save_pretrained(directory)
+    image_processor = _qwen_image_processor(min_pixels=min_pixels, max_pixels=max_pixels)
+    if major >= 5:
+        # Without torchvision, transformers 5 cannot build Qwen2VLProcessor (its video processor
+        # needs torchvision); the native scorer needs only the tokenizer and the image config.
+        tokenizer.save_pretrained(directory)
+        image_processor.save_pretrained(directory)
+    else:
+        processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE)
+        processor.save_pretrained(directory)
+    return directory
+
+
+def _qwen_image_processor(**kwargs):
+    import transformers
+
+    # transformers 5 names the PIL backend explicitly; 4.x has only the PIL one.
+    cls = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
+    return cls(**kwargs)
+
+
+def tiny_hpsv3_head(hidden_size: int, *, seed: int = 1, output_dim: int = 2):
+    """A random HPSv3 "ranknet" reward head state dict (hidden -> 1024 -> 16 -> 2 with ReLUs).
+
+    Keys are the official checkpoint's: ``rm_head.0`` (in -> 1024), ``rm_head.3`` (1024 -> 16),
+    ``rm_head.5`` (16 -> out); indices 1, 2 and 4 are the ReLU, dropout and ReLU.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"0": (1024, hidden_size), "3": (16, 1024), "5": (output_dim, 16)}
+    out = {}
+    for idx, (o, i) in shapes.items():
+        out[f"rm_head.{idx}.weight"] = torch.randn(o, i, generator=g) / i**0.5
+        out[f"rm_head.{idx}.bias"] = torch.randn(o, generator=g) * 0.1
+    return out

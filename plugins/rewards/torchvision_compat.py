@@ -1,0 +1,91 @@
+"""Make a torchvision whose compiled ops cannot load importable anyway (for open_clip).
+
+Why: the registry's torchvision wheels are CUDA builds. Installed beside CPU torch, torchvision's
+compiled library ``_C`` fails to load; torchvision swallows that, but then registers fake
+(meta) kernels for ``torchvision::nms`` and ``torchvision::qnms`` at import, and because those
+operators were never defined the import dies with ``RuntimeError: operator torchvision::nms
+does not exist``. That breaks ``import open_clip`` (and, in the same environment, transformers'
+fast image processors and diffusers pipelines).
+
+The fix: before torchvision is imported, check whether its compiled library loads. If it does,
+do nothing more (loading it is the first thing torchvision's import would do anyway). If it
+does not, define just the two operator *schemas* torchvision's import needs, in a
+``torch.library.Library("torchvision", "DEF")`` kept alive in this module. Transforms,
+open_clip, the image processors and diffusers then work; only the compiled ops themselves
+(nms, roi_align, video decoding) stay unavailable, and flowrl uses none of them.
+
+:func:`ensure_torchvision_importable` is idempotent and cheap after the first call.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+import torch
+
+#: The schemas torchvision registers fake kernels for at import (torchvision/_meta_registrations.py).
+SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+
+_library: torch.library.Library | None = None  # the definitions live as long as this reference
+_status: str | None = None
+
+
+def _compiled_library_path() -> str | None:
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    directory = list(spec.submodule_search_locations)[0]
+    finder = importlib.machinery.FileFinder(
+        directory, (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES)
+    )
+    found = finder.find_spec("_C")
+    return found.origin if found is not None else None
+
+
+def _op_defined(name: str) -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(f"torchvision::{name}", "")
+        return True
+    except RuntimeError:
+        return False
+
+
+def ensure_torchvision_importable() -> str:
+    """Apply the shim if (and only if) torchvision is installed and its compiled ops cannot load.
+
+    Returns what it found: ``"absent"`` (no torchvision), ``"imported"`` (already imported:
+    too late to help, nothing to do), ``"healthy"`` (the compiled library loads), or ``"shimmed"``
+    (the schemas were defined here).
+    """
+    global _library, _status
+    if _status is not None:
+        return _status
+    if "torchvision" in sys.modules:
+        _status = "imported"
+        return _status
+    if importlib.util.find_spec("torchvision") is None:
+        _status = "absent"
+        return _status
+    path = _compiled_library_path()
+    if path is not None:
+        try:
+            torch.ops.load_library(path)
+            _status = "healthy"
+            return _status
+        except (OSError, RuntimeError, ImportError):
+            pass  # a CUDA build beside CPU torch: undefined symbols
+    missing = [s for s in SCHEMAS if not _op_defined(s.split("(", 1)[0])]
+    if missing:
+        _library = torch.library.Library("torchvision", "DEF")
+        for schema in missing:
+            _library.define(schema)
+    _status = "shimmed"
+    if os.environ.get("FLOWRL_DEBUG_TORCHVISION"):
+        print(f"flowrl: torchvision's compiled ops cannot load here; defined {len(missing)} op schemas", file=sys.stderr)
+    return _status
