@@ -13,6 +13,12 @@ Layout of ``RUN_DIR/checkpoints/``::
 A checkpoint is written into a temporary directory, flushed to disk, and renamed into place;
 only then is ``latest.json`` replaced (write-to-temp, fsync, os.replace). A process killed at
 any moment leaves ``latest.json`` pointing at a complete checkpoint.
+
+Invariant that makes this hold: ``state.json`` is written (and fsynced) last, and removed
+first, so a directory holding ``state.json`` is complete. A complete directory is never deleted
+in place under its final name: it is renamed aside first. Should ``latest.json`` ever name a
+directory that is gone (a kill in the rename window of a re-written checkpoint), the newest
+complete directory is used instead.
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ from safetensors.torch import load_file, save_file
 from .errors import FlowrlError
 
 LATEST = "latest.json"
+
+
+class SimulatedKill(BaseException):
+    """Raised by the ``_fail_after`` test hook: a process dying in the middle of a write.
+
+    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way up can
+    swallow it and carry on writing.
+    """
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,7 +130,9 @@ def save_checkpoint(
 ) -> Path:
     """Write one checkpoint atomically and point ``latest.json`` at it.
 
-    ``_fail_after`` (tests only) raises after writing the named file, simulating a kill.
+    ``_fail_after`` (tests only) raises :class:`SimulatedKill` right after writing the named
+    file: ``"FILE"`` in any checkpoint, or ``"CHECKPOINT/FILE"`` (e.g.
+    ``"iter_000004/optimizer.safetensors"``) in that one only.
     """
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
@@ -130,41 +146,83 @@ def save_checkpoint(
         ("optimizer.json", lambda p: write_text_atomic(p, json.dumps(opt_meta))),
         ("rng.safetensors", lambda p: _save_tensors(rng_state(), p)),
         ("recipe.toml", lambda p: write_text_atomic(p, recipe_toml)),
-        ("state.json", lambda p: write_text_atomic(p, json.dumps(state, indent=1))),
+        ("state.json", lambda p: write_text_atomic(p, json.dumps(state, indent=1))),  # last: marks complete
     ]
     for filename, write in steps:
         write(tmp / filename)
-        if _fail_after == filename:
-            raise KeyboardInterrupt(f"simulated kill after {filename}")
+        if _fail_after in (filename, f"{name}/{filename}"):
+            raise SimulatedKill(f"simulated kill after writing {name}/{filename}")
     _fsync_dir(tmp)
     final = ckpt_root / name
-    if final.exists():
-        shutil.rmtree(final)
+    aside = None
+    if final.exists():  # re-written: move the old one aside (atomic) rather than delete it in place
+        aside = ckpt_root / f".old-{name}-{os.getpid()}"
+        if aside.exists():
+            _remove_checkpoint_dir(aside)
+        os.replace(final, aside)
     os.replace(tmp, final)
     _fsync_dir(ckpt_root)
     write_text_atomic(ckpt_root / LATEST, json.dumps({"name": name}))
+    if aside is not None:
+        _remove_checkpoint_dir(aside)
     _prune(ckpt_root, keep_last, keep=name)
     return final
+
+
+def _remove_checkpoint_dir(path: Path) -> None:
+    """Delete a checkpoint directory so that it is never seen half-deleted as complete."""
+    marker = path / "state.json"
+    if marker.exists():
+        marker.unlink()
+        _fsync_dir(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _prune(ckpt_root: Path, keep_last: int, keep: str) -> None:
     done = sorted(p for p in ckpt_root.iterdir() if p.is_dir() and not p.name.startswith("."))
     for old in done[:-keep_last]:
         if old.name != keep:
-            shutil.rmtree(old, ignore_errors=True)
-    for tmp in ckpt_root.glob(".tmp-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
+            _remove_checkpoint_dir(old)
+    for tmp in list(ckpt_root.glob(".tmp-*")) + list(ckpt_root.glob(".old-*")):
+        _remove_checkpoint_dir(tmp)
+
+
+def _complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoint directories (with ``state.json``), oldest iteration first."""
+    found = []
+    for p in ckpt_root.iterdir() if ckpt_root.is_dir() else []:
+        if p.is_dir() and (p / "state.json").is_file():
+            try:
+                iteration = int(json.loads((p / "state.json").read_text())["iteration"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            found.append((iteration, not p.name.startswith("."), p.name, p))
+    return [p for *_, p in sorted(found)]
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    pointer = Path(run_dir) / "checkpoints" / LATEST
+    """The checkpoint ``latest.json`` names, or None when the run has none yet.
+
+    Falls back to the newest complete checkpoint directory when the pointer is unreadable or
+    names a directory that is not complete (see the module docstring).
+    """
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / LATEST
     if not pointer.is_file():
         return None
-    name = json.loads(pointer.read_text())["name"]
-    path = pointer.parent / name
-    if not (path / "state.json").is_file():
-        raise FlowrlError(f"latest checkpoint {path} is incomplete", hint="delete latest.json to fall back, or start a new run")
-    return path
+    try:
+        path = root / json.loads(pointer.read_text())["name"]
+    except (ValueError, KeyError, TypeError):
+        path = None
+    if path is not None and (path / "state.json").is_file():
+        return path
+    complete = _complete_checkpoints(root)
+    if not complete:
+        raise FlowrlError(
+            f"{pointer} names no complete checkpoint and none is left in {root}",
+            hint="start a new run (another --output-dir)",
+        )
+    return complete[-1]
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

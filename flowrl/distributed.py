@@ -76,11 +76,40 @@ def average_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> Non
 
 
 def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:
+    """``op`` in ``"sum"``, ``"max"``, ``"min"`` over ranks (the value itself on one process)."""
     if not ctx.enabled:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    sign = -1.0 if op == "min" else 1.0
+    t = torch.tensor([sign * value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return float(t.item())
+    return sign * float(t.item())
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank when it is true on any (e.g. a Ctrl-C seen by one process first)."""
+    return all_reduce_scalar(1.0 if flag else 0.0, ctx, "max") > 0.5
+
+
+def reduce_metrics(metrics: dict[str, float], how: dict[str, str], ctx: DistContext) -> dict[str, float]:
+    """Combine per-rank metrics with two collectives: ``how[key]`` is ``"mean"``, ``"sum"``,
+    ``"min"`` or ``"max"``. Every rank must pass the same keys (the loop runs the same code on
+    each)."""
+    if not ctx.enabled or not metrics:
+        return dict(metrics)
+    keys = sorted(metrics)
+    sums = [k for k in keys if how[k] in ("mean", "sum")]
+    extremes = [k for k in keys if how[k] in ("min", "max")]
+    out: dict[str, float] = {}
+    if sums:
+        t = torch.tensor([metrics[k] for k in sums], dtype=torch.float64)
+        dist.all_reduce(t)
+        out.update({k: float(v) / (ctx.world_size if how[k] == "mean" else 1) for k, v in zip(sums, t.tolist())})
+    if extremes:
+        signs = [-1.0 if how[k] == "min" else 1.0 for k in extremes]
+        t = torch.tensor([s * metrics[k] for s, k in zip(signs, extremes)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.update({k: s * float(v) for s, k, v in zip(signs, extremes, t.tolist())})
+    return out
 
 
 def broadcast_object(obj, ctx: DistContext):

@@ -25,17 +25,18 @@ import torch
 from rich.console import Console
 
 from . import distributed
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state, write_text_atomic
+from .checkpoint import LATEST, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state, write_text_atomic
 from .chunk_update import lean_chunk_backward
 from .errors import FlowrlError
 from .finetune import load_trainable_state_dict, prepare_trainable, trainable_state_dict
 from .geometry import resolve_geometry
 from .interfaces import TextEmbeddings, score, select_embeddings
 from .plugins import get_registry
-from .recipe import Recipe, dump_toml, load_recipe
+from .recipe import Recipe, dump_toml, read_toml
+from .recipe import validate as validate_recipe
 from .runlog import MetricsLog, image_grid
 from .sampling import make_kernels, make_step_log_prob_fn, rollout, trainable_mask
-from .seeding import derive_seed, generator, sample_generators
+from .seeding import generator, sample_generators
 
 
 @dataclasses.dataclass
@@ -132,21 +133,51 @@ class GracefulInterrupt:
 
 
 class PromptCache:
-    """Text embeddings computed once per prompt and reused (users.md item 10)."""
+    """Text embeddings computed once per prompt and reused (users.md item 10).
+
+    Each prompt is encoded on its own, so its embedding does not depend on which other prompts
+    happened to be new in the same iteration (batched matmuls may round differently with the
+    batch size): an uninterrupted run and a resumed one see bit-identical embeddings. The cost
+    is one encoder call per distinct prompt over the whole run.
+    """
 
     def __init__(self, model):
         self.model = model
         self.cache: dict[str, TextEmbeddings] = {}
 
     def get(self, prompts: list[str]) -> TextEmbeddings:
-        new = [p for p in dict.fromkeys(prompts) if p not in self.cache]
-        if new:
-            with torch.no_grad():
-                encoded = self.model.encode_prompts(new)
-            for i, p in enumerate(new):
-                self.cache[p] = {k: v[i : i + 1] for k, v in encoded.items()}
+        for p in dict.fromkeys(prompts):
+            if p not in self.cache:
+                with torch.no_grad():
+                    self.cache[p] = {k: v[:1] for k, v in self.model.encode_prompts([p]).items()}
         keys = self.cache[prompts[0]].keys()
         return {k: torch.cat([self.cache[p][k] for p in prompts]) for k in keys}
+
+
+class OnPolicyProbe:
+    """Largest per-step ``|log pi_new - log pi_old|`` seen while re-scoring, before any update.
+
+    Wraps the step log-prob function handed to :func:`flowrl.chunk_update.lean_chunk_backward`
+    and reads every recomputation of a selected transition, with or without grad (the lean
+    update scores the last position of each chunk only with grad), so the check costs no extra
+    forward. Before the first optimizer step every call is on-policy. It is stricter than
+    looking at unit ratios: a per-step error cannot cancel inside a chunk mean.
+    """
+
+    def __init__(self):
+        self.max_abs = 0.0
+
+    def wrap(self, fn, old_lp: torch.Tensor):
+        """``fn(t, b, grad)`` with ``old_lp [len(micro-batch), T]`` the rollout log-probs."""
+
+        def probed(t: int, b: torch.Tensor, grad: bool) -> torch.Tensor:
+            lp = fn(t, b, grad)
+            d = float((lp.detach().float() - old_lp[b, t].float()).abs().max())
+            if not d <= self.max_abs:  # also catches NaN
+                self.max_abs = d
+            return lp
+
+        return probed
 
 
 def read_prompts(source: str, model, where: str) -> list[str]:
@@ -178,6 +209,17 @@ def prompts_for_iteration(prompts: list[str], seed: int, iteration: int, count: 
     return out
 
 
+def initial_noise(seed: int, iteration: int, indices, group_size: int, shape, same_in_group: bool) -> torch.Tensor:
+    """Starting noise ``[len(indices), *shape]`` of the samples with these GLOBAL indices.
+
+    Sample ``j`` draws from a generator seeded by (seed, iteration, j), or by its group's first
+    index with ``same_in_group`` (every sample of a prompt starts from the same noise and the
+    groups differ only through the SDE noise): the same on any process layout.
+    """
+    keys = [(j // group_size) * group_size if same_in_group else j for j in indices]
+    return torch.stack([torch.randn(tuple(shape), generator=generator(seed, "noise", iteration, k)) for k in keys])
+
+
 def lr_lambda(train, total_steps: int):
     def f(step: int) -> float:
         if train.warmup_steps and step < train.warmup_steps:
@@ -203,13 +245,16 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
 
 
 def _resumable_recipe(recipe: Recipe, run_dir: Path) -> None:
-    """A resumed run must use the recipe that wrote it (iterations, logging may change)."""
+    """A resumed run must use the recipe that wrote it; only iterations, [log], [checkpoint]
+    and [[trackers]] (what is recorded, never what is trained) may change."""
     saved = run_dir / "recipe.toml"
     if not saved.is_file():
         return
-    old = load_recipe(saved).to_toml_dict()
+    data = read_toml(saved)
+    data.pop("trackers", None)  # may change, and the old tracker's plugin need not be installed
+    old = validate_recipe(data, source=str(saved)).to_toml_dict()
     new = recipe.to_toml_dict()
-    for section in ("log", "checkpoint"):
+    for section in ("log", "checkpoint", "trackers"):
         old.pop(section, None)
         new.pop(section, None)
     for d in (old, new):
@@ -221,7 +266,7 @@ def _resumable_recipe(recipe: Recipe, run_dir: Path) -> None:
         )
         raise FlowrlError(
             f"the recipe differs from the one that started {run_dir} in {', '.join(diff)}",
-            hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log] and [checkpoint] may change)",
+            hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log], [checkpoint] and [[trackers]] may change)",
         )
 
 
@@ -246,6 +291,32 @@ def evaluate(model, schedule_sigmas, rewards, prompts: list[str], seeds: int, se
     return {label: torch.cat(v) for label, v in scores.items()}
 
 
+def _check_supported(comps: Components, where: str) -> None:
+    """Refuse settings the loop would otherwise silently ignore (users.md item 4)."""
+    beta = float(getattr(comps.loss, "beta", 0.0) or 0.0)
+    if beta > 0:
+        raise FlowrlError(
+            f"a KL term (beta = {beta:g}) is not implemented by the training loop yet",
+            where=f"{where}: [loss].beta",
+            hint="set beta = 0 (the anchors' default); the KL to the rollout policy is logged as approx_kl_old",
+        )
+
+
+def _update_aggregate(key: str) -> str:
+    """How a per-micro-batch update metric combines over micro-batches and processes."""
+    if key.endswith("min"):
+        return "min"
+    if key.endswith("max") or key == "recompute_mismatch":
+        return "max"
+    if key == "num_units":  # units trained in the iteration, whatever the micro-batching
+        return "sum"
+    return "mean"
+
+
+def _resume_hint(run_dir: Path) -> str:
+    return f"flowrl train {run_dir / 'recipe.toml'} --resume {run_dir}"
+
+
 def train(
     recipe: Recipe,
     *,
@@ -254,7 +325,10 @@ def train(
     console: Console | None = None,
     _fail_checkpoint_after: str | None = None,
 ) -> Path:
-    """Run (or resume) training for a validated recipe; returns the run directory."""
+    """Run (or resume) training for a validated recipe; returns the run directory.
+
+    ``_fail_checkpoint_after`` is a test hook: see :func:`flowrl.checkpoint.save_checkpoint`.
+    """
     console = console or Console()
     registry = get_registry()
     cfg, train_cfg = recipe, recipe.train
@@ -269,15 +343,27 @@ def train(
     if ctx.is_main:
         console.print(f"[bold]flowrl[/bold] {cfg.source} -> {run_dir}")
         console.print(f"geometry: {geometry.describe()}")
+        if geometry.groups_split_across_processes:
+            console.print(
+                f"[yellow]note:[/yellow] {geometry.prompts_per_iteration} prompts over {ctx.world_size} processes "
+                "split groups across processes; advantages use the rewards gathered from all of them"
+            )
     if dry_run:
         return run_dir
     if resume is not None:
         if not run_dir.is_dir():
             raise FlowrlError(f"cannot resume: {run_dir} does not exist", where="--resume")
         _resumable_recipe(recipe, run_dir)
+    elif (run_dir / "checkpoints" / LATEST).exists():
+        raise FlowrlError(
+            f"{run_dir} already holds a run with checkpoints; a new run would overwrite it",
+            where="[run].output_dir",
+            hint=f"continue it with `{_resume_hint(run_dir)}`, or pass another --output-dir",
+        )
 
     # ---- Build the components the recipe names ---------------------------------------------
     comps = build_components(recipe, registry)
+    _check_supported(comps, cfg.source)
     model = comps.model
     model.to(device)
     N = cfg.sampler.steps
@@ -302,19 +388,24 @@ def train(
         eval_prompts = [pool[int(i)] for i in perm[: cfg.prompts.num_eval]]
     cache = PromptCache(model)
     reward_weights = {label: w for label, w, _ in comps.rewards}
+    first_reward = comps.rewards[0][0]
 
     # ---- Resume: weights, optimizer, LR schedule, RNG, position ------------------------------
     start_iteration, nonfinite_steps = 0, 0
-    if resume is not None and (ckpt := latest_checkpoint(run_dir)) is not None:
-        state = load_checkpoint(ckpt)
-        load_trainable_state_dict(model.denoiser, state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["state"]["lr_scheduler"])
-        set_rng_state(state["rng"])
-        start_iteration = state["state"]["iteration"]
-        nonfinite_steps = state["state"]["nonfinite_steps"]
-        if ctx.is_main:
-            console.print(f"resumed from {ckpt} at iteration {start_iteration}")
+    if resume is not None:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            state = load_checkpoint(ckpt)
+            load_trainable_state_dict(model.denoiser, state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["state"]["lr_scheduler"])
+            set_rng_state(state["rng"])
+            start_iteration = state["state"]["iteration"]
+            nonfinite_steps = state["state"]["nonfinite_steps"]
+            if ctx.is_main:
+                console.print(f"resumed from {ckpt} at iteration {start_iteration}")
+        elif ctx.is_main:
+            console.print(f"[yellow]note:[/yellow] {run_dir} has no checkpoint yet; starting at iteration 0")
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "recipe.toml", dump_toml(recipe.to_toml_dict()))
@@ -325,6 +416,7 @@ def train(
     metrics_log = MetricsLog(run_dir / "metrics.jsonl", resume_from=start_iteration) if ctx.is_main else None
     local = geometry.local_sample_range(ctx.rank)
     G = geometry.group_size
+    per_step = geometry.micro_batch_size * geometry.grad_accumulation  # samples per optimizer step, per process
 
     def checkpoint(next_iteration: int) -> Path:
         return save_checkpoint(
@@ -348,188 +440,218 @@ def train(
     task = progress.add_task("training", total=train_cfg.iterations, completed=start_iteration, reward="-")
     interrupted = False
     next_iteration = start_iteration  # the first iteration not yet completed
-    with progress, GracefulInterrupt() as interrupt:
-        for iteration in range(start_iteration, train_cfg.iterations):
-            timer = PhaseTimer(device)
-            record: dict[str, Any] = {"iteration": iteration}
+    try:
+        with progress, GracefulInterrupt() as interrupt:
+            for iteration in range(start_iteration, train_cfg.iterations):
+                timer = PhaseTimer(device)
+                record: dict[str, Any] = {"iteration": iteration, "world_size": ctx.world_size}
 
-            # ---- Evaluate the current policy on the fixed set (before this iteration's update)
-            if eval_prompts and iteration % cfg.log.eval_every == 0:
-                with timer("eval"):
-                    if ctx.is_main:
-                        ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds,
-                                      cfg.run.seed, cache, train_cfg.micro_batch_size * 4)
-                        for label, v in ev.items():
-                            record[f"eval/{label}/mean"] = v.mean().item()
-                            record[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
+                # ---- Evaluate the current policy on the fixed set (before this iteration's update)
+                if eval_prompts and iteration % cfg.log.eval_every == 0:
+                    with timer("eval"):
+                        if ctx.is_main:
+                            ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds,
+                                          cfg.run.seed, cache, train_cfg.micro_batch_size * 4)
+                            for label, v in ev.items():
+                                record[f"eval/{label}/mean"] = v.mean().item()
+                                record[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
 
-            # ---- Prompts and text embeddings (cached per prompt) -----------------------------
-            with timer("encode"):
-                global_prompts = prompts_for_iteration(train_prompts, cfg.run.seed, iteration, geometry.prompts_per_iteration)
-                sample_prompts = [global_prompts[j // G] for j in local]
-                group_ids = torch.tensor([j // G for j in local])
-                text = cache.get(sample_prompts)
+                # ---- Prompts and text embeddings (cached per prompt) -----------------------------
+                with timer("encode"):
+                    global_prompts = prompts_for_iteration(train_prompts, cfg.run.seed, iteration, geometry.prompts_per_iteration)
+                    sample_prompts = [global_prompts[j // G] for j in local]
+                    group_ids = torch.tensor([j // G for j in local])
+                    text = cache.get(sample_prompts)
 
-            # ---- Rollout: every local sample in one batched trajectory -----------------------
-            with timer("rollout"):
-                noise_index = [(j // G) * G if train_cfg.same_noise_in_group else j for j in local]
-                gens = sample_generators(cfg.run.seed, "rollout", iteration, local)
-                noise = torch.stack([
-                    torch.randn(model.latent_shape, generator=generator(cfg.run.seed, "noise", iteration, k))
-                    for k in noise_index
-                ]).to(device)
-                traj = rollout(
-                    lambda x, s: model.velocity(x, s, text), noise, sigmas, kernels,
-                    generators=gens, image_from=cfg.sampler.image_from,
-                    reduction=cfg.sampler.logprob_reduction, prompts=sample_prompts, group_ids=group_ids,
-                )
+                # ---- Rollout: every local sample in one batched trajectory -----------------------
+                # Noise and SDE draws come from per-sample generators keyed by the GLOBAL sample
+                # index, so a sample is the same on any number of processes and after a resume.
+                with timer("rollout"):
+                    noise = initial_noise(cfg.run.seed, iteration, local, G, model.latent_shape,
+                                          train_cfg.same_noise_in_group).to(device)
+                    gens = sample_generators(cfg.run.seed, "rollout", iteration, local)
+                    traj = rollout(
+                        lambda x, s: model.velocity(x, s, text), noise, sigmas, kernels,
+                        generators=gens, image_from=cfg.sampler.image_from,
+                        reduction=cfg.sampler.logprob_reduction, prompts=sample_prompts, group_ids=group_ids,
+                    )
 
-            # ---- Decode and score with every reward -----------------------------------------
-            with timer("decode"):
-                images = model.decode(traj.image_latents)
-            local_rewards: dict[str, torch.Tensor] = {}
-            with timer("reward"):
-                for label, _, reward in comps.rewards:
-                    local_rewards[label] = score(reward, images, sample_prompts).scores
+                # ---- Decode and score with every reward -----------------------------------------
+                with timer("decode"):
+                    images = model.decode(traj.image_latents)
+                local_rewards: dict[str, torch.Tensor] = {}
+                local_extras: dict[str, torch.Tensor] = {}
+                with timer("reward"):
+                    for label, _, reward in comps.rewards:
+                        out = score(reward, images, sample_prompts)
+                        local_rewards[label] = out.scores
+                        local_extras.update({f"{label}/{k}": v.reshape(-1) for k, v in sorted(out.extras.items())})
 
-            # ---- Advantages over whole groups (rewards gathered from every process) ----------
-            all_rewards = {k: distributed.all_gather_cat(v, ctx) for k, v in local_rewards.items()}
-            all_groups = distributed.all_gather_cat(group_ids, ctx)
-            finite = all(torch.isfinite(v).all() for v in all_rewards.values())
-            for label, v in all_rewards.items():
-                record.update({f"reward/{label}/{k.split('/')[-1]}": x for k, x in _stats("r", v).items()})
-            if finite:
-                advantages_all = comps.advantage(all_rewards, reward_weights, all_groups).float()
-                offset = ctx.rank * geometry.samples_per_process
-                advantages = advantages_all[offset : offset + geometry.samples_per_process].to(device)
-                record.update({f"advantage/{k.split('/')[-1]}": x for k, x in _stats("a", advantages_all).items()})
+                # ---- Advantages over whole groups (rewards gathered from every process) ----------
+                with timer("advantage"):
+                    all_rewards = {k: distributed.all_gather_cat(v, ctx) for k, v in local_rewards.items()}
+                    all_groups = distributed.all_gather_cat(group_ids, ctx)
+                    finite = all(bool(torch.isfinite(v).all()) for v in all_rewards.values())
+                    for label, v in all_rewards.items():
+                        record.update({f"reward/{label}/{k.split('/')[-1]}": x for k, x in _stats("r", v).items()})
+                    for key, v in local_extras.items():
+                        record[f"reward/{key}/mean"] = distributed.all_gather_cat(v, ctx).float().mean().item()
+                    if finite:
+                        advantages_all = comps.advantage(all_rewards, reward_weights, all_groups).float()
+                        offset = ctx.rank * geometry.samples_per_process
+                        advantages = advantages_all[offset : offset + geometry.samples_per_process].to(device)
+                        record.update({f"advantage/{k.split('/')[-1]}": x for k, x in _stats("a", advantages_all).items()})
 
-            # ---- Policy update: chunk selection, memory-lean chunk backward, optimizer --------
-            update_metrics: dict[str, list[float]] = defaultdict(list)
-            trained_units: list[list[int]] = []
-            skipped = not finite
-            if interrupt.requested:
-                interrupted = True
-                break
-            with timer("update"):
-                step_fn = make_step_log_prob_fn(
-                    lambda idx: (lambda x, s: model.velocity(x, s, select_embeddings(text, idx))), traj
-                )
-                old_lp = traj.trainable_log_probs.to(device)
-                for epoch in range(geometry.updates_per_rollout if finite else 0):
-                    order = torch.randperm(len(local), generator=generator(cfg.run.seed, "order", iteration, epoch, ctx.rank))
-                    per_step = geometry.micro_batch_size * geometry.grad_accumulation
-                    for opt_step in range(geometry.optimizer_steps_per_update):
-                        optimizer.zero_grad(set_to_none=True)
-                        step_loss = 0.0
-                        for mb in range(geometry.grad_accumulation):
-                            start = opt_step * per_step + mb * geometry.micro_batch_size
-                            idx = order[start : start + geometry.micro_batch_size].to(device)
-                            sel_gens = [generator(cfg.run.seed, "select", iteration, epoch, local[int(i)]) for i in idx]
-                            mask = comps.selector.select(len(idx), sizes, sel_gens)
-                            trained_units += [torch.nonzero(row).flatten().tolist() for row in mask.cpu()] if epoch == 0 else []
-                            loss_value, m = lean_chunk_backward(
-                                lambda t, b, grad: step_fn(t, idx[b], grad),
-                                old_lp[idx], advantages[idx], sizes, mask.to(device),
-                                comps.loss.objective, normaliser=per_step,
-                            )
-                            step_loss += float(loss_value)
-                            for k, v in m.items():
-                                update_metrics[k].append(float(v))
-                        if epoch == 0 and opt_step == 0:
-                            # On-policy check: nothing has changed since the rollout yet.
-                            dev = max(
-                                max(abs(v - 1.0) for v in update_metrics["ratio_max"]),
-                                max(abs(1.0 - v) for v in update_metrics["ratio_min"]),
-                            )
-                            record["on_policy/max_abs_log_ratio"] = dev
-                            if dev > train_cfg.on_policy_tolerance:
-                                raise FlowrlError(
-                                    f"on-policy check failed: |log ratio| = {dev:.3g} > {train_cfg.on_policy_tolerance:g} "
-                                    "before any update; rollout and training log-probs disagree",
-                                    hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
-                                )
-                        distributed.average_gradients(params, ctx)
-                        grad_norm = torch.nn.utils.clip_grad_norm_(
-                            params, train_cfg.max_grad_norm if train_cfg.max_grad_norm > 0 else float("inf")
-                        )
-                        if not (math.isfinite(step_loss) and torch.isfinite(grad_norm)):
-                            skipped = True
+                # A Ctrl-C during the rollout stops here: the iteration is redone on resume.
+                if distributed.any_rank(interrupt.requested, ctx):
+                    interrupted = True
+                    break
+
+                # ---- Policy update: chunk selection, memory-lean chunk backward, optimizer --------
+                update_metrics: dict[str, list[float]] = defaultdict(list)
+                trained_mask = torch.zeros(len(local), len(sizes), dtype=torch.bool)  # units of the first pass, logged
+                skipped = not finite
+                record["lr"] = scheduler.get_last_lr()[0]  # the LR this iteration's first step uses
+                with timer("update"):
+                    step_fn = make_step_log_prob_fn(
+                        lambda idx: (lambda x, s: model.velocity(x, s, select_embeddings(text, idx))), traj
+                    )
+                    old_lp = traj.trainable_log_probs.to(device)
+                    for epoch in range(geometry.updates_per_rollout if finite else 0):
+                        order = torch.randperm(len(local), generator=generator(cfg.run.seed, "order", iteration, epoch, ctx.rank))
+                        for opt_step in range(geometry.optimizer_steps_per_update):
                             optimizer.zero_grad(set_to_none=True)
-                            continue
-                        optimizer.step()
-                        scheduler.step()
-                        update_metrics["loss"].append(step_loss)
-                        update_metrics["grad_norm"].append(float(grad_norm))
-            if skipped:
-                nonfinite_steps += 1
-                record["skipped_nonfinite"] = True
-                console.print(f"[yellow]warning:[/yellow] iteration {iteration}: non-finite reward, loss or gradient; update skipped ({nonfinite_steps} so far)")
-            record["nonfinite_steps"] = nonfinite_steps
-            for k, v in update_metrics.items():
-                agg = min if k.endswith("min") else max if k.endswith("max") else (lambda xs: sum(xs) / len(xs))
-                record[k] = agg(v)
-            record["lr"] = scheduler.get_last_lr()[0]
-            record["trained_units"] = trained_units
-            record["chunk_sizes"] = list(sizes)
-
-            # ---- Image grid of one group, annotated with reward and advantage ---------------
-            if ctx.is_main and cfg.log.image_every and iteration % cfg.log.image_every == 0:
-                first = comps.rewards[0][0]
-                caps = [
-                    f"r={local_rewards[first][i]:.3f}\nA={advantages[i]:+.2f}" if finite else "non-finite"
-                    for i in range(min(G, len(local)))
-                ]
-                grid = image_grid(images[: len(caps)], caps)
-                grid.save(run_dir / "images" / f"iter_{iteration:06d}.png")
-                for tracker in comps.trackers:
-                    tracker.log_image(iteration, "group", grid)
-
-            # ---- Checkpoint, metrics, progress ------------------------------------------------
-            done = next_iteration = iteration + 1
-            if done % cfg.checkpoint.every == 0 or done == train_cfg.iterations or interrupt.requested:
-                with timer("checkpoint"):
+                            # The first optimizer step of a rollout is exactly on-policy: check it.
+                            probe = OnPolicyProbe() if epoch == 0 and opt_step == 0 else None
+                            step_loss = 0.0
+                            for mb in range(geometry.grad_accumulation):
+                                start = opt_step * per_step + mb * geometry.micro_batch_size
+                                idx = order[start : start + geometry.micro_batch_size]
+                                sel_gens = [generator(cfg.run.seed, "select", iteration, epoch, local[int(i)]) for i in idx]
+                                mask = comps.selector.select(len(idx), sizes, sel_gens).cpu()
+                                if epoch == 0:
+                                    trained_mask[idx] = mask
+                                idx = idx.to(device)
+                                fn = (lambda t, b, grad, idx=idx: step_fn(t, idx[b], grad))
+                                if probe is not None:
+                                    fn = probe.wrap(fn, old_lp[idx])
+                                loss_value, m = lean_chunk_backward(
+                                    fn, old_lp[idx], advantages[idx], sizes, mask.to(device),
+                                    comps.loss.objective, normaliser=per_step,
+                                )
+                                step_loss += float(loss_value)
+                                for k, v in m.items():
+                                    update_metrics[k].append(float(v))
+                            if probe is not None:
+                                deviation = distributed.all_reduce_scalar(probe.max_abs, ctx, "max")
+                                record["on_policy/max_abs_log_ratio"] = deviation
+                                if not deviation <= train_cfg.on_policy_tolerance:
+                                    raise FlowrlError(
+                                        f"on-policy check failed: max |log pi_new - log pi_old| = {deviation:.3g} > "
+                                        f"{train_cfg.on_policy_tolerance:g} before any update; rollout and training "
+                                        "log-probs disagree",
+                                        where=f"{cfg.source}: [train].on_policy_tolerance",
+                                        hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
+                                    )
+                            distributed.average_gradients(params, ctx)
+                            grad_norm = torch.nn.utils.clip_grad_norm_(
+                                params, train_cfg.max_grad_norm if train_cfg.max_grad_norm > 0 else float("inf")
+                            )
+                            # grad_norm is global after averaging; the loss is summed so that every
+                            # process takes the same skip decision.
+                            step_loss = distributed.all_reduce_scalar(step_loss, ctx) / ctx.world_size
+                            if not (math.isfinite(step_loss) and math.isfinite(float(grad_norm))):
+                                skipped = True
+                                optimizer.zero_grad(set_to_none=True)
+                                continue
+                            optimizer.step()
+                            scheduler.step()
+                            update_metrics["loss"].append(step_loss)
+                            update_metrics["grad_norm"].append(float(grad_norm))
+                if skipped:
+                    nonfinite_steps += 1
+                    record["skipped_nonfinite"] = True
                     if ctx.is_main:
-                        checkpoint(done)
-            record.update({f"time/{k}": v for k, v in timer.seconds.items()})
-            if ctx.is_main:
-                metrics_log.write(record)
-                for tracker in comps.trackers:
-                    tracker.log_metrics(iteration, {k: v for k, v in record.items() if isinstance(v, float)})
-            first = comps.rewards[0][0]
-            progress.update(task, advance=1, reward=f"{first}={record.get(f'reward/{first}/mean', float('nan')):.4f}")
-            if nonfinite_steps > train_cfg.max_nonfinite_steps:
-                raise FlowrlError(
-                    f"stopping: {nonfinite_steps} updates skipped for non-finite values "
-                    f"(limit max_nonfinite_steps = {train_cfg.max_nonfinite_steps})",
-                    where=f"{cfg.source}: [train].max_nonfinite_steps",
-                    hint=f"inspect {run_dir / 'metrics.jsonl'}; lower the learning rate or check the reward",
-                )
-            if interrupt.requested:
-                interrupted = True
-                break
+                        what = "reward" if not finite else "loss or gradient"
+                        console.print(
+                            f"[yellow]warning:[/yellow] iteration {iteration}: non-finite {what}; update skipped "
+                            f"({nonfinite_steps} so far, at most {train_cfg.max_nonfinite_steps} tolerated)"
+                        )
+                record["nonfinite_steps"] = nonfinite_steps
+                local_agg = {}
+                for k, v in update_metrics.items():
+                    how = _update_aggregate(k)
+                    local_agg[k] = {"min": min, "max": max, "sum": sum}.get(how, lambda xs: sum(xs) / len(xs))(v)
+                record.update(distributed.reduce_metrics(local_agg, {k: _update_aggregate(k) for k in local_agg}, ctx))
+                if finite:
+                    all_trained = distributed.all_gather_cat(trained_mask, ctx)  # [S, K], global sample order
+                    record["trained_units"] = [torch.nonzero(row).flatten().tolist() for row in all_trained]
+                record["chunk_sizes"] = list(sizes)
 
-        # ---- Final evaluation ------------------------------------------------------------------
-        if not interrupted and eval_prompts and ctx.is_main and start_iteration < train_cfg.iterations:
-            ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds, cfg.run.seed, cache,
-                          train_cfg.micro_batch_size * 4)
-            final = {"iteration": train_cfg.iterations, "final": True}
-            for label, v in ev.items():
-                final[f"eval/{label}/mean"] = v.mean().item()
-                final[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
-            metrics_log.write(final)
+                # ---- Image grid of one group, annotated with reward and advantage ---------------
+                if ctx.is_main and cfg.log.image_every and iteration % cfg.log.image_every == 0:
+                    caps = [
+                        f"r={local_rewards[first_reward][i]:.3f}\nA={advantages[i]:+.2f}" if finite else "non-finite"
+                        for i in range(min(G, len(local)))
+                    ]
+                    grid = image_grid(images[: len(caps)], caps)
+                    grid.save(run_dir / "images" / f"iter_{iteration:06d}.png")
+                    for tracker in comps.trackers:
+                        tracker.log_image(iteration, "group", grid)
 
-    if interrupted and ctx.is_main:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None or load_checkpoint(ckpt)["state"]["iteration"] != next_iteration:
-            checkpoint(next_iteration)
-        console.print(f"interrupted: checkpoint written; continue with `flowrl train {cfg.source} --resume {run_dir}`")
-    if metrics_log is not None:
-        metrics_log.close()
-    for tracker in comps.trackers:
-        tracker.close()
+                # ---- Checkpoint, metrics, progress ------------------------------------------------
+                done = next_iteration = iteration + 1
+                stop = distributed.any_rank(interrupt.requested, ctx)
+                if done % cfg.checkpoint.every == 0 or done == train_cfg.iterations or stop:
+                    with timer("checkpoint"):
+                        if ctx.is_main:
+                            checkpoint(done)
+                record.update({f"time/{k}": v for k, v in timer.seconds.items()})
+                if ctx.is_main and (iteration % cfg.log.every == 0 or done == train_cfg.iterations or skipped):
+                    metrics_log.write(record)
+                    for tracker in comps.trackers:
+                        tracker.log_metrics(iteration, {k: v for k, v in record.items() if isinstance(v, float)})
+                progress.update(task, advance=1, reward=f"{first_reward}={record.get(f'reward/{first_reward}/mean', float('nan')):.4f}")
+                if nonfinite_steps > train_cfg.max_nonfinite_steps:
+                    raise FlowrlError(
+                        f"stopping: {nonfinite_steps} updates skipped for non-finite values "
+                        f"(at most max_nonfinite_steps = {train_cfg.max_nonfinite_steps} are tolerated)",
+                        where=f"{cfg.source}: [train].max_nonfinite_steps",
+                        hint=f"inspect {run_dir / 'metrics.jsonl'} (skipped_nonfinite); check the reward, or lower the learning rate",
+                    )
+                if stop:
+                    interrupted = True
+                    break
+
+            # ---- Final evaluation ------------------------------------------------------------------
+            if not interrupted and eval_prompts and ctx.is_main and start_iteration < train_cfg.iterations:
+                ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds, cfg.run.seed, cache,
+                              train_cfg.micro_batch_size * 4)
+                final = {"iteration": train_cfg.iterations, "final": True}
+                for label, v in ev.items():
+                    final[f"eval/{label}/mean"] = v.mean().item()
+                    final[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
+                metrics_log.write(final)
+
+        # ---- Interrupted: make sure the last completed iteration is checkpointed --------------
+        if interrupted and ctx.is_main:
+            ckpt = latest_checkpoint(run_dir)
+            if ckpt is None or load_checkpoint(ckpt)["state"]["iteration"] != next_iteration:
+                checkpoint(next_iteration)
+            console.print(
+                f"interrupted after {next_iteration} completed iteration(s); checkpoint written. "
+                f"Continue with `{_resume_hint(run_dir)}`"
+            )
+    finally:
+        if metrics_log is not None:
+            metrics_log.close()
+        for tracker in comps.trackers:
+            tracker.close()
+        distributed.teardown()
     if interrupted:
         raise KeyboardInterrupt
+    if ctx.is_main:
+        console.print(f"done: {train_cfg.iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
     return run_dir
 
 

@@ -1,0 +1,172 @@
+"""Helpers for the engine tests: a tiny recipe on the randomly initialised embedded model.
+
+Every run here uses 5 sampling steps (T = 4 trainable transitions in chunks of 2), 2 prompts x
+4 samples, two passes over each rollout with two optimizer steps each, and a warm-up + cosine LR
+schedule, so resume has optimizer moments, a moving LR and off-policy ratios to get right.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from flowrl import hookimpl
+from flowrl.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_RECIPE = """
+[run]
+name = "tiny"
+seed = 7
+device = "cpu"
+
+[model]
+use = "embedded"
+random_init = true
+
+[sampler]
+steps = 5
+
+[schedule]
+use = "shift"
+shift = 3.0
+
+[kernel]
+use = "flow"
+a = 0.7
+
+[chunker]
+use = "fixed"
+size = 2
+
+[selector]
+use = "uniform"
+fraction = 0.5
+
+[advantage]
+use = "group_zscore"
+
+[loss]
+use = "clipped"
+eps_low = 0.2
+eps_high = 0.2
+
+[train]
+iterations = 4
+prompts_per_iteration = 2
+group_size = 4
+micro_batch_size = 2
+updates_per_rollout = 2
+optimizer_steps_per_update = 2
+lr = 3e-3
+lr_schedule = "cosine"
+warmup_steps = 2
+
+[log]
+progress = false
+image_every = 0
+
+[checkpoint]
+every = 2
+keep_last = 3
+
+[[rewards]]
+use = "area"
+"""
+
+#: Keys whose values are wall-clock times: never compared.
+TIMING_PREFIX = "time/"
+
+
+def write_recipe(directory: Path, text: str = TINY_RECIPE) -> Path:
+    path = Path(directory) / "tiny.toml"
+    path.write_text(text)
+    return path
+
+
+def load(path: Path, *overrides: str):
+    return load_recipe(path, list(overrides))
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIX)}
+
+
+def assert_records_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    a, b = comparable(a), comparable(b)
+    assert sorted(a) == sorted(b), set(a) ^ set(b)
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, float) or isinstance(y, float):
+            assert math.isclose(x, y, rel_tol=rtol, abs_tol=atol), (key, x, y)
+        else:
+            assert x == y, (key, x, y)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from flowrl.checkpoint import latest_checkpoint
+
+    return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+
+
+def assert_weights_close(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=atol, msg=k)
+
+
+def quiet_console():
+    from rich.console import Console
+
+    return Console(file=open(os.devnull, "w"), width=200)
+
+
+class InterruptAt:
+    """A tracker plugin that sends this process SIGINT (a Ctrl-C) after logging an iteration."""
+
+    def __init__(self, iteration: int):
+        self.iteration = iteration
+
+    @hookimpl
+    def register_trackers(self, register):
+        at = self.iteration
+
+        class Tracker:
+            def log_metrics(self, step, metrics):
+                if step == at:
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            def log_image(self, step, name, image):
+                pass
+
+            def close(self):
+                pass
+
+        register("interrupt_at", lambda: Tracker())
+
+
+def run_cli(args: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    return subprocess.run(
+        [sys.executable, "-m", "flowrl", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout, **kwargs,
+    )
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
