@@ -33,9 +33,11 @@ from .geometry import resolve_geometry
 from .interfaces import TextEmbeddings, score, select_embeddings
 from .plugins import get_registry
 from .recipe import Recipe, dump_toml, read_toml
+from .reference import ReferencePolicy, kl_backward
 from .recipe import validate as validate_recipe
 from .runlog import MetricsLog, image_grid
 from .sampling import make_kernels, make_step_log_prob_fn, rollout, trainable_mask
+from .trajectory import Trajectory
 from .seeding import generator, sample_generators
 
 
@@ -139,19 +141,33 @@ class PromptCache:
     happened to be new in the same iteration (batched matmuls may round differently with the
     batch size): an uninterrupted run and a resumed one see bit-identical embeddings. The cost
     is one encoder call per distinct prompt over the whole run.
+
+
+    The cache lives in CPU memory and keeps the ``max_prompts`` most recently used prompts, so a
+    large prompt set (HPDv2 has 100k+) neither fills the GPU nor grows without bound; an evicted
+    prompt is re-encoded to the identical embedding.
     """
 
-    def __init__(self, model):
-        self.model = model
-        self.cache: dict[str, TextEmbeddings] = {}
+    def __init__(self, model, max_prompts: int = 1024):
+        from collections import OrderedDict
 
-    def get(self, prompts: list[str]) -> TextEmbeddings:
+        self.model = model
+        self.max_prompts = max_prompts
+        self.cache: OrderedDict[str, TextEmbeddings] = OrderedDict()
+
+    def get(self, prompts: list[str], device: torch.device | str = "cpu") -> TextEmbeddings:
+        rows = {}
         for p in dict.fromkeys(prompts):
-            if p not in self.cache:
+            if p in self.cache:
+                self.cache.move_to_end(p)
+            else:
                 with torch.no_grad():
-                    self.cache[p] = {k: v[:1] for k, v in self.model.encode_prompts([p]).items()}
-        keys = self.cache[prompts[0]].keys()
-        return {k: torch.cat([self.cache[p][k] for p in prompts]) for k in keys}
+                    self.cache[p] = {k: v[:1].cpu() for k, v in self.model.encode_prompts([p]).items()}
+                if len(self.cache) > self.max_prompts:
+                    self.cache.popitem(last=False)
+            rows[p] = self.cache[p]
+        keys = rows[prompts[0]].keys()
+        return {k: torch.cat([rows[p][k] for p in prompts]).to(device) for k in keys}
 
 
 class OnPolicyProbe:
@@ -281,7 +297,7 @@ def evaluate(model, schedule_sigmas, rewards, prompts: list[str], seeds: int, se
     for start in range(0, len(items), batch):
         chunk = items[start : start + batch]
         ps = [p for p, _ in chunk]
-        text = cache.get(ps)
+        text = cache.get(ps, schedule_sigmas.device)
         gens = [generator(seed, "eval", i + start) for i in range(len(chunk))]
         noise = torch.stack([torch.randn(model.latent_shape, generator=g) for g in gens]).to(schedule_sigmas.device)
         traj = rollout(lambda x, s: model.velocity(x, s, text), noise, schedule_sigmas, kernels, image_from="final")
@@ -291,15 +307,20 @@ def evaluate(model, schedule_sigmas, rewards, prompts: list[str], seeds: int, se
     return {label: torch.cat(v) for label, v in scores.items()}
 
 
-def _check_supported(comps: Components, where: str) -> None:
-    """Refuse settings the loop would otherwise silently ignore (users.md item 4)."""
-    beta = float(getattr(comps.loss, "beta", 0.0) or 0.0)
-    if beta > 0:
-        raise FlowrlError(
-            f"a KL term (beta = {beta:g}) is not implemented by the training loop yet",
-            where=f"{where}: [loss].beta",
-            hint="set beta = 0 (the anchors' default); the KL to the rollout policy is logged as approx_kl_old",
-        )
+def _share_l1rel(comps: Components, T: int, refresh: bool = False) -> None:
+    """A ``weighted`` selector without its own profile takes the chunker's L1rel curve."""
+    selector, chunker = comps.selector, comps.chunker
+    if not hasattr(selector, "l1rel") or not hasattr(chunker, "l1rel"):
+        return
+    if getattr(getattr(selector, "config", None), "profile", "") :
+        return  # the selector reads its own profile file
+    if selector.l1rel is None or refresh:
+        selector.l1rel = chunker.l1rel(T)
+
+
+def _selector_l1rel(comps: Components):
+    l1rel = getattr(comps.selector, "l1rel", None)
+    return None if l1rel is None else [float(x) for x in l1rel]
 
 
 def _update_aggregate(key: str) -> str:
@@ -363,7 +384,6 @@ def train(
 
     # ---- Build the components the recipe names ---------------------------------------------
     comps = build_components(recipe, registry)
-    _check_supported(comps, cfg.source)
     model = comps.model
     model.to(device)
     N = cfg.sampler.steps
@@ -372,15 +392,25 @@ def train(
     kernels = make_kernels(N, comps.kernel, window)
     trainable = trainable_mask(kernels, sigmas.cpu(), cfg.sampler.image_from)
     T = int(trainable.sum())
-    sizes = tuple(comps.chunker.sizes(T))
+    train_prompts = read_prompts(cfg.prompts.source, model, f"{cfg.source}: [prompts].source")
+
+    # ---- Chunk layout: a chunker may ask to profile the model first (dynamics chunks) -------
+    if getattr(comps.chunker, "needs_model", False):
+        comps.chunker.profile_at_start(comps, sigmas, kernels, train_prompts,
+                                       image_from=cfg.sampler.image_from, seed=cfg.run.seed)
+    sizes = distributed.broadcast_object(tuple(comps.chunker.sizes(T)), ctx)
+    _share_l1rel(comps, T)
     params = prepare_trainable(model, train_cfg)
+    # KL regularisation: the reference is fixed now, before any update (and before a resume
+    # loads trained weights). The old-policy kind needs no reference model.
+    beta, kl_kind = float(getattr(comps.loss, "beta", 0.0) or 0.0), getattr(comps.loss, "kl", "gaussian_exact")
+    reference = ReferencePolicy(model) if beta > 0 and kl_kind != "old_policy_k3" else None
     optimizer = torch.optim.AdamW(
         params, lr=train_cfg.lr, betas=tuple(train_cfg.adam_betas), eps=train_cfg.adam_eps,
         weight_decay=train_cfg.weight_decay,
     )
     total_opt_steps = train_cfg.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train_cfg, total_opt_steps))
-    train_prompts = read_prompts(cfg.prompts.source, model, f"{cfg.source}: [prompts].source")
     eval_prompts: list[str] = []
     if cfg.prompts.num_eval:
         pool = read_prompts(cfg.prompts.eval_source or cfg.prompts.source, model, f"{cfg.source}: [prompts].eval_source")
@@ -402,6 +432,12 @@ def train(
             set_rng_state(state["rng"])
             start_iteration = state["state"]["iteration"]
             nonfinite_steps = state["state"]["nonfinite_steps"]
+            saved_sizes = tuple(state["state"].get("chunk_sizes", sizes))
+            if saved_sizes != sizes:  # moved by adaptive re-profiling before the interruption
+                comps.chunker.set_sizes(saved_sizes)
+                sizes = saved_sizes
+            if state["state"].get("selector_l1rel") is not None:
+                comps.selector.l1rel = torch.tensor(state["state"]["selector_l1rel"], dtype=torch.float32)
             if ctx.is_main:
                 console.print(f"resumed from {ckpt} at iteration {start_iteration}")
         elif ctx.is_main:
@@ -409,6 +445,8 @@ def train(
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "recipe.toml", dump_toml(recipe.to_toml_dict()))
+        if getattr(comps.chunker, "needs_model", False):
+            comps.chunker.save_profile(run_dir / "profile.json")
         (run_dir / "images").mkdir(exist_ok=True)
         for tracker in comps.trackers:
             if hasattr(tracker, "start"):
@@ -430,6 +468,8 @@ def train(
                 "lr_scheduler": scheduler.state_dict(),
                 "data_position": next_iteration * geometry.prompts_per_iteration,
                 "world_size": ctx.world_size,
+                "chunk_sizes": list(sizes),
+                "selector_l1rel": _selector_l1rel(comps),
             },
             recipe_toml=dump_toml(recipe.to_toml_dict()),
             keep_last=cfg.checkpoint.keep_last,
@@ -446,6 +486,22 @@ def train(
                 timer = PhaseTimer(device)
                 record: dict[str, Any] = {"iteration": iteration, "world_size": ctx.world_size}
 
+                # ---- Adaptive chunking: re-profile the current policy and move the boundaries ----
+                every = getattr(getattr(comps.chunker, "config", None), "reprofile_every", 0)
+                if every and iteration > 0 and iteration % every == 0:
+                    with timer("profile"):
+                        _, new_sizes = comps.chunker.reprofile(
+                            comps, sigmas, kernels, train_prompts, image_from=cfg.sampler.image_from, seed=cfg.run.seed
+                        )
+                        new_sizes = distributed.broadcast_object(tuple(new_sizes), ctx)
+                        comps.chunker.set_sizes(new_sizes)
+                        _share_l1rel(comps, T, refresh=True)
+                    if new_sizes != sizes:
+                        record["chunk_sizes_changed"] = {"from": list(sizes), "to": list(new_sizes)}
+                        if ctx.is_main:
+                            console.print(f"iteration {iteration}: chunk boundaries {list(sizes)} -> {list(new_sizes)}")
+                        sizes = new_sizes
+
                 # ---- Evaluate the current policy on the fixed set (before this iteration's update)
                 if eval_prompts and iteration % cfg.log.eval_every == 0:
                     with timer("eval"):
@@ -461,7 +517,7 @@ def train(
                     global_prompts = prompts_for_iteration(train_prompts, cfg.run.seed, iteration, geometry.prompts_per_iteration)
                     sample_prompts = [global_prompts[j // G] for j in local]
                     group_ids = torch.tensor([j // G for j in local])
-                    text = cache.get(sample_prompts)
+                    text = cache.get(sample_prompts, device)
 
                 # ---- Rollout: every local sample in one batched trajectory -----------------------
                 # Noise and SDE draws come from per-sample generators keyed by the GLOBAL sample
@@ -470,11 +526,18 @@ def train(
                     noise = initial_noise(cfg.run.seed, iteration, local, G, model.latent_shape,
                                           train_cfg.same_noise_in_group).to(device)
                     gens = sample_generators(cfg.run.seed, "rollout", iteration, local)
-                    traj = rollout(
-                        lambda x, s: model.velocity(x, s, text), noise, sigmas, kernels,
-                        generators=gens, image_from=cfg.sampler.image_from,
-                        reduction=cfg.sampler.logprob_reduction, prompts=sample_prompts, group_ids=group_ids,
-                    )
+                    rollout_batch = cfg.sampler.batch_size or len(local)
+                    parts = []
+                    for lo in range(0, len(local), rollout_batch):
+                        b = torch.arange(lo, min(lo + rollout_batch, len(local)))
+                        sub_text = select_embeddings(text, b) if rollout_batch < len(local) else text
+                        parts.append(rollout(
+                            lambda x, s, sub_text=sub_text: model.velocity(x, s, sub_text), noise[lo : lo + len(b)],
+                            sigmas, kernels, generators=gens[lo : lo + len(b)], image_from=cfg.sampler.image_from,
+                            reduction=cfg.sampler.logprob_reduction, prompts=sample_prompts[lo : lo + len(b)],
+                            group_ids=group_ids[lo : lo + len(b)],
+                        ))
+                    traj = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
 
                 # ---- Decode and score with every reward -----------------------------------------
                 with timer("decode"):
@@ -540,6 +603,14 @@ def train(
                                     comps.loss.objective, normaliser=per_step,
                                 )
                                 step_loss += float(loss_value)
+                                if beta > 0:
+                                    velocity_for = lambda rows: (lambda x, s, rows=rows: model.velocity(x, s, select_embeddings(text, rows)))
+                                    kl_value = kl_backward(
+                                        velocity_for, reference, lambda rows: select_embeddings(text, rows), traj,
+                                        idx, mask.to(device), sizes, kind=kl_kind, beta=beta, normaliser=per_step,
+                                    )
+                                    update_metrics[f"kl/{kl_kind}"].append(kl_value)
+                                    step_loss += beta * kl_value * len(idx) / per_step
                                 for k, v in m.items():
                                     update_metrics[k].append(float(v))
                             if probe is not None:

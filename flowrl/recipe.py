@@ -84,7 +84,7 @@ class TrainConfig:
         False, "Give all samples of a group the same starting noise (the anchors' default)."
     )
     max_nonfinite_steps: int = param(
-        3, "Stop after this many updates skipped for a non-finite loss or reward.", min=0
+        3, "Updates that may be skipped for a non-finite loss or reward; one more stops the run.", min=0
     )
     on_policy_tolerance: float = param(
         1e-6, "The first update's |ratio - 1| must stay below this (on-policy check).", min=0.0
@@ -101,6 +101,12 @@ class SamplerConfig:
     )
     logprob_reduction: Literal["mean", "sum"] = param(
         "mean", "Reduce a transition's Gaussian log-prob over latent elements by mean or sum."
+    )
+    batch_size: int = param(
+        0,
+        "Samples per rollout forward on one process; 0 = all local samples at once (fastest; "
+        "lower it when the rollout does not fit in GPU memory).",
+        min=0,
     )
     sde_window: list[int] = param(
         [],

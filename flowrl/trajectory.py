@@ -179,3 +179,23 @@ class Trajectory:
             image_latents=self.image_latents[idx.to(self.image_latents.device)],
             prompts=[self.prompts[int(j)] for j in idx_cpu],
         )
+
+    @classmethod
+    def cat(cls, parts: "list[Trajectory]") -> "Trajectory":
+        """Concatenate trajectories of the same schedule along the batch (rollout micro-batches)."""
+        if not parts:
+            raise ValueError("nothing to concatenate")
+        first = parts[0]
+        for p in parts[1:]:
+            if not torch.equal(p.sigmas, first.sigmas) or not torch.equal(p.trainable, first.trainable):
+                raise ValueError("trajectories with different schedules cannot be concatenated")
+            if p.kernels != first.kernels or p.reduction != first.reduction or p.image_from != first.image_from:
+                raise ValueError("trajectories with different kernels or settings cannot be concatenated")
+        return replace(
+            first,
+            latents=torch.cat([p.latents for p in parts]),
+            log_probs=torch.cat([p.log_probs for p in parts]),
+            group_ids=torch.cat([p.group_ids for p in parts]),
+            image_latents=torch.cat([p.image_latents for p in parts]),
+            prompts=[q for p in parts for q in p.prompts],
+        )

@@ -45,6 +45,12 @@ class DynamicsConfig:
     num_chunks: int = param(4, "Number of chunks K; 0 = choose it from the curve.", min=0)
     min_size: int = param(1, "Smallest chunk size allowed.", min=1)
     max_size: int = param(0, "Largest chunk size allowed; 0 = no limit.", min=0)
+    reprofile_every: int = param(
+        0,
+        "Adaptive chunking: re-profile the current policy every N iterations and move the "
+        "boundaries (each change is logged as chunk_sizes_changed); 0 = never.",
+        min=0,
+    )
     num_prompts: int = param(32, "Prompts sampled when profiling at start (profile empty).", min=1)
     seeds: int = param(2, "Noise seeds per prompt when profiling at start (profile empty).", min=1)
 

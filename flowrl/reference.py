@@ -1,0 +1,130 @@
+"""The reference policy for KL terms, and the KL pass of the update (algorithms.md section 8).
+
+The reference is the model before RL: with LoRA, the same denoiser with its adapters disabled
+(nothing copied); with full fine-tuning, a frozen copy of the denoiser taken before the first
+update. Adapters may provide their own (``snapshot_reference`` / ``reference_velocity``, as the
+diffusers adapters do); otherwise :class:`ReferencePolicy` does it for any adapter that calls
+``self.denoiser(...)`` in ``velocity`` (the interface contract).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+
+import torch
+
+from .chunking import chunk_index
+from .interfaces import select_embeddings
+from .losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
+
+
+def _lora_layers(module: torch.nn.Module):
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is a core dependency
+        return []
+    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module):
+    """Temporarily run ``module`` without its LoRA adapters."""
+    layers = _lora_layers(module)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class ReferencePolicy:
+    """``velocity(x, sigma, text)`` of the reference model, without gradient."""
+
+    def __init__(self, model):
+        self.model = model
+        self.own = hasattr(model, "reference_velocity")
+        if self.own:
+            if hasattr(model, "snapshot_reference"):
+                model.snapshot_reference()
+            self.mode, self.copy = "adapter", None
+        elif _lora_layers(model.denoiser):
+            self.mode, self.copy = "lora_disabled", None
+        else:
+            self.mode = "frozen_copy"
+            self.copy = copy.deepcopy(model.denoiser).requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def velocity(self, latents, sigma, text):
+        if self.own:
+            return self.model.reference_velocity(latents, sigma, text)
+        if self.mode == "lora_disabled":
+            with adapters_disabled(self.model.denoiser):
+                return self.model.velocity(latents, sigma, text)
+        trained = self.model.denoiser
+        self.model.denoiser = self.copy  # the adapter calls self.denoiser(...)
+        try:
+            return self.model.velocity(latents, sigma, text)
+        finally:
+            self.model.denoiser = trained
+
+
+def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+    """One transition's KL ``[b]`` of the named kind, with its gradient (algorithms.md 8)."""
+    if kind == "old_policy_k3":
+        return kl_old_policy_k3(log_ratio)
+    if kind == "gaussian_exact":
+        return kl_gaussian_exact(out.mean, ref_out.mean, out.std)
+    if kind == "flow_grpo":  # g from the step std: s = g sqrt(sigma - sigma_next)
+        g = torch.as_tensor(out.std, dtype=torch.float32) / torch.sqrt(torch.as_tensor(sigma - sigma_next, dtype=torch.float32))
+        return kl_flow_grpo(out.mean, ref_out.mean, g)
+    raise ValueError(f"unknown KL kind {kind!r}")
+
+
+def kl_backward(
+    velocity_for: Callable[[torch.Tensor], Callable],
+    reference: ReferencePolicy | None,
+    reference_text_for: Callable[[torch.Tensor], dict],
+    traj,
+    batch_idx: torch.Tensor,
+    unit_mask: torch.Tensor,
+    sizes,
+    *,
+    kind: str,
+    beta: float,
+    normaliser: float,
+) -> float:
+    """Back-propagate ``beta * mean over trained transitions of KL`` for a micro-batch.
+
+    Averages like the policy loss: over the trained transitions of each sample, then summed
+    over samples and divided by ``normaliser``. One forward + backward (plus a reference forward
+    for the reference kinds) per trained transition, one step's graph at a time. Returns the
+    mean KL value (for logging).
+    """
+    positions = traj.trainable_indices.tolist()
+    trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
+    per_sample = trans.sum(1).clamp(min=1).float()
+    old_lp = traj.trainable_log_probs
+    total, count = 0.0, 0
+    for t, i in enumerate(positions):
+        b = torch.nonzero(trans[:, t], as_tuple=False).flatten()
+        if not b.numel():
+            continue
+        rows = batch_idx[b]
+        tr = traj.transition(i)
+        x, nxt = tr.sample[rows], tr.next_sample[rows]
+        s, s_n = tr.sigma.expand(len(rows)), tr.sigma_next.expand(len(rows))
+        ref_out = None
+        if kind != "old_policy_k3":
+            v_ref = reference.velocity(x, s, reference_text_for(rows))
+            ref_out = tr.kernel.step(v_ref, x, s, s_n, next_sample=nxt, reduction=traj.reduction)
+        with torch.enable_grad():
+            out = tr.kernel.step(velocity_for(rows)(x, s), x, s, s_n, next_sample=nxt, reduction=traj.reduction)
+            kl = step_kl(kind, out, ref_out, out.log_prob - old_lp[rows, t], tr.sigma, tr.sigma_next)
+            ((beta / normaliser) * (kl / per_sample[b].to(kl.device)).sum()).backward()
+        total += float(kl.detach().sum())
+        count += kl.numel()
+    return total / max(count, 1)
