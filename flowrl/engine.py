@@ -307,6 +307,30 @@ def evaluate(model, schedule_sigmas, rewards, prompts: list[str], seeds: int, se
     return {label: torch.cat(v) for label, v in scores.items()}
 
 
+def _advantages(estimator, rewards, choices, groups, num_chunks: int) -> torch.Tensor:
+    """``[S]`` advantages, or ``[S, K]`` when a reward weights chunks differently.
+
+    With per-chunk weights (``[[rewards]] chunk_weights``, e.g. more weight on a preference
+    reward in high-noise chunks and on a structure reward in low-noise ones), chunk k's advantage
+    is the estimator's output under chunk k's weights, so both multi-reward modes keep their
+    meaning. The loss then pairs each trained chunk with its own advantage.
+    """
+    if not any(c.chunk_weights for c in choices):
+        return estimator(rewards, {c.label: c.weight for c in choices}, groups).float()
+    for c in choices:
+        if c.chunk_weights and len(c.chunk_weights) != num_chunks:
+            raise FlowrlError(
+                f"reward '{c.label}' has {len(c.chunk_weights)} chunk_weights but there are {num_chunks} chunks",
+                where="[[rewards]].chunk_weights",
+                hint="keep the number of chunks fixed (dynamics: num_chunks) or match the weights to it",
+            )
+    per_chunk = [
+        estimator(rewards, {c.label: (c.chunk_weights[k] if c.chunk_weights else c.weight) for c in choices}, groups)
+        for k in range(num_chunks)
+    ]
+    return torch.stack(per_chunk, dim=1).float()
+
+
 def _share_l1rel(comps: Components, T: int, refresh: bool = False) -> None:
     """A ``weighted`` selector without its own profile takes the chunker's L1rel curve."""
     selector, chunker = comps.selector, comps.chunker
@@ -417,7 +441,6 @@ def train(
         perm = torch.randperm(len(pool), generator=generator(cfg.run.seed, "eval-prompts"))
         eval_prompts = [pool[int(i)] for i in perm[: cfg.prompts.num_eval]]
     cache = PromptCache(model)
-    reward_weights = {label: w for label, w, _ in comps.rewards}
     first_reward = comps.rewards[0][0]
 
     # ---- Resume: weights, optimizer, LR schedule, RNG, position ------------------------------
@@ -560,7 +583,7 @@ def train(
                     for key, v in local_extras.items():
                         record[f"reward/{key}/mean"] = distributed.all_gather_cat(v, ctx).float().mean().item()
                     if finite:
-                        advantages_all = comps.advantage(all_rewards, reward_weights, all_groups).float()
+                        advantages_all = _advantages(comps.advantage, all_rewards, recipe.rewards, all_groups, len(sizes))
                         offset = ctx.rank * geometry.samples_per_process
                         advantages = advantages_all[offset : offset + geometry.samples_per_process].to(device)
                         record.update({f"advantage/{k.split('/')[-1]}": x for k, x in _stats("a", advantages_all).items()})
@@ -662,7 +685,7 @@ def train(
                 # ---- Image grid of one group, annotated with reward and advantage ---------------
                 if ctx.is_main and cfg.log.image_every and iteration % cfg.log.image_every == 0:
                     caps = [
-                        f"r={local_rewards[first_reward][i]:.3f}\nA={advantages[i]:+.2f}" if finite else "non-finite"
+                        f"r={local_rewards[first_reward][i]:.3f}\nA={advantages[i].mean():+.2f}" if finite else "non-finite"
                         for i in range(min(G, len(local)))
                     ]
                     grid = image_grid(images[: len(caps)], caps)

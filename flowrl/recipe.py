@@ -187,11 +187,15 @@ class ComponentChoice:
     weight: float = 1.0
     #: rewards only: the name it is logged under (defaults to ``use``).
     label: str = ""
+    #: rewards only: one weight per chunk, replacing ``weight`` chunk by chunk (empty = none).
+    chunk_weights: list[float] = dataclasses.field(default_factory=list)
 
     def as_table(self) -> dict[str, Any]:
         table: dict[str, Any] = {"use": self.use}
         if self.label and self.label != self.use:
             table["name"] = self.label
+        if self.chunk_weights:
+            table["chunk_weights"] = list(self.chunk_weights)
         if self.params is not None:
             table.update(to_dict(self.params))
         return table
@@ -336,7 +340,7 @@ def validate(data: dict[str, Any], *, source: str = "<recipe>", registry: Regist
         components[section] = _component(registry, kind, table, f"{source}: [{section}]")
 
     rewards = [
-        _component(registry, "reward", t, f"{source}: [[rewards]] #{i + 1}", extra=("weight", "name"))
+        _component(registry, "reward", t, f"{source}: [[rewards]] #{i + 1}", extra=("weight", "name", "chunk_weights"))
         for i, t in enumerate(data.get("rewards", []))
     ]
     if not rewards:
@@ -399,6 +403,14 @@ def _component(
         if not isinstance(label, str) or not label:
             raise RecipeError(f"key 'name' must be a non-empty string, got {label!r}", where=where)
         choice.label = label
+        chunk_weights = table.get("chunk_weights", [])
+        if not isinstance(chunk_weights, list) or not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in chunk_weights
+        ):
+            raise RecipeError(
+                f"key 'chunk_weights' must be a list of numbers (one per chunk), got {chunk_weights!r}", where=where
+            )
+        choice.chunk_weights = [float(w) for w in chunk_weights]
     return choice
 
 
@@ -424,13 +436,21 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     if getattr(chunker, "needs_model", False):
         return  # boundaries come from profiling the model at start
     try:
-        chunker.sizes(T)
+        sizes = chunker.sizes(T)
     except (ValueError, FileNotFoundError) as exc:
         raise RecipeError(
             f"{exc} (the sampler has T = {T} trainable transitions: steps = {recipe.sampler.steps}, "
             f"image_from = '{recipe.sampler.image_from}')",
             where=where,
         ) from exc
+    for i, reward in enumerate(recipe.rewards):
+        if reward.chunk_weights and len(reward.chunk_weights) != len(sizes):
+            raise RecipeError(
+                f"chunk_weights has {len(reward.chunk_weights)} entries but the chunker makes "
+                f"{len(sizes)} chunks {list(sizes)}",
+                where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
+                hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
+            )
 
 
 # ----------------------------------------------------------------------------- writing
