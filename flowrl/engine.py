@@ -81,6 +81,18 @@ def build_components(recipe: Recipe, registry=None) -> Components:
     )
 
 
+def build_sampler(recipe: Recipe, comps: Components, device: torch.device):
+    """The sampler training uses: sigmas ``[N + 1]`` (float32, on ``device``), one kernel per
+    step (the SDE kernel inside ``sde_window``, ODE outside) and T, the number of trainable
+    transitions. ``flowrl profile`` calls this too, so it measures exactly this sampler."""
+    n = recipe.sampler.steps
+    sigmas = comps.schedule.sigmas(n, comps.model).to(device=device, dtype=torch.float32)
+    window = tuple(recipe.sampler.sde_window) if recipe.sampler.sde_window else None
+    kernels = make_kernels(n, comps.kernel, window)
+    T = int(trainable_mask(kernels, sigmas.cpu(), recipe.sampler.image_from).sum())
+    return sigmas, kernels, T
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -410,12 +422,7 @@ def train(
     comps = build_components(recipe, registry)
     model = comps.model
     model.to(device)
-    N = cfg.sampler.steps
-    sigmas = comps.schedule.sigmas(N, model).to(device=device, dtype=torch.float32)
-    window = tuple(cfg.sampler.sde_window) if cfg.sampler.sde_window else None
-    kernels = make_kernels(N, comps.kernel, window)
-    trainable = trainable_mask(kernels, sigmas.cpu(), cfg.sampler.image_from)
-    T = int(trainable.sum())
+    sigmas, kernels, T = build_sampler(cfg, comps, device)
     train_prompts = read_prompts(cfg.prompts.source, model, f"{cfg.source}: [prompts].source")
 
     # ---- Chunk layout: a chunker may ask to profile the model first (dynamics chunks) -------

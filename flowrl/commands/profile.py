@@ -232,20 +232,14 @@ def _build_sampler(resolved, device_name: Optional[str]) -> dict[str, Any]:
     """Model, sigmas and kernels exactly as :func:`flowrl.engine.train` builds them."""
     import dataclasses
 
-    import torch
-
-    from ..engine import build_components, resolve_device
-    from ..sampling import make_kernels
+    from ..engine import build_components, build_sampler, resolve_device
 
     # Rewards and trackers play no part in sampling and can be heavy: leave them out.
     comps = build_components(dataclasses.replace(resolved, rewards=[], trackers=[]), _registry())
     device = resolve_device(device_name or resolved.run.device)
     model = comps.model
     model.to(device)
-    n = resolved.sampler.steps
-    sigmas = comps.schedule.sigmas(n, model).to(device=device, dtype=torch.float32)
-    window = tuple(resolved.sampler.sde_window) if resolved.sampler.sde_window else None
-    kernels = make_kernels(n, comps.kernel, window)
+    sigmas, kernels, _ = build_sampler(resolved, comps, device)
     return {"components": comps, "model": model, "sigmas": sigmas, "kernels": kernels, "device": device}
 
 
