@@ -32,7 +32,31 @@ class DistContext:
         return self.world_size > 1
 
 
+#: accelerate settings the engine does not implement: refused rather than silently ignored.
+_UNSUPPORTED_LAUNCH = {
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
+
+
+def check_launch_environment(env=None) -> None:
+    """Refuse launcher settings that the engine would otherwise ignore (users.md item 4)."""
+    from .errors import FlowrlError
+
+    env = os.environ if env is None else env
+    for key, name in _UNSUPPORTED_LAUNCH.items():
+        if env.get(key, "").lower() in ("1", "true", "yes"):
+            raise FlowrlError(
+                f"the launcher asks for {name} ({key}={env[key]}), which flowrl's engine does not implement",
+                where="accelerate config",
+                hint="use data parallelism (`accelerate launch --multi_gpu ...` or `flowrl train --num-processes N`); "
+                "for models that do not fit, use LoRA, gradient checkpointing and `flowrl plan` to size the run",
+            )
+
+
 def setup(device: torch.device) -> DistContext:
+    check_launch_environment()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistContext()

@@ -119,3 +119,14 @@ def test_checkpoint_keeps_last_n(tmp_path):
     for i in range(1, 5):
         _save(root, f"iter_{i:06d}", i, keep_last=2)
     assert sorted(p.name for p in root.iterdir()) == ["iter_000003", "iter_000004", LATEST]
+
+
+def test_unsupported_accelerate_modes_are_refused_not_ignored():
+    from flowrl.distributed import check_launch_environment
+    from flowrl.errors import FlowrlError
+
+    check_launch_environment({})  # plain DDP / single process: fine
+    check_launch_environment({"ACCELERATE_USE_FSDP": "false"})
+    for key, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        with pytest.raises(FlowrlError, match=name):
+            check_launch_environment({key: "true"})
