@@ -156,7 +156,10 @@ def plugins(
 
 @app.command()
 def train(
-    recipe: RecipeArg,
+    recipe: Annotated[
+        Optional[Path],
+        typer.Argument(help="Path to a TOML recipe (see recipes/); with --resume it defaults to RUN_DIR/recipe.toml."),
+    ] = None,
     set_: SetOpt = None,
     resume: Annotated[
         Optional[Path], typer.Option("--resume", help="Continue the run in this directory from its latest checkpoint.")
@@ -170,6 +173,10 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the resolved geometry, then stop.")] = False,
 ) -> None:
     """Train a policy with the recipe's components: rollout, rewards, advantages, update."""
+    if recipe is None:
+        if resume is None:
+            raise FlowrlError("train needs a RECIPE (or --resume RUN_DIR)", hint="flowrl train recipes/quickstart.toml")
+        recipe = resume / "recipe.toml"
     overrides = list(set_ or [])
     if output_dir is not None:
         overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")
