@@ -12,8 +12,18 @@ from .flux import FluxConfig
 from .sd3 import SD3Config
 
 
+def _torchvision_guard() -> None:
+    # With `flowrl[clip]` installed on a CPU machine, torchvision may be a CUDA build whose
+    # compiled ops fail to load, which breaks diffusers' and transformers' imports; the shim
+    # makes it importable and does nothing on a healthy install or without torchvision.
+    from flowrl_plugins.rewards.torchvision_compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+
+
 def _flux(config: FluxConfig):
     """FLUX.1 dev / schnell (diffusers FluxPipeline): embedded guidance, timestep = sigma."""
+    _torchvision_guard()
     from .flux import FluxModel
 
     return FluxModel(config)
@@ -21,6 +31,7 @@ def _flux(config: FluxConfig):
 
 def _sd3(config: SD3Config):
     """Stable Diffusion 3 / 3.5 (diffusers): true CFG as the policy, timestep = 1000 sigma."""
+    _torchvision_guard()
     from .sd3 import SD3Model
 
     return SD3Model(config)
