@@ -209,7 +209,9 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     root = Path(run_dir) / "checkpoints"
     pointer = root / LATEST
     if not pointer.is_file():
-        return None
+        # killed between renaming the first checkpoint into place and writing the pointer
+        complete = _complete_checkpoints(root)
+        return complete[-1] if complete else None
     try:
         path = root / json.loads(pointer.read_text())["name"]
     except (ValueError, KeyError, TypeError):

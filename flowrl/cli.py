@@ -82,7 +82,7 @@ def validate(
     resolved = _load(recipe, set_)
     if explain:
         _explain(resolved)
-    T = resolved.sampler.num_trainable
+    T = resolved.num_trainable
     chunk = resolved.components["chunker"]
     from rich.markup import escape
 
@@ -187,7 +187,7 @@ def train(
     resolved = _load(recipe, overrides)
     from .engine import train as run_training
 
-    run_training(resolved, resume=resume, dry_run=dry_run, console=console)
+    run_training(resolved, resume=resume, dry_run=dry_run, console=console, registry=_registry())
 
 
 @app.command()

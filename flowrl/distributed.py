@@ -34,6 +34,7 @@ class DistContext:
 
 #: accelerate settings the engine does not implement: refused rather than silently ignored.
 _UNSUPPORTED_LAUNCH = {
+    "ACCELERATE_MIXED_PRECISION": "accelerate's mixed precision (set the model's dtype in the recipe instead)",
     "ACCELERATE_USE_FSDP": "FSDP",
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
@@ -46,7 +47,8 @@ def check_launch_environment(env=None) -> None:
 
     env = os.environ if env is None else env
     for key, name in _UNSUPPORTED_LAUNCH.items():
-        if env.get(key, "").lower() in ("1", "true", "yes"):
+        value = env.get(key, "").lower()
+        if value and value not in ("0", "false", "no"):
             raise FlowrlError(
                 f"the launcher asks for {name} ({key}={env[key]}), which flowrl's engine does not implement",
                 where="accelerate config",
@@ -60,10 +62,16 @@ def setup(device: torch.device) -> DistContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistContext()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+        if device.type == "cuda":
+            # Each process owns one GPU ("cuda" then means that GPU, for the model and for
+            # rewards alike); small CPU collectives (rewards, flags, metrics) go over gloo.
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group(backend="gloo")
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank)
 
 
 def teardown() -> None:
@@ -81,22 +89,14 @@ def all_gather_cat(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
 
 
 def average_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> None:
-    """Average .grad over ranks with one flat all-reduce."""
+    """Average .grad over ranks, in place, one tensor at a time (no extra gradient copy)."""
     if not ctx.enabled:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= ctx.world_size
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        chunk = flat[offset : offset + n].view_as(g)
-        if p.grad is None:
-            p.grad = chunk.clone()
-        else:
-            p.grad.copy_(chunk)
-        offset += n
+    for p in params:
+        if p.grad is None:  # every rank must join every all-reduce
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad.div_(ctx.world_size)
 
 
 def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:

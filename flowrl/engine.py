@@ -6,13 +6,16 @@ Step-level GRPO, GSPO, fixed chunks and Chunk-GRPO differ only in the components
 names (chunker, selector, loss); nothing below branches on the algorithm.
 
 Reproducibility: every random draw comes from a generator seeded by (seed, purpose, iteration,
-global sample index) (:mod:`flowrl.seeding`), so a run does not depend on the number of
-processes, and a resumed run repeats exactly what the uninterrupted one would have done.
+global sample index) (:mod:`flowrl.seeding`), so rollouts, rewards and chunk selections do not
+depend on the number of processes, and a resumed run repeats exactly what the uninterrupted one
+would have done. (With ``optimizer_steps_per_update > 1`` which samples share an optimizer step
+depends on the process layout; with 1 the whole update does not.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import signal
 import time
@@ -272,7 +275,7 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _resumable_recipe(recipe: Recipe, run_dir: Path) -> None:
+def _resumable_recipe(recipe: Recipe, run_dir: Path, registry) -> None:
     """A resumed run must use the recipe that wrote it; only iterations, [log], [checkpoint]
     and [[trackers]] (what is recorded, never what is trained) may change."""
     saved = run_dir / "recipe.toml"
@@ -280,7 +283,7 @@ def _resumable_recipe(recipe: Recipe, run_dir: Path) -> None:
         return
     data = read_toml(saved)
     data.pop("trackers", None)  # may change, and the old tracker's plugin need not be installed
-    old = validate_recipe(data, source=str(saved)).to_toml_dict()
+    old = validate_recipe(data, source=str(saved), registry=registry).to_toml_dict()
     new = recipe.to_toml_dict()
     for section in ("log", "checkpoint", "trackers"):
         old.pop(section, None)
@@ -380,6 +383,7 @@ def train(
     resume: Path | None = None,
     dry_run: bool = False,
     console: Console | None = None,
+    registry=None,
     _fail_checkpoint_after: str | None = None,
 ) -> Path:
     """Run (or resume) training for a validated recipe; returns the run directory.
@@ -387,7 +391,7 @@ def train(
     ``_fail_checkpoint_after`` is a test hook: see :func:`flowrl.checkpoint.save_checkpoint`.
     """
     console = console or Console()
-    registry = get_registry()
+    registry = registry or get_registry()  # the CLI passes its own (honours --disable-plugin)
     cfg, train_cfg = recipe, recipe.train
 
     # ---- Setup: device, processes, batch geometry ------------------------------------------
@@ -410,7 +414,7 @@ def train(
     if resume is not None:
         if not run_dir.is_dir():
             raise FlowrlError(f"cannot resume: {run_dir} does not exist", where="--resume")
-        _resumable_recipe(recipe, run_dir)
+        _resumable_recipe(recipe, run_dir, registry)
     elif (run_dir / "checkpoints" / LATEST).exists():
         raise FlowrlError(
             f"{run_dir} already holds a run with checkpoints; a new run would overwrite it",
@@ -429,7 +433,10 @@ def train(
     if getattr(comps.chunker, "needs_model", False):
         comps.chunker.profile_at_start(comps, sigmas, kernels, train_prompts,
                                        image_from=cfg.sampler.image_from, seed=cfg.run.seed)
-    sizes = distributed.broadcast_object(tuple(comps.chunker.sizes(T)), ctx)
+    try:
+        sizes = distributed.broadcast_object(tuple(comps.chunker.sizes(T)), ctx)
+    except ValueError as exc:
+        raise FlowrlError(f"{exc} (the sampler has T = {T} trainable transitions)", where=f"{cfg.source}: [chunker]") from exc
     _share_l1rel(comps, T)
     params = prepare_trainable(model, train_cfg)
     # KL regularisation: the reference is fixed now, before any update (and before a resume
@@ -461,6 +468,13 @@ def train(
             scheduler.load_state_dict(state["state"]["lr_scheduler"])
             set_rng_state(state["rng"])
             start_iteration = state["state"]["iteration"]
+            saved_world = state["state"].get("world_size", ctx.world_size)
+            if saved_world != ctx.world_size and train_cfg.optimizer_steps_per_update > 1 and ctx.is_main:
+                console.print(
+                    f"[yellow]note:[/yellow] the run was saved with {saved_world} processes and resumes with "
+                    f"{ctx.world_size}; with optimizer_steps_per_update > 1 the grouping of samples into "
+                    "optimizer steps changes, so the continuation is valid but not bit-identical"
+                )
             nonfinite_steps = state["state"]["nonfinite_steps"]
             saved_sizes = tuple(state["state"].get("chunk_sizes", sizes))
             if saved_sizes != sizes:  # moved by adaptive re-profiling before the interruption
@@ -635,12 +649,12 @@ def train(
                                 step_loss += float(loss_value)
                                 if beta > 0:
                                     velocity_for = lambda rows: (lambda x, s, rows=rows: model.velocity(x, s, select_embeddings(text, rows)))
-                                    kl_value = kl_backward(
+                                    kl_value, kl_term = kl_backward(
                                         velocity_for, reference, lambda rows: select_embeddings(text, rows), traj,
                                         idx, mask.to(device), sizes, kind=kl_kind, beta=beta, normaliser=per_step,
                                     )
                                     update_metrics[f"kl/{kl_kind}"].append(kl_value)
-                                    step_loss += beta * kl_value * len(idx) / per_step
+                                    step_loss += beta * kl_term
                                 for k, v in m.items():
                                     update_metrics[k].append(float(v))
                             if probe is not None:
@@ -737,7 +751,7 @@ def train(
         # ---- Interrupted: make sure the last completed iteration is checkpointed --------------
         if interrupted and ctx.is_main:
             ckpt = latest_checkpoint(run_dir)
-            if ckpt is None or load_checkpoint(ckpt)["state"]["iteration"] != next_iteration:
+            if ckpt is None or json.loads((ckpt / "state.json").read_text())["iteration"] != next_iteration:
                 checkpoint(next_iteration)
             console.print(
                 f"interrupted after {next_iteration} completed iteration(s); checkpoint written. "

@@ -51,6 +51,16 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
     params = [p for p in denoiser.parameters() if p.requires_grad]
     if not params:
         raise FlowrlError("the model has no trainable parameters", where="[train].finetune")
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
+    if low:
+        # AdamW steps of ~lr * 1 on weights of magnitude ~1 round away in 16-bit: training
+        # would silently do almost nothing.
+        raise FlowrlError(
+            f"full fine-tuning of {', '.join(low)} weights would lose most updates to rounding",
+            where="[train].finetune",
+            hint='keep trainable weights in float32 (e.g. model.denoiser_dtype = "fp32", compute can stay bf16) '
+            'or use finetune = "lora"',
+        )
     return params
 
 

@@ -252,7 +252,15 @@ def _load(disabled: frozenset[str]) -> Registry:
         hook = getattr(pm.hook, hook_name)
         # get_hookimpls() lists implementations in reverse call order (trylast first).
         for impl in reversed(hook.get_hookimpls()):
-            impl.function(register=_make_register(registry, kind, impl.plugin_name))
+            try:
+                impl.function(register=_make_register(registry, kind, impl.plugin_name))
+            except PluginError:
+                raise
+            except Exception as exc:  # a bug inside a third party's registration hook
+                raise PluginError(
+                    f"plugin '{impl.plugin_name}' failed in {hook_name}: {type(exc).__name__}: {exc}",
+                    hint=f"fix or uninstall it, or disable it with {DISABLE_ENV}={impl.plugin_name}",
+                ) from exc
     return registry
 
 

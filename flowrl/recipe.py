@@ -64,7 +64,7 @@ class TrainConfig:
     )
     lr: float = param(1e-5, "AdamW learning rate.", min=0.0, exclusive_min=True)
     weight_decay: float = param(1e-4, "AdamW weight decay.", min=0.0)
-    adam_betas: list[float] = param([0.9, 0.999], "AdamW betas.", min=0.0, max=1.0)
+    adam_betas: list[float] = param([0.9, 0.999], "AdamW betas (beta1, beta2), each in [0, 1).", min=0.0, max=1.0)
     adam_eps: float = param(1e-8, "AdamW epsilon.", min=0.0, exclusive_min=True)
     max_grad_norm: float = param(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
     lr_schedule: Literal["constant", "cosine", "linear"] = param(
@@ -87,8 +87,15 @@ class TrainConfig:
         3, "Updates that may be skipped for a non-finite loss or reward; one more stops the run.", min=0
     )
     on_policy_tolerance: float = param(
-        1e-6, "The first update's |ratio - 1| must stay below this (on-policy check).", min=0.0
+        1e-6,
+        "On-policy check: before the first optimizer step of a rollout, the largest per-step "
+        "|log pi_new - log pi_old| must stay below this. bf16 models on a GPU may need ~1e-4.",
+        min=0.0,
     )
+
+    def __post_init__(self):
+        if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):
+            raise ValueError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
 
 
 @dataclasses.dataclass
@@ -121,13 +128,6 @@ class SamplerConfig:
                     f"sde_window must be [start, end) with 0 <= start < end <= steps ({self.steps}),"
                     f" got {self.sde_window}"
                 )
-
-    @property
-    def num_trainable(self) -> int:
-        """T: the number of trainable (stochastic, reward-relevant) transitions."""
-        start, end = self.sde_window or [0, self.steps]
-        end = min(end, self.steps - 1) if self.image_from == "x0_hat" else end
-        return max(end - start, 0)
 
 
 @dataclasses.dataclass
@@ -215,6 +215,8 @@ class Recipe:
     rewards: list[ComponentChoice]
     trackers: list[ComponentChoice]
     source: str = "<recipe>"
+    #: T, the number of trainable transitions of the sampler (set by validation).
+    num_trainable: int = 0
 
     @property
     def output_dir(self) -> Path:
@@ -414,15 +416,36 @@ def _component(
     return choice
 
 
+def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
+    """T for this recipe's sampler, decided by the kernel itself (an ``ode`` kernel or noise 0
+    trains nothing; ``cps`` into sigma = 0 is deterministic) exactly as the engine decides it,
+    on a stand-in schedule (trainability does not depend on the sigma values)."""
+    import torch
+
+    from .sampling import make_kernels, trainable_mask
+
+    choice = recipe.components["kernel"]
+    kernel = registry.get("kernel", choice.use).build(choice.params)
+    s = recipe.sampler
+    window = tuple(s.sde_window) if s.sde_window else None
+    try:
+        kernels = make_kernels(s.steps, kernel, window)
+    except ValueError as exc:
+        raise RecipeError(str(exc), where=f"{recipe.source}: [sampler]") from exc
+    return int(trainable_mask(kernels, torch.linspace(1.0, 0.0, s.steps + 1), s.image_from).sum())
+
+
 def _cross_check(recipe: Recipe, registry: Registry) -> None:
-    """Rules that span tables, checked by building the light components (chunker)."""
-    T = recipe.sampler.num_trainable
+    """Rules that span tables, checked by building the light components (kernel, chunker)."""
+    T = trainable_transitions(recipe, registry)
+    recipe.num_trainable = T
     where = f"{recipe.source}: [chunker]"
     if T < 1:
         raise RecipeError(
             "the sampler leaves no trainable transition",
             where=f"{recipe.source}: [sampler]",
-            hint="increase steps or widen sde_window (with image_from = 'x0_hat' the last step is not trainable)",
+            hint="use a stochastic kernel with noise > 0, more steps or a wider sde_window "
+            "(with image_from = 'x0_hat' the last step is not trainable)",
         )
     if recipe.train.micro_batch_size > recipe.train.prompts_per_iteration * recipe.train.group_size:
         raise RecipeError(

@@ -101,14 +101,14 @@ def kl_backward(
 
     Averages like the policy loss: over the trained transitions of each sample, then summed
     over samples and divided by ``normaliser``. One forward + backward (plus a reference forward
-    for the reference kinds) per trained transition, one step's graph at a time. Returns the
-    mean KL value (for logging).
+    for the reference kinds) per trained transition, one step's graph at a time. Returns
+    ``(mean KL over trained transitions, the term as optimised without beta)``.
     """
     positions = traj.trainable_indices.tolist()
     trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
     per_sample = trans.sum(1).clamp(min=1).float()
     old_lp = traj.trainable_log_probs
-    total, count = 0.0, 0
+    total, count, term = 0.0, 0, 0.0
     for t, i in enumerate(positions):
         b = torch.nonzero(trans[:, t], as_tuple=False).flatten()
         if not b.numel():
@@ -124,7 +124,9 @@ def kl_backward(
         with torch.enable_grad():
             out = tr.kernel.step(velocity_for(rows)(x, s), x, s, s_n, next_sample=nxt, reduction=traj.reduction)
             kl = step_kl(kind, out, ref_out, out.log_prob - old_lp[rows, t], tr.sigma, tr.sigma_next)
-            ((beta / normaliser) * (kl / per_sample[b].to(kl.device)).sum()).backward()
+            weighted = (kl / per_sample[b].to(kl.device)).sum() / normaliser
+            (beta * weighted).backward()
+        term += float(weighted.detach())
         total += float(kl.detach().sum())
         count += kl.numel()
-    return total / max(count, 1)
+    return total / max(count, 1), term

@@ -15,7 +15,12 @@ class ClippedConfig:
         5e-5, "Lower clip: ratios below 1 - eps_low stop contributing (GCPO 5e-5, DanceGRPO 1e-4, GSPO 3e-4).", min=0.0
     )
     eps_high: float = param(5e-5, "Upper clip: ratios above 1 + eps_high stop contributing (GSPO 4e-4).", min=0.0)
-    beta: float = param(0.0, "Weight of the KL term (0 = none, the anchors' default; the KL is still logged).", min=0.0)
+    beta: float = param(
+        0.0,
+        "Weight of the KL term (0 = none, the anchors' default). With beta > 0 the KL is added per "
+        "trained transition and logged as kl/<kind>; approx_kl_old (to the rollout policy) is always logged.",
+        min=0.0,
+    )
     kl: Literal["gaussian_exact", "flow_grpo", "old_policy_k3"] = param(
         "gaussian_exact",
         "KL kind: 'gaussian_exact' = exact KL between the step Gaussians of policy and reference; "

@@ -226,7 +226,7 @@ def test_train_option_parsing(monkeypatch):
 
     seen = {}
 
-    def fake_train(recipe, *, resume=None, dry_run=False, console=None):
+    def fake_train(recipe, *, resume=None, dry_run=False, console=None, registry=None):
         seen.update(recipe=recipe, resume=resume, dry_run=dry_run)
 
     monkeypatch.setattr(flowrl.engine, "train", fake_train)

@@ -497,3 +497,18 @@ def test_plain_function_without_keywords_takes_no_params():
         # weight and name belong to the [[rewards]] entry, not to the reward's parameters
         choice = validate({"rewards": [{"use": "ones", "weight": 2, "name": "o"}]}, registry=registry).rewards[0]
         assert choice.label == "o" and choice.weight == 2.0
+
+
+def test_a_registration_hook_that_raises_is_reported_by_plugin_name():
+    from flowrl import hookimpl
+    from flowrl.errors import PluginError
+    from flowrl.plugins import temporary_plugin
+
+    class Buggy:
+        @hookimpl
+        def register_rewards(self, register):
+            raise KeyError("oops")
+
+    with pytest.raises(PluginError, match="plugin 'buggy' failed in register_rewards: KeyError"):
+        with temporary_plugin(Buggy(), name="buggy"):
+            pass

@@ -59,7 +59,7 @@ def test_round_trip_of_every_kind_of_value():
     }
     recipe = validate(data, source="<test>")
     assert recipe.rewards[0].label == "bright" and recipe.rewards[1].label == "brightness"
-    assert recipe.sampler.num_trainable == 7
+    assert recipe.num_trainable == 7
     _round_trip(recipe)
 
 
@@ -80,3 +80,31 @@ def test_every_recipe_key_is_documented():
                 if not f.metadata.get("help")
             ]
     assert not undocumented, "declare these with flowrl.config.param(default, help): " + ", ".join(undocumented)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["kernel.use='ode'"], "no trainable transition"),
+        (["kernel.a=0.0"], "no trainable transition"),
+        (["train.adam_betas=[0.9, 1.0]"], "adam_betas must be two numbers in [0, 1)"),
+        (["train.adam_betas=[0.9]"], "adam_betas must be two numbers in [0, 1)"),
+    ],
+)
+def test_settings_the_engine_cannot_train_fail_validation(overrides, message):
+    from flowrl.errors import RecipeError
+    from flowrl.recipe import load_recipe
+
+    with pytest.raises(RecipeError) as err:
+        load_recipe(REPO / "recipes" / "quickstart.toml", overrides)
+    assert message in err.value.format()
+
+
+def test_trainable_transitions_follow_the_kernel():
+    from flowrl.recipe import load_recipe
+
+    qs = REPO / "recipes" / "quickstart.toml"
+    assert load_recipe(qs).num_trainable == 16  # 17 steps, image from the last x0_hat
+    assert load_recipe(qs, ["sampler.image_from='final'", "chunker.sizes=[2,3,4,8]"]).num_trainable == 17
+    # CPS into sigma = 0 is deterministic: the last step cannot be trained even with image_from = final
+    assert load_recipe(qs, ["kernel.use='cps'", "sampler.image_from='final'"]).num_trainable == 16

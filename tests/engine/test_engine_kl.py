@@ -75,7 +75,7 @@ def test_kl_pass_gradient_equals_one_graph(kind, finetune):
 
     for p in params:
         p.grad = None
-    value = kl_backward(
+    value, term = kl_backward(
         lambda rows: (lambda x, s: model.velocity(x, s, select_embeddings(text, rows))), reference,
         lambda rows: select_embeddings(text, rows), traj, idx, mask, sizes,
         kind=kind, beta=beta, normaliser=normaliser,
@@ -110,6 +110,7 @@ def test_kl_pass_gradient_equals_one_graph(kind, finetune):
         kls.append(kl.detach())
         total = total + (beta / normaliser) * (kl / per_sample[b]).sum()
     total.backward()
+    assert beta * term == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-12)  # the optimised term
     for a, b in zip(lean, [p.grad for p in params]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
     # k3 is ~z^2/2 with z a difference of float32 log-probs: only ~1e-3 relative is meaningful

@@ -130,3 +130,37 @@ def test_unsupported_accelerate_modes_are_refused_not_ignored():
     for key, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
         with pytest.raises(FlowrlError, match=name):
             check_launch_environment({key: "true"})
+
+
+def test_accelerate_mixed_precision_is_refused_unless_no():
+    from flowrl.distributed import check_launch_environment
+    from flowrl.errors import FlowrlError
+
+    check_launch_environment({"ACCELERATE_MIXED_PRECISION": "no"})
+    with pytest.raises(FlowrlError, match="mixed precision"):
+        check_launch_environment({"ACCELERATE_MIXED_PRECISION": "bf16"})
+
+
+def test_full_finetuning_of_16_bit_weights_is_refused():
+    from flowrl.errors import FlowrlError
+    from flowrl.finetune import prepare_trainable
+
+    class Model:
+        denoiser = torch.nn.Linear(4, 4).to(torch.bfloat16)
+
+    class Train:
+        finetune = "full"
+
+    with pytest.raises(FlowrlError, match="rounding"):
+        prepare_trainable(Model(), Train())
+
+
+def test_latest_checkpoint_without_pointer_falls_back_to_complete_one(tmp_path):
+    from flowrl.checkpoint import LATEST, latest_checkpoint, save_checkpoint
+
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, "iter_000002", model={"w": torch.ones(2)}, optimizer={"state": {}, "param_groups": []},
+                    state={"iteration": 2}, recipe_toml="")
+    (root / LATEST).unlink()  # killed after the rename, before the pointer was written
+    assert latest_checkpoint(tmp_path).name == "iter_000002"
+    assert latest_checkpoint(tmp_path / "nothing") is None
