@@ -101,7 +101,7 @@ def test_quickstart_dynamics_recipe_and_committed_profile(monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipe's profile path is relative to the repository root
     recipe = load_recipe(ROOT / "recipes" / "quickstart_dynamics.toml", ["model.random_init=true"])
     chunker = build_chunker(recipe)
-    T = recipe.sampler.num_trainable
+    T = recipe.num_trainable
     sizes = chunker.sizes(T)
     assert T == 16 and sum(sizes) == 16 and len(sizes) == 4
     assert all(2 <= s <= 8 for s in sizes)
