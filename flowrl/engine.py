@@ -265,6 +265,15 @@ def lr_lambda(train, total_steps: int):
     return f
 
 
+def _eval_metrics(scores: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Mean and standard error of the mean of each reward over the evaluation set."""
+    out = {}
+    for label, v in scores.items():
+        out[f"eval/{label}/mean"] = v.mean().item()
+        out[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
+    return out
+
+
 def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
     x = x.float()
     return {
@@ -552,9 +561,7 @@ def train(
                         if ctx.is_main:
                             ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds,
                                           cfg.run.seed, cache, train_cfg.micro_batch_size * 4)
-                            for label, v in ev.items():
-                                record[f"eval/{label}/mean"] = v.mean().item()
-                                record[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
+                            record.update(_eval_metrics(ev))
 
                 # ---- Prompts and text embeddings (cached per prompt) -----------------------------
                 with timer("encode"):
@@ -742,11 +749,7 @@ def train(
             if not interrupted and eval_prompts and ctx.is_main and start_iteration < train_cfg.iterations:
                 ev = evaluate(model, sigmas, comps.rewards, eval_prompts, cfg.prompts.eval_seeds, cfg.run.seed, cache,
                               train_cfg.micro_batch_size * 4)
-                final = {"iteration": train_cfg.iterations, "final": True}
-                for label, v in ev.items():
-                    final[f"eval/{label}/mean"] = v.mean().item()
-                    final[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
-                metrics_log.write(final)
+                metrics_log.write({"iteration": train_cfg.iterations, "final": True, **_eval_metrics(ev)})
 
         # ---- Interrupted: make sure the last completed iteration is checkpointed --------------
         if interrupted and ctx.is_main:

@@ -279,12 +279,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                     raise RecipeError(f"override '{text}': no entry {key} in that list", where="--set")
                 node = node[int(key)]
             else:
-                if key in COMPONENT_SECTIONS or key in SECTIONS:
-                    node = node.setdefault(key, {})
-                elif key in node:
-                    node = node[key]
-                else:
-                    node = node.setdefault(key, {})  # unknown tables are reported by validation
+                node = node.setdefault(key, {})  # unknown tables are reported by validation
         last = keys[-1]
         if not isinstance(node, (dict, list)):
             raise RecipeError(

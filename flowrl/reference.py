@@ -46,8 +46,7 @@ class ReferencePolicy:
 
     def __init__(self, model):
         self.model = model
-        self.own = hasattr(model, "reference_velocity")
-        if self.own:
+        if hasattr(model, "reference_velocity"):
             if hasattr(model, "snapshot_reference"):
                 model.snapshot_reference()
             self.mode, self.copy = "adapter", None
@@ -59,7 +58,7 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def velocity(self, latents, sigma, text):
-        if self.own:
+        if self.mode == "adapter":
             return self.model.reference_velocity(latents, sigma, text)
         if self.mode == "lora_disabled":
             with adapters_disabled(self.model.denoiser):

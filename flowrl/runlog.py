@@ -35,8 +35,6 @@ class MetricsLog:
 def _jsonable(value):
     if torch.is_tensor(value):
         return value.tolist()
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     raise TypeError(type(value).__name__)
 
 
