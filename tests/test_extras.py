@@ -1,0 +1,39 @@
+"""A missing optional dependency is one clear message that names the pip command to run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flowrl.errors import MissingDependencyError, require
+
+
+def test_require_names_the_extra_to_install():
+    assert require("json", extra="dev", purpose="x") is json
+    with pytest.raises(MissingDependencyError) as err:
+        require("surely_not_an_installed_module_xyz", extra="clip", purpose="the 'clip' reward")
+    text = err.value.format()
+    assert "the 'clip' reward needs the optional package 'surely_not_an_installed_module_xyz'" in text
+    assert 'pip install "flowrl[clip]"' in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("open_clip") is not None, reason="open_clip is installed here")
+def test_training_with_the_open_clip_backend_missing_says_which_extra(tmp_path):
+    """End to end through the CLI: exit 2, the pip command, no traceback."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        '[model]\nuse = "embedded"\nrandom_init = true\n[sampler]\nsteps = 3\n[chunker]\nuse = "step"\n'
+        '[train]\niterations = 1\nprompts_per_iteration = 1\ngroup_size = 2\nmicro_batch_size = 2\n'
+        '[log]\nprogress = false\n[[rewards]]\nuse = "clip"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl", "train", str(recipe), "-o", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert 'pip install "flowrl[clip]"' in proc.stderr
+    assert "Traceback" not in proc.stderr
