@@ -360,7 +360,7 @@ def _share_l1rel(comps: Components, T: int, refresh: bool = False) -> None:
     selector, chunker = comps.selector, comps.chunker
     if not hasattr(selector, "l1rel") or not hasattr(chunker, "l1rel"):
         return
-    if getattr(getattr(selector, "config", None), "profile", "") :
+    if getattr(getattr(selector, "config", None), "profile", ""):
         return  # the selector reads its own profile file
     if selector.l1rel is None or refresh:
         selector.l1rel = chunker.l1rel(T)

@@ -81,6 +81,22 @@ class DiffusersAdapter:
         self._reference: torch.nn.Module | None = None
         self._reference_mode: str | None = None
 
+    def _check_image_size(self, multiple_of_vae: int, why: str) -> int:
+        """Set ``vae_scale`` and check height and width are multiples of ``vae_scale * multiple_of_vae``.
+
+        Returns that step (pixels per latent token). ``why`` names the extra factor in the error.
+        """
+        self.vae_scale = 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
+        step = self.vae_scale * multiple_of_vae
+        for key in ("height", "width"):
+            value = getattr(self.config, key)
+            if value % step:
+                raise FlowrlError(
+                    f"{key} = {value} is not a multiple of {step} (VAE factor {self.vae_scale} x {why})",
+                    where=f"{self.where}.{key}", hint=f"use a multiple of {step}",
+                )
+        return step
+
     # ---- loading ------------------------------------------------------------------------------
 
     @property

@@ -65,20 +65,13 @@ class FluxModel(DiffusersAdapter):
 
     def __init__(self, config: FluxConfig, where: str = "[model] (model 'flux')"):
         super().__init__(config, where)
-        vae_cfg = self.pipe.vae.config
-        self.vae_scale = 2 ** (len(vae_cfg.block_out_channels) - 1)
-        step = 2 * self.vae_scale
-        for key in ("height", "width"):
-            if getattr(config, key) % step:
-                raise FlowrlError(
-                    f"{key} = {getattr(config, key)} is not a multiple of {step} (VAE factor {self.vae_scale} x 2x2 packing)",
-                    where=f"{where}.{key}", hint=f"use a multiple of {step}",
-                )
+        step = self._check_image_size(2, "2x2 packing")
         self.grid = (config.height // step, config.width // step)
         channels = self.denoiser.config.in_channels
         self.latent_shape = (self.grid[0] * self.grid[1], channels)
         self.image_seq_len = self.latent_shape[0]
-        if self.denoiser.config.in_channels != 4 * vae_cfg.latent_channels:
+        vae_cfg = self.pipe.vae.config
+        if channels != 4 * vae_cfg.latent_channels:
             raise FlowrlError(
                 f"transformer in_channels ({channels}) != 4 x VAE latent_channels ({vae_cfg.latent_channels})",
                 where=f"{where}.path", hint="the pipeline's transformer and VAE do not belong together",

@@ -60,16 +60,8 @@ class SD3Model(DiffusersAdapter):
 
     def __init__(self, config: SD3Config, where: str = "[model] (model 'sd3')"):
         super().__init__(config, where)
-        vae_cfg = self.pipe.vae.config
-        self.vae_scale = 2 ** (len(vae_cfg.block_out_channels) - 1)
         patch = self.denoiser.config.patch_size
-        step = self.vae_scale * patch
-        for key in ("height", "width"):
-            if getattr(config, key) % step:
-                raise FlowrlError(
-                    f"{key} = {getattr(config, key)} is not a multiple of {step} (VAE factor {self.vae_scale} x patch {patch})",
-                    where=f"{where}.{key}", hint=f"use a multiple of {step}",
-                )
+        self._check_image_size(patch, f"patch {patch}")
         h, w = config.height // self.vae_scale, config.width // self.vae_scale
         self.latent_shape = (self.denoiser.config.in_channels, h, w)
         self.image_seq_len = (h // patch) * (w // patch)
