@@ -2,7 +2,7 @@
 
 algorithms.md section 5: the gradient of a chunk is ``sum_i (dL/dz / |c|) grad l_i``, so once the
 chunk ratio is known the chunk can be back-propagated one step at a time
-(:func:`flowrl.chunk_update.lean_chunk_backward`). This script checks what that costs against
+(:func:`flowrl.train.chunk_update.lean_chunk_backward`). This script checks what that costs against
 the cheapest possible step-level update (chunk size 1: each step's forward + backward, nothing
 else) on the embedded tiny FLUX model, on one batch, in an off-policy state (weights perturbed
 after the rollout so that ratios are not 1):
@@ -54,7 +54,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from flowrl.chunk_update import full_graph_backward, lean_chunk_backward  # noqa: E402
+from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward  # noqa: E402
 from flowrl.interfaces import select_embeddings  # noqa: E402
 from flowrl.losses import ClippedObjective, reduce_units  # noqa: E402
 from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout  # noqa: E402

@@ -131,7 +131,7 @@ class Stopwatch:
 
 
 def engine_round(recipe_path: Path, out: Path, stopwatch: Stopwatch):
-    from flowrl.engine import train
+    from flowrl.train import train
     from flowrl.recipe import load_recipe
     from flowrl.runlog import read_metrics
     from rich.console import Console

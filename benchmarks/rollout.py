@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     args = ap.parse_args()
 
-    from flowrl.engine import initial_noise, prompts_for_iteration, read_prompts
+    from flowrl.prompts import prompts_for_iteration, read_prompts
+    from flowrl.train.collect import initial_noise
     from flowrl.plugins import get_registry
     from flowrl.sampling import make_kernels, rollout
     from flowrl.seeding import sample_generators

@@ -19,11 +19,14 @@ from collections.abc import Mapping
 
 import torch
 
+from .errors import FlowrlError
+
 __all__ = [
     "group_zscore",
     "weighted_sum_rewards",
     "combine_group_advantages",
     "gather_group_advantages",
+    "advantages_for",
 ]
 
 _STDS = ("unbiased", "biased")
@@ -215,3 +218,30 @@ def gather_group_advantages(
     else:
         adv = group_zscore(r_all[:, 0], g_all, **zscore_kwargs)
     return adv[start:stop]
+
+
+def advantages_for(estimator, rewards: Mapping[str, torch.Tensor], choices, group_ids: torch.Tensor,
+                   num_chunks: int) -> torch.Tensor:
+    """A run's advantages: ``[S]``, or ``[S, K]`` when a reward weights chunks differently.
+
+    ``estimator`` is the recipe's advantage component, ``choices`` its ``[[rewards]]`` entries
+    (label, weight, chunk_weights). With per-chunk weights (``[[rewards]] chunk_weights``, e.g.
+    more weight on a preference reward in high-noise chunks and on a structure reward in
+    low-noise ones), chunk k's advantage is the estimator's output under chunk k's weights, so
+    both multi-reward modes keep their meaning. The loss then pairs each trained chunk with its
+    own advantage.
+    """
+    if not any(c.chunk_weights for c in choices):
+        return estimator(rewards, {c.label: c.weight for c in choices}, group_ids).float()
+    for c in choices:
+        if c.chunk_weights and len(c.chunk_weights) != num_chunks:
+            raise FlowrlError(
+                f"reward '{c.label}' has {len(c.chunk_weights)} chunk_weights but there are {num_chunks} chunks",
+                where="[[rewards]].chunk_weights",
+                hint="keep the number of chunks fixed (dynamics: num_chunks) or match the weights to it",
+            )
+    per_chunk = [
+        estimator(rewards, {c.label: (c.chunk_weights[k] if c.chunk_weights else c.weight) for c in choices}, group_ids)
+        for k in range(num_chunks)
+    ]
+    return torch.stack(per_chunk, dim=1).float()

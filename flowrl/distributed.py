@@ -16,6 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .errors import FlowrlError
+
 
 @dataclasses.dataclass(frozen=True)
 class DistContext:
@@ -42,9 +44,7 @@ _UNSUPPORTED_LAUNCH = {
 
 
 def check_launch_environment(env=None) -> None:
-    """Refuse launcher settings that the engine would otherwise ignore (users.md item 4)."""
-    from .errors import FlowrlError
-
+    """Refuse launcher settings that the engine would otherwise ignore."""
     env = os.environ if env is None else env
     for key, name in _UNSUPPORTED_LAUNCH.items():
         value = env.get(key, "").lower()
@@ -55,6 +55,31 @@ def check_launch_environment(env=None) -> None:
                 hint="use data parallelism (`accelerate launch --multi_gpu ...` or `flowrl train --num-processes N`); "
                 "for models that do not fit, use LoRA, gradient checkpointing and `flowrl plan` to size the run",
             )
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as exc:
+        raise FlowrlError(f"invalid device '{name}'", where="[run].device", hint="'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
+
+
+def start(device_name: str) -> tuple[torch.device, DistContext]:
+    """This process's device and the process group: under torchrun or accelerate, one process
+    per GPU (``cuda`` then means ``cuda:LOCAL_RANK``)."""
+    device = resolve_device(device_name)
+    ctx = setup(device)
+    return process_device(device, ctx), ctx
+
+
+def process_device(device: torch.device, ctx: DistContext) -> torch.device:
+    """``cuda`` without an index means this process's GPU, ``cuda:LOCAL_RANK``."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", ctx.local_rank)
+    return device
 
 
 def setup(device: torch.device) -> DistContext:

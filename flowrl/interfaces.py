@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -64,6 +65,80 @@ class ModelAdapter(Protocol):
     def prompt_source(self) -> Sequence[str] | None:
         """Prompts the model ships with (the embedded model's grammar), or None."""
 
+    def to(self, device: torch.device) -> Any:
+        """Move every module the adapter runs (denoiser, encoders, decoder) to ``device``."""
+
+
+# ------------------------------------------------------------------ optional model capabilities
+# The engine and the commands check these with ``isinstance``; an adapter implements the ones
+# it supports. The conformance suite (:mod:`flowrl.testing.conformance`) tests each one an
+# adapter claims.
+
+
+@runtime_checkable
+class HasReferencePolicy(Protocol):
+    """An adapter that runs the model before RL itself (e.g. its LoRA disabled), for KL terms
+    and hybrid inference, instead of the engine keeping a frozen copy of the denoiser."""
+
+    def snapshot_reference(self) -> None:
+        """Called once, before the first update: fix the reference to the current weights."""
+
+    def reference_velocity(self, latents: torch.Tensor, sigma: torch.Tensor, text: TextEmbeddings) -> torch.Tensor:
+        """``velocity`` of the reference model, without gradient."""
+
+
+@runtime_checkable
+class HasImageSeqLen(Protocol):
+    """An adapter that knows its packed image sequence length (FLUX's dynamic shift needs it)."""
+
+    image_seq_len: int
+
+
+@runtime_checkable
+class HasLoraTargets(Protocol):
+    """An adapter with default LoRA target modules (used when ``[train].lora_targets`` is empty)."""
+
+    lora_targets: list[str]
+
+
+@runtime_checkable
+class SavesLora(Protocol):
+    """An adapter that writes its trained LoRA in its pipeline's format (``flowrl export``)."""
+
+    def save_lora(self, out: Path) -> None:
+        """Write the LoRA into directory ``out`` (e.g. loadable by ``pipe.load_lora_weights``)."""
+
+
+@runtime_checkable
+class SavesPretrained(Protocol):
+    """An adapter (or a denoiser module) that writes itself with ``save_pretrained``."""
+
+    def save_pretrained(self, out: Path) -> None:
+        """Write the whole model into directory ``out``."""
+
+
+@runtime_checkable
+class DiffusersLoraModule(Protocol):
+    """A denoiser module with diffusers' LoRA methods (``diffusers.loaders.PeftAdapterMixin``):
+    flowrl attaches LoRA with ``add_adapter`` (so ``save_lora_weights`` works) and exports it
+    with ``save_lora_adapter``, or merges it with ``fuse_lora`` + ``unload_lora``."""
+
+    def add_adapter(self, adapter_config: Any) -> None: ...
+
+    def save_lora_adapter(self, save_directory: str) -> None: ...
+
+    def fuse_lora(self) -> None: ...
+
+    def unload_lora(self) -> None: ...
+
+
+@runtime_checkable
+class PlansMemory(Protocol):
+    """A model's params dataclass that can tell ``flowrl plan`` its sizes without loading
+    weights: ``memory_spec()`` returns a :class:`flowrl.planning.ModelMemory`."""
+
+    def memory_spec(self) -> Any: ...
+
 
 class Schedule(Protocol):
     """``sigmas(N, model) -> Tensor[N + 1]``: decreasing float32 sigmas, 1 to 0."""
@@ -71,15 +146,18 @@ class Schedule(Protocol):
     def sigmas(self, num_steps: int, model: ModelAdapter | None = None) -> torch.Tensor: ...
 
 
+@runtime_checkable
 class Kernel(Protocol):
-    """One sampling step with a Gaussian transition ``N(mean, std^2 I)`` (algorithms.md 2-3).
+    """One sampling step with a Gaussian transition ``N(mean, std^2 I)`` (docs/api.md).
 
     ``step`` samples ``x_{i+1}`` when ``next_sample`` is None, otherwise scores the given one;
     it returns a :class:`flowrl.sde.StepOutput` with ``next_sample [B, *L]``,
-    ``log_prob [B]`` (float32), ``mean [B, *L]`` and ``std``.
+    ``log_prob [B]`` (float32), ``mean [B, *L]`` and ``std [B]``. ``stochastic_at`` says
+    whether the step from ``sigma`` to ``sigma_next`` injects noise (only such steps are
+    trainable). The built-in kernels are in :mod:`flowrl.sde`.
     """
 
-    is_stochastic: bool
+    def stochastic_at(self, sigma: float, sigma_next: float) -> bool: ...
 
     def step(
         self,
@@ -104,6 +182,47 @@ class Chunker(Protocol):
     def sizes(self, num_transitions: int) -> tuple[int, ...]: ...
 
 
+@runtime_checkable
+class ProfilingChunker(Protocol):
+    """A chunker whose boundaries come from profiling the model with the training sampler
+    (the ``dynamics`` chunker). ``needs_model`` is True while it has no profile: recipe
+    validation then cannot check its sizes, and training calls :meth:`profile_at_start` first
+    (and saves the profile into the run directory with :meth:`save_profile`)."""
+
+    needs_model: bool
+
+    def profile_at_start(self, model: ModelAdapter, sigmas: torch.Tensor, kernels: Sequence[Any],
+                         prompts: Sequence[str], *, image_from: str = "x0_hat", seed: int = 0) -> Any:
+        """Measure the model's temporal dynamics; afterwards :meth:`sizes` answers."""
+
+    def save_profile(self, path: Path) -> None:
+        """Write the profile in use (``profile.json`` layout) to ``path``."""
+
+
+@runtime_checkable
+class AdaptiveChunker(Protocol):
+    """A chunker that re-profiles the current policy every ``reprofile_every`` iterations
+    (0 = never) and moves its boundaries; the sizes in use are checkpointed and restored with
+    :meth:`set_sizes`."""
+
+    reprofile_every: int
+
+    def reprofile(self, model: ModelAdapter, sigmas: torch.Tensor, kernels: Sequence[Any],
+                  prompts: Sequence[str], *, image_from: str = "x0_hat", seed: int = 0) -> tuple[Any, tuple[int, ...]]:
+        """Re-measure; returns ``(old sizes or None, new sizes)``."""
+
+    def set_sizes(self, sizes: Sequence[int]) -> None:
+        """Pin the layout (restored from a checkpoint)."""
+
+
+@runtime_checkable
+class CurveSource(Protocol):
+    """A chunker that knows the mean L1rel of each trainable transition (from its profile)."""
+
+    def l1rel(self, num_transitions: int) -> torch.Tensor:
+        """float32 ``[T]``, the relative L1 change of each trainable transition."""
+
+
 class ChunkSelector(Protocol):
     """Chooses which chunks each sample trains in one update.
 
@@ -114,6 +233,19 @@ class ChunkSelector(Protocol):
     def select(
         self, num_samples: int, sizes: Sequence[int], generator: torch.Generator
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class CurveWeightedSelector(Protocol):
+    """A selector whose chunk weights come from a per-transition L1rel curve ``l1rel [T]``.
+
+    When ``has_own_profile`` is False the engine hands it the chunker's curve (a
+    :class:`CurveSource`), again after every adaptive re-profiling; the curve in use is
+    checkpointed.
+    """
+
+    l1rel: torch.Tensor | None
+    has_own_profile: bool
 
 
 class AdvantageEstimator(Protocol):
@@ -135,16 +267,31 @@ class AdvantageEstimator(Protocol):
 class PolicyLoss(Protocol):
     """The per-unit policy objective.
 
-    ``objective(log_ratio [U], advantages [U]) -> [U]`` is differentiable in ``log_ratio``
-    (a unit's mean step log-ratio: a step, a chunk, or the sequence). The engine averages it over
-    the trained units of each sample and over samples, and back-propagates it one step at a
-    time (see :mod:`flowrl.chunk_update`). ``beta`` and ``kl`` name an optional KL term.
+    ``objective(log_ratio [B, K], advantages [B, K]) -> [B, K]`` is differentiable in
+    ``log_ratio`` (a unit's mean step log-ratio: a step, a chunk, or the sequence) and
+    elementwise in the units. The engine averages it over the trained units of each sample and
+    over samples, and back-propagates it one step at a time (see
+    :mod:`flowrl.train.chunk_update`).
     """
+
+    objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class KLRegularised(Protocol):
+    """A loss with a KL term: weight ``beta`` (0 = none) and ``kl``, one of
+    ``gaussian_exact``, ``flow_grpo`` or ``old_policy_k3`` (docs/api.md, KL kinds)."""
 
     beta: float
     kl: str
 
-    def objective(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor: ...
+
+@runtime_checkable
+class ReportsClipping(Protocol):
+    """An objective that can say where its clipped branch is active (logged as clip_fraction)."""
+
+    def clip_mask(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+        """bool, ``log_ratio``'s shape: True where the unit's gradient is clipped to zero."""
 
 
 @dataclasses.dataclass
@@ -206,3 +353,11 @@ class Tracker(Protocol):
     def log_image(self, step: int, name: str, image: Any) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class NeedsRunDir(Protocol):
+    """A tracker that must know the run directory before the first iteration (to put its files
+    there); ``start`` is called once, on the main process."""
+
+    def start(self, run_dir: Path) -> None: ...

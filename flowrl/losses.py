@@ -22,20 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.chunking import chunk_index, chunk_mean, validate_chunks
-from flowrl.sde import _std_like
+from flowrl.chunking import chunk_mean, validate_chunks
+from flowrl.interfaces import ReportsClipping
+from flowrl.sde import std_like
 
 __all__ = [
     "Objective",
     "ClippedObjective",
     "unit_log_ratios",
-    "gspo_token_log_ratios",
     "clipped_surrogate",
     "clip_mask",
     "reduce_units",
     "unit_metrics",
     "objective_loss",
-    "policy_loss",
     "kl_gaussian_exact",
     "kl_flow_grpo",
     "kl_old_policy_k3",
@@ -60,7 +59,7 @@ def _check_lp_pair(new_lp: torch.Tensor, old_lp: torch.Tensor) -> None:
         )
 
 
-def _adv_like(advantages: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def broadcast_advantages(advantages: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Advantages ``[B]`` (per sample) or of ``ref``'s shape -> broadcast to ``ref``."""
     a = torch.as_tensor(advantages, dtype=torch.float32, device=ref.device)
     if a.ndim < ref.ndim:
@@ -83,25 +82,13 @@ def unit_log_ratios(new_lp: torch.Tensor, old_lp: torch.Tensor, sizes: Sequence[
     return chunk_mean(new_lp.to(torch.float32) - old_lp.detach().to(torch.float32), s)
 
 
-def gspo_token_log_ratios(new_lp: torch.Tensor, old_lp: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
-    """GSPO-token form (verl; section 5): ``log rho_it = sg(log rho_u(i)) + l_it - sg(l_it)``,
-    ``[B, T]``. Its value is the unit log-ratio of the unit holding ``i``; its gradient equals
-    the unit ratio's when the advantage is constant along the unit."""
-    _check_lp_pair(new_lp, old_lp)
-    s = validate_chunks(sizes, new_lp.shape[1])
-    z = unit_log_ratios(new_lp, old_lp, s).detach()
-    new32 = new_lp.to(torch.float32)
-    # (l - sg(l)) is exactly 0 in value; adding it last keeps z exact
-    return z[:, chunk_index(s, device=new_lp.device)] + (new32 - new32.detach())
-
-
 def clipped_surrogate(
     log_ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
 ) -> torch.Tensor:
     """Per-unit PPO loss ``max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``,
     ``rho = exp(log_ratio)``. ``advantages`` is ``[B]`` or ``log_ratio``'s shape."""
     _check_eps(eps_low, eps_high)
-    a = _adv_like(advantages, log_ratio)
+    a = broadcast_advantages(advantages, log_ratio)
     rho = torch.exp(log_ratio.to(torch.float32))
     return torch.maximum(-a * rho, -a * rho.clamp(1.0 - eps_low, 1.0 + eps_high))
 
@@ -111,7 +98,7 @@ def clip_mask(
 ) -> torch.Tensor:
     """Bool: the clipped branch is active (zero gradient), i.e. ``A > 0`` and
     ``rho > 1 + eps_high``, or ``A < 0`` and ``rho < 1 - eps_low``."""
-    a = _adv_like(advantages, log_ratio)
+    a = broadcast_advantages(advantages, log_ratio)
     rho = torch.exp(log_ratio.detach().to(torch.float32))
     return ((a > 0) & (rho > 1.0 + eps_high)) | ((a < 0) & (rho < 1.0 - eps_low))
 
@@ -119,7 +106,7 @@ def clip_mask(
 @dataclass(frozen=True)
 class ClippedObjective:
     """The clipped surrogate of section 5 as an objective for :func:`objective_loss` and
-    :mod:`flowrl.chunk_update`. Compose extra per-unit terms by wrapping it, e.g.
+    :mod:`flowrl.train.chunk_update`. Compose extra per-unit terms by wrapping it, e.g.
     ``lambda z, a: ClippedObjective(e, e)(z, a) + beta * kl_old_policy_k3(z)``."""
 
     eps_low: float = 5e-5
@@ -135,7 +122,7 @@ class ClippedObjective:
         return clip_mask(log_ratio, advantages, self.eps_low, self.eps_high)
 
 
-def _check_mask(unit_mask: torch.Tensor, B: int, K: int, device) -> torch.Tensor:
+def check_unit_mask(unit_mask: torch.Tensor, B: int, K: int, device) -> torch.Tensor:
     m = torch.as_tensor(unit_mask)
     if m.dtype != torch.bool or tuple(m.shape) != (B, K):
         raise ValueError(f"unit_mask must be a bool tensor [B, K] = {(B, K)}, got {m.dtype} {tuple(m.shape)}")
@@ -155,7 +142,7 @@ def reduce_units(per_unit: torch.Tensor, unit_mask: torch.Tensor, normaliser: fl
     if per_unit.ndim != 2:
         raise ValueError(f"per-unit values must be [B, K], got shape {tuple(per_unit.shape)}")
     B, K = per_unit.shape
-    m = _check_mask(unit_mask, B, K, per_unit.device)
+    m = check_unit_mask(unit_mask, B, K, per_unit.device)
     if normaliser is None:
         normaliser = B
     if not (isinstance(normaliser, (int, float)) and normaliser > 0):
@@ -180,8 +167,8 @@ def unit_metrics(
     m = torch.as_tensor(unit_mask, device=z.device)
     sel = z[m]
     rho = torch.exp(sel)
-    if objective is not None and hasattr(objective, "clip_mask"):
-        clipped = objective.clip_mask(z, _adv_like(advantages, z))[m]
+    if isinstance(objective, ReportsClipping):
+        clipped = objective.clip_mask(z, broadcast_advantages(advantages, z))[m]
         clip_frac = float(clipped.float().mean()) if sel.numel() else 0.0
     else:
         clip_frac = 0.0
@@ -212,32 +199,11 @@ def objective_loss(
     objective, so garbage there cannot leak NaN into the gradient). Returns (loss, metrics)."""
     z = unit_log_ratios(new_lp, old_lp, sizes)
     B, K = z.shape
-    m = _check_mask(unit_mask, B, K, z.device)
+    m = check_unit_mask(unit_mask, B, K, z.device)
     z = torch.where(m, z, torch.zeros_like(z))
-    a = _adv_like(advantages, z)
+    a = broadcast_advantages(advantages, z)
     loss = reduce_units(objective(z, a), m, normaliser)
     return loss, unit_metrics(z, a, m, objective)
-
-
-def policy_loss(
-    new_lp: torch.Tensor,
-    old_lp: torch.Tensor,
-    advantages: torch.Tensor,
-    sizes: Sequence[int],
-    unit_mask: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-    normaliser: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped policy loss of section 5 over the selected units (see module docstring).
-
-    ``new_lp``, ``old_lp``: ``[B, T]`` log-probs of the trainable transitions (``new`` with
-    gradient); ``advantages``: ``[B]`` (or ``[B, K]``); ``sizes``: chunk layout summing to T;
-    ``unit_mask``: bool ``[B, K]``. Returns ``(scalar loss, metrics)``, metrics from
-    :func:`unit_metrics`.
-    """
-    return objective_loss(new_lp, old_lp, advantages, sizes, unit_mask,
-                          ClippedObjective(eps_low, eps_high), normaliser)
 
 
 # ------------------------------------------------------------------------------------ KL terms
@@ -249,7 +215,7 @@ def kl_gaussian_exact(mean: torch.Tensor, ref_mean: torch.Tensor, std) -> torch.
     (section 8; ``s = g sqrt(h)``). ``std`` follows :func:`flowrl.sde.gaussian_log_prob`'s
     rule (per-sample ``[B]`` allowed). Keeps the gradient of both means."""
     d = mean.to(torch.float32) - ref_mean.to(torch.float32)
-    s = _std_like(std, d)
+    s = std_like(std, d)
     if not bool((s > 0).all()):
         raise ValueError("std must be > 0 for the Gaussian KL")
     return ((d**2) / (2.0 * s**2)).expand_as(d).reshape(d.shape[0], -1).mean(dim=1)
@@ -260,7 +226,7 @@ def kl_flow_grpo(mean: torch.Tensor, ref_mean: torch.Tensor, g) -> torch.Tensor:
     with ``g`` the diffusion coefficient (NOT the step std: it lacks the ``1/h`` of the exact
     KL, section 8). ``g`` per-sample ``[B]`` allowed. Keeps the gradient."""
     d = mean.to(torch.float32) - ref_mean.to(torch.float32)
-    gg = _std_like(g, d)
+    gg = std_like(g, d)
     if not bool((gg > 0).all()):
         raise ValueError("g must be > 0 for the Flow-GRPO KL")
     return ((d**2) / (2.0 * gg**2)).expand_as(d).reshape(d.shape[0], -1).mean(dim=1)

@@ -25,9 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from .config import from_dict, param, to_dict
 from .errors import RecipeError, suggest
+from .interfaces import ProfilingChunker
 from .plugins import Registry, get_registry
+from .sampling import make_kernels, trainable_mask
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -306,8 +310,13 @@ def load_recipe(
     return validate(data, source=str(path), registry=registry)
 
 
-def validate(data: dict[str, Any], *, source: str = "<recipe>", registry: Registry | None = None) -> Recipe:
-    """Validate a parsed recipe dict and return a :class:`Recipe`."""
+def validate(
+    data: dict[str, Any], *, source: str = "<recipe>", registry: Registry | None = None, require_rewards: bool = True
+) -> Recipe:
+    """Validate a parsed recipe dict and return a :class:`Recipe`.
+
+    ``require_rewards=False`` accepts a recipe without ``[[rewards]]`` (for sampling and
+    profiling a model, which score nothing)."""
     registry = registry or get_registry()
     valid_tables = list(SECTIONS) + list(COMPONENT_SECTIONS) + list(LIST_SECTIONS)
     for key, value in data.items():
@@ -334,13 +343,13 @@ def validate(data: dict[str, Any], *, source: str = "<recipe>", registry: Regist
                     hint=f'add [{section}] with use = "<name>"; valid: {", ".join(registry.names(kind))}',
                 )
             table = {"use": default}
-        components[section] = _component(registry, kind, table, f"{source}: [{section}]")
+        components[section] = component_choice(registry, kind, table, f"{source}: [{section}]")
 
     rewards = [
-        _component(registry, "reward", t, f"{source}: [[rewards]] #{i + 1}", extra=("weight", "name", "chunk_weights"))
+        component_choice(registry, "reward", t, f"{source}: [[rewards]] #{i + 1}", extra=("weight", "name", "chunk_weights"))
         for i, t in enumerate(data.get("rewards", []))
     ]
-    if not rewards:
+    if not rewards and require_rewards:
         raise RecipeError(
             "no reward: add at least one [[rewards]] entry",
             where=source,
@@ -355,7 +364,7 @@ def validate(data: dict[str, Any], *, source: str = "<recipe>", registry: Regist
             hint="give each entry a distinct `name = \"...\"`",
         )
     trackers = [
-        _component(registry, "tracker", t, f"{source}: [[trackers]] #{i + 1}")
+        component_choice(registry, "tracker", t, f"{source}: [[trackers]] #{i + 1}")
         for i, t in enumerate(data.get("trackers", []))
     ]
     recipe = Recipe(
@@ -365,7 +374,7 @@ def validate(data: dict[str, Any], *, source: str = "<recipe>", registry: Regist
     return recipe
 
 
-def _component(
+def component_choice(
     registry: Registry, kind: str, table: dict[str, Any], where: str, extra: tuple[str, ...] = ()
 ) -> ComponentChoice:
     if "use" not in table:
@@ -415,10 +424,6 @@ def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
     """T for this recipe's sampler, decided by the kernel itself (an ``ode`` kernel or noise 0
     trains nothing; ``cps`` into sigma = 0 is deterministic) exactly as the engine decides it,
     on a stand-in schedule (trainability does not depend on the sigma values)."""
-    import torch
-
-    from .sampling import make_kernels, trainable_mask
-
     choice = recipe.components["kernel"]
     kernel = registry.get("kernel", choice.use).build(choice.params)
     s = recipe.sampler
@@ -451,7 +456,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     choice = recipe.components["chunker"]
     comp = registry.get("chunker", choice.use)
     chunker = comp.build(choice.params)
-    if getattr(chunker, "needs_model", False):
+    if isinstance(chunker, ProfilingChunker) and chunker.needs_model:
         return  # boundaries come from profiling the model at start
     try:
         sizes = chunker.sizes(T)

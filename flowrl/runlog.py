@@ -4,29 +4,43 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
+from .files import write_text_atomic
+
 
 class MetricsLog:
-    """Append-only JSONL, one object per iteration; flushed every line.
+    """``metrics.jsonl``: one JSON object per iteration, each line on disk (fsynced) when
+    :meth:`write` returns.
 
-    On resume, lines for iterations at or after the resumed iteration are dropped first, so the
-    file reads as one uninterrupted run.
+    On resume, lines for iterations at or after the resumed iteration are dropped first (the file
+    is replaced atomically), so the file reads as one uninterrupted run.
     """
 
     def __init__(self, path: Path, resume_from: int | None = None):
         self.path = path
         if resume_from is not None and path.is_file():
             kept = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("iteration", -1) < resume_from]
-            path.write_text("".join(k + "\n" for k in kept))
+            write_text_atomic(path, "".join(k + "\n" for k in kept))
         self._f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record, default=_jsonable) + "\n")
         self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def rewrite_last(self, record: dict[str, Any]) -> None:
+        """Replace the last line by ``record``, atomically: a reader sees the old line or the
+        new one, never neither."""
+        self._f.close()
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        lines[-1] = json.dumps(record, default=_jsonable)
+        write_text_atomic(self.path, "\n".join(lines) + "\n")
+        self._f = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:
         self._f.close()

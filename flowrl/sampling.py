@@ -11,18 +11,22 @@ for that sub-batch; see :func:`make_step_log_prob_fn`). ``sigma`` is passed as a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from flowrl.schedules import validate_sigmas
-from flowrl.sde import GeneratorArg, Kernel, ODEKernel
+from flowrl.interfaces import Kernel
+from flowrl.sde import GeneratorArg, ODEKernel, StepOutput
 from flowrl.trajectory import Trajectory
 
 __all__ = [
+    "Sampler",
     "VelocityFn",
     "make_kernels",
     "trainable_mask",
     "rollout",
+    "rescore_transition",
     "transition_log_prob",
     "make_step_log_prob_fn",
 ]
@@ -30,6 +34,19 @@ __all__ = [
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _IMAGE_FROM = ("x0_hat", "final")
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """What a run samples with: ``sigmas [N + 1]`` (float32), one kernel per step, T (the
+    number of trainable transitions), where the image is decoded from (``"x0_hat"`` or
+    ``"final"``) and the log-prob reduction (``"mean"`` or ``"sum"``)."""
+
+    sigmas: torch.Tensor
+    kernels: tuple[Kernel, ...]
+    num_trainable: int
+    image_from: str
+    reduction: str
 
 
 def make_kernels(
@@ -180,16 +197,17 @@ def rollout(
     )
 
 
-def transition_log_prob(
+def rescore_transition(
     velocity_fn: VelocityFn,
     trajectory: Trajectory,
     i: int,
     batch_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Re-score transition ``i`` of the samples ``batch_idx`` (default all) with the current
-    ``velocity_fn`` (built for exactly those samples): float32 ``[len(batch_idx)]`` with the
-    gradient of ``velocity_fn`` (when grad mode is on). Uses the trajectory's stored kernel,
-    sigmas, float32 latents and reduction, so on-policy the ratio is 1 (section 3)."""
+) -> StepOutput:
+    """Re-score transition ``i`` of the samples ``batch_idx`` (default all) with ``velocity_fn``
+    (built for exactly those samples): the kernel's :class:`~flowrl.sde.StepOutput` for the stored
+    ``x_i -> x_{i+1}``, whose ``log_prob [len(batch_idx)]`` (float32) and ``mean`` carry the
+    gradient of ``velocity_fn`` when grad mode is on. Uses the trajectory's stored kernel, sigmas,
+    float32 latents and reduction, so on-policy the ratio is 1 (section 3)."""
     if not trajectory.kernels:
         raise ValueError("the trajectory has no kernels; re-scoring needs the kernel of each step")
     tr = trajectory.transition(i)
@@ -202,14 +220,23 @@ def transition_log_prob(
     s_i = tr.sigma.repeat(b)
     s_n = tr.sigma_next.repeat(b)
     v = velocity_fn(x, s_i)
-    out = tr.kernel.step(v, x, s_i, s_n, next_sample=nxt, reduction=trajectory.reduction)
-    return out.log_prob
+    return tr.kernel.step(v, x, s_i, s_n, next_sample=nxt, reduction=trajectory.reduction)
+
+
+def transition_log_prob(
+    velocity_fn: VelocityFn,
+    trajectory: Trajectory,
+    i: int,
+    batch_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``log_prob`` of :func:`rescore_transition`: float32 ``[len(batch_idx)]``."""
+    return rescore_transition(velocity_fn, trajectory, i, batch_idx).log_prob
 
 
 def make_step_log_prob_fn(
     velocity_fn_for: Callable[[torch.Tensor], VelocityFn], trajectory: Trajectory
 ) -> Callable[[int, torch.Tensor, bool], torch.Tensor]:
-    """Adapter for :mod:`flowrl.chunk_update`: returns ``fn(t, batch_idx, grad) -> [len]``
+    """Adapter for :mod:`flowrl.train.chunk_update`: returns ``fn(t, batch_idx, grad) -> [len]``
     where ``t`` is a position in the trainable sequence (``0 <= t < T``) and
     ``velocity_fn_for(batch_idx)`` builds the velocity closure for those samples.
 

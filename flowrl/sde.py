@@ -33,9 +33,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar, Literal, Union
 
 import torch
+
+from .config import param
 
 __all__ = [
     "StepOutput",
@@ -47,12 +49,10 @@ __all__ = [
     "dance_step",
     "ode_step",
     "cps_step",
-    "Kernel",
     "FlowKernel",
     "DanceKernel",
     "ODEKernel",
     "CPSKernel",
-    "kernel_from_name",
 ]
 
 GeneratorArg = Union[torch.Generator, Sequence[torch.Generator], None]
@@ -106,7 +106,7 @@ def _bcast(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t.reshape(t.shape[0], *([1] * (ndim - 1)))
 
 
-def _std_like(std, x: torch.Tensor) -> torch.Tensor:
+def std_like(std, x: torch.Tensor) -> torch.Tensor:
     """std rule of :func:`gaussian_log_prob`: a 1-D std is per-sample, else broadcastable."""
     s = torch.as_tensor(std, dtype=torch.float32, device=x.device)
     if s.ndim == 1 and x.ndim > 1:
@@ -154,7 +154,7 @@ def gaussian_log_prob(
         raise ValueError("x must have a batch dimension, got a 0-d tensor")
     x = x.to(torch.float32)
     mean = mean.to(torch.float32)
-    s = _std_like(std, x)
+    s = std_like(std, x)
     if not bool((s > 0).all()):
         raise ValueError("std must be > 0 everywhere for a Gaussian log-prob")
     elem = -((x - mean) ** 2) / (2.0 * s**2) - torch.log(s) - _HALF_LOG_2PI
@@ -270,7 +270,7 @@ def flow_step(
     sigma,
     sigma_next,
     *,
-    a: float = 0.7,
+    a: float,
     next_sample: torch.Tensor | None = None,
     generator: GeneratorArg = None,
     reduction: str = "mean",
@@ -293,7 +293,7 @@ def dance_step(
     sigma,
     sigma_next,
     *,
-    eta: float = 0.3,
+    eta: float,
     next_sample: torch.Tensor | None = None,
     generator: GeneratorArg = None,
     reduction: str = "mean",
@@ -353,7 +353,7 @@ def cps_step(
     sigma,
     sigma_next,
     *,
-    a: float = 0.7,
+    a: float,
     next_sample: torch.Tensor | None = None,
     generator: GeneratorArg = None,
     reduction: str = "mean",
@@ -389,46 +389,24 @@ def cps_step(
 
 
 # --------------------------------------------------------------------------------------------
-# kernel objects
+# kernels: a step function with its noise parameter, as a recipe component
+#
+# Each class is a frozen dataclass whose fields ARE the recipe keys of ``[kernel]`` (documented
+# once, here): the built-in plugin registers the class as its own params. Every class
+# implements :class:`flowrl.interfaces.Kernel`.
 
 
 @dataclass(frozen=True)
-class Kernel:
-    """A step kernel with its noise parameter; a sampler holds one per step.
+class FlowKernel:
+    """``flow`` kernel (Flow-GRPO 'sde', MixGRPO, GCPO): ``g = a sqrt(sigma / (1 - sigma))``;
+    see :func:`flow_step`."""
 
-    Subclasses implement :meth:`step` (same arguments as the step functions minus the noise
-    parameter). ``is_stochastic`` says whether the kernel ever injects noise;
-    :meth:`stochastic_at` whether a given step does (``cps`` is deterministic into sigma 0).
-    """
-
-    name: ClassVar[str] = "kernel"
-
-    @property
-    def is_stochastic(self) -> bool:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
-        return self.is_stochastic
-
-    def step(
-        self,
-        velocity: torch.Tensor,
-        sample: torch.Tensor,
-        sigma,
-        sigma_next,
-        *,
-        next_sample: torch.Tensor | None = None,
-        generator: GeneratorArg = None,
-        reduction: str = "mean",
-    ) -> StepOutput:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-
-@dataclass(frozen=True)
-class FlowKernel(Kernel):
-    """``flow`` kernel, ``g = a * sqrt(sigma / (1 - sigma))`` (see :func:`flow_step`)."""
-
-    a: float = 0.7
+    a: float = param(
+        0.7,
+        "Noise level a of g(sigma) = a sqrt(sigma / (1 - sigma)); the first step's std is exactly a. "
+        "0.7 in GCPO/MixGRPO/Flow-GRPO SD3, 0.9 in Flow-GRPO FLUX (their 'eta' is this a).",
+        min=0.0,
+    )
     name: ClassVar[str] = "flow"
 
     def __post_init__(self):
@@ -438,6 +416,9 @@ class FlowKernel(Kernel):
     def is_stochastic(self) -> bool:
         return self.a > 0
 
+    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
+        return self.is_stochastic
+
     def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
              reduction="mean") -> StepOutput:
         return flow_step(velocity, sample, sigma, sigma_next, a=self.a, next_sample=next_sample,
@@ -445,10 +426,10 @@ class FlowKernel(Kernel):
 
 
 @dataclass(frozen=True)
-class DanceKernel(Kernel):
-    """``dance`` kernel, ``g = eta`` (see :func:`dance_step`)."""
+class DanceKernel:
+    """``dance`` kernel (DanceGRPO's flux_step): constant ``g = eta``; see :func:`dance_step`."""
 
-    eta: float = 0.3
+    eta: float = param(0.3, "Constant diffusion coefficient g = eta (DanceGRPO's flux_step).", min=0.0)
     name: ClassVar[str] = "dance"
 
     def __post_init__(self):
@@ -458,6 +439,9 @@ class DanceKernel(Kernel):
     def is_stochastic(self) -> bool:
         return self.eta > 0
 
+    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
+        return self.is_stochastic
+
     def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
              reduction="mean") -> StepOutput:
         return dance_step(velocity, sample, sigma, sigma_next, eta=self.eta,
@@ -465,13 +449,16 @@ class DanceKernel(Kernel):
 
 
 @dataclass(frozen=True)
-class ODEKernel(Kernel):
-    """Deterministic Euler step (see :func:`ode_step`)."""
+class ODEKernel:
+    """Deterministic Euler step (no noise; never trainable); see :func:`ode_step`."""
 
     name: ClassVar[str] = "ode"
 
     @property
     def is_stochastic(self) -> bool:
+        return False
+
+    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
         return False
 
     def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
@@ -481,11 +468,17 @@ class ODEKernel(Kernel):
 
 
 @dataclass(frozen=True)
-class CPSKernel(Kernel):
-    """Coefficients-Preserving Sampling kernel (see :func:`cps_step`)."""
+class CPSKernel:
+    """Coefficients-preserving sampling (Flow-GRPO-Fast); see :func:`cps_step`."""
 
-    a: float = 0.7
-    log_prob: str = "gaussian"
+    a: float = param(
+        0.7, "Coefficients-preserving sampling noise: s = sigma_next sin(a pi / 2). 0 = Euler.", min=0.0, max=1.0
+    )
+    log_prob: Literal["gaussian", "anchor"] = param(
+        "gaussian",
+        "'gaussian': the true Gaussian log-prob; 'anchor': Flow-GRPO-Fast's -(x' - mu)^2 without "
+        "1/(2 s^2) (not a likelihood ratio; pair it with a clip range of about 1e-5).",
+    )
     name: ClassVar[str] = "cps"
 
     def __post_init__(self):
@@ -506,21 +499,3 @@ class CPSKernel(Kernel):
              reduction="mean") -> StepOutput:
         return cps_step(velocity, sample, sigma, sigma_next, a=self.a, next_sample=next_sample,
                         generator=generator, reduction=reduction, log_prob=self.log_prob)
-
-
-_KERNELS = {"flow": FlowKernel, "dance": DanceKernel, "ode": ODEKernel, "cps": CPSKernel}
-
-
-def kernel_from_name(name: str, noise: float | None = None) -> Kernel:
-    """``"flow"`` (noise = a), ``"dance"`` (noise = eta), ``"cps"`` (noise = a) or ``"ode"``;
-    ``noise=None`` takes the kernel's default (0.7 / 0.3 / 0.7)."""
-    if name not in _KERNELS:
-        raise ValueError(f"unknown kernel {name!r}; expected one of {sorted(_KERNELS)}")
-    cls = _KERNELS[name]
-    if name == "ode":
-        if noise not in (None, 0, 0.0):
-            raise ValueError(f"the ode kernel takes no noise parameter, got {noise!r}")
-        return cls()
-    if noise is None:
-        return cls()
-    return cls(noise) if name != "dance" else cls(eta=noise)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from flowrl.sde import Kernel
+from flowrl.interfaces import Kernel
 
 __all__ = ["Trajectory", "Transition"]
 

@@ -1,4 +1,4 @@
-"""Built-in advantage estimator: the group z-score and its anchor variants (algorithms.md 7)."""
+"""Built-in advantage estimator: the group z-score and its anchor variants (docs/api.md, advantages)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal
 
 from flowrl import hookimpl
+from flowrl.advantages import combine_group_advantages, group_zscore, weighted_sum_rewards
 from flowrl.config import param
 
 
@@ -33,8 +34,6 @@ class GroupZScore:
         self.config = config
 
     def __call__(self, rewards, weights, group_ids):
-        from flowrl.advantages import combine_group_advantages, group_zscore, weighted_sum_rewards
-
         c = self.config
         kwargs = dict(std=c.std, eps=c.eps, global_std=c.global_std, clip=c.clip)
         if c.multi_reward == "weighted_sum" or len(rewards) == 1:

@@ -1,4 +1,4 @@
-"""Built-in policy loss: the PPO/GRPO clipped surrogate per unit (algorithms.md sections 5, 8)."""
+"""Built-in policy loss: the PPO/GRPO clipped surrogate per unit (docs/api.md, losses and KL)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Literal
 
 from flowrl import hookimpl
 from flowrl.config import param
+from flowrl.losses import ClippedObjective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +36,6 @@ class ClippedSurrogate:
     Config = ClippedConfig
 
     def __init__(self, config: ClippedConfig):
-        from flowrl.losses import ClippedObjective
-
         self.config = config
         self.beta = config.beta
         self.kl = config.kl

@@ -6,6 +6,9 @@ import dataclasses
 
 from flowrl import hookimpl
 from flowrl.config import param
+from flowrl.errors import FlowrlError
+from flowrl.interfaces import HasImageSeqLen
+from flowrl.schedules import flux_dynamic_sigmas, shifted_sigmas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +25,6 @@ class ShiftSchedule:
         self.config = config
 
     def sigmas(self, num_steps, model=None):
-        from flowrl.schedules import shifted_sigmas
-
         return shifted_sigmas(num_steps, self.config.shift)
 
 
@@ -45,10 +46,7 @@ class FluxDynamicSchedule:
         self.config = config
 
     def sigmas(self, num_steps, model=None):
-        from flowrl.errors import FlowrlError
-        from flowrl.schedules import flux_dynamic_sigmas
-
-        seq_len = self.config.image_seq_len or getattr(model, "image_seq_len", 0)
+        seq_len = self.config.image_seq_len or (model.image_seq_len if isinstance(model, HasImageSeqLen) else 0)
         if not seq_len:
             raise FlowrlError(
                 "schedule 'flux_dynamic' needs the image sequence length",
@@ -66,8 +64,6 @@ class ModelSchedule:
     """The model adapter's own schedule (what its pipeline uses at inference)."""
 
     def sigmas(self, num_steps, model=None):
-        from flowrl.errors import FlowrlError
-
         sigmas = model.sigmas(num_steps) if model is not None else None
         if sigmas is None:
             raise FlowrlError(

@@ -6,14 +6,14 @@ import dataclasses
 
 from flowrl import hookimpl
 from flowrl.config import param
+from flowrl.dynamics.profile_file import read_l1rel
+from flowrl.selection import chunk_weights_from_l1rel, select_all, select_uniform, select_weighted
 
 
 class AllSelector:
     """Train every chunk of every sample."""
 
     def select(self, num_samples, sizes, generator):
-        from flowrl.selection import select_all
-
         return select_all(num_samples, len(sizes))
 
 
@@ -36,8 +36,6 @@ class UniformSelector:
         self.config = config
 
     def select(self, num_samples, sizes, generator):
-        from flowrl.selection import select_uniform
-
         return select_uniform(num_samples, len(sizes), self.config.fraction, generator)
 
 
@@ -58,14 +56,13 @@ class WeightedSelector:
 
     def __init__(self, config: WeightedConfig):
         self.config = config
-        self.l1rel = None  # set from the profile by the engine (or read lazily below)
+        #: the curve in use: from ``profile`` (read on first use), or handed over by the engine
+        #: from the chunker's profile (flowrl.interfaces.CurveWeightedSelector)
+        self.l1rel = None
+        self.has_own_profile = bool(config.profile)
 
     def select(self, num_samples, sizes, generator):
-        from flowrl.selection import chunk_weights_from_l1rel, select_weighted
-
         if self.l1rel is None:
-            from flowrl.profile_io import read_l1rel
-
             self.l1rel = read_l1rel(self.config.profile, num_transitions=sum(sizes))
         weights = chunk_weights_from_l1rel(self.l1rel, sizes)
         count = max(1, int(len(sizes) * self.config.fraction))

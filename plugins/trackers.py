@@ -6,6 +6,7 @@ import dataclasses
 
 from flowrl import hookimpl
 from flowrl.config import param
+from flowrl.errors import require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,8 +24,6 @@ class TensorBoardTracker:
         self.writer = None
 
     def start(self, run_dir):
-        from flowrl.errors import require
-
         require("tensorboard", extra="tensorboard", purpose="the tensorboard tracker")
         from torch.utils.tensorboard import SummaryWriter
 

@@ -222,14 +222,14 @@ def test_plugins_command(results):
 
 def test_train_option_parsing(monkeypatch):
     """train hands the engine the validated recipe with -o, --set, --resume and --dry-run applied."""
-    import flowrl.engine
+    import flowrl.train
 
     seen = {}
 
     def fake_train(recipe, *, resume=None, dry_run=False, console=None, registry=None):
         seen.update(recipe=recipe, resume=resume, dry_run=dry_run)
 
-    monkeypatch.setattr(flowrl.engine, "train", fake_train)
+    monkeypatch.setattr(flowrl.train, "train", fake_train)
     cli.main(["train", str(REPO / QUICK), "-o", "/tmp/flowrl-out dir", "--set", "train.iterations=3",
               "-s", "model.random_init=true", "--resume", "/tmp/prev", "--dry-run"])
     recipe = seen["recipe"]

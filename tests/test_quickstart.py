@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.engine import train
+from flowrl.train import train
 from flowrl.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,8 +1,6 @@
-"""CLI commands that live in their own modules.
+"""The ``flowrl`` commands, one module each (``flowrl train`` is in ``train.py``, and so on).
 
-Each module defines its command(s) on :data:`flowrl.cli.app` at import time and keeps heavy
-imports inside the command function, so ``flowrl --help`` stays fast.
+Each module adds its command(s) to :data:`flowrl.commands.base.app` when imported;
+:mod:`flowrl.cli` imports them all. Heavy imports (torch, diffusers, matplotlib) stay inside the
+command functions, so ``flowrl --help`` stays fast.
 """
-
-#: Imported by flowrl.cli after the core commands are defined.
-MODULES = ("profile", "sample", "evaluate", "export", "plan", "reward_server")

@@ -28,19 +28,19 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..cli import SetOpt, _registry, app, console
 from ..errors import FlowrlError
+from .base import SetOpt, app, console, registry
 
 
 def build_rewards(src, names: list[str]):
     """``[(label, reward)]``: the named rewards with default params, else the recipe's rewards."""
-    registry = _registry()
+    reg = registry()
     if names:
-        return [(n, registry.get("reward", n, where="--reward").build(None)) for n in names]
-    if src.recipe is None:
+        return [(n, reg.get("reward", n, where="--reward").build(None)) for n in names]
+    if not src.from_recipe:
         raise FlowrlError("no rewards to evaluate with", where="--reward",
                           hint="pass --reward NAME (repeatable; see `flowrl plugins`), or a run/recipe with [[rewards]]")
-    return [(c.label, registry.get("reward", c.use).build(c.params)) for c in src.recipe.rewards]
+    return [(c.label, reg.get("reward", c.use).build(c.params)) for c in src.recipe.rewards]
 
 
 def summarize(values: list[float]) -> dict[str, float]:
@@ -99,7 +99,7 @@ def evaluate(
     rewards = build_rewards(src, list(reward or []))
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
-    base_seed = seed if seed is not None else (src.recipe.run.seed if src.recipe is not None else 42)
+    base_seed = seed if seed is not None else src.recipe.run.seed
     items = make_items(plist, seeds)
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,8 @@ def evaluate(
     records = gather_records(records, ctx)
     if not ctx.is_main:
         return
-    from .sample import checkpoint_iteration
+    from ..files import write_text_atomic
+    from ..train.checkpoint import checkpoint_iteration
 
     result = {
         "source": src.label,
@@ -124,15 +125,13 @@ def evaluate(
         "iteration": checkpoint_iteration(src.checkpoint),
         "rewards": {label: summarize([r["scores"][label] for r in records]) for label, _ in rewards},
         "settings": {
-            "model": src.model_name, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
+            "model": src.recipe.components["model"].use, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
             "seed": base_seed, "seeds_per_prompt": seeds, "num_prompts": len(plist),
             "hybrid_steps": hybrid_steps, "world_size": ctx.world_size,
         },
         "per_image": records,
         "elapsed_s": time.perf_counter() - start_time,
     }
-    from ..checkpoint import write_text_atomic
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=1))

@@ -28,14 +28,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..cli import SetOpt, app, console
 from ..errors import FlowrlError
+from ..interfaces import DiffusersLoraModule, HasLoraTargets, SavesLora, SavesPretrained
+from .base import SetOpt, app, console
 
 
 def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | None = None,
                overrides: list[str] | None = None, merge: bool = False) -> Path:
     """Export a run's checkpoint (the latest by default); returns the output directory."""
-    from .sample import checkpoint_iteration, load_policy, resolve_source
+    from ..train.checkpoint import checkpoint_iteration
+    from .sample import load_policy, resolve_source
 
     src = resolve_source(Path(run_dir), None, list(overrides or []), checkpoint)
     if src.checkpoint is None:
@@ -55,8 +57,8 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         "run_dir": str(src.run_dir) if src.run_dir else None,
         "checkpoint": str(src.checkpoint),
         "iteration": checkpoint_iteration(src.checkpoint),
-        "model": src.model_name,
-        "base": getattr(src.model_params, "path", None),
+        "model": src.recipe.components["model"].use,
+        "base": src.recipe.components["model"].as_table().get("path"),
         "finetune": finetune,
         "merged": bool(merge and finetune == "lora"),
         "format": fmt,
@@ -64,22 +66,22 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     if finetune == "lora":
         t = src.recipe.train
         info["lora"] = {"rank": t.lora_rank, "alpha": t.lora_alpha,
-                        "targets": list(t.lora_targets) or list(getattr(model, "lora_targets", []) or [])}
+                        "targets": list(t.lora_targets) or (list(model.lora_targets) if isinstance(model, HasLoraTargets) else [])}
     (out / "flowrl_export.json").write_text(json.dumps(info, indent=1))
     return out
 
 
 def _save_lora(model, out: Path) -> str:
-    if callable(getattr(model, "save_lora", None)):
+    if isinstance(model, SavesLora):
         model.save_lora(out)  # diffusers pipeline format: pipe.load_lora_weights(out)
         return "diffusers_lora"
     denoiser = model.denoiser
-    if callable(getattr(denoiser, "save_lora_adapter", None)):
+    if isinstance(denoiser, DiffusersLoraModule):
         denoiser.save_lora_adapter(str(out))  # diffusers model format: model.load_lora_adapter(out)
         return "diffusers_model_lora"
     from safetensors.torch import save_file
 
-    from ..finetune import trainable_state_dict
+    from ..train.finetune import trainable_state_dict
 
     save_file({k: v.float().contiguous() for k, v in trainable_state_dict(denoiser).items()}, str(out / "lora.safetensors"))
     return "peft_state_dict"
@@ -87,7 +89,7 @@ def _save_lora(model, out: Path) -> str:
 
 def _merge_lora(model) -> None:
     denoiser = model.denoiser
-    if not (callable(getattr(denoiser, "fuse_lora", None)) and callable(getattr(denoiser, "unload_lora", None))):
+    if not isinstance(denoiser, DiffusersLoraModule):
         raise FlowrlError("--merge needs a diffusers denoiser (fuse_lora / unload_lora)", where="--merge",
                           hint="export the LoRA without --merge")
     denoiser.fuse_lora()
@@ -95,11 +97,11 @@ def _merge_lora(model) -> None:
 
 
 def _save_full(model, out: Path) -> str:
-    if callable(getattr(model, "save_pretrained", None)):
+    if isinstance(model, SavesPretrained):
         model.save_pretrained(out)
         return "diffusers_pipeline"
     denoiser = model.denoiser
-    if callable(getattr(denoiser, "save_pretrained", None)):
+    if isinstance(denoiser, SavesPretrained):
         denoiser.save_pretrained(str(out / "transformer"))
         return "diffusers_model"
     from safetensors.torch import save_file

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ..cli import SetOpt, _load, _registry, app, console
+from .base import SetOpt, app, console, load, registry
 from ..errors import FlowrlError
 
 GB = 1024**3
@@ -170,7 +170,7 @@ def _count_prompts(source: str) -> int | None:
 
 def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[Line]]:
     """The geometry, the model's memory facts and the estimate's lines (phase, item, bytes)."""
-    from ..geometry import resolve_geometry
+    from ..train.geometry import resolve_geometry
 
     geometry = resolve_geometry(recipe.train, world_size, recipe.source)
     mm = model_memory(recipe, registry)
@@ -266,8 +266,8 @@ def plan(
     from rich.markup import escape
     from rich.table import Table
 
-    resolved = _load(recipe, set_)
-    geometry, mm, lines = estimate(resolved, _registry(), num_processes)
+    resolved = load(recipe, set_)
+    geometry, mm, lines = estimate(resolved, registry(), num_processes)
     console.print(f"[bold]{escape(str(recipe))}[/bold]: model {resolved.components['model'].use}, "
                   f"finetune {resolved.train.finetune}")
     console.print(f"geometry: {geometry.describe()}")

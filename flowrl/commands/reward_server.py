@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..cli import app
+from .base import app, registry
 
 reward_app = typer.Typer(name="reward", help="Reward utilities: serve a reward over HTTP.", no_args_is_help=True)
 app.add_typer(reward_app, name="reward")
@@ -20,8 +20,7 @@ app.add_typer(reward_app, name="reward")
 def build_reward(name: str, settings: list[str]):
     """Build reward ``name`` from ``key=value`` settings (TOML values), validated like a recipe."""
     from ..errors import RecipeError
-    from ..recipe import _component, tomllib
-    from .. import cli
+    from ..recipe import component_choice, tomllib
 
     table: dict = {"use": name}
     for text in settings:
@@ -34,8 +33,8 @@ def build_reward(name: str, settings: list[str]):
         except tomllib.TOMLDecodeError:
             value = raw  # bare words are strings, as in `flowrl train --set`
         table[key] = value
-    choice = _component(cli._registry(), "reward", table, "flowrl reward serve")
-    return cli._registry().get("reward", name).build(choice.params)
+    choice = component_choice(registry(), "reward", table, "flowrl reward serve")
+    return registry().get("reward", name).build(choice.params)
 
 
 @reward_app.command("serve")

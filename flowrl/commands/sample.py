@@ -19,33 +19,34 @@ model, the remaining steps the base model (the LoRA disabled, or a fresh copy of
 Outputs in ``-o DIR``: ``images/PPPPP_KK.png``, ``samples.jsonl`` (one line per image: prompt,
 seed index, file), ``grid.png`` (prompts in rows, seeds in columns).
 
-The helpers here (loading a run's policy, the seeded ODE sampler, sharding) are shared by
-``flowrl eval`` and ``flowrl export``.
+The helpers here (resolving what to sample from, loading its policy, the seeded items,
+sharding) are shared by ``flowrl eval`` and ``flowrl export``; the policy itself is loaded by
+:class:`flowrl.train.session.Session` and sampled with :func:`flowrl.train.evaluate.ode_sample`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 
-from ..cli import SetOpt, _registry, app, console
 from ..errors import FlowrlError
+from ..recipe import Recipe, apply_overrides, load_recipe, parse_override, validate
+from .base import SetOpt, app, console, registry
 
 # ------------------------------------------------------------------------------------ sources
 
 
 @dataclasses.dataclass
 class Source:
-    """What to sample from: a model (from a recipe, or named), optionally a checkpoint."""
+    """What to sample from: a recipe (a run's, a file, or a minimal one for ``--model NAME``),
+    and optionally a checkpoint whose trained weights are loaded."""
 
-    recipe: Any | None  # flowrl.recipe.Recipe
-    model_name: str
-    model_params: Any
+    recipe: Recipe
+    from_recipe: bool  # False for --model NAME (defaults then come from the model, not a recipe)
     checkpoint: Path | None
     run_dir: Path | None
     label: str
@@ -53,33 +54,22 @@ class Source:
 
 def resolve_source(source: Optional[Path], model: Optional[str], overrides: list[str], checkpoint: Optional[Path]) -> Source:
     """A run directory, a checkpoint directory, a recipe file, or ``--model NAME``."""
-    from ..checkpoint import latest_checkpoint
-    from ..config import from_dict
-    from ..recipe import apply_overrides, load_recipe, parse_override, validate
+    from ..train.checkpoint import MARKER, latest_checkpoint
 
-    registry = _registry()
     if source is None:
         if model is None:
             raise FlowrlError("give a run directory, a checkpoint, a recipe, or --model NAME",
                               hint="flowrl sample runs/my_run --prompt '...'  or  flowrl sample --model embedded ...")
-        comp = registry.get("model", model, where="--model")
-        table: dict[str, Any] = {}
-        for text in overrides:
-            keys, value = parse_override(text)
-            if keys[0] != "model" or len(keys) != 2:
-                raise FlowrlError(f"with --model only model.KEY overrides apply, got '{text}'", where="--set")
-            table[keys[1]] = value
-        params = from_dict(comp.params, table, where=f"--model {model}") if comp.params else None
         if checkpoint is not None:
             raise FlowrlError("--checkpoint needs the run's recipe", where="--checkpoint",
                               hint="pass the run directory (or the checkpoint directory) as SOURCE instead")
-        return Source(None, model, params, None, None, model)
+        return Source(model_recipe(model, overrides), False, None, None, model)
 
     source = Path(source)
     if model is not None:
         raise FlowrlError("give either SOURCE or --model, not both", where="--model")
     run_dir = None
-    if source.is_dir() and (source / "state.json").is_file() and (source / "recipe.toml").is_file():
+    if source.is_dir() and (source / MARKER).is_file() and (source / "recipe.toml").is_file():
         ckpt, recipe_path = source, source / "recipe.toml"  # a checkpoint directory
         run_dir = source.parent.parent if source.parent.name == "checkpoints" else None
     elif source.is_dir():
@@ -98,50 +88,52 @@ def resolve_source(source: Optional[Path], model: Optional[str], overrides: list
                           hint="a run directory, a checkpoint directory, or a .toml recipe")
     if checkpoint is not None:
         ckpt = Path(checkpoint)
-        if not (ckpt / "state.json").is_file():
-            raise FlowrlError(f"{ckpt} is not a checkpoint directory (no state.json)", where="--checkpoint")
-    recipe = load_recipe(recipe_path, overrides, registry=registry)
-    choice = recipe.components["model"]
+        if not (ckpt / MARKER).is_file():
+            raise FlowrlError(f"{ckpt} is not a checkpoint directory (no {MARKER})", where="--checkpoint")
+    recipe = load_recipe(recipe_path, overrides, registry=registry())
     label = source.name if ckpt is None else f"{(run_dir or ckpt).name}/{ckpt.name}"
-    return Source(recipe, choice.use, choice.params, ckpt, run_dir, label)
+    return Source(recipe, True, ckpt, run_dir, label)
 
 
-def build_model(src: Source):
-    return _registry().get("model", src.model_name).build(src.model_params)
-
-
-def checkpoint_iteration(ckpt: Path | None) -> int | None:
-    if ckpt is None:
-        return None
-    return int(json.loads((ckpt / "state.json").read_text()).get("iteration", -1))
+def model_recipe(model: str, overrides: list[str]) -> Recipe:
+    """A minimal recipe for ``--model NAME``: that model (``--set model.KEY=VALUE`` only), the
+    default components, no rewards."""
+    data: dict = {"model": {"use": model}}
+    for text in overrides:
+        keys, _ = parse_override(text)
+        if keys[0] != "model" or len(keys) != 2:
+            raise FlowrlError(f"with --model only model.KEY overrides apply, got '{text}'", where="--set")
+    apply_overrides(data, overrides)
+    return validate(data, source=f"--model {model}", registry=registry(), require_rewards=False)
 
 
 def load_policy(src: Source, device):
-    """Build the model and load the checkpoint's trainable weights (LoRA or full) into it.
+    """The model with the checkpoint's trained weights (when there is one), on ``device``;
+    nothing requires grad. Loaded by :class:`flowrl.train.session.Session`, as training loads it."""
+    from ..train.session import Session
 
-    Returns the model on ``device``, in inference mode (nothing requires grad).
-    """
-    import torch
-
-    from ..finetune import load_trainable_state_dict, prepare_trainable
-
-    model = build_model(src)
+    session = Session.open(src.recipe, registry(), device=device, rewards=False, trackers=False)
     if src.checkpoint is not None:
-        from safetensors.torch import load_file
+        session.load_policy(src.checkpoint)
+    return session.model
 
-        prepare_trainable(model, src.recipe.train)
-        state = load_file(str(src.checkpoint / "model.safetensors"))
-        load_trainable_state_dict(model.denoiser, state)
-        model.denoiser.requires_grad_(False)
-    model.to(torch.device(device))
-    return model
+
+def base_model_for_hybrid(src: Source, model, device):
+    """The base model for hybrid inference: None when ``model`` runs its own base (a LoRA run
+    whose adapter can be disabled, :class:`flowrl.interfaces.HasReferencePolicy`); otherwise a
+    second copy built without the checkpoint."""
+    from ..interfaces import HasReferencePolicy
+
+    if src.recipe.train.finetune == "lora" and isinstance(model, HasReferencePolicy):
+        return None
+    return load_policy(dataclasses.replace(src, checkpoint=None), device)
 
 
 # ------------------------------------------------------------------------------------ sampling
 
 
 def read_prompt_list(prompt: Optional[list[str]], prompts_file: Optional[Path], num_prompts: int, src: Source, model) -> list[str]:
-    from ..engine import read_prompts
+    from ..prompts import read_prompts
 
     if prompt and prompts_file:
         raise FlowrlError("give --prompt or --prompts, not both", where="--prompt")
@@ -149,7 +141,7 @@ def read_prompt_list(prompt: Optional[list[str]], prompts_file: Optional[Path], 
         out = list(prompt)
     elif prompts_file is not None:
         out = read_prompts(str(prompts_file), model, "--prompts")
-    elif src.recipe is not None:
+    elif src.from_recipe:
         pr = src.recipe.prompts
         out = read_prompts(pr.eval_source or pr.source, model, f"{src.recipe.source}: [prompts]")
     else:
@@ -166,18 +158,18 @@ def resolve_sigmas(schedule: str, steps: Optional[int], src: Source, model):
     the model's own, else the default schedule), 'model' = the model's own, or a schedule name."""
     import torch
 
-    registry = _registry()
-    n = steps or (src.recipe.sampler.steps if src.recipe is not None else 28)
+    reg = registry()
+    n = steps or (src.recipe.sampler.steps if src.from_recipe else 28)
     if schedule == "auto":
-        if src.recipe is not None:
+        if src.from_recipe:
             choice = src.recipe.components["schedule"]
-            sched = registry.get("schedule", choice.use).build(choice.params)
+            sched = reg.get("schedule", choice.use).build(choice.params)
         elif model.sigmas(n) is not None:
-            sched = registry.get("schedule", "model").build()
+            sched = reg.get("schedule", "model").build()
         else:
-            sched = registry.get("schedule", registry.default("schedule")).build()
+            sched = reg.get("schedule", reg.default("schedule")).build()
     else:
-        sched = registry.get("schedule", schedule, where="--schedule").build()
+        sched = reg.get("schedule", schedule, where="--schedule").build()
     return sched.sigmas(n, model).to(torch.float32)
 
 
@@ -195,34 +187,6 @@ def noise_for(model, seed: int, prompt: str, k: int):
     return torch.randn(model.latent_shape, generator=generator(seed, "sample", prompt, k))
 
 
-def ode_sample(velocity_for_step, noise, sigmas):
-    """Euler ODE sampling; ``velocity_for_step(i)`` gives the velocity function of step ``i``."""
-    import torch
-
-    from ..sde import ode_step
-
-    x = noise.to(torch.float32)
-    b = x.shape[0]
-    with torch.no_grad():
-        for i in range(len(sigmas) - 1):
-            s, s_next = sigmas[i].expand(b), sigmas[i + 1].expand(b)
-            v = velocity_for_step(i)(x, s)
-            x = ode_step(v, x, s, s_next).next_sample
-    return x
-
-
-def base_model_for_hybrid(src: Source, model, device):
-    """The base model for hybrid inference: the same model with LoRA disabled when it supports
-    ``reference_velocity``; otherwise a second copy built without the checkpoint."""
-    if src.recipe is not None and src.recipe.train.finetune == "lora" and callable(getattr(model, "reference_velocity", None)):
-        return None  # use model.reference_velocity
-    import torch
-
-    base = build_model(src)
-    base.to(torch.device(device))
-    return base
-
-
 @dataclasses.dataclass
 class Item:
     index: int
@@ -232,30 +196,27 @@ class Item:
 
 
 def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hybrid_steps: int = 0, base=None):
-    """Yield ``(batch_items, images [b, 3, H, W])`` for ``items`` in batches of ``batch_size``."""
+    """Yield ``(batch_items, images [b, 3, H, W])`` for ``items`` in batches of ``batch_size``:
+    the first ``hybrid_steps`` steps (all, when 0) with ``model``, the rest with ``base`` (or,
+    when ``base`` is None, with ``model.reference_velocity``)."""
     import torch
 
-    from ..engine import PromptCache
+    from ..train.evaluate import ode_sample
+    from ..train.session import PromptCache
 
-    cache = PromptCache(model)
-    device = sigmas.device
-    n = len(sigmas) - 1
+    cache, device, n = PromptCache(model), sigmas.device, len(sigmas) - 1
+    if hybrid_steps > n:
+        raise FlowrlError(f"--hybrid-steps {hybrid_steps} exceeds the {n} sampling steps", where="--hybrid-steps")
+    late = (model.reference_velocity if base is None else base.velocity) if hybrid_steps else None
     for start in range(0, len(items), batch_size):
         batch = items[start : start + batch_size]
         text = cache.get([it.prompt for it in batch])
         noise = torch.stack([noise_for(model, seed, it.prompt, it.seed_index) for it in batch]).to(device)
 
-        def velocity_for_step(i, text=text):
-            if hybrid_steps and i >= hybrid_steps:
-                if base is None:
-                    return lambda x, s: model.reference_velocity(x, s, text)
-                return lambda x, s: base.velocity(x, s, text)
-            return lambda x, s: model.velocity(x, s, text)
+        def velocity_at(i, x, s, text=text):
+            return (late if hybrid_steps and i >= hybrid_steps else model.velocity)(x, s, text)
 
-        if hybrid_steps > n:
-            raise FlowrlError(f"--hybrid-steps {hybrid_steps} exceeds the {n} sampling steps", where="--hybrid-steps")
-        x = ode_sample(velocity_for_step, noise, sigmas)
-        yield batch, model.decode(x).float().cpu()
+        yield batch, model.decode(ode_sample(velocity_at, noise, sigmas)).float().cpu()
 
 
 def make_items(prompts: list[str], seeds: int) -> list[Item]:
@@ -266,12 +227,6 @@ def make_items(prompts: list[str], seeds: int) -> list[Item]:
     return items
 
 
-def dist_context(device):
-    from .. import distributed
-
-    return distributed.setup(device)
-
-
 def barrier(ctx) -> None:
     if ctx.enabled:
         import torch.distributed as dist
@@ -279,18 +234,21 @@ def barrier(ctx) -> None:
         dist.barrier()
 
 
+def dist_context(device):
+    """Join the process group when launched with several processes (torchrun, accelerate)."""
+    from .. import distributed
+
+    return distributed.setup(device)
+
+
 def prepare(source, model_name, set_, checkpoint, device, hybrid_steps):
-    """Resolve the source, load the policy (and the base for hybrid inference)."""
-    from ..engine import resolve_device
+    """Resolve the source, start the processes, load the policy (and the base for hybrid inference)."""
+    from .. import distributed
 
     src = resolve_source(source, model_name, list(set_ or []), checkpoint)
-    dev_name = device or (src.recipe.run.device if src.recipe is not None else "auto")
-    dev = resolve_device(dev_name)
+    dev = distributed.resolve_device(device or src.recipe.run.device)
     ctx = dist_context(dev)
-    if dev.type == "cuda" and dev.index is None:
-        import torch
-
-        dev = torch.device("cuda", ctx.local_rank)
+    dev = distributed.process_device(dev, ctx)
     if hybrid_steps and src.checkpoint is None:
         raise FlowrlError("--hybrid-steps needs a trained checkpoint (a run or checkpoint directory)", where="--hybrid-steps")
     model = load_policy(src, dev)
@@ -326,7 +284,7 @@ def sample(
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
-    base_seed = seed if seed is not None else (src.recipe.run.seed if src.recipe is not None else 42)
+    base_seed = seed if seed is not None else src.recipe.run.seed
     out = output or default_output(src, "samples")
     (out / "images").mkdir(parents=True, exist_ok=True)
     items = make_items(plist, seeds)
@@ -346,7 +304,7 @@ def sample(
         if ctx.enabled:
             records = merge_rank_manifests(out, ctx.world_size)
         settings = {"source": src.label, "checkpoint": str(src.checkpoint) if src.checkpoint else None,
-                    "model": src.model_name, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
+                    "model": src.recipe.components["model"].use, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
                     "seed": base_seed, "seeds_per_prompt": seeds, "hybrid_steps": hybrid_steps,
                     "num_images": len(records)}
         (out / "settings.json").write_text(json.dumps(settings, indent=1))
@@ -370,7 +328,7 @@ def save_png(img, path: Path) -> None:
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
-    from ..checkpoint import write_text_atomic
+    from ..files import write_text_atomic
 
     write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 

@@ -339,7 +339,7 @@ def check_decode(adapter, opts: ConformanceOptions) -> str:
 
 
 def _attach_lora(adapter, opts: ConformanceOptions):
-    from flowrl.finetune import prepare_trainable
+    from flowrl.train.finetune import prepare_trainable
     from flowrl.recipe import TrainConfig
 
     train = TrainConfig(finetune="lora", lora_rank=opts.lora_rank, lora_alpha=2.0 * opts.lora_rank, lora_init="gaussian")
@@ -347,7 +347,7 @@ def _attach_lora(adapter, opts: ConformanceOptions):
 
 
 def check_lora_noop(adapter, opts: ConformanceOptions) -> str:
-    """LoRA attached through the engine's own path (:func:`flowrl.finetune.prepare_trainable`)
+    """LoRA attached through the engine's own path (:func:`flowrl.train.finetune.prepare_trainable`)
     starts as a no-op, trains only LoRA matrices, and changes the velocity once non-zero."""
     if not getattr(adapter, "lora_targets", None):
         return "skipped: the adapter names no lora_targets"

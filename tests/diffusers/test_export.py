@@ -21,11 +21,12 @@ def _pipeline_images(pipe, model_like_shape, seed=0):
 
 def _policy_images(run_dir, noise):
     """What flowrl's own sampler makes with the run's latest checkpoint (ODE, model's schedule)."""
-    from flowrl.commands.sample import load_policy, ode_sample, resolve_source
+    from flowrl.commands.sample import load_policy, resolve_source
+    from flowrl.train.evaluate import ode_sample
 
     model = load_policy(resolve_source(run_dir, None, [], None), "cpu")
     text = model.encode_prompts([PROMPT])
-    x = ode_sample(lambda i: (lambda x, s: model.velocity(x, s, text)), noise, model.sigmas(STEPS))
+    x = ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, model.sigmas(STEPS))
     return model.decode(x)
 
 

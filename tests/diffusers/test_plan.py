@@ -41,7 +41,7 @@ def test_single_gpu_sd3_recipe_is_planned_to_fit_80gb(cli):
 
 def test_counts_match_the_loaded_tiny_pipeline(tiny_flux, tiny_overrides, flux_model):
     from flowrl.commands.plan import estimate
-    from flowrl.finetune import prepare_trainable
+    from flowrl.train.finetune import prepare_trainable
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
 

@@ -11,7 +11,7 @@ from flowrl.runlog import read_metrics
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
     """The uninterrupted 4-iteration run every resume test compares with."""
-    from flowrl.engine import train
+    from flowrl.train import train
 
     root = tmp_path_factory.mktemp("reference")
     recipe_path = write_recipe(root)

@@ -7,12 +7,14 @@ schedule, so resume has optimizer moments, a moving LR and off-policy ratios to 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file
@@ -112,7 +114,7 @@ def assert_records_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from flowrl.checkpoint import latest_checkpoint
+    from flowrl.train.checkpoint import latest_checkpoint
 
     return load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
 
@@ -170,3 +172,37 @@ def wait_for(predicate, timeout: float, what: str) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class SimulatedKill(BaseException):
+    """A process dying in the middle of a checkpoint write.
+
+    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way up can
+    swallow it and carry on writing.
+    """
+
+
+@contextlib.contextmanager
+def kill_after_writing(victim: str):
+    """Raise :class:`SimulatedKill` right after the checkpoint file ``victim`` is written:
+    ``"FILE"`` in any checkpoint, or ``"CHECKPOINT/FILE"`` (``"iter_000004/optimizer.safetensors"``)
+    in that one only. Wraps the checkpoint module's two writers; the library has no test hook."""
+    from flowrl.train import checkpoint
+
+    def matches(path: Path) -> bool:
+        folder = path.parent.name  # .tmp-<checkpoint>-<pid> while it is being written
+        return victim == path.name or any(
+            victim == f"{name}/{path.name}" for name in (folder, folder.removeprefix(".tmp-").rsplit("-", 1)[0])
+        )
+
+    def wrap(write, path_of):
+        def wrapped(*args, **kwargs):
+            write(*args, **kwargs)
+            path = Path(path_of(*args))
+            if matches(path):
+                raise SimulatedKill(f"simulated kill after writing {path}")
+        return wrapped
+
+    with mock.patch.object(checkpoint, "save_tensors", wrap(checkpoint.save_tensors, lambda tensors, path: path)), \
+         mock.patch.object(checkpoint, "write_text_atomic", wrap(checkpoint.write_text_atomic, lambda path, text: path)):
+        yield

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from engine_helpers import assert_records_close, load, quiet_console
 from flowrl import hookimpl
-from flowrl.engine import train
+from flowrl.train import train
 from flowrl.errors import FlowrlError
 from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics

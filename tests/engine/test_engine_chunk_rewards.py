@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine_helpers import TINY_RECIPE, comparable, load, quiet_console, write_recipe
-from flowrl.engine import _advantages, train
+from flowrl.advantages import advantages_for
+from flowrl.train import train
 from flowrl.errors import RecipeError
 from flowrl.recipe import ComponentChoice
 from flowrl.runlog import read_metrics
@@ -40,7 +41,7 @@ def test_per_chunk_advantage_is_the_estimator_under_each_chunks_weights():
     est = GroupZScore(GroupZScoreConfig())
     choices = [ComponentChoice("x", None, weight=1.0, label="a", chunk_weights=[1.0, 0.0, 0.25]),
                ComponentChoice("y", None, weight=0.5, label="b")]
-    adv = _advantages(est, rewards, choices, groups, 3)
+    adv = advantages_for(est, rewards, choices, groups, 3)
     assert adv.shape == (8, 3)
     # chunk 1 ignores reward a entirely: its advantage is reward b's z-score, times b's weight
     torch.testing.assert_close(adv[:, 1], 0.5 * est({"b": rewards["b"]}, {"b": 1.0}, groups))
@@ -48,7 +49,7 @@ def test_per_chunk_advantage_is_the_estimator_under_each_chunks_weights():
         torch.testing.assert_close(adv[:, k], est(rewards, {"a": wa, "b": 0.5}, groups))
     # without chunk weights: one advantage per sample
     plain = [ComponentChoice("x", None, weight=1.0, label="a"), ComponentChoice("y", None, weight=0.5, label="b")]
-    assert _advantages(est, rewards, plain, groups, 3).shape == (8,)
+    assert advantages_for(est, rewards, plain, groups, 3).shape == (8,)
 
 
 def test_constant_chunk_weights_reproduce_the_plain_run(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from engine_helpers import assert_records_close, assert_weights_close, final_weights, load, quiet_console, run_cli
-from flowrl.engine import train
+from flowrl.train import train
 from flowrl.runlog import read_metrics
 
 # 3 prompts x 4 samples over 2 processes: 6 samples each, so prompt 1's group is split across

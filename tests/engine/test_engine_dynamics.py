@@ -8,9 +8,9 @@ import json
 import pytest
 
 from engine_helpers import TINY_RECIPE, InterruptAt, comparable, load, quiet_console, write_recipe
-from flowrl.engine import train
+from flowrl.train import train
 from flowrl.plugins import temporary_plugin
-from flowrl.profile_io import read_l1rel
+from flowrl.dynamics.profile_file import read_l1rel
 from flowrl.runlog import read_metrics
 
 DYNAMICS = TINY_RECIPE.replace(

@@ -14,10 +14,11 @@ import torch
 
 from engine_helpers import load, quiet_console, write_recipe
 from flowrl.chunking import chunk_index
-from flowrl.engine import train
-from flowrl.finetune import prepare_trainable
+from flowrl.train import train
+from flowrl.train.finetune import prepare_trainable
 from flowrl.interfaces import select_embeddings
-from flowrl.reference import ReferencePolicy, kl_backward
+from flowrl.train.reference import ReferencePolicy, kl_backward
+from flowrl.train.update import TransitionScorer
 from flowrl.runlog import read_metrics
 from flowrl.sampling import make_kernels, rollout, trainable_mask
 from flowrl.schedules import shifted_sigmas
@@ -75,11 +76,9 @@ def test_kl_pass_gradient_equals_one_graph(kind, finetune):
 
     for p in params:
         p.grad = None
-    value, term = kl_backward(
-        lambda rows: (lambda x, s: model.velocity(x, s, select_embeddings(text, rows))), reference,
-        lambda rows: select_embeddings(text, rows), traj, idx, mask, sizes,
-        kind=kind, beta=beta, normaliser=normaliser,
-    )
+    scorer = TransitionScorer(model, traj, text, reference)
+    value, term = kl_backward(scorer, idx, mask, sizes, old_lp=traj.trainable_log_probs,
+                              kind=kind, beta=beta, normaliser=normaliser)
     lean = [p.grad.clone() for p in params]
 
     # Independent route: every trained transition in one graph, KL written out by hand.

@@ -10,11 +10,10 @@ import sys
 import pytest
 
 from engine_helpers import (
-    REPO, TINY_RECIPE, InterruptAt, assert_records_close, assert_weights_close, final_weights, load,
-    quiet_console, wait_for, write_recipe,
+    InterruptAt, REPO, SimulatedKill, TINY_RECIPE, assert_records_close, assert_weights_close, final_weights, kill_after_writing, load, quiet_console, wait_for, write_recipe,
 )
-from flowrl.checkpoint import SimulatedKill, latest_checkpoint, load_checkpoint
-from flowrl.engine import train
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
+from flowrl.train import train
 from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics
 
@@ -83,8 +82,8 @@ def test_kill_during_checkpoint_write_keeps_latest_valid(tmp_path, reference_run
     run_dir = tmp_path / "run"
     recipe = load(recipe_path, f"run.output_dir={str(run_dir)!r}")
     # Dies after writing the optimizer file of the final checkpoint (iteration 4).
-    with pytest.raises(SimulatedKill):
-        train(recipe, console=quiet_console(), _fail_checkpoint_after="iter_000004/optimizer.safetensors")
+    with pytest.raises(SimulatedKill), kill_after_writing("iter_000004/optimizer.safetensors"):
+        train(recipe, console=quiet_console())
 
     ckpt_root = run_dir / "checkpoints"
     assert json.loads((ckpt_root / "latest.json").read_text()) == {"name": "iter_000002"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import TINY_RECIPE, load, quiet_console, write_recipe
-from flowrl.engine import train
+from flowrl.train import train
 
 pytest.importorskip("tensorboard")
 

@@ -8,10 +8,13 @@ import types
 import pytest
 import torch
 
-from flowrl.checkpoint import LATEST, SimulatedKill, latest_checkpoint, load_checkpoint, save_checkpoint
-from flowrl.engine import PromptCache, initial_noise, prompts_for_iteration
+from engine_helpers import SimulatedKill, kill_after_writing
+from flowrl.train.checkpoint import LATEST, latest_checkpoint, load_checkpoint, save_checkpoint
+from flowrl.prompts import prompts_for_iteration
+from flowrl.train.collect import initial_noise
+from flowrl.train.session import PromptCache
 from flowrl.errors import RecipeError
-from flowrl.geometry import resolve_geometry
+from flowrl.train.geometry import resolve_geometry
 from flowrl.seeding import sample_generators
 
 
@@ -92,8 +95,8 @@ def test_checkpoint_kill_keeps_previous_latest(tmp_path):
     root = tmp_path / "checkpoints"
     _save(root, "iter_000001", 1)
     for victim in ("model.safetensors", "rng.safetensors", "iter_000002/state.json"):
-        with pytest.raises(SimulatedKill):
-            _save(root, "iter_000002", 2, _fail_after=victim)
+        with pytest.raises(SimulatedKill), kill_after_writing(victim):
+            _save(root, "iter_000002", 2)
         assert latest_checkpoint(tmp_path).name == "iter_000001"
     _save(root, "iter_000002", 2)
     assert latest_checkpoint(tmp_path).name == "iter_000002"
@@ -143,7 +146,7 @@ def test_accelerate_mixed_precision_is_refused_unless_no():
 
 def test_full_finetuning_of_16_bit_weights_is_refused():
     from flowrl.errors import FlowrlError
-    from flowrl.finetune import prepare_trainable
+    from flowrl.train.finetune import prepare_trainable
 
     class Model:
         denoiser = torch.nn.Linear(4, 4).to(torch.bfloat16)
@@ -156,7 +159,7 @@ def test_full_finetuning_of_16_bit_weights_is_refused():
 
 
 def test_latest_checkpoint_without_pointer_falls_back_to_complete_one(tmp_path):
-    from flowrl.checkpoint import LATEST, latest_checkpoint, save_checkpoint
+    from flowrl.train.checkpoint import LATEST, latest_checkpoint, save_checkpoint
 
     root = tmp_path / "checkpoints"
     save_checkpoint(root, "iter_000002", model={"w": torch.ones(2)}, optimizer={"state": {}, "param_groups": []},

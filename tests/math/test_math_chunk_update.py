@@ -8,7 +8,7 @@ from 1 and some units are clipped.
 import pytest
 import torch
 
-from flowrl.chunk_update import full_graph_backward, lean_chunk_backward
+from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward
 from flowrl.chunking import sequence_chunks, step_chunks
 from flowrl.losses import ClippedObjective, kl_old_policy_k3, unit_log_ratios
 from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from flowrl.advantages import group_zscore
-from flowrl.chunk_update import lean_chunk_backward
+from flowrl.train.chunk_update import lean_chunk_backward
 from flowrl.chunking import sequence_chunks, step_chunks
 from flowrl.interfaces import select_embeddings
-from flowrl.losses import ClippedObjective, kl_flow_grpo, kl_gaussian_exact, policy_loss
+from flowrl.losses import ClippedObjective, kl_flow_grpo, kl_gaussian_exact, objective_loss
 from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout, trainable_mask
 from flowrl.schedules import flux_dynamic_sigmas, shifted_sigmas
 from flowrl.sde import CPSKernel, FlowKernel, dance_step, flow_diffusion, flow_step
@@ -227,7 +227,7 @@ def test_chunk_loss_gradient_against_float64_finite_differences():
         return total / B
 
     new = new0.clone().requires_grad_(True)
-    loss, met = policy_loss(new, old, A, sizes, mask, eps, eps)
+    loss, met = objective_loss(new, old, A, sizes, mask, ClippedObjective(eps, eps))
     loss.backward()
     assert 0 < met["clip_fraction"] < 1
     base = new0.double()
@@ -616,7 +616,7 @@ def test_lean_update_keeps_one_step_graph_alive():
         lean_chunk_backward(fn, old, A, sizes, mask, obj)
     with _SavedBytes() as lean_skip:  # unit 1 has zero advantage for every sample: skipped
         lean_chunk_backward(fn, old, torch.stack([A, 0 * A, A], 1), sizes, mask, obj)
-    from flowrl.chunk_update import full_graph_backward
+    from flowrl.train.chunk_update import full_graph_backward
 
     with _SavedBytes() as full:
         full_graph_backward(fn, old, A, sizes, mask, obj)

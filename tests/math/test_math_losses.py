@@ -5,18 +5,31 @@ import math
 import pytest
 import torch
 
+from flowrl.chunking import chunk_index, validate_chunks
 from flowrl.losses import (
     ClippedObjective,
     clip_mask,
     clipped_surrogate,
-    gspo_token_log_ratios,
     kl_flow_grpo,
     kl_gaussian_exact,
     kl_old_policy_k3,
-    policy_loss,
+    objective_loss,
     reduce_units,
     unit_log_ratios,
 )
+
+
+def policy_loss(new_lp, old_lp, advantages, sizes, unit_mask, eps_low, eps_high, normaliser=None):
+    """The clipped policy loss over the selected units (the engine's objective)."""
+    return objective_loss(new_lp, old_lp, advantages, sizes, unit_mask, ClippedObjective(eps_low, eps_high), normaliser)
+
+
+def gspo_token_log_ratios(new_lp, old_lp, sizes):
+    """GSPO-token form (verl): log rho_it = sg(log rho_u(i)) + l_it - sg(l_it), [B, T]."""
+    s = validate_chunks(sizes, new_lp.shape[1])
+    z = unit_log_ratios(new_lp, old_lp, s).detach()
+    new32 = new_lp.to(torch.float32)
+    return z[:, chunk_index(s, device=new_lp.device)] + (new32 - new32.detach())
 
 
 def _lps(B=3, T=16, seed=0, scale=1e-3):

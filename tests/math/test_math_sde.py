@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from flowrl.errors import RecipeError
+from flowrl.plugins import get_registry
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import (
     CPSKernel,
@@ -16,7 +18,6 @@ from flowrl.sde import (
     draw_noise,
     flow_step,
     gaussian_log_prob,
-    kernel_from_name,
     ode_step,
 )
 
@@ -174,11 +175,13 @@ def test_kernel_objects_and_errors():
     k = FlowKernel(0.9).step(v, x, 0.5, 0.4, generator=g)
     f = flow_step(v, x, 0.5, 0.4, a=0.9, generator=torch.Generator().manual_seed(0))
     assert torch.equal(k.next_sample, f.next_sample)
-    assert kernel_from_name("dance", 0.5) == DanceKernel(0.5)
-    assert kernel_from_name("flow") == FlowKernel(0.7)
-    assert isinstance(kernel_from_name("ode"), ODEKernel)
-    with pytest.raises(ValueError, match="unknown kernel"):
-        kernel_from_name("sde")
+    # the built-in plugin registers each kernel class as its own params: params ARE the kernel
+    kernels = get_registry().components["kernel"]
+    assert kernels["dance"].build(DanceKernel(0.5)) == DanceKernel(0.5)
+    assert kernels["flow"].build() == FlowKernel(0.7)
+    assert isinstance(kernels["ode"].build(), ODEKernel)
+    with pytest.raises(RecipeError, match="unknown kernel"):
+        get_registry().get("kernel", "sde")
     with pytest.raises(ValueError, match=">= 0"):
         FlowKernel(-1.0)
     with pytest.raises(ValueError, match="sigma_next must be < sigma"):

@@ -1,16 +1,16 @@
-"""The `dynamics` chunker (plugins/profiling.py): reading a profile in a recipe, profiling at start,
+"""The `dynamics` chunker (plugins/chunkers.py): reading a profile in a recipe, profiling at start,
 re-profiling, and the committed quickstart_dynamics recipe and profile."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from flowrl.errors import FlowrlError, RecipeError
 from flowrl.plugins import get_registry
-from flowrl.profile_io import read_l1rel, read_profile, trainable_curve, write_profile
-from flowrl.profiling import profile_model, segment
+from flowrl.dynamics.profile_file import read_l1rel, read_profile, trainable_curve, write_profile
+from flowrl.dynamics.measure import profile_model
+from flowrl.dynamics.segment import segment
 from flowrl.recipe import load_recipe, validate
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import FlowKernel
@@ -82,8 +82,8 @@ def test_profile_at_start(tiny_model):
     assert len(sizes) == 3 and sum(sizes) == 8
     assert chunker.l1rel(8).shape == (8,)
     # deterministic: a second chunker gets the same boundaries
-    other = build_chunker(recipe)  # the engine passes its Components (anything with .model)
-    other.profile_at_start(SimpleNamespace(model=tiny_model), sigmas, kernels, prompts, seed=3)
+    other = build_chunker(recipe)
+    other.profile_at_start(tiny_model, sigmas, kernels, prompts, seed=3)
     assert other.sizes(8) == sizes
 
     # adaptive: re-profiling a changed policy returns (old, new) and moves sizes with it

@@ -60,8 +60,8 @@ def test_profile_options_and_errors(tmp_path, capsys):
 
 
 def test_compare_against_a_checkpoint(tmp_path, capsys):
-    from flowrl.checkpoint import save_checkpoint
-    from flowrl.finetune import trainable_state_dict
+    from flowrl.train.checkpoint import save_checkpoint
+    from flowrl.train.finetune import trainable_state_dict
     from flowrl.recipe import dump_toml, load_recipe
     from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
@@ -97,7 +97,7 @@ def test_quickstart_dynamics_trains(tmp_path, monkeypatch, capsys):
             "--set", "log.progress=false", "--set", "log.image_every=0"]
     assert run(args) == 0, capsys.readouterr().err
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    from flowrl.profile_io import read_profile
+    from flowrl.dynamics.profile_file import read_profile
 
     expected = read_profile(ROOT / "recipes" / "profiles" / "embedded.json")
     assert sum(record["chunk_sizes"]) == 16 and len(record["chunk_sizes"]) == 4

@@ -1,13 +1,14 @@
-"""Curves of `flowrl profile` (flowrl/profiling.py, algorithms.md section 6) against independent
+"""Curves of `flowrl profile` (flowrl/dynamics/, algorithms.md section 6) against independent
 computations: numpy loops, a straight-line trajectory with a closed form, and hand statistics."""
 
 import numpy as np
 import pytest
 import torch
 
-from flowrl.profiling import (
-    CURVES, curve_stats, measure_dynamics, profile_model, relative_change, reprofile, segment, transition_curves,
+from flowrl.dynamics.measure import (
+    CURVES, curve_stats, measure_dynamics, profile_model, relative_change, reprofile, transition_curves,
 )
+from flowrl.dynamics.segment import segment
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import FlowKernel, ODEKernel
 

@@ -1,4 +1,4 @@
-"""Segmentation rules of `flowrl profile` on synthetic curves with known answers (flowrl/profiling.py).
+"""Segmentation rules of `flowrl profile` on synthetic curves with known answers (flowrl/dynamics/).
 
 The DP is checked against brute-force enumeration of every layout, with the cost computed
 independently (numpy variance); the curvature and derivative rules against answers worked out
@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 
-from flowrl.profiling import (
+from flowrl.dynamics.segment import (
     METHODS,
     boundaries_from_sizes,
     check_limits,

@@ -84,7 +84,7 @@ scale = "cosine"
 def test_multi_reward_recipe_trains_and_logs_each_reward(tmp_path, tiny_clip_dir, mode):
     from rich.console import Console
 
-    from flowrl.engine import train
+    from flowrl.train import train
     from flowrl.recipe import load_recipe
     from flowrl.runlog import read_metrics
 

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from .errors import FlowrlError
+from ..errors import FlowrlError
+from ..files import write_text_atomic
 
 FORMAT = "flowrl-profile"
 VERSION = 1
@@ -40,7 +41,7 @@ _REGENERATE = "regenerate it with `flowrl profile RECIPE -o DIR` (see docs/profi
 
 
 def profile_to_dict(result) -> dict[str, Any]:
-    """A :class:`flowrl.profiling.ProfileResult` as the JSON-able dict described above."""
+    """A :class:`flowrl.dynamics.measure.ProfileResult` as the JSON-able dict described above."""
     positions = result.positions
     curves = {}
     for name, stats in result.curves.items():
@@ -73,8 +74,6 @@ def _json_safe(value):
 
 def write_json(path: str | Path, data: dict[str, Any]) -> Path:
     """Write ``data`` as indented JSON, atomically (temp file, fsync, rename)."""
-    from .checkpoint import write_text_atomic
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(_json_safe(data), indent=1) + "\n")
@@ -82,7 +81,7 @@ def write_json(path: str | Path, data: dict[str, Any]) -> Path:
 
 
 def write_profile(path: str | Path, result) -> Path:
-    """Write a :class:`~flowrl.profiling.ProfileResult` (or an already converted dict)."""
+    """Write a :class:`~flowrl.dynamics.measure.ProfileResult` (or an already converted dict)."""
     data = result if isinstance(result, dict) else profile_to_dict(result)
     return write_json(path, data)
 

@@ -32,43 +32,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .errors import FlowrlError
+from ..errors import FlowrlError
+from ..files import fsync_dir, write_text_atomic
 
 LATEST = "latest.json"
+#: Written last into a checkpoint directory: its presence means the directory is complete.
+MARKER = "state.json"
 
 
-class SimulatedKill(BaseException):
-    """Raised by the ``_fail_after`` test hook: a process dying in the middle of a write.
-
-    A BaseException (like KeyboardInterrupt) so that no ``except Exception`` on the way up can
-    swallow it and carry on writing.
-    """
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write tensors to a safetensors file and flush it to disk."""
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -126,33 +99,21 @@ def save_checkpoint(
     state: dict[str, Any],
     recipe_toml: str,
     keep_last: int = 2,
-    _fail_after: str | None = None,
 ) -> Path:
-    """Write one checkpoint atomically and point ``latest.json`` at it.
-
-    ``_fail_after`` (tests only) raises :class:`SimulatedKill` right after writing the named
-    file: ``"FILE"`` in any checkpoint, or ``"CHECKPOINT/FILE"`` (e.g.
-    ``"iter_000004/optimizer.safetensors"``) in that one only.
-    """
+    """Write one checkpoint atomically and point ``latest.json`` at it."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     opt_tensors, opt_meta = optimizer_to_files(optimizer)
-    steps = [
-        ("model.safetensors", lambda p: _save_tensors(model, p)),
-        ("optimizer.safetensors", lambda p: _save_tensors(opt_tensors, p)),
-        ("optimizer.json", lambda p: write_text_atomic(p, json.dumps(opt_meta))),
-        ("rng.safetensors", lambda p: _save_tensors(rng_state(), p)),
-        ("recipe.toml", lambda p: write_text_atomic(p, recipe_toml)),
-        ("state.json", lambda p: write_text_atomic(p, json.dumps(state, indent=1))),  # last: marks complete
-    ]
-    for filename, write in steps:
-        write(tmp / filename)
-        if _fail_after in (filename, f"{name}/{filename}"):
-            raise SimulatedKill(f"simulated kill after writing {name}/{filename}")
-    _fsync_dir(tmp)
+    save_tensors(model, tmp / "model.safetensors")
+    save_tensors(opt_tensors, tmp / "optimizer.safetensors")
+    write_text_atomic(tmp / "optimizer.json", json.dumps(opt_meta))
+    save_tensors(rng_state(), tmp / "rng.safetensors")
+    write_text_atomic(tmp / "recipe.toml", recipe_toml)
+    write_text_atomic(tmp / MARKER, json.dumps(state, indent=1))  # last: marks the directory complete
+    fsync_dir(tmp)
     final = ckpt_root / name
     aside = None
     if final.exists():  # re-written: move the old one aside (atomic) rather than delete it in place
@@ -161,7 +122,7 @@ def save_checkpoint(
             _remove_checkpoint_dir(aside)
         os.replace(final, aside)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
     write_text_atomic(ckpt_root / LATEST, json.dumps({"name": name}))
     if aside is not None:
         _remove_checkpoint_dir(aside)
@@ -171,10 +132,10 @@ def save_checkpoint(
 
 def _remove_checkpoint_dir(path: Path) -> None:
     """Delete a checkpoint directory so that it is never seen half-deleted as complete."""
-    marker = path / "state.json"
+    marker = path / MARKER
     if marker.exists():
         marker.unlink()
-        _fsync_dir(path)
+        fsync_dir(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -191,9 +152,9 @@ def _complete_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoint directories (with ``state.json``), oldest iteration first."""
     found = []
     for p in ckpt_root.iterdir() if ckpt_root.is_dir() else []:
-        if p.is_dir() and (p / "state.json").is_file():
+        if p.is_dir() and (p / MARKER).is_file():
             try:
-                iteration = int(json.loads((p / "state.json").read_text())["iteration"])
+                iteration = int(json.loads((p / MARKER).read_text())["iteration"])
             except (ValueError, KeyError, TypeError):
                 continue
             found.append((iteration, not p.name.startswith("."), p.name, p))
@@ -216,7 +177,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
         path = root / json.loads(pointer.read_text())["name"]
     except (ValueError, KeyError, TypeError):
         path = None
-    if path is not None and (path / "state.json").is_file():
+    if path is not None and (path / MARKER).is_file():
         return path
     complete = _complete_checkpoints(root)
     if not complete:
@@ -227,14 +188,26 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return complete[-1]
 
 
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The trainable weights stored in a checkpoint directory (all weights, or only the LoRA)."""
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def checkpoint_iteration(path: Path | None) -> int | None:
+    """The number of completed iterations a checkpoint directory holds (None for no checkpoint)."""
+    if path is None:
+        return None
+    return int(json.loads((Path(path) / MARKER).read_text())["iteration"])
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint directory written by :func:`save_checkpoint`."""
     return {
-        "model": load_file(str(path / "model.safetensors")),
+        "model": read_model_weights(path),
         "optimizer": optimizer_from_files(
             load_file(str(path / "optimizer.safetensors")), json.loads((path / "optimizer.json").read_text())
         ),
         "rng": load_file(str(path / "rng.safetensors")),
-        "state": json.loads((path / "state.json").read_text()),
+        "state": json.loads((path / MARKER).read_text()),
         "recipe_toml": (path / "recipe.toml").read_text(),
     }

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from peft import LoraConfig, inject_adapter_in_model
 
-from .errors import FlowrlError
+from ..errors import FlowrlError
+from ..interfaces import DiffusersLoraModule, HasLoraTargets
 
 
 def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
@@ -18,9 +20,7 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
     if train.finetune == "full":
         denoiser.requires_grad_(True)
     else:
-        from peft import LoraConfig
-
-        targets = list(train.lora_targets) or list(getattr(model, "lora_targets", []) or [])
+        targets = list(train.lora_targets) or (list(model.lora_targets) if isinstance(model, HasLoraTargets) else [])
         if not targets:
             raise FlowrlError(
                 "finetune = 'lora' needs target modules",
@@ -35,11 +35,9 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
             init_lora_weights=True if train.lora_init == "default" else "gaussian",
         )
         try:
-            if hasattr(denoiser, "add_adapter"):  # diffusers models: keeps save_lora_weights working
+            if isinstance(denoiser, DiffusersLoraModule):  # keeps diffusers' save_lora_weights working
                 denoiser.add_adapter(config)
             else:
-                from peft import inject_adapter_in_model
-
                 inject_adapter_in_model(config, denoiser)
         except ValueError as exc:
             raise FlowrlError(f"LoRA could not be attached: {exc}", where="[train].lora_targets") from exc

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from flowrl.chunking import chunk_index, validate_chunks
-from flowrl.losses import Objective, _adv_like, _check_mask, reduce_units, unit_log_ratios, unit_metrics
+from flowrl.losses import Objective, broadcast_advantages, check_unit_mask, reduce_units, unit_log_ratios, unit_metrics
 
 __all__ = ["StepLogProbFn", "lean_chunk_backward", "full_graph_backward"]
 
@@ -46,10 +46,10 @@ def _setup(old_lp, advantages, sizes, unit_mask):
     B, T = old_lp.shape
     s = validate_chunks(sizes, T)
     old = old_lp.detach().to(torch.float32)
-    m = _check_mask(unit_mask, B, len(s), old.device)
+    m = check_unit_mask(unit_mask, B, len(s), old.device)
     uid = chunk_index(s, device=old.device)
     trans = m[:, uid]  # [B, T] selected transitions
-    adv = _adv_like(advantages, torch.empty(B, len(s), device=old.device))
+    adv = broadcast_advantages(advantages, torch.empty(B, len(s), device=old.device))
     return B, T, s, old, m, uid, trans, adv
 
 

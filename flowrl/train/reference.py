@@ -2,7 +2,7 @@
 
 The reference is the model before RL: with LoRA, the same denoiser with its adapters disabled
 (nothing copied); with full fine-tuning, a frozen copy of the denoiser taken before the first
-update. Adapters may provide their own (``snapshot_reference`` / ``reference_velocity``, as the
+update. Adapters may provide their own (:class:`flowrl.interfaces.HasReferencePolicy`, as the
 diffusers adapters do); otherwise :class:`ReferencePolicy` does it for any adapter that calls
 ``self.denoiser(...)`` in ``velocity`` (the interface contract).
 """
@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 
-from .chunking import chunk_index
-from .interfaces import select_embeddings
-from .losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
+from ..chunking import chunk_index
+from ..interfaces import HasReferencePolicy
+from ..losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
 
 
-def _lora_layers(module: torch.nn.Module):
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - peft is a core dependency
-        return []
+def _lora_layers(module: torch.nn.Module) -> list[BaseTunerLayer]:
     return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
 
 
@@ -46,9 +42,8 @@ class ReferencePolicy:
 
     def __init__(self, model):
         self.model = model
-        if hasattr(model, "reference_velocity"):
-            if hasattr(model, "snapshot_reference"):
-                model.snapshot_reference()
+        if isinstance(model, HasReferencePolicy):
+            model.snapshot_reference()
             self.mode, self.copy = "adapter", None
         elif _lora_layers(model.denoiser):
             self.mode, self.copy = "lora_disabled", None
@@ -84,44 +79,38 @@ def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next)
 
 
 def kl_backward(
-    velocity_for: Callable[[torch.Tensor], Callable],
-    reference: ReferencePolicy | None,
-    reference_text_for: Callable[[torch.Tensor], dict],
-    traj,
+    scorer,
     batch_idx: torch.Tensor,
     unit_mask: torch.Tensor,
     sizes,
     *,
+    old_lp: torch.Tensor,
     kind: str,
     beta: float,
     normaliser: float,
-) -> float:
+) -> tuple[float, float]:
     """Back-propagate ``beta * mean over trained transitions of KL`` for a micro-batch.
 
+    ``scorer`` is the update's :class:`flowrl.train.update.TransitionScorer` (it re-scores a
+    stored transition with the policy, or with the reference), ``batch_idx [m]`` the micro-batch's
+    rows, ``unit_mask [m, K]`` its trained chunks and ``old_lp [B, T]`` the rollout log-probs.
     Averages like the policy loss: over the trained transitions of each sample, then summed
     over samples and divided by ``normaliser``. One forward + backward (plus a reference forward
     for the reference kinds) per trained transition, one step's graph at a time. Returns
     ``(mean KL over trained transitions, the term as optimised without beta)``.
     """
-    positions = traj.trainable_indices.tolist()
     trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
     per_sample = trans.sum(1).clamp(min=1).float()
-    old_lp = traj.trainable_log_probs
     total, count, term = 0.0, 0, 0.0
-    for t, i in enumerate(positions):
+    for t, i in enumerate(scorer.positions):
         b = torch.nonzero(trans[:, t], as_tuple=False).flatten()
         if not b.numel():
             continue
         rows = batch_idx[b]
-        tr = traj.transition(i)
-        x, nxt = tr.sample[rows], tr.next_sample[rows]
-        s, s_n = tr.sigma.expand(len(rows)), tr.sigma_next.expand(len(rows))
-        ref_out = None
-        if kind != "old_policy_k3":
-            v_ref = reference.velocity(x, s, reference_text_for(rows))
-            ref_out = tr.kernel.step(v_ref, x, s, s_n, next_sample=nxt, reduction=traj.reduction)
+        tr = scorer.trajectory.transition(i)
+        ref_out = None if kind == "old_policy_k3" else scorer.step(t, rows, grad=False, reference=True)
         with torch.enable_grad():
-            out = tr.kernel.step(velocity_for(rows)(x, s), x, s, s_n, next_sample=nxt, reduction=traj.reduction)
+            out = scorer.step(t, rows, grad=True)
             kl = step_kl(kind, out, ref_out, out.log_prob - old_lp[rows, t], tr.sigma, tr.sigma_next)
             weighted = (kl / per_sample[b].to(kl.device)).sum() / normaliser
             (beta * weighted).backward()

@@ -1,0 +1,53 @@
+"""What every command shares: the Typer app, the consoles, the plugin registry and recipe loading.
+
+Each module in :mod:`flowrl.commands` adds its command(s) to :data:`app` when imported;
+:mod:`flowrl.cli` imports them all and runs the app. Heavy imports stay inside the command
+functions, so ``flowrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from ..plugins import Registry, get_registry
+from ..recipe import Recipe, load_recipe
+
+app = typer.Typer(
+    name="flowrl",
+    help="Reinforcement learning for flow-matching text-to-image models (GRPO, GSPO, Chunk-GRPO).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+class Options:
+    """The global options (``flowrl --debug --disable-plugin NAME ...``), set before a command runs."""
+
+    debug = False
+    disabled_plugins: list[str] = []
+
+
+options = Options()
+
+RecipeArg = Annotated[Path, typer.Argument(help="Path to a TOML recipe (see recipes/).")]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Override a recipe key: section.key=value (TOML value). Repeatable."),
+]
+
+
+def registry() -> Registry:
+    """The plugin registry, without the plugins disabled on the command line."""
+    return get_registry(options.disabled_plugins)
+
+
+def load(recipe: Path, overrides: Optional[list[str]] = None) -> Recipe:
+    """Read, override and validate a recipe against the registry."""
+    return load_recipe(recipe, list(overrides or []), registry=registry())

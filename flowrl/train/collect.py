@@ -1,0 +1,131 @@
+"""Collecting one iteration's samples: prompts, rollout, images, rewards, advantages.
+
+Every random draw is keyed by the GLOBAL sample index (:mod:`flowrl.seeding`): a sample gets
+the same starting noise, SDE noise and prompt on any number of processes and after a resume.
+The result is a :class:`Batch`, which the update consumes as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import distributed
+from ..advantages import advantages_for
+from ..interfaces import TextEmbeddings, score, select_embeddings
+from ..prompts import prompts_for_iteration
+from ..sampling import rollout
+from ..seeding import generator, sample_generators
+from ..trajectory import Trajectory
+
+
+@dataclasses.dataclass
+class Batch:
+    """This process's samples of one iteration, from rollout to update.
+
+    ``indices`` are the samples' global indices; ``group_ids [B]`` their prompt groups;
+    ``rewards`` and ``reward_extras`` the local scores (``[B]`` each); ``advantages`` ``[B]`` or
+    ``[B, K]``, or None when a reward was not finite (the update is then skipped).
+    """
+
+    iteration: int
+    indices: range
+    prompts: list[str]
+    group_ids: torch.Tensor
+    text: TextEmbeddings
+    trajectory: Trajectory | None = None
+    images: torch.Tensor | None = None
+    rewards: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    reward_extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    advantages: torch.Tensor | None = None
+
+
+def initial_noise(seed: int, iteration: int, indices, group_size: int, shape, same_in_group: bool) -> torch.Tensor:
+    """Starting noise ``[len(indices), *shape]`` of the samples with these GLOBAL indices.
+
+    Sample ``j`` draws from a generator seeded by (seed, iteration, j), or by its group's first
+    index with ``same_in_group`` (every sample of a prompt starts from the same noise and the
+    groups differ only through the SDE noise): the same on any process layout.
+    """
+    keys = [(j // group_size) * group_size if same_in_group else j for j in indices]
+    return torch.stack([torch.randn(tuple(shape), generator=generator(seed, "noise", iteration, k)) for k in keys])
+
+
+def collect(session, geometry, ctx, prompts: list[str], iteration: int, timer) -> Batch:
+    """This process's samples of the iteration: prompts and text embeddings (``encode``), the
+    rollout (``rollout``) and the decoded images (``decode``), each phase timed by ``timer``."""
+    with timer("encode"):
+        batch = encode(session, geometry, ctx, prompts, iteration)
+    with timer("rollout"):
+        sample(session, batch, geometry.group_size)
+    with timer("decode"):
+        batch.images = session.model.decode(batch.trajectory.image_latents)
+    return batch
+
+
+def encode(session, geometry, ctx, prompts: list[str], iteration: int) -> Batch:
+    """This process's prompts of the iteration and their (cached) text embeddings."""
+    local, G = geometry.local_sample_range(ctx.rank), geometry.group_size
+    global_prompts = prompts_for_iteration(prompts, session.recipe.run.seed, iteration, geometry.prompts_per_iteration)
+    sample_prompts = [global_prompts[j // G] for j in local]
+    return Batch(iteration=iteration, indices=local, prompts=sample_prompts,
+                 group_ids=torch.tensor([j // G for j in local]), text=session.cache.get(sample_prompts, session.device))
+
+
+def sample(session, batch: Batch, group_size: int) -> None:
+    """Roll out every local sample with the training sampler, in ``[sampler].batch_size``
+    micro-batches (0 = all at once); fills ``batch.trajectory``."""
+    recipe, model, sampler = session.recipe, session.model, session.sampler
+    n = len(batch.indices)
+    noise = initial_noise(recipe.run.seed, batch.iteration, batch.indices, group_size, model.latent_shape,
+                          recipe.train.same_noise_in_group).to(session.device)
+    gens = sample_generators(recipe.run.seed, "rollout", batch.iteration, batch.indices)
+    size = recipe.sampler.batch_size or n
+    parts = []
+    for lo in range(0, n, size):
+        b = torch.arange(lo, min(lo + size, n))
+        text = select_embeddings(batch.text, b) if size < n else batch.text
+        parts.append(rollout(
+            lambda x, s, text=text: model.velocity(x, s, text), noise[lo : lo + len(b)], sampler.sigmas,
+            sampler.kernels, generators=gens[lo : lo + len(b)], image_from=sampler.image_from,
+            reduction=sampler.reduction, prompts=batch.prompts[lo : lo + len(b)], group_ids=batch.group_ids[lo : lo + len(b)],
+        ))
+    batch.trajectory = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
+
+
+def score_rewards(batch: Batch, rewards) -> None:
+    """Score the decoded images with every reward; fills ``batch.rewards`` and ``reward_extras``."""
+    for label, _, reward in rewards:
+        out = score(reward, batch.images, batch.prompts)
+        batch.rewards[label] = out.scores
+        batch.reward_extras.update({f"{label}/{k}": v.reshape(-1) for k, v in sorted(out.extras.items())})
+
+
+def assign_advantages(session, geometry, ctx, batch: Batch, num_chunks: int, record: dict) -> None:
+    """Advantages over whole groups, from the rewards of every process; logs reward and
+    advantage statistics. Leaves ``batch.advantages`` None when a reward is not finite."""
+    all_rewards = {k: distributed.all_gather_cat(v, ctx) for k, v in batch.rewards.items()}
+    all_groups = distributed.all_gather_cat(batch.group_ids, ctx)
+    finite = all(bool(torch.isfinite(v).all()) for v in all_rewards.values())
+    for label, v in all_rewards.items():
+        record.update({f"reward/{label}/{k}": x for k, x in summary_stats(v).items()})
+    for key, v in batch.reward_extras.items():
+        record[f"reward/{key}/mean"] = distributed.all_gather_cat(v, ctx).float().mean().item()
+    if not finite:
+        return
+    everyone = advantages_for(session.components.advantage, all_rewards, session.recipe.rewards, all_groups, num_chunks)
+    offset = ctx.rank * geometry.samples_per_process
+    batch.advantages = everyone[offset : offset + geometry.samples_per_process].to(session.device)
+    record.update({f"advantage/{k}": x for k, x in summary_stats(everyone).items()})
+
+
+def summary_stats(x: torch.Tensor) -> dict[str, float]:
+    """``mean``, ``std`` (population), ``min`` and ``max`` of a tensor, as floats."""
+    x = x.float()
+    return {
+        "mean": x.mean().item(),
+        "std": x.std(unbiased=False).item() if x.numel() > 1 else 0.0,
+        "min": x.min().item(),
+        "max": x.max().item(),
+    }

@@ -1,0 +1,82 @@
+"""The chunk layout training uses, and the components that can move it.
+
+The chunker names the sizes. A :class:`~flowrl.interfaces.ProfilingChunker` (``dynamics``)
+first profiles the model with the training sampler; an
+:class:`~flowrl.interfaces.AdaptiveChunker` re-profiles the current policy every
+``reprofile_every`` iterations; a :class:`~flowrl.interfaces.CurveWeightedSelector` without a
+profile of its own takes the chunker's L1rel curve (a :class:`~flowrl.interfaces.CurveSource`).
+The sizes in use and the selector's curve are checkpointed, so a resumed run continues with them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import distributed
+from ..errors import FlowrlError
+from ..interfaces import AdaptiveChunker, CurveSource, CurveWeightedSelector, ProfilingChunker
+
+
+class ChunkLayout:
+    """The chunk sizes in use (``sizes``, summing to T), broadcast from the main process."""
+
+    def __init__(self, session, prompts: list[str], ctx):
+        self.session, self.prompts, self.ctx = session, prompts, ctx
+        self.chunker = session.components.chunker
+        self.selector = session.components.selector
+        recipe, sampler = session.recipe, session.sampler
+        if isinstance(self.chunker, ProfilingChunker) and self.chunker.needs_model:
+            self.chunker.profile_at_start(session.model, sampler.sigmas, sampler.kernels, prompts,
+                                          image_from=sampler.image_from, seed=recipe.run.seed)
+        try:
+            self.sizes = distributed.broadcast_object(tuple(self.chunker.sizes(sampler.num_trainable)), ctx)
+        except ValueError as exc:
+            raise FlowrlError(f"{exc} (the sampler has T = {sampler.num_trainable} trainable transitions)",
+                              where=f"{recipe.source}: [chunker]") from exc
+        self.share_curve()
+
+    def share_curve(self, refresh: bool = False) -> None:
+        """Hand a curve-weighted selector without a profile of its own the chunker's L1rel."""
+        selector, chunker = self.selector, self.chunker
+        if not (isinstance(selector, CurveWeightedSelector) and isinstance(chunker, CurveSource)):
+            return
+        if selector.has_own_profile:
+            return
+        if selector.l1rel is None or refresh:
+            selector.l1rel = chunker.l1rel(self.session.sampler.num_trainable)
+
+    def reprofile_due(self, iteration: int) -> bool:
+        """Adaptive chunking re-profiles every ``reprofile_every`` iterations (never at 0)."""
+        every = self.chunker.reprofile_every if isinstance(self.chunker, AdaptiveChunker) else 0
+        return bool(every) and iteration > 0 and iteration % every == 0
+
+    def reprofile(self, iteration: int, console) -> dict:
+        """Re-profile the current policy and move the boundaries; returns the metrics entry
+        ``chunk_sizes_changed`` (empty when they did not move) and says so on the console."""
+        sampler, seed, old = self.session.sampler, self.session.recipe.run.seed, self.sizes
+        _, new = self.chunker.reprofile(self.session.model, sampler.sigmas, sampler.kernels, self.prompts,
+                                        image_from=sampler.image_from, seed=seed)
+        new = distributed.broadcast_object(tuple(new), self.ctx)
+        self.chunker.set_sizes(new)
+        self.share_curve(refresh=True)
+        self.sizes = new
+        if new == old:
+            return {}
+        if self.ctx.is_main:
+            console.print(f"iteration {iteration}: chunk boundaries {list(old)} -> {list(new)}")
+        return {"chunk_sizes_changed": {"from": list(old), "to": list(new)}}
+
+    @property
+    def selector_l1rel(self) -> list[float] | None:
+        """The selector's curve in use (checkpointed), or None."""
+        if not isinstance(self.selector, CurveWeightedSelector) or self.selector.l1rel is None:
+            return None
+        return [float(x) for x in self.selector.l1rel]
+
+    def restore(self, sizes: tuple[int, ...], selector_l1rel: list[float] | None) -> None:
+        """Continue with the sizes and curve a checkpoint recorded (moved by re-profiling)."""
+        if sizes != self.sizes:
+            self.chunker.set_sizes(sizes)
+            self.sizes = sizes
+        if selector_l1rel is not None:
+            self.selector.l1rel = torch.tensor(selector_l1rel, dtype=torch.float32)

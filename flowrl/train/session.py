@@ -1,0 +1,164 @@
+"""A recipe's components built and placed on a device: the one way to load a policy.
+
+``flowrl train``, ``sample``, ``eval``, ``profile`` and ``export`` all start from a
+:class:`Session`: the components the recipe names (built by their plugins), the device, the
+sampler training uses (sigmas, one kernel per step, the number of trainable transitions) and a
+per-prompt cache of text embeddings. :meth:`Session.load_policy` puts a checkpoint's trained
+weights into the model (attaching the LoRA first when the run trained one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ..distributed import resolve_device
+from ..interfaces import TextEmbeddings
+from ..plugins import Registry, get_registry
+from ..recipe import Recipe
+from ..sampling import Sampler, make_kernels
+from .checkpoint import read_model_weights
+from .finetune import load_trainable_state_dict, prepare_trainable
+
+
+class RewardEntry(NamedTuple):
+    """One ``[[rewards]]`` entry, built: its label (in logs), its weight, the reward."""
+
+    label: str
+    weight: float
+    reward: Any
+
+
+@dataclasses.dataclass
+class Components:
+    """Everything the recipe names, built."""
+
+    model: Any
+    schedule: Any
+    kernel: Any
+    chunker: Any
+    selector: Any
+    advantage: Any
+    loss: Any
+    rewards: list[RewardEntry]
+    trackers: list[Any]
+
+
+def build_components(recipe: Recipe, registry: Registry, *, rewards: bool = True, trackers: bool = True) -> Components:
+    """Build every component of ``recipe``; rewards and trackers can be left out (they play no
+    part in sampling and can be heavy)."""
+
+    def build(section: str):
+        choice = recipe.components[section]
+        return registry.get(section, choice.use).build(choice.params)
+
+    return Components(
+        model=build("model"),
+        schedule=build("schedule"),
+        kernel=build("kernel"),
+        chunker=build("chunker"),
+        selector=build("selector"),
+        advantage=build("advantage"),
+        loss=build("loss"),
+        rewards=[
+            RewardEntry(c.label, c.weight, registry.get("reward", c.use).build(c.params)) for c in recipe.rewards
+        ] if rewards else [],
+        trackers=[registry.get("tracker", t.use).build(t.params) for t in recipe.trackers] if trackers else [],
+    )
+
+
+def build_sampler(recipe: Recipe, components: Components, device: torch.device) -> Sampler:
+    """The sampler training uses (``flowrl profile`` measures this one): the schedule's sigmas on
+    ``device``, the kernel inside ``[sampler].sde_window`` (ODE outside), and T as validation
+    computed it."""
+    n = recipe.sampler.steps
+    sigmas = components.schedule.sigmas(n, components.model).to(device=device, dtype=torch.float32)
+    window = tuple(recipe.sampler.sde_window) if recipe.sampler.sde_window else None
+    return Sampler(
+        sigmas=sigmas,
+        kernels=make_kernels(n, components.kernel, window),
+        num_trainable=recipe.num_trainable,
+        image_from=recipe.sampler.image_from,
+        reduction=recipe.sampler.logprob_reduction,
+    )
+
+
+class PromptCache:
+    """Text embeddings computed once per prompt and reused.
+
+    Each prompt is encoded on its own, so its embedding does not depend on which other prompts
+    happened to be new in the same iteration (batched matmuls may round differently with the
+    batch size): an uninterrupted run and a resumed one see bit-identical embeddings. The cost
+    is one encoder call per distinct prompt over the whole run.
+
+    The cache lives in CPU memory and keeps the ``max_prompts`` most recently used prompts, so a
+    large prompt set (HPDv2 has 100k+) neither fills the GPU nor grows without bound; an evicted
+    prompt is re-encoded to the identical embedding.
+    """
+
+    def __init__(self, model, max_prompts: int = 1024):
+        self.model = model
+        self.max_prompts = max_prompts
+        self.cache: OrderedDict[str, TextEmbeddings] = OrderedDict()
+
+    def get(self, prompts: list[str], device: torch.device | str = "cpu") -> TextEmbeddings:
+        rows = {}
+        for p in dict.fromkeys(prompts):
+            if p in self.cache:
+                self.cache.move_to_end(p)
+            else:
+                with torch.no_grad():
+                    self.cache[p] = {k: v[:1].cpu() for k, v in self.model.encode_prompts([p]).items()}
+                if len(self.cache) > self.max_prompts:
+                    self.cache.popitem(last=False)
+            rows[p] = self.cache[p]
+        keys = rows[prompts[0]].keys()
+        return {k: torch.cat([rows[p][k] for p in prompts]).to(device) for k in keys}
+
+
+@dataclasses.dataclass
+class Session:
+    """A recipe's built components on a device, with the training sampler and a prompt cache."""
+
+    recipe: Recipe
+    registry: Registry
+    components: Components
+    device: torch.device
+    sampler: Sampler
+    cache: PromptCache
+
+    @classmethod
+    def open(
+        cls,
+        recipe: Recipe,
+        registry: Registry | None = None,
+        *,
+        device: torch.device | str | None = None,
+        rewards: bool = True,
+        trackers: bool = True,
+    ) -> Session:
+        """Build the recipe's components and move the model to ``device`` (default: the recipe's
+        ``[run].device``)."""
+        registry = registry or get_registry()
+        if not isinstance(device, torch.device):
+            device = resolve_device(device or recipe.run.device)
+        components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
+        components.model.to(device)
+        sampler = build_sampler(recipe, components, device)
+        return cls(recipe, registry, components, device, sampler, PromptCache(components.model))
+
+    @property
+    def model(self):
+        return self.components.model
+
+    def load_policy(self, checkpoint: Path) -> None:
+        """Load a checkpoint's trained weights for inference: the LoRA is attached first when the
+        run trained one, and afterwards nothing requires grad."""
+        prepare_trainable(self.model, self.recipe.train)
+        load_trainable_state_dict(self.model.denoiser, read_model_weights(checkpoint))
+        self.model.denoiser.requires_grad_(False)
+        self.model.to(self.device)  # LoRA matrices are created on the CPU

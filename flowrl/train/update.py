@@ -1,0 +1,232 @@
+"""The update phase: advantages over whole groups, then the policy update.
+
+One rollout is used for ``updates_per_rollout`` passes; each pass takes
+``optimizer_steps_per_update`` AdamW steps, each over ``grad_accumulation`` micro-batches. Per
+micro-batch the selector picks the chunks each sample trains, the memory-lean chunk update
+(:mod:`flowrl.train.chunk_update`) back-propagates the loss over them one step at a time, and a
+KL pass adds the loss's KL term. Every re-scoring of a stored transition, for the policy loss as
+for the KL, goes through one :class:`TransitionScorer`.
+
+The first optimizer step of a rollout is exactly on-policy: :class:`OnPolicyProbe` checks that
+re-scoring reproduces the rollout's log-probs (``[train].on_policy_tolerance``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from .. import distributed
+from ..errors import FlowrlError
+from ..interfaces import KLRegularised, TextEmbeddings, select_embeddings
+from ..sampling import rescore_transition
+from ..sde import StepOutput
+from ..seeding import generator
+from ..trajectory import Trajectory
+from .chunk_update import StepLogProbFn, lean_chunk_backward
+from .finetune import prepare_trainable
+from .reference import ReferencePolicy, kl_backward
+
+
+class TransitionScorer:
+    """Re-scores a rollout's trainable transitions with the current policy or the reference.
+
+    ``step(t, rows, grad)`` is the kernel's :class:`~flowrl.sde.StepOutput` at trainable position
+    ``t`` (``0 <= t < T``) for the samples ``rows`` (indices into the trajectory): the chunk
+    update reads its ``log_prob``, the KL pass its ``mean`` and ``std``.
+    """
+
+    def __init__(self, model, trajectory: Trajectory, text: TextEmbeddings, reference: ReferencePolicy | None = None):
+        self.model = model
+        self.trajectory = trajectory
+        self.text = text
+        self.reference = reference
+        self.positions = trajectory.trainable_indices.tolist()
+
+    def step(self, t: int, rows: torch.Tensor, *, grad: bool, reference: bool = False) -> StepOutput:
+        if not 0 <= t < len(self.positions):
+            raise ValueError(f"trainable position must be in [0, {len(self.positions) - 1}], got {t}")
+        text = select_embeddings(self.text, rows)
+        policy = self.reference if reference else self.model
+        with torch.set_grad_enabled(grad):
+            return rescore_transition(lambda x, s: policy.velocity(x, s, text), self.trajectory, self.positions[t], rows)
+
+    def log_prob_fn(self, rows: torch.Tensor) -> StepLogProbFn:
+        """``fn(t, b, grad)``: log-probs of the samples ``rows[b]``, as the chunk update wants."""
+        return lambda t, b, grad: self.step(t, rows[b], grad=grad).log_prob
+
+
+class OnPolicyProbe:
+    """Largest per-step ``|log pi_new - log pi_old|`` seen while re-scoring, before any update.
+
+    Wraps the step log-prob function handed to :func:`flowrl.train.chunk_update.lean_chunk_backward`
+    and reads every recomputation of a selected transition, with or without grad (the lean
+    update scores the last position of each chunk only with grad), so the check costs no extra
+    forward. Before the first optimizer step every call is on-policy. It is stricter than
+    looking at unit ratios: a per-step error cannot cancel inside a chunk mean.
+    """
+
+    def __init__(self):
+        self.max_abs = 0.0
+
+    def wrap(self, fn: StepLogProbFn, old_lp: torch.Tensor) -> StepLogProbFn:
+        """``fn(t, b, grad)`` with ``old_lp [len(micro-batch), T]`` the rollout log-probs."""
+
+        def probed(t: int, b: torch.Tensor, grad: bool) -> torch.Tensor:
+            lp = fn(t, b, grad)
+            d = float((lp.detach().float() - old_lp[b, t].float()).abs().max())
+            if not d <= self.max_abs:  # also catches NaN
+                self.max_abs = d
+            return lp
+
+        return probed
+
+
+def lr_lambda(train, total_steps: int) -> Callable[[int], float]:
+    """The LR multiplier of optimizer step ``step``: linear warm-up, then constant, cosine or
+    linear decay over ``total_steps``."""
+
+    def f(step: int) -> float:
+        if train.warmup_steps and step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
+        if train.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if train.lr_schedule == "linear":
+            return 1.0 - progress
+        return 1.0
+
+    return f
+
+
+def update_aggregate(key: str) -> str:
+    """How a per-micro-batch update metric combines over micro-batches and processes."""
+    if key.endswith("min"):
+        return "min"
+    if key.endswith("max") or key == "recompute_mismatch":
+        return "max"
+    if key == "num_units":  # units trained in the iteration, whatever the micro-batching
+        return "sum"
+    return "mean"
+
+
+@dataclasses.dataclass
+class UpdateOutcome:
+    """What one iteration's update did: the LR of its first step, the on-policy deviation
+    (None when nothing was trained), the chunks each local sample trained in the first pass
+    (``[S_local, K]``), whether a step was skipped for non-finite values, and its metrics
+    (aggregated over micro-batches and processes)."""
+
+    lr: float
+    trained: torch.Tensor
+    skipped: bool
+    on_policy: float | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class PolicyUpdate:
+    """What the update keeps across iterations: the trainable parameters, the KL reference,
+    AdamW and its LR schedule."""
+
+    def __init__(self, session, geometry, ctx):
+        train, loss = session.recipe.train, session.components.loss
+        self.session, self.geometry, self.ctx = session, geometry, ctx
+        self.params = prepare_trainable(session.model, train)
+        # KL regularisation: the reference is fixed now, before any update (and before a resume
+        # loads trained weights). The old-policy kind needs no reference model.
+        kl = isinstance(loss, KLRegularised)
+        self.beta = float(loss.beta or 0.0) if kl else 0.0
+        self.kl_kind = loss.kl if kl else "gaussian_exact"
+        self.reference = ReferencePolicy(session.model) if self.beta > 0 and self.kl_kind != "old_policy_k3" else None
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay,
+        )
+        total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train, total))
+
+    def run(self, batch, sizes: tuple[int, ...]) -> UpdateOutcome:
+        """Every pass and optimizer step of this rollout (none when the rewards were not finite:
+        then there is nothing to train, and the update counts as skipped)."""
+        g, seed = self.geometry, self.session.recipe.run.seed
+        out = UpdateOutcome(lr=self.scheduler.get_last_lr()[0],  # the LR this iteration's first step uses
+                            trained=torch.zeros(len(batch.indices), len(sizes), dtype=torch.bool),
+                            skipped=batch.advantages is None)
+        scorer = TransitionScorer(self.session.model, batch.trajectory, batch.text, self.reference)
+        old_lp = batch.trajectory.trainable_log_probs.to(self.session.device)
+        metrics: dict[str, list[float]] = defaultdict(list)
+        per_step = g.micro_batch_size * g.grad_accumulation  # samples per optimizer step, per process
+        for epoch in range(0 if out.skipped else g.updates_per_rollout):
+            order = torch.randperm(len(batch.indices), generator=generator(seed, "order", batch.iteration, epoch, self.ctx.rank))
+            for opt_step in range(g.optimizer_steps_per_update):
+                rows = order[opt_step * per_step : (opt_step + 1) * per_step]
+                first = epoch == 0 and opt_step == 0  # exactly on-policy: checked
+                if not self._optimizer_step(batch, scorer, old_lp, rows, sizes, epoch, out, metrics, first):
+                    out.skipped = True
+        local = {k: {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
+                 for k, v in metrics.items()}
+        out.metrics = distributed.reduce_metrics(local, {k: update_aggregate(k) for k in local}, self.ctx)
+        return out
+
+    def _optimizer_step(self, batch, scorer, old_lp, rows, sizes, epoch, out, metrics, check_on_policy) -> bool:
+        """One AdamW step over ``rows`` (this process's samples of the step, in micro-batches).
+        Returns False when it was skipped for a non-finite loss or gradient."""
+        g, train, seed = self.geometry, self.session.recipe.train, self.session.recipe.run.seed
+        device, per_step = self.session.device, g.micro_batch_size * g.grad_accumulation
+        self.optimizer.zero_grad(set_to_none=True)
+        probe = OnPolicyProbe() if check_on_policy else None
+        step_loss = 0.0
+        for start in range(0, len(rows), g.micro_batch_size):
+            idx = rows[start : start + g.micro_batch_size]
+            sel_gens = [generator(seed, "select", batch.iteration, epoch, batch.indices[int(i)]) for i in idx]
+            mask = self.session.components.selector.select(len(idx), sizes, sel_gens).cpu()
+            if epoch == 0:
+                out.trained[idx] = mask
+            idx = idx.to(device)
+            fn = scorer.log_prob_fn(idx)
+            if probe is not None:
+                fn = probe.wrap(fn, old_lp[idx])
+            loss_value, m = lean_chunk_backward(
+                fn, old_lp[idx], batch.advantages[idx], sizes, mask.to(device),
+                self.session.components.loss.objective, normaliser=per_step,
+            )
+            step_loss += float(loss_value)
+            if self.beta > 0:
+                kl_value, kl_term = kl_backward(scorer, idx, mask.to(device), sizes, old_lp=old_lp,
+                                                kind=self.kl_kind, beta=self.beta, normaliser=per_step)
+                metrics[f"kl/{self.kl_kind}"].append(kl_value)
+                step_loss += self.beta * kl_term
+            for k, v in m.items():
+                metrics[k].append(float(v))
+        if probe is not None:
+            out.on_policy = self._check_on_policy(probe)
+        distributed.average_gradients(self.params, self.ctx)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.params, train.max_grad_norm if train.max_grad_norm > 0 else float("inf")
+        )
+        # grad_norm is global after averaging; the loss is summed so that every process takes
+        # the same skip decision.
+        step_loss = distributed.all_reduce_scalar(step_loss, self.ctx) / self.ctx.world_size
+        if not (math.isfinite(step_loss) and math.isfinite(float(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        self.optimizer.step()
+        self.scheduler.step()
+        metrics["loss"].append(step_loss)
+        metrics["grad_norm"].append(float(grad_norm))
+        return True
+
+    def _check_on_policy(self, probe: OnPolicyProbe) -> float:
+        deviation = distributed.all_reduce_scalar(probe.max_abs, self.ctx, "max")
+        tolerance = self.session.recipe.train.on_policy_tolerance
+        if not deviation <= tolerance:
+            raise FlowrlError(
+                f"on-policy check failed: max |log pi_new - log pi_old| = {deviation:.3g} > "
+                f"{tolerance:g} before any update; rollout and training log-probs disagree",
+                where=f"{self.session.recipe.source}: [train].on_policy_tolerance",
+                hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
+            )
+        return deviation
