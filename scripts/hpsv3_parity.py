@@ -19,7 +19,7 @@ Upstream environment (why each pin; measured on CPU-only Linux, Python 3.11):
   huggingface_hub<1.0 (transformers 4.x), diffusers<=0.39 (later ones need hub >= 1.23),
   trl==0.11.4 (the last trl that supports transformers 4.45).
 - torch and torchvision pinned by constraints/cpu.txt; the registry's torchvision is a CUDA
-  build, made importable by flowrl_plugins/rewards/torchvision_compat.py, loaded by path.
+  build, made importable by flowrl/compat.py, loaded by path.
 
 It also serves the package with ``flowrl reward serve hpsv3_upstream`` inside its environment
 (flowrl installed there with --no-deps) and scores the same images through the ``http`` reward
@@ -108,7 +108,7 @@ def build_venv(venv: Path, log) -> float:
 
 def upstream_worker(work: Path) -> None:
     """Runs inside the upstream environment (transformers 4.45)."""
-    _load_by_path("torchvision_compat", PLUGIN_DIR / "torchvision_compat.py").ensure_torchvision_importable()
+    _load_by_path("flowrl_compat", REPO / "flowrl" / "compat.py").ensure_torchvision_importable()
     import torch
     import transformers
     import yaml

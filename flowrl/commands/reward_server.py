@@ -2,7 +2,7 @@
 
 The trainer then scores through the ``http`` reward (``url = "http://HOST:PORT"``), so a reward
 whose dependencies clash with the trainer's (HPSv3's transformers pin) runs in its own
-environment, or on another GPU or machine. Protocol: :mod:`flowrl_plugins.rewards.http`.
+environment, or on another GPU or machine. Protocol: :mod:`flowrl.reward_protocol`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def serve(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request.")] = False,
 ) -> None:
     """Serve reward NAME over HTTP for the `http` reward (GET /health, POST /score)."""
-    from flowrl_plugins.rewards.http import make_server
+    from ..reward_protocol import make_server
 
     reward = build_reward(name, list(set_ or []))
     server = make_server(reward, name=name, host=host, port=port, verbose=verbose)

@@ -16,7 +16,7 @@ def _torchvision_guard() -> None:
     # With `flowrl[clip]` installed on a CPU machine, torchvision may be a CUDA build whose
     # compiled ops fail to load, which breaks diffusers' and transformers' imports; the shim
     # makes it importable and does nothing on a healthy install or without torchvision.
-    from flowrl_plugins.rewards.torchvision_compat import ensure_torchvision_importable
+    from flowrl.compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
 

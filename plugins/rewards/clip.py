@@ -123,7 +123,7 @@ class _ClipScorer(ModelReward):
 
 
 def _load_hf_clip(model_path: str, processor_path: str, who: str):
-    from .torchvision_compat import ensure_torchvision_importable
+    from flowrl.compat import ensure_torchvision_importable
 
     # A broken CUDA torchvision (installed with open_clip) would break the image processors too.
     ensure_torchvision_importable()
@@ -206,8 +206,8 @@ class PickScore(HFClipScorer):
 
 
 def load_open_clip():
-    """Import open_clip, first making a broken CPU torchvision importable (see torchvision_compat)."""
-    from .torchvision_compat import ensure_torchvision_importable
+    """Import open_clip, first making a broken CPU torchvision importable (see flowrl.compat)."""
+    from flowrl.compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     return require("open_clip", extra="clip", purpose="the 'clip' reward with backend 'open_clip'")

@@ -223,7 +223,7 @@ class HPSv3(ModelReward):
     Config = HPSv3Config
 
     def __init__(self, config: HPSv3Config):
-        from .torchvision_compat import ensure_torchvision_importable
+        from flowrl.compat import ensure_torchvision_importable
 
         self.name = "hpsv3"
         ensure_torchvision_importable()  # a broken CUDA torchvision breaks transformers' imports

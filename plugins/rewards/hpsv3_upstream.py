@@ -38,7 +38,7 @@ class HPSv3Upstream:
     Config = HPSv3UpstreamConfig
 
     def __init__(self, config: HPSv3UpstreamConfig):
-        from .torchvision_compat import ensure_torchvision_importable
+        from flowrl.compat import ensure_torchvision_importable
 
         ensure_torchvision_importable()  # the package imports torchvision
         try:

@@ -20,7 +20,7 @@ def _torchvision_shim() -> None:
     """Apply flowrl's torchvision shim when flowrl is importable (the parity script's upstream
     environment loads this file by path and applies the shim itself)."""
     try:
-        from flowrl_plugins.rewards.torchvision_compat import ensure_torchvision_importable
+        from flowrl.compat import ensure_torchvision_importable
     except ImportError:
         return
     ensure_torchvision_importable()

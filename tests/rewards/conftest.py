@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl_plugins.rewards.torchvision_compat import ensure_torchvision_importable
+from flowrl.compat import ensure_torchvision_importable
 
 # Where a CUDA torchvision sits beside CPU torch (an environment with flowrl[clip]), importing
 # transformers' vision models fails unless the shim runs first; a no-op everywhere else.

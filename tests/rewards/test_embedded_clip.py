@@ -3,13 +3,23 @@ PickScore's code path, offline."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from reward_helpers import assert_invariant
 
 from flowrl.plugins import get_registry
 from flowrl_plugins.embedded import dataset as D
-from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR, evaluate
+from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR
+
+# The training and evaluation script is part of the repository, not of a plugin.
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("train_embedded_clip", REPO / "scripts" / "train_embedded_clip.py")
+_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_script)
+evaluate = _script.evaluate
 
 
 @pytest.fixture(scope="module")

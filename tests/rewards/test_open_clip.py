@@ -13,7 +13,7 @@ import pytest
 import torch
 from reward_helpers import PROMPTS, assert_invariant, fixed_images, to_pil
 
-from flowrl_plugins.rewards.torchvision_compat import ensure_torchvision_importable
+from flowrl.compat import ensure_torchvision_importable
 
 ensure_torchvision_importable()  # a CUDA torchvision beside CPU torch breaks `import open_clip`
 open_clip = pytest.importorskip("open_clip")

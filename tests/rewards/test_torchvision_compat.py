@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
         print("plain import: ok")
     except RuntimeError as exc:
         print("plain import:", exc)
-    from flowrl_plugins.rewards import torchvision_compat as tc
+    from flowrl import compat as tc
     print("status:", tc.ensure_torchvision_importable(), tc.ensure_torchvision_importable())
     import torchvision
     print("import after shim: ok")
@@ -76,7 +76,7 @@ def test_healthy_library_is_left_alone(tmp_path):
     # A loadable library that defines no ops: the shim must report "healthy" and define nothing,
     # so the fake's own import fails exactly as it would without the shim.
     env_out = subprocess.run(
-        [sys.executable, "-c", "from flowrl_plugins.rewards import torchvision_compat as tc;"
+        [sys.executable, "-c", "from flowrl import compat as tc;"
          "print(tc.ensure_torchvision_importable(), tc._op_defined('nms'))"],
         capture_output=True, text=True, timeout=120,
         env={**__import__("os").environ, "PYTHONPATH": str(fake)},
@@ -86,7 +86,7 @@ def test_healthy_library_is_left_alone(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
 def test_absent_torchvision_is_a_no_op():
-    from flowrl_plugins.rewards import torchvision_compat as tc
+    from flowrl import compat as tc
 
     assert tc.ensure_torchvision_importable() == "absent"
     assert not tc._op_defined("nms")

@@ -1,0 +1,190 @@
+"""The import structure, read from the source: layers, plugins on the public API, no private names.
+
+- The core (``flowrl``) never imports a built-in plugin (``flowrl_plugins``): built-ins are
+  ordinary plugins, found through entry points like any third party's.
+- A plugin imports flowrl's public modules, third-party packages and its own package only, never
+  another plugin.
+- Nothing imports a private name (``_x``) or a private module from another module.
+- flowrl's modules form layers; a module imports only from its own layer or below, and no two
+  modules import each other (directly or through a cycle).
+- Inside the library, flowrl modules are imported at the top of a file. Only the command-line
+  modules (``flowrl/commands``, ``flowrl/cli.py``) import them inside functions, so that
+  ``flowrl --help`` does not pay for torch.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: Lower layers first. A module not listed is an error (new modules must be placed).
+LAYERS: list[set[str]] = [
+    {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
+     "flowrl.compat"},
+    {"flowrl.plugins", "flowrl.interfaces", "flowrl.schedules", "flowrl.sde", "flowrl.chunking", "flowrl.selection",
+     "flowrl.advantages", "flowrl.losses", "flowrl.trajectory", "flowrl.sampling", "flowrl.prompts",
+     "flowrl.distributed", "flowrl.runlog", "flowrl.plotting", "flowrl.planning", "flowrl.reward_protocol"},
+    {"flowrl.recipe", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
+     "flowrl.dynamics.report", "flowrl.dynamics.profile_file"},
+    {"flowrl.train", "flowrl.train.*"},
+    {"flowrl.testing", "flowrl.testing.*", "flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__"},
+]
+CLI_MODULES = ("flowrl.commands", "flowrl.cli")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] == "plugins":
+        parts[0] = "flowrl_plugins"
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    files = [*sorted((REPO / "flowrl").rglob("*.py")), *sorted((REPO / "plugins").rglob("*.py"))]
+    return {_module_name(p): p for p in files}
+
+
+SOURCES = _sources()
+
+
+def _imports(name: str, path: Path):
+    """``(imported module, imported names, line, inside a function)`` for every import."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nested = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, [], node.lineno, id(node) in nested
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            yield module, [a.name for a in node.names], node.lineno, id(node) in nested
+
+
+def _resolve(module: str, names: list[str]) -> list[str]:
+    """The project modules an import refers to (``from pkg import mod`` names a module)."""
+    out = [module] if module in SOURCES else []
+    out += [f"{module}.{n}" for n in names if f"{module}.{n}" in SOURCES]
+    return out
+
+
+def _layer(module: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if module in layer or any(p.endswith(".*") and module.startswith(p[:-1]) for p in layer):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_layering.py: place it")
+
+
+def _plugin_root(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])  # flowrl_plugins.<plugin>
+
+
+def _all_imports():
+    for name, path in SOURCES.items():
+        for module, names, line, nested in _imports(name, path):
+            yield name, path, module, names, line, nested
+
+
+def test_every_module_has_a_layer():
+    for name in SOURCES:
+        if name.startswith("flowrl."):
+            _layer(name)
+
+
+def test_core_never_imports_a_builtin_plugin():
+    bad = [f"{p.relative_to(REPO)}:{line} imports {m}" for n, p, m, _, line, _ in _all_imports()
+           if n.split(".")[0] == "flowrl" and m.split(".")[0] == "flowrl_plugins"]
+    assert not bad, bad
+
+
+def test_plugins_use_only_the_public_api_and_their_own_package():
+    bad = []
+    for name, path, module, names, line, _ in _all_imports():
+        if not name.startswith("flowrl_plugins"):
+            continue
+        if module.split(".")[0] == "flowrl_plugins" and _plugin_root(module) != _plugin_root(name):
+            if module != "flowrl_plugins" or any(_plugin_root(f"flowrl_plugins.{n}") != _plugin_root(name) for n in names):
+                bad.append(f"{path.relative_to(REPO)}:{line} imports another plugin: {module} {names}")
+    assert not bad, bad
+
+
+def test_no_private_name_or_module_is_imported_across_modules():
+    bad = []
+    for name, path, module, names, line, _ in _all_imports():
+        if module.split(".")[0] not in ("flowrl", "flowrl_plugins") or module == name:
+            continue
+        private_module = [p for p in module.split(".")[1:] if p.startswith("_") and not p.startswith("__")]
+        private_names = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if private_module or private_names:
+            bad.append(f"{path.relative_to(REPO)}:{line}: from {module} import {names}")
+    assert not bad, bad
+
+
+def test_core_modules_import_only_their_layer_or_below():
+    bad = []
+    for name, path, module, names, line, _ in _all_imports():
+        if not name.startswith("flowrl.") and name != "flowrl":
+            continue
+        for target in _resolve(module, names):
+            if target.startswith("flowrl") and not target.startswith("flowrl_plugins") and _layer(target) > _layer(name):
+                bad.append(f"{path.relative_to(REPO)}:{line}: {name} (layer {_layer(name)}) imports {target} "
+                           f"(layer {_layer(target)})")
+    assert not bad, bad
+
+
+def test_no_import_cycles_in_the_core():
+    graph: dict[str, set[str]] = {n: set() for n in SOURCES if n.split(".")[0] == "flowrl"}
+    for name, path, module, names, line, _ in _all_imports():
+        if name in graph:
+            graph[name] |= {t for t in _resolve(module, names) if t in graph and t != name}
+    # a package's __init__ importing its own submodules is the package, not a cycle
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_library_modules_import_flowrl_at_the_top():
+    bad = [f"{p.relative_to(REPO)}:{line}: {m}" for n, p, m, _, line, nested in _all_imports()
+           if nested and m.split(".")[0] in ("flowrl", "flowrl_plugins") and not n.startswith(CLI_MODULES)]
+    assert not bad, bad
+
+
+def test_the_layering_test_sees_violations(tmp_path, monkeypatch):
+    """The checks above can fail: a planted private import and a plugin import are caught."""
+    fake = tmp_path / "flowrl" / "bad.py"
+    fake.parent.mkdir()
+    fake.write_text("from flowrl.sde import _reduce\nimport flowrl_plugins.embedded\n")
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    found = list(_imports("flowrl.bad", fake))
+    assert [m for m, *_ in found] == ["flowrl.sde", "flowrl_plugins.embedded"]
+    assert found[0][1] == ["_reduce"]
