@@ -26,7 +26,9 @@ The checks (each documented on its function):
   gives ratio 1 within ``ratio_tol``.
 - ``batch_independence``: a sample's velocity does not depend on the rest of the batch.
 - ``sigma_direction``: sigma = 1 is noise; the denoiser's timestep grows with sigma in
-  proportion (FLUX: t = sigma, SD3: t = 1000 sigma); the model's own schedule runs 1 -> 0.
+  proportion (FLUX: t = sigma, SD3: t = 1000 sigma), or is exactly the adapter's declared
+  ``timestep_from_sigma(sigma)`` for a model whose time runs the other way (Z-Image:
+  t = 1 - sigma); the model's own schedule runs 1 -> 0.
 - ``decode``: ``decode`` returns float32 ``[B, 3, H, W]`` in [0, 1].
 - ``lora_noop``: attaching LoRA (the engine's own code path) leaves the velocity unchanged,
   trains only LoRA matrices, and a non-zero LoRA does change the velocity.
@@ -278,7 +280,13 @@ def _timestep_of(args, kwargs):
 def check_sigma_direction(adapter, opts: ConformanceOptions) -> str:
     """Sigma 1 is noise and 0 is data: the timestep the denoiser receives is ``c * sigma`` with one
     constant ``c > 0`` (not ``1 - sigma``), the velocity depends on sigma, and the adapter's own
-    schedule (if any) starts near 1 and decreases to 0."""
+    schedule (if any) starts near 1 and decreases to 0.
+
+    An adapter whose model takes another function of sigma (Z-Image's time runs from 0 = noise to
+    1 = data) declares it as ``adapter.timestep_from_sigma(sigma) -> t``; the denoiser must then
+    receive exactly that. Whether the declared map is the model's real convention is a property
+    of the model, which only a comparison with the model's own sampler can prove (test that too).
+    """
     seen: list[torch.Tensor] = []
 
     def hook(module, args, kwargs):
@@ -303,7 +311,27 @@ def check_sigma_direction(adapter, opts: ConformanceOptions) -> str:
     diff, scale = _max_rel(outs[0], outs[-1])
     assert diff > opts.atol, "the velocity does not depend on sigma"
     notes = []
-    if len(pairs) == len(levels):
+    declared = getattr(adapter, "timestep_from_sigma", None)
+    if callable(declared):
+        assert len(pairs) == len(levels), (
+            "the adapter declares timestep_from_sigma, but the timestep its denoiser receives was not seen: "
+            "pass it as timestep=... or as the denoiser's second positional argument"
+        )
+        # A model whose time runs the other way (Z-Image: t = 1 - sigma) declares its map; the
+        # denoiser must receive exactly that, and it must move with sigma.
+        expected = [float(torch.as_tensor(declared(torch.tensor([s]))).reshape(-1)[0]) for s in levels]
+        worst = max(abs(t - e) for (_, t), e in zip(pairs, expected))
+        assert worst <= 1e-5 * max(1.0, max(abs(e) for e in expected)), (
+            f"timestep passed to the denoiser is not the adapter's timestep_from_sigma: (sigma, t) = {pairs}, "
+            f"declared {expected}"
+        )
+        ts = [t for _, t in pairs]
+        steps = [a - b for a, b in zip(ts, ts[1:])]
+        assert all(d > 0 for d in steps) or all(d < 0 for d in steps), (
+            f"the declared timestep is not monotonic in sigma: (sigma, t) = {pairs}"
+        )
+        notes.append(f"timestep = timestep_from_sigma(sigma): sigma 1 -> {ts[0]:.4g}, 0.25 -> {ts[-1]:.4g}")
+    elif len(pairs) == len(levels):
         ts = [t for _, t in pairs]  # levels run from sigma 1 down to 0.25
         assert all(a > b for a, b in zip(ts, ts[1:])) and ts[-1] > 0, (
             f"timestep passed to the denoiser does not grow with sigma: (sigma, t) = {pairs} (is it 1 - sigma?)"

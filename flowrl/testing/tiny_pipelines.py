@@ -16,6 +16,24 @@ The shape rules these follow (environment.md, "Tiny offline models"):
   ``joint_attention_dim`` = T5 ``d_model``; ``pooled_projection_dim`` = 2 x CLIP ``projection_dim``.
 
 Images are 32 x 32 by default (VAE scale factor 2: latents 16 x 16).
+
+:func:`build_tiny_qwen_image`, :func:`build_tiny_flux2_klein` and :func:`build_tiny_zimage`
+write Qwen-Image, FLUX.2 [klein] and Z-Image pipelines the same way. Their text encoders are
+tiny Qwen models behind a byte-level BPE Qwen2 tokenizer written here (:func:`qwen_tokenizer`,
+every byte a token, the chat special tokens, a chat template with the ``enable_thinking``
+switch). Their rules:
+
+- Qwen-Image: transformer ``in_channels`` = 4 x the VAE's ``z_dim`` and ``out_channels`` = ``z_dim``;
+  ``sum(axes_dims_rope)`` = ``attention_head_dim``; ``joint_attention_dim`` = the Qwen2.5-VL text
+  width; the pipeline drops the first 34 tokens of its system template, so the tokenizer here
+  reads that template prefix as exactly 34 tokens (one added token covers most of it) and the
+  embeddings hold only the prompt; the VAE's spatial factor is ``2 ** len(temperal_downsample)``.
+- FLUX.2 [klein]: transformer ``in_channels`` = 4 x the VAE's ``latent_channels``;
+  ``sum(axes_dims_rope)`` (4 axes) = ``attention_head_dim``; the pipeline concatenates Qwen3 hidden
+  states 9, 18 and 27, so the Qwen3 has 28 layers and ``joint_attention_dim`` = 3 x its width;
+  the VAE's batch-norm statistics are set to non-trivial values so that decoding tests them.
+- Z-Image: transformer ``in_channels`` = the VAE's ``latent_channels``; ``dim / n_heads`` =
+  ``sum(axes_dims)``; ``cap_feat_dim`` = the Qwen3 width (its second-to-last hidden state is used).
 """
 
 from __future__ import annotations
@@ -24,7 +42,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_tiny_flux", "build_tiny_sd3", "clip_tokenizer", "t5_tokenizer", "TINY_PROMPTS"]
+__all__ = [
+    "build_tiny_flux", "build_tiny_sd3", "build_tiny_qwen_image", "build_tiny_flux2_klein", "build_tiny_zimage",
+    "clip_tokenizer", "t5_tokenizer", "qwen_tokenizer", "TINY_PROMPTS",
+]
 
 #: Prompts whose words the tiny tokenizers know (any text works; unknown words split into letters).
 TINY_PROMPTS = ["a red cat", "the blue dog", "a dog on the red mat", "a cat"]
@@ -175,5 +196,156 @@ def build_tiny_sd3(path: str | Path, *, seed: int = 0) -> Path:
         text_encoder=text_encoder, tokenizer=tok, text_encoder_2=text_encoder_2, tokenizer_2=tok_2,
         text_encoder_3=text_encoder_3, tokenizer_3=tok_3,
     )
+    pipe.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------- Qwen-Image, FLUX.2 [klein], Z-Image
+
+#: A Qwen-style chat template: user / assistant turns, and an empty think block when the caller
+#: passes ``enable_thinking=False`` (what FLUX.2 [klein] does; Z-Image passes True).
+_QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+#: What QwenImagePipeline puts before the prompt; it drops the first 34 tokens of the encoding.
+_QWEN_IMAGE_PREFIX = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
+)
+_QWEN_IMAGE_DROP = 34
+
+
+def qwen_tokenizer(*, image_template_tokens: int | None = None):
+    """A byte-level BPE Qwen2 tokenizer: every byte a token (no merges), the chat specials and a
+    chat template. With ``image_template_tokens = n``, Qwen-Image's system-template prefix
+    tokenizes to exactly ``n`` tokens (one added token stands for a stretch of its text)."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {c: i for i, c in enumerate(_byte_alphabet())}  # no merges: one token per byte
+    for token in _QWEN_SPECIALS:
+        vocab[token] = len(vocab)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=_QWEN_SPECIALS[1:], model_max_length=4096)
+    tok.chat_template = _QWEN_CHAT_TEMPLATE
+    if image_template_tokens is not None:
+        n = len(tok(_QWEN_IMAGE_PREFIX).input_ids)
+        text = _QWEN_IMAGE_PREFIX[len("<|im_start|>system\n"):]
+        # replacing k plain characters (one token each) by one added token removes k - 1 tokens
+        k = n - image_template_tokens + 1
+        if not 1 <= k <= text.index("<|im_end|>"):
+            raise ValueError(f"cannot make the Qwen-Image template {image_template_tokens} tokens long (it is {n})")
+        tok.add_tokens([text[:k]])
+        assert len(tok(_QWEN_IMAGE_PREFIX).input_ids) == image_template_tokens
+    return tok
+
+
+def _qwen3(tok, *, hidden: int, layers: int, model: str = "Qwen3Model"):
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=1024,
+        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    return getattr(transformers, model)(config)
+
+
+def build_tiny_qwen_image(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Qwen-Image pipeline to ``path`` (Qwen2.5-VL text encoder, Wan-style 3-D VAE,
+    dynamic-shift scheduler with a terminal shift like Qwen-Image's). Returns ``path``."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    tok = qwen_tokenizer(image_template_tokens=_QWEN_IMAGE_DROP)
+    width = 32
+    ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, **ids),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                           fullatt_block_indexes=[0]),
+        vocab_size=len(tok), **ids,
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+    z_dim = 4
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=z_dim, dim_mult=[1, 2], num_res_blocks=1, attn_scales=[], temperal_downsample=[False],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=width, axes_dims_rope=(4, 6, 6),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                             transformer=transformer)
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_flux2_klein(path: str | Path, *, distilled: bool = False, seed: int = 0) -> Path:
+    """Write a tiny FLUX.2 [klein] pipeline to ``path``: undistilled like klein-base (CFG) by
+    default, step-distilled (``is_distilled``, no CFG) with ``distilled=True``. Returns ``path``."""
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    tok = qwen_tokenizer()
+    width = 16
+    text_encoder = _qwen3(tok, hidden=width, layers=28, model="Qwen3ForCausalLM")  # layers 9, 18, 27 are read
+    latent_channels = 4
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16), layers_per_block=1, latent_channels=latent_channels, norm_num_groups=8,
+        sample_size=32,
+    )
+    with torch.no_grad():  # random statistics, so that decoding exercises the de-normalisation
+        vae.bn.running_mean.copy_(0.1 * torch.randn(4 * latent_channels))
+        vae.bn.running_var.copy_(0.5 + torch.rand(4 * latent_channels))
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=3 * width, timestep_guidance_channels=32, mlp_ratio=2.0,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential", base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                              transformer=transformer, is_distilled=distilled)
+    pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_zimage(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Z-Image pipeline to ``path`` (Qwen3 text encoder, AutoencoderKL, static shift 3
+    like Z-Image-Turbo's scheduler). Returns ``path``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    tok = qwen_tokenizer()
+    width = 32
+    text_encoder = _qwen3(tok, hidden=width, layers=2)  # hidden_states[-2] is read
+    latent_channels = 4
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=latent_channels, dim=32, n_layers=1,
+        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=width, axes_dims=[4, 6, 6], axes_lens=[256, 64, 64],
+    )
+    vae = _vae(latent_channels, scaling_factor=0.6, shift_factor=0.1, quant_conv=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                          transformer=transformer)
     pipe.save_pretrained(path)
     return path

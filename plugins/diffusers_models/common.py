@@ -81,12 +81,14 @@ class DiffusersAdapter:
         self._reference: torch.nn.Module | None = None
         self._reference_mode: str | None = None
 
-    def _check_image_size(self, multiple_of_vae: int, why: str) -> int:
+    def _check_image_size(self, multiple_of_vae: int, why: str, vae_scale: int | None = None) -> int:
         """Set ``vae_scale`` and check height and width are multiples of ``vae_scale * multiple_of_vae``.
 
         Returns that step (pixels per latent token). ``why`` names the extra factor in the error.
+        ``vae_scale`` defaults to an ``AutoencoderKL``'s ``2 ** (len(block_out_channels) - 1)``;
+        VAEs that downsample differently pass their own.
         """
-        self.vae_scale = 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
+        self.vae_scale = vae_scale or 2 ** (len(self.pipe.vae.config.block_out_channels) - 1)
         step = self.vae_scale * multiple_of_vae
         for key in ("height", "width"):
             value = getattr(self.config, key)
@@ -177,16 +179,20 @@ class DiffusersAdapter:
     def prompt_source(self) -> Sequence[str] | None:
         return None
 
-    def _scheduler_sigmas(self, num_steps: int, image_seq_len: int, flux_style: bool) -> torch.Tensor:
+    def _scheduler_sigmas(self, num_steps: int, image_seq_len: int, flux_style: bool,
+                          mu: float | None = None) -> torch.Tensor:
         """The pipeline scheduler's own sigmas ``[N + 1]`` (float32, ends at 0), as its pipeline
         would set them: FLUX passes ``linspace(1, 1/N, N)`` and a resolution-dependent ``mu``;
-        SD3 asks for N steps (``mu`` only if its scheduler uses dynamic shifting)."""
+        SD3 asks for N steps (``mu`` only if its scheduler uses dynamic shifting). A pipeline
+        with its own rule for ``mu`` (FLUX.2) passes it."""
         import numpy as np
 
         sched = copy.deepcopy(self.pipe.scheduler)
         cfg = sched.config
         kwargs = {}
-        if cfg.get("use_dynamic_shifting", False):
+        if mu is not None:
+            kwargs["mu"] = mu
+        elif cfg.get("use_dynamic_shifting", False):
             base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
             base, top = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
             kwargs["mu"] = base + (top - base) / (max_len - base_len) * (image_seq_len - base_len)
