@@ -54,12 +54,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward  # noqa: E402
 from flowrl.interfaces import select_embeddings  # noqa: E402
 from flowrl.losses import ClippedObjective, reduce_units  # noqa: E402
 from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout  # noqa: E402
 from flowrl.schedules import shifted_sigmas  # noqa: E402
 from flowrl.sde import FlowKernel  # noqa: E402
+from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward  # noqa: E402
 
 CHUNK = 7
 # The paper's layout [2, 3, 4, 7] for N = 17 steps (16 trainable): its last and largest chunk.

@@ -131,10 +131,11 @@ class Stopwatch:
 
 
 def engine_round(recipe_path: Path, out: Path, stopwatch: Stopwatch):
-    from flowrl.train import train
+    from rich.console import Console
+
     from flowrl.recipe import load_recipe
     from flowrl.runlog import read_metrics
-    from rich.console import Console
+    from flowrl.train import train
 
     stopwatch.marks.clear()
     stopwatch.calls.clear()
@@ -214,8 +215,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     args = ap.parse_args()
 
-    from flowrl.plugins import temporary_plugin
     from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
+
+    from flowrl.plugins import temporary_plugin
 
     T = args.steps - 1
     sizes = [2, 3, 4, 7] if T == 16 else [T]

@@ -318,6 +318,24 @@ class Reward(Protocol):
     ) -> RewardOutput | torch.Tensor: ...
 
 
+@runtime_checkable
+class RewardPlacement(Protocol):
+    """A reward's params that say where its model lives: ``device``, the weights' ``dtype``
+    (``auto``, ``float32``, ``float16``, ``bfloat16``) and ``offload`` (kept on the CPU between
+    calls). ``flowrl plan`` reads them."""
+
+    device: str
+    dtype: str
+    offload: bool
+
+
+@runtime_checkable
+class PlansRewardMemory(Protocol):
+    """A reward's params that can tell ``flowrl plan`` the bytes its model occupies on the device."""
+
+    def memory_bytes(self) -> int: ...
+
+
 class FunctionReward:
     """A plain function ``fn(images, prompts, **kwargs) -> Tensor[B]`` as a :class:`Reward`."""
 

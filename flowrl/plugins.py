@@ -30,6 +30,7 @@ import pluggy
 from . import hookspecs
 from .config import params_from_signature
 from .errors import PluginError, RecipeError, suggest
+from .interfaces import FunctionReward
 
 ENTRY_POINT_GROUP = "flowrl"
 DISABLE_ENV = "FLOWRL_DISABLE_PLUGINS"
@@ -302,8 +303,6 @@ def _make_register(registry: Registry, kind: str, plugin_name: str) -> Callable[
 
 def _plain_reward(name: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any], type | None]:
     """Wrap a plain function ``fn(images, prompts, *, kw=default) -> Tensor[B]`` as a reward."""
-    from .interfaces import FunctionReward
-
     params = params_from_signature(fn)
 
     def factory(p: Any = None) -> FunctionReward:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.schedules import validate_sigmas
 from flowrl.interfaces import Kernel
+from flowrl.schedules import validate_sigmas
 from flowrl.sde import GeneratorArg, ODEKernel, StepOutput
 from flowrl.trajectory import Trajectory
 

@@ -27,8 +27,8 @@ LAYERS: list[set[str]] = [
      "flowrl.compat"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.schedules", "flowrl.sde", "flowrl.chunking", "flowrl.selection",
      "flowrl.advantages", "flowrl.losses", "flowrl.trajectory", "flowrl.sampling", "flowrl.prompts",
-     "flowrl.distributed", "flowrl.runlog", "flowrl.plotting", "flowrl.planning", "flowrl.reward_protocol"},
-    {"flowrl.recipe", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
+     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.plotting", "flowrl.reward_protocol"},
+    {"flowrl.recipe", "flowrl.planning", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
      "flowrl.dynamics.report", "flowrl.dynamics.profile_file"},
     {"flowrl.train", "flowrl.train.*"},
     {"flowrl.testing", "flowrl.testing.*", "flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__"},
@@ -60,6 +60,11 @@ def _imports(name: str, path: Path):
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     nested = {id(n) for f in functions for n in ast.walk(f) if n is not f}
+    # an optional import (`try: import x` / `except ImportError`) may sit where it is needed
+    optional = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) and any(
+        isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError") for h in t.handlers
+    ) for stmt in t.body for n in ast.walk(stmt)}
+    nested -= optional
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.train import train
 from flowrl.recipe import load_recipe
+from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTARTS = sorted(p.name for p in (REPO / "recipes").glob("quickstart*.toml"))

@@ -8,13 +8,14 @@ functions, so ``flowrl --help`` stays fast.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from ..plugins import Registry, get_registry
-from ..recipe import Recipe, load_recipe
+if TYPE_CHECKING:  # torch loads with the recipe module: only when a command needs it
+    from ..plugins import Registry
+    from ..recipe import Recipe
 
 app = typer.Typer(
     name="flowrl",
@@ -45,9 +46,13 @@ SetOpt = Annotated[
 
 def registry() -> Registry:
     """The plugin registry, without the plugins disabled on the command line."""
+    from ..plugins import get_registry
+
     return get_registry(options.disabled_plugins)
 
 
 def load(recipe: Path, overrides: Optional[list[str]] = None) -> Recipe:
     """Read, override and validate a recipe against the registry."""
+    from ..recipe import load_recipe
+
     return load_recipe(recipe, list(overrides or []), registry=registry())

@@ -29,13 +29,13 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import FlowrlError
-from ..interfaces import DiffusersLoraModule, HasLoraTargets, SavesLora, SavesPretrained
 from .base import SetOpt, app, console
 
 
 def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | None = None,
                overrides: list[str] | None = None, merge: bool = False) -> Path:
     """Export a run's checkpoint (the latest by default); returns the output directory."""
+    from ..interfaces import HasLoraTargets
     from ..train.checkpoint import checkpoint_iteration
     from .sample import load_policy, resolve_source
 
@@ -72,6 +72,8 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
 
 
 def _save_lora(model, out: Path) -> str:
+    from ..interfaces import DiffusersLoraModule, SavesLora
+
     if isinstance(model, SavesLora):
         model.save_lora(out)  # diffusers pipeline format: pipe.load_lora_weights(out)
         return "diffusers_lora"
@@ -88,6 +90,8 @@ def _save_lora(model, out: Path) -> str:
 
 
 def _merge_lora(model) -> None:
+    from ..interfaces import DiffusersLoraModule
+
     denoiser = model.denoiser
     if not isinstance(denoiser, DiffusersLoraModule):
         raise FlowrlError("--merge needs a diffusers denoiser (fuse_lora / unload_lora)", where="--merge",
@@ -97,6 +101,8 @@ def _merge_lora(model) -> None:
 
 
 def _save_full(model, out: Path) -> str:
+    from ..interfaces import SavesPretrained
+
     if isinstance(model, SavesPretrained):
         model.save_pretrained(out)
         return "diffusers_pipeline"

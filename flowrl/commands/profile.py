@@ -22,7 +22,6 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import FlowrlError
-from ..recipe import apply_overrides, read_toml, validate
 from .base import SetOpt, app, console, load, registry
 
 
@@ -172,6 +171,8 @@ def _option_overrides(reg, kernel_name, steps, shift, kernel, noise, model_param
 
 
 def _recipe_with_options(path: Path, overrides, steps, shift, kernel, noise, model_param):
+    from ..recipe import read_toml
+
     kernel_name = (read_toml(path).get("kernel") or {}).get("use") or registry().default("kernel")
     overrides = overrides + _option_overrides(registry(), kernel_name, steps, shift, kernel, noise, model_param)
     return load(path, overrides), overrides
@@ -185,6 +186,8 @@ def _run_recipe(run_dir: Path, set_, steps, shift, kernel, noise, model_param):
 
 def _recipe_from_options(model, model_param, steps, shift, kernel, noise):
     """A recipe holding only what sampling needs, validated like any recipe (no rewards)."""
+    from ..recipe import apply_overrides, validate
+
     reg = registry()
     model = model or reg.default("model")
     if model is None:

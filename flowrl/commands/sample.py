@@ -29,13 +29,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from ..errors import FlowrlError
-from ..recipe import Recipe, apply_overrides, load_recipe, parse_override, validate
 from .base import SetOpt, app, console, registry
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
 
 # ------------------------------------------------------------------------------------ sources
 
@@ -54,6 +56,7 @@ class Source:
 
 def resolve_source(source: Optional[Path], model: Optional[str], overrides: list[str], checkpoint: Optional[Path]) -> Source:
     """A run directory, a checkpoint directory, a recipe file, or ``--model NAME``."""
+    from ..recipe import load_recipe
     from ..train.checkpoint import MARKER, latest_checkpoint
 
     if source is None:
@@ -98,6 +101,8 @@ def resolve_source(source: Optional[Path], model: Optional[str], overrides: list
 def model_recipe(model: str, overrides: list[str]) -> Recipe:
     """A minimal recipe for ``--model NAME``: that model (``--set model.KEY=VALUE`` only), the
     default components, no rewards."""
+    from ..recipe import apply_overrides, parse_override, validate
+
     data: dict = {"model": {"use": model}}
     for text in overrides:
         keys, _ = parse_override(text)

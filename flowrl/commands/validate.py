@@ -9,9 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..config import explain as explain_rows
 from ..errors import FlowrlError
-from ..recipe import COMPONENT_SECTIONS, LIST_SECTIONS, SECTIONS
 from .base import SetOpt, app, console, load, registry
 
 
@@ -40,6 +38,9 @@ def validate(
 
 def explain_recipe(resolved) -> None:
     """One table per recipe table: every key with its type, default and meaning."""
+    from ..config import explain as explain_rows
+    from ..recipe import COMPONENT_SECTIONS, LIST_SECTIONS, SECTIONS
+
     reg = registry()
 
     def table(title, cls):

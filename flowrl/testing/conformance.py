@@ -48,6 +48,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from flowrl.interfaces import select_embeddings
+from flowrl.recipe import TrainConfig
+from flowrl.sampling import rollout, transition_log_prob
+from flowrl.schedules import shifted_sigmas, validate_sigmas
+from flowrl.sde import DanceKernel, FlowKernel, ODEKernel
+from flowrl.train.finetune import prepare_trainable
+
 __all__ = ["ConformanceOptions", "ConformanceReport", "CHECKS", "CHECK_NAMES", "check_adapter", "run_check"]
 
 DEFAULT_PROMPTS = ("a red cat", "the blue dog", "a dog on the red mat", "a cat")
@@ -121,8 +128,6 @@ def _noise(adapter, count: int, seed: int) -> torch.Tensor:
 
 
 def _sigmas(adapter, opts: ConformanceOptions) -> torch.Tensor:
-    from flowrl.schedules import shifted_sigmas
-
     own = adapter.sigmas(opts.num_steps)
     sig = own if own is not None else shifted_sigmas(opts.num_steps, 3.0)
     return sig.to(_device(adapter), torch.float32)
@@ -143,8 +148,6 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 @torch.no_grad()
 def check_interface(adapter, opts: ConformanceOptions) -> str:
     """Attributes and methods exist; text embeddings are tensors with the batch on dim 0."""
-    from flowrl.schedules import validate_sigmas
-
     assert isinstance(getattr(adapter, "denoiser", None), torch.nn.Module), "adapter.denoiser must be an nn.Module"
     shape = adapter.latent_shape
     assert isinstance(shape, tuple) and shape and all(isinstance(d, int) and d > 0 for d in shape), (
@@ -194,9 +197,6 @@ def check_velocity_calls_denoiser(adapter, opts: ConformanceOptions) -> str:
 @torch.no_grad()
 def check_sde_noise0_equals_ode(adapter, opts: ConformanceOptions) -> str:
     """The flow and dance SDE kernels with noise 0 give exactly the ODE (Euler) trajectory."""
-    from flowrl.sampling import rollout
-    from flowrl.sde import DanceKernel, FlowKernel, ODEKernel
-
     prompts = _prompts(adapter, opts, 2)
     text = adapter.encode_prompts(prompts)
     noise = _noise(adapter, 2, opts.seed)
@@ -216,10 +216,6 @@ def check_sde_noise0_equals_ode(adapter, opts: ConformanceOptions) -> str:
 def check_on_policy_ratio(adapter, opts: ConformanceOptions) -> str:
     """Rollout log-probs re-scored by the same model give |log ratio| <= ratio_tol, also when the
     re-scoring batch is a reordered sub-batch (as the engine's micro-batches are)."""
-    from flowrl.sampling import rollout, transition_log_prob
-    from flowrl.sde import FlowKernel
-    from flowrl.interfaces import select_embeddings
-
     prompts = _prompts(adapter, opts, 4)
     text = adapter.encode_prompts(prompts)
     noise = _noise(adapter, 4, opts.seed)
@@ -251,8 +247,6 @@ def check_batch_independence(adapter, opts: ConformanceOptions) -> str:
     sig = torch.tensor([0.9, 0.6, 0.3, 0.1], device=_device(adapter))
     full = adapter.velocity(x, sig, text)
     order = torch.tensor([3, 1, 0, 2], device=x.device)
-    from flowrl.interfaces import select_embeddings
-
     perm = adapter.velocity(x[order], sig[order], select_embeddings(text, order))
     diff, scale = _max_rel(perm, full[order])
     worst = diff
@@ -367,9 +361,6 @@ def check_decode(adapter, opts: ConformanceOptions) -> str:
 
 
 def _attach_lora(adapter, opts: ConformanceOptions):
-    from flowrl.train.finetune import prepare_trainable
-    from flowrl.recipe import TrainConfig
-
     train = TrainConfig(finetune="lora", lora_rank=opts.lora_rank, lora_alpha=2.0 * opts.lora_rank, lora_init="gaussian")
     return prepare_trainable(adapter, train)
 

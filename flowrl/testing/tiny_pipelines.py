@@ -255,8 +255,12 @@ def _qwen3(tok, *, hidden: int, layers: int, model: str = "Qwen3Model"):
 def build_tiny_qwen_image(path: str | Path, *, seed: int = 0) -> Path:
     """Write a tiny Qwen-Image pipeline to ``path`` (Qwen2.5-VL text encoder, Wan-style 3-D VAE,
     dynamic-shift scheduler with a terminal shift like Qwen-Image's). Returns ``path``."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     path = Path(path)
@@ -296,8 +300,12 @@ def build_tiny_qwen_image(path: str | Path, *, seed: int = 0) -> Path:
 def build_tiny_flux2_klein(path: str | Path, *, distilled: bool = False, seed: int = 0) -> Path:
     """Write a tiny FLUX.2 [klein] pipeline to ``path``: undistilled like klein-base (CFG) by
     default, step-distilled (``is_distilled``, no CFG) with ``distilled=True``. Returns ``path``."""
-    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
-                           Flux2Transformer2DModel)
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
 
     path = Path(path)
     torch.manual_seed(seed)

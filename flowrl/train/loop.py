@@ -23,13 +23,13 @@ from rich.console import Console
 
 from .. import distributed
 from ..errors import FlowrlError
+from ..geometry import resolve_geometry
 from ..plugins import Registry, get_registry
 from ..prompts import evaluation_prompts, read_prompts
 from ..recipe import Recipe
 from .checkpoint import checkpoint_iteration, latest_checkpoint
 from .collect import assign_advantages, collect, score_rewards
 from .evaluate import eval_metrics, evaluate
-from .geometry import resolve_geometry
 from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .progress import GracefulInterrupt, PhaseTimer, progress_bar

@@ -20,9 +20,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from flowrl.compat import ensure_torchvision_importable
 from flowrl.errors import FlowrlError
 
-from .loading import DTYPES, resolve_dtype
+from .loading import DTYPES, dtype_kwarg, load_pipeline, resolve_dtype
 
 #: LoRA target presets (module-name suffixes, as peft matches them). "attention" is DanceGRPO's
 #: choice (with r = 128, alpha = 256); "attention_ff" is Flow-GRPO FLUX's (r = 64, alpha = 128).
@@ -61,6 +62,9 @@ class DiffusersAdapter:
     lora_targets: list[str] = ATTENTION
 
     def __init__(self, config, where: str):
+        # With flowrl[clip] on a CPU machine, torchvision may be a CUDA build whose compiled ops
+        # fail to load, which breaks diffusers' and transformers' imports (flowrl.compat).
+        ensure_torchvision_importable()
         self.config = config
         self.where = where
         self.dtype = resolve_dtype(config.dtype, f"{where}.dtype")
@@ -111,8 +115,6 @@ class DiffusersAdapter:
         return {}
 
     def _load(self):
-        from .loading import dtype_kwarg, load_pipeline
-
         return load_pipeline(
             self.pipeline_class, self.config.path, where=f"{self.where}.path", revision=self.config.revision,
             **dtype_kwarg(self.dtype), **self._load_kwargs(),

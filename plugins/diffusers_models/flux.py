@@ -22,6 +22,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
+from .memory import flux_memory_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,10 @@ class FluxConfig:
         "or 'attention_ff' = attention + feed-forward (Flow-GRPO FLUX: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+
+    def memory_spec(self):
+        """What ``flowrl plan`` needs, from the published configuration (no weights)."""
+        return flux_memory_spec(self)
 
 
 class FluxModel(DiffusersAdapter):

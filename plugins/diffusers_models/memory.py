@@ -22,6 +22,10 @@ from typing import Any
 import torch
 
 from flowrl.errors import FlowrlError
+from flowrl.planning import ModelMemory
+
+from .common import ATTENTION, FEED_FORWARD
+from .loading import check_local_pipeline, looks_like_local_path
 
 _CLIP_L = {
     "_class": "CLIPTextModel", "vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072,
@@ -79,8 +83,6 @@ _COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3"
 
 def pipeline_configs(path: str, revision: str = "", where: str = "[model].path") -> dict[str, dict[str, Any]]:
     """Component configs (``_class`` + config keys) of a pipeline: local dir, built-in, or hub."""
-    from .loading import check_local_pipeline, looks_like_local_path
-
     if looks_like_local_path(path):
         root = check_local_pipeline(path, where)
         index = json.loads((root / "model_index.json").read_text())
@@ -263,11 +265,7 @@ def _frozen(cfgs, names, nbytes) -> dict[str, tuple[int, int]]:
 
 
 def flux_memory_spec(config):
-    """:class:`flowrl.commands.plan.ModelMemory` of the ``flux`` adapter, without weights."""
-    from flowrl.commands.plan import ModelMemory
-
-    from .common import ATTENTION, FEED_FORWARD
-
+    """:class:`flowrl.planning.ModelMemory` of the ``flux`` adapter, without weights."""
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
     compute = _BYTES[config.dtype]
@@ -296,11 +294,7 @@ def flux_memory_spec(config):
 
 
 def sd3_memory_spec(config):
-    """:class:`flowrl.commands.plan.ModelMemory` of the ``sd3`` adapter, without weights."""
-    from flowrl.commands.plan import ModelMemory
-
-    from .common import ATTENTION, FEED_FORWARD
-
+    """:class:`flowrl.planning.ModelMemory` of the ``sd3`` adapter, without weights."""
     cfgs = dict(pipeline_configs(config.path, config.revision))
     if not config.use_t5:
         cfgs.pop("text_encoder_3", None)

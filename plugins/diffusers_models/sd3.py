@@ -20,6 +20,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
+from .memory import sd3_memory_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,10 @@ class SD3Config:
         "attention", "Default LoRA targets when train.lora_targets is empty (Flow-GRPO SD3: attention)."
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+
+    def memory_spec(self):
+        """What ``flowrl plan`` needs, from the published configuration (no weights)."""
+        return sd3_memory_spec(self)
 
 
 class SD3Model(DiffusersAdapter):

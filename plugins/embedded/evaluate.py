@@ -19,6 +19,7 @@ import time
 import torch
 
 from .dataset import all_prompts
+from .network import load_pretrained
 from .verifier import verify
 
 EVAL_SEEDS = (0, 1)
@@ -107,8 +108,6 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from .network import load_pretrained
-
     model = load_pretrained(args.weights)
     t = time.time()
     r = evaluate(model, seeds=tuple(args.seeds))

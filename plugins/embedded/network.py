@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from .dataset import COLOUR_NAMES, IMAGE_SIZE, SHAPES
 

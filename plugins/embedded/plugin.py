@@ -14,6 +14,10 @@ import torch
 from flowrl import hookimpl
 from flowrl.config import param
 
+from . import rewards
+from .dataset import all_prompts
+from .network import EmbeddedT2I, decode, load_pretrained, unpack
+
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddedConfig:
@@ -31,8 +35,6 @@ class EmbeddedModel:
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
 
     def __init__(self, config: EmbeddedConfig):
-        from .network import EmbeddedT2I, load_pretrained
-
         if config.random_init:
             torch.manual_seed(config.seed)
             self.network = EmbeddedT2I().eval()
@@ -63,8 +65,6 @@ class EmbeddedModel:
         )[0]
 
     def decode(self, latents):
-        from .network import decode, unpack
-
         return decode(unpack(latents.float())).clamp(0, 1)
 
     def trainable_parameters(self):
@@ -74,8 +74,6 @@ class EmbeddedModel:
         return None
 
     def prompt_source(self):
-        from .dataset import all_prompts
-
         return all_prompts()
 
 
@@ -86,8 +84,6 @@ def register_models(register):
 
 @hookimpl(trylast=True)
 def register_rewards(register):
-    from . import rewards
-
     register("verifier", rewards.verifier_score, help="Soft prompt-correctness (background, foreground colour, shape) in [0, 1].")
     register("area", rewards.foreground_area, help="Fraction of pixels not of the background colour (trades off against correctness).")
     register("brightness", rewards.brightness, help="Mean pixel brightness in [0, 1].")

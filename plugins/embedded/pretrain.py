@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from .dataset import sample_batch
-from .network import EmbeddedT2I, num_parameters, save_weights
+from .evaluate import evaluate
+from .network import DEFAULT_TRANSFORMER_CONFIG, EmbeddedT2I, num_parameters, save_weights
 
 DEFAULTS = dict(
     steps=2500,
@@ -61,8 +62,6 @@ def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
 
 def train(args) -> EmbeddedT2I:
     torch.manual_seed(args.seed)
-    from .network import DEFAULT_TRANSFORMER_CONFIG
-
     tcfg = dict(DEFAULT_TRANSFORMER_CONFIG, num_layers=args.num_layers, num_single_layers=args.num_single_layers)
     model = EmbeddedT2I(tcfg)
     ema = copy.deepcopy(model).eval()
@@ -99,8 +98,6 @@ def train(args) -> EmbeddedT2I:
         if (step + 1) % 100 == 0:
             print(f"step {step + 1} loss {run_loss:.4f} lr {opt.param_groups[0]['lr']:.2e} t {time.time() - t0:.0f}s", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            from .evaluate import evaluate
-
             r = evaluate(ema, seeds=(0,))
             history.append({"step": step + 1, **r})
             print(f"  eval@{step + 1}: bg {r['bg']:.3f} fg {r['fg']:.3f} shape {r['shape']:.3f} all {r['all']:.3f} "

@@ -13,6 +13,7 @@ import torch
 
 from .dataset import SHAPES, all_prompts, render_prompts
 from .evaluate import EVAL_SEEDS, euler_sample, eval_noise
+from .network import load_pretrained
 from .verifier import verify
 
 
@@ -56,8 +57,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     from PIL import Image
-
-    from .network import load_pretrained
 
     grid = make_grid(load_pretrained(args.weights))
     arr = (grid.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().numpy()

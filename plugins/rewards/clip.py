@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from flowrl.compat import ensure_torchvision_importable
 from flowrl.config import param
 from flowrl.errors import FlowrlError, require
 
@@ -123,8 +124,6 @@ class _ClipScorer(ModelReward):
 
 
 def _load_hf_clip(model_path: str, processor_path: str, who: str):
-    from flowrl.compat import ensure_torchvision_importable
-
     # A broken CUDA torchvision (installed with open_clip) would break the image processors too.
     ensure_torchvision_importable()
     transformers = require("transformers", extra="rewards", purpose=f"the '{who}' reward")
@@ -207,8 +206,6 @@ class PickScore(HFClipScorer):
 
 def load_open_clip():
     """Import open_clip, first making a broken CPU torchvision importable (see flowrl.compat)."""
-    from flowrl.compat import ensure_torchvision_importable
-
     ensure_torchvision_importable()
     return require("open_clip", extra="clip", purpose="the 'clip' reward with backend 'open_clip'")
 

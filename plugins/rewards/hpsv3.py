@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flowrl.compat import ensure_torchvision_importable
 from flowrl.config import param
 from flowrl.errors import FlowrlError, MissingDependencyError, require
 
@@ -223,8 +224,6 @@ class HPSv3(ModelReward):
     Config = HPSv3Config
 
     def __init__(self, config: HPSv3Config):
-        from flowrl.compat import ensure_torchvision_importable
-
         self.name = "hpsv3"
         ensure_torchvision_importable()  # a broken CUDA torchvision breaks transformers' imports
         transformers = require("transformers", extra="rewards", purpose="the 'hpsv3' reward")

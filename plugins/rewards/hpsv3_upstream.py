@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from flowrl.compat import ensure_torchvision_importable
 from flowrl.config import param
 from flowrl.errors import MissingDependencyError
 from flowrl.interfaces import RewardOutput
@@ -38,8 +39,6 @@ class HPSv3Upstream:
     Config = HPSv3UpstreamConfig
 
     def __init__(self, config: HPSv3UpstreamConfig):
-        from flowrl.compat import ensure_torchvision_importable
-
         ensure_torchvision_importable()  # the package imports torchvision
         try:
             from hpsv3 import HPSv3RewardInferencer

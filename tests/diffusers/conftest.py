@@ -127,8 +127,8 @@ _FULL = ["train.finetune=full", "train.lr=0.002", "train.max_grad_norm=0"]
 def _train(recipe: str, model_path: Path, extra: list[str], out: Path) -> Path:
     from rich.console import Console
 
-    from flowrl.train import train
     from flowrl.recipe import load_recipe
+    from flowrl.train import train
 
     overrides = [f"model.path={model_path}", *TINY_MODEL, *_RUN_GEOMETRY, *extra, f"run.output_dir=\"{out}\""]
     return train(load_recipe(REPO / "recipes" / recipe, overrides), console=Console(quiet=True))

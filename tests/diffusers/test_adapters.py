@@ -157,9 +157,9 @@ def test_cli_reports_missing_weights_without_traceback(cli, tmp_path):
 
 
 def test_bf16_lora_trains_in_fp32_and_stays_on_policy(make_flux):
-    from flowrl.train.finetune import prepare_trainable
     from flowrl.recipe import TrainConfig
     from flowrl.testing.conformance import run_check
+    from flowrl.train.finetune import prepare_trainable
 
     model = make_flux(dtype="bf16")
     assert model.denoiser.dtype == torch.bfloat16

@@ -143,7 +143,6 @@ def test_packing_and_ids_match_diffusers(model):
 
 def test_empirical_mu_and_own_schedule(model):
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
-
     from flowrl_plugins.diffusers_models.flux2 import flux2_empirical_mu
 
     for seq in (64, 1024, 4096, 4301, 8192):
@@ -248,11 +247,12 @@ def test_recipe_validates_and_trains_two_iterations(cli, tiny_klein, tmp_path):
 
 
 def _policy_images(run_dir, noise, prompt):
-    from flowrl.commands.sample import load_policy, ode_sample, resolve_source
+    from flowrl.commands.sample import load_policy, resolve_source
+    from flowrl.train.evaluate import ode_sample
 
     model = load_policy(resolve_source(run_dir, None, [], None), "cpu")
     text = model.encode_prompts([prompt])
-    return model.decode(ode_sample(lambda i: (lambda x, s: model.velocity(x, s, text)), noise, model.sigmas(5)))
+    return model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, model.sigmas(5)))
 
 
 def test_lora_export_loads_with_load_lora_weights(lora_run, tiny_klein, model, cli, tmp_path):

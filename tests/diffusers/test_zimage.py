@@ -264,11 +264,12 @@ def test_recipe_validates_and_trains_two_iterations(cli, tiny_zimage, tmp_path):
 
 
 def _policy_images(run_dir, noise, prompt):
-    from flowrl.commands.sample import load_policy, ode_sample, resolve_source
+    from flowrl.commands.sample import load_policy, resolve_source
+    from flowrl.train.evaluate import ode_sample
 
     model = load_policy(resolve_source(run_dir, None, [], None), "cpu")
     text = model.encode_prompts([prompt])
-    return model.decode(ode_sample(lambda i: (lambda x, s: model.velocity(x, s, text)), noise, model.sigmas(5)))
+    return model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, model.sigmas(5)))
 
 
 def test_lora_export_loads_with_load_lora_weights(lora_run, tiny_zimage, cli, tmp_path):

@@ -1,5 +1,4 @@
 import torch
-
 from flowrl_plugins.embedded import dataset as D
 
 

@@ -3,7 +3,6 @@ import time
 
 import pytest
 import torch
-
 from flowrl_plugins.embedded import network as N
 from flowrl_plugins.embedded.dataset import all_prompts, sample_batch
 

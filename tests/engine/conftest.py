@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import load, quiet_console, write_recipe
+
 from flowrl.runlog import read_metrics
 
 

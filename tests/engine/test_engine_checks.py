@@ -7,14 +7,14 @@ import io
 
 import pytest
 import torch
+from engine_helpers import assert_records_close, load, quiet_console
 from rich.console import Console
 
-from engine_helpers import assert_records_close, load, quiet_console
 from flowrl import hookimpl
-from flowrl.train import train
 from flowrl.errors import FlowrlError
 from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics
+from flowrl.train import train
 
 
 def test_first_update_is_on_policy(reference_run):

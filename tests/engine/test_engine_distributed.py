@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 from engine_helpers import assert_records_close, assert_weights_close, final_weights, load, quiet_console, run_cli
-from flowrl.train import train
+
 from flowrl.runlog import read_metrics
+from flowrl.train import train
 
 # 3 prompts x 4 samples over 2 processes: 6 samples each, so prompt 1's group is split across
 # the processes on purpose and its advantages need the gathered rewards.

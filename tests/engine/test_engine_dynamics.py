@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from engine_helpers import TINY_RECIPE, InterruptAt, comparable, load, quiet_console, write_recipe
-from flowrl.train import train
-from flowrl.plugins import temporary_plugin
+
 from flowrl.dynamics.profile_file import read_l1rel
+from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics
+from flowrl.train import train
 
 DYNAMICS = TINY_RECIPE.replace(
     '[chunker]\nuse = "fixed"\nsize = 2\n',

@@ -11,19 +11,19 @@ import copy
 
 import pytest
 import torch
-
 from engine_helpers import load, quiet_console, write_recipe
+from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
+
 from flowrl.chunking import chunk_index
-from flowrl.train import train
-from flowrl.train.finetune import prepare_trainable
 from flowrl.interfaces import select_embeddings
-from flowrl.train.reference import ReferencePolicy, kl_backward
-from flowrl.train.update import TransitionScorer
 from flowrl.runlog import read_metrics
 from flowrl.sampling import make_kernels, rollout, trainable_mask
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import FlowKernel
-from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
+from flowrl.train import train
+from flowrl.train.finetune import prepare_trainable
+from flowrl.train.reference import ReferencePolicy, kl_backward
+from flowrl.train.update import TransitionScorer
 
 
 class _Train:  # the TrainConfig fields prepare_trainable reads

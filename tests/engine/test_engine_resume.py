@@ -8,14 +8,25 @@ import subprocess
 import sys
 
 import pytest
-
 from engine_helpers import (
-    InterruptAt, REPO, SimulatedKill, TINY_RECIPE, assert_records_close, assert_weights_close, final_weights, kill_after_writing, load, quiet_console, wait_for, write_recipe,
+    REPO,
+    TINY_RECIPE,
+    InterruptAt,
+    SimulatedKill,
+    assert_records_close,
+    assert_weights_close,
+    final_weights,
+    kill_after_writing,
+    load,
+    quiet_console,
+    wait_for,
+    write_recipe,
 )
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
-from flowrl.train import train
+
 from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics
+from flowrl.train import train
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
 def _assert_same_run(run_dir, reference_dir, reference_records):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import TINY_RECIPE, load, quiet_console, write_recipe
+
 from flowrl.train import train
 
 pytest.importorskip("tensorboard")

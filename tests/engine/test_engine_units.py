@@ -7,15 +7,15 @@ import types
 
 import pytest
 import torch
-
 from engine_helpers import SimulatedKill, kill_after_writing
-from flowrl.train.checkpoint import LATEST, latest_checkpoint, load_checkpoint, save_checkpoint
+
+from flowrl.errors import RecipeError
+from flowrl.geometry import resolve_geometry
 from flowrl.prompts import prompts_for_iteration
+from flowrl.seeding import sample_generators
+from flowrl.train.checkpoint import LATEST, latest_checkpoint, load_checkpoint, save_checkpoint
 from flowrl.train.collect import initial_noise
 from flowrl.train.session import PromptCache
-from flowrl.errors import RecipeError
-from flowrl.train.geometry import resolve_geometry
-from flowrl.seeding import sample_generators
 
 
 def _train(**kw):

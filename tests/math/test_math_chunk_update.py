@@ -8,14 +8,13 @@ from 1 and some units are clipped.
 import pytest
 import torch
 
-from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward
-from flowrl.chunking import sequence_chunks, step_chunks
+from flowrl.chunking import relative_l1_change, sequence_chunks, step_chunks
 from flowrl.losses import ClippedObjective, kl_old_policy_k3, unit_log_ratios
 from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import FlowKernel
 from flowrl.selection import chunk_weights_from_l1rel, select_uniform, select_weighted
-from flowrl.chunking import relative_l1_change
+from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward
 
 B = 6
 SHAPE = (2, 3, 3)

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from flowrl.advantages import group_zscore
-from flowrl.train.chunk_update import lean_chunk_backward
 from flowrl.chunking import sequence_chunks, step_chunks
 from flowrl.interfaces import select_embeddings
 from flowrl.losses import ClippedObjective, kl_flow_grpo, kl_gaussian_exact, objective_loss
@@ -26,6 +25,7 @@ from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout, traina
 from flowrl.schedules import flux_dynamic_sigmas, shifted_sigmas
 from flowrl.sde import CPSKernel, FlowKernel, dance_step, flow_diffusion, flow_step
 from flowrl.selection import select_uniform, select_weighted, selection_count
+from flowrl.train.chunk_update import lean_chunk_backward
 
 LOG_2PI = math.log(2 * math.pi)
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from flowrl.schedules import shifted_sigmas
 from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout, transition_log_prob
+from flowrl.schedules import shifted_sigmas
 from flowrl.sde import CPSKernel, DanceKernel, FlowKernel, ODEKernel
 from flowrl.trajectory import Trajectory
 

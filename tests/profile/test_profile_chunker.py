@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.dynamics.measure import profile_model
+from flowrl.dynamics.profile_file import read_l1rel, read_profile, trainable_curve, write_profile
+from flowrl.dynamics.segment import segment
 from flowrl.errors import FlowrlError, RecipeError
 from flowrl.plugins import get_registry
-from flowrl.dynamics.profile_file import read_l1rel, read_profile, trainable_curve, write_profile
-from flowrl.dynamics.measure import profile_model
-from flowrl.dynamics.segment import segment
 from flowrl.recipe import load_recipe, validate
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import FlowKernel

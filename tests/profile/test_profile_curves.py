@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from flowrl.dynamics.measure import (
-    CURVES, curve_stats, measure_dynamics, profile_model, relative_change, reprofile, transition_curves,
+    CURVES,
+    curve_stats,
+    measure_dynamics,
+    profile_model,
+    relative_change,
+    reprofile,
+    transition_curves,
 )
 from flowrl.dynamics.segment import segment
 from flowrl.schedules import shifted_sigmas

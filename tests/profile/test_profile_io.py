@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from flowrl.errors import FlowrlError
-from flowrl.dynamics.profile_file import profile_to_dict, read_l1rel, read_profile, trainable_curve, write_profile
 from flowrl.dynamics.measure import profile_model
+from flowrl.dynamics.profile_file import profile_to_dict, read_l1rel, read_profile, trainable_curve, write_profile
+from flowrl.errors import FlowrlError
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import FlowKernel
 

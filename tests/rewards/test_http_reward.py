@@ -19,9 +19,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from reward_helpers import PROMPTS, fixed_images
-
-from flowrl.interfaces import RewardOutput, score
 from flowrl_plugins.rewards.http import (
     HttpReward,
     HttpRewardConfig,
@@ -29,6 +26,9 @@ from flowrl_plugins.rewards.http import (
     encode_request,
     make_server,
 )
+from reward_helpers import PROMPTS, fixed_images
+
+from flowrl.interfaces import RewardOutput, score
 
 
 class MeanReward:

@@ -84,9 +84,9 @@ scale = "cosine"
 def test_multi_reward_recipe_trains_and_logs_each_reward(tmp_path, tiny_clip_dir, mode):
     from rich.console import Console
 
-    from flowrl.train import train
     from flowrl.recipe import load_recipe
     from flowrl.runlog import read_metrics
+    from flowrl.train import train
 
     path = tmp_path / "multi.toml"
     path.write_text(RECIPE.format(mode=mode, clip=tiny_clip_dir))

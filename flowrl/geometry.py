@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..errors import RecipeError
+from .errors import RecipeError
 
 
 @dataclasses.dataclass(frozen=True)

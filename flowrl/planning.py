@@ -1,0 +1,248 @@
+"""The memory plan behind ``flowrl plan``: an estimate of peak GPU memory per process.
+
+Needs no GPU and no weights. The estimate adds, per process:
+
+- persistent: the denoiser's weights, the trainable parameters' gradients and AdamW state
+  (two moments in the trainable dtype: LoRA trains in fp32), a frozen reference copy (full
+  fine-tuning with a KL term), text encoders / VAE / reward model when not offloaded, the stored
+  trajectories (fp32 latents of every step) and the prompt-embedding cache;
+- plus the largest transient of one phase: encoding (offloaded text encoders visit the GPU),
+  rollout (every local sample in one batch, no grad), decoding (VAE and its activations),
+  scoring (an offloaded reward model), or the update (activations of one micro-batch forward
+  with grad; with gradient checkpointing only block inputs plus one block are kept);
+- 1.5 GB for the CUDA context and allocator slack.
+
+Where the numbers come from: parameter counts are exact (models instantiated on the ``meta``
+device from their configs); activation constants are measured by running a one-block replica of
+the model's transformer on the CPU and counting the tensors autograd saves. A model's params
+provide these through ``memory_spec()`` (:class:`flowrl.interfaces.PlansMemory`); without it,
+the model is built (fine for small models) and measured directly. Reward models are known by
+name (``REWARD_PARAMS``) or declare ``memory_bytes()`` on their params
+(:class:`flowrl.interfaces.PlansRewardMemory`). This is an
+estimate: measure the real peak on the first iterations (``torch.cuda.max_memory_allocated``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .geometry import resolve_geometry
+from .interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
+
+GB = 1024**3
+#: Bytes of the CUDA context plus allocator fragmentation, added once.
+CUDA_OVERHEAD = int(1.5 * GB)
+#: Live activations of a forward WITHOUT grad, in elements per token per unit of width: q, k, v,
+#: attention output, the 4x MLP hidden and its activation, residuals (about 12 widths at once).
+INFERENCE_WIDTHS = 12.0
+#: Parameters of reward models known by name (approximate public sizes).
+REWARD_PARAMS = {
+    "hpsv3": (8.29e9, "Qwen2-VL-7B"),
+    "pickscore": (0.986e9, "CLIP ViT-H-14"),
+    "clip": (0.986e9, "CLIP ViT-H-14 (open_clip default; ViT-L-14 is 0.43e9)"),
+}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclasses.dataclass
+class ModelMemory:
+    """What ``flowrl plan`` needs to know about a model (see the module docstring)."""
+
+    denoiser_params: int
+    denoiser_bytes: int  # storage bytes per denoiser weight
+    compute_bytes: int  # bytes per activation element
+    frozen: dict[str, tuple[int, int]]  # component -> (parameters, bytes per parameter)
+    offload_frozen: bool
+    lora_shapes: dict[str, tuple[int, int]] | None  # denoiser Linear layers, for LoRA sizes
+    default_lora_targets: list[str]
+    tokens: int  # tokens per sample in one transformer forward (image + text)
+    width: int
+    blocks: dict[str, int]  # block kind -> count
+    per_block: dict[str, float]  # block kind -> saved elements per token per width (measured)
+    outside: float  # saved elements per token per width outside the blocks (measured)
+    forwards_per_velocity: int = 1  # 2 with true CFG (the batch doubles)
+    latent_elements: int = 0
+    text_bytes_per_prompt: int = 0
+    decode_bytes_per_image: int = 0
+    vae_batch: int = 1
+    vae_names: tuple[str, ...] = ("vae",)
+    gradient_checkpointing: bool = False
+    #: live elements per token per width in a no-grad forward (None: INFERENCE_WIDTHS)
+    inference_widths: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Line:
+    phase: str
+    item: str
+    bytes: float
+    note: str = ""
+
+
+def _human(n: float) -> str:
+    return f"{n / GB:8.2f} GB"
+
+
+def measured_memory(model) -> ModelMemory:
+    """A model's memory facts measured by building it and running one CPU forward."""
+    denoiser = model.denoiser
+    den_params = list(denoiser.parameters())
+    den_ids = {id(p) for p in den_params}
+    frozen: dict[str, tuple[int, int]] = {}
+    for name, value in vars(model).items():
+        if isinstance(value, torch.nn.Module) and value is not denoiser:
+            ps = [p for p in value.parameters() if id(p) not in den_ids]
+            if ps:
+                frozen[name] = (sum(p.numel() for p in ps), ps[0].element_size())
+    bytes_per = den_params[0].element_size() if den_params else 4
+    prompts = list(model.prompt_source() or ["a photo"])[:1]
+    with torch.no_grad():
+        text = model.encode_prompts(prompts)
+    x = torch.randn(1, *model.latent_shape)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in denoiser.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs and ptr not in seen:
+            seen.add(ptr)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    denoiser.requires_grad_(True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            v = model.velocity(x, torch.tensor([0.5]), text)
+        v.sum()
+    finally:
+        denoiser.requires_grad_(False)
+    text_bytes = sum(t[:1].numel() * t.element_size() for t in text.values())
+    return ModelMemory(
+        denoiser_params=sum(p.numel() for p in den_params), denoiser_bytes=bytes_per, compute_bytes=bytes_per,
+        frozen=frozen, offload_frozen=False, lora_shapes={
+            n: (m.in_features, m.out_features) for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)
+        }, default_lora_targets=list(model.lora_targets) if isinstance(model, HasLoraTargets) else [],
+        # tokens = width = 1: the measured constant is the whole sample's saved elements. A no-grad
+        # forward keeps at most what a grad forward saves, so that is the rollout's upper bound.
+        tokens=1, width=1, blocks={"measured": 1}, per_block={"measured": total[0] / bytes_per}, outside=0.0,
+        inference_widths=total[0] / bytes_per,
+        latent_elements=int(torch.tensor(model.latent_shape).prod()), text_bytes_per_prompt=text_bytes,
+        notes=["measured by building the model and one CPU forward (no memory_spec on its factory)"],
+    )
+
+
+def lora_parameter_count(shapes: dict[str, tuple[int, int]], targets: list[str], rank: int) -> int:
+    """LoRA parameters, matching targets as peft does (a module named exactly a target, or
+    ending in ``.target``): ``r * (in + out)`` per matched Linear."""
+    total = 0
+    for name, (fan_in, fan_out) in shapes.items():
+        if any(name == t or name.endswith("." + t) for t in targets):
+            total += rank * (fan_in + fan_out)
+    return total
+
+
+def model_memory(recipe, registry) -> ModelMemory:
+    """The model's memory facts: from its params' ``memory_spec()``, or measured."""
+    choice = recipe.components["model"]
+    if isinstance(choice.params, PlansMemory):
+        return choice.params.memory_spec()
+    return measured_memory(registry.get("model", choice.use).build(choice.params))
+
+
+def count_prompts(source: str) -> int | None:
+    """Prompts in a prompt file (None for another kind of source)."""
+    path = Path(source)
+    if not path.is_file():
+        return None
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+
+
+def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[Line]]:
+    """The geometry, the model's memory facts and the estimate's lines (phase, item, bytes)."""
+    geometry = resolve_geometry(recipe.train, world_size, recipe.source)
+    mm = model_memory(recipe, registry)
+    t = recipe.train
+    lines: list[Line] = []
+    lines.append(Line("persistent", "denoiser weights", mm.denoiser_params * mm.denoiser_bytes,
+                      f"{mm.denoiser_params / 1e9:.3f}e9 params x {mm.denoiser_bytes} B"))
+    if t.finetune == "lora":
+        targets = list(t.lora_targets) or mm.default_lora_targets
+        trainable = lora_parameter_count(mm.lora_shapes or {}, targets, t.lora_rank)
+        tbytes = 4
+        lines.append(Line("persistent", "LoRA weights", trainable * tbytes,
+                          f"{trainable / 1e6:.1f}e6 params (r = {t.lora_rank}), fp32"))
+    else:
+        trainable, tbytes = mm.denoiser_params, mm.denoiser_bytes
+    lines.append(Line("persistent", "gradients", trainable * tbytes))
+    lines.append(Line("persistent", "AdamW state (2 moments)", 2 * trainable * tbytes))
+    loss = recipe.components["loss"].params
+    beta = float(loss.beta or 0.0) if isinstance(loss, KLRegularised) else 0.0
+    if beta > 0 and t.finetune == "full":
+        lines.append(Line("persistent", "reference copy (KL)", mm.denoiser_params * mm.compute_bytes))
+    encoders = {k: v for k, v in mm.frozen.items() if k not in mm.vae_names}
+    vaes = {k: v for k, v in mm.frozen.items() if k in mm.vae_names}
+    enc_bytes = sum(p * b for p, b in encoders.values())
+    vae_bytes = sum(p * b for p, b in vaes.values())
+    if not mm.offload_frozen:
+        for k, (p, b) in mm.frozen.items():
+            lines.append(Line("persistent", k, p * b, f"{p / 1e9:.3f}e9 params"))
+    s = geometry.samples_per_process
+    n = recipe.sampler.steps
+    lines.append(Line("persistent", "trajectories", s * (n + 1) * mm.latent_elements * 4,
+                      f"{s} samples x {n + 1} fp32 latents"))
+    in_file = count_prompts(recipe.prompts.source)
+    seen = recipe.train.prompts_per_iteration * recipe.train.iterations
+    cached = min(in_file, seen) if in_file else seen
+    lines.append(Line("persistent", "prompt-embedding cache", cached * mm.text_bytes_per_prompt,
+                      f"{cached} prompts x {mm.text_bytes_per_prompt / 2**20:.1f} MB"))
+    # Rewards
+    for r in recipe.rewards:
+        rbytes, note = 0.0, "size unknown (not counted)"
+        if isinstance(r.params, PlansRewardMemory):
+            rbytes, note = float(r.params.memory_bytes()), "declared by the reward"
+        elif r.use in REWARD_PARAMS:
+            params, what = REWARD_PARAMS[r.use]
+            dtype = r.params.dtype if isinstance(r.params, RewardPlacement) else "auto"
+            rbytes, note = params * DTYPE_BYTES.get(dtype, 2), f"{what}, {params / 1e9:.2f}e9 params"
+        offload = isinstance(r.params, RewardPlacement) and bool(r.params.offload)
+        lines.append(Line("reward" if offload else "persistent", f"reward '{r.label}'", rbytes,
+                          note + (" (offloaded: on the GPU while scoring)" if offload else "")))
+    # Transients
+    tw = mm.tokens * mm.width * mm.compute_bytes * mm.forwards_per_velocity
+    if mm.offload_frozen:
+        lines.append(Line("encode", "text encoders (visiting)", enc_bytes, f"{enc_bytes / GB:.1f} GB moved in to encode"))
+    infer = mm.inference_widths if mm.inference_widths is not None else INFERENCE_WIDTHS
+    shape = f"{mm.tokens} tokens x width {mm.width}" if mm.width > 1 else "measured per sample"
+    lines.append(Line("rollout", "activations, no grad", s * tw * infer,
+                      f"{s} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
+    decode = (vae_bytes if mm.offload_frozen else 0) + min(s, mm.vae_batch) * mm.decode_bytes_per_image
+    lines.append(Line("decode", "VAE + decode activations", decode, f"{mm.vae_batch} images per VAE call"))
+    m = t.micro_batch_size
+    total_blocks = sum(mm.blocks.values())
+    full = sum(mm.per_block[k] * c for k, c in mm.blocks.items()) + mm.outside
+    if mm.gradient_checkpointing:
+        widths = total_blocks * 1.0 + max(mm.per_block.values()) + mm.outside
+        how = f"checkpointed: {total_blocks} block inputs + 1 block"
+    else:
+        widths = full
+        how = f"{full:.0f} widths per token saved over {total_blocks} blocks" if mm.width > 1 else "measured per sample"
+    lines.append(Line("update", "activations, forward with grad", m * tw * widths, f"micro-batch {m}; {how}"))
+    lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
+    return geometry, mm, lines
+
+
+def peak(lines: list[Line]) -> tuple[float, str]:
+    """The peak: everything persistent plus the largest phase's transients, and that phase."""
+    persistent = sum(l.bytes for l in lines if l.phase == "persistent")
+    phases: dict[str, float] = {}
+    for l in lines:
+        if l.phase != "persistent":
+            phases[l.phase] = phases.get(l.phase, 0.0) + l.bytes
+    worst = max(phases, key=phases.get) if phases else "none"
+    return persistent + phases.get(worst, 0.0), worst
