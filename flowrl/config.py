@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Union
 
-from .errors import RecipeError, suggest
+from .errors import RecipeError, printable, suggest
 
 _MISSING = dataclasses.MISSING
+
+
+#: The largest value an integer key takes when its field names no ``max`` of its own: every
+#: count has a bound, checked before anything is allocated.
+MAX_COUNT = 10**9
 
 
 def param(
@@ -33,7 +39,8 @@ def param(
     Args:
         default: the default; omit it to make the key required. Lists are copied per instance.
         help: the field's documentation, written once, here.
-        min, max: inclusive bounds for numbers (``exclusive_min`` makes ``min`` strict).
+        min, max: inclusive bounds for numbers (``exclusive_min`` makes ``min`` strict). An
+            integer field without ``max`` is bounded by :data:`MAX_COUNT`. Floats must be finite.
     """
     metadata = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min}
     if isinstance(default, (list, dict)):
@@ -122,7 +129,7 @@ def from_dict(cls: type, data: Mapping[str, Any], *, where: str, ignore: tuple[s
             continue
         if key not in known:
             valid = [k for k in known] + list(ignore)
-            raise RecipeError(f"unknown key '{key}'", where=where, hint=suggest(key, valid))
+            raise RecipeError(f"unknown key '{printable(key)}'", where=where, hint=suggest(key, valid))
         f, tp = known[key]
         ok, converted = _check_type(value, tp)
         if not ok:
@@ -152,11 +159,15 @@ def from_dict(cls: type, data: Mapping[str, Any], *, where: str, ignore: tuple[s
 
 
 def _check_range(key: str, value: Any, f: dataclasses.Field, where: str) -> None:
-    lo, hi = f.metadata.get("min"), f.metadata.get("max")
     values = value if isinstance(value, list) else [value]
     for v in values:
+        if isinstance(v, str) and "\x00" in v:
+            raise RecipeError(f"key '{key}' contains a NUL character", where=where, hint="remove it from the value")
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             continue
+        lo, hi = bounds(f, v)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RecipeError(f"key '{key}' must be a finite number, got {v}", where=where, hint=_field_help(f) or None)
         if lo is not None:
             too_low = v <= lo if f.metadata.get("exclusive_min") else v < lo
             if too_low:
@@ -164,6 +175,14 @@ def _check_range(key: str, value: Any, f: dataclasses.Field, where: str) -> None
                 raise RecipeError(f"key '{key}' must be {op} {lo}, got {v}", where=where)
         if hi is not None and v > hi:
             raise RecipeError(f"key '{key}' must be <= {hi}, got {v}", where=where)
+
+
+def bounds(f: dataclasses.Field, value: Any = 0) -> tuple[float | None, float | None]:
+    """The field's (min, max); an integer field without its own max is bounded by MAX_COUNT."""
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if hi is None and isinstance(value, int) and not isinstance(value, bool):
+        hi = MAX_COUNT
+    return lo, hi
 
 
 def _field_help(f: dataclasses.Field) -> str:
@@ -194,8 +213,23 @@ def explain(cls: type | None) -> list[tuple[str, str, str, str]]:
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        rows.append((f.name, _type_name(tp), default, _field_help(f)))
+        rows.append((f.name, _type_name(tp) + _bounds_text(f, tp), default, _field_help(f)))
     return rows
+
+
+def _bounds_text(f: dataclasses.Field, tp: Any) -> str:
+    """`` in [lo, hi]`` (or ``>= lo`` ...) for numeric fields, as validation enforces them."""
+    numeric = tp in (int, float) or typing.get_args(tp) in ((int,), (float,))
+    if not numeric:
+        return ""
+    lo, hi = bounds(f, 0 if int in (tp, *typing.get_args(tp)) else 0.0)
+    lo, hi = (None if v is None else (v if isinstance(v, int) else f"{v:g}") for v in (lo, hi))
+    left = "(" if f.metadata.get("exclusive_min") else "["
+    if lo is not None and hi is not None:
+        return f" in {left}{lo}, {hi}]"
+    if lo is not None:
+        return f" {'>' if left == '(' else '>='} {lo}"
+    return f" <= {hi}" if hi is not None else ""
 
 
 def params_from_signature(fn: Callable) -> type | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import unicodedata
 from collections.abc import Iterable
 from types import ModuleType
 
@@ -32,9 +33,12 @@ class FlowrlError(Exception):
         super().__init__(self.format())
 
     def format(self) -> str:
-        text = f"{self.where}: {self.message}" if self.where else self.message
+        """``where: message`` and the hint, with every control or bidi character shown escaped
+        (a message may quote user input, and the terminal must not interpret it)."""
+        message = printable(self.message, keep_newlines=True)
+        text = f"{printable(self.where)}: {message}" if self.where else message
         if self.hint:
-            text += f"\n  hint: {self.hint}"
+            text += f"\n  hint: {printable(self.hint, keep_newlines=True)}"
         return text
 
 
@@ -50,10 +54,25 @@ class MissingDependencyError(FlowrlError):
     """An optional dependency (an extra) is not installed."""
 
 
+def printable(text: str, *, keep_newlines: bool = False) -> str:
+    """``text`` with control characters (newlines too, unless ``keep_newlines``) and invisible
+    formatting characters (bidi overrides, zero-width joiners) replaced by escapes such as
+    ``\\x1b`` or ``\\u202e``: safe to print to a terminal, and visibly what was typed."""
+    out = []
+    for ch in str(text):
+        if ch == "\n" and keep_newlines:
+            out.append(ch)
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co", "Zl", "Zp"):
+            out.append(ch.encode("unicode_escape").decode("ascii") if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def suggest(name: str, valid: Iterable[str]) -> str:
     """Return a hint naming the closest valid name and listing all of them."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
     listing = ", ".join(valid) if valid else "(none)"
     if close:
         return f"did you mean '{close[0]}'? valid: {listing}"

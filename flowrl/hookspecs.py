@@ -21,10 +21,11 @@ component::
 - ``name``: the name recipes use (``use = "name"``). A name registered twice is an error that
   names both plugins, unless exactly one of the two passes ``replace=True`` (an explicit
   override; the built-ins never do).
-- ``factory``: called as ``factory(params)`` with an instance of the ``params`` dataclass and
-  returns the component. A class with a nested dataclass ``Config`` needs no ``params``.
-  For rewards, a plain function ``fn(images, prompts) -> Tensor[B]`` is a complete reward; its
-  keyword-only arguments with defaults become its recipe parameters.
+- ``factory``: builds the component. One rule: a component WITH parameters (``params=``, or a
+  class with a nested dataclass ``Config``) is built as ``factory(params)``, ``params`` being the
+  validated instance of that dataclass; a component WITHOUT parameters is built as
+  ``factory()``. For rewards, a plain function ``fn(images, prompts) -> Tensor[B]`` is a complete
+  reward; its keyword-only arguments with defaults become its recipe parameters.
 - ``params``: a dataclass whose fields are the recipe keys, each documented with
   :func:`flowrl.config.param` (shown by ``flowrl validate --explain``).
 - ``help``: one line for ``flowrl plugins``; defaults to the factory's docstring.

@@ -88,6 +88,14 @@ class HasReferencePolicy(Protocol):
 
 
 @runtime_checkable
+class DeclaresTimestep(Protocol):
+    """An adapter whose network's time runs differently from sigma (Z-Image: ``t = 1 - sigma``)
+    declares the map; the conformance suite then checks the denoiser receives exactly it."""
+
+    def timestep_from_sigma(self, sigma: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class HasImageSeqLen(Protocol):
     """An adapter that knows its packed image sequence length (FLUX's dynamic shift needs it)."""
 
@@ -140,6 +148,7 @@ class PlansMemory(Protocol):
     def memory_spec(self) -> Any: ...
 
 
+@runtime_checkable
 class Schedule(Protocol):
     """``sigmas(N, model) -> Tensor[N + 1]``: decreasing float32 sigmas, 1 to 0."""
 
@@ -172,6 +181,7 @@ class Kernel(Protocol):
     ) -> Any: ...
 
 
+@runtime_checkable
 class Chunker(Protocol):
     """Splits T trainable transitions into consecutive chunks.
 
@@ -223,6 +233,7 @@ class CurveSource(Protocol):
         """float32 ``[T]``, the relative L1 change of each trainable transition."""
 
 
+@runtime_checkable
 class ChunkSelector(Protocol):
     """Chooses which chunks each sample trains in one update.
 
@@ -248,6 +259,7 @@ class CurveWeightedSelector(Protocol):
     has_own_profile: bool
 
 
+@runtime_checkable
 class AdvantageEstimator(Protocol):
     """Rewards of a batch of groups to one advantage per sample.
 
@@ -264,6 +276,7 @@ class AdvantageEstimator(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
 class PolicyLoss(Protocol):
     """The per-unit policy objective.
 
@@ -363,6 +376,7 @@ def score(reward: Reward, images: torch.Tensor, prompts: Sequence[str], metadata
     return RewardOutput(scores=scores, extras={k: v.detach().float().cpu() for k, v in out.extras.items()})
 
 
+@runtime_checkable
 class Tracker(Protocol):
     """Receives metrics and images each step (metrics.jsonl is always written separately)."""
 

@@ -62,7 +62,8 @@ class Component:
     replace: bool = False
 
     def build(self, params: Any = None) -> Any:
-        """Instantiate the component from its validated params dataclass."""
+        """Instantiate the component: ``factory(params)`` when it has a params dataclass (its
+        defaults when ``params`` is None), ``factory()`` when it has none (flowrl.hookspecs)."""
         if self.params is None:
             return self.factory()
         return self.factory(params if params is not None else self.params())

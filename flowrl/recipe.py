@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 from .config import from_dict, param, to_dict
-from .errors import RecipeError, suggest
+from .errors import RecipeError, printable, suggest
 from .interfaces import ProfilingChunker
 from .plugins import Registry, get_registry
 from .sampling import make_kernels, trainable_mask
@@ -43,7 +43,7 @@ else:  # pragma: no cover
 class RunConfig:
     name: str = param("run", "Run name; used in the default output directory.")
     output_dir: str = param("runs/{name}", "Run directory ({name} is replaced by the run name).")
-    seed: int = param(42, "Global seed: sampling noise, selection and data order derive from it.", min=0)
+    seed: int = param(42, "Global seed: sampling noise, selection and data order derive from it.", min=0, max=2**63 - 1)
     device: str = param("auto", "'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
 
 
@@ -104,7 +104,7 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class SamplerConfig:
-    steps: int = param(16, "Sampling steps N (the schedule has N + 1 sigmas).", min=2)
+    steps: int = param(16, "Sampling steps N (the schedule has N + 1 sigmas).", min=2, max=10_000)
     image_from: Literal["x0_hat", "final"] = param(
         "x0_hat",
         "Decode the image from the last step's x0_hat (anchors' default; the last transition "
@@ -122,7 +122,7 @@ class SamplerConfig:
     sde_window: list[int] = param(
         [],
         "[start, end): steps that use the SDE kernel; other steps are ODE. Empty = all steps.",
-        min=0,
+        min=0, max=10_000,
     )
 
     def __post_init__(self):
@@ -321,7 +321,7 @@ def validate(
     valid_tables = list(SECTIONS) + list(COMPONENT_SECTIONS) + list(LIST_SECTIONS)
     for key, value in data.items():
         if key not in valid_tables:
-            raise RecipeError(f"unknown table [{key}]", where=source, hint=suggest(key, valid_tables))
+            raise RecipeError(f"unknown table [{printable(key)}]", where=source, hint=suggest(key, valid_tables))
         is_list = key in LIST_SECTIONS
         if is_list and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
             raise RecipeError(f"[[{key}]] must be an array of tables ([[{key}]] entries)", where=source)

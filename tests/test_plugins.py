@@ -512,3 +512,32 @@ def test_a_registration_hook_that_raises_is_reported_by_plugin_name():
     with pytest.raises(PluginError, match="plugin 'buggy' failed in register_rewards: KeyError"):
         with temporary_plugin(Buggy(), name="buggy"):
             pass
+
+
+def test_factory_rule_params_or_no_arguments():
+    """hookspecs' one rule: factory(params) with a params dataclass, factory() without."""
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Params:
+        size: int = param(3, "a size")
+
+    def with_params(p):
+        calls.append(("with", p))
+        return "built-with"
+
+    def without():
+        calls.append(("without",))
+        return "built-without"
+
+    class Plugin:
+        @hookimpl
+        def register_chunkers(self, register):
+            register("with_params", with_params, params=Params)
+            register("without_params", without)
+
+    with temporary_plugin(Plugin()) as registry:
+        assert registry.get("chunker", "with_params").build(Params(size=5)) == "built-with"
+        assert registry.get("chunker", "with_params").build() == "built-with"  # the defaults
+        assert registry.get("chunker", "without_params").build() == "built-without"
+    assert calls == [("with", Params(size=5)), ("with", Params()), ("without",)]

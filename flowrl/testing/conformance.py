@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flowrl.interfaces import select_embeddings
+from flowrl.interfaces import DeclaresTimestep, HasLoraTargets, HasReferencePolicy, ModelAdapter, select_embeddings
 from flowrl.recipe import TrainConfig
 from flowrl.sampling import rollout, transition_log_prob
 from flowrl.schedules import shifted_sigmas, validate_sigmas
@@ -105,9 +105,6 @@ class ConformanceReport:
 
 
 def _device(adapter) -> torch.device:
-    dev = getattr(adapter, "device", None)
-    if isinstance(dev, (str, torch.device)):
-        return torch.device(dev)
     try:
         return next(adapter.denoiser.parameters()).device
     except StopIteration:
@@ -148,13 +145,14 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 @torch.no_grad()
 def check_interface(adapter, opts: ConformanceOptions) -> str:
     """Attributes and methods exist; text embeddings are tensors with the batch on dim 0."""
-    assert isinstance(getattr(adapter, "denoiser", None), torch.nn.Module), "adapter.denoiser must be an nn.Module"
+    missing = [name for name in ("denoiser", "latent_shape", "to", "encode_prompts", "velocity", "decode",
+                                 "trainable_parameters", "sigmas", "prompt_source") if not hasattr(adapter, name)]
+    assert not missing and isinstance(adapter, ModelAdapter), f"not a flowrl.interfaces.ModelAdapter: missing {missing}"
+    assert isinstance(adapter.denoiser, torch.nn.Module), "adapter.denoiser must be an nn.Module"
     shape = adapter.latent_shape
     assert isinstance(shape, tuple) and shape and all(isinstance(d, int) and d > 0 for d in shape), (
         f"latent_shape must be a tuple of positive ints, got {shape!r}"
     )
-    for name in ("to", "encode_prompts", "velocity", "decode", "trainable_parameters", "sigmas", "prompt_source"):
-        assert callable(getattr(adapter, name, None)), f"adapter.{name} is missing"
     prompts = _prompts(adapter, opts, 3)
     text = adapter.encode_prompts(prompts)
     assert isinstance(text, dict) and text, "encode_prompts must return a non-empty dict of tensors"
@@ -305,8 +303,8 @@ def check_sigma_direction(adapter, opts: ConformanceOptions) -> str:
     diff, scale = _max_rel(outs[0], outs[-1])
     assert diff > opts.atol, "the velocity does not depend on sigma"
     notes = []
-    declared = getattr(adapter, "timestep_from_sigma", None)
-    if callable(declared):
+    if isinstance(adapter, DeclaresTimestep):
+        declared = adapter.timestep_from_sigma
         assert len(pairs) == len(levels), (
             "the adapter declares timestep_from_sigma, but the timestep its denoiser receives was not seen: "
             "pass it as timestep=... or as the denoiser's second positional argument"
@@ -368,8 +366,8 @@ def _attach_lora(adapter, opts: ConformanceOptions):
 def check_lora_noop(adapter, opts: ConformanceOptions) -> str:
     """LoRA attached through the engine's own path (:func:`flowrl.train.finetune.prepare_trainable`)
     starts as a no-op, trains only LoRA matrices, and changes the velocity once non-zero."""
-    if not getattr(adapter, "lora_targets", None):
-        return "skipped: the adapter names no lora_targets"
+    if not (isinstance(adapter, HasLoraTargets) and adapter.lora_targets):
+        return "skipped: the adapter names no lora_targets (HasLoraTargets)"
     model = copy.deepcopy(adapter)
     prompts = _prompts(model, opts, 2)
     with torch.no_grad():
@@ -399,8 +397,8 @@ def check_lora_noop(adapter, opts: ConformanceOptions) -> str:
 def check_reference_model(adapter, opts: ConformanceOptions) -> str:
     """``reference_velocity`` (optional) is the base model's velocity after the policy moved:
     LoRA disabled for LoRA, a frozen copy (``snapshot_reference``) for full fine-tuning."""
-    if not callable(getattr(adapter, "reference_velocity", None)):
-        return "skipped: the adapter has no reference_velocity"
+    if not isinstance(adapter, HasReferencePolicy):
+        return "skipped: the adapter runs no reference of its own (HasReferencePolicy)"
     results = []
     for mode in ("lora", "full"):
         model = copy.deepcopy(adapter)
@@ -415,8 +413,7 @@ def check_reference_model(adapter, opts: ConformanceOptions) -> str:
         else:
             model.denoiser.requires_grad_(True)
             params = [p for p in model.denoiser.parameters() if p.requires_grad]
-        if callable(getattr(model, "snapshot_reference", None)):
-            results.append(model.snapshot_reference())
+        results.append(model.snapshot_reference())
         with torch.no_grad():
             g = torch.Generator().manual_seed(2)
             for p in params:
