@@ -5,4 +5,4 @@ imports inside the command function, so ``flowrl --help`` stays fast.
 """
 
 #: Imported by flowrl.cli after the core commands are defined.
-MODULES = ("profile", "sample", "evaluate", "export", "plan", "reward_server")
+MODULES = ("profile", "sample", "evaluate", "export", "plan", "reward_server", "sweep", "compare")
