@@ -14,7 +14,20 @@ import typer
 from rich.markup import escape
 
 # Importing a command module adds its command(s) to the app.
-from .commands import evaluate, export, plan, plot, plugins, profile, reward_server, sample, train, validate  # noqa: F401
+from .commands import (  # noqa: F401
+    compare,
+    evaluate,
+    export,
+    plan,
+    plot,
+    plugins,
+    profile,
+    reward_server,
+    sample,
+    sweep,
+    train,
+    validate,
+)
 from .commands.base import app, err_console, options
 from .errors import FlowrlError
 

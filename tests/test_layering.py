@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
      "flowrl.compat"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.schedules", "flowrl.sde", "flowrl.chunking", "flowrl.selection",
      "flowrl.advantages", "flowrl.losses", "flowrl.trajectory", "flowrl.sampling", "flowrl.prompts",
-     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.plotting", "flowrl.reward_protocol"},
+     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.plotting", "flowrl.reward_protocol", "flowrl.stats"},
     {"flowrl.recipe", "flowrl.planning", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
      "flowrl.dynamics.report", "flowrl.dynamics.profile_file"},
     {"flowrl.train", "flowrl.train.*"},
