@@ -215,9 +215,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     args = ap.parse_args()
 
-    from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
-
     from flowrl.plugins import temporary_plugin
+    from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
     T = args.steps - 1
     sizes = [2, 3, 4, 7] if T == 16 else [T]

@@ -115,8 +115,6 @@ import torch  # noqa: E402
 
 def flowrl_api() -> SimpleNamespace:
     """Every flowrl import of this benchmark, in one place (module paths may move)."""
-    from flowrl_plugins.diffusers_models.flux import FluxConfig, FluxModel
-
     from flowrl.interfaces import select_embeddings
     from flowrl.losses import ClippedObjective
     from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout
@@ -124,6 +122,7 @@ def flowrl_api() -> SimpleNamespace:
     from flowrl.sde import FlowKernel
     from flowrl.testing.tiny_pipelines import TINY_PROMPTS, build_tiny_flux
     from flowrl.train.chunk_update import lean_chunk_backward
+    from flowrl_plugins.diffusers_models.flux import FluxConfig, FluxModel
 
     return SimpleNamespace(
         lean_chunk_backward=lean_chunk_backward, select_embeddings=select_embeddings,

@@ -32,13 +32,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the numbers here")
     args = ap.parse_args()
 
-    from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
-
     from flowrl.plugins import get_registry
     from flowrl.prompts import prompts_for_iteration, read_prompts
     from flowrl.sampling import make_kernels, rollout
     from flowrl.seeding import sample_generators
     from flowrl.train.collect import initial_noise
+    from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
     registry = get_registry()
     model = EmbeddedModel(EmbeddedConfig(random_init=True))

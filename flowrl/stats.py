@@ -22,7 +22,6 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Hashable
 
-
 # ----------------------------------------------------------------------------- Student t
 
 

@@ -161,8 +161,9 @@ def upstream_worker(work: Path) -> None:
 
 def native(work: Path) -> dict:
     import transformers
-    from flowrl_plugins.rewards.hpsv3 import HPSv3, HPSv3Config
     from safetensors.torch import load_file
+
+    from flowrl_plugins.rewards.hpsv3 import HPSv3, HPSv3Config
 
     reward = HPSv3(HPSv3Config(checkpoint=str(work / "hpsv3_tiny.safetensors"), base_model=str(work / "qwen"),
                                device="cpu", dtype="float32", batch_size=2))
@@ -232,8 +233,9 @@ def over_http(venv: Path, work: Path, env: dict) -> dict:
     """The upstream package served by `flowrl reward serve` in its env, scored from this one."""
     import threading
 
-    from flowrl_plugins.rewards.http import HttpReward, HttpRewardConfig
     from safetensors.torch import load_file
+
+    from flowrl_plugins.rewards.http import HttpReward, HttpRewardConfig
 
     cmd = [str(venv / "bin" / "flowrl"), "reward", "serve", "hpsv3_upstream", "--port", "0",
            "--set", f"checkpoint={json.dumps(str(work / 'hpsv3_tiny.safetensors'))}",

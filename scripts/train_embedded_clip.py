@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from flowrl.compat import ensure_torchvision_importable
 from flowrl_plugins.embedded import dataset as D
 from flowrl_plugins.embedded.verifier import verify
 from flowrl_plugins.rewards.clip import OPENAI_MEAN, OPENAI_STD
 from flowrl_plugins.rewards.common import normalise
 from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR, EmbeddedClip, EmbeddedClipConfig
 from flowrl_plugins.rewards.tiny_models import write_clip_tokenizer
-
-from flowrl.compat import ensure_torchvision_importable
 
 
 def build_model(seed: int):

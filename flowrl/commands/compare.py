@@ -47,9 +47,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .base import app, console, err_console
 from ..errors import FlowrlError, require, suggest
 from ..stats import Interval, cumulative, curve_auc, paired_interval, t_interval, value_at_budget
+from .base import app, console, err_console
 
 MANIFEST = "sweep.json"
 FORMATS = ("table", "md", "csv", "json")

@@ -53,8 +53,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from .base import SetOpt, app, console, load, options
 from ..errors import FlowrlError
+from .base import SetOpt, app, console, load, options
 
 MANIFEST = "sweep.json"
 MANIFEST_VERSION = 1
@@ -502,7 +502,14 @@ class Sweep:
         progress.update(overall, completed=completed, info=info)
 
     def execute(self) -> int:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         runs = self.manifest["runs"]
         todo = self.prepare()

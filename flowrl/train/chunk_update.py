@@ -87,7 +87,6 @@ def lean_chunk_backward(
         plus ``recompute_mismatch``. Gradients are accumulated into the parameters' ``.grad``.
     """
     B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
-    starts = [sum(s[:u]) for u in range(len(s))]
 
     def units_grad(new_lp):
         # dL/dz on the whole [B, K] matrix; column u is final once unit u has been scored
@@ -98,49 +97,15 @@ def lean_chunk_backward(
             (dz,) = torch.autograd.grad(loss, z)
         return z, loss, dz
 
-    def with_grad(t, idx):
-        with torch.enable_grad():
-            lp = _checked(step_log_prob_fn(t, idx, True), idx.numel(), t)
-        if not lp.requires_grad:
-            raise ValueError(
-                f"step_log_prob_fn(t={t}, grad=True) returned a tensor without gradient; nothing to train"
-            )
-        return lp
-
     new = old.clone()
     dz_used = torch.zeros(B, len(s), dtype=torch.float32, device=old.device)
-    mismatch = 0.0
-    for u, (first, size) in enumerate(zip(starts, s)):
+    mismatch, first = 0.0, 0
+    for u, size in enumerate(s):
         idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
-        if not idx.numel():
-            continue
-        last = first + size - 1
-        # 1. the unit's log-probs: the others without grad, the last with grad (kept)
-        with torch.no_grad():
-            for t in range(first, last):
-                new[idx, t] = _checked(step_log_prob_fn(t, idx, False), idx.numel(), t).detach().to(torch.float32)
-        lp = with_grad(last, idx)
-        new[idx, last] = lp.detach().to(torch.float32)
-        # 2. dL/dz_u
-        _, _, dz = units_grad(new)
-        dz_used[:, u] = dz[:, u]
-        coef = dz[idx, u] / size
-        live = coef != 0
-        # 3. backward through the kept graph, then recompute the other positions one at a time;
-        # a unit clipped (or with zero advantage) for every sample has exactly zero gradient
-        if bool(live.any()):
-            with torch.enable_grad():
-                (coef.to(lp.dtype) * lp).sum().backward()
-        del lp  # free the graph before the next forward (the memory of one step)
-        if not bool(live.any()):
-            continue
-        sub, c = idx[live], coef[live]
-        for t in range(first, last):
-            lp = with_grad(t, sub)
-            with torch.enable_grad():
-                (c.to(lp.dtype) * lp).sum().backward()
-            mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[sub, t]).abs().max()))
-            del lp
+        if idx.numel():
+            dz_used[:, u], unit_mismatch = _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size)
+            mismatch = max(mismatch, unit_mismatch)
+        first += size
 
     z, loss, dz = units_grad(new)
     # equal_nan: a diverged model gives NaN log-probs; the caller's finiteness check handles that
@@ -152,6 +117,46 @@ def lean_chunk_backward(
     metrics = unit_metrics(z.detach(), adv, m, objective)
     metrics["recompute_mismatch"] = mismatch
     return loss.detach(), metrics
+
+
+def _with_grad(step_log_prob_fn: StepLogProbFn, t: int, idx: torch.Tensor) -> torch.Tensor:
+    with torch.enable_grad():
+        lp = _checked(step_log_prob_fn(t, idx, True), idx.numel(), t)
+    if not lp.requires_grad:
+        raise ValueError(f"step_log_prob_fn(t={t}, grad=True) returned a tensor without gradient; nothing to train")
+    return lp
+
+
+def _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size) -> tuple[torch.Tensor, float]:
+    """Steps 1-3 of the module docstring for unit ``u`` (positions ``first .. first + size - 1``)
+    and the samples ``idx`` that selected it; fills ``new`` with their log-probs and returns
+    (``dL/dz`` column ``u`` as used, the largest recompute mismatch)."""
+    last = first + size - 1
+    # 1. the unit's log-probs: the others without grad, the last with grad (kept)
+    with torch.no_grad():
+        for t in range(first, last):
+            new[idx, t] = _checked(step_log_prob_fn(t, idx, False), idx.numel(), t).detach().to(torch.float32)
+    lp = _with_grad(step_log_prob_fn, last, idx)
+    new[idx, last] = lp.detach().to(torch.float32)
+    # 2. dL/dz_u
+    _, _, dz = units_grad(new)
+    coef = dz[idx, u] / size
+    live = coef != 0
+    # 3. backward through the kept graph, then recompute the other positions one at a time;
+    # a unit clipped (or with zero advantage) for every sample has exactly zero gradient
+    if not bool(live.any()):
+        return dz[:, u], 0.0
+    with torch.enable_grad():
+        (coef.to(lp.dtype) * lp).sum().backward()
+    del lp  # free the graph before the next forward (the memory of one step)
+    sub, c, mismatch = idx[live], coef[live], 0.0
+    for t in range(first, last):
+        lp = _with_grad(step_log_prob_fn, t, sub)
+        with torch.enable_grad():
+            (c.to(lp.dtype) * lp).sum().backward()
+        mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[sub, t]).abs().max()))
+        del lp
+    return dz[:, u], mismatch
 
 
 def full_graph_backward(

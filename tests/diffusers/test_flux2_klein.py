@@ -143,6 +143,7 @@ def test_packing_and_ids_match_diffusers(model):
 
 def test_empirical_mu_and_own_schedule(model):
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
     from flowrl_plugins.diffusers_models.flux2 import flux2_empirical_mu
 
     for seq in (64, 1024, 4096, 4301, 8192):

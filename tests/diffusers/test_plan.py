@@ -66,11 +66,10 @@ def test_counts_match_the_loaded_tiny_pipeline(tiny_flux, tiny_overrides, flux_m
 def test_update_activation_estimate_is_close_to_a_measurement(tiny_flux, tiny_overrides, flux_model):
     # The estimate uses constants measured on a one-block replica; compare it with the tensors
     # autograd really saves for one training forward of the whole tiny model (micro-batch 2).
-    from flowrl_plugins.diffusers_models.memory import _saved_elements
-
     from flowrl.planning import estimate
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
+    from flowrl_plugins.diffusers_models.memory import _saved_elements
 
     recipe = load_recipe("recipes/chunk_grpo_flux.toml", [f"model.path={tiny_flux}", *tiny_overrides,
                          "rewards.0.use=brightness", "model.gradient_checkpointing=false", "train.micro_batch_size=2",
@@ -87,6 +86,7 @@ def test_update_activation_estimate_is_close_to_a_measurement(tiny_flux, tiny_ov
 
 def test_unknown_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path):
     import huggingface_hub.constants as hc
+
     from flowrl_plugins.diffusers_models.memory import pipeline_configs
 
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)

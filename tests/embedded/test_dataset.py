@@ -1,4 +1,5 @@
 import torch
+
 from flowrl_plugins.embedded import dataset as D
 
 

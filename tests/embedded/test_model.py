@@ -3,6 +3,7 @@ import time
 
 import pytest
 import torch
+
 from flowrl_plugins.embedded import network as N
 from flowrl_plugins.embedded.dataset import all_prompts, sample_batch
 

@@ -1,4 +1,5 @@
 import torch
+
 from flowrl_plugins.embedded import dataset as D
 from flowrl_plugins.embedded.rewards import REWARDS, brightness, foreground_area, verifier_score
 

@@ -1,6 +1,7 @@
 import random
 
 import torch
+
 from flowrl_plugins.embedded import dataset as D
 from flowrl_plugins.embedded.verifier import verify
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import TINY_RECIPE, comparable, load, quiet_console, write_recipe
-from flowrl_plugins.advantages import GroupZScore, GroupZScoreConfig
 
 from flowrl.advantages import advantages_for
 from flowrl.errors import RecipeError
 from flowrl.recipe import ComponentChoice
 from flowrl.runlog import read_metrics
 from flowrl.train import train
+from flowrl_plugins.advantages import GroupZScore, GroupZScoreConfig
 
 TWO_REWARDS = """
 [[rewards]]

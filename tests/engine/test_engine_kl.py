@@ -12,7 +12,6 @@ import copy
 import pytest
 import torch
 from engine_helpers import load, quiet_console, write_recipe
-from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
 from flowrl.chunking import chunk_index
 from flowrl.interfaces import select_embeddings
@@ -24,6 +23,7 @@ from flowrl.train import train
 from flowrl.train.finetune import prepare_trainable
 from flowrl.train.reference import ReferencePolicy, kl_backward
 from flowrl.train.update import TransitionScorer
+from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
 
 class _Train:  # the TrainConfig fields prepare_trainable reads

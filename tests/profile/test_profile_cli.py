@@ -60,11 +60,10 @@ def test_profile_options_and_errors(tmp_path, capsys):
 
 
 def test_compare_against_a_checkpoint(tmp_path, capsys):
-    from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
-
     from flowrl.recipe import dump_toml, load_recipe
     from flowrl.train.checkpoint import save_checkpoint
     from flowrl.train.finetune import trainable_state_dict
+    from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
     recipe = load_recipe(ROOT / "recipes" / "quickstart.toml", ["model.random_init=true", "sampler.steps=6", "chunker.use=step"])
     run_dir = tmp_path / "run"

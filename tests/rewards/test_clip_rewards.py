@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from flowrl_plugins.rewards.clip import Clip, ClipConfig, PickScore, PickScoreConfig, apply_scale
 from reward_helpers import PROMPTS, assert_invariant, fixed_images, to_pil
 
 from flowrl.errors import FlowrlError
 from flowrl.interfaces import score
 from flowrl.plugins import get_registry
+from flowrl_plugins.rewards.clip import Clip, ClipConfig, PickScore, PickScoreConfig, apply_scale
 
 LOGIT_SCALE = math.exp(3.0)  # the tiny model's exp(logit_scale)
 

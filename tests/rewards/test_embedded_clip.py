@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowrl_plugins.embedded import dataset as D
-from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR
 from reward_helpers import assert_invariant
 
 from flowrl.plugins import get_registry
+from flowrl_plugins.embedded import dataset as D
+from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR
 
 # The training and evaluation script is part of the repository, not of a plugin.
 REPO = Path(__file__).resolve().parents[2]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowrl_plugins.rewards.hpsv3 import REWARD_TOKEN, HPSv3, HPSv3Config, patchify, prompt_template, smart_resize
 from reward_helpers import PROMPTS, assert_invariant, fixed_images, to_pil
 
 from flowrl.errors import FlowrlError
 from flowrl.interfaces import score
 from flowrl.plugins import get_registry
+from flowrl_plugins.rewards.hpsv3 import REWARD_TOKEN, HPSv3, HPSv3Config, patchify, prompt_template, smart_resize
 
 PIXELS = 56 * 56  # 2 x 2 merged image tokens: small and fast
 
@@ -35,9 +35,10 @@ def to_official_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 @pytest.fixture(scope="module")
 def tiny_hps(tmp_path_factory):
     """(base model dir, official-layout checkpoint path, new-layout state dict, head state)."""
-    from flowrl_plugins.rewards.tiny_models import build_tiny_qwen2_vl, tiny_hpsv3_head
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from flowrl_plugins.rewards.tiny_models import build_tiny_qwen2_vl, tiny_hpsv3_head
 
     directory = tmp_path_factory.mktemp("hpsv3")
     base = build_tiny_qwen2_vl(directory / "qwen", seed=0, min_pixels=PIXELS, max_pixels=PIXELS)
@@ -158,9 +159,8 @@ def test_registered_and_clear_errors(tiny_hps, tmp_path):
 def test_upstream_adapter_without_the_package_names_the_fix():
     import importlib.util
 
-    from flowrl_plugins.rewards.hpsv3_upstream import HPSv3Upstream, HPSv3UpstreamConfig
-
     from flowrl.errors import MissingDependencyError
+    from flowrl_plugins.rewards.hpsv3_upstream import HPSv3Upstream, HPSv3UpstreamConfig
 
     if importlib.util.find_spec("hpsv3") is not None:
         pytest.skip("the upstream package is installed here")

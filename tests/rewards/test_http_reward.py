@@ -19,6 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from reward_helpers import PROMPTS, fixed_images
+
+from flowrl.interfaces import RewardOutput, score
 from flowrl_plugins.rewards.http import (
     HttpReward,
     HttpRewardConfig,
@@ -26,9 +29,6 @@ from flowrl_plugins.rewards.http import (
     encode_request,
     make_server,
 )
-from reward_helpers import PROMPTS, fixed_images
-
-from flowrl.interfaces import RewardOutput, score
 
 
 class MeanReward:

@@ -13,7 +13,15 @@ import re
 import shlex
 from pathlib import Path
 
-from flowrl.commands.sweep import MANIFEST_VERSION, _sha256, command_line, parse_grid, parse_variant, plan_runs, write_manifest
+from flowrl.commands.sweep import (
+    MANIFEST_VERSION,
+    _sha256,
+    command_line,
+    parse_grid,
+    parse_variant,
+    plan_runs,
+    write_manifest,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "sweep.md"
