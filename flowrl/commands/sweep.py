@@ -298,9 +298,9 @@ def _pid_is_run(pid: int | None, run_dir: Path) -> bool:
 # ----------------------------------------------------------------------------- child processes
 
 
-def child_main(argv: list[str]) -> None:
-    """Entry of a run's process: on Linux, ask for a signal when the sweep dies, turned into ONE
-    SIGINT (so a killed sweep's runs checkpoint and stop), then run the flowrl CLI.
+def prepare_child() -> None:
+    """Start of a run's process (before it runs the flowrl CLI): on Linux, ask for a signal when
+    the sweep dies, turned into ONE SIGINT (so a killed sweep's runs checkpoint and stop).
 
     The kernel sends the parent-death signal each time the thread the run is attached to exits,
     and a dying multi-threaded sweep may hand the run from thread to thread: a second SIGINT
@@ -327,12 +327,10 @@ def child_main(argv: list[str]) -> None:
             pass
     if parent and os.getppid() != parent:  # the sweep died before prctl took effect
         sys.exit(130)
-    from ..cli import main
-
-    main(argv)
 
 
-_CHILD = "import sys; from flowrl.commands.sweep import child_main; child_main(sys.argv[1:])"
+#: A run is its own process: it prepares, then runs the flowrl CLI with the run's arguments.
+_CHILD = "import sys; from flowrl.commands.sweep import prepare_child; prepare_child(); from flowrl.cli import main; main(sys.argv[1:])"
 
 
 @dataclasses.dataclass

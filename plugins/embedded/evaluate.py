@@ -8,7 +8,8 @@ from the final x (sigma = 0). Scored by ``verifier.verify``.
 
 Run: ``python -m flowrl_plugins.embedded.evaluate [--weights PATH] [--seeds 0 1]``.
 
-This module carries its own small Euler sampler on purpose (no dependency on flowrl's sampler).
+Sampling is flowrl's own ODE sampler (:func:`flowrl.train.evaluate.ode_sample`), the one training
+evaluates with.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import argparse
 import time
 
 import torch
+
+from flowrl.train.evaluate import ode_sample
 
 from .dataset import all_prompts
 from .network import load_pretrained
@@ -38,11 +41,7 @@ def euler_sample(
 ) -> torch.Tensor:
     """Deterministic Euler ODE from sigma=1 to 0. ``noise`` is packed [B,64,48]. Returns images [B,3,32,32]."""
     emb, pooled = model.encode_prompts(prompts)
-    sig = shifted_sigmas(steps, shift)
-    x = noise.clone()
-    for i in range(steps):
-        v = model.velocity(x, sig[i].expand(x.shape[0]), emb, pooled)
-        x = x + (sig[i + 1] - sig[i]) * v
+    x = ode_sample(lambda i, x, s: model.velocity(x, s, emb, pooled), noise, shifted_sigmas(steps, shift))
     return model.decode(x)
 
 

@@ -124,3 +124,20 @@ def test_resume_refuses_a_changed_recipe(reference_run):
     recipe_path, ref_dir, _ = reference_run
     with pytest.raises(FlowrlError, match=r"\[train\]"):
         train(load(recipe_path, "train.lr=1e-2"), resume=ref_dir, console=quiet_console())
+
+
+def test_kill_right_after_a_checkpoint_is_published_loses_no_metrics_row(tmp_path, reference_run):
+    """The row of an iteration is on disk before the checkpoint that says the iteration is done:
+    a process killed right after publishing (latest.json written) resumes with every iteration's
+    row exactly once."""
+    recipe_path, ref_dir, ref = reference_run
+    run_dir = tmp_path / "run"
+    recipe = load(recipe_path, f"run.output_dir={str(run_dir)!r}")
+    with pytest.raises(SimulatedKill), kill_after_writing("latest.json"):  # the first checkpoint, iteration 2
+        train(recipe, console=quiet_console())
+    assert load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"] == 2
+    assert [r["iteration"] for r in read_metrics(run_dir)] == [0, 1]
+
+    train(recipe, resume=run_dir, console=quiet_console())
+    assert [r["iteration"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
+    _assert_same_run(run_dir, ref_dir, ref)
