@@ -127,6 +127,9 @@ class EmbeddedT2I(nn.Module):
 
     def __init__(self, transformer_config: dict | None = None, text_config: dict | None = None, vocab=None):
         super().__init__()
+        from flowrl_plugins.rewards.torchvision_compat import ensure_torchvision_importable
+
+        ensure_torchvision_importable()  # with flowrl[clip] on a CPU machine, a CUDA torchvision breaks diffusers' import
         from diffusers import FluxTransformer2DModel
 
         self.transformer_config = dict(transformer_config or DEFAULT_TRANSFORMER_CONFIG)
