@@ -164,6 +164,8 @@ class RewardAPI(ls.LitAPI):
 
     def encode_response(self, output) -> Response:
         request_id, status, payload, info = output
+        if request_id is not None:  # answered: the HTTP process no longer needs to watch this replica
+            Path(self.state_dir, "claims", request_id).unlink(missing_ok=True)
         if status != 200:
             return Response(content=json.dumps({"error": payload}), status_code=status, media_type="application/json")
         return Response(content=encode_response(payload, request_id=request_id, info=info),
