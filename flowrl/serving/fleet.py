@@ -73,7 +73,7 @@ def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name:
     """
     check_options(host=host, port=port, replicas=replicas, max_batch=max_batch, max_wait=max_wait)
     ls = require_litserve()
-    from ._litserve_api import ReplicaWatch, RewardAPI
+    from ._litserve_api import ReplicaWatch, RewardAPI, die_with_parent
 
     if port == 0:
         port = free_port("127.0.0.1" if host == "127.0.0.1" else "")
@@ -101,6 +101,15 @@ def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name:
         os.kill(os.getpid(), signal.SIGTERM)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # LitServe's queue manager is a child process too: make it end with this one (like the replicas).
+    import multiprocessing.managers as managers
+
+    start_manager = managers.BaseManager.start
+
+    def start_dying_with_parent(self, initializer=None, initargs=()):
+        return start_manager(self, initializer or die_with_parent, initargs)
+
+    managers.BaseManager.start = start_dying_with_parent
     watcher.start()
     try:
         server.run(host=host, port=port, generate_client_file=False, num_api_servers=1,
@@ -114,6 +123,7 @@ def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name:
         stop.set()
         watcher.join(5)
         signal.signal(signal.SIGTERM, previous)
+        managers.BaseManager.start = start_manager
         for process in getattr(server, "inference_workers", []) or []:
             if process.is_alive():
                 process.terminate()

@@ -4,7 +4,8 @@ Concurrent clients (threads and processes) get exactly the scores the reward com
 in-process; requests from several clients are batched; a replica killed with SIGKILL in the
 middle of scoring costs no score (its requests are answered 503 and retried elsewhere, each
 reply matched to its request by id) and is replaced; a request that kills every replica fails
-loudly after the client's retries. Every wait is bounded; the servers stop at the end.
+loudly after the client's retries; SIGKILL of the fleet's own process ends all its children.
+Every wait is bounded; the servers stop at the end.
 
 Needs the `fleet` extra (LitServe); skipped without it.
 """
@@ -294,3 +295,40 @@ def test_fleet_options_and_setup_errors_are_clear(flowrl_cli):
     assert no_backend.returncode == 2 and "--replicas, --max-batch need(s) --backend litserve" in no_backend.flat_err
     assert bad_port.returncode == 2 and "--port 80 is not in 1024-65535" in bad_port.flat_err
     assert bad_replicas.returncode == 2 and "--replicas must be at least 1" in bad_replicas.flat_err
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found |= {int(c) for c in f.read().split()}
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_killing_the_fleet_process_ends_its_replicas(flowrl_cli):
+    fleet = Fleet([flowrl_cli.script, "reward", "serve", "brightness", "--backend", "litserve", "--port", "0"],
+                  env=flowrl_cli.env())
+    children: set[int] = set()
+    try:
+        children = _children(fleet.proc.pid)
+        assert len(children) >= 3, children  # LitServe's queue manager, a replica, the HTTP process
+        fleet.proc.kill()  # SIGKILL: no chance to shut anything down itself
+        fleet.proc.wait(10)
+        deadline = time.monotonic() + 15
+        while not all(_gone(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(c) for c in children), [c for c in children if not _gone(c)]
+    finally:
+        fleet.stop()
+        for c in children:
+            if not _gone(c):
+                os.kill(c, signal.SIGKILL)
