@@ -2,7 +2,8 @@
 
 The trainer then scores through the ``http`` reward (``url = "http://HOST:PORT"``), so a reward
 whose dependencies clash with the trainer's (HPSv3's transformers pin) runs in its own
-environment, or on another GPU or machine. Protocol: :mod:`flowrl.reward_protocol`.
+environment, or on another GPU or machine. Protocol: :mod:`flowrl.serving.protocol`; servers:
+:mod:`flowrl.serving.simple` (default) and :mod:`flowrl.serving.fleet` (``--backend litserve``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import FlowrlError
 from .base import app, registry
 
 reward_app = typer.Typer(name="reward", help="Reward utilities: serve a reward over HTTP.", no_args_is_help=True)
@@ -46,9 +48,32 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1 = this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on; 0 picks a free one.")] = 8700,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request.")] = False,
+    backend: Annotated[str, typer.Option("--backend", help="'simple' (stdlib, one process) or 'litserve' "
+                                         "(a fleet: replicas, dynamic batching; needs flowrl[fleet]).")] = "simple",
+    replicas: Annotated[Optional[int], typer.Option("--replicas", help="litserve: replica processes (default 1).")] = None,
+    max_batch: Annotated[Optional[int], typer.Option("--max-batch", help="litserve: most requests scored together (default 8).")] = None,
+    max_wait: Annotated[Optional[float], typer.Option("--max-wait", help="litserve: seconds a replica waits to fill a batch (default 0.01).")] = None,
+    devices: Annotated[Optional[str], typer.Option("--devices", help="litserve: comma-separated devices, replica i gets "
+                                                   "device = the i-th (e.g. cuda:0,cuda:1).")] = None,
 ) -> None:
     """Serve reward NAME over HTTP for the `http` reward (GET /health, POST /score)."""
-    from ..reward_protocol import make_server
+    if backend not in ("simple", "litserve"):
+        raise FlowrlError(f"unknown --backend '{backend}'", where="flowrl reward serve", hint="use 'simple' or 'litserve'")
+    fleet = {"--replicas": replicas, "--max-batch": max_batch, "--max-wait": max_wait, "--devices": devices}
+    if backend == "litserve":
+        import functools
+
+        from ..serving.fleet import serve_fleet
+
+        serve_fleet(functools.partial(build_reward, name), list(set_ or []), name=name, host=host, port=port,
+                    replicas=1 if replicas is None else replicas, max_batch=8 if max_batch is None else max_batch, max_wait=0.01 if max_wait is None else max_wait,
+                    devices=[d.strip() for d in devices.split(",") if d.strip()] if devices else None, verbose=verbose)
+        return
+    given = [flag for flag, value in fleet.items() if value is not None]
+    if given:
+        raise FlowrlError(f"{', '.join(given)} need(s) --backend litserve", where="flowrl reward serve",
+                          hint="the simple backend serves one reward in one process")
+    from ..serving.simple import make_server
 
     reward = build_reward(name, list(set_ or []))
     server = make_server(reward, name=name, host=host, port=port, verbose=verbose)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
 
+from ..compat import ensure_torchvision_importable
 from ..errors import FlowrlError
 from ..interfaces import DiffusersLoraModule, HasLoraTargets
+
+ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
+
+from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
 
 
 def prepare_trainable(model, train) -> list[torch.nn.Parameter]:

@@ -13,11 +13,15 @@ import contextlib
 import copy
 
 import torch
-from peft.tuners.tuners_utils import BaseTunerLayer
 
 from ..chunking import chunk_index
+from ..compat import ensure_torchvision_importable
 from ..interfaces import HasReferencePolicy
 from ..losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
+
+ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
+
+from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
 
 
 def _lora_layers(module: torch.nn.Module) -> list[BaseTunerLayer]:

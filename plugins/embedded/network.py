@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowrl.compat import ensure_torchvision_importable
+
 from .dataset import COLOUR_NAMES, IMAGE_SIZE, SHAPES
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -127,6 +129,7 @@ class EmbeddedT2I(nn.Module):
 
     def __init__(self, transformer_config: dict | None = None, text_config: dict | None = None, vocab=None):
         super().__init__()
+        ensure_torchvision_importable()  # with flowrl[clip] on a CPU machine, a CUDA torchvision breaks diffusers' import
         from diffusers import FluxTransformer2DModel
 
         self.transformer_config = dict(transformer_config or DEFAULT_TRANSFORMER_CONFIG)

@@ -1,22 +1,26 @@
-"""Remote rewards over HTTP: the ``http`` reward, the client of ``flowrl reward serve``.
+"""Remote rewards over HTTP: the ``http`` reward, client of ``flowrl reward serve``.
 
 Why: some reward models cannot share an environment with the trainer (HPSv3 pins
-transformers 4.45; GenEval pins mmdet). Run the reward in its own environment::
+transformers 4.45; GenEval pins mmdet), or are large enough to be served once to many trainer
+processes. Run the reward in its own environment::
 
     flowrl reward serve pickscore --set device=cuda:1 --port 8700
 
-and point a recipe at it::
+(or as a fleet of replicas that batch requests: ``--backend litserve --replicas 2``, see
+:mod:`flowrl.serving.fleet`) and point a recipe at it::
 
     [[rewards]]
     use = "http"
     url = "http://127.0.0.1:8700"
 
-The protocol and the server are flowrl's own (:mod:`flowrl.reward_protocol`).
+Protocol 1, safetensors both ways, never pickle: :mod:`flowrl.serving.protocol`.
 
-The client checks everything it receives (status, format, tensor names, dtype, length) and
-raises :class:`RewardServerError` with the URL and the cause when anything is wrong: a reward
-is never replaced by a default value. Connection failures, timeouts and 502/503/504 are
-retried ``retries`` times with a growing pause; other failures raise at once.
+The client checks everything it receives (status, format, tensor names, dtype, length, and the
+request id the server echoes) and raises :class:`RewardServerError` with the URL and the cause
+when anything is wrong: a reward is never replaced by a default value. Connection failures,
+timeouts and 502/503/504 are retried ``retries`` times, waiting ``retry_wait`` seconds before
+the first retry and doubling the wait each time; other failures raise at once. Every retry
+resends the same request id, so a reply is matched to its request whichever replica answers.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from typing import Any, Literal
 
 import torch
@@ -36,19 +41,24 @@ import torch
 from flowrl.config import param
 from flowrl.errors import FlowrlError
 from flowrl.interfaces import RewardOutput
-from flowrl.reward_protocol import (  # noqa: F401 - the protocol, re-exported for the client's users
+
+# The wire format and the servers live in flowrl.serving (the CLI serves from there); they are
+# re-exported here, where they have always been importable from.
+from flowrl.serving.protocol import (  # noqa: F401 - re-exported
     PROTOCOL,
+    REQUEST_ID_HEADER,
     RETRY_STATUSES,
-    RewardHTTPServer,
     RewardServerError,
     decode_request,
     decode_response,
     encode_request,
     encode_response,
-    make_server,
 )
+from flowrl.serving.simple import RewardHTTPServer, make_server  # noqa: F401 - re-exported
 
 from .common import check_images
+
+# ----------------------------------------------------------------------------- client
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,16 +112,18 @@ class HttpReward:
         scores, extras = [], {}
         for start in range(0, images.shape[0], self.config.batch_size):
             chunk = images[start : start + self.config.batch_size]
-            body = encode_request(chunk, prompts[start : start + self.config.batch_size], metadata, self.config.image_dtype)
-            reply = self._request("POST", "/score", body)
-            out = decode_response(reply, chunk.shape[0], self.base)
+            request_id = uuid.uuid4().hex
+            body = encode_request(chunk, prompts[start : start + self.config.batch_size], metadata, self.config.image_dtype,
+                                  request_id=request_id)
+            reply = self._request("POST", "/score", body, headers={REQUEST_ID_HEADER: request_id})
+            out = decode_response(reply, chunk.shape[0], self.base, request_id=request_id)
             scores.append(out.scores)
             for key, value in out.extras.items():
                 extras.setdefault(key, []).append(value)
         extras = {k: torch.cat(v) for k, v in extras.items() if len(v) == len(scores)}
         return RewardOutput(scores=torch.cat(scores), extras=extras)
 
-    def _request(self, method: str, path: str, body: bytes | None) -> bytes:
+    def _request(self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None) -> bytes:
         cfg = self.config
         url = self.base + path
         last = ""
@@ -121,6 +133,8 @@ class HttpReward:
             request = urllib.request.Request(url, data=body, method=method)
             if body is not None:
                 request.add_header("Content-Type", "application/octet-stream")
+            for key, value in (headers or {}).items():
+                request.add_header(key, value)
             try:
                 with self._opener.open(request, timeout=cfg.timeout) as response:
                     return response.read()

@@ -1,0 +1,74 @@
+"""A slow, logging reward for the fleet tests, built in each replica process by name.
+
+Imported by the replicas LitServe spawns (they inherit the test's sys.path). Every call appends
+one JSON line per event to ``LOG_DIR/<pid>.log``: ``start`` (before the delay, with the
+prompts and the replica's device) and ``done``. A prompt ``"crash"`` ends the replica process
+at once, as a reward that segfaults or runs out of memory would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flowrl.interfaces import RewardOutput
+
+
+def expected(images: torch.Tensor) -> torch.Tensor:
+    """The reward's value, computed in-process by the tests: unique to each image."""
+    return images.mean((1, 2, 3)) * 100 + images[:, 1, 0, 0]
+
+
+class SlowReward:
+    name = "slow"
+
+    def __init__(self, delay: float, log_dir: str, device: str):
+        self.delay, self.log, self.device = delay, Path(log_dir) / f"{os.getpid()}.log", device
+
+    def _write(self, **event) -> None:
+        with open(self.log, "a") as f:
+            f.write(json.dumps(event) + "\n")
+            f.flush()
+
+    def __call__(self, images, prompts, metadata=None):
+        if "crash" in prompts:
+            os._exit(3)
+        self._write(event="start", prompts=list(prompts), device=self.device, pid=os.getpid(), t=time.time())
+        time.sleep(self.delay)
+        self._write(event="done", prompts=list(prompts), pid=os.getpid(), t=time.time())
+        return RewardOutput(scores=expected(images), extras={"red": images[:, 0].mean((1, 2))})
+
+
+def build(delay: float, log_dir: str, settings: list[str]) -> SlowReward:
+    device = "default"
+    for text in settings:
+        key, value = text.split("=", 1)
+        if key == "device":
+            device = json.loads(value)
+    return SlowReward(delay, log_dir, device)
+
+
+def events(log_dir: Path) -> list[dict]:
+    out = []
+    for path in sorted(Path(log_dir).glob("*.log")):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+SERVER = """
+import functools, sys
+sys.path.insert(0, {helpers!r})
+import fleet_helpers
+from flowrl.serving.fleet import serve_fleet
+serve_fleet(functools.partial(fleet_helpers.build, {delay!r}, {log_dir!r}), [], name="slow", port=0, replicas=2,
+            max_batch=4, max_wait=0.05, devices=["cpu:a", "cpu:b"])
+"""
+
+
+def server_command(delay: float, log_dir: Path) -> list[str]:
+    return [sys.executable, "-c", SERVER.format(helpers=str(Path(__file__).parent), delay=delay, log_dir=str(log_dir))]
