@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .checks import positive_int
+
 __all__ = [
     "step_chunks",
     "sequence_chunks",
@@ -30,9 +32,7 @@ __all__ = [
 
 
 def _check_T(T: int) -> int:
-    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
-        raise ValueError(f"the number of trainable transitions T must be an integer >= 1, got {T!r}")
-    return T
+    return positive_int(T, "the number of trainable transitions T")
 
 
 def _as_int(v, what: str) -> int:

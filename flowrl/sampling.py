@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowrl.checks import positive_int
 from flowrl.interfaces import Kernel
 from flowrl.schedules import validate_sigmas
 from flowrl.sde import GeneratorArg, ODEKernel, StepOutput
@@ -61,8 +62,7 @@ def make_kernels(
     (MixGRPO's sliding window, Flow-GRPO-Fast's SDE-only-early steps); ``None`` means every step.
     ``outside`` is ``"ode"`` (deterministic Euler, the default) or any :class:`Kernel`.
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
+    positive_int(num_steps, "num_steps")
     if not isinstance(sde_kernel, Kernel):
         raise ValueError(f"sde_kernel must be a Kernel instance, got {type(sde_kernel).__name__}")
     if isinstance(outside, str):

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .checks import positive_int
+
 __all__ = [
     "time_shift",
     "shifted_sigmas",
@@ -26,12 +28,6 @@ __all__ = [
     "flux_dynamic_sigmas",
     "validate_sigmas",
 ]
-
-
-def _check_num_steps(num_steps: int) -> int:
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"num_steps must be an integer >= 1, got {num_steps!r}")
-    return num_steps
 
 
 def time_shift(sigmas: torch.Tensor | Sequence[float] | float, shift: float) -> torch.Tensor:
@@ -51,7 +47,7 @@ def shifted_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
 
     algorithms.md section 1 reference (N = 16, s = 3): [1.0, .97826, .95455, ..., .16667, 0].
     """
-    n = _check_num_steps(num_steps)
+    n = positive_int(num_steps, "num_steps")
     sig = time_shift(torch.linspace(1.0, 0.0, n + 1, dtype=torch.float64), shift)
     sig[-1] = 0.0
     return sig
@@ -107,7 +103,7 @@ def flux_dynamic_sigmas(
     Matches diffusers' ``FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)`` given
     ``sigmas = linspace(1, 1/N, N)`` and that ``mu`` (algorithms.md section 1).
     """
-    n = _check_num_steps(num_steps)
+    n = positive_int(num_steps, "num_steps")
     mu = flux_mu(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
     sig = exponential_time_shift(torch.linspace(1.0, 0.0, n + 1, dtype=torch.float64), mu)
     sig[-1] = 0.0

@@ -31,8 +31,8 @@ deterministic and reports log-prob 0 for that sample.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from typing import ClassVar, Literal, Union
 
 import torch
@@ -249,6 +249,15 @@ def _sde_mean_std(v, x, sig, sig_n, g):
     return mean, std
 
 
+def _sde_step(velocity, sample, sigma, sigma_next, diffusion, next_sample, generator, reduction) -> StepOutput:
+    """The SDE step of section 2 for the diffusion coefficient ``g = diffusion(sigma, sigma_next)``
+    (per-sample float32 ``[B]`` sigmas in, ``g [B]`` out)."""
+    _check_reduction(reduction)
+    v, x, sig, sig_n = _prepare(velocity, sample, sigma, sigma_next)
+    mean, std = _sde_mean_std(v, x, sig, sig_n, diffusion(sig, sig_n))
+    return _finish(mean, std, next_sample, generator, reduction)
+
+
 def _check_noise(value: float, name: str) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -280,11 +289,8 @@ def flow_step(
     ``sigma = 1``, so the first step's std is exactly ``a``). See the module docstring for
     sampling vs scoring, shapes and generators."""
     _check_noise(a, "a")
-    _check_reduction(reduction)
-    v, x, sig, sig_n = _prepare(velocity, sample, sigma, sigma_next)
-    g = flow_diffusion(sig, sig_n, a)
-    mean, std = _sde_mean_std(v, x, sig, sig_n, g)
-    return _finish(mean, std, next_sample, generator, reduction)
+    return _sde_step(velocity, sample, sigma, sigma_next, lambda sig, sig_n: flow_diffusion(sig, sig_n, a),
+                     next_sample, generator, reduction)
 
 
 def dance_step(
@@ -301,11 +307,8 @@ def dance_step(
     """DanceGRPO kernel: section 2 with constant ``g = eta``; std ``eta * sqrt(sigma -
     sigma_next)``."""
     _check_noise(eta, "eta")
-    _check_reduction(reduction)
-    v, x, sig, sig_n = _prepare(velocity, sample, sigma, sigma_next)
-    g = torch.full_like(sig, float(eta))
-    mean, std = _sde_mean_std(v, x, sig, sig_n, g)
-    return _finish(mean, std, next_sample, generator, reduction)
+    return _sde_step(velocity, sample, sigma, sigma_next, lambda sig, sig_n: torch.full_like(sig, float(eta)),
+                     next_sample, generator, reduction)
 
 
 def ode_step(
@@ -393,11 +396,41 @@ def cps_step(
 #
 # Each class is a frozen dataclass whose fields ARE the recipe keys of ``[kernel]`` (documented
 # once, here): the built-in plugin registers the class as its own params. Every class
-# implements :class:`flowrl.interfaces.Kernel`.
+# implements :class:`flowrl.interfaces.Kernel`; what they share is in :class:`_StepKernel`.
+
+
+class _StepKernel:
+    """A step function as a kernel: ``step`` calls it with the kernel's fields as keywords.
+
+    A subclass is a frozen dataclass naming its step function (``_step_fn``) and the field that
+    sets its noise level (``_noise``, None for a deterministic kernel); the step function takes
+    every field of the dataclass as a keyword argument. The kernel is stochastic when its noise
+    level is > 0.
+    """
+
+    _step_fn: ClassVar[Callable[..., StepOutput]]
+    _noise: ClassVar[str | None] = None
+
+    def __post_init__(self):
+        if self._noise is not None:
+            _check_noise(getattr(self, self._noise), self._noise)
+
+    @property
+    def is_stochastic(self) -> bool:
+        return self._noise is not None and getattr(self, self._noise) > 0
+
+    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
+        return self.is_stochastic
+
+    def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
+             reduction="mean") -> StepOutput:
+        params = {f.name: getattr(self, f.name) for f in fields(self)}
+        return self._step_fn(velocity, sample, sigma, sigma_next, next_sample=next_sample, generator=generator,
+                             reduction=reduction, **params)
 
 
 @dataclass(frozen=True)
-class FlowKernel:
+class FlowKernel(_StepKernel):
     """``flow`` kernel (Flow-GRPO 'sde', MixGRPO, GCPO): ``g = a sqrt(sigma / (1 - sigma))``;
     see :func:`flow_step`."""
 
@@ -408,67 +441,30 @@ class FlowKernel:
         min=0.0,
     )
     name: ClassVar[str] = "flow"
-
-    def __post_init__(self):
-        _check_noise(self.a, "a")
-
-    @property
-    def is_stochastic(self) -> bool:
-        return self.a > 0
-
-    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
-        return self.is_stochastic
-
-    def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
-             reduction="mean") -> StepOutput:
-        return flow_step(velocity, sample, sigma, sigma_next, a=self.a, next_sample=next_sample,
-                         generator=generator, reduction=reduction)
+    _step_fn = staticmethod(flow_step)
+    _noise = "a"
 
 
 @dataclass(frozen=True)
-class DanceKernel:
+class DanceKernel(_StepKernel):
     """``dance`` kernel (DanceGRPO's flux_step): constant ``g = eta``; see :func:`dance_step`."""
 
     eta: float = param(0.3, "Constant diffusion coefficient g = eta (DanceGRPO's flux_step).", min=0.0)
     name: ClassVar[str] = "dance"
-
-    def __post_init__(self):
-        _check_noise(self.eta, "eta")
-
-    @property
-    def is_stochastic(self) -> bool:
-        return self.eta > 0
-
-    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
-        return self.is_stochastic
-
-    def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
-             reduction="mean") -> StepOutput:
-        return dance_step(velocity, sample, sigma, sigma_next, eta=self.eta,
-                          next_sample=next_sample, generator=generator, reduction=reduction)
+    _step_fn = staticmethod(dance_step)
+    _noise = "eta"
 
 
 @dataclass(frozen=True)
-class ODEKernel:
+class ODEKernel(_StepKernel):
     """Deterministic Euler step (no noise; never trainable); see :func:`ode_step`."""
 
     name: ClassVar[str] = "ode"
-
-    @property
-    def is_stochastic(self) -> bool:
-        return False
-
-    def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
-        return False
-
-    def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
-             reduction="mean") -> StepOutput:
-        return ode_step(velocity, sample, sigma, sigma_next, next_sample=next_sample,
-                        generator=generator, reduction=reduction)
+    _step_fn = staticmethod(ode_step)
 
 
 @dataclass(frozen=True)
-class CPSKernel:
+class CPSKernel(_StepKernel):
     """Coefficients-preserving sampling (Flow-GRPO-Fast); see :func:`cps_step`."""
 
     a: float = param(
@@ -480,22 +476,16 @@ class CPSKernel:
         "1/(2 s^2) (not a likelihood ratio; pair it with a clip range of about 1e-5).",
     )
     name: ClassVar[str] = "cps"
+    _step_fn = staticmethod(cps_step)
+    _noise = "a"
 
     def __post_init__(self):
-        _check_noise(self.a, "a")
+        super().__post_init__()
         if self.a > 1:
             raise ValueError(f"cps noise parameter a must be in [0, 1], got {self.a!r}")
         if self.log_prob not in _CPS_LOG_PROBS:
             raise ValueError(f"log_prob must be one of {_CPS_LOG_PROBS}, got {self.log_prob!r}")
 
-    @property
-    def is_stochastic(self) -> bool:
-        return self.a > 0
-
     def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
+        # a step to sigma_next = 0 has std sigma_next sin(a pi / 2) = 0
         return self.is_stochastic and float(sigma_next) > 0
-
-    def step(self, velocity, sample, sigma, sigma_next, *, next_sample=None, generator=None,
-             reduction="mean") -> StepOutput:
-        return cps_step(velocity, sample, sigma, sigma_next, a=self.a, next_sample=next_sample,
-                        generator=generator, reduction=reduction, log_prob=self.log_prob)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flowrl.checks import positive_int
 from flowrl.chunking import chunk_mean, validate_chunks
 from flowrl.sde import GeneratorArg
 
@@ -27,9 +28,8 @@ __all__ = [
 
 
 def _check_bk(B: int, K: int) -> None:
-    for name, v in (("B", B), ("K", K)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} (number of {'samples' if name == 'B' else 'units'}) must be an integer >= 1, got {v!r}")
+    positive_int(B, "B (number of samples)")
+    positive_int(K, "K (number of units)")
 
 
 def _gens(generators: GeneratorArg, B: int) -> list[torch.Generator | None]:

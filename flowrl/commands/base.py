@@ -43,6 +43,22 @@ SetOpt = Annotated[
     typer.Option("--set", "-s", help="Override a recipe key: section.key=value (TOML value). Repeatable."),
 ]
 
+# Arguments and options that several commands (sample, eval, profile) share, word for word.
+SourceArg = Annotated[
+    Optional[Path],
+    typer.Argument(help="A run directory (latest checkpoint), a checkpoint directory, or a recipe."),
+]
+CheckpointOpt = Annotated[Optional[Path], typer.Option("--checkpoint", help="A specific checkpoint directory of the run.")]
+PromptOpt = Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")]
+NumPromptsOpt = Annotated[int, typer.Option("--num-prompts", min=0, help="Use the first N prompts (0 = all).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Base seed (default: the recipe's run.seed, else 42).")]
+ScheduleOpt = Annotated[
+    str, typer.Option("--schedule", help="'auto' (recipe's, else the model's own), 'model', or a schedule name.")
+]
+DeviceOpt = Annotated[
+    Optional[str], typer.Option("--device", help="'auto', 'cpu', 'cuda' (default: the recipe's run.device).")
+]
+
 
 def registry() -> Registry:
     """The plugin registry, without the plugins disabled on the command line."""

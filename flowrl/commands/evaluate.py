@@ -29,7 +29,19 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import FlowrlError
-from .base import SetOpt, app, console, registry
+from .base import (
+    CheckpointOpt,
+    DeviceOpt,
+    NumPromptsOpt,
+    PromptOpt,
+    ScheduleOpt,
+    SeedOpt,
+    SetOpt,
+    SourceArg,
+    app,
+    console,
+    registry,
+)
 
 
 def build_rewards(src, names: list[str]):
@@ -70,21 +82,21 @@ def default_eval_path(src, name: str) -> Path:
 
 @app.command("eval")
 def evaluate(
-    source: Annotated[Optional[Path], typer.Argument(help="A run directory (latest checkpoint), a checkpoint directory, or a recipe.")] = None,
+    source: SourceArg = None,
     set_: SetOpt = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Evaluate a registered model without a recipe (needs --reward).")] = None,
-    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="A specific checkpoint directory of the run.")] = None,
+    checkpoint: CheckpointOpt = None,
     reward: Annotated[Optional[list[str]], typer.Option("--reward", "-r", help="A registered reward with default params (repeatable); default: the recipe's rewards.")] = None,
-    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
+    prompt: PromptOpt = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A text file, one prompt a line (default: the recipe's eval prompts).")] = None,
-    num_prompts: Annotated[int, typer.Option("--num-prompts", min=0, help="Use the first N prompts (0 = all).")] = 0,
+    num_prompts: NumPromptsOpt = 0,
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Images per prompt.")] = 1,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Base seed (default: the recipe's run.seed, else 42).")] = None,
+    seed: SeedOpt = None,
     steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Sampling steps (default: the recipe's).")] = None,
-    schedule: Annotated[str, typer.Option("--schedule", help="'auto' (recipe's, else the model's own), 'model', or a schedule name.")] = "auto",
+    schedule: ScheduleOpt = "auto",
     hybrid_steps: Annotated[int, typer.Option("--hybrid-steps", min=0, help="First K steps from the trained model, the rest from the base.")] = 0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per batch (scores do not depend on it).")] = 8,
-    device: Annotated[Optional[str], typer.Option("--device", help="'auto', 'cpu', 'cuda' (default: the recipe's run.device).")] = None,
+    device: DeviceOpt = None,
     name: Annotated[str, typer.Option("--name", help="Result name: <checkpoint>.<name>.json.")] = "eval",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="JSON path (default: beside the checkpoint).")] = None,
     save_images: Annotated[Optional[Path], typer.Option("--save-images", help="Also write the PNGs to this directory.")] = None,

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import FlowrlError
-from .base import SetOpt, app, console, load, registry
+from .base import DeviceOpt, SeedOpt, SetOpt, app, console, load, registry
 
 
 @app.command()
@@ -38,105 +38,67 @@ def profile(
     kernel: Annotated[Optional[str], typer.Option("--kernel", help="SDE kernel: flow, dance, cps, ode (default: the recipe's, else flow).")] = None,
     noise: Annotated[Optional[float], typer.Option("--noise", help="The kernel's noise level (flow/cps 'a', dance 'eta').")] = None,
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Noise seeds per prompt (spread across seeds needs >= 2).")] = 2,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Base seed (default: the recipe's run.seed, else 42).")] = None,
+    seed: SeedOpt = None,
     num_chunks: Annotated[Optional[int], typer.Option("--num-chunks", min=0, help="Chunks K for the proposals; 0 = choose (default: the recipe's dynamics chunker, else 4).")] = None,
     min_size: Annotated[Optional[int], typer.Option("--min-size", min=1, help="Smallest chunk size (default 1).")] = None,
     max_size: Annotated[Optional[int], typer.Option("--max-size", min=0, help="Largest chunk size, 0 = no limit (default 0).")] = None,
     curve: Annotated[Optional[str], typer.Option("--curve", help="Curve whose proposals are shown and drawn: l1rel, l1rel_norm, x0_change, v_change.")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Trajectories per batch (results do not depend on it).")] = 64,
-    device: Annotated[Optional[str], typer.Option("--device", help="'auto', 'cpu', 'cuda' (default: the recipe's run.device).")] = None,
+    device: DeviceOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory, or a .json path (the PNG goes beside it). Default profiles/<name>, or RUN_DIR/profile with --compare.")] = None,
     compare: Annotated[Optional[Path], typer.Option("--compare", help="A run directory: profile its base model and its latest checkpoint with the same noise.")] = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Write the PNG plot.")] = True,
 ) -> None:
     """Profile the sampler's temporal dynamics (L1rel, x0_hat and velocity change) and propose chunks."""
+    import functools
     import time
 
-    from ..dynamics.measure import CURVES
+    from ..dynamics.measure import CURVES, pick_prompts
+    from ..prompts import read_prompts
+    from ..train.session import Session
 
     t_start = time.perf_counter()
     if curve is not None and curve not in CURVES:
         raise FlowrlError(f"unknown curve '{curve}'", where="--curve", hint=f"valid: {', '.join(CURVES)}")
-    if compare is not None:
-        if recipe is not None or model is not None:
-            raise FlowrlError("--compare takes the recipe from the run directory", where="--compare",
-                              hint="drop the RECIPE argument and --model")
-        resolved, overrides = _run_recipe(compare, set_, steps, shift, kernel, noise, model_param)
-    elif recipe is not None:
-        if model is not None:
-            raise FlowrlError("--model is for profiling without a recipe", where="--model",
-                              hint="change the recipe's model with --set model.use=NAME")
-        resolved, overrides = _recipe_with_options(recipe, list(set_ or []), steps, shift, kernel, noise, model_param)
-    else:
-        if set_:
-            raise FlowrlError("--set needs a RECIPE", where="--set", hint="use --model, --steps, --shift, --kernel, --noise")
-        resolved, overrides = _recipe_from_options(model, model_param, steps, shift, kernel, noise), []
-
+    resolved, overrides = _resolve_recipe(recipe, compare, model, set_, steps, shift, kernel, noise, model_param)
     seg = _segmentation_settings(resolved, num_chunks, min_size, max_size, curve)
     seed = resolved.run.seed if seed is None else seed
-    from ..dynamics.measure import pick_prompts
-    from ..prompts import read_prompts
-    from ..train.session import Session
-
     # Rewards and trackers play no part in sampling and can be heavy: leave them out.
     session = Session.open(resolved, registry(), device=device, rewards=False, trackers=False)
     source = prompts or resolved.prompts.source
     chosen = pick_prompts(read_prompts(source, session.model, "--prompts"), num_prompts, seed)
-    settings = {
-        "recipe": str(compare / "recipe.toml") if compare else (str(recipe) if recipe else None),
-        "overrides": overrides,
-        "model": resolved.components["model"].as_table(),
-        "schedule": resolved.components["schedule"].as_table(),
-        "kernel": resolved.components["kernel"].as_table(),
-        "steps": resolved.sampler.steps,
-        "sde_window": list(resolved.sampler.sde_window),
-        "logprob_reduction": resolved.sampler.logprob_reduction,
-        "prompts_source": source,
-        "prompts": chosen,
-        "device": str(session.device),
-        "batch_size": batch_size,
-    }
+    recipe_used = str(compare / "recipe.toml") if compare else (str(recipe) if recipe else None)
+    settings = _profile_settings(resolved, session, recipe_used, overrides, source, chosen, batch_size)
     kwargs = dict(num_seeds=seeds, seed=seed, batch_size=batch_size, image_from=resolved.sampler.image_from,
                   reduction=resolved.sampler.logprob_reduction, num_chunks=seg["num_chunks"],
                   min_size=seg["min_size"], max_size=seg["max_size"] or None)
-
-    from ..dynamics.profile_file import write_json, write_profile
-    from ..dynamics.report import compare_profiles, plot_profile, print_comparison, print_profile
-
+    measure = functools.partial(_measure_profile, session, chosen, kwargs, settings, t_start)
     if compare is None:
-        result = _measure(session, chosen, kwargs, settings, "profiling")
-        data = _finish(result, t_start)
         name = resolved.run.name if recipe is not None else resolved.components["model"].use
-        json_path, png_path = _paths(output, Path("profiles") / name, "profile")
-        write_profile(json_path, data)
-        print_profile(console, data, seg["curve"])
-        console.print(f"wrote {json_path}")
-        if plot:
-            plot_profile(data, png_path, curve=seg["curve"])
-            console.print(f"wrote {png_path}")
-        return
-
-    base = _finish(_measure(session, chosen, kwargs, {**settings, "weights": "base"}, "base model"), t_start)
-    ckpt = _load_trained(session, compare)
-    trained = _finish(
-        _measure(session, chosen, kwargs, {**settings, "weights": str(ckpt)}, f"checkpoint {ckpt.name}"), t_start
-    )
-    out_dir = output if output is not None else compare / "profile"
-    if out_dir.suffix == ".json":
-        raise FlowrlError("--compare writes several files: give a directory", where="--output")
-    write_profile(out_dir / "base.json", base)
-    write_profile(out_dir / "trained.json", trained)
-    summary = compare_profiles(base, trained)
-    summary["checkpoint"] = str(ckpt)
-    write_json(out_dir / "compare.json", summary)
-    print_comparison(console, base, trained, summary, seg["curve"])
-    console.print(f"wrote {out_dir / 'base.json'}, {out_dir / 'trained.json'}, {out_dir / 'compare.json'}")
-    if plot:
-        plot_profile(trained, out_dir / "compare.png", curve=seg["curve"], base=base)
-        console.print(f"wrote {out_dir / 'compare.png'}")
+        _write_profile(measure("profiling"), output, Path("profiles") / name, seg["curve"], plot)
+    else:
+        _write_comparison(measure, session, compare, output, seg["curve"], plot)
 
 
 # ----------------------------------------------------------------------------- recipes
+
+
+def _resolve_recipe(recipe, compare, model, set_, steps, shift, kernel, noise, model_param):
+    """The recipe to profile and the overrides applied to it: the run's recipe (``--compare``), the
+    given RECIPE, or one built from the options alone."""
+    if compare is not None:
+        if recipe is not None or model is not None:
+            raise FlowrlError("--compare takes the recipe from the run directory", where="--compare",
+                              hint="drop the RECIPE argument and --model")
+        return _run_recipe(compare, set_, steps, shift, kernel, noise, model_param)
+    if recipe is not None:
+        if model is not None:
+            raise FlowrlError("--model is for profiling without a recipe", where="--model",
+                              hint="change the recipe's model with --set model.use=NAME")
+        return _recipe_with_options(recipe, list(set_ or []), steps, shift, kernel, noise, model_param)
+    if set_:
+        raise FlowrlError("--set needs a RECIPE", where="--set", hint="use --model, --steps, --shift, --kernel, --noise")
+    return _recipe_from_options(model, model_param, steps, shift, kernel, noise), []
 
 
 def _noise_override(reg, kernel_name: str, noise: float) -> str:
@@ -230,6 +192,67 @@ def _load_trained(session, run_dir: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- measuring
+
+
+def _profile_settings(resolved, session, recipe_used, overrides, source, prompts, batch_size) -> dict[str, Any]:
+    """What the profile file records about how it was made."""
+    return {
+        "recipe": recipe_used,
+        "overrides": overrides,
+        "model": resolved.components["model"].as_table(),
+        "schedule": resolved.components["schedule"].as_table(),
+        "kernel": resolved.components["kernel"].as_table(),
+        "steps": resolved.sampler.steps,
+        "sde_window": list(resolved.sampler.sde_window),
+        "logprob_reduction": resolved.sampler.logprob_reduction,
+        "prompts_source": source,
+        "prompts": prompts,
+        "device": str(session.device),
+        "batch_size": batch_size,
+    }
+
+
+def _measure_profile(session, prompts, kwargs, settings, t_start: float, label: str, **more_settings) -> dict[str, Any]:
+    """Profile the session's model as it is now: the ``profile.json`` dict."""
+    return _finish(_measure(session, prompts, kwargs, {**settings, **more_settings}, label), t_start)
+
+
+def _write_profile(data, output: Optional[Path], default_dir: Path, curve: str, plot: bool) -> None:
+    """Write the profile (and its plot) and print its report."""
+    from ..dynamics.profile_file import write_profile
+    from ..dynamics.report import plot_profile, print_profile
+
+    json_path, png_path = _paths(output, default_dir, "profile")
+    write_profile(json_path, data)
+    print_profile(console, data, curve)
+    console.print(f"wrote {json_path}")
+    if plot:
+        plot_profile(data, png_path, curve=curve)
+        console.print(f"wrote {png_path}")
+
+
+def _write_comparison(measure, session, run_dir: Path, output: Optional[Path], curve: str, plot: bool) -> None:
+    """Profile the run's base model, then its latest checkpoint with the same noise; write both
+    profiles, their comparison (and its plot), and print the comparison."""
+    from ..dynamics.profile_file import write_json, write_profile
+    from ..dynamics.report import compare_profiles, plot_profile, print_comparison
+
+    base = measure("base model", weights="base")
+    ckpt = _load_trained(session, run_dir)
+    trained = measure(f"checkpoint {ckpt.name}", weights=str(ckpt))
+    out_dir = output if output is not None else run_dir / "profile"
+    if out_dir.suffix == ".json":
+        raise FlowrlError("--compare writes several files: give a directory", where="--output")
+    write_profile(out_dir / "base.json", base)
+    write_profile(out_dir / "trained.json", trained)
+    summary = compare_profiles(base, trained)
+    summary["checkpoint"] = str(ckpt)
+    write_json(out_dir / "compare.json", summary)
+    print_comparison(console, base, trained, summary, curve)
+    console.print(f"wrote {out_dir / 'base.json'}, {out_dir / 'trained.json'}, {out_dir / 'compare.json'}")
+    if plot:
+        plot_profile(trained, out_dir / "compare.png", curve=curve, base=base)
+        console.print(f"wrote {out_dir / 'compare.png'}")
 
 
 def _measure(session, prompts, kwargs, settings, label):

@@ -34,7 +34,19 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from ..errors import FlowrlError
-from .base import SetOpt, app, console, registry
+from .base import (
+    CheckpointOpt,
+    DeviceOpt,
+    NumPromptsOpt,
+    PromptOpt,
+    ScheduleOpt,
+    SeedOpt,
+    SetOpt,
+    SourceArg,
+    app,
+    console,
+    registry,
+)
 
 if TYPE_CHECKING:
     from ..recipe import Recipe
@@ -266,20 +278,20 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps):
 
 @app.command()
 def sample(
-    source: Annotated[Optional[Path], typer.Argument(help="A run directory (latest checkpoint), a checkpoint directory, or a recipe.")] = None,
+    source: SourceArg = None,
     set_: SetOpt = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Sample a registered model without a recipe (params via --set model.KEY=VALUE).")] = None,
-    checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="A specific checkpoint directory of the run.")] = None,
-    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
+    checkpoint: CheckpointOpt = None,
+    prompt: PromptOpt = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A text file, one prompt a line.")] = None,
-    num_prompts: Annotated[int, typer.Option("--num-prompts", min=0, help="Use the first N prompts (0 = all).")] = 0,
+    num_prompts: NumPromptsOpt = 0,
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Images per prompt (seed indices 0..K-1).")] = 1,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Base seed (default: the recipe's run.seed, else 42).")] = None,
+    seed: SeedOpt = None,
     steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Sampling steps (default: the recipe's, else 28).")] = None,
-    schedule: Annotated[str, typer.Option("--schedule", help="'auto' (recipe's, else the model's own), 'model', or a schedule name.")] = "auto",
+    schedule: ScheduleOpt = "auto",
     hybrid_steps: Annotated[int, typer.Option("--hybrid-steps", min=0, help="First K steps from the trained model, the rest from the base model.")] = 0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per batch (results do not depend on it).")] = 8,
-    device: Annotated[Optional[str], typer.Option("--device", help="'auto', 'cpu', 'cuda' (default: the recipe's run.device).")] = None,
+    device: DeviceOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (default RUN_DIR/samples/<checkpoint> or samples/<name>).")] = None,
     grid: Annotated[bool, typer.Option("--grid/--no-grid", help="Write grid.png.")] = True,
 ) -> None:

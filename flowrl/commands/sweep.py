@@ -298,9 +298,10 @@ def _pid_is_run(pid: int | None, run_dir: Path) -> bool:
 # ----------------------------------------------------------------------------- child processes
 
 
-def prepare_child() -> None:
-    """Start of a run's process (before it runs the flowrl CLI): on Linux, ask for a signal when
-    the sweep dies, turned into ONE SIGINT (so a killed sweep's runs checkpoint and stop).
+def follow_the_sweep() -> None:
+    """Start of a run's process, before it runs the flowrl CLI (:data:`_CHILD`): on Linux, ask
+    for a signal when the sweep dies, turned into ONE SIGINT (so a killed sweep's runs checkpoint
+    and stop).
 
     The kernel sends the parent-death signal each time the thread the run is attached to exits,
     and a dying multi-threaded sweep may hand the run from thread to thread: a second SIGINT
@@ -329,8 +330,10 @@ def prepare_child() -> None:
         sys.exit(130)
 
 
-#: A run is its own process: it prepares, then runs the flowrl CLI with the run's arguments.
-_CHILD = "import sys; from flowrl.commands.sweep import prepare_child; prepare_child(); from flowrl.cli import main; main(sys.argv[1:])"
+# The run's process: follow the sweep, then the flowrl CLI with the run's arguments. (The CLI is
+# imported here, not by this module: flowrl.cli imports this module.)
+_CHILD = ("import sys; from flowrl.commands.sweep import follow_the_sweep; follow_the_sweep(); "
+          "from flowrl.cli import main; main(sys.argv[1:])")
 
 
 @dataclasses.dataclass
@@ -652,62 +655,93 @@ def sweep(
             raise FlowrlError("--resume SWEEP_DIR continues a sweep as it was defined: give no RECIPE, --grid, "
                               "--variant, --seeds, --seed-list, --set or -o with it", where="--resume",
                               hint=f"flowrl sweep --resume {resume}")
-        sweep_dir = resume
-        manifest = read_manifest(sweep_dir)
-        spec = manifest["spec"]
-        recipe_path = Path(manifest["cwd"]) / spec["recipe"]
-        if not Path(manifest["cwd"]).is_dir():
-            raise FlowrlError(f"the sweep's working directory {manifest['cwd']} no longer exists", where=str(sweep_dir / MANIFEST))
-        if not recipe_path.is_file() or _sha256(recipe_path) != spec["recipe_sha256"]:
-            raise FlowrlError(f"the recipe {recipe_path} is missing or changed since the sweep started", where=str(sweep_dir / MANIFEST),
-                              hint="restore it, or start a new sweep in another directory (-o)")
+        sweep_dir, manifest = resume, _resumed_manifest(resume)
     else:
-        if recipe is None:
-            raise FlowrlError("sweep needs a RECIPE (or --resume SWEEP_DIR)",
-                              hint="flowrl sweep recipes/quickstart.toml --grid train.lr=1e-4,3e-4 --seeds 3")
-        if seeds is not None and seed_list is not None:
-            raise FlowrlError("give --seeds N or --seed-list, not both", where="--seed-list")
-        for s in set_ or []:
-            key = s.split("=", 1)[0].strip()
-            if key == "run.output_dir":
-                raise FlowrlError("run.output_dir is set by the sweep for each run", where=f"--set {s}", hint="use -o SWEEP_DIR")
-        grid_values = parse_grid(list(grid or []))
-        variants = [parse_variant(v) for v in variant or []]
-        names = [n for n, _ in variants]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise FlowrlError(f"variant '{dupes[0]}' is defined twice", where="--variant")
-        base = load(recipe, set_)  # the recipe as the sweep starts from it (and its base seed)
-        seed_values = parse_seed_list(seed_list) if seed_list is not None else [base.run.seed + k for k in range(seeds or 1)]
-        sweep_dir = output_dir if output_dir is not None else Path("runs") / f"sweep_{recipe.stem}"
-        spec = {"recipe": os.path.normpath(str(recipe)), "recipe_sha256": _sha256(recipe), "sets": list(set_ or []),
-                "grid": grid_values, "variants": [{"name": n, "overrides": o} for n, o in variants],
-                "seeds": seed_values}
-        if (sweep_dir / MANIFEST).is_file():
-            manifest = read_manifest(sweep_dir)
-            if manifest["spec"]["recipe_sha256"] != spec["recipe_sha256"] and manifest["spec"]["recipe"] == spec["recipe"]:
-                raise FlowrlError(f"{recipe} changed since the sweep in {sweep_dir} started", where=str(sweep_dir / MANIFEST),
-                                  hint="restore the recipe, or start a new sweep in another directory (-o)")
-            if manifest["spec"] != spec:
-                diff = [k for k in spec if manifest["spec"].get(k) != spec[k]]
-                raise FlowrlError(f"{sweep_dir} holds a different sweep (it differs in: {', '.join(diff)})",
-                                  where=str(sweep_dir / MANIFEST),
-                                  hint=f"continue it with `flowrl sweep --resume {sweep_dir}`, or pass another -o")
-        else:
-            runs = plan_runs(recipe.stem, variants, grid_values, seed_values)
-            per_variant = _validate_runs(recipe, list(set_ or []), runs)
-            for run in runs:
-                run["iterations"] = per_variant[run["variant"]]
-            manifest = {"version": MANIFEST_VERSION, "created": _now(), "cwd": os.getcwd(), "spec": spec,
-                        "command": command_line(spec, sweep_dir), "status": "pending", "elapsed_s": 0.0, "runs": runs}
-            if dry_run:
-                _print_plan(manifest)
-                return
-            sweep_dir.mkdir(parents=True, exist_ok=True)
-            write_manifest(sweep_dir, manifest)
+        sweep_dir, spec = _define_sweep(recipe, grid, variant, seeds, seed_list, output_dir, set_)
+        manifest = _open_sweep(recipe, sweep_dir, spec, write=not dry_run)
     if dry_run:
         _print_plan(manifest)
         return
+    jobs, threads = _jobs_and_threads(manifest, jobs, threads)
+    lock = _lock(sweep_dir)
+    try:
+        code = Sweep(sweep_dir, manifest, jobs, threads).execute()
+    finally:
+        lock.close()
+    if code:
+        raise typer.Exit(code)
+
+
+def _resumed_manifest(sweep_dir: Path) -> dict[str, Any]:
+    """The manifest of the sweep to continue; its working directory and recipe must be unchanged."""
+    manifest = read_manifest(sweep_dir)
+    spec = manifest["spec"]
+    recipe_path = Path(manifest["cwd"]) / spec["recipe"]
+    if not Path(manifest["cwd"]).is_dir():
+        raise FlowrlError(f"the sweep's working directory {manifest['cwd']} no longer exists", where=str(sweep_dir / MANIFEST))
+    if not recipe_path.is_file() or _sha256(recipe_path) != spec["recipe_sha256"]:
+        raise FlowrlError(f"the recipe {recipe_path} is missing or changed since the sweep started", where=str(sweep_dir / MANIFEST),
+                          hint="restore it, or start a new sweep in another directory (-o)")
+    return manifest
+
+
+def _define_sweep(recipe, grid, variant, seeds, seed_list, output_dir, set_) -> tuple[Path, dict[str, Any]]:
+    """Check the options of a sweep given on the command line: its directory and its spec (the
+    recipe and its sha256, the ``--set`` overrides, the grid, the variants and the seeds)."""
+    if recipe is None:
+        raise FlowrlError("sweep needs a RECIPE (or --resume SWEEP_DIR)",
+                          hint="flowrl sweep recipes/quickstart.toml --grid train.lr=1e-4,3e-4 --seeds 3")
+    if seeds is not None and seed_list is not None:
+        raise FlowrlError("give --seeds N or --seed-list, not both", where="--seed-list")
+    for s in set_ or []:
+        key = s.split("=", 1)[0].strip()
+        if key == "run.output_dir":
+            raise FlowrlError("run.output_dir is set by the sweep for each run", where=f"--set {s}", hint="use -o SWEEP_DIR")
+    grid_values = parse_grid(list(grid or []))
+    variants = [parse_variant(v) for v in variant or []]
+    names = [n for n, _ in variants]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise FlowrlError(f"variant '{dupes[0]}' is defined twice", where="--variant")
+    base = load(recipe, set_)  # the recipe as the sweep starts from it (and its base seed)
+    seed_values = parse_seed_list(seed_list) if seed_list is not None else [base.run.seed + k for k in range(seeds or 1)]
+    sweep_dir = output_dir if output_dir is not None else Path("runs") / f"sweep_{recipe.stem}"
+    spec = {"recipe": os.path.normpath(str(recipe)), "recipe_sha256": _sha256(recipe), "sets": list(set_ or []),
+            "grid": grid_values, "variants": [{"name": n, "overrides": o} for n, o in variants],
+            "seeds": seed_values}
+    return sweep_dir, spec
+
+
+def _open_sweep(recipe: Path, sweep_dir: Path, spec: dict[str, Any], *, write: bool) -> dict[str, Any]:
+    """The manifest of the sweep ``spec`` defines: the one in ``sweep_dir`` (which must hold this
+    very sweep), else a new one with every run planned and validated (written if ``write``)."""
+    if (sweep_dir / MANIFEST).is_file():
+        manifest = read_manifest(sweep_dir)
+        if manifest["spec"]["recipe_sha256"] != spec["recipe_sha256"] and manifest["spec"]["recipe"] == spec["recipe"]:
+            raise FlowrlError(f"{recipe} changed since the sweep in {sweep_dir} started", where=str(sweep_dir / MANIFEST),
+                              hint="restore the recipe, or start a new sweep in another directory (-o)")
+        if manifest["spec"] != spec:
+            diff = [k for k in spec if manifest["spec"].get(k) != spec[k]]
+            raise FlowrlError(f"{sweep_dir} holds a different sweep (it differs in: {', '.join(diff)})",
+                              where=str(sweep_dir / MANIFEST),
+                              hint=f"continue it with `flowrl sweep --resume {sweep_dir}`, or pass another -o")
+        return manifest
+    variants = [(v["name"], v["overrides"]) for v in spec["variants"]]
+    runs = plan_runs(recipe.stem, variants, spec["grid"], spec["seeds"])
+    per_variant = _validate_runs(recipe, spec["sets"], runs)
+    for run in runs:
+        run["iterations"] = per_variant[run["variant"]]
+    manifest = {"version": MANIFEST_VERSION, "created": _now(), "cwd": os.getcwd(), "spec": spec,
+                "command": command_line(spec, sweep_dir), "status": "pending", "elapsed_s": 0.0, "runs": runs}
+    if write:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        write_manifest(sweep_dir, manifest)
+    return manifest
+
+
+def _jobs_and_threads(manifest: dict[str, Any], jobs: int | None, threads: int | None) -> tuple[int, int]:
+    """``--jobs`` and ``--threads``, else the sweep's own, else 1 (recorded in the manifest); the
+    runs at once are capped by the cores available / threads."""
     jobs = jobs or int(manifest.get("jobs") or 1)
     threads = threads or int(manifest.get("threads") or 1)
     manifest.update(jobs=jobs, threads=threads)
@@ -716,13 +750,7 @@ def sweep(
     if jobs > allowed:
         console.print(f"note: --jobs {jobs} x --threads {threads} exceeds the {cores} core(s) available; running {allowed} at a time")
         jobs = allowed
-    lock = _lock(sweep_dir)
-    try:
-        code = Sweep(sweep_dir, manifest, jobs, threads).execute()
-    finally:
-        lock.close()
-    if code:
-        raise typer.Exit(code)
+    return jobs, threads
 
 
 def command_line(spec: dict[str, Any], sweep_dir: Path) -> str:

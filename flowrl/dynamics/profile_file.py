@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..checks import positive_int
 from ..errors import FlowrlError
 from ..files import write_text_atomic
 
@@ -174,8 +175,7 @@ def read_l1rel(path: str | Path, num_transitions: int, *, where: str = "[selecto
             hint='set profile = "path/to/profile.json" (from `flowrl profile RECIPE`), or use '
             '[chunker] use = "dynamics" and let the engine pass the chunker\'s profile',
         )
-    if isinstance(num_transitions, bool) or not isinstance(num_transitions, int) or num_transitions < 1:
-        raise ValueError(f"num_transitions must be an integer >= 1, got {num_transitions!r}")
+    positive_int(num_transitions, "num_transitions")
     data = read_profile(path, where=where)
     values = trainable_curve(data, "l1rel", num_transitions, source=str(path), where=where)
     out = torch.tensor(values, dtype=torch.float32)

@@ -21,6 +21,8 @@ from .measure import CURVE_HELP, CURVES
 
 _METHOD_STYLE = {"dp": ("tab:red", "-"), "curvature": ("tab:blue", "--"), "derivative": ("tab:green", ":")}
 
+_PROFILE_COLOUR = {"base": "tab:orange", "trained": "black"}
+
 _BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -68,6 +70,11 @@ def _fmt(v: Optional[float], spec: str = ".4f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _component(table: dict[str, Any]) -> str:
+    """A component's recipe table as ``use(key=value, ...)`` (empty values left out)."""
+    return f"{table.get('use')}(" + ", ".join(f"{k}={v}" for k, v in table.items() if k != "use" and v != "") + ")"
+
+
 def print_profile(console: Console, data: dict[str, Any], curve: str = "l1rel") -> None:
     """The per-transition table, a sparkline per curve and the boundary proposals (fits 80 columns)."""
     s = data["settings"]
@@ -77,11 +84,9 @@ def print_profile(console: Console, data: dict[str, Any], curve: str = "l1rel") 
     # an all-ODE sampler trains nothing: show its curves over every transition, without cuts
     positions = data["positions"] or list(range(len(data["trainable"])))
 
-    def table(t):
-        return f"{t.get('use')}(" + ", ".join(f"{k}={v}" for k, v in t.items() if k != "use" and v != "") + ")"
-
     console.print(escape(
-        f"flowrl profile: {table(s['model'])}, {s['steps']} steps, {table(s['schedule'])}, kernel {table(s['kernel'])}; "
+        f"flowrl profile: {_component(s['model'])}, {s['steps']} steps, {_component(s['schedule'])}, "
+        f"kernel {_component(s['kernel'])}; "
         f"{s['num_prompts']} prompts x {s['num_seeds']} seeds (seed {s['seed']}); sampled and segmented in "
         f"{data['elapsed_s']:.1f} s"
     ), highlight=False)
@@ -187,10 +192,9 @@ def plot_profile(data: dict[str, Any], path: Path, *, curve: str = "l1rel", base
     sig = data["sigmas"]
     n = len(data["trainable"])
     positions = data["positions"]
-    xs = list(range(n))
     if not data["proposals"] or (base is not None and not base["proposals"]):
         curve = ""
-    ticks = [f"{i}\n{sig[i]:.2f}" for i in xs]
+    ticks = [f"{i}\n{sig[i]:.2f}" for i in range(n)]
     profiles = [("trained", data)] if base is None else [("base", base), ("trained", data)]
     rows = [(label, method, d["proposals"][curve][method]) for label, d in profiles for method in d["proposals"].get(curve, {})]
 
@@ -198,37 +202,8 @@ def plot_profile(data: dict[str, Any], path: Path, *, curve: str = "l1rel", base
     grid = fig.add_gridspec(3 if rows else 2, 2, height_ratios=[1, 1, 0.16 * len(rows) + 0.2] if rows else [1, 1])
     axes = [fig.add_subplot(grid[r, c]) for r in range(2) for c in range(2)]
 
-    def boundary_x(b: int) -> float:
-        return (positions[b - 1] + positions[b]) / 2  # between the two trainable steps it separates
-
-    colours = {"base": "tab:orange", "trained": "black"}
     for ax, name in zip(axes, CURVES):
-        for label, d in profiles:
-            entry = d["curves"][name]
-            mean = entry["mean"]
-            colour = colours[label]
-            shown = "mean" if base is None else label
-            ax.plot(xs, mean, marker="o", ms=3.5, color=colour, label=shown, zorder=4 if label == "base" else 3,
-                    ls="--" if label == "base" else "-")
-            if entry.get("prompt_std"):
-                lo = [m - s for m, s in zip(mean, entry["prompt_std"])]
-                hi = [m + s for m, s in zip(mean, entry["prompt_std"])]
-                ax.fill_between(xs, lo, hi, color=colour, alpha=0.2, lw=0, label=f"{shown} ± std across prompts")
-        for label, d in profiles if rows else ():
-            p = d["proposals"][curve]["dp"]
-            for k, b in enumerate(p["boundaries"]):
-                ax.axvline(boundary_x(b), color="tab:red", ls="--" if label == "base" else "-", lw=1.3, alpha=0.8,
-                           label=(f"dp boundaries ({curve})" + ("" if base is None else f", {label}")) if k == 0 else None)
-        for i, tr in enumerate(data["trainable"]):
-            if not tr and positions:  # all-ODE: nothing is trainable, hatching everything says nothing
-                ax.axvspan(i - 0.5, i + 0.5, facecolor="none", hatch="///", edgecolor="0.75", lw=0, zorder=0,
-                           label="not trainable")
-        cv = data["curves"][name].get("summary", {}).get("prompt_cv")
-        ax.set_title(f"{name}" + (f" (mean CV across prompts {100 * cv:.1f}%)" if cv is not None else "")
-                     + f"\n{CURVE_HELP[name]}", fontsize=9.5)
-        ax.grid(alpha=0.3)
-        ax.set_xlim(-0.5, n - 0.5)
-        ax.set_xticks(xs)
+        _draw_curve(ax, name, profiles, data, curve if rows else "", compare=base is not None)
         ax.set_xticklabels(ticks if name in CURVES[2:] else [], fontsize=7)
     handles, labels = axes[0].get_legend_handles_labels()
     unique = dict(zip(labels, handles))
@@ -240,22 +215,59 @@ def plot_profile(data: dict[str, Any], path: Path, *, curve: str = "l1rel", base
         for ax in axes[2:]:
             ax.set_xlabel("transition i (below: sigma_i); nothing trainable, no chunk proposals")
 
-    s = data["settings"]
-
-    def table(t):
-        return f"{t.get('use')}(" + ", ".join(f"{k}={v}" for k, v in t.items() if k != "use" and v != "") + ")"
-
-    title = (f"{table(s['model'])}: {s['steps']} steps, schedule {table(s['schedule'])}, "
-             f"kernel {table(s['kernel'])}; {s['num_prompts']} prompts x {s['num_seeds']} seeds")
-    if base is not None:
-        title += f"\nbase model vs {s.get('weights', 'trained')}"
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(_plot_title(data["settings"], compare=base is not None), fontsize=11)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _draw_curve(ax, name: str, profiles, data, curve: str, *, compare: bool) -> None:
+    """One curve's panel: the mean of each profile with its spread across prompts, the ``dp``
+    boundaries on ``curve`` (none when ``curve`` is empty), and the transitions not trained."""
+    positions = data["positions"]
+    n = len(data["trainable"])
+    xs = list(range(n))
+
+    def boundary_x(b: int) -> float:
+        return (positions[b - 1] + positions[b]) / 2  # between the two trainable steps it separates
+
+    for label, d in profiles:
+        entry = d["curves"][name]
+        mean = entry["mean"]
+        colour = _PROFILE_COLOUR[label]
+        shown = label if compare else "mean"
+        ax.plot(xs, mean, marker="o", ms=3.5, color=colour, label=shown, zorder=4 if label == "base" else 3,
+                ls="--" if label == "base" else "-")
+        if entry.get("prompt_std"):
+            lo = [m - s for m, s in zip(mean, entry["prompt_std"])]
+            hi = [m + s for m, s in zip(mean, entry["prompt_std"])]
+            ax.fill_between(xs, lo, hi, color=colour, alpha=0.2, lw=0, label=f"{shown} ± std across prompts")
+    for label, d in profiles if curve else ():
+        p = d["proposals"][curve]["dp"]
+        for k, b in enumerate(p["boundaries"]):
+            ax.axvline(boundary_x(b), color="tab:red", ls="--" if label == "base" else "-", lw=1.3, alpha=0.8,
+                       label=(f"dp boundaries ({curve})" + (f", {label}" if compare else "")) if k == 0 else None)
+    for i, tr in enumerate(data["trainable"]):
+        if not tr and positions:  # all-ODE: nothing is trainable, hatching everything says nothing
+            ax.axvspan(i - 0.5, i + 0.5, facecolor="none", hatch="///", edgecolor="0.75", lw=0, zorder=0,
+                       label="not trainable")
+    cv = data["curves"][name].get("summary", {}).get("prompt_cv")
+    ax.set_title(f"{name}" + (f" (mean CV across prompts {100 * cv:.1f}%)" if cv is not None else "")
+                 + f"\n{CURVE_HELP[name]}", fontsize=9.5)
+    ax.grid(alpha=0.3)
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_xticks(xs)
+
+
+def _plot_title(s: dict[str, Any], *, compare: bool) -> str:
+    title = (f"{_component(s['model'])}: {s['steps']} steps, schedule {_component(s['schedule'])}, "
+             f"kernel {_component(s['kernel'])}; {s['num_prompts']} prompts x {s['num_seeds']} seeds")
+    if compare:
+        title += f"\nbase model vs {s.get('weights', 'trained')}"
+    return title
 
 
 def _draw_layouts(strip, rows, data, positions, ticks, curve, compare):

@@ -124,6 +124,12 @@ def _noise(adapter, count: int, seed: int) -> torch.Tensor:
     return torch.randn(count, *adapter.latent_shape, generator=g).to(_device(adapter))
 
 
+def _inputs(adapter, opts: ConformanceOptions, count: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``count`` prompts encoded by the adapter, and starting noise ``[count, *latent_shape]``."""
+    text = adapter.encode_prompts(_prompts(adapter, opts, count))
+    return text, _noise(adapter, count, opts.seed)
+
+
 def _sigmas(adapter, opts: ConformanceOptions) -> torch.Tensor:
     own = adapter.sigmas(opts.num_steps)
     sig = own if own is not None else shifted_sigmas(opts.num_steps, 3.0)
@@ -181,10 +187,9 @@ def check_velocity_calls_denoiser(adapter, opts: ConformanceOptions) -> str:
     calls = []
     handle = adapter.denoiser.register_forward_hook(lambda m, a, o: calls.append(1))
     try:
-        prompts = _prompts(adapter, opts, 2)
-        text = adapter.encode_prompts(prompts)
+        text, x = _inputs(adapter, opts, 2)
         sig = torch.full((2,), 0.5, device=_device(adapter))
-        v = adapter.velocity(_noise(adapter, 2, opts.seed), sig, text)
+        v = adapter.velocity(x, sig, text)
     finally:
         handle.remove()
     assert calls, "velocity() did not call adapter.denoiser; it must go through self.denoiser(...)"
@@ -195,9 +200,7 @@ def check_velocity_calls_denoiser(adapter, opts: ConformanceOptions) -> str:
 @torch.no_grad()
 def check_sde_noise0_equals_ode(adapter, opts: ConformanceOptions) -> str:
     """The flow and dance SDE kernels with noise 0 give exactly the ODE (Euler) trajectory."""
-    prompts = _prompts(adapter, opts, 2)
-    text = adapter.encode_prompts(prompts)
-    noise = _noise(adapter, 2, opts.seed)
+    text, noise = _inputs(adapter, opts, 2)
     sig = _sigmas(adapter, opts)
     ode = rollout(_velocity_fn(adapter, text), noise, sig, ODEKernel(), image_from="final")
     worst = 0.0
@@ -214,9 +217,7 @@ def check_sde_noise0_equals_ode(adapter, opts: ConformanceOptions) -> str:
 def check_on_policy_ratio(adapter, opts: ConformanceOptions) -> str:
     """Rollout log-probs re-scored by the same model give |log ratio| <= ratio_tol, also when the
     re-scoring batch is a reordered sub-batch (as the engine's micro-batches are)."""
-    prompts = _prompts(adapter, opts, 4)
-    text = adapter.encode_prompts(prompts)
-    noise = _noise(adapter, 4, opts.seed)
+    text, noise = _inputs(adapter, opts, 4)
     sig = _sigmas(adapter, opts)
     gens = [torch.Generator().manual_seed(opts.seed * 100 + i) for i in range(4)]
     traj = rollout(_velocity_fn(adapter, text), noise, sig, FlowKernel(a=0.7), generators=gens, image_from="x0_hat")
@@ -239,9 +240,7 @@ def check_on_policy_ratio(adapter, opts: ConformanceOptions) -> str:
 @torch.no_grad()
 def check_batch_independence(adapter, opts: ConformanceOptions) -> str:
     """A sample's velocity is the same alone, in a batch, and in a reordered batch."""
-    prompts = _prompts(adapter, opts, 4)
-    text = adapter.encode_prompts(prompts)
-    x = _noise(adapter, 4, opts.seed)
+    text, x = _inputs(adapter, opts, 4)
     sig = torch.tensor([0.9, 0.6, 0.3, 0.1], device=_device(adapter))
     full = adapter.velocity(x, sig, text)
     order = torch.tensor([3, 1, 0, 2], device=x.device)
@@ -287,9 +286,7 @@ def check_sigma_direction(adapter, opts: ConformanceOptions) -> str:
             seen.append(t.detach().float().reshape(-1)[0].cpu())
 
     handle = adapter.denoiser.register_forward_pre_hook(hook, with_kwargs=True)
-    prompts = _prompts(adapter, opts, 1)
-    text = adapter.encode_prompts(prompts)
-    x = _noise(adapter, 1, opts.seed)
+    text, x = _inputs(adapter, opts, 1)
     levels = (1.0, 0.75, 0.5, 0.25)
     outs, pairs = [], []
     try:
@@ -369,10 +366,8 @@ def check_lora_noop(adapter, opts: ConformanceOptions) -> str:
     if not (isinstance(adapter, HasLoraTargets) and adapter.lora_targets):
         return "skipped: the adapter names no lora_targets (HasLoraTargets)"
     model = copy.deepcopy(adapter)
-    prompts = _prompts(model, opts, 2)
     with torch.no_grad():
-        text = model.encode_prompts(prompts)
-        x = _noise(model, 2, opts.seed)
+        text, x = _inputs(model, opts, 2)
         sig = torch.tensor([0.8, 0.3], device=x.device)
         before = model.velocity(x, sig, text)
     params = _attach_lora(model, opts)
@@ -402,10 +397,8 @@ def check_reference_model(adapter, opts: ConformanceOptions) -> str:
     results = []
     for mode in ("lora", "full"):
         model = copy.deepcopy(adapter)
-        prompts = _prompts(model, opts, 2)
         with torch.no_grad():
-            text = model.encode_prompts(prompts)
-            x = _noise(model, 2, opts.seed)
+            text, x = _inputs(model, opts, 2)
             sig = torch.tensor([0.8, 0.3], device=x.device)
             base = model.velocity(x, sig, text)
         if mode == "lora":

@@ -32,7 +32,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from flowrl.chunking import chunk_index, validate_chunks
-from flowrl.losses import Objective, broadcast_advantages, check_unit_mask, reduce_units, unit_log_ratios, unit_metrics
+from flowrl.losses import (
+    Objective,
+    broadcast_advantages,
+    check_unit_mask,
+    objective_loss,
+    reduce_units,
+    unit_log_ratios,
+    unit_metrics,
+)
 
 __all__ = ["StepLogProbFn", "lean_chunk_backward", "full_graph_backward"]
 
@@ -169,8 +177,9 @@ def full_graph_backward(
     normaliser: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Reference for :func:`lean_chunk_backward`: every selected transition's graph kept alive,
-    one ``loss.backward()``. Same arguments and return value (``recompute_mismatch`` is 0)."""
-    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    :func:`flowrl.losses.objective_loss` on them, one ``loss.backward()``. Same arguments and
+    return value (``recompute_mismatch`` is 0)."""
+    _, T, s, old, m, _, trans, _ = _setup(old_lp, advantages, sizes, unit_mask)
     with torch.enable_grad():
         cols = []
         for t in range(T):
@@ -180,11 +189,7 @@ def full_graph_backward(
                 lp = _checked(step_log_prob_fn(t, idx, True), idx.numel(), t).to(torch.float32)
                 col = col.index_put((idx,), lp)
             cols.append(col)
-        new = torch.stack(cols, dim=1)
-        z = unit_log_ratios(new, old, s)
-        z = torch.where(m, z, torch.zeros_like(z))
-        loss = reduce_units(objective(z, adv), m, normaliser)
+        loss, metrics = objective_loss(torch.stack(cols, dim=1), old, advantages, s, m, objective, normaliser)
         loss.backward()
-    metrics = unit_metrics(z.detach(), adv, m, objective)
     metrics["recompute_mismatch"] = 0.0
     return loss.detach(), metrics
