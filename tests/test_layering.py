@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: Lower layers first. A module not listed is an error (new modules must be placed).
 LAYERS: list[set[str]] = [
     {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
-     "flowrl.compat", "flowrl.checks"},
+     "flowrl.compat", "flowrl.checks", "flowrl.processes"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.schedules", "flowrl.sde", "flowrl.chunking", "flowrl.selection",
      "flowrl.advantages", "flowrl.losses", "flowrl.trajectory", "flowrl.sampling", "flowrl.prompts",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.plotting", "flowrl.stats", "flowrl.serving", "flowrl.serving.protocol",

@@ -54,6 +54,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import FlowrlError
+from ..processes import pid_alive, signal_on_parent_death
 from .base import SetOpt, app, console, load, options
 
 MANIFEST = "sweep.json"
@@ -278,14 +279,8 @@ def _checkpoint_iteration(run_dir: Path) -> int | None:
 
 def _pid_is_run(pid: int | None, run_dir: Path) -> bool:
     """Whether ``pid`` is alive and (where /proc tells) a process of this run."""
-    if not pid:
+    if not pid or not pid_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     cmdline = Path(f"/proc/{pid}/cmdline")
     if cmdline.exists():
         try:
@@ -319,13 +314,7 @@ def follow_the_sweep() -> None:
                 signal.raise_signal(signal.SIGINT)
 
         signal.signal(signal.SIGHUP, on_parent_death)
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, int(signal.SIGHUP))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+        signal_on_parent_death(signal.SIGHUP)
     if parent and os.getppid() != parent:  # the sweep died before prctl took effect
         sys.exit(130)
 

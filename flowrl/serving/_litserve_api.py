@@ -16,7 +16,6 @@ Three pieces, all picklable by reference because LitServe spawns one process per
 
 # No `from __future__ import annotations` here: LitServe hands decode_request's annotation to
 # FastAPI, which must see the real Annotated[bytes, Body(...)] to read the raw body.
-import ctypes
 import json
 import os
 import signal
@@ -31,6 +30,7 @@ from fastapi import Body, Response
 
 from flowrl.errors import FlowrlError
 from flowrl.interfaces import score
+from flowrl.processes import pid_alive, signal_on_parent_death
 
 from .protocol import (
     PROTOCOL,
@@ -46,27 +46,7 @@ SETUP_ERROR = "setup-error-{}.txt"
 
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent exits (no orphaned replicas)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc: trust os.kill
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    signal_on_parent_death(signal.SIGTERM)
 
 
 class _Decoded:

@@ -1,0 +1,38 @@
+"""Small process utilities shared by ``flowrl sweep`` and the reward fleet (Linux-aware)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+#: prctl option: the signal this process receives when its parent exits.
+PR_SET_PDEATHSIG = 1
+
+
+def signal_on_parent_death(signum: int) -> bool:
+    """Ask Linux to send ``signum`` to this process when its parent exits (no orphans).
+    Returns False where that is not available (other systems)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust os.kill
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
