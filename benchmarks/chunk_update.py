@@ -1,6 +1,6 @@
 """Benchmark: one chunk of 7 transitions (memory-lean) vs a step-level update of the same 7.
 
-algorithms.md section 5: the gradient of a chunk is ``sum_i (dL/dz / |c|) grad l_i``, so once the
+docs/api.md §5: the gradient of a chunk is ``sum_i (dL/dz / |c|) grad l_i``, so once the
 chunk ratio is known the chunk can be back-propagated one step at a time
 (:func:`flowrl.train.chunk_update.lean_chunk_backward`). This script checks what that costs against
 the cheapest possible step-level update (chunk size 1: each step's forward + backward, nothing

@@ -1,4 +1,4 @@
-"""Group-relative advantages (algorithms.md section 7).
+"""Group-relative advantages (docs/api.md §7).
 
 ``A = clip((r - mean_g) / (std + eps), -clip, clip)`` within each group ``g`` of samples that
 share a prompt (``group_ids``). Options, each an anchor's choice:

@@ -1,4 +1,4 @@
-"""Chunk layouts over the T trainable transitions (algorithms.md sections 4, 5 and 6).
+"""Chunk layouts over the T trainable transitions (docs/api.md §4, §5, §6).
 
 A layout is a tuple of positive ints ``sizes`` with ``sum(sizes) == T``: the chunks cover the
 trainable transitions in order (chunk 0 holds positions ``0 .. sizes[0] - 1``, and so on).

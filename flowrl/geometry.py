@@ -1,4 +1,4 @@
-"""Batch geometry: global recipe quantities to per-process sizes (users.md item 5).
+"""Batch geometry: the global quantities a recipe states, turned into per-process sizes.
 
 A recipe states global quantities (prompts per iteration, group size); the world size is only
 known at launch. :func:`resolve_geometry` derives what each process does, checks that it

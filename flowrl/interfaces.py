@@ -3,7 +3,7 @@
 Shapes use: B samples, N sampling steps (N + 1 sigmas), T trainable transitions, K chunks,
 ``*L`` a model's latent shape (for FLUX, packed tokens ``[seq, channels]``).
 
-Conventions (docs/api.md, algorithms.md section 1): sigma runs from 1 (noise) to 0 (data),
+Conventions (docs/api.md, docs/api.md §1): sigma runs from 1 (noise) to 0 (data),
 ``x_sigma = (1 - sigma) * x0 + sigma * eps`` and the network predicts ``v = eps - x0``.
 Every component is built from its recipe table by its registered factory; see
 :mod:`flowrl.hookspecs`.

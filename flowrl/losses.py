@@ -1,4 +1,4 @@
-"""Ratios, the clipped objective and KL terms (algorithms.md sections 5 and 8).
+"""Ratios, the clipped objective and KL terms (docs/api.md §5, §8).
 
 Units: a "unit" is a chunk of consecutive trainable transitions (``sizes`` from
 :mod:`flowrl.chunking`); step-level GRPO is ``sizes = (1,) * T``, GSPO is ``sizes = (T,)``::

@@ -1,6 +1,6 @@
 """Rollouts: sample trajectories with one kernel per step, and re-score their transitions.
 
-algorithms.md section 1 (conventions), 2 (kernels), 3 (log-probs) and 4 (trainable set).
+docs/api.md §1 (conventions), 2 (kernels), 3 (log-probs) and 4 (trainable set).
 
 ``velocity_fn(x [B, ...], sigma [B]) -> v [B, ...]`` is a closure over the model and the text
 embeddings of exactly the samples it is given (for re-scoring a sub-batch, build the closure
@@ -93,7 +93,7 @@ def trainable_mask(
 ) -> torch.Tensor:
     """Bool ``[N]``: steps whose kernel injects noise there, minus the last transition when
     the image is decoded from the last step's ``x0_hat`` (its noise never reaches the reward;
-    algorithms.md section 4: N = 17 flow steps give 16 trainable transitions)."""
+    docs/api.md §4: N = 17 flow steps give 16 trainable transitions)."""
     if image_from not in _IMAGE_FROM:
         raise ValueError(f"image_from must be one of {_IMAGE_FROM}, got {image_from!r}")
     sig = validate_sigmas(sigmas)

@@ -1,13 +1,13 @@
-"""Noise schedules for flow-matching sampling (algorithms.md section 1).
+"""Noise schedules for flow-matching sampling (docs/api.md §1).
 
-Conventions (algorithms.md section 1): the noise level ``sigma`` runs from 1 (pure noise) to
+Conventions (docs/api.md §1): the noise level ``sigma`` runs from 1 (pure noise) to
 0 (data), ``x_sigma = (1 - sigma) * x0 + sigma * eps``. A schedule of ``N`` sampling steps is a
 strictly decreasing float32 tensor ``sigmas [N + 1]`` with ``sigmas[0] <= 1`` and
 ``sigmas[N] == 0`` exactly; step ``i`` goes from ``sigmas[i]`` to ``sigmas[i + 1]`` and
 ``dt_i = sigmas[i + 1] - sigmas[i] < 0``.
 
 Every function here is pure: it computes in float64 and returns float32 so that the same
-schedule is produced at rollout and at training (algorithms.md section 3: sigma rounding that
+schedule is produced at rollout and at training (docs/api.md §3: sigma rounding that
 differs between rollout and training breaks the on-policy ratio).
 """
 
@@ -31,7 +31,7 @@ __all__ = [
 
 
 def time_shift(sigmas: torch.Tensor | Sequence[float] | float, shift: float) -> torch.Tensor:
-    """SD3-style fixed time shift (algorithms.md section 1).
+    """SD3-style fixed time shift (docs/api.md §1).
 
     ``sigma' = s * sigma / (1 + (s - 1) * sigma)``. Maps 0 -> 0 and 1 -> 1; ``s > 1`` spends more
     steps at high noise. Returns a float32 tensor of the input's shape.
@@ -45,7 +45,7 @@ def time_shift(sigmas: torch.Tensor | Sequence[float] | float, shift: float) -> 
 def shifted_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
     """``linspace(1, 0, N + 1)`` with the fixed time shift: float32 ``[N + 1]``, last exactly 0.
 
-    algorithms.md section 1 reference (N = 16, s = 3): [1.0, .97826, .95455, ..., .16667, 0].
+    docs/api.md §1 reference (N = 16, s = 3): [1.0, .97826, .95455, ..., .16667, 0].
     """
     n = positive_int(num_steps, "num_steps")
     sig = time_shift(torch.linspace(1.0, 0.0, n + 1, dtype=torch.float64), shift)
@@ -60,7 +60,7 @@ def flux_mu(
     base_shift: float = 0.5,
     max_shift: float = 1.15,
 ) -> float:
-    """FLUX's resolution-dependent shift parameter (algorithms.md section 1).
+    """FLUX's resolution-dependent shift parameter (docs/api.md §1).
 
     Linear interpolation through ``(base_seq_len, base_shift)`` and ``(max_seq_len, max_shift)``:
     ``mu = base_shift + (image_seq_len - base_seq_len) * (max_shift - base_shift) /
@@ -101,7 +101,7 @@ def flux_dynamic_sigmas(
     ``mu = flux_mu(image_seq_len, ...)``; float32 ``[N + 1]``, terminal exactly 0.
 
     Matches diffusers' ``FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)`` given
-    ``sigmas = linspace(1, 1/N, N)`` and that ``mu`` (algorithms.md section 1).
+    ``sigmas = linspace(1, 1/N, N)`` and that ``mu`` (docs/api.md §1).
     """
     n = positive_int(num_steps, "num_steps")
     mu = flux_mu(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
@@ -113,7 +113,7 @@ def flux_dynamic_sigmas(
 def validate_sigmas(sigmas: torch.Tensor | Sequence[float]) -> torch.Tensor:
     """Check a schedule and return it as a float32 CPU-or-same-device tensor ``[N + 1]``.
 
-    Requirements (algorithms.md section 1): 1-D with at least 2 entries, finite, strictly
+    Requirements (docs/api.md §1): 1-D with at least 2 entries, finite, strictly
     decreasing, ``0 < sigmas[0] <= 1`` and ``sigmas[-1] == 0`` exactly.
     """
     t = torch.as_tensor(sigmas)

@@ -1,8 +1,8 @@
-"""Stochastic step kernels and transition log-probabilities (algorithms.md sections 2 and 3).
+"""Stochastic step kernels and transition log-probabilities (docs/api.md §2, §3).
 
 Every stochastic kernel is a Gaussian ``p(x_{i+1} | x_i) = N(mu_i, s_i^2 I)``. With
 ``dt = sigma_next - sigma < 0``, ``x0_hat = x - sigma * v`` and ``x1_hat = x + (1 - sigma) * v``
-(algorithms.md section 1), the SDE kernels share (section 2)::
+(docs/api.md §1), the SDE kernels share (section 2)::
 
     mu = x + dt * [ v + (g^2 / (2 sigma)) * x1_hat ]
     s  = g * sqrt(sigma - sigma_next)
@@ -133,7 +133,7 @@ def _reduce(elem: torch.Tensor, reduction: str) -> torch.Tensor:
 def gaussian_log_prob(
     x: torch.Tensor, mean: torch.Tensor, std, reduction: str = "mean"
 ) -> torch.Tensor:
-    """Per-sample Gaussian log-density of ``x`` under ``N(mean, std^2 I)`` (algorithms.md s. 3).
+    """Per-sample Gaussian log-density of ``x`` under ``N(mean, std^2 I)`` (docs/api.md §3).
 
     ``l = reduce over the D non-batch elements of [ -(x - mean)^2 / (2 std^2) - log std
     - 0.5 log(2 pi) ]`` where ``reduce`` is ``mean`` (default; every anchor's choice, so the
@@ -362,7 +362,7 @@ def cps_step(
     reduction: str = "mean",
     log_prob: str = "gaussian",
 ) -> StepOutput:
-    """Coefficients-Preserving Sampling (Flow-GRPO-Fast; algorithms.md section 2).
+    """Coefficients-Preserving Sampling (Flow-GRPO-Fast; docs/api.md §2).
 
     ``s = sigma_next * sin(a pi / 2)``,
     ``mu = (1 - sigma_next) * x0_hat + sqrt(sigma_next^2 - s^2) * x1_hat``. ``a`` in [0, 1];

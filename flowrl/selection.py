@@ -1,4 +1,4 @@
-"""Which units (steps or chunks) each sample trains (algorithms.md sections 4 and 6).
+"""Which units (steps or chunks) each sample trains (docs/api.md §4, §6).
 
 Every selector returns a bool mask ``[B, K]`` (``K`` units per sample, ``True`` = trained), so
 the caller can report exactly which units it trained. ``generators`` is ``None`` (global RNG),

@@ -1,4 +1,4 @@
-"""The record of a rollout: exactly what training needs (algorithms.md sections 1, 3 and 4).
+"""The record of a rollout: exactly what training needs (docs/api.md §1, §3, §4).
 
 Shapes (``B`` samples, ``N`` sampling steps, latent shape ``...``, ``T`` trainable transitions):
 

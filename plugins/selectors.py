@@ -1,4 +1,4 @@
-"""Built-in chunk selectors: all, uniform fraction, L1rel-weighted (algorithms.md sections 4, 6)."""
+"""Built-in chunk selectors: all, uniform fraction, L1rel-weighted (docs/api.md §4, §6)."""
 
 from __future__ import annotations
 

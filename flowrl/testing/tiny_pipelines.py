@@ -6,7 +6,7 @@ loads with ``HF_HUB_OFFLINE=1``. Nothing is downloaded: the tokenizers are writt
 byte-level BPE vocabulary with a handful of merges, a T5 Unigram vocabulary of a few words and
 the letters), the weights are random with a fixed seed.
 
-The shape rules these follow (environment.md, "Tiny offline models"):
+The shape rules these follow (found by building them; each is checked by diffusers or transformers):
 
 - FLUX: transformer ``in_channels`` = 4 x the VAE's ``latent_channels`` (2x2 packing);
   ``sum(axes_dims_rope)`` = ``attention_head_dim``; the CLIP ``eos_token_id`` is the tokenizer's;

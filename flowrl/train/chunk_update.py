@@ -1,4 +1,4 @@
-"""Exact chunk-level update with the memory of one step (algorithms.md section 5).
+"""Exact chunk-level update with the memory of one step (docs/api.md §5).
 
 The loss depends on the new log-probs only through the unit log-ratios
 ``z_u = (1/|u|) sum_{i in u} (l_i - l_i^old)``, so by the chain rule

@@ -1,4 +1,4 @@
-"""The reference policy for KL terms, and the KL pass of the update (algorithms.md section 8).
+"""The reference policy for KL terms, and the KL pass of the update (docs/api.md §8).
 
 The reference is the model before RL: with LoRA, the same denoiser with its adapters disabled
 (nothing copied); with full fine-tuning, a frozen copy of the denoiser taken before the first
@@ -71,7 +71,7 @@ class ReferencePolicy:
 
 
 def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
-    """One transition's KL ``[b]`` of the named kind, with its gradient (algorithms.md 8)."""
+    """One transition's KL ``[b]`` of the named kind, with its gradient (docs/api.md §8)."""
     if kind == "old_policy_k3":
         return kl_old_policy_k3(log_ratio)
     if kind == "gaussian_exact":

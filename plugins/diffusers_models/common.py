@@ -23,7 +23,7 @@ import torch
 from flowrl.compat import ensure_torchvision_importable
 from flowrl.errors import FlowrlError
 
-from .loading import DTYPES, dtype_kwarg, load_pipeline, resolve_dtype
+from .loading import dtype_kwarg, load_pipeline, resolve_dtype
 
 #: LoRA target presets (module-name suffixes, as peft matches them). "attention" is DanceGRPO's
 #: choice (with r = 128, alpha = 256); "attention_ff" is Flow-GRPO FLUX's (r = 64, alpha = 128).
@@ -265,7 +265,3 @@ class DiffusersAdapter:
         """Write the whole pipeline with the current denoiser (merged LoRA, if any, must be fused first)."""
         self.pipe.transformer = self.denoiser
         self.pipe.save_pretrained(str(out_dir))
-
-
-def dtype_names() -> list[str]:
-    return list(DTYPES)

@@ -1,4 +1,4 @@
-"""Group advantages (algorithms.md section 7)."""
+"""Group advantages (docs/api.md §7)."""
 
 import os
 

@@ -1,4 +1,4 @@
-"""Memory-lean exact chunk update (algorithms.md section 5).
+"""Memory-lean exact chunk update (docs/api.md §5).
 
 The reference is the full-graph backward of the same loss; both run on a real rollout of a
 tiny MLP velocity field, with parameters perturbed after the rollout so that ratios differ

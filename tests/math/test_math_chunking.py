@@ -1,4 +1,4 @@
-"""Chunk layouts (algorithms.md sections 4-6)."""
+"""Chunk layouts (docs/api.md §4-§6)."""
 
 import pytest
 import torch

@@ -82,7 +82,7 @@ def test_shifted_sigmas_closed_form_by_hand():
             got = shifted_sigmas(n, s)
             assert got.dtype == torch.float32 and got[-1].item() == 0.0
             assert max(abs(g - w) for g, w in zip(got.tolist(), want)) < 1e-7, (n, s)
-    # algorithms.md s. 1 reference values, N = 16, s = 3 (5 decimals)
+    # docs/api.md §1 reference values, N = 16, s = 3 (5 decimals)
     ref = [1.0, .97826, .95455, .92857, .9, .86842, .83333, .79412, .75, .7, .64286, .57692, .5,
            .40909, .3, .16667, 0.0]
     assert max(abs(g - r) for g, r in zip(shifted_sigmas(16, 3.0).tolist(), ref)) < 5e-6
@@ -124,7 +124,7 @@ def test_flow_stds_n17_by_hand_and_reference_table():
     sig = [float(s) for s in shifted_sigmas(17, 3.0)]
     hand = [flow_g(sig[i], sig[i + 1], 0.7) * math.sqrt(sig[i] - sig[i + 1]) for i in range(17)]
     ref = [0.7, .722, .516, .425, .372, .335, .309, .288, .270, .255, .242, .229, .215, .200, .182,
-           .158, .120]  # algorithms.md s. 2
+           .158, .120]  # docs/api.md §2
     assert max(abs(h - r) for h, r in zip(hand, ref)) < 5.1e-4
     g = flow_diffusion(torch.tensor(sig[:-1]), torch.tensor(sig[1:]), 0.7)
     got = (g * torch.sqrt(torch.tensor(sig[:-1]) - torch.tensor(sig[1:]))).tolist()

@@ -1,4 +1,4 @@
-"""Ratios, clipped objective and KL (algorithms.md sections 5 and 8)."""
+"""Ratios, clipped objective and KL (docs/api.md §5, §8)."""
 
 import math
 

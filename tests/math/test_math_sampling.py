@@ -1,4 +1,4 @@
-"""Rollouts, trajectories and the trainable set (algorithms.md sections 1-4)."""
+"""Rollouts, trajectories and the trainable set (docs/api.md §1-§4)."""
 
 import pytest
 import torch

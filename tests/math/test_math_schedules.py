@@ -1,4 +1,4 @@
-"""Schedules (algorithms.md section 1)."""
+"""Schedules (docs/api.md §1)."""
 
 import math
 
@@ -15,7 +15,7 @@ from flowrl.schedules import (
     validate_sigmas,
 )
 
-# algorithms.md section 1, N = 16, s = 3, printed to 5 decimals.
+# docs/api.md §1, N = 16, s = 3, printed to 5 decimals.
 REF_16_3 = [1.0, .97826, .95455, .92857, .9, .86842, .83333, .79412, .75, .7, .64286,
             .57692, .5, .40909, .3, .16667, 0.0]
 

@@ -1,4 +1,4 @@
-"""Step kernels and log-probs (algorithms.md sections 2 and 3)."""
+"""Step kernels and log-probs (docs/api.md §2, §3)."""
 
 import math
 
@@ -21,7 +21,7 @@ from flowrl.sde import (
     ode_step,
 )
 
-# algorithms.md section 2: N = 17, s = 3, a = 0.7 flow stds (3 decimals)
+# docs/api.md §2: N = 17, s = 3, a = 0.7 flow stds (3 decimals)
 REF_STDS = [0.7, .722, .516, .425, .372, .335, .309, .288, .270, .255, .242, .229, .215, .200,
             .182, .158, .120]
 

@@ -1,4 +1,4 @@
-"""Unit selection (algorithms.md sections 4 and 6)."""
+"""Unit selection (docs/api.md §4, §6)."""
 
 import itertools
 import math

@@ -1,4 +1,4 @@
-"""Curves of `flowrl profile` (flowrl/dynamics/, algorithms.md section 6) against independent
+"""Curves of `flowrl profile` (flowrl/dynamics/, docs/api.md §6) against independent
 computations: numpy loops, a straight-line trajectory with a closed form, and hand statistics."""
 
 import numpy as np
