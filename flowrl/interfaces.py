@@ -96,6 +96,14 @@ class DeclaresTimestep(Protocol):
 
 
 @runtime_checkable
+class CountsForwards(Protocol):
+    """An adapter whose velocity runs its network on more than one row per sample (true
+    classifier-free guidance: 2). Compute accounting uses it for the algorithmic minimum."""
+
+    forwards_per_velocity: int
+
+
+@runtime_checkable
 class HasImageSeqLen(Protocol):
     """An adapter that knows its packed image sequence length (FLUX's dynamic shift needs it)."""
 

@@ -90,6 +90,19 @@ class TrainConfig:
     max_nonfinite_steps: int = param(
         3, "Updates that may be skipped for a non-finite loss or reward; one more stops the run.", min=0
     )
+    update_mode: Literal["auto", "lean", "chunk_graph"] = param(
+        "auto",
+        "How a chunk's gradient is computed off the on-policy point (all modes give the same gradient): "
+        "'lean' re-scores the chunk's steps without grad first (memory of one step, k - 1 extra "
+        "forwards per chunk of k); 'chunk_graph' keeps one graph over the chunk (one batched forward "
+        "and one backward, k times the activation memory, no extra forward); 'auto' takes chunk_graph "
+        "when its measured activation memory fits in half the free device memory, else lean.",
+    )
+    fast_path: bool = param(
+        True,
+        "Before the first optimizer step after a rollout every ratio is 1: back-propagate each selected "
+        "step once at ratio 1 (no re-scoring, memory of one step; exact). Disable only to compare.",
+    )
     on_policy_tolerance: float = param(
         1e-6,
         "On-policy check: before the first optimizer step of a rollout, the largest per-step "

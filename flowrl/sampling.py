@@ -28,6 +28,7 @@ __all__ = [
     "trainable_mask",
     "rollout",
     "rescore_transition",
+    "rescore_transitions",
     "transition_log_prob",
     "make_step_log_prob_fn",
 ]
@@ -221,6 +222,29 @@ def rescore_transition(
     s_n = tr.sigma_next.repeat(b)
     v = velocity_fn(x, s_i)
     return tr.kernel.step(v, x, s_i, s_n, next_sample=nxt, reduction=trajectory.reduction)
+
+
+def rescore_transitions(
+    velocity_fn: VelocityFn,
+    trajectory: Trajectory,
+    steps: Sequence[int],
+    batch_idx: torch.Tensor,
+) -> torch.Tensor:
+    """The log-probs ``[len(steps), n]`` of transitions ``steps`` for the samples ``batch_idx``
+    from ONE velocity call on the ``len(steps) * n`` states (rows ordered step by step), so a
+    chunk's steps are scored in one batched forward. ``velocity_fn`` must be built for
+    ``batch_idx`` repeated ``len(steps)`` times. Same values as :func:`transition_log_prob` per
+    step up to the rounding of a different batch composition."""
+    idx = torch.as_tensor(batch_idx, dtype=torch.long).to(trajectory.latents.device)
+    trs = [trajectory.transition(i) for i in steps]
+    x = torch.cat([tr.sample[idx] for tr in trs])
+    sigma = torch.cat([tr.sigma.repeat(idx.numel()) for tr in trs])
+    v = velocity_fn(x, sigma).split(idx.numel())
+    return torch.stack([
+        tr.kernel.step(v_s, tr.sample[idx], tr.sigma.repeat(idx.numel()), tr.sigma_next.repeat(idx.numel()),
+                       next_sample=tr.next_sample[idx], reduction=trajectory.reduction).log_prob
+        for tr, v_s in zip(trs, v)
+    ])
 
 
 def transition_log_prob(

@@ -58,7 +58,7 @@ def test_every_optional_protocol_is_exercised_by_a_builtin():
         built = comp.build(comp.params(**extra) if comp.params else None)
         claimed |= set(check_component(kind, built, **CONTEXT.get((kind, name), {})))
     claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard tracker (checked above when installed)
-    model_protocols = {"ModelAdapter", "HasReferencePolicy", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
+    model_protocols = {"ModelAdapter", "HasReferencePolicy", "CountsForwards", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
                        "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory",
                        "RewardPlacement", "Reward"}  # checked by flowrl.testing.conformance and the plan tests
     protocols = {name for name, obj in vars(interfaces).items()

@@ -1,4 +1,4 @@
-"""Exact chunk-level update with the memory of one step (docs/api.md §5).
+"""The chunk-level update: exact gradients, three ways to compute them (docs/api.md §5).
 
 The loss depends on the new log-probs only through the unit log-ratios
 ``z_u = (1/|u|) sum_{i in u} (l_i - l_i^old)``, so by the chain rule
@@ -23,6 +23,20 @@ grad per selected transition that is not the last of its unit, so a unit of size
 GRPO) costs exactly a step-level update and a chunk of ``k`` costs ``k - 1`` extra no-grad
 forwards. ``step_log_prob_fn`` must be deterministic: steps 1 and 3 must agree (the
 ``recompute_mismatch`` metric reports the largest difference over recomputed positions).
+
+Two more ways, same gradients:
+
+- :func:`on_policy_chunk_backward` (the fast path): before the first optimizer step after a
+  rollout every ratio is 1, so ``dL/dz`` is known without any forward (``z = 0``). Each selected
+  position is forwarded once WITH grad and back-propagated, like a step-level update: a chunk of
+  ``k`` costs exactly what ``k`` steps cost, with the memory of one step.
+- :func:`chunk_graph_backward`: one graph per unit over its positions (one forward with grad,
+  batched over the unit's steps when a batched scorer is given, and one backward), no
+  re-scoring: ``k`` times the activation memory of a step, no extra forward.
+
+Both accept ``forward_with_extra(t, idx) -> (log_prob, extra)``: one forward with grad that also
+returns a per-sample extra loss term (the KL term, weighted), back-propagated with the policy
+loss, so a KL term costs no second policy forward.
 """
 
 from __future__ import annotations
@@ -42,10 +56,21 @@ from flowrl.losses import (
     unit_metrics,
 )
 
-__all__ = ["StepLogProbFn", "lean_chunk_backward", "full_graph_backward"]
+__all__ = [
+    "StepLogProbFn",
+    "ForwardWithExtra",
+    "lean_chunk_backward",
+    "on_policy_chunk_backward",
+    "chunk_graph_backward",
+    "full_graph_backward",
+]
 
 # (t: position in the trainable sequence, batch_idx: LongTensor [n], grad: bool) -> [n]
 StepLogProbFn = Callable[[int, torch.Tensor, bool], torch.Tensor]
+# (t, batch_idx) -> (log-probs [n] with grad, extra loss [n] with grad, or None); one forward
+ForwardWithExtra = Callable[[int, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
+# (positions, batch_idx) -> log-probs [len(positions), n] with grad, from ONE batched forward
+ManyStepLogProbFn = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 def _setup(old_lp, advantages, sizes, unit_mask):
@@ -165,6 +190,117 @@ def _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size) -> tu
         mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[sub, t]).abs().max()))
         del lp
     return dz[:, u], mismatch
+
+
+def _units_grad_at(z: torch.Tensor, m, adv, objective, normaliser) -> torch.Tensor:
+    """``dL/dz`` of ``reduce_units(objective(z, A))`` at the given ``z`` ``[B, K]``."""
+    z = torch.where(m, z, torch.zeros_like(z)).detach().requires_grad_(True)
+    with torch.enable_grad():
+        (dz,) = torch.autograd.grad(reduce_units(objective(z, adv), m, normaliser), z)
+    return dz
+
+
+def _forward(forward_with_extra, step_log_prob_fn, t, idx):
+    """One forward with grad of position ``t`` for rows ``idx``: (log-probs, extra or None)."""
+    if forward_with_extra is None:
+        return _with_grad(step_log_prob_fn, t, idx), None
+    with torch.enable_grad():
+        lp, extra = forward_with_extra(t, idx)
+    return _checked(lp, idx.numel(), t), extra
+
+
+def _finish(new, old, s, m, adv, objective, normaliser) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss value and metrics at the new log-probs (no gradient)."""
+    z = torch.where(m, unit_log_ratios(new, old, s), torch.zeros(m.shape, device=old.device))
+    with torch.no_grad():
+        loss = reduce_units(objective(z, adv), m, normaliser)
+    metrics = unit_metrics(z, adv, m, objective)
+    metrics["recompute_mismatch"] = 0.0
+    return loss.detach(), metrics
+
+
+def on_policy_chunk_backward(
+    step_log_prob_fn: StepLogProbFn,
+    old_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    sizes: Sequence[int],
+    unit_mask: torch.Tensor,
+    objective: Objective,
+    normaliser: float | None = None,
+    *,
+    forward_with_extra: ForwardWithExtra | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The fast path of :func:`lean_chunk_backward` for the on-policy point (the current weights
+    ARE the rollout's: every ratio is 1, ``z = 0``). Same arguments and return value.
+
+    ``dL/dz`` is taken at ``z = 0`` without any forward; each unit's positions are then forwarded
+    once with grad for the samples whose coefficient ``dL/dz_u / |u|`` is not 0 (a zero advantage
+    contributes nothing, and nothing is clipped at ratio 1) and back-propagated, in the lean
+    update's order: each selected transition with a gradient costs exactly one forward and one
+    backward. With ``forward_with_extra`` every selected row is forwarded (the extra term needs
+    them all) and ``sum(coef * log_prob + extra)`` is back-propagated. The returned loss and
+    metrics are evaluated at the log-probs those forwards produced (rows not forwarded keep
+    ``z = 0``).
+    """
+    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    dz = _units_grad_at(torch.zeros(B, len(s), device=old.device), m, adv, objective, normaliser)
+    new, first = old.clone(), 0
+    for u, size in enumerate(s):
+        idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
+        coef = dz[idx, u] / size
+        live = coef != 0
+        if idx.numel() and (bool(live.any()) or forward_with_extra is not None):
+            last = first + size - 1
+            t_rows, t_coef = (idx, coef) if forward_with_extra is not None else (idx[live], coef[live])
+            for t in [last, *range(first, last)]:  # the lean update's order
+                lp, extra = _forward(forward_with_extra, step_log_prob_fn, t, t_rows)
+                with torch.enable_grad():
+                    total = (t_coef.to(lp.dtype) * lp).sum() + (extra.sum() if extra is not None else 0.0)
+                    total.backward()
+                new[t_rows, t] = lp.detach().to(torch.float32)
+                del lp, extra, total  # one step's graph at a time
+        first += size
+    return _finish(new, old, s, m, adv, objective, normaliser)
+
+
+def chunk_graph_backward(
+    step_log_prob_fn: StepLogProbFn,
+    old_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    sizes: Sequence[int],
+    unit_mask: torch.Tensor,
+    objective: Objective,
+    normaliser: float | None = None,
+    *,
+    forward_with_extra: ForwardWithExtra | None = None,
+    many: ManyStepLogProbFn | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Exact at any policy: one graph per unit (its positions forwarded with grad, batched into
+    one forward by ``many`` when given), the unit's ``dL/dz`` from those log-probs, one backward.
+    No re-scoring; ``|u|`` times the activation memory of one step. Same arguments and return
+    value as :func:`lean_chunk_backward` (``many`` is not used with ``forward_with_extra``)."""
+    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    new, first = old.clone(), 0
+    for u, size in enumerate(s):
+        idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
+        if idx.numel():
+            positions = list(range(first, first + size))
+            if many is not None and forward_with_extra is None:
+                with torch.enable_grad():
+                    lps, extras = list(many(positions, idx).unbind(0)), [None] * size
+            else:
+                lps, extras = zip(*(_forward(forward_with_extra, step_log_prob_fn, t, idx) for t in positions))
+            for t, lp in zip(positions, lps):
+                new[idx, t] = lp.detach().to(torch.float32)
+            z = torch.where(m, unit_log_ratios(new, old, s), torch.zeros(m.shape, device=old.device))
+            coef = _units_grad_at(z, m, adv, objective, normaliser)[idx, u] / size
+            with torch.enable_grad():
+                total = sum((coef.to(lp.dtype) * lp).sum() for lp in lps)
+                total = total + sum(e.sum() for e in extras if e is not None)
+                total.backward()
+            del lps, extras, total
+        first += size
+    return _finish(new, old, s, m, adv, objective, normaliser)
 
 
 def full_graph_backward(

@@ -71,7 +71,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     try:
         with progress, GracefulInterrupt() as interrupt:
             for iteration in range(state.iteration, train_cfg.iterations):
-                timer = PhaseTimer(device)
+                timer = PhaseTimer(device, update.counter)
                 record = {"iteration": iteration, "world_size": ctx.world_size}
 
                 # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
@@ -100,7 +100,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                 with timer("update"):
                     outcome = update.run(batch, layout.sizes)
                 state.nonfinite_steps += outcome.skipped
-                record.update(update_record(outcome, batch, state, layout, ctx))
+                record.update(update_record(outcome, batch, state, layout, update, ctx))
                 if outcome.skipped:
                     warn_skipped(console, ctx, iteration, batch, state, train_cfg)
 
@@ -170,7 +170,7 @@ def run_evaluation(session, prompts: list[str], ctx) -> dict[str, float]:
     return eval_metrics(scores)
 
 
-def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, ctx) -> dict:
+def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update: PolicyUpdate, ctx) -> dict:
     """The update's part of the metrics row, in its documented order."""
     record = {"lr": outcome.lr}
     if outcome.on_policy is not None:
@@ -183,6 +183,7 @@ def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, ctx) -
         everyone = distributed.all_gather_cat(outcome.trained, ctx)  # [S, K], global sample order
         record["trained_units"] = [torch.nonzero(row).flatten().tolist() for row in everyone]
     record["chunk_sizes"] = list(layout.sizes)
+    record.update(update.counter.take(ctx))  # the iteration's model work against its minimum
     return record
 
 

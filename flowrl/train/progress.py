@@ -13,10 +13,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class PhaseTimer:
-    """Seconds per phase for this iteration (synchronising CUDA so the numbers are real)."""
+    """Seconds per phase for this iteration (synchronising CUDA so the numbers are real); with a
+    :class:`~flowrl.train.compute.ComputeCounter`, the model work is counted under the same phase."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, counter=None):
         self.device = device
+        self.counter = counter
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
@@ -25,7 +27,11 @@ class PhaseTimer:
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         try:
-            yield
+            if self.counter is None:
+                yield
+            else:
+                with self.counter.phase(phase):
+                    yield
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

@@ -122,3 +122,35 @@ def kl_backward(
         total += float(kl.detach().sum())
         count += kl.numel()
     return total / max(count, 1), term
+
+
+class KLTerm:
+    """The KL term of a micro-batch computed inside the policy's own forwards (the fast path and
+    the chunk-graph update): :meth:`forward` is ``forward_with_extra`` for
+    :mod:`flowrl.train.chunk_update`, returning the step log-prob and the per-sample weighted KL
+    of that step from one policy forward (plus one reference forward for the reference kinds).
+    Averaged like :func:`kl_backward`: over each sample's trained transitions, summed over samples,
+    divided by ``normaliser``, times ``beta``."""
+
+    def __init__(self, scorer, batch_idx, unit_mask, sizes, old_lp, kind: str, beta: float, normaliser: float):
+        self.scorer, self.batch_idx, self.old_lp = scorer, batch_idx, old_lp
+        self.kind, self.beta, self.normaliser = kind, beta, normaliser
+        self.trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
+        self.per_sample = self.trans.sum(1).clamp(min=1).float()
+        self.total, self.count, self.term = 0.0, 0, 0.0
+
+    def forward(self, t: int, b: torch.Tensor):
+        rows = self.batch_idx[b]
+        tr = self.scorer.trajectory.transition(self.scorer.positions[t])
+        ref_out = None if self.kind == "old_policy_k3" else self.scorer.step(t, rows, grad=False, reference=True)
+        out = self.scorer.step(t, rows, grad=True)
+        kl = step_kl(self.kind, out, ref_out, out.log_prob - self.old_lp[rows, t], tr.sigma, tr.sigma_next)
+        weighted = kl * self.trans[b, t].to(kl.dtype) / self.per_sample[b].to(kl.device) / self.normaliser
+        self.term += float(weighted.detach().sum())
+        self.total += float(kl.detach().sum())
+        self.count += kl.numel()
+        return out.log_prob, self.beta * weighted
+
+    def result(self) -> tuple[float, float]:
+        """(mean KL over the trained transitions seen, the term as optimised without beta)."""
+        return self.total / max(self.count, 1), self.term

@@ -10,6 +10,7 @@ state, the RNG states and ``state.json``::
     world_size        processes that wrote it
     chunk_sizes       the chunk layout in use (moved by adaptive re-profiling)
     selector_l1rel    the weighted selector's L1rel curve in use, or null
+    update_mode       what ``[train] update_mode = "auto"`` chose (null until an off-policy step)
 
 Resuming restores every one of them, so a resumed run repeats exactly what the uninterrupted run
 would have done. Only iterations, ``[log]``, ``[checkpoint]`` and ``[[trackers]]`` may differ from
@@ -100,6 +101,7 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
             "world_size": ctx.world_size,
             "chunk_sizes": list(layout.sizes),
             "selector_l1rel": layout.selector_l1rel,
+            "update_mode": update.auto_mode,
         },
         recipe_toml=dump_toml(recipe.to_toml_dict()),
         keep_last=recipe.checkpoint.keep_last,
@@ -128,6 +130,7 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
             "optimizer steps changes, so the continuation is valid but not bit-identical"
         )
     layout.restore(tuple(state.get("chunk_sizes", layout.sizes)), state.get("selector_l1rel"))
+    update.auto_mode = state.get("update_mode")
     if ctx.is_main:
         console.print(f"resumed from {ckpt} at iteration {state['iteration']}")
     return TrainState(iteration=state["iteration"], nonfinite_steps=state["nonfinite_steps"])

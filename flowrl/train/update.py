@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 from .. import distributed
 from ..errors import FlowrlError
 from ..interfaces import KLRegularised, TextEmbeddings, select_embeddings
-from ..sampling import rescore_transition
+from ..sampling import rescore_transition, rescore_transitions
 from ..sde import StepOutput
 from ..seeding import generator
 from ..trajectory import Trajectory
-from .chunk_update import StepLogProbFn, lean_chunk_backward
+from .chunk_update import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
+from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
-from .reference import ReferencePolicy, kl_backward
+from .reference import KLTerm, ReferencePolicy, kl_backward
 
 
 class TransitionScorer:
@@ -40,11 +43,13 @@ class TransitionScorer:
     update reads its ``log_prob``, the KL pass its ``mean`` and ``std``.
     """
 
-    def __init__(self, model, trajectory: Trajectory, text: TextEmbeddings, reference: ReferencePolicy | None = None):
+    def __init__(self, model, trajectory: Trajectory, text: TextEmbeddings, reference: ReferencePolicy | None = None,
+                 counter: ComputeCounter | None = None):
         self.model = model
         self.trajectory = trajectory
         self.text = text
         self.reference = reference
+        self.counter = counter
         self.positions = trajectory.trainable_indices.tolist()
 
     def step(self, t: int, rows: torch.Tensor, *, grad: bool, reference: bool = False) -> StepOutput:
@@ -52,12 +57,25 @@ class TransitionScorer:
             raise ValueError(f"trainable position must be in [0, {len(self.positions) - 1}], got {t}")
         text = select_embeddings(self.text, rows)
         policy = self.reference if reference else self.model
-        with torch.set_grad_enabled(grad):
+        counted = self.counter.phase("reference") if reference and self.counter is not None else nullcontext()
+        with torch.set_grad_enabled(grad), counted:
             return rescore_transition(lambda x, s: policy.velocity(x, s, text), self.trajectory, self.positions[t], rows)
 
     def log_prob_fn(self, rows: torch.Tensor) -> StepLogProbFn:
         """``fn(t, b, grad)``: log-probs of the samples ``rows[b]``, as the chunk update wants."""
         return lambda t, b, grad: self.step(t, rows[b], grad=grad).log_prob
+
+    def many_fn(self, rows: torch.Tensor):
+        """``fn(ts, b)``: log-probs ``[len(ts), len(b)]`` of positions ``ts`` for ``rows[b]`` from
+        one batched forward, with grad (the chunk-graph update)."""
+
+        def many(ts: list[int], b: torch.Tensor) -> torch.Tensor:
+            r = rows[b]
+            text = select_embeddings(self.text, r.repeat(len(ts)))
+            return rescore_transitions(lambda x, s: self.model.velocity(x, s, text), self.trajectory,
+                                       [self.positions[t] for t in ts], r)
+
+        return many
 
 
 class OnPolicyProbe:
@@ -78,12 +96,25 @@ class OnPolicyProbe:
 
         def probed(t: int, b: torch.Tensor, grad: bool) -> torch.Tensor:
             lp = fn(t, b, grad)
-            d = float((lp.detach().float() - old_lp[b, t].float()).abs().max())
-            if not d <= self.max_abs:  # also catches NaN
-                self.max_abs = d
+            self.observe(lp, old_lp[b, t])
             return lp
 
         return probed
+
+    def wrap_forward(self, forward, old_lp: torch.Tensor):
+        """The same check for ``forward(t, b) -> (log_prob, extra)`` (the fast path with a KL term)."""
+
+        def probed(t: int, b: torch.Tensor):
+            lp, extra = forward(t, b)
+            self.observe(lp, old_lp[b, t])
+            return lp, extra
+
+        return probed
+
+    def observe(self, lp: torch.Tensor, old: torch.Tensor) -> None:
+        d = float((lp.detach().float() - old.float()).abs().max())
+        if not d <= self.max_abs:  # also catches NaN
+            self.max_abs = d
 
 
 def lr_lambda(train, total_steps: int) -> Callable[[int], float]:
@@ -147,6 +178,12 @@ class PolicyUpdate:
         )
         total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train, total))
+        self.fast_path = train.fast_path
+        self.auto_mode: str | None = None  # update_mode "auto", decided on the first off-policy step
+        self.counter = ComputeCounter(session.model.denoiser)
+        if self.reference is not None and self.reference.copy is not None:
+            self.counter.watch(self.reference.copy)
+        self.rows_per_sample = network_rows_per_sample(session.model)
 
     def run(self, batch, sizes: tuple[int, ...]) -> UpdateOutcome:
         """Every pass and optimizer step of this rollout (none when the rewards were not finite:
@@ -155,7 +192,8 @@ class PolicyUpdate:
         out = UpdateOutcome(lr=self.scheduler.get_last_lr()[0],  # the LR this iteration's first step uses
                             trained=torch.zeros(len(batch.indices), len(sizes), dtype=torch.bool),
                             skipped=batch.advantages is None)
-        scorer = TransitionScorer(self.session.model, batch.trajectory, batch.text, self.reference)
+        scorer = TransitionScorer(self.session.model, batch.trajectory, batch.text, self.reference, self.counter)
+        self.counter.expect("rollout", batch.trajectory.num_steps * len(batch.indices) * self.rows_per_sample)
         old_lp = batch.trajectory.trainable_log_probs.to(self.session.device)
         metrics: dict[str, list[float]] = defaultdict(list)
         per_step = g.micro_batch_size * g.grad_accumulation  # samples per optimizer step, per process
@@ -185,20 +223,14 @@ class PolicyUpdate:
             mask = self.session.components.selector.select(len(idx), sizes, sel_gens).cpu()
             if epoch == 0:
                 out.trained[idx] = mask
-            idx = idx.to(device)
-            fn = scorer.log_prob_fn(idx)
-            if probe is not None:
-                fn = probe.wrap(fn, old_lp[idx])
-            loss_value, m = lean_chunk_backward(
-                fn, old_lp[idx], batch.advantages[idx], sizes, mask.to(device),
-                self.session.components.loss.objective, normaliser=per_step,
-            )
+            idx, mask = idx.to(device), mask.to(device)
+            self._expect_update(batch.advantages[idx], mask, sizes)
+            loss_value, m, kl = self._micro_batch_backward(scorer, old_lp, batch.advantages, idx, mask, sizes, probe,
+                                                           fast=check_on_policy and self.fast_path, normaliser=per_step)
             step_loss += float(loss_value)
-            if self.beta > 0:
-                kl_value, kl_term = kl_backward(scorer, idx, mask.to(device), sizes, old_lp=old_lp,
-                                                kind=self.kl_kind, beta=self.beta, normaliser=per_step)
-                metrics[f"kl/{self.kl_kind}"].append(kl_value)
-                step_loss += self.beta * kl_term
+            if kl is not None:
+                metrics[f"kl/{self.kl_kind}"].append(kl[0])
+                step_loss += self.beta * kl[1]
             for k, v in m.items():
                 metrics[k].append(float(v))
         if probe is not None:
@@ -219,6 +251,56 @@ class PolicyUpdate:
         metrics["grad_norm"].append(float(grad_norm))
         return True
 
+    def _micro_batch_backward(self, scorer, old_lp, advantages, idx, mask, sizes, probe, *, fast, normaliser):
+        """Back-propagate one micro-batch's loss and KL term: the fast path on-policy, otherwise
+        the chunk-graph or lean update (``[train].update_mode``). Returns (loss, unit metrics,
+        (mean KL, KL term) or None)."""
+        objective = self.session.components.loss.objective
+        fn = scorer.log_prob_fn(idx)
+        if probe is not None:
+            fn = probe.wrap(fn, old_lp[idx])
+        args = (fn, old_lp[idx], advantages[idx], sizes, mask, objective)
+        if not fast and self._mode(scorer, idx, sizes) == "lean":
+            loss, m = lean_chunk_backward(*args, normaliser=normaliser)
+            if self.beta <= 0:
+                return loss, m, None
+            return loss, m, kl_backward(scorer, idx, mask, sizes, old_lp=old_lp, kind=self.kl_kind, beta=self.beta,
+                                        normaliser=normaliser)
+        kl = KLTerm(scorer, idx, mask, sizes, old_lp, self.kl_kind, self.beta, normaliser) if self.beta > 0 else None
+        forward = kl.forward if kl is not None else None
+        if forward is not None and probe is not None:
+            forward = probe.wrap_forward(forward, old_lp[idx])
+        if fast:
+            loss, m = on_policy_chunk_backward(*args, normaliser=normaliser, forward_with_extra=forward)
+        else:
+            loss, m = chunk_graph_backward(*args, normaliser=normaliser, forward_with_extra=forward,
+                                           many=scorer.many_fn(idx))
+        return loss, m, (kl.result() if kl is not None else None)
+
+    def _expect_update(self, advantages: torch.Tensor, mask: torch.Tensor, sizes) -> None:
+        """The minimum work of a micro-batch: each trained transition whose gradient is not zero
+        (non-zero advantage, or any with a KL term) once forward and backward; one reference
+        forward per trained transition for the reference KL kinds."""
+        size = torch.tensor(sizes, device=mask.device)
+        adv = advantages if advantages.ndim == 2 else advantages[:, None].expand(mask.shape)
+        trained = int((mask * size).sum())
+        live = trained if self.beta > 0 else int((mask & (adv != 0)).mul(size).sum())
+        self.counter.expect("update", live * self.rows_per_sample)
+        if self.beta > 0 and self.reference is not None:
+            self.counter.expect("reference", trained * self.rows_per_sample)
+
+    def _mode(self, scorer, idx, sizes) -> str:
+        """``lean`` or ``chunk_graph`` for an off-policy micro-batch (``auto``: measured once)."""
+        mode = self.session.recipe.train.update_mode
+        if mode != "auto":
+            return mode
+        if self.auto_mode is None:  # decided once per run (and checkpointed, so a resume keeps it)
+            with self.counter.paused():
+                per_step = activation_bytes(lambda: scorer.step(0, idx, grad=True).log_prob)
+            budget = free_memory_bytes(self.session.device) / 2
+            self.auto_mode = "chunk_graph" if max(sizes) * per_step <= budget else "lean"
+        return self.auto_mode
+
     def _check_on_policy(self, probe: OnPolicyProbe) -> float:
         deviation = distributed.all_reduce_scalar(probe.max_abs, self.ctx, "max")
         tolerance = self.session.recipe.train.on_policy_tolerance
@@ -230,3 +312,32 @@ class PolicyUpdate:
                 hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
             )
         return deviation
+
+
+def activation_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the tensors autograd saves for backward in ``forward()`` (its graph is freed)."""
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return total
+
+
+def free_memory_bytes(device: torch.device) -> float:
+    """Free memory of the device: CUDA's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return float("inf")

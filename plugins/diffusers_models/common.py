@@ -60,6 +60,13 @@ class DiffusersAdapter:
     pipeline_class_name: str = ""
     #: default LoRA target modules (replaced per instance from ``lora_preset``).
     lora_targets: list[str] = ATTENTION
+    #: true classifier-free guidance: the network runs an unconditional row beside each sample
+    uses_cfg: bool = False
+
+    @property
+    def forwards_per_velocity(self) -> int:
+        """Network rows per sample in one velocity call (flowrl.interfaces.CountsForwards)."""
+        return 2 if self.uses_cfg else 1
 
     def __init__(self, config, where: str):
         # With flowrl[clip] on a CPU machine, torchvision may be a CUDA build whose compiled ops

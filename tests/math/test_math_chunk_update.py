@@ -126,3 +126,120 @@ def test_lean_rejects_bad_input(setup):
     with pytest.raises(ValueError, match="without gradient"):
         lean_chunk_backward(lambda t, i, g: old[i, t].detach(), old, torch.ones(B), (16,),
                             torch.ones(B, 1, dtype=torch.bool), ClippedObjective())
+
+
+# ---------------------------------------------------------------------------------- fast path and
+# chunk graph: same gradients as the full graph (issue 17), on- and off-policy
+
+
+@pytest.fixture(scope="module")
+def on_policy():
+    """A rollout and the very weights that sampled it: every ratio is 1."""
+    model = TinyVelocity()
+    noise = torch.randn(B, *SHAPE, generator=torch.Generator().manual_seed(1))
+    gens = [torch.Generator().manual_seed(10 + b) for b in range(B)]
+    tr = rollout(model.fn_for(torch.arange(B)), noise, shifted_sigmas(17, 3.0),
+                 make_kernels(17, FlowKernel(0.7)), generators=gens)
+    return model, tr
+
+
+def _kl_extra(model, tr, mask, sizes, beta):
+    """forward_with_extra: the step log-prob and a per-sample extra term (beta * k3 of the step
+    log-ratio, averaged over each sample's trained transitions) from ONE forward."""
+    from flowrl.chunking import chunk_index
+    from flowrl.sampling import rescore_transition
+
+    trans = mask[:, chunk_index(sizes)]
+    per_sample = trans.sum(1).clamp(min=1).float()
+    positions = tr.trainable_indices.tolist()
+    old = tr.trainable_log_probs
+
+    def forward(t, idx):
+        out = rescore_transition(model.fn_for(idx), tr, positions[t], idx)
+        k3 = kl_old_policy_k3(out.log_prob - old[idx, t])
+        return out.log_prob, beta * k3 * trans[idx, t] / per_sample[idx]
+
+    def full_extra():  # the same term summed by hand over every selected transition, one graph
+        total = 0.0
+        for t in range(len(positions)):
+            idx = torch.nonzero(trans[:, t]).flatten()
+            if idx.numel():
+                total = total + forward(t, idx)[1].sum()
+        return total
+
+    return forward, full_extra
+
+
+@pytest.mark.parametrize("sizes", [(2, 3, 4, 7), step_chunks(16), sequence_chunks(16)])
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_fast_path_equals_full_graph_on_policy(on_policy, sizes, with_kl):
+    from flowrl.train.chunk_update import on_policy_chunk_backward
+
+    model, tr = on_policy
+    fn = make_step_log_prob_fn(model.fn_for, tr)
+    old, K = tr.trainable_log_probs, len(sizes)
+    mask = select_uniform(B, K, 0.5, torch.Generator().manual_seed(3))
+    A = torch.tensor([1.0, -1.0, 0.0, -2.0, 1.5, -0.3])  # one zero advantage: never forwarded
+    obj = ClippedObjective(1e-4, 1e-4)
+    forward, full_extra = _kl_extra(model, tr, mask, sizes, 0.3) if with_kl else (None, None)
+
+    full_graph_backward(fn, old, A, sizes, mask, obj, normaliser=12)
+    if with_kl:
+        full_extra().backward()
+    g_full = _grads(model)
+    calls = []
+    counted = lambda t, i, g: calls.append((t, i.numel(), g)) or fn(t, i, g)  # noqa: E731
+    loss, met = on_policy_chunk_backward(counted, old, A, sizes, mask, obj, normaliser=12, forward_with_extra=forward)
+    g_fast = _grads(model)
+    for a, b in zip(g_fast, g_full):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-8), (a - b).abs().max()
+    assert met["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and met["num_units"] == int(mask.sum())
+    if not with_kl:
+        # every call has grad, and no selected transition is forwarded twice
+        assert all(g for *_, g in calls) and len({t for t, *_ in calls}) == len(calls)
+
+
+@pytest.mark.parametrize("sizes", [(2, 3, 4, 7), step_chunks(16), sequence_chunks(16)])
+@pytest.mark.parametrize("batched", [False, True])
+def test_chunk_graph_equals_full_graph_off_policy(setup, sizes, batched):
+    from flowrl.sampling import rescore_transition
+    from flowrl.train.chunk_update import chunk_graph_backward
+
+    model, tr = setup  # weights moved after the rollout
+    fn = make_step_log_prob_fn(model.fn_for, tr)
+    old, K = tr.trainable_log_probs, len(sizes)
+    mask = select_uniform(B, K, 0.5, torch.Generator().manual_seed(3))
+    A = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.3])
+    eps = _eps_for_clipping(fn, old, sizes)
+    obj = ClippedObjective(eps, eps)
+    positions = tr.trainable_indices.tolist()
+
+    def many(ts, idx):  # a stand-in for a batched scorer: same numbers, stacked [len(ts), n]
+        return torch.stack([rescore_transition(model.fn_for(idx), tr, positions[t], idx).log_prob for t in ts])
+
+    loss_full, met_full = full_graph_backward(fn, old, A, sizes, mask, obj, normaliser=12)
+    g_full = _grads(model)
+    loss, met = chunk_graph_backward(fn, old, A, sizes, mask, obj, normaliser=12, many=many if batched else None)
+    g_graph = _grads(model)
+    assert torch.allclose(loss, loss_full, rtol=1e-5, atol=1e-9)
+    assert met["clip_fraction"] == met_full["clip_fraction"]
+    for a, b in zip(g_graph, g_full):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
+
+
+def test_fast_path_is_the_lean_update_bit_for_bit_on_policy(on_policy):
+    """On a deterministic device the fast path skips the no-grad forwards and nothing else."""
+    from flowrl.train.chunk_update import on_policy_chunk_backward
+
+    model, tr = on_policy
+    fn = make_step_log_prob_fn(model.fn_for, tr)
+    old, sizes = tr.trainable_log_probs, (2, 3, 4, 7)
+    mask = select_uniform(B, 4, 0.5, torch.Generator().manual_seed(7))
+    A = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.3])
+    obj = ClippedObjective(5e-3, 5e-3)
+    loss_lean, met_lean = lean_chunk_backward(fn, old, A, sizes, mask, obj, normaliser=12)
+    g_lean = _grads(model)
+    loss_fast, met_fast = on_policy_chunk_backward(fn, old, A, sizes, mask, obj, normaliser=12)
+    g_fast = _grads(model)
+    assert torch.equal(loss_lean, loss_fast) and met_lean == met_fast
+    assert all(torch.equal(a, b) for a, b in zip(g_lean, g_fast))

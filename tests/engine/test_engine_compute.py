@@ -1,0 +1,56 @@
+"""Compute accounting (issue 17): every built-in algorithm runs at the algorithmic minimum of
+model work on the fast path (compute/ratio = 1.00), and the counter sees recomputation when it
+happens (the exact lean path re-scores chunks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import quiet_console
+
+from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
+from flowrl.train import train
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["train.iterations=1", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=4",
+         "prompts.num_eval=0", "log.progress=false", "log.image_every=0", "model.random_init=true"]
+
+
+def _run(tmp_path, recipe: str, *extra: str) -> dict:
+    recipe = load_recipe(REPO / "recipes" / recipe, [*SMALL, f"run.output_dir={str(tmp_path / 'run')!r}", *extra])
+    return read_metrics(train(recipe, console=quiet_console()))[0]
+
+
+@pytest.mark.parametrize("recipe", ["quickstart.toml", "quickstart_step.toml", "quickstart_gspo.toml",
+                                    "quickstart_fixed.toml", "quickstart_dynamics.toml"])
+def test_builtin_algorithms_run_at_the_minimum_on_the_fast_path(tmp_path, recipe, monkeypatch):
+    monkeypatch.chdir(REPO)  # the dynamics recipe names its profile relative to the repository
+    row = _run(tmp_path, recipe)
+    steps = 17
+    assert row["compute/rollout/forward"] == steps * 8  # every sample, every step, once
+    assert row["compute/update/forward"] == row["compute/update/backward"] > 0
+    assert row["compute/ratio"] == 1.0, row
+
+
+@pytest.mark.parametrize("kind", ["gaussian_exact", "old_policy_k3"])
+def test_a_kl_term_costs_no_second_policy_forward(tmp_path, kind):
+    row = _run(tmp_path, "quickstart.toml", "loss.beta=0.1", f"loss.kl={kind!r}")
+    assert row["compute/ratio"] == 1.0, row
+    if kind == "gaussian_exact":  # one reference forward per trained transition
+        assert row["compute/reference/forward"] == row["compute/update/forward"]
+    else:
+        assert "compute/reference/forward" not in row
+
+
+def test_the_counter_sees_the_lean_paths_recomputation(tmp_path):
+    row = _run(tmp_path, "quickstart.toml", "train.fast_path=false", "train.update_mode='lean'")
+    # a chunk of k re-scores k - 1 steps without grad before its backward: more forwards than the minimum
+    assert row["compute/update/forward"] > row["compute/update/backward"]
+    assert row["compute/ratio"] > 1.05, row
+
+
+def test_the_chunk_graph_update_computes_nothing_twice_off_policy(tmp_path):
+    row = _run(tmp_path, "quickstart.toml", "train.fast_path=false", "train.update_mode='chunk_graph'")
+    assert row["compute/update/forward"] == row["compute/update/backward"]
