@@ -32,9 +32,26 @@ from .commands.base import app, err_console, options
 from .errors import FlowrlError
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        from . import __version__
+
+        try:
+            version = metadata.version("flowrl")  # the installed distribution's
+        except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+            version = __version__
+        print(f"flowrl {version}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _main(
-    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors (anywhere on the line).")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_print_version, help="Print flowrl's version and exit.")
+    ] = False,
     disable_plugin: Annotated[
         Optional[list[str]],
         typer.Option("--disable-plugin", help="Skip a plugin by name (repeatable; also FLOWRL_DISABLE_PLUGINS=a,b)."),
@@ -52,8 +69,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     abort_types = (click.exceptions.Abort, typer.Abort)
     usage_types = (click.ClickException, typer.TyperException)
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
+    argv, debug = hoist_debug(list(sys.argv[1:] if argv is None else argv))
     try:
         # standalone_mode=False returns a command's `raise typer.Exit(code)` as the value.
         code = app(args=argv, prog_name="flowrl", standalone_mode=False)
@@ -78,6 +94,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(130)
     if isinstance(code, int) and not isinstance(code, bool) and code != 0:
         sys.exit(code)
+
+
+def hoist_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """``--debug`` is accepted anywhere before a ``--``: it moves to the front, where the app's
+    own option is (after a command, click would reject it as that command's unknown option)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head, tail = argv[:end], argv[end:]
+    debug = "--debug" in head
+    rest = [a for a in head if a != "--debug"]
+    return (["--debug"] if debug else []) + rest + tail, debug
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,5 @@
-"""Make a torchvision whose compiled ops cannot load importable anyway (for open_clip).
+"""Make a torchvision whose compiled ops cannot load importable anyway (for open_clip); and keep
+diffusers' and transformers' messages that ask nothing of a flowrl user off the screen.
 
 Why: the registry's torchvision wheels are CUDA builds. Installed beside CPU torch, torchvision's
 compiled library ``_C`` fails to load; torchvision swallows that, but then registers fake
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import logging
 import os
+import re
 import sys
 
 import torch
@@ -56,6 +59,50 @@ def _op_defined(name: str) -> bool:
         return False
 
 
+class NotActionable(logging.Filter):
+    """Drops exactly these library log messages, which fire on every run and ask nothing of a
+    flowrl user (every other message, including near variants that do, passes):
+
+    - transformers, without torchvision: "`CLIPImageProcessor` requires torchvision (not
+      installed); falling back to `CLIPImageProcessorPil`": the pipelines' image processors,
+      which flowrl never calls, work with the PIL fallback;
+    - diffusers, on ``model.to(dtype)`` (flowrl stores a denoiser in one dtype and computes in
+      another by design): "There are modules in X that should be kept in float32: []": with an
+      empty list there is nothing to keep;
+    - diffusers' prompt encoders: "The following part of your input was truncated ...: ['']":
+      when every removed part is empty, nothing of the prompt was lost.
+    """
+
+    PATTERNS = (
+        re.compile(r"^`\w+` requires torchvision \(not installed\); falling back to `\w+Pil`"),
+        re.compile(r"^There are modules in \w+ that should be kept in float32: \[\]\."),
+        re.compile(r"^The following part of your input was truncated because .*: \[(?:'', )*''\]$", re.S),
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in self.PATTERNS)
+
+
+_quiet = NotActionable()
+#: the loggers that emit the messages above (diffusers' pipelines log through their own loggers,
+#: so the library's handlers are filtered too, once diffusers has created them)
+_LOGGERS = ("transformers.utils.import_utils", "diffusers.models.modeling_utils")
+
+
+def quiet_library_messages() -> None:
+    """Install :class:`NotActionable` on the loggers and library handlers that need it.
+    Idempotent; call it before importing transformers and after importing diffusers."""
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        if _quiet not in logger.filters:
+            logger.addFilter(_quiet)
+    for name in ("diffusers", "transformers"):
+        for handler in logging.getLogger(name).handlers:
+            if _quiet not in handler.filters:
+                handler.addFilter(_quiet)
+
+
 def ensure_torchvision_importable() -> str:
     """Apply the shim if (and only if) torchvision is installed and its compiled ops cannot load.
 
@@ -64,6 +111,7 @@ def ensure_torchvision_importable() -> str:
     (the schemas were defined here).
     """
     global _library, _status
+    quiet_library_messages()  # every caller is about to import transformers or diffusers
     if _status is not None:
         return _status
     if "torchvision" in sys.modules:

@@ -33,6 +33,8 @@ def param(
     min: float | None = None,
     max: float | None = None,
     exclusive_min: bool = False,
+    path: bool | Literal["hub"] = False,
+    keep: tuple[str, ...] = (),
 ) -> Any:
     """Declare one documented recipe field.
 
@@ -41,8 +43,13 @@ def param(
         help: the field's documentation, written once, here.
         min, max: inclusive bounds for numbers (``exclusive_min`` makes ``min`` strict). An
             integer field without ``max`` is bounded by :data:`MAX_COUNT`. Floats must be finite.
+        path: the value is a file or directory path: a relative one is resolved against the
+            directory of the recipe file that gives it (:func:`flowrl.recipe.load_recipe`), and the
+            run records the absolute path. ``"hub"``: a Hugging Face hub id or a path; a relative
+            value is a path only when it starts with ``./`` or ``../`` or exists there.
+        keep: values of a path field that are words, not paths (the empty string always is).
     """
-    metadata = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min}
+    metadata = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min, "path": path, "keep": keep}
     if isinstance(default, (list, dict)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
@@ -213,8 +220,15 @@ def explain(cls: type | None) -> list[tuple[str, str, str, str]]:
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        rows.append((f.name, _type_name(tp) + _bounds_text(f, tp), default, _field_help(f)))
+        rows.append((f.name, _type_name(tp) + _bounds_text(f, tp) + _path_text(f), default, _field_help(f)))
     return rows
+
+
+def _path_text(f: dataclasses.Field) -> str:
+    kind = f.metadata.get("path")
+    if not kind:
+        return ""
+    return " (hub id or path, relative to the recipe)" if kind == "hub" else " (path, relative to the recipe)"
 
 
 def _bounds_text(f: dataclasses.Field, tp: Any) -> str:

@@ -11,7 +11,7 @@ A plugin is a module (or object) exposed through the ``flowrl`` entry-point grou
 
     @hookimpl
     def register_rewards(register):
-        register("brightness", lambda images, prompts: images.mean(dim=(1, 2, 3)))
+        register("redness", lambda images, prompts: images[:, 0].mean(dim=(1, 2)))
 
 The registration hooks all receive one argument, ``register``, a callback bound to one kind of
 component::

@@ -21,13 +21,15 @@ key's documentation.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from .config import from_dict, param, to_dict
+from .config import fields_of, from_dict, param, to_dict
 from .errors import RecipeError, printable, suggest
 from .interfaces import ProfilingChunker
 from .plugins import Registry, get_registry
@@ -42,7 +44,9 @@ else:  # pragma: no cover
 @dataclasses.dataclass
 class RunConfig:
     name: str = param("run", "Run name; used in the default output directory.")
-    output_dir: str = param("runs/{name}", "Run directory ({name} is replaced by the run name).")
+    output_dir: str = param(
+        "runs/{name}", "Run directory ({name} is replaced by the run name); relative to the current directory."
+    )
     seed: int = param(42, "Global seed: sampling noise, selection and data order derive from it.", min=0, max=2**63 - 1)
     device: str = param("auto", "'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
 
@@ -150,9 +154,11 @@ class SamplerConfig:
 @dataclasses.dataclass
 class PromptsConfig:
     source: str = param(
-        "model", "'model' (the model's own prompt source) or a path to a text file, one prompt a line."
+        "model", "'model' (the model's own prompt source) or a path to a text file, one prompt a line.",
+        path=True, keep=("model",),
     )
-    eval_source: str = param("", "Evaluation prompts: same forms as source; empty = same as source.")
+    eval_source: str = param("", "Evaluation prompts: same forms as source; empty = same as source.",
+                             path=True, keep=("model",))
     num_eval: int = param(0, "Evaluation prompts used per evaluation (0 = no evaluation).", min=0)
     eval_seeds: int = param(1, "Seeds per evaluation prompt.", min=1)
 
@@ -169,6 +175,19 @@ class LogConfig:
 class CheckpointConfig:
     every: int = param(10, "Write a checkpoint every N iterations (and always at the end).", min=1)
     keep_last: int = param(2, "Keep this many most recent checkpoints.", min=1)
+
+
+@dataclasses.dataclass
+class RewardEntryConfig:
+    """The keys every ``[[rewards]]`` entry takes besides ``use`` and the reward's own parameters."""
+
+    weight: float = param(1.0, "Weight of this reward in the combined advantage (0 = logged, not trained on).")
+    name: str = param("", "Name it is logged under (reward/<name>/mean); unset = the `use` name. "
+                          "Entries need distinct names (the same reward twice needs a name).")
+    chunk_weights: list[float] = param(
+        [], "One weight per chunk, in sampling order (high noise first), replacing `weight` chunk by chunk; "
+            "empty = `weight` for every chunk."
+    )
 
 
 #: Plain tables and their dataclasses.
@@ -192,6 +211,8 @@ COMPONENT_SECTIONS: dict[str, str] = {
 }
 #: Arrays of component tables and their kinds.
 LIST_SECTIONS: dict[str, str] = {"rewards": "reward", "trackers": "tracker"}
+#: Keys of a [[rewards]] entry that belong to the entry, not to the reward.
+REWARD_ENTRY_KEYS = tuple(f.name for f in dataclasses.fields(RewardEntryConfig))
 
 
 @dataclasses.dataclass
@@ -317,10 +338,66 @@ def load_recipe(
     overrides: list[str] | None = None,
     registry: Registry | None = None,
 ) -> Recipe:
-    """Read, override and validate a recipe file. Raises RecipeError with file and key."""
+    """Read, override and validate a recipe file. Raises RecipeError with file and key.
+
+    Relative paths (keys declared with ``param(..., path=...)``) given in the file resolve
+    against the file's directory; those given by ``--set`` overrides, against the current
+    directory. The recipe then holds absolute paths (and so does the run's saved recipe)."""
+    registry = registry or get_registry()
     data = read_toml(path)
+    resolve_paths(data, Path(path).resolve().parent, registry, str(path), from_file=True)
     data = apply_overrides(data, overrides or [])
+    touched = {tuple(parse_override(text)[0]) for text in overrides or []}
+    resolve_paths(data, Path.cwd(), registry, "--set", only=touched)
     return validate(data, source=str(path), registry=registry)
+
+
+def resolve_paths(data: dict[str, Any], base: Path, registry: Registry, where: str, *,
+                  from_file: bool = False, only: set[tuple[str, ...]] | None = None) -> None:
+    """Make the relative path values of a parsed recipe absolute against ``base``, in place.
+    ``only``: just these key paths (``("prompts", "source")``, ``("rewards", "0", "model")``).
+    Malformed tables are left for :func:`validate` to report."""
+    tables: list[tuple[tuple[str, ...], Any, type | None]] = []
+    for section, cls in SECTIONS.items():
+        tables.append(((section,), data.get(section), cls))
+    for section, kind in list(COMPONENT_SECTIONS.items()) + list(LIST_SECTIONS.items()):
+        value = data.get(section)
+        entries = [((section, str(i)), t) for i, t in enumerate(value)] if isinstance(value, list) else [((section,), value)]
+        for key, table in entries:
+            use = table.get("use") if isinstance(table, dict) else None
+            comp = registry.components.get(kind, {}).get(use) if isinstance(use, str) else None
+            tables.append((key, table, comp.params if comp is not None else None))
+    for key, table, cls in tables:
+        if not isinstance(table, dict) or cls is None:
+            continue
+        for f, _ in fields_of(cls):
+            value = table.get(f.name)
+            if f.metadata.get("path") and isinstance(value, str) and (only is None or (*key, f.name) in only):
+                table[f.name] = resolve_path(value, base, f, f"{where}: {'.'.join((*key, f.name))}", from_file)
+
+
+def resolve_path(value: str, base: Path, f: dataclasses.Field, where: str, from_file: bool) -> str:
+    """One path value made absolute against ``base``; words, empty values, absolute paths and
+    (for ``path="hub"`` keys) hub ids stay as they are. A path in a recipe file that exists only
+    relative to the current directory is refused: the recipe would mean different files from
+    different directories."""
+    if not value or value in f.metadata.get("keep", ()):
+        return value
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidate = Path(os.path.normpath(base / p))
+    explicit = value.startswith(("./", "../", ".\\", "..\\"))
+    if f.metadata["path"] == "hub" and not (explicit or candidate.exists()) and not (from_file and p.exists()):
+        return value  # a hub id
+    if from_file and not candidate.exists() and p.exists() and candidate != Path.cwd() / p:
+        raise RecipeError(
+            f"'{value}' does not exist relative to the recipe's directory ({base}), only relative to the current "
+            "directory; paths in a recipe are relative to the recipe file",
+            where=where,
+            hint=f"write it as {json.dumps(os.path.relpath(p.resolve(), base))} or as an absolute path",
+        )
+    return str(candidate)
 
 
 def validate(
@@ -359,7 +436,7 @@ def validate(
         components[section] = component_choice(registry, kind, table, f"{source}: [{section}]")
 
     rewards = [
-        component_choice(registry, "reward", t, f"{source}: [[rewards]] #{i + 1}", extra=("weight", "name", "chunk_weights"))
+        component_choice(registry, "reward", t, f"{source}: [[rewards]] #{i + 1}", extra=REWARD_ENTRY_KEYS)
         for i, t in enumerate(data.get("rewards", []))
     ]
     if not rewards and require_rewards:
@@ -414,22 +491,11 @@ def component_choice(
         params = from_dict(comp.params, body, where=where, ignore=("use",) + extra)
     choice = ComponentChoice(use=name, params=params)
     if "weight" in extra:
-        weight = table.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise RecipeError(f"key 'weight' must be a number, got {weight!r}", where=where)
-        choice.weight = float(weight)
-        label = table.get("name", name)
-        if not isinstance(label, str) or not label:
-            raise RecipeError(f"key 'name' must be a non-empty string, got {label!r}", where=where)
-        choice.label = label
-        chunk_weights = table.get("chunk_weights", [])
-        if not isinstance(chunk_weights, list) or not all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) for w in chunk_weights
-        ):
-            raise RecipeError(
-                f"key 'chunk_weights' must be a list of numbers (one per chunk), got {chunk_weights!r}", where=where
-            )
-        choice.chunk_weights = [float(w) for w in chunk_weights]
+        entry = from_dict(RewardEntryConfig, {k: table[k] for k in extra if k in table}, where=where)
+        if "name" in table and not entry.name:
+            raise RecipeError("key 'name' must be a non-empty string, got ''", where=where,
+                              hint=RewardEntryConfig.__dataclass_fields__["name"].metadata["help"])
+        choice.weight, choice.label, choice.chunk_weights = entry.weight, entry.name or name, list(entry.chunk_weights)
     return choice
 
 

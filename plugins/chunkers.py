@@ -90,8 +90,8 @@ class ExplicitChunker:
 class DynamicsConfig:
     profile: str = param(
         "",
-        "profile.json written by `flowrl profile` (path relative to the current directory). "
-        "Empty = profile the recipe's model with the training sampler when training starts.",
+        "profile.json written by `flowrl profile`. "
+        "Empty = profile the recipe's model with the training sampler when training starts.", path=True,
     )
     method: Literal["dp", "curvature", "derivative"] = param(
         "dp",

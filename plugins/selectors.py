@@ -45,7 +45,7 @@ class WeightedConfig:
     profile: str = param(
         "",
         "profile.json from `flowrl profile`; its mean L1rel per transition gives chunk weights "
-        "(paper Eq. 16). Empty = the chunker's profile.",
+        "(paper Eq. 16). Empty = the chunker's profile.", path=True,
     )
 
 

@@ -220,9 +220,13 @@ def test_plugins_command(results):
 # ----------------------------------------------------------------------------- in-process main()
 
 
-def test_train_option_parsing(monkeypatch):
+def test_train_option_parsing(monkeypatch, tmp_path):
     """train hands the engine the validated recipe with -o, --set, --resume and --dry-run applied."""
     import flowrl.train
+
+    prev = tmp_path / "prev"  # --resume needs a run directory (one with the recipe training wrote)
+    prev.mkdir()
+    (prev / "recipe.toml").write_text((REPO / QUICK).read_text())
 
     seen = {}
 
@@ -231,11 +235,11 @@ def test_train_option_parsing(monkeypatch):
 
     monkeypatch.setattr(flowrl.train, "train", fake_train)
     cli.main(["train", str(REPO / QUICK), "-o", "/tmp/flowrl-out dir", "--set", "train.iterations=3",
-              "-s", "model.random_init=true", "--resume", "/tmp/prev", "--dry-run"])
+              "-s", "model.random_init=true", "--resume", str(prev), "--dry-run"])
     recipe = seen["recipe"]
     assert recipe.output_dir == Path("/tmp/flowrl-out dir")
     assert recipe.train.iterations == 3 and recipe.components["model"].params.random_init is True
-    assert seen["resume"] == Path("/tmp/prev") and seen["dry_run"] is True
+    assert seen["resume"] == prev and seen["dry_run"] is True
     seen.clear()
     cli.main(["train", str(REPO / QUICK)])
     assert seen["recipe"].output_dir == Path("runs/quickstart") and seen["dry_run"] is False

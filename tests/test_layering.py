@@ -31,7 +31,7 @@ LAYERS: list[set[str]] = [
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.plotting", "flowrl.stats", "flowrl.serving", "flowrl.serving.protocol",
      "flowrl.serving.simple", "flowrl.serving.fleet", "flowrl.serving._litserve_api"},
     {"flowrl.recipe", "flowrl.planning", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
-     "flowrl.dynamics.report", "flowrl.dynamics.profile_file"},
+     "flowrl.dynamics.report", "flowrl.dynamics.profile_file", "flowrl.hub"},
     {"flowrl.train", "flowrl.train.*"},
     {"flowrl.testing", "flowrl.testing.*", "flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__"},
 ]

@@ -27,7 +27,7 @@ def test_there_are_quickstart_variants():
 
 @pytest.mark.parametrize("name", QUICKSTARTS)
 def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)  # recipes name the committed profile relative to the repository
+    monkeypatch.chdir(REPO)  # (not needed for the paths: recipes name their files relative to the recipe)
     recipe = load_recipe(
         REPO / "recipes" / name,
         [f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "train.iterations=1", "train.prompts_per_iteration=2",

@@ -11,13 +11,47 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 
 if TYPE_CHECKING:  # torch loads with the recipe module: only when a command needs it
     from ..plugins import Registry
     from ..recipe import Recipe
 
-app = typer.Typer(
+
+class _PlainFlags:
+    """Help screens show no ``<bool>`` after an on/off flag (``--dry-run``, ``--help``): a flag
+    takes no value, so there is no value type to show."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_bool_flag", False) and not p.metavar:
+                p.metavar = ""
+        return params
+
+
+class FlowrlCommand(_PlainFlags, typer.core.TyperCommand):
+    pass
+
+
+class FlowrlGroup(_PlainFlags, typer.core.TyperGroup):
+    pass
+
+
+class FlowrlTyper(typer.Typer):
+    """A Typer app whose commands and groups use the classes above."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("cls", FlowrlGroup)
+        super().__init__(**kwargs)
+
+    def command(self, *args, **kwargs):
+        kwargs.setdefault("cls", FlowrlCommand)
+        return super().command(*args, **kwargs)
+
+
+app = FlowrlTyper(
     name="flowrl",
     help="Reinforcement learning for flow-matching text-to-image models (GRPO, GSPO, Chunk-GRPO).",
     no_args_is_help=True,

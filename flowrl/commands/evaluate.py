@@ -7,8 +7,14 @@
     flowrl eval runs/x --steps 50 --hybrid-steps 30 --prompts hpd_test.txt --seeds 4
     flowrl eval recipes/chunk_grpo_flux.toml -o base_eval.json  # the untrained base model
 
-Images are sampled exactly as ``flowrl sample`` does (deterministic ODE, noise seeded by
-``(seed, prompt, k)``, optional hybrid inference) and scored by each reward in batches. With
+By default a run, checkpoint or recipe is evaluated exactly as training evaluates it: the run's
+fixed evaluation prompts (``[prompts].num_eval`` of the pool, chosen by ``[run].seed``), its
+``eval_seeds`` images per prompt, the same noise per item (:func:`flowrl.train.evaluate.evaluation_noise`)
+and the same batch size, so the mean equals the ``eval/<reward>/mean`` that the run logged for
+that checkpoint (``--seed`` draws other noise for the same prompts). Passing ``--prompt``,
+``--prompts``, ``--num-prompts`` or ``--seeds`` (or a recipe without evaluation) samples as
+``flowrl sample`` does instead: those prompts, noise seeded by ``(seed, prompt, k)``. Both use
+deterministic ODE sampling and optional hybrid inference, and score in batches. With
 ``WORLD_SIZE > 1`` each rank samples and scores its shard and rank 0 gathers the scores: every
 image is scored once. The result goes to ``RUN_DIR/checkpoints/<checkpoint>.<name>.json``
 (beside the checkpoint directory, so pruning old checkpoints keeps it), or ``-o PATH``::
@@ -20,9 +26,11 @@ image is scored once. The result goes to ``RUN_DIR/checkpoints/<checkpoint>.<nam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -32,7 +40,6 @@ from ..errors import FlowrlError
 from .base import (
     CheckpointOpt,
     DeviceOpt,
-    NumPromptsOpt,
     PromptOpt,
     ScheduleOpt,
     SeedOpt,
@@ -80,6 +87,61 @@ def default_eval_path(src, name: str) -> Path:
     return src.checkpoint.parent / f"{src.checkpoint.name}.{name}.json"
 
 
+def check_arguments(source, model, reward, output) -> None:
+    """Every missing argument at once (not one per attempt)."""
+    missing = []
+    if source is None and model is None:
+        missing.append("SOURCE or --model NAME (what to evaluate: a run directory, a checkpoint directory, "
+                       "a recipe file, or a registered model)")
+    if model is not None and source is None and not reward:
+        missing.append("--reward NAME (a model alone brings no rewards)")
+    no_checkpoint = (model is not None and source is None) or (source is not None and Path(source).suffix == ".toml")
+    if output is None and no_checkpoint:
+        missing.append("-o PATH (without a checkpoint there is nowhere beside it to write the result)")
+    if missing:
+        raise FlowrlError(
+            f"eval is missing {len(missing)} argument(s): " + "; ".join(missing), where="flowrl eval",
+            hint="flowrl eval runs/my_run  or  flowrl eval recipes/x.toml -o base.json  or  "
+                 "flowrl eval --model embedded --reward area -o results.json (pass -o where there is no checkpoint)",
+        )
+
+
+@dataclasses.dataclass
+class EvalPlan:
+    """What is sampled: the items, how their noise is drawn, and how many per batch."""
+
+    protocol: str  # "run": the run's own evaluation; "explicit": prompts and seeds given
+    prompts: list[str]
+    seeds: int
+    items: list
+    batch_size: int
+    noise_of: Callable | None  # None: flowrl sample's noise, keyed by (seed, prompt, k)
+
+
+def plan_evaluation(prompt, prompts, num_prompts, seeds, batch_size, src, policy, seed: int) -> EvalPlan:
+    """The run's own evaluation set, unless prompts or seeds are given (or there is none)."""
+    from ..train.evaluate import evaluation_items, evaluation_noise, evaluation_set
+    from .sample import Item, make_items, read_prompt_list
+
+    explicit = bool(prompt) or prompts is not None or num_prompts is not None or seeds is not None
+    run_prompts = [] if explicit or not src.from_recipe else evaluation_set(src.recipe, policy)
+    if not run_prompts:
+        plist = read_prompt_list(prompt, prompts, num_prompts or 0, src, policy)
+        k = seeds or 1
+        return EvalPlan("explicit", plist, k, make_items(plist, k), batch_size or 8, None)
+    recipe = src.recipe
+    k = recipe.prompts.eval_seeds
+    n = len(run_prompts)  # item j is prompt j mod n with seed index j // n
+    items = [Item(j, j % n, p, s) for j, (p, s) in enumerate(evaluation_items(run_prompts, k))]
+    shape = policy.latent_shape
+
+    def noise_of(item):
+        return evaluation_noise(shape, seed, [item.index])[0]
+
+    # training evaluates in batches of 4 micro-batches; the same batches give the same numbers
+    return EvalPlan("run", run_prompts, k, items, batch_size or recipe.train.micro_batch_size * 4, noise_of)
+
+
 @app.command("eval")
 def evaluate(
     source: SourceArg = None,
@@ -88,63 +150,76 @@ def evaluate(
     checkpoint: CheckpointOpt = None,
     reward: Annotated[Optional[list[str]], typer.Option("--reward", "-r", help="A registered reward with default params (repeatable); default: the recipe's rewards.")] = None,
     prompt: PromptOpt = None,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A text file, one prompt a line (default: the recipe's eval prompts).")] = None,
-    num_prompts: NumPromptsOpt = 0,
-    seeds: Annotated[int, typer.Option("--seeds", min=1, help="Images per prompt.")] = 1,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A text file, one prompt a line (default: the run's own evaluation prompts).")] = None,
+    num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", min=0, help="Use the first N prompts of the pool (0 = all; default: the run's own evaluation prompts).")] = None,
+    seeds: Annotated[Optional[int], typer.Option("--seeds", min=1, help="Images per prompt (default: the run's eval_seeds, else 1).")] = None,
     seed: SeedOpt = None,
     steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Sampling steps (default: the recipe's).")] = None,
     schedule: ScheduleOpt = "auto",
     hybrid_steps: Annotated[int, typer.Option("--hybrid-steps", min=0, help="First K steps from the trained model, the rest from the base.")] = 0,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per batch (scores do not depend on it).")] = 8,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Images per batch (default: the run's evaluation batch, else 8).")] = None,
     device: DeviceOpt = None,
     name: Annotated[str, typer.Option("--name", help="Result name: <checkpoint>.<name>.json.")] = "eval",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="JSON path (default: beside the checkpoint).")] = None,
     save_images: Annotated[Optional[Path], typer.Option("--save-images", help="Also write the PNGs to this directory.")] = None,
 ) -> None:
-    """Sample with fixed seeds and score with reward plugins; write JSON beside the checkpoint."""
-    from ..interfaces import score
-    from .sample import generate, make_items, prepare, read_prompt_list, resolve_sigmas, save_png, shard
+    """Score a checkpoint as the run evaluates it (or given prompts and seeds); JSON beside it."""
+    from .sample import prepare, resolve_sigmas
 
     start_time = time.perf_counter()
+    check_arguments(source, model, reward, output)
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
     path = output or default_eval_path(src, name)
     rewards = build_rewards(src, list(reward or []))
-    plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
-    items = make_items(plist, seeds)
-    if save_images is not None:
-        Path(save_images).mkdir(parents=True, exist_ok=True)
-    records = []
-    for batch, images in generate(policy, shard(items, ctx.rank, ctx.world_size), sigmas, seed=base_seed,
-                                  batch_size=batch_size, hybrid_steps=hybrid_steps, base=base):
-        batch_prompts = [it.prompt for it in batch]
-        scores = {label: score(r, images, batch_prompts).scores.tolist() for label, r in rewards}
-        for j, it in enumerate(batch):
-            records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
-                            "seed_index": it.seed_index, "scores": {k: v[j] for k, v in scores.items()}})
-            if save_images is not None:
-                save_png(images[j], Path(save_images) / f"{it.prompt_index:05d}_{it.seed_index:02d}.png")
-    records = gather_records(records, ctx)
+    plan = plan_evaluation(prompt, prompts, num_prompts, seeds, batch_size, src, policy, base_seed)
+    records = score_items(plan, policy, base, sigmas, rewards, ctx, base_seed, hybrid_steps, save_images)
     if not ctx.is_main:
         return
-    from ..files import write_text_atomic
     from ..train.checkpoint import checkpoint_iteration
 
-    result = {
+    write_result(Path(path), {
         "source": src.label,
         "checkpoint": str(src.checkpoint) if src.checkpoint else None,
         "iteration": checkpoint_iteration(src.checkpoint),
         "rewards": {label: summarize([r["scores"][label] for r in records]) for label, _ in rewards},
         "settings": {
             "model": src.recipe.components["model"].use, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
-            "seed": base_seed, "seeds_per_prompt": seeds, "num_prompts": len(plist),
+            "protocol": plan.protocol, "seed": base_seed, "seeds_per_prompt": plan.seeds,
+            "num_prompts": len(plan.prompts), "batch_size": plan.batch_size,
             "hybrid_steps": hybrid_steps, "world_size": ctx.world_size,
         },
         "per_image": records,
         "elapsed_s": time.perf_counter() - start_time,
-    }
-    path = Path(path)
+    })
+
+
+def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, hybrid_steps: int, save_images) -> list[dict]:
+    """Sample this process's share of the items, score them with every reward; all records on
+    the main process, in item order."""
+    from ..interfaces import score
+    from .sample import generate, save_png, shard
+
+    if save_images is not None:
+        Path(save_images).mkdir(parents=True, exist_ok=True)
+    records = []
+    for batch, images in generate(policy, shard(plan.items, ctx.rank, ctx.world_size), sigmas, seed=seed,
+                                  batch_size=plan.batch_size, hybrid_steps=hybrid_steps, base=base,
+                                  noise_of=plan.noise_of):
+        batch_prompts = [it.prompt for it in batch]
+        scores = {label: score(r, images, batch_prompts, name=label).scores.tolist() for label, r in rewards}
+        for j, it in enumerate(batch):
+            records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
+                            "seed_index": it.seed_index, "scores": {k: v[j] for k, v in scores.items()}})
+            if save_images is not None:
+                save_png(images[j], Path(save_images) / f"{it.prompt_index:05d}_{it.seed_index:02d}.png")
+    return gather_records(records, ctx)
+
+
+def write_result(path: Path, result: dict) -> None:
+    from ..files import write_text_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=1))
     for label, stats in result["rewards"].items():

@@ -1,10 +1,11 @@
-"""``flowrl export``: a run's latest checkpoint in diffusers' formats.
+"""``flowrl export``: a run's latest checkpoint in diffusers' formats, optionally on the hub.
 
 ::
 
     flowrl export runs/chunk_grpo_sd3                 # LoRA run -> pytorch_lora_weights.safetensors
     flowrl export runs/chunk_grpo_sd3 --merge         # LoRA merged into the base -> full pipeline
     flowrl export runs/chunk_grpo_flux -o flux_rl     # full fine-tuning -> save_pretrained pipeline
+    flowrl export runs/x --push-to-hub me/flux-rl --private   # + model card, uploaded (flowrl.hub)
 
 - LoRA: ``pytorch_lora_weights.safetensors`` in diffusers' layout (``transformer.`` prefixed
   peft keys, plus the adapter's rank / alpha / targets in the safetensors metadata), so::
@@ -43,10 +44,16 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     if src.checkpoint is None:
         raise FlowrlError(f"{run_dir} has no checkpoint yet", where="RUN_DIR",
                           hint="checkpoints appear every [checkpoint].every iterations and at the end of training")
+    finetune = src.recipe.train.finetune
+    if merge and finetune != "lora":
+        raise FlowrlError(
+            f"--merge merges a LoRA into its base model, but this run fine-tuned all weights (finetune = '{finetune}'): "
+            "there is nothing to merge", where="--merge",
+            hint="export without --merge: the full weights are exported as they are",
+        )
     out = Path(out) if out is not None else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
     out.mkdir(parents=True, exist_ok=True)
     model = load_policy(src, "cpu")
-    finetune = src.recipe.train.finetune
     if finetune == "lora" and not merge:
         fmt = _save_lora(model, out)
     else:
@@ -123,8 +130,15 @@ def export(
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Export this checkpoint directory instead of the latest.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (default RUN_DIR/export/<checkpoint>).")] = None,
     merge: Annotated[bool, typer.Option("--merge", help="LoRA runs: merge the LoRA into the base and save full weights.")] = False,
+    push_to_hub: Annotated[Optional[str], typer.Option("--push-to-hub", metavar="OWNER/NAME", help="Also write a model card "
+                           "(README.md, reward curves, recipe) and upload the folder to this Hugging Face hub repository.")] = None,
+    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repository private.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push-to-hub: write the folder and its model card, upload nothing.")] = False,
 ) -> None:
     """Export the trained weights: LoRA for pipe.load_lora_weights, or a full save_pretrained pipeline."""
+    if (private or dry_run) and push_to_hub is None:
+        raise FlowrlError(f"{'--private' if private else '--dry-run'} applies to --push-to-hub", where="flowrl export",
+                          hint="flowrl export RUN_DIR --push-to-hub OWNER/NAME [--private] [--dry-run]")
     out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge)
     info = json.loads((out / "flowrl_export.json").read_text())
     console.print(f"exported {info['checkpoint']} ({info['format']}) to {out}")
@@ -132,3 +146,21 @@ def export(
         console.print(f"load it with: pipe.load_lora_weights({str(out)!r})")
     elif info["format"] == "diffusers_pipeline":
         console.print(f"load it with: Pipeline.from_pretrained({str(out)!r})")
+    if push_to_hub is not None:
+        publish(out, push_to_hub, run_dir, checkpoint, list(set_ or []), private=private, dry_run=dry_run)
+
+
+def publish(out: Path, repo: str, run_dir: Path, checkpoint, overrides: list[str], *, private: bool, dry_run: bool) -> None:
+    """The model card beside the exported weights, then the upload (flowrl.hub)."""
+    from ..hub import push_folder, write_card
+    from .sample import resolve_source
+
+    src = resolve_source(Path(run_dir), None, overrides, checkpoint)
+    written = write_card(out, repo, src.recipe, src.run_dir)
+    console.print(f"wrote {', '.join(written)} to {out}")
+    if dry_run:
+        console.print(f"--dry-run: would push {out} to {repo}{' (private)' if private else ''}")
+        return
+    info = json.loads((out / "flowrl_export.json").read_text())
+    url = push_folder(out, repo, private=private, message=f"flowrl export of {src.label} (iteration {info['iteration']})")
+    console.print(f"pushed to {repo}: {url}")

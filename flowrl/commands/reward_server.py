@@ -13,9 +13,9 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import FlowrlError
-from .base import app, registry
+from .base import FlowrlTyper, app, registry
 
-reward_app = typer.Typer(name="reward", help="Reward utilities: serve a reward over HTTP.", no_args_is_help=True)
+reward_app = FlowrlTyper(name="reward", help="Reward utilities: serve a reward over HTTP.", no_args_is_help=True)
 app.add_typer(reward_app, name="reward")
 
 
@@ -24,6 +24,7 @@ def build_reward(name: str, settings: list[str]):
     from ..errors import RecipeError
     from ..recipe import component_choice, tomllib
 
+    registry().get("reward", name, where="flowrl reward serve NAME")  # an unknown name, said plainly
     table: dict = {"use": name}
     for text in settings:
         if "=" not in text:
@@ -49,7 +50,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on; 0 picks a free one.")] = 8700,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request.")] = False,
     backend: Annotated[str, typer.Option("--backend", help="'simple' (stdlib, one process) or 'litserve' "
-                                         "(a fleet: replicas, dynamic batching; needs flowrl[fleet]).")] = "simple",
+                                         "(a fleet: replicas, dynamic batching; needs flowrl\\[fleet]).")] = "simple",
     replicas: Annotated[Optional[int], typer.Option("--replicas", help="litserve: replica processes (default 1).")] = None,
     max_batch: Annotated[Optional[int], typer.Option("--max-batch", help="litserve: most requests scored together (default 8).")] = None,
     max_wait: Annotated[Optional[float], typer.Option("--max-wait", help="litserve: seconds a replica waits to fill a batch (default 0.01).")] = None,

@@ -212,10 +212,12 @@ class Item:
     seed_index: int
 
 
-def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hybrid_steps: int = 0, base=None):
+def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hybrid_steps: int = 0, base=None,
+             noise_of=None):
     """Yield ``(batch_items, images [b, 3, H, W])`` for ``items`` in batches of ``batch_size``:
     the first ``hybrid_steps`` steps (all, when 0) with ``model``, the rest with ``base`` (or,
-    when ``base`` is None, with ``model.reference_velocity``)."""
+    when ``base`` is None, with ``model.reference_velocity``). ``noise_of(item)`` gives an
+    item's starting noise (default: :func:`noise_for`, keyed by seed, prompt and seed index)."""
     import torch
 
     from ..train.evaluate import ode_sample
@@ -228,7 +230,8 @@ def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hy
     for start in range(0, len(items), batch_size):
         batch = items[start : start + batch_size]
         text = cache.get([it.prompt for it in batch])
-        noise = torch.stack([noise_for(model, seed, it.prompt, it.seed_index) for it in batch]).to(device)
+        noise = torch.stack([noise_of(it) if noise_of else noise_for(model, seed, it.prompt, it.seed_index)
+                             for it in batch]).to(device)
 
         def velocity_at(i, x, s, text=text):
             return (late if hybrid_steps and i >= hybrid_steps else model.velocity)(x, s, text)

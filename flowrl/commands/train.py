@@ -31,8 +31,16 @@ def train(
         int, typer.Option("--num-processes", help="Launch N data-parallel processes on this machine (torchrun).")
     ] = 1,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the resolved geometry, then stop.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier run in the run directory: "
+                                            "delete its metrics, checkpoints, images and recipe first.")] = False,
 ) -> None:
     """Train a policy with the recipe's components: rollout, rewards, advantages, update."""
+    from ..train.state import check_resume_directory
+
+    if resume is not None:
+        if overwrite:
+            raise FlowrlError("--overwrite starts afresh and --resume continues: give one of them", where="--overwrite")
+        check_resume_directory(resume)
     if recipe is None:
         if resume is None:
             raise FlowrlError("train needs a RECIPE (or --resume RUN_DIR)", hint="flowrl train recipes/quickstart.toml")
@@ -43,8 +51,51 @@ def train(
     if num_processes > 1 and "LOCAL_RANK" not in os.environ:
         from ..distributed import launch
 
-        raise typer.Exit(launch(num_processes, sys.argv[1:]))
+        if overwrite and not dry_run:  # cleared once, here, before any process looks at the directory
+            clear_run_directory(load(recipe, overrides).output_dir)
+        raise typer.Exit(launch(num_processes, [a for a in sys.argv[1:] if a != "--overwrite"]))
     resolved = load(recipe, overrides)
     from ..train import train as run_training  # torch, diffusers: only when a run starts
 
+    if overwrite and not dry_run:
+        overwrite_run_directory(resolved.output_dir)
     run_training(resolved, resume=resume, dry_run=dry_run, console=console, registry=registry())
+
+
+#: What `flowrl train` writes into a run directory (trackers may add their own directories).
+RUN_OUTPUTS = ("metrics.jsonl", "recipe.toml", "profile.json", "checkpoints", "images", "tensorboard")
+
+
+def overwrite_run_directory(run_dir: Path, wait_s: float = 300.0) -> None:
+    """The main process clears the directory; under an external launcher (torchrun, accelerate)
+    the other processes wait until it has, so that none of them sees the earlier run."""
+    import time
+
+    if os.environ.get("RANK", "0") == "0":
+        clear_run_directory(run_dir)
+        return
+    deadline = time.monotonic() + wait_s
+    while (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists():
+        if time.monotonic() > deadline:
+            raise FlowrlError(f"--overwrite: {run_dir} still holds the earlier run after {wait_s:.0f} s",
+                              where="--overwrite", hint="is the run directory on a filesystem every process shares?")
+        time.sleep(0.2)
+
+
+def clear_run_directory(run_dir: Path) -> None:
+    """``--overwrite``: delete an earlier run's outputs (only the files and directories training
+    writes, never anything else in the directory)."""
+    import shutil
+
+    removed = []
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    if removed:
+        console.print(f"--overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}")

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -18,8 +19,15 @@ def validate(
     recipe: Annotated[Optional[Path], typer.Argument(help="Recipe to check (omit with --explain to document every key).")] = None,
     set_: SetOpt = None,
     explain: Annotated[bool, typer.Option("--explain", help="Print the documentation of every key the recipe can use.")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="With --explain and no RECIPE: print docs/reference.md (Markdown).")] = False,
 ) -> None:
     """Check a recipe without building anything heavy: tables, keys, types, ranges, components."""
+    if markdown:
+        if recipe is not None or not explain:
+            raise FlowrlError("--markdown documents every key of every component: use `flowrl validate --explain --markdown`",
+                              where="--markdown", hint="flowrl validate --explain --markdown > docs/reference.md")
+        print(reference_markdown(registry()), end="")
+        return
     if recipe is None:
         if not explain:
             raise FlowrlError("validate needs a RECIPE path", hint="flowrl validate recipes/quickstart.toml")
@@ -36,31 +44,76 @@ def validate(
     )
 
 
-def explain_recipe(resolved) -> None:
-    """One table per recipe table: every key with its type, default and meaning."""
+def reference_sections(reg, resolved=None, *, distribution: str | None = None) -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
+    """``(title, description, rows)`` for every table a recipe can hold, rows being ``(key,
+    type with bounds, default, description)`` from the schema validation uses: the plain
+    tables, then every registered component of every component table (only the recipe's own
+    components when ``resolved`` is given; only those of one ``distribution``, when given), the
+    keys of every ``[[rewards]]`` entry included."""
     from ..config import explain as explain_rows
-    from ..recipe import COMPONENT_SECTIONS, LIST_SECTIONS, SECTIONS
+    from ..recipe import COMPONENT_SECTIONS, LIST_SECTIONS, SECTIONS, RewardEntryConfig
 
-    reg = registry()
-
-    def table(title, cls):
-        t = Table(title=escape(title), title_justify="left", show_lines=False)
-        for col in ("key", "type", "default", "meaning"):
-            t.add_column(col, overflow="fold")
-        for row in explain_rows(cls):
-            t.add_row(*(escape(str(c)) for c in row))
-        console.print(t)
-
-    for name, cls in SECTIONS.items():
-        table(f"[{name}]", cls)
+    out = [(f"[{name}]", "", explain_rows(cls)) for name, cls in SECTIONS.items()]
     for section, kind in list(COMPONENT_SECTIONS.items()) + list(LIST_SECTIONS.items()):
-        if resolved is not None and section in COMPONENT_SECTIONS:
-            names = [resolved.components[section].use]
-        elif resolved is not None and section in LIST_SECTIONS:
-            names = sorted({c.use for c in getattr(resolved, section)})
+        listed = section in LIST_SECTIONS
+        brackets = f"[[{section}]]" if listed else f"[{section}]"
+        if section == "rewards":
+            out.append((f"{brackets} (every entry)", "Keys of every entry, besides `use` and the reward's own.",
+                        explain_rows(RewardEntryConfig)))
+        if resolved is not None:
+            names = sorted({c.use for c in getattr(resolved, section)}) if listed else [resolved.components[section].use]
         else:
-            names = reg.names(kind)
+            names = [n for n in reg.names(kind)
+                     if distribution is None or reg.plugins[reg.get(kind, n).plugin].distribution == distribution]
+        default = None if listed else reg.default(kind)
         for name in names:
             comp = reg.get(kind, name)
-            brackets = f"[[{section}]]" if section in LIST_SECTIONS else f"[{section}]"
-            table(f'{brackets} use = "{name}" - {comp.help}', comp.params)
+            note = f" (the default when the recipe has no {brackets} table)" if name == default else ""
+            out.append((f'{brackets} use = "{name}"', comp.help + note, explain_rows(comp.params)))
+    return out
+
+
+def explain_recipe(resolved) -> None:
+    """One table per recipe table: every key with its type, default and meaning. Piped output
+    is not cut to 80 columns (key names never wrap)."""
+    out = console if console.is_terminal else Console(width=200, soft_wrap=False)
+    for title, description, rows in reference_sections(registry(), resolved):
+        t = Table(title=escape(f"{title} - {description}" if description else title), title_justify="left")
+        t.add_column("key", no_wrap=True)
+        t.add_column("type", overflow="fold")
+        t.add_column("default", overflow="fold")
+        t.add_column("meaning", overflow="fold")
+        for row in rows:
+            t.add_row(*(escape(str(c)) for c in row))
+        if not rows:
+            t.add_row("(no parameters)", "", "", "")
+        out.print(t)
+
+
+def reference_markdown(reg) -> str:
+    """docs/reference.md: every key of every table and of every component flowrl ships (the
+    built-in plugins: other installed plugins are left out)."""
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+
+    lines = [
+        "# Recipe reference",
+        "",
+        "Every key of every recipe table and of every registered component: its type (with the bounds",
+        "validation enforces), its default and what it does. Generated from the schema the recipe",
+        "validator uses by `flowrl validate --explain --markdown > docs/reference.md`;",
+        "`tests/test_reference_doc.py` fails when this file is stale. `docs/recipes.md` explains the",
+        "format; `flowrl validate --explain RECIPE` prints the keys of one recipe's components.",
+        "",
+    ]
+    for title, description, rows in reference_sections(reg, distribution="flowrl"):
+        lines += [f"## `{title}`", ""]
+        if description:
+            lines += [cell(description), ""]
+        if not rows:
+            lines += ["No parameters: `use` only.", ""]
+            continue
+        lines += ["| key | type | default | description |", "|---|---|---|---|"]
+        lines += [f"| `{k}` | {cell(t)} | `{cell(d)}` | {cell(h)} |" for k, t, d, h in rows]
+        lines.append("")
+    return "\n".join(lines)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..interfaces import score
+from ..prompts import evaluation_prompts, read_prompts
 from ..sde import ode_step
 from ..seeding import generator
 
@@ -38,6 +39,17 @@ def ode_sample(velocity_at: StepVelocity, noise: torch.Tensor, sigmas: torch.Ten
         s, s_next = sigmas[i].repeat(b), sigmas[i + 1].repeat(b)
         x = ode_step(velocity_at(i, x, s), x, s, s_next).next_sample
     return x
+
+
+def evaluation_set(recipe, model) -> list[str]:
+    """The run's fixed evaluation prompts: ``[prompts].num_eval`` of the evaluation pool
+    (``eval_source``, else ``source``) in the order seeded by ``[run].seed``; empty when the
+    recipe evaluates nothing. Training and ``flowrl eval RUN_DIR`` both take them from here."""
+    p = recipe.prompts
+    if not p.num_eval:
+        return []
+    pool = read_prompts(p.eval_source or p.source, model, f"{recipe.source}: [prompts].eval_source")
+    return evaluation_prompts(pool, recipe.run.seed, p.num_eval)
 
 
 def evaluation_items(prompts: Sequence[str], seeds: int) -> list[tuple[str, int]]:

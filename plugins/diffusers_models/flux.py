@@ -30,7 +30,7 @@ class FluxConfig:
     path: str = param(
         "black-forest-labs/FLUX.1-dev",
         "Hub id or local pipeline directory (model_index.json). FLUX.1-dev is gated: accept its licence "
-        "on the model page and `huggingface-cli login`.",
+        "on the model page and `huggingface-cli login`.", path="hub",
     )
     revision: str = param("", "Hub revision (branch, tag or commit); empty = default branch.")
     dtype: Literal["bf16", "fp16", "fp32"] = param("bf16", "Compute dtype, and storage of text encoders and VAE.")

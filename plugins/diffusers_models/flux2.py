@@ -57,7 +57,7 @@ class Flux2KleinConfig:
     path: str = param(
         "black-forest-labs/FLUX.2-klein-base-4B",
         "Hub id or local pipeline directory (model_index.json). klein-base-4B / klein-4B are Apache-2.0; the 9B "
-        "checkpoints are gated (accept the licence on the model page and `huggingface-cli login`).",
+        "checkpoints are gated (accept the licence on the model page and `huggingface-cli login`).", path="hub",
     )
     revision: str = param("", "Hub revision (branch, tag or commit); empty = default branch.")
     dtype: Literal["bf16", "fp16", "fp32"] = param("bf16", "Compute dtype, and storage of the text encoder and VAE.")

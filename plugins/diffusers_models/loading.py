@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from flowrl.compat import quiet_library_messages
 from flowrl.errors import FlowrlError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -71,6 +72,7 @@ def load_pipeline(pipeline_cls, path: str, *, where: str, revision: str = "", **
         revision = ""
     if revision:
         kwargs["revision"] = revision
+    quiet_library_messages()  # diffusers is imported by now: filter its handlers (flowrl.compat)
     try:
         return pipeline_cls.from_pretrained(path, **kwargs)
     except Exception as exc:  # translate the hub's many exception types below

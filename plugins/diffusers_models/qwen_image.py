@@ -48,7 +48,7 @@ class QwenImageConfig:
     path: str = param(
         "Qwen/Qwen-Image",
         "Hub id or local pipeline directory (model_index.json): Qwen/Qwen-Image or Qwen/Qwen-Image-2512 "
-        "(Apache-2.0, not gated).",
+        "(Apache-2.0, not gated).", path="hub",
     )
     revision: str = param("", "Hub revision (branch, tag or commit); empty = default branch.")
     dtype: Literal["bf16", "fp16", "fp32"] = param("bf16", "Compute dtype, and storage of the text encoder and VAE.")

@@ -28,7 +28,7 @@ class SD3Config:
     path: str = param(
         "stabilityai/stable-diffusion-3.5-medium",
         "Hub id or local pipeline directory (model_index.json). SD3.x repositories are gated: accept the "
-        "licence on the model page and `huggingface-cli login`.",
+        "licence on the model page and `huggingface-cli login`.", path="hub",
     )
     revision: str = param("", "Hub revision (branch, tag or commit); empty = default branch.")
     dtype: Literal["bf16", "fp16", "fp32"] = param("bf16", "Compute dtype, and storage of text encoders and VAE.")

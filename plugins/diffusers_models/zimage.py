@@ -45,7 +45,7 @@ class ZImageConfig:
     path: str = param(
         "Tongyi-MAI/Z-Image-Turbo",
         "Hub id or local pipeline directory (model_index.json): Tongyi-MAI/Z-Image-Turbo (distilled, no CFG) or "
-        "Tongyi-MAI/Z-Image (base, with CFG). Apache-2.0, not gated.",
+        "Tongyi-MAI/Z-Image (base, with CFG). Apache-2.0, not gated.", path="hub",
     )
     revision: str = param("", "Hub revision (branch, tag or commit); empty = default branch.")
     dtype: Literal["bf16", "fp16", "fp32"] = param("bf16", "Compute dtype, and storage of the text encoder and VAE.")

@@ -21,7 +21,7 @@ from .network import EmbeddedT2I, decode, load_pretrained, unpack
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddedConfig:
-    weights: str = param("", "Path to embedded.safetensors (and its .json); empty = the weights shipped in the package.")
+    weights: str = param("", "Path to embedded.safetensors (and its .json); empty = the weights shipped in the package.", path=True)
     random_init: bool = param(False, "Start from random weights instead (for tests of the machinery).")
     seed: int = param(0, "Seed of the random init (random_init = true).", min=0, max=2**63 - 1)
 

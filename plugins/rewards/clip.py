@@ -180,10 +180,10 @@ class HFClipScorer(_ClipScorer):
 
 @dataclasses.dataclass(frozen=True)
 class PickScoreConfig(PlacementConfig):
-    model: str = param("yuvalkirstain/PickScore_v1", "PickScore CLIPModel: a Hugging Face hub id or a local directory.")
+    model: str = param("yuvalkirstain/PickScore_v1", "PickScore CLIPModel: a Hugging Face hub id or a local directory.", path="hub")
     processor: str = param(
         "laion/CLIP-ViT-H-14-laion2B-s32B-b79K",
-        "CLIP processor (tokenizer + image settings): a hub id or a local directory.",
+        "CLIP processor (tokenizer + image settings): a hub id or a local directory.", path="hub",
     )
     scale: PickScale = param(
         "logit",
@@ -262,12 +262,12 @@ class ClipConfig(PlacementConfig):
     model: str = param(
         "",
         "open_clip: architecture name (default 'ViT-H-14'); transformers: hub id or directory "
-        "(default 'openai/clip-vit-large-patch14').",
+        "(default 'openai/clip-vit-large-patch14').", path="hub",
     )
     pretrained: str = param(
-        "", "open_clip only: pretrained tag or local weights file (default 'laion2b_s32b_b79k' for ViT-H-14)."
+        "", "open_clip only: pretrained tag or local weights file (default 'laion2b_s32b_b79k' for ViT-H-14).", path="hub"
     )
-    processor: str = param("", "transformers only: CLIP processor hub id or directory (default: same as model).")
+    processor: str = param("", "transformers only: CLIP processor hub id or directory (default: same as model).", path="hub")
     scale: ClipScale = param(
         "cosine", "Reported scale: 'cosine', 'logit' (logit_scale*cos), 'clipscore' (2.5*max(cos,0)), 'logit/26', '(logit-18)/8'."
     )

@@ -28,7 +28,7 @@ WEIGHTS_DIR = Path(__file__).with_name("embedded_clip")
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddedClipConfig(PlacementConfig):
-    model: str = param("", "Directory of the CLIPModel + processor; empty = the one shipped in the package.")
+    model: str = param("", "Directory of the CLIPModel + processor; empty = the one shipped in the package.", path=True)
     scale: PickScale = param("cosine", "Reported scale: 'cosine' (default), 'logit', 'logit/26', '(logit-18)/8' (see docs/rewards.md).")
 
 

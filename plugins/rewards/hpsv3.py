@@ -208,11 +208,11 @@ class HPSv3Config(PlacementConfig):
     checkpoint: str = param(
         "MizzenAI/HPSv3",
         "HPSv3 weights: a local HPSv3.safetensors (or .pt) file or directory, or a hub repo id "
-        "(downloads HPSv3.safetensors, 16.5 GB).",
+        "(downloads HPSv3.safetensors, 16.5 GB).", path="hub",
     )
     base_model: str = param(
         "Qwen/Qwen2-VL-7B-Instruct",
-        "Qwen2-VL config and tokenizer (hub id or directory); its weights are not loaded.",
+        "Qwen2-VL config and tokenizer (hub id or directory); its weights are not loaded.", path="hub",
     )
     pixels: int = param(200704, "Image area the model sees (HPSv3 fixes 256*28*28 = 200704: 448x448 for a square image).", min=784)
     batch_size: int = param(8, "Images scored per forward pass (scores do not depend on it).", min=1)

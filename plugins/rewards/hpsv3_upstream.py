@@ -27,7 +27,7 @@ from .common import check_images, resolve_device
 
 @dataclasses.dataclass(frozen=True)
 class HPSv3UpstreamConfig:
-    checkpoint: str = param("", "HPSv3 checkpoint file; empty = the package downloads MizzenAI/HPSv3.")
+    checkpoint: str = param("", "HPSv3 checkpoint file; empty = the package downloads MizzenAI/HPSv3.", path=True)
     config: str = param("", "The package's YAML config; empty = its own HPSv3_7B.yaml (bf16, Qwen2-VL-7B).")
     device: str = param("auto", "'auto' (CUDA if available, else CPU), 'cpu', 'cuda', 'cuda:N'.")
     batch_size: int = param(8, "Images per call to the package.", min=1)
