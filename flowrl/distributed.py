@@ -1,9 +1,12 @@
-"""Data parallelism on plain torch.distributed (works under torchrun and `accelerate launch`).
+"""Processes on plain torch.distributed (works under torchrun and `accelerate launch`).
 
 Both launchers set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; :func:`setup` joins the process
-group (gloo on CPU, nccl on CUDA). Gradients are averaged explicitly with one coalesced
-all-reduce per optimizer step (:func:`average_gradients`), which is what DDP does, but lets the
-memory-lean chunk update call backward many times per micro-batch without a sync each time.
+group (gloo on CPU, nccl on CUDA) after checking the launcher's settings against the recipe's
+``[distributed]`` table (:func:`check_launch_environment`). The small collectives of the loop
+(rewards, metrics, flags) live here; how the model is replicated or sharded, and how its
+gradients are reduced, is :mod:`flowrl.train.parallel`. :func:`average_gradients` is the
+original hand-written reduction (one all-reduce per tensor), kept until the engine runs
+through :class:`flowrl.train.parallel.Strategy`.
 """
 
 from __future__ import annotations
@@ -34,27 +37,110 @@ class DistContext:
         return self.world_size > 1
 
 
-#: accelerate settings the engine does not implement: refused rather than silently ignored.
-_UNSUPPORTED_LAUNCH = {
-    "ACCELERATE_MIXED_PRECISION": "accelerate's mixed precision (set the model's dtype in the recipe instead)",
-    "ACCELERATE_USE_FSDP": "FSDP",
-    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
-    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
-}
+_TRUE = ("1", "true", "yes")
+_FALSE = ("", "0", "false", "no")
 
 
-def check_launch_environment(env=None) -> None:
-    """Refuse launcher settings that the engine would otherwise ignore."""
+def _flag(env, key: str) -> bool | None:
+    """An accelerate boolean environment setting: True, False, or None when it is not set."""
+    if key not in env:
+        return None
+    value = env[key].strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise FlowrlError(f"the launcher set {key}={env[key]!r}, which is neither true nor false", where="accelerate config")
+
+
+def _disagree(launcher: str, recipe: str, fix: str) -> FlowrlError:
+    return FlowrlError(
+        f"the launcher asks for {launcher} but the recipe's [distributed] has {recipe}",
+        where="accelerate config vs [distributed]",
+        hint=f"make them agree: {fix}",
+    )
+
+
+def _check_fsdp_launch(settings, env) -> None:
+    """FSDP settings exported by `accelerate launch` (an FSDP config) against [distributed]."""
+    if settings.strategy not in ("auto", "fsdp2"):
+        raise _disagree("FSDP (ACCELERATE_USE_FSDP=true)", f"strategy = {settings.strategy!r}",
+                        "set [distributed].strategy = 'fsdp2', or launch without the FSDP config")
+    version = env.get("FSDP_VERSION", "1").strip()
+    if version != "2":
+        raise FlowrlError(
+            f"the launcher asks for FSDP version {version} (FSDP_VERSION); flowrl implements FSDP2 only",
+            where="accelerate config", hint="set fsdp_version: 2 in the accelerate config (or drop the FSDP section)",
+        )
+    strategy = env.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").strip().upper()
+    if strategy not in ("1", "FULL_SHARD"):  # FSDP2 replaces it: hybrid is a 2-D mesh (parallelism config)
+        raise FlowrlError(
+            f"the launcher asks for FSDP_SHARDING_STRATEGY={strategy}, an FSDP1 setting that FSDP2 does not have",
+            where="accelerate config",
+            hint="for shard-within-node / replicate-across-nodes set parallelism_config dp_replicate_size "
+            "(= the number of nodes) and [distributed].shard = 'hybrid'",
+        )
+    if _flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        for key in ("PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_CP_SIZE", "PARALLELISM_CONFIG_SP_SIZE"):
+            if env.get(key, "1").strip() not in ("", "1"):
+                raise FlowrlError(f"the launcher asks for {key}={env[key]}; flowrl shards data-parallel only",
+                                  where="accelerate config", hint=f"remove {key.lower()} from the parallelism config")
+        replicate = env.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1").strip() or "1"
+        shard = "hybrid" if replicate != "1" else "full"
+        if shard != settings.shard:
+            raise _disagree(f"PARALLELISM_CONFIG_DP_REPLICATE_SIZE={replicate} ({shard} sharding)",
+                            f"shard = {settings.shard!r}", f"set [distributed].shard = {shard!r}, or change dp_replicate_size")
+    if _flag(env, "FSDP_RESHARD_AFTER_FORWARD") is False:
+        raise FlowrlError("the launcher asks FSDP not to reshard after forward (FSDP_RESHARD_AFTER_FORWARD=false); "
+                          "flowrl reshards every block after its forward", where="accelerate config",
+                          hint="set fsdp_reshard_after_forward: true")
+    for key, field in (("FSDP_OFFLOAD_PARAMS", "cpu_offload"), ("FSDP_ACTIVATION_CHECKPOINTING", "activation_checkpointing")):
+        launcher = _flag(env, key)
+        if launcher is not None and launcher != getattr(settings, field):
+            raise _disagree(f"{key}={str(launcher).lower()}", f"{field} = {str(getattr(settings, field)).lower()}",
+                            f"set [distributed].{field} = {str(launcher).lower()}, or change the accelerate config")
+    # FSDP_SYNC_MODULE_STATES / FSDP_CPU_RAM_EFFICIENT_LOADING (accelerate's defaults: true) hold:
+    # every process loads the weights and rank 0's are broadcast before sharding
+    for key in ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",):
+        if _flag(env, key):
+            raise FlowrlError(f"the launcher asks for {key}=true, which flowrl does not implement",
+                              where="accelerate config", hint="set it to false in the accelerate config")
+
+
+def check_launch_environment(settings=None, env=None) -> None:
+    """The settings a launcher exports (``accelerate launch --config_file``) must agree with the
+    recipe's ``[distributed]`` table (``settings``: an object with ``strategy``, ``shard``,
+    ``cpu_offload``, ``activation_checkpointing`` and ``mixed_precision``): a disagreement is an
+    error naming both values, never ignored. ``settings=None`` means an engine that has no
+    strategy wired in: it refuses every launcher setting it would otherwise ignore.
+    """
     env = os.environ if env is None else env
-    for key, name in _UNSUPPORTED_LAUNCH.items():
-        value = env.get(key, "").lower()
-        if value and value not in ("0", "false", "no"):
+    for key, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):
+        if _flag(env, key):
             raise FlowrlError(
-                f"the launcher asks for {name} ({key}={env[key]}), which flowrl's engine does not implement",
+                f"the launcher asks for {name} ({key}={env[key]}), which flowrl does not implement",
                 where="accelerate config",
-                hint="use data parallelism (`accelerate launch --multi_gpu ...` or `flowrl train --num-processes N`); "
-                "for models that do not fit, use LoRA, gradient checkpointing and `flowrl plan` to size the run",
+                hint="use [distributed].strategy = 'fsdp2' (sharded weights, gradients and optimizer state) or 'ddp'; "
+                "docs/distributed.md says why DeepSpeed is not offered",
             )
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower()
+    if settings is None:
+        if _flag(env, "ACCELERATE_USE_FSDP") or precision not in ("", "no"):
+            key, name = ("ACCELERATE_USE_FSDP", "FSDP") if _flag(env, "ACCELERATE_USE_FSDP") else (
+                "ACCELERATE_MIXED_PRECISION", "mixed precision")
+            raise FlowrlError(f"the launcher asks for {name} ({key}={env[key]}), but no [distributed] strategy was "
+                              "given to the engine", where="accelerate config", hint="launch with plain data parallelism")
+        return
+    if precision and precision not in ("no", "bf16"):
+        raise FlowrlError(f"the launcher asks for {precision} mixed precision (ACCELERATE_MIXED_PRECISION); flowrl "
+                          "offers bf16 only", where="accelerate config", hint="use --mixed_precision bf16 or no")
+    if precision and precision != settings.mixed_precision:
+        raise _disagree(f"mixed precision ACCELERATE_MIXED_PRECISION={precision}",
+                        f"mixed_precision = {settings.mixed_precision!r}",
+                        f"set [distributed].mixed_precision = {precision!r}, or launch with "
+                        f"--mixed_precision {settings.mixed_precision}")
+    if _flag(env, "ACCELERATE_USE_FSDP"):
+        _check_fsdp_launch(settings, env)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -67,11 +153,12 @@ def resolve_device(name: str) -> torch.device:
         raise FlowrlError(f"invalid device '{name}'", where="[run].device", hint="'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
 
 
-def start(device_name: str) -> tuple[torch.device, DistContext]:
+def start(device_name: str, settings=None) -> tuple[torch.device, DistContext]:
     """This process's device and the process group: under torchrun or accelerate, one process
-    per GPU (``cuda`` then means ``cuda:LOCAL_RANK``)."""
+    per GPU (``cuda`` then means ``cuda:LOCAL_RANK``). ``settings``: the recipe's
+    ``[distributed]`` table (see :func:`setup`)."""
     device = resolve_device(device_name)
-    ctx = setup(device)
+    ctx = setup(device, settings)
     return process_device(device, ctx), ctx
 
 
@@ -82,8 +169,10 @@ def process_device(device: torch.device, ctx: DistContext) -> torch.device:
     return device
 
 
-def setup(device: torch.device) -> DistContext:
-    check_launch_environment()
+def setup(device: torch.device, settings=None) -> DistContext:
+    """Join the process group. ``settings`` is the recipe's ``[distributed]`` table, checked
+    against the launcher's settings (:func:`check_launch_environment`)."""
+    check_launch_environment(settings)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistContext()

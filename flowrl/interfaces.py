@@ -151,6 +151,18 @@ class DiffusersLoraModule(Protocol):
 
 
 @runtime_checkable
+class HasShardableBlocks(Protocol):
+    """An adapter that names its denoiser's transformer blocks: FSDP2 shards, and activation
+    checkpointing recomputes, block by block (``[distributed]``, docs/distributed.md). Without
+    it, flowrl takes the modules of every ``nn.ModuleList`` whose attribute name ends in
+    ``blocks`` (diffusers' FLUX and SD3 transformers: ``transformer_blocks``,
+    ``single_transformer_blocks``)."""
+
+    def shardable_blocks(self) -> Sequence[torch.nn.Module]:
+        """The denoiser's blocks, each a submodule of ``denoiser``, none inside another."""
+
+
+@runtime_checkable
 class PlansMemory(Protocol):
     """A model's params dataclass that can tell ``flowrl plan`` its sizes without loading
     weights: ``memory_spec()`` returns a :class:`flowrl.planning.ModelMemory`."""

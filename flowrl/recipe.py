@@ -1,7 +1,7 @@
 """TOML recipes: the schema, loading, ``--set`` overrides and validation.
 
 A recipe is a TOML file. Plain tables (``[run]``, ``[train]``, ``[sampler]``, ``[prompts]``,
-``[log]``, ``[checkpoint]``) configure the engine and are documented field by field below.
+``[log]``, ``[checkpoint]``, ``[distributed]``) configure the engine and are documented field by field below.
 Component tables name a registered component and give its parameters::
 
     [chunker]
@@ -190,6 +190,39 @@ class RewardEntryConfig:
     )
 
 
+@dataclasses.dataclass
+class DistributedConfig:
+    strategy: Literal["auto", "none", "ddp", "fsdp2"] = param(
+        "auto",
+        "How the trained model is spread over processes: 'none' (one process), 'ddp' (replicated "
+        "weights, gradients averaged), 'fsdp2' (weights, gradients and AdamW state sharded, per "
+        "transformer block) or 'auto' (fsdp2 when the launcher asks for FSDP, else ddp with several "
+        "processes, else none). docs/distributed.md.",
+    )
+    shard: Literal["full", "hybrid"] = param(
+        "full",
+        "fsdp2 only: 'full' shards over every process; 'hybrid' shards within a node and replicates "
+        "across nodes (a 2-D device mesh, nodes x processes per node).",
+    )
+    cpu_offload: bool = param(
+        False, "fsdp2 only: keep the sharded parameters, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy)."
+    )
+    activation_checkpointing: bool = param(
+        False, "Recompute each transformer block's activations in the backward instead of storing them."
+    )
+    mixed_precision: Literal["no", "bf16"] = param(
+        "no",
+        "'bf16': compute in bfloat16 with float32 master weights, gradients reduced in float32 "
+        "(fsdp2: MixedPrecisionPolicy; none/ddp: autocast). Raise [train].on_policy_tolerance "
+        "(docs/distributed.md derives it).",
+    )
+
+    def __post_init__(self):
+        for key, value, default in (("shard", self.shard, "full"), ("cpu_offload", self.cpu_offload, False)):
+            if value != default and self.strategy != "fsdp2":
+                raise ValueError(f"{key} = {value!r} needs strategy = 'fsdp2' (strategy is {self.strategy!r})")
+
+
 #: Plain tables and their dataclasses.
 SECTIONS: dict[str, type] = {
     "run": RunConfig,
@@ -198,6 +231,7 @@ SECTIONS: dict[str, type] = {
     "prompts": PromptsConfig,
     "log": LogConfig,
     "checkpoint": CheckpointConfig,
+    "distributed": DistributedConfig,
 }
 #: Component tables (one component each) and their kinds.
 COMPONENT_SECTIONS: dict[str, str] = {
@@ -252,6 +286,7 @@ class Recipe:
     components: dict[str, ComponentChoice]
     rewards: list[ComponentChoice]
     trackers: list[ComponentChoice]
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     source: str = "<recipe>"
     #: T, the number of trainable transitions of the sampler (set by validation).
     num_trainable: int = 0

@@ -5,6 +5,8 @@ Layout of ``RUN_DIR/checkpoints/``::
     iter_000010/            one complete checkpoint
         model.safetensors   trainable weights (all of them, or only the LoRA)
         optimizer.safetensors, optimizer.json
+          or, for a sharded checkpoint (flowrl.train.parallel), instead of those three:
+        sharded/            model and AdamW state, torch.distributed.checkpoint format
         rng.safetensors     torch RNG states
         state.json          iteration, counters, LR schedule
         recipe.toml         the resolved recipe
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,11 @@ from ..errors import FlowrlError
 from ..files import fsync_dir, write_text_atomic
 
 LATEST = "latest.json"
+#: Sub-directory of a sharded checkpoint: model and optimizer in torch.distributed.checkpoint's
+#: format (one file per process and ``.metadata``), written by every process together.
+SHARDED = "sharded"
+#: The key of the model's state in a sharded checkpoint (the optimizer's is ``"optim"``).
+SHARDED_MODEL_KEY = "model"
 #: Written last into a checkpoint directory: its presence means the directory is complete.
 MARKER = "state.json"
 
@@ -101,15 +109,29 @@ def save_checkpoint(
     keep_last: int = 2,
 ) -> Path:
     """Write one checkpoint atomically and point ``latest.json`` at it."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    tmp = new_checkpoint_dir(ckpt_root, name, os.getpid())
     opt_tensors, opt_meta = optimizer_to_files(optimizer)
     save_tensors(model, tmp / "model.safetensors")
     save_tensors(opt_tensors, tmp / "optimizer.safetensors")
     write_text_atomic(tmp / "optimizer.json", json.dumps(opt_meta))
+    return commit_checkpoint(ckpt_root, tmp, name, state=state, recipe_toml=recipe_toml, keep_last=keep_last)
+
+
+def new_checkpoint_dir(ckpt_root: Path, name: str, tag: int) -> Path:
+    """An empty temporary directory ``.tmp-NAME-TAG`` for a checkpoint being written (a stale one
+    of the same name is removed first)."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f".tmp-{name}-{tag}"
+    if tmp.exists():
+        _remove_checkpoint_dir(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def commit_checkpoint(ckpt_root: Path, tmp: Path, name: str, *, state: dict[str, Any], recipe_toml: str,
+                      keep_last: int = 2) -> Path:
+    """Complete the checkpoint written into ``tmp`` (RNG states, the recipe, then ``state.json``
+    last), rename it into place as ``name`` and point ``latest.json`` at it."""
     save_tensors(rng_state(), tmp / "rng.safetensors")
     write_text_atomic(tmp / "recipe.toml", recipe_toml)
     write_text_atomic(tmp / MARKER, json.dumps(state, indent=1))  # last: marks the directory complete
@@ -189,8 +211,30 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
-    """The trainable weights stored in a checkpoint directory (all weights, or only the LoRA)."""
+    """The trainable weights stored in a checkpoint directory (all weights, or only the LoRA), as
+    full tensors on the CPU, whether the checkpoint is sharded (:data:`SHARDED`) or not."""
+    if (Path(path) / SHARDED).is_dir():
+        return read_sharded_model_weights(Path(path) / SHARDED)
     return load_file(str(Path(path) / "model.safetensors"))
+
+
+def read_sharded_model_weights(shards: Path) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of the model part of a torch.distributed.checkpoint directory, read in
+    this one process without a process group (DCP reassembles every tensor from its shards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(shards))
+    metadata = reader.read_metadata().state_dict_metadata
+    prefix = f"{SHARDED_MODEL_KEY}."
+    out = {
+        key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load({SHARDED_MODEL_KEY: out}, storage_reader=reader, no_dist=True)
+    return out
 
 
 def checkpoint_iteration(path: Path | None) -> int | None:

@@ -128,20 +128,22 @@ def test_unsupported_accelerate_modes_are_refused_not_ignored():
     from flowrl.distributed import check_launch_environment
     from flowrl.errors import FlowrlError
 
-    check_launch_environment({})  # plain DDP / single process: fine
-    check_launch_environment({"ACCELERATE_USE_FSDP": "false"})
+    # settings=None: an engine without a [distributed] strategy (tests/distributed checks the
+    # agreement of launcher and recipe)
+    check_launch_environment(None, {})  # plain DDP / single process: fine
+    check_launch_environment(None, {"ACCELERATE_USE_FSDP": "false"})
     for key, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
         with pytest.raises(FlowrlError, match=name):
-            check_launch_environment({key: "true"})
+            check_launch_environment(None, {key: "true"})
 
 
 def test_accelerate_mixed_precision_is_refused_unless_no():
     from flowrl.distributed import check_launch_environment
     from flowrl.errors import FlowrlError
 
-    check_launch_environment({"ACCELERATE_MIXED_PRECISION": "no"})
+    check_launch_environment(None, {"ACCELERATE_MIXED_PRECISION": "no"})
     with pytest.raises(FlowrlError, match="mixed precision"):
-        check_launch_environment({"ACCELERATE_MIXED_PRECISION": "bf16"})
+        check_launch_environment(None, {"ACCELERATE_MIXED_PRECISION": "bf16"})
 
 
 def test_full_finetuning_of_16_bit_weights_is_refused():

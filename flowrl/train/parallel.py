@@ -1,0 +1,569 @@
+"""How the trained denoiser is spread over processes: ``none``, ``ddp`` or ``fsdp2``
+(the recipe's ``[distributed]`` table; docs/distributed.md).
+
+A :class:`Strategy` wraps the denoiser and its optimizer once, then owns everything that
+depends on how they are laid out. Per optimizer step, on every process::
+
+    strategy.zero_grad()
+    with strategy.accumulate():      # any number of backward() calls: no gradient communication
+        ...
+    # leaving the block reduces the accumulated gradients, exactly once per step
+    norm = strategy.clip_grad_norm_(max_norm)   # global norm, also over sharded gradients
+    if finite: strategy.step()
+
+- ``none``: one process, the plain module (bf16: accelerate's autocast around its forward).
+- ``ddp``: accelerate's ``Accelerator.prepare_model`` (DistributedDataParallel; bf16: autocast).
+  Backwards run under ``no_sync``; the step's gradients are then averaged with one bucketed,
+  flat all-reduce (DDP's reducer only fires inside a backward, and the memory-lean update does
+  not know which of its backwards is the last).
+- ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each transformer block, then on the
+  root, over a 1-D mesh (``shard = "full"``) or a 2-D one (``"hybrid"``: replicate across nodes,
+  shard within a node). flowrl applies it itself: accelerate on a CPU turns an FSDP2 request
+  into DDP without a word, and one code path serves CPUs and GPUs. Backwards run with
+  ``set_requires_gradient_sync(False)``; FSDP2's end-of-backward routine then reduce-scatters
+  the accumulated gradients once. Every forward and backward all-gathers parameters: every
+  process must run the same sequence of forwards and backwards (:attr:`Strategy.lockstep`).
+
+Checkpoints are sharded (torch.distributed.checkpoint, every process writes its part; no process
+gathers the model): :func:`save_sharded_checkpoint`, :func:`load_sharded_checkpoint`. DCP
+stores global tensors, so a checkpoint resumes with another number of processes or another
+strategy. :meth:`Strategy.full_state_dict` gathers full tensors one at a time onto the main
+process's CPU (for ``flowrl export``); :func:`flowrl.train.checkpoint.read_model_weights` reads
+a sharded checkpoint in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed import DistContext, broadcast_object, check_launch_environment
+from ..errors import FlowrlError
+from ..interfaces import HasShardableBlocks
+from ..recipe import DistributedConfig
+from .checkpoint import (
+    MARKER,
+    SHARDED,
+    SHARDED_MODEL_KEY,
+    commit_checkpoint,
+    load_checkpoint,
+    new_checkpoint_dir,
+    set_rng_state,
+)
+from .finetune import load_trainable_state_dict
+
+__all__ = [
+    "Strategy",
+    "Topology",
+    "resolve_strategy",
+    "mesh_layout",
+    "transformer_blocks",
+    "declared_blocks",
+    "checkpoint_blocks",
+    "save_sharded_checkpoint",
+    "load_sharded_checkpoint",
+    "is_sharded_checkpoint",
+    "log_prob_sensitivity",
+    "bf16_on_policy_tolerance",
+]
+
+#: Gradient bytes per all-reduce bucket under DDP (DDP's own default bucket size).
+BUCKET_BYTES = 25 * 2**20
+#: The key of the optimizer's state in a sharded checkpoint.
+OPTIM_KEY = "optim"
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where this process sits: ``world_size`` processes, ``local_world_size`` of them per node
+    (torchrun and accelerate export ``LOCAL_WORLD_SIZE``)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @classmethod
+    def from_context(cls, ctx: DistContext, env=None) -> Topology:
+        env = os.environ if env is None else env
+        local = int(env.get("LOCAL_WORLD_SIZE", ctx.world_size) or ctx.world_size)
+        return cls(rank=ctx.rank, world_size=ctx.world_size, local_world_size=local)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+
+def resolve_strategy(config: DistributedConfig, world_size: int, env=None) -> str:
+    """``"none"``, ``"ddp"`` or ``"fsdp2"`` for ``config.strategy`` (``"auto"``: fsdp2 when the
+    launcher asks for FSDP, else ddp with several processes, else none), after checking the
+    launcher's settings against the recipe (:func:`flowrl.distributed.check_launch_environment`)."""
+    env = os.environ if env is None else env
+    check_launch_environment(config, env)
+    strategy = config.strategy
+    if strategy == "auto":
+        fsdp = env.get("ACCELERATE_USE_FSDP", "").strip().lower() in ("1", "true", "yes")
+        strategy = "fsdp2" if fsdp else ("ddp" if world_size > 1 else "none")
+    if strategy == "none" and world_size > 1:
+        raise FlowrlError(
+            f"strategy = 'none' runs one process, but {world_size} were launched",
+            where="[distributed].strategy", hint="use 'ddp' or 'fsdp2' (or 'auto'), or launch one process",
+        )
+    return strategy
+
+
+def mesh_layout(shard: str, topology: Topology) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The FSDP2 device mesh: ``(world,)`` for full sharding, ``(nodes, per node)`` named
+    ``("replicate", "shard")`` for hybrid sharding."""
+    if shard == "full":
+        return (topology.world_size,), ("shard",)
+    if topology.world_size % topology.local_world_size:
+        raise FlowrlError(
+            f"hybrid sharding needs the same number of processes on every node: {topology.world_size} processes "
+            f"with {topology.local_world_size} per node",
+            where="[distributed].shard", hint="launch the same --nproc_per_node on every node, or use shard = 'full'",
+        )
+    return (topology.num_nodes, topology.local_world_size), ("replicate", "shard")
+
+
+def transformer_blocks(module: nn.Module, declared: Sequence[nn.Module] | None = None) -> list[nn.Module]:
+    """The blocks FSDP2 shards one by one: ``declared`` (from :class:`HasShardableBlocks`), or the
+    modules of every ``nn.ModuleList`` whose attribute name ends in ``blocks``, outermost first
+    (a block inside another block is not a block of its own)."""
+    if declared is not None:
+        blocks = list(declared)
+        inside = {id(m) for m in module.modules()}
+        nested = {id(m) for b in blocks for m in b.modules() if m is not b}
+        if not blocks or any(id(b) not in inside or id(b) in nested for b in blocks):
+            raise FlowrlError("the model adapter's shardable_blocks() must return submodules of its denoiser, "
+                              "none inside another", where="model adapter (HasShardableBlocks)")
+        return blocks
+    blocks: list[nn.Module] = []
+    taken: set[int] = set()
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1].endswith("blocks") and id(child) not in taken:
+            for block in child:
+                blocks.append(block)
+                taken.update(id(m) for m in block.modules())
+    return blocks
+
+
+def declared_blocks(adapter) -> list[nn.Module] | None:
+    """The blocks a model adapter names (:class:`HasShardableBlocks`), or None: then
+    :func:`transformer_blocks` finds them. Pass the result to :meth:`Strategy.prepare`."""
+    return list(adapter.shardable_blocks()) if isinstance(adapter, HasShardableBlocks) else None
+
+
+def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
+    """Activation checkpointing: each block's forward (with grad) keeps only its inputs and
+    recomputes the rest in the backward (non-reentrant ``torch.utils.checkpoint``). Parameter
+    names do not change. Applying it twice does nothing."""
+    for block in blocks:
+        if getattr(block, "flowrl_checkpointed", False):
+            continue
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed
+        block.flowrl_checkpointed = True
+
+
+class Strategy:
+    """The denoiser's layout over processes, and everything that depends on it (module
+    docstring). Build it with :meth:`from_recipe`, then call :meth:`prepare` once."""
+
+    def __init__(self, config: DistributedConfig, kind: str, device: torch.device, topology: Topology):
+        self.config, self.kind, self.device, self.topology = config, kind, torch.device(device), topology
+        self.module: nn.Module | None = None  # what the adapter calls: the plain, DDP- or FSDP2-wrapped denoiser
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.params: list[nn.Parameter] = []  # the trainable parameters, as the optimizer holds them
+        self.accelerator = None
+        self.mesh = None
+        self._accumulating = False
+
+    @classmethod
+    def from_recipe(cls, config: DistributedConfig, device: torch.device, ctx: DistContext, env=None) -> Strategy:
+        """Check the launcher against ``config`` and resolve ``"auto"`` for this run."""
+        topology = Topology.from_context(ctx, env)
+        return cls(config, resolve_strategy(config, ctx.world_size, env), device, topology)
+
+    @property
+    def lockstep(self) -> bool:
+        """True when every forward and backward of the denoiser is a collective (FSDP2): every
+        process must then call it the same number of times, in the same order."""
+        return self.kind == "fsdp2" and self.topology.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "fsdp2"
+
+    # ------------------------------------------------------------------------------- prepare
+
+    def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                blocks: Sequence[nn.Module] | None = None) -> nn.Module:
+        """Wrap ``module`` (the denoiser, LoRA already attached, ``requires_grad`` set) and rebind
+        ``optimizer`` (built over its trainable parameters, no step taken yet) to the wrapped
+        parameters. Returns the module to call; the adapter's ``denoiser`` must be set to it.
+        ``blocks``: the adapter's :class:`HasShardableBlocks` blocks, if it declares them."""
+        if self.module is not None:
+            raise RuntimeError("Strategy.prepare() was already called")
+        if any(optimizer.state.values()):
+            raise RuntimeError("prepare() needs an optimizer that has not stepped yet (load its state after prepare)")
+        found = transformer_blocks(module, blocks)
+        if self.config.activation_checkpointing:
+            if not found:
+                raise FlowrlError(
+                    "activation checkpointing found no transformer blocks in the denoiser",
+                    where="[distributed].activation_checkpointing",
+                    hint="the model adapter can name them (flowrl.interfaces.HasShardableBlocks), or set it to false",
+                )
+            checkpoint_blocks(found)
+        names = {id(p): n for n, p in module.named_parameters()}
+        if self.kind == "fsdp2":
+            self.module = self._shard(module, found)
+        else:
+            self.module = self._replicate(module)
+        live = dict(_unwrap(self.module).named_parameters())
+        for group in optimizer.param_groups:
+            group["params"] = [live[names[id(p)]] for p in group["params"]]
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.module
+
+    def _replicate(self, module: nn.Module) -> nn.Module:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        self.accelerator = Accelerator(
+            cpu=self.device.type == "cpu",
+            mixed_precision=self.config.mixed_precision,
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, bucket_cap_mb=BUCKET_BYTES // 2**20)],
+        )
+        if self.kind == "ddp" and self.topology.world_size > 1 and self.accelerator.num_processes != self.topology.world_size:
+            raise FlowrlError(f"accelerate sees {self.accelerator.num_processes} processes, torch.distributed "
+                              f"{self.topology.world_size}", where="[distributed].strategy = 'ddp'",
+                              hint="launch with torchrun, `flowrl train --num-processes N` or `accelerate launch --multi_gpu`")
+        with warnings.catch_warnings():  # broadcast_buffers=False: no collective in a forward
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            return self.accelerator.prepare_model(module, device_placement=True)
+
+    def _shard(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if not dist.is_initialized():
+            raise FlowrlError("strategy = 'fsdp2' needs a process group", where="[distributed].strategy",
+                              hint="launch with `flowrl train --num-processes N`, torchrun or accelerate launch")
+        shape, names = mesh_layout(self.config.shard, self.topology)
+        if not self.config.cpu_offload:  # offloaded shards are placed by FSDP2 itself
+            module.to(self.device)
+        _broadcast_module(module, self.topology.world_size)  # every rank shards the same weights
+        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        bf16 = self.config.mixed_precision == "bf16"
+        # bf16 compute on float32 master weights, gradients reduced in float32; the blocks hand
+        # bf16 activations to each other, the root returns float32 (the kernels' maths)
+        inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        root = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+                if bf16 else MixedPrecisionPolicy())
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.config.cpu_offload else OffloadPolicy()
+        for block in blocks:
+            fully_shard(block, mesh=self.mesh, mp_policy=inner, offload_policy=offload, reshard_after_forward=True)
+        fully_shard(module, mesh=self.mesh, mp_policy=root, offload_policy=offload, reshard_after_forward=False)
+        # a trainable tensor without a gradient on one rank still joins its group's reduce-scatter
+        module.set_reduce_scatter_unused_params(True)
+        return module
+
+    # ------------------------------------------------------------------------ one optimizer step
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Every backward of one optimizer step goes inside: gradients accumulate locally, and
+        leaving the block normally reduces them once (DDP: bucketed all-reduce, averaged; FSDP2:
+        one reduce-scatter per sharded block, averaged, and an all-reduce across nodes for
+        hybrid sharding). Leaving it by an exception reduces nothing."""
+        if self.module is None:
+            raise RuntimeError("call Strategy.prepare() first")
+        if self._accumulating:
+            raise RuntimeError("Strategy.accumulate() does not nest")
+        self._accumulating = True
+        try:
+            with self._no_sync():
+                yield
+        finally:
+            self._accumulating = False
+        self._reduce_gradients()
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        if self.kind == "fsdp2":
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+        elif self.kind == "ddp" and self.topology.world_size > 1:
+            with self.accelerator.no_sync(self.module):
+                yield
+        else:
+            yield
+
+    def _reduce_gradients(self) -> None:
+        if self.topology.world_size <= 1 and self.kind != "fsdp2":
+            return
+        if self.kind == "fsdp2":
+            _fsdp_reduce_accumulated(self.module)
+        else:
+            _all_reduce_mean(self.params, self.topology.world_size)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Scale the gradients so that their global L2 norm is at most ``max_norm`` (``inf``: no
+        clipping); returns the norm before clipping, the same on every process. Sharded
+        gradients (DTensors) are reduced over the whole mesh."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return 0.0
+        total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+        if hasattr(total, "full_tensor"):  # DTensor: the partial norms of every shard, reduced
+            total = total.full_tensor()
+        total = total.float()
+        if max_norm != float("inf"):
+            coef = float(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+            for g in grads:
+                g.mul_(coef)
+        return float(total)
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ----------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": trainable weights, "optim": optimizer state}`` keyed by parameter name,
+        each tensor as this process holds it (a shard under FSDP2): what DCP saves and loads."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        return {SHARDED_MODEL_KEY: model, OPTIM_KEY: optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        # strict=False: frozen weights (a LoRA's base) are not in the state; every trainable one is
+        # (the state has exactly the keys of state_dict(), and dcp.load fails on a missing one)
+        set_state_dict(self.module, self.optimizer, model_state_dict=state[SHARDED_MODEL_KEY],
+                       optim_state_dict=state[OPTIM_KEY], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+
+    def save(self, path: Path) -> None:
+        """Every process writes its part of the model and optimizer into ``path`` (DCP)."""
+        import torch.distributed.checkpoint as dcp
+
+        with _single_process_ok():
+            dcp.save(self.state_dict(), checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+    def load(self, path: Path) -> None:
+        """Every process reads its part from ``path`` (DCP reshards a checkpoint written by
+        another number of processes or another strategy)."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.state_dict()
+        with _single_process_ok():
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        self.load_state_dict(state)
+
+    def iter_full_tensors(self, trainable_only: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(name, full tensor on the CPU)`` one parameter at a time on the main process,
+        ``(name, None)`` on the others; every process must iterate to the end (under FSDP2 each
+        tensor is all-gathered in turn, so no process holds more than one full tensor)."""
+        for name, p in _unwrap(self.module).named_parameters():
+            if trainable_only and not p.requires_grad:
+                continue
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            yield name, (full.detach().to("cpu", copy=True) if self.topology.rank == 0 else None)
+            del full
+
+    def full_state_dict(self, trainable_only: bool = True) -> dict[str, torch.Tensor]:
+        """The full (unsharded) weights on the main process's CPU, ``{}`` on the others (for
+        ``flowrl export``). Collective: every process calls it."""
+        return {n: t for n, t in self.iter_full_tensors(trainable_only) if t is not None}
+
+
+# ----------------------------------------------------------------------------- bf16 and the on-policy check
+
+
+def log_prob_sensitivity(kernel, sigma: float, sigma_next: float) -> tuple[float, float]:
+    """``(c, s)`` of one step: the kernel's mean moves by ``c * delta`` when the velocity moves by
+    ``delta`` (every kernel's mean is affine in the velocity), and ``s`` is its std."""
+    x = torch.zeros(1, 1)
+    at0 = kernel.step(torch.zeros(1, 1), x, sigma, sigma_next, next_sample=x)
+    at1 = kernel.step(torch.ones(1, 1), x, sigma, sigma_next, next_sample=x)
+    return float(at1.mean - at0.mean), float(at0.std)
+
+
+def bf16_on_policy_tolerance(kernels, sigmas: torch.Tensor, trainable: torch.Tensor, *, velocity_rms: float,
+                             latent_numel: int, reduction: str = "mean", rho: float = 2.0**-8,
+                             noise_rms: float = 1.0) -> float:
+    """The largest ``|log pi_new - log pi_old|`` of one trainable transition when the velocity of
+    re-scoring differs from the rollout's by ``delta`` with ``rms(delta) <= rho * velocity_rms``
+    (``rho = 2**-8``: one bfloat16 rounding of the output).
+
+    With the Gaussian step ``N(mu, s^2)``, ``mu' = mu + c delta`` and the stored sample
+    ``x' = mu + s eps``, the per-element log-density changes exactly by
+    ``(c / s) eps delta - (c / s)^2 delta^2 / 2``; averaged over the latent (``"mean"``) and
+    bounded by Cauchy-Schwarz: ``(|c| / s) rms(eps) rms(delta) + (c / s)^2 rms(delta)^2 / 2``
+    (times ``latent_numel`` for ``"sum"``). ``rms(eps)`` is about 1 (``noise_rms``)."""
+    worst = 0.0
+    for i, kernel in enumerate(kernels):
+        if not bool(trainable[i]):
+            continue
+        c, s = log_prob_sensitivity(kernel, float(sigmas[i]), float(sigmas[i + 1]))
+        k, d = abs(c) / s, rho * velocity_rms
+        worst = max(worst, k * noise_rms * d + 0.5 * (k * d) ** 2)
+    return worst * (latent_numel if reduction == "sum" else 1)
+
+
+# ----------------------------------------------------------------------------- gradient reduction
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module whose parameter names are the checkpoint's (DDP's ``module``, not the wrapper)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def _all_reduce_mean(params: Sequence[nn.Parameter], world_size: int, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Average ``.grad`` over processes in place: gradients flattened into buckets of at most
+    ``bucket_bytes`` (per dtype), one all-reduce per bucket. A parameter without a gradient
+    contributes zeros (and then has a zero gradient, as under FSDP2 and the engine's earlier
+    reduction), so every process issues the same collectives. Returns their number."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    for p in params:
+        key = (p.grad.dtype, p.grad.device)
+        groups = buckets.setdefault(key, [[]])
+        if groups[-1] and sum(g.numel() * g.element_size() for g in groups[-1]) + p.grad.numel() * p.grad.element_size() > bucket_bytes:
+            groups.append([])
+        groups[-1].append(p.grad)
+    count = 0
+    for groups in buckets.values():
+        for grads in groups:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat.div_(world_size)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            count += 1
+    return count
+
+
+def _fsdp_reduce_accumulated(module: nn.Module) -> None:
+    """Reduce the gradients FSDP2 accumulated while its gradient sync was off, without another
+    backward: FSDP2's own end-of-backward routine runs every parameter group's post-backward
+    (reduce-scatter, and the all-reduce across replicas for hybrid sharding) and then waits for
+    them. torch 2.13 has no public call for this; the attributes used are checked."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    finish = getattr(state, "_root_post_backward_final_callback", None)
+    ctx = getattr(state, "_state_ctx", None)
+    if finish is None or ctx is None or not hasattr(ctx, "is_last_backward"):
+        raise FlowrlError(
+            f"this torch ({torch.__version__}) lacks the FSDP2 end-of-backward routine flowrl reduces "
+            "accumulated gradients with", where="[distributed].strategy = 'fsdp2'",
+            hint="use torch 2.13 (constraints/cpu.txt), or strategy = 'ddp'",
+        )
+    ctx.is_last_backward = True
+    finish()
+
+
+def _broadcast_module(module: nn.Module, world_size: int) -> None:
+    """Rank 0's parameters and buffers on every rank (as DDP does at construction)."""
+    if world_size <= 1:
+        return
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """True for a checkpoint directory written by :func:`save_sharded_checkpoint`."""
+    return (Path(path) / SHARDED).is_dir()
+
+
+def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: dict[str, Any],
+                            recipe_toml: str, keep_last: int = 2) -> Path | None:
+    """Write one checkpoint atomically, every process together: each writes its shards into a
+    temporary directory (DCP), then the main process adds the RNG states, the recipe and
+    ``state.json`` (last), renames the directory into place and points ``latest.json`` at it
+    (:func:`flowrl.train.checkpoint.commit_checkpoint`). Several nodes need a shared file
+    system. Returns the checkpoint's path on the main process, None on the others."""
+    ctx = DistContext(rank=strategy.topology.rank, world_size=strategy.topology.world_size)
+    tag = broadcast_object(os.getpid(), ctx)
+    tmp = Path(ckpt_root) / f".tmp-{name}-{tag}"
+    if ctx.is_main:
+        tmp = new_checkpoint_dir(Path(ckpt_root), name, tag)
+    _barrier(ctx)
+    strategy.save(tmp / SHARDED)
+    _barrier(ctx)  # every shard and DCP's .metadata are on disk
+    final = None
+    if ctx.is_main:
+        state = dict(state, world_size=ctx.world_size, strategy=strategy.kind, format="dcp")
+        final = commit_checkpoint(Path(ckpt_root), tmp, name, state=state, recipe_toml=recipe_toml, keep_last=keep_last)
+    _barrier(ctx)
+    return final
+
+
+def load_sharded_checkpoint(path: Path, strategy: Strategy) -> dict[str, Any]:
+    """Load a checkpoint's model and optimizer into ``strategy``'s prepared module and optimizer,
+    on every process; set the RNG; return ``state.json``. A sharded checkpoint of another
+    process count or strategy loads (DCP reshards; the continuation then groups samples
+    differently, see :mod:`flowrl.train.state`). An unsharded one (safetensors, written by one
+    process) loads under ``none`` and ``ddp``."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FlowrlError(f"{path} is not a complete checkpoint (no {MARKER})", where="--resume")
+    if is_sharded_checkpoint(path):
+        strategy.load(path / SHARDED)
+    elif strategy.sharded:
+        raise FlowrlError(f"{path} was written without sharding (model.safetensors); an fsdp2 run cannot load it",
+                          where="--resume", hint="resume it with [distributed].strategy = 'ddp' or 'none'")
+    else:
+        saved = load_checkpoint(path)
+        load_trainable_state_dict(_unwrap(strategy.module), saved["model"])
+        strategy.optimizer.load_state_dict(saved["optimizer"])
+    set_rng_state(load_file(str(path / "rng.safetensors")))
+    return json.loads((path / MARKER).read_text())
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
