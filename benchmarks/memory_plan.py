@@ -51,7 +51,9 @@ tensor bytes, a lower bound on a GPU's ``max_memory_allocated``: no CUDA context
 workspace, NCCL buffers or allocator fragmentation. Python's cyclic garbage collector is paused
 during each tracked step, so that results do not depend on when it runs (:func:`_no_cyclic_gc`).
 
-Run (one thread; about 12 minutes of wall time on 2 shared cores)::
+Needs the ``dev`` install plus bitsandbytes for the NF4 rows (skipped, with a message, without
+it): ``.venv/bin/pip install -c constraints/cpu.txt bitsandbytes``. Run (one thread; 8 minutes of
+wall time on 2 quiet cores, 20 on busy ones)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_plan.py --json benchmarks/results/memory_plan.json
 """
@@ -869,11 +871,21 @@ def run_all() -> dict[str, Any]:
         print_item(key, items[key])
 
     # 2-4. LoRA on one process: reduced depth, extrapolated per block, checked at a deeper model.
-    nf4 = {dq: nf4_weight_bytes(KLEIN, dq) for dq in (False, True)}
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        bnb_missing = True
+        print("bitsandbytes is not installed: the FLUX.2 [klein] NF4 rows are skipped "
+              "(pip install -c constraints/cpu.txt bitsandbytes)", flush=True)
+    else:
+        bnb_missing = False
+    nf4 = {} if bnb_missing else {dq: nf4_weight_bytes(KLEIN, dq) for dq in (False, True)}
     lora_cases = [(FLUX1, "flux_lora", "FLUX.1-dev LoRA r64 (attention) on a bf16 base", (4, 4)),
                   (QWEN, "qwen_lora", "Qwen-Image LoRA r64 (attention) on a bf16 base", (5,)),
                   (KLEIN, "klein_qlora", "FLUX.2 [klein] 4B LoRA r64 on an NF4 base (bitsandbytes)", (4, 4))]
     for family, stem, title, check_at in lora_cases:
+        if family is KLEIN and bnb_missing:
+            continue
         width_f = family.config["num_attention_heads"] * family.config["attention_head_dim"]
         tw = 1 * tokens * width_f * 2
         depth = dict(zip(family.kinds, family.depth()))
@@ -949,6 +961,8 @@ def run_all() -> dict[str, Any]:
     # 5. The rollout (no grad): the plan's INFERENCE_WIDTHS (12) against the tracker.
     plan_flux = plan_numbers(PLAN_512 + LORA_OVERRIDES, 1)
     for family, batch, lora in ((FLUX1, 1, True), (FLUX1, 1, False), (QWEN, 8, True), (KLEIN, 1, True)):
+        if family is KLEIN and bnb_missing:
+            continue
         key = f"{family.name}_rollout_b{batch}{'_lora' if lora else '_bare'}"
         stamp(key)
         r = rollout_item(family, batch, lora=lora, quant="nf4" if family is KLEIN else None)
