@@ -1,0 +1,1018 @@
+"""Benchmark: ``flowrl plan``'s memory estimate against torch's own memory accounting, no GPU.
+
+torch's ``FSDPMemTracker`` / ``MemTracker`` (``torch.distributed._tools``) count, by category, the
+bytes of every tensor a training step creates. Under ``FakeTensorMode`` no tensor holds data, so
+a full-size model runs on this CPU: shapes, dtypes and lifetimes are real, arithmetic is skipped.
+Models are built from their published configurations (written out below) on the ``meta``
+device: nothing is downloaded. Each configuration runs forward + backward + AdamW (foreach, a
+GPU's default) twice and measures the second step (the first creates the optimizer state), at
+512 x 512: 1024 image tokens + 512 text tokens.
+
+1. ``flux_full_fsdp8_*``: the FLUX.1-dev transformer at full size, fine-tuned as the flagship
+   recipe (``recipes/chunk_grpo_flux.toml``) does: full fine-tuning, fp32 master weights, bf16
+   compute, FSDP2 at world size 8 (a fake process group) with ``fully_shard`` on every
+   transformer block and on the root, ``MixedPrecisionPolicy(param_dtype=bf16,
+   reduce_dtype=fp32)``, the recipe's micro-batch; with activation checkpointing (the recipe's
+   setting) and without; then two micro-batches per optimizer step, with a reduce-scatter after
+   each or with the first one unsynchronised (``set_requires_gradient_sync(False)``). Per rank.
+   Per-block constants come from reduced-depth runs (2x2, 3x2, 2x3 double x single blocks), so
+   the full-size run also checks the per-block model.
+2. ``flux_lora_*``: FLUX.1-dev, LoRA rank 64 on the attention projections (flowrl's ``ATTENTION``
+   preset), bf16 frozen base, LoRA matrices in fp32 (as flowrl keeps them), one process. The
+   plain ``MemTracker`` costs O(ops x modules) and is too slow on the full model, so it runs at
+   reduced depth and is extrapolated per block to 19 + 38 blocks,
+   ``A(depth) = A0 + sum_k depth_k a_k``; one deeper run (4x4) checks the fit.
+3. ``qwen_lora_*``: Qwen-Image (60 dual-stream blocks) the same way (2 and 3 blocks, checked
+   at 5), LoRA rank 64, micro-batch 1; its rollout row uses a group of 8.
+4. ``klein_qlora_*``: FLUX.2 [klein] 4B, LoRA rank 64 over a frozen base quantised to NF4 with
+   bitsandbytes: the quantised bytes are read off the tensors bitsandbytes' own
+   ``quantize_4bit`` returns (packed 4-bit weights, absmax per block of 64, quantisation map).
+   The tracked runs use bitsandbytes' ``Linear4bit`` layers (as diffusers' ``BitsAndBytesConfig``
+   loads them) with fake packed weights (bitsandbytes registers fake kernels for its ops).
+5. ``*_rollout_*``: a no-grad bf16 forward (the rollout), with LoRA attached and (FLUX.1) without:
+   the peak of live activations, against the plan's constant of 12 widths per token.
+
+For every configuration it prints, side by side: what ``flowrl plan`` says (its Python API,
+``flowrl.commands.plan.estimate``, on the shipped flagship recipe at 512 x 512 with matching
+overrides), what the tracker measured, and what a plan SHOULD say (closed forms from exact
+parameter counts and per-block constants: :func:`should_fsdp`, :func:`should_lora`), each with
+its relative difference to the tracker. ``--json PATH`` writes every number.
+
+Rows (GiB per process): ``params``, ``grads`` (for FSDP: the shards), ``optimizer`` (AdamW
+state after the step), ``opt_step_temp`` (what the foreach step holds on top: a copy of
+sqrt(v)), ``activations`` (tensors made in forward and in the recompute of checkpointed
+blocks), ``temporaries`` (backward: activation gradients, gradients not yet reduced),
+``gathered`` and ``reduce_scatter`` (FSDP's all-gather buffers and unsharded parameters; its
+reduce-scatter inputs and unsharded gradients), each the MAXIMUM over the step; ``peak`` is the
+largest total at any moment (not the sum of the maxima). The plan's ``peak`` here is its
+training-step part only (denoiser weights, gradients, AdamW state, update activations): its
+CUDA overhead, trajectories, caches and rewards are outside what the tracker sees. Figures are
+tensor bytes, a lower bound on a GPU's ``max_memory_allocated``: no CUDA context, cuBLAS
+workspace, NCCL buffers or allocator fragmentation. Python's cyclic garbage collector is paused
+during each tracked step, so that results do not depend on when it runs (:func:`_no_cyclic_gc`).
+
+Needs the ``dev`` install plus bitsandbytes for the NF4 rows (skipped, with a message, without
+it): ``.venv/bin/pip install -c constraints/cpu.txt bitsandbytes``. Run (one thread; 8 minutes of
+wall time on 2 quiet cores, 20 on busy ones)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_plan.py --json benchmarks/results/memory_plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 1024**3
+
+# ------------------------------------------------------------------------------ published configs
+# The ``transformer/config.json`` of each hub repository (architecture keys; defaults elided).
+
+#: black-forest-labs/FLUX.1-dev (11.9e9 parameters)
+FLUX1_DEV = {
+    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
+    "axes_dims_rope": [16, 56, 56],
+}
+#: Qwen/Qwen-Image (20.4e9 parameters)
+QWEN_IMAGE = {
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": [16, 56, 56],
+}
+#: black-forest-labs/FLUX.2-klein-4B (text encoder Qwen3-4B: joint_attention_dim = 3 layers x 2560)
+FLUX2_KLEIN_4B = {
+    "patch_size": 1, "in_channels": 128, "num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 7680, "timestep_guidance_channels": 256, "mlp_ratio": 3.0,
+    "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "eps": 1e-6, "guidance_embeds": False,
+}
+
+IMAGE_TOKENS = 1024  # 512 x 512: VAE factor 8, then 2 x 2 patches
+TEXT_TOKENS = 512  # max_sequence_length of all three pipelines (an upper bound for Qwen-Image)
+LORA_RANK = 64
+LORA_ALPHA = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How to build, feed and LoRA-target one diffusers transformer class."""
+
+    name: str
+    cls_name: str
+    config: dict[str, Any]
+    depth_keys: tuple[str, ...]  # config keys of the block counts
+    block_attrs: tuple[str, ...]  # module attributes holding the block lists, same order
+    kinds: tuple[str, ...]  # a name per block kind, same order
+
+    def depth(self) -> tuple[int, ...]:
+        return tuple(int(self.config[k]) for k in self.depth_keys)
+
+    def build(self, depth: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        """The model on the ``meta`` device (no memory), cast to ``dtype`` (outside any fake mode)."""
+        import diffusers
+
+        cfg = dict(self.config)
+        if depth is not None:
+            cfg.update(dict(zip(self.depth_keys, depth)))
+        with torch.device("meta"):
+            model = getattr(diffusers, self.cls_name)(**cfg)
+        model.to(dtype)
+        if self.name == "qwen_image":
+            # QwenEmbedRope precomputes its frequency tables as plain attributes (not buffers), so
+            # the meta build leaves them without data: rebuild that one small module for real.
+            from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
+            model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(cfg["axes_dims_rope"]), scale_rope=True)
+        return model
+
+    def blocks(self, model) -> list[torch.nn.Module]:
+        return [b for attr in self.block_attrs for b in getattr(model, attr)]
+
+    def inputs(self, batch: int, img: int, txt: int, dtype: torch.dtype) -> dict[str, Any]:
+        """Call inside the fake mode: keyword arguments of one forward."""
+        c = self.config
+        kw: dict[str, Any] = {
+            "hidden_states": torch.randn(batch, img, c["in_channels"], dtype=dtype),
+            "encoder_hidden_states": torch.randn(batch, txt, c["joint_attention_dim"], dtype=dtype),
+            "timestep": torch.full((batch,), 0.5, dtype=dtype),
+            "return_dict": False,
+        }
+        if self.name == "flux1":
+            kw.update(pooled_projections=torch.randn(batch, c["pooled_projection_dim"], dtype=dtype),
+                      img_ids=torch.zeros(img, 3), txt_ids=torch.zeros(txt, 3))
+            if c["guidance_embeds"]:
+                kw["guidance"] = torch.full((batch,), 3.5, dtype=dtype)
+        elif self.name == "qwen_image":
+            side = int(math.isqrt(img))
+            kw.update(img_shapes=[[(1, side, side)]] * batch)
+        elif self.name == "flux2_klein":
+            kw.update(img_ids=torch.zeros(img, 4), txt_ids=torch.zeros(txt, 4))
+        return kw
+
+
+FLUX1 = Family("flux1", "FluxTransformer2DModel", FLUX1_DEV, ("num_layers", "num_single_layers"),
+               ("transformer_blocks", "single_transformer_blocks"), ("double", "single"))
+QWEN = Family("qwen_image", "QwenImageTransformer2DModel", QWEN_IMAGE, ("num_layers",), ("transformer_blocks",),
+              ("block",))
+KLEIN = Family("flux2_klein", "Flux2Transformer2DModel", FLUX2_KLEIN_4B, ("num_layers", "num_single_layers"),
+               ("transformer_blocks", "single_transformer_blocks"), ("double", "single"))
+
+
+def lora_targets(family: Family) -> list[str]:
+    """flowrl's ``ATTENTION`` preset; klein's single blocks fuse q, k, v (and the MLP input) into
+    ``to_qkv_mlp_proj`` and name their output ``attn.to_out`` (no ``.0``), which the preset does
+    not match, so they are added for klein."""
+    from flowrl_plugins.diffusers_models.common import ATTENTION
+
+    targets = list(ATTENTION)
+    if family.name == "flux2_klein":
+        targets += ["to_qkv_mlp_proj", r"single_transformer_blocks.\d+.attn.to_out"]
+    return targets
+
+
+def _peft_targets(targets: list[str]):
+    """peft takes a list of suffixes or one regular expression; klein's extra entry is a regex."""
+    if not any("\\" in t for t in targets):
+        return targets
+    import re
+
+    parts = [re.escape(t) if "\\" not in t else t for t in targets]
+    return r"(.*\.)?(" + "|".join(parts) + r")$"
+
+
+# ------------------------------------------------------------------------------ trackers
+
+
+def _category_name(key) -> str:
+    return str(getattr(key, "value", key))
+
+
+class _CategoryPeaks:
+    """Mixin: besides the tracker's peak (the breakdown at the moment of the largest total), keep
+    the maximum over the run of each category and of each group of categories in ``groups``.
+
+    FSDPMemTracker labels a tensor by the phase that creates it and relabels FSDP's own tensors
+    only when its hook returns: while FSDP unshards (pre-forward, pre-backward) the gathered
+    parameters count as activations or temporaries, and while it reduces (post-backward) the new
+    gradient shards count as temporaries. Activation and temporary maxima therefore skip those
+    three phases (their tensors are counted once relabelled; the total is never affected)."""
+
+    groups: dict[str, tuple[str, ...]] = {}
+    _UNSETTLED = ("PRE_FW", "PRE_BW", "POST_BW")
+    _PHASE_LABELS = ("Activation", "Temp")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.category_peaks: dict[str, int] = {}
+        self.group_peaks: dict[str, int] = {}
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        state = getattr(getattr(self, "_fsdp_state", None), "name", None)
+        settled = state not in self._UNSETTLED
+        for snap in self._curr_mem_snap.values():
+            named = {_category_name(k): v for k, v in snap.items()}
+            for name, value in named.items():
+                if (settled or name not in self._PHASE_LABELS) and value > self.category_peaks.get(name, 0):
+                    self.category_peaks[name] = value
+            for group, keys in self.groups.items():
+                if not settled and any(k in self._PHASE_LABELS for k in keys):
+                    continue
+                value = sum(named.get(k, 0) for k in keys)
+                if value > self.group_peaks.get(group, 0):
+                    self.group_peaks[group] = value
+
+    def reset_peaks(self) -> None:
+        """Forget every peak so far (the tracker's own too): the next ones start from now."""
+        from copy import deepcopy
+
+        self.category_peaks, self.group_peaks = {}, {}
+        self._peak_mem_snap = deepcopy(self._curr_mem_snap)
+        self._peak_mem = {dev: snap.get("Total", 0) for dev, snap in self._curr_mem_snap.items()}
+
+
+def _fsdp_tracker_class():
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class Tracker(_CategoryPeaks, FSDPMemTracker):
+        groups = FSDP_CATEGORIES
+
+    return Tracker
+
+
+def _lora_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(_CategoryPeaks, MemTracker):
+        groups = PLAIN_CATEGORIES
+        """MemTracker registers a gradient hook on every parameter it meets, which raises on a
+        frozen one: hooks go on trainable parameters only (frozen ones are still counted)."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+            sizes = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if install_grad_hooks:
+                for p in module.parameters():
+                    if p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
+                        def hook(grad, _self=self):
+                            _self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                        self._param_to_grad_hook_handles[p] = (
+                            p.register_hook(hook), p.register_post_accumulate_grad_hook(lambda q, h=hook: h(q.grad)),
+                        )
+            return sizes
+
+    return Tracker
+
+
+#: the benchmark's categories -> the tracker's (summed at each moment; the maximum over the step)
+FSDP_CATEGORIES = {
+    "params": ("Sharded Param", "Buffer"),  # the fp32 master shards
+    "grads": ("Sharded Grad",),  # fp32 gradient shards
+    "optimizer_max": ("OptState",),  # AdamW state, plus the step's own temporaries
+    "activations": ("Activation",),
+    "temporaries": ("Temp",),
+    "gathered": ("Unsharded Param", "All Gather"),  # bf16 all-gather buffers and unsharded parameters
+    "reduce_scatter": ("Unsharded Grad", "Reduce Scatter"),  # bf16 unsharded grads, fp32 reduce-scatter input
+    "inputs": ("Inputs",),
+}
+PLAIN_CATEGORIES = {
+    "params": ("Parameter", "Buffer"),
+    "grads": ("Gradient",),
+    "optimizer_max": ("Optstate",),
+    "activations": ("Activation",),
+    "temporaries": ("Temp",),
+    "inputs": ("Other",),
+}
+
+
+def _summarise(tracker) -> dict[str, Any]:
+    """The maxima by category, the peak total and its breakdown; ``optimizer`` is the AdamW state
+    after the step and ``opt_step_temp`` what the step itself held on top of it."""
+    peak_snap = {_category_name(k): v for snap in tracker.get_tracker_snapshot("peak").values() for k, v in snap.items()}
+    now = {_category_name(k): v for snap in tracker.get_tracker_snapshot("current").values() for k, v in snap.items()}
+    out: dict[str, Any] = dict(tracker.group_peaks)
+    state = now.get("OptState", now.get("Optstate", 0))
+    out.update(optimizer=state, opt_step_temp=out.get("optimizer_max", 0) - state, peak=peak_snap.get("Total", 0),
+               raw_max=dict(tracker.category_peaks), at_peak=peak_snap)
+    return out
+
+
+# ------------------------------------------------------------------------------ process group
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """A fake process group of ``world_size`` ranks in this one process (rank 0), and its mesh."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised; the benchmark needs its own fake one")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        # The fake device must be "cpu": fully_shard asks CUDA for its device otherwise, and the
+        # mesh is made outside FakeTensorMode (inside it, .tolist() fails).
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _quiet():
+    from diffusers.utils import logging as diffusers_logging
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    diffusers_logging.set_verbosity_error()  # "modules ... should be kept in float32: []" on every cast
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """Pause Python's cyclic garbage collector: a tensor that only a reference cycle holds is
+    freed whenever the collector happens to run, which made repeated runs differ by tens of MB
+    (Qwen-Image; FLUX has no such tensors). Paused, such tensors count until the step ends:
+    deterministic, and an upper bound."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _step(model, inputs, optimizer, tracker, *, iterations: int = 2, accumulate: int = 1,
+          sync_each: bool = True, grad: bool = True) -> None:
+    """``iterations`` optimizer steps of ``accumulate`` forward + backward each (FSDP2 without a
+    gradient sync on all but the last when ``sync_each`` is false); or one no-grad forward."""
+    with _no_cyclic_gc(), tracker:
+        if not grad:
+            with torch.no_grad():
+                model(**inputs)
+            return
+        for i in range(iterations):
+            for micro in range(accumulate):
+                if micro:
+                    tracker.reset_mod_stats()  # the tracker refuses a second forward of the root otherwise
+                if not sync_each:
+                    model.set_requires_gradient_sync(micro == accumulate - 1)
+                out = model(**inputs)[0]
+                out.float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if i == 0 and iterations > 1:
+                # The first iteration creates the optimizer state and fills process-wide caches
+                # (DTensor sharding propagation runs once per op and shape, and some of its fake
+                # tensors get counted): measure the second one.
+                tracker.reset_mod_stats()
+                tracker.reset_peaks()
+
+
+# ------------------------------------------------------------------------------ measurements
+
+
+def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None = None, batch: int = 1,
+               img: int = IMAGE_TOKENS, txt: int = TEXT_TOKENS, checkpointing: bool = True,
+               accumulate: int = 1, sync_each: bool = True, iterations: int = 2) -> dict[str, Any]:
+    """Full fine-tuning under FSDP2 at ``world_size`` (a fake process group): fp32 master weights,
+    bf16 compute, ``fully_shard`` per block and at the root, AdamW. Bytes per rank by category,
+    the peak, and proof of sharding (every parameter a ``DTensor`` with ``Shard(0)``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    _quiet()
+    model = family.build(depth, torch.float32)  # cast outside the fake mode (inside, .to() fails)
+    full_param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())
+    blocks = family.blocks(model)
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    t0 = time.process_time()
+    with fake_process_group(world_size) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
+        for b in blocks:
+            fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        model.to_empty(device="cpu")
+        params = list(model.parameters())
+        sharded = all(isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),) for p in params)
+        local_bytes = sum(p.to_local().numel() * p.element_size() for p in params if isinstance(p, DTensor))
+        optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-4, foreach=True)  # a GPU's default
+        inputs = family.inputs(batch, img, txt, torch.float32)
+        tracker = _fsdp_tracker_class()(model, optimizer)
+        tracker.track_inputs(tuple(v for v in inputs.values() if torch.is_tensor(v)))
+        _step(model, inputs, optimizer, tracker, iterations=iterations, accumulate=accumulate, sync_each=sync_each)
+        result = _summarise(tracker)
+    result.update(
+        world_size=world_size, depth=list(depth or family.depth()), batch=batch, tokens=img + txt,
+        checkpointing=checkpointing, accumulate=accumulate, sync_each=sync_each, n_params=n_params,
+        full_param_bytes=full_param_bytes, local_param_bytes=local_bytes, all_dtensor_shard0=sharded,
+        largest_block_params=max(block_params), root_params=n_params - sum(block_params),
+        cpu_seconds=round(time.process_time() - t0, 1),
+    )
+    return result
+
+
+def _replace_nf4(model: torch.nn.Module) -> torch.nn.Module:
+    """Every ``nn.Linear`` of a meta-built model becomes bitsandbytes' ``Linear4bit``, as diffusers'
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_compute_dtype=bf16)`` loads it (no double quantisation, blocksize 64)."""
+    from diffusers import BitsAndBytesConfig
+    from diffusers.quantizers.bitsandbytes.utils import replace_with_bnb_linear
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    return replace_with_bnb_linear(model, modules_to_not_convert=[], quantization_config=config)
+
+
+def _materialise_nf4(model: torch.nn.Module) -> torch.nn.Module:
+    """Call inside ``FakeTensorMode`` on a meta model from :func:`_replace_nf4`: each ``Linear4bit``
+    gets the packed weight and statistics that bitsandbytes' own ``quantize_4bit`` makes (fake
+    tensors: bitsandbytes registers fake kernels for its ops), the other parameters (LoRA
+    included) fake tensors of their dtype. ``Params4bit`` cannot wrap a fake tensor, so the weight is a plain parameter that
+    carries Params4bit's attributes (what ``Linear4bit.forward`` and peft read). A REAL packed
+    weight would not do: each op would copy it into a new fake tensor, counted again."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbF
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            w = torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16)
+            packed, state = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False,
+                                               quant_storage=torch.uint8)
+            weight = torch.nn.Parameter(packed, requires_grad=False)
+            for name, value in {"quant_state": state, "blocksize": 64, "compress_statistics": False, "quant_type": "nf4",
+                                "quant_storage": torch.uint8, "bnb_quantized": True, "module": m}.items():
+                setattr(weight, name, value)
+            m.weight = weight
+    for mod in model.modules():
+        for name, t in list(mod._parameters.items()):
+            if t is not None and t.is_meta:
+                mod._parameters[name] = torch.nn.Parameter(torch.ones(t.shape, dtype=t.dtype), requires_grad=t.requires_grad)
+        for name, t in list(mod._buffers.items()):
+            if t is not None and t.is_meta:
+                mod._buffers[name] = torch.zeros(t.shape, dtype=t.dtype)
+    return model
+
+
+def _lora_model(family: Family, depth: tuple[int, ...] | None, checkpointing: bool = False, lora: bool = True,
+                quant: str | None = None):
+    """On the meta device: the base in bf16 (``quant="nf4"``: its Linear layers swapped for 4-bit
+    ones, :func:`_replace_nf4`), frozen, and a rank-64 LoRA in fp32 (flowrl's
+    ``prepare_trainable`` does the same)."""
+    from peft import LoraConfig
+
+    model = family.build(depth, torch.bfloat16)
+    if quant == "nf4":
+        model = _replace_nf4(model)
+    elif quant is not None:
+        raise ValueError(f"unknown quantisation {quant!r}")
+    model.requires_grad_(False)
+    if lora:
+        targets = _peft_targets(lora_targets(family))
+        model.add_adapter(LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=targets))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return model
+
+
+def track_lora(family: Family, *, depth: tuple[int, ...], batch: int = 1, img: int = IMAGE_TOKENS,
+               txt: int = TEXT_TOKENS, checkpointing: bool = True, iterations: int = 2,
+               grad: bool = True, lora: bool = True, quant: str | None = None) -> dict[str, Any]:
+    """LoRA on one process (plain ``MemTracker``), AdamW on the LoRA matrices; or, with
+    ``grad=False``, one no-grad forward (with ``lora=False``: of the bare base model)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _quiet()
+    t0 = time.process_time()
+    # Built on meta outside the fake mode (inside, casting a meta model fails).
+    model = _lora_model(family, depth, checkpointing, lora=lora, quant=quant)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if quant is None:
+            model.to_empty(device="cpu")
+        else:
+            _materialise_nf4(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-4, foreach=True) if grad else None
+        inputs = family.inputs(batch, img, txt, torch.bfloat16)
+        tracker = _lora_tracker_class()()
+        tracker.track_external(model, *([optimizer] if optimizer else []),
+                               *[v for v in inputs.values() if torch.is_tensor(v)])
+        _step(model, inputs, optimizer, tracker, iterations=iterations, grad=grad)
+        result = _summarise(tracker)
+    result.update(depth=list(depth), batch=batch, tokens=img + txt, checkpointing=checkpointing, quant=quant,
+                  trainable=trainable, cpu_seconds=round(time.process_time() - t0, 1))
+    return result
+
+
+KEYS = ("params", "grads", "optimizer", "opt_step_temp", "activations", "temporaries", "peak")
+BASE_DEPTH = 2  # reduced-depth runs at 2 blocks of each kind and one more of each (1 block has edge effects)
+
+
+def reduced_depths(family: Family) -> list[tuple[int, ...]]:
+    base = tuple(BASE_DEPTH for _ in family.kinds)
+    return [base] + [tuple(d + (j == i) for j, d in enumerate(base)) for i in range(len(base))]
+
+
+def extrapolate(family: Family, runs: dict[tuple[int, ...], dict[str, Any]], keys=KEYS,
+                at: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Fit ``A(depth) = A0 + sum_k depth_k a_k`` on the runs of :func:`reduced_depths` (one block
+    of each kind added to the base) and evaluate it at ``at`` (default: the full depth)."""
+    depths = reduced_depths(family)
+    base = depths[0]
+    at = at or family.depth()
+    out: dict[str, Any] = {"per_block": {}, "outside": {}, "value": {}, "at": list(at)}
+    for key in keys:
+        per = {kind: runs[more][key] - runs[base][key] for kind, more in zip(family.kinds, depths[1:])}
+        a0 = runs[base][key] - sum(per[k] * n for k, n in zip(family.kinds, base))
+        out["per_block"][key], out["outside"][key] = per, a0
+        out["value"][key] = a0 + sum(per[k] * n for k, n in zip(family.kinds, at))
+    return out
+
+
+_WARM: set[tuple[str, str | None]] = set()
+
+
+def warm_up(family: Family, quant: str | None = None) -> None:
+    """One throwaway run per model class: the first one in a process also counts tensors that
+    process-wide caches keep (e.g. rotary tables), a few MB that would skew a per-block fit."""
+    if (family.name, quant) not in _WARM:
+        track_lora(family, depth=reduced_depths(family)[0], checkpointing=False, iterations=1, quant=quant)
+        _WARM.add((family.name, quant))
+
+
+def lora_item(family: Family, checkpointing: bool, validate_at: tuple[int, ...] | None,
+              quant: str | None = None) -> dict[str, Any]:
+    """Reduced-depth runs, the per-block fit, its check at a deeper model, and exact counts."""
+    warm_up(family, quant)
+    runs = {d: track_lora(family, depth=d, checkpointing=checkpointing, quant=quant) for d in reduced_depths(family)}
+    ext = extrapolate(family, runs)
+    check = None
+    if validate_at:
+        measured = track_lora(family, depth=validate_at, checkpointing=checkpointing, quant=quant)
+        predicted = extrapolate(family, runs, at=validate_at)["value"]
+        check = {"depth": list(validate_at), "measured": {k: measured[k] for k in KEYS}, "predicted": predicted,
+                 "cpu_seconds": measured["cpu_seconds"]}
+    model = _lora_model(family, None)  # the full model on meta: exact counts
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return {
+        "runs": {"x".join(map(str, d)): r for d, r in runs.items()}, "extrapolation": ext, "validation": check,
+        "tracker": dict(ext["value"]), "trainable_params": trainable, "base_params": base,
+        "checkpointing": checkpointing,
+        "cpu_seconds": round(sum(r["cpu_seconds"] for r in runs.values()) + (check["cpu_seconds"] if check else 0), 1),
+    }
+
+
+def rollout_item(family: Family, batch: int, lora: bool = True, quant: str | None = None) -> dict[str, Any]:
+    """One no-grad forward of ``batch`` samples (the rollout), bf16, with LoRA attached or not:
+    the peak of live activations. It does not grow with depth (a block's tensors die in the
+    next); two depths show it."""
+    warm_up(family, quant)
+    depths = reduced_depths(family)[:1] + [tuple(d + 1 for d in reduced_depths(family)[0])]
+    runs = [track_lora(family, depth=d, batch=batch, checkpointing=False, grad=False, lora=lora, quant=quant)
+            for d in depths]
+    return {"batch": batch, "lora": lora, "quant": quant, "activations": max(r["activations"] for r in runs),
+            "by_depth": {"x".join(map(str, d)): r["activations"] for d, r in zip(depths, runs)},
+            "cpu_seconds": round(sum(r["cpu_seconds"] for r in runs), 1)}
+
+
+# ------------------------------------------------------------------------------ NF4 storage
+
+
+def nf4_weight_bytes(family: Family, double_quant: bool) -> dict[str, Any]:
+    """Bytes of the transformer with every ``nn.Linear`` weight quantised as diffusers'
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")`` does (bitsandbytes'
+    ``quantize_4bit``: blocksize 64, uint8 storage), read off the tensors bitsandbytes returns for
+    each distinct weight size; everything else (biases, norms) stays bf16."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbF
+
+    model = family.build(None, torch.bfloat16)
+    sizes: dict[int, int] = {}
+    linear_ids = set()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            sizes[m.weight.numel()] = sizes.get(m.weight.numel(), 0) + 1
+            linear_ids.add(id(m.weight))
+    other = sum(p.numel() * 2 for p in model.parameters() if id(p) not in linear_ids)
+    per_size: dict[int, int] = {}
+    packed_size: dict[int, int] = {}
+    for numel in sorted(sizes):
+        w = torch.ones(numel, 1, dtype=torch.bfloat16)
+        packed, state = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=double_quant,
+                                           quant_storage=torch.uint8)
+        tensors = [packed] + [v for v in state.as_dict(packed=True).values() if torch.is_tensor(v)]
+        per_size[numel] = sum(t.numel() * t.element_size() for t in tensors)
+        packed_size[numel] = packed.numel() * packed.element_size()
+        del w, packed, state
+    linear_bytes = sum(per_size[n] * c for n, c in sizes.items())
+    n_linear = sum(n * c for n, c in sizes.items())
+    return {
+        "bitsandbytes": bnb.__version__, "double_quant": double_quant, "linear_params": n_linear,
+        "linear_bytes": linear_bytes, "bits_per_linear_param": 8 * linear_bytes / n_linear,
+        "packed_bytes": sum(packed_size[n] * c for n, c in sizes.items()),
+        "state_bytes": linear_bytes - sum(packed_size[n] * c for n, c in sizes.items()),
+        "other_bf16_bytes": other, "total_bytes": linear_bytes + other, "largest_linear": max(sizes),
+    }
+
+
+# ------------------------------------------------------------------------------ flowrl plan
+
+
+def plan_numbers(overrides: list[str], world_size: int) -> dict[str, Any]:
+    """What ``flowrl plan`` says for the flagship recipe with ``overrides`` (its Python API)."""
+    from flowrl.commands.plan import estimate
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+
+    registry = get_registry()
+    recipe = load_recipe(REPO / "recipes" / "chunk_grpo_flux.toml", overrides, registry=registry)
+    geometry, mm, lines = estimate(recipe, registry, world_size)
+    by = {line.item: line.bytes for line in lines}
+    out = {
+        "params": by["denoiser weights"] + by.get("LoRA weights", 0.0),
+        "grads": by["gradients"],
+        "optimizer": by["AdamW state (2 moments)"],
+        "activations": by["activations, forward with grad"],
+        "rollout_activations": by["activations, no grad"],
+        "rollout_samples": geometry.samples_per_process,
+        "micro_batch": recipe.train.micro_batch_size,
+        "tokens": mm.tokens, "width": mm.width, "per_block_widths": mm.per_block, "outside_widths": mm.outside,
+        "overrides": overrides,
+    }
+    # The training step as the plan models it: the persistent denoiser state plus the update
+    # phase's activations (its CUDA overhead, trajectories, caches and rewards are outside what
+    # the tracker sees, and left out here).
+    out["peak"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"]
+    return out
+
+
+PLAN_512 = ["model.height=512", "model.width=512"]
+LORA_OVERRIDES = ["train.finetune=lora", f"train.lora_rank={LORA_RANK}", f"train.lora_alpha={LORA_ALPHA}",
+                  "model.denoiser_dtype=auto", "model.lora_preset=attention"]
+
+
+# ------------------------------------------------------------------------------ what a plan should say
+
+
+def _activations(tw: float, depth: dict[str, int], widths: dict[str, float], outside: float, checkpointing: bool) -> float:
+    """Saved activations from per-block constants (bf16 elements per token per unit of width):
+    checkpointed, one input per block plus the outside part, which then includes the recompute
+    of one block; otherwise every block's constant."""
+    if checkpointing:
+        return tw * (sum(depth.values()) + outside)
+    return tw * (sum(widths[k] * n for k, n in depth.items()) + outside)
+
+
+def should_fsdp(r: dict[str, Any], consts: dict[str, Any], width: int) -> dict[str, float]:
+    """Closed-form figures per rank for FSDP2 full fine-tuning (fp32 master, bf16 compute, fp32
+    reduce), P parameters, N ranks, B the largest block's parameters, R the root's:
+
+    - params    = 4 P / N                      fp32 master shards
+    - grads     = 4 P / N                      fp32 gradient shards
+    - optimizer = 8 P / N                      AdamW moments
+    - opt_step_temp = 4 P / N                  foreach AdamW's sqrt(v) copy during the step
+    - gathered  = 2 (R + 3 B)                  bf16: the root stays gathered, the current block's
+                                               unsharded parameters, two all-gather buffers (prefetch)
+    - reduce_scatter = 6 B                     fp32 reduce-scatter input of one block + the bf16
+                                               unsharded gradients of the next
+    - activations, temporaries: per-block constants (reduced-depth runs) x tokens x width x 2
+    - accumulation without sync adds 4 P to the temporaries (fp32 unsharded gradients held
+      between micro-batches: FSDP2 upcasts them to the reduce dtype)
+    - peak = max(step: params + grads + optimizer + opt_step_temp,
+                 backward: params + optimizer + activations + gathered + reduce_scatter + temporaries
+                           (+ grads when earlier micro-batches were reduce-scattered))
+    """
+    n, p, big, root = r["world_size"], r["n_params"], r["largest_block_params"], r["root_params"]
+    tw = r["batch"] * r["tokens"] * width * 2
+    depth = dict(zip(consts["widths"], r["depth"]))
+    out = {
+        "params": 4 * p / n, "grads": 4 * p / n, "optimizer": 8 * p / n, "opt_step_temp": 4 * p / n,
+        "gathered": 2 * (root + 3 * big), "reduce_scatter": 6 * big,
+        "activations": _activations(tw, depth, consts["widths"], consts["outside"], r["checkpointing"]),
+        "temporaries": 2 * big + tw * (consts["temp_outside"] + sum(consts["temp_widths"][k] * c for k, c in depth.items())),
+        "unsynced_grads": 4 * p if (r["accumulate"] > 1 and not r["sync_each"]) else 0.0,
+    }
+    out["temporaries"] += out["unsynced_grads"]  # the tracker files them under temporaries
+    step = out["params"] + out["grads"] + out["optimizer"] + out["opt_step_temp"]
+    backward = (out["params"] + out["optimizer"] + out["activations"] + out["gathered"] + out["reduce_scatter"]
+                + out["temporaries"] + (out["grads"] if r["accumulate"] > 1 and r["sync_each"] else 0.0))
+    out["peak"] = max(step, backward)
+    return out
+
+
+def should_lora(base_params: int, base_bytes: float, trainable: int, *, tw: float, depth: dict[str, int],
+                consts: dict[str, Any], checkpointing: bool, dequant: float = 0.0) -> dict[str, float]:
+    """Closed-form one-process LoRA figures: base x its bytes + 4 x LoRA; gradients 4 x LoRA;
+    AdamW 8 x LoRA (+ 4 x LoRA during a foreach step); activations and temporaries from
+    per-block constants (bf16 elements per token per unit of width);
+    peak = max(step, backward: params + optimizer + activations + temporaries + ``dequant``, the
+    bf16 copy of the largest 4-bit weight that bitsandbytes' matmul makes inside its op)."""
+    out = {"params": base_params * base_bytes + trainable * 4, "grads": trainable * 4.0,
+           "optimizer": trainable * 8.0, "opt_step_temp": trainable * 4.0,
+           "activations": _activations(tw, depth, consts["widths"], consts["outside"], checkpointing),
+           "temporaries": tw * consts["temp_outside"]}
+    step = out["params"] + out["grads"] + out["optimizer"] + out["opt_step_temp"]
+    out["peak"] = max(step, out["params"] + out["optimizer"] + out["activations"] + out["temporaries"] + dequant)
+    return out
+
+
+def constants(ext: dict[str, Any], tw: float, *, temp_offset: float = 0.0, temp_fit: bool = True) -> dict[str, Any]:
+    """Per-block constants in bf16 elements per token per unit of width from a reduced-depth fit:
+    activations, and temporaries (less ``temp_offset`` bytes) either fitted per block too
+    (``temp_fit``) or, where they do not grow with depth, the largest reduced-depth figure."""
+    widths = {k: v / tw for k, v in ext["per_block"]["activations"].items()}
+    out = {"widths": widths, "outside": ext["outside"]["activations"] / tw}
+    if temp_fit:
+        out["temp_widths"] = {k: v / tw for k, v in ext["per_block"]["temporaries"].items()}
+        out["temp_outside"] = (ext["outside"]["temporaries"] - temp_offset) / tw
+    else:
+        out["temp_widths"] = {k: 0.0 for k in widths}
+        out["temp_outside"] = (ext["max_temporaries"] - temp_offset) / tw
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+
+ROWS = ("params", "grads", "optimizer", "opt_step_temp", "activations", "temporaries", "gathered", "reduce_scatter",
+        "unsynced_grads", "peak")
+
+
+def rel(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return (a - b) / b
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.0f}%"
+
+
+def table_rows(item: dict[str, Any]) -> list[list[str]]:
+    plan, tracker, should = item.get("plan") or {}, item["tracker"], item.get("should") or {}
+    rows = []
+    for k in ROWS:
+        if k not in tracker and k not in plan and k not in should:
+            continue
+        p, t, s = plan.get(k), tracker.get(k), should.get(k)
+        if k == "unsynced_grads" and not s:
+            continue
+        rows.append([k, _gib(p), _gib(t), _pct(rel(p, t)), _gib(s), _pct(rel(s, t))])
+    return rows
+
+
+def print_item(name: str, item: dict[str, Any]) -> None:
+    print(f"\n== {name}: {item['title']}")
+    head = ["GiB per process", "plan", "tracker", "plan vs trk", "should", "should vs trk"]
+    rows = [head] + table_rows(item)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    for r in rows:
+        print("   " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+    for note in item.get("notes", []):
+        print(f"   - {note}")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The results as Markdown tables (for notes and docs)."""
+    lines = []
+    for name, item in result["items"].items():
+        if "tracker" not in item:
+            continue
+        lines += [f"**{name}**: {item['title']}", "",
+                  "| GiB per process | plan | tracker | plan vs tracker | should | should vs tracker |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += ["| " + " | ".join(r) + " |" for r in table_rows(item)]
+        lines += [""] + [f"- {n}" for n in item.get("notes", [])] + [""]
+    return "\n".join(lines)
+
+
+def _fsdp_item(key: str, title: str, small: dict, full: dict, plan: dict | None, width: int) -> dict[str, Any]:
+    ext = extrapolate(FLUX1, small, keys=("activations", "temporaries"))
+    tw = full["batch"] * full["tokens"] * width * 2
+    consts = constants(ext, tw, temp_offset=2 * full["largest_block_params"])
+    should = should_fsdp(full, consts, width)
+    notes = [
+        f"sharded: every parameter a DTensor with Shard(0): {full['all_dtensor_shard0']}; local parameter bytes "
+        f"{full['local_param_bytes'] / GiB:.3f} GiB = full {full['full_param_bytes'] / GiB:.3f} GiB / "
+        f"{full['full_param_bytes'] / full['local_param_bytes']:.3f}",
+        "activation constants (bf16 elements per token per width, from depths "
+        + ", ".join("x".join(map(str, d)) for d in small) + "): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in consts["widths"].items())
+        + f", outside {consts['outside']:.2f}; temporaries: 2 x largest block + ("
+        + " + ".join(f"{v:.2f} x {k}" for k, v in consts["temp_widths"].items()) + f" + {consts['temp_outside']:.2f}) widths"
+        + (("; plan's per-block widths: " + ", ".join(f"{k} {v:.1f}" for k, v in plan["per_block_widths"].items()))
+           if plan else ""),
+        f"largest block {full['largest_block_params'] / 1e6:.1f}e6 parameters, root {full['root_params'] / 1e6:.1f}e6",
+        f"tracker CPU time {full['cpu_seconds']} s (full size) + "
+        f"{sum(r['cpu_seconds'] for r in small.values()):.0f} s (reduced depth)",
+    ]
+    if plan:
+        notes.insert(1, "the plan replicates (no FSDP yet): its params, grads and optimizer are the whole model's")
+    return {"title": title, "plan": plan, "tracker": full, "should": should, "constants": consts,
+            "reduced_depth": {"x".join(map(str, d)): r for d, r in small.items()}, "notes": notes}
+
+
+def run_all() -> dict[str, Any]:
+    import diffusers
+
+    started = time.time()
+
+    def stamp(key: str) -> None:
+        print(f"[{time.time() - started:5.0f} s] {key} ...", flush=True)
+
+    items: dict[str, Any] = {}
+    tokens = IMAGE_TOKENS + TEXT_TOKENS
+    width = FLUX1_DEV["num_attention_heads"] * FLUX1_DEV["attention_head_dim"]
+    mb = plan_numbers(PLAN_512, 8)["micro_batch"]
+
+    # 1. Full fine-tuning, FSDP2 x 8, as the flagship recipe (micro-batch mb, checkpointing on), and
+    #    without checkpointing; then two micro-batches per optimizer step, with a reduce-scatter
+    #    after each or with the first unsynchronised (set_requires_gradient_sync(False)).
+    small_by_ac: dict[bool, dict] = {}
+    fsdp_cases = [("flux_full_fsdp8_ac", True, 1, True), ("flux_full_fsdp8_noac", False, 1, True),
+                  ("flux_full_fsdp8_ac_accum2_sync", True, 2, True), ("flux_full_fsdp8_ac_accum2_nosync", True, 2, False)]
+    for key, ac, accumulate, sync_each in fsdp_cases:
+        stamp(key)
+        if ac not in small_by_ac:
+            small_by_ac[ac] = {d: track_fsdp(FLUX1, 8, depth=d, batch=mb, checkpointing=ac) for d in reduced_depths(FLUX1)}
+        full = track_fsdp(FLUX1, 8, batch=mb, checkpointing=ac, accumulate=accumulate, sync_each=sync_each)
+        plan = plan_numbers(PLAN_512 + [f"model.gradient_checkpointing={'true' if ac else 'false'}"], 8)
+        title = (f"FLUX.1-dev full fine-tuning, FSDP2 x 8, fp32 master / bf16 compute, micro-batch {mb}, "
+                 f"checkpointing {'on' if ac else 'off'}"
+                 + (f", {accumulate} micro-batches per step ({'reduce-scatter each' if sync_each else 'first unsynced'})"
+                    if accumulate > 1 else ""))
+        items[key] = _fsdp_item(key, title, small_by_ac[ac], full, plan, width)
+        print_item(key, items[key])
+
+    # 2-4. LoRA on one process: reduced depth, extrapolated per block, checked at a deeper model.
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        bnb_missing = True
+        print("bitsandbytes is not installed: the FLUX.2 [klein] NF4 rows are skipped "
+              "(pip install -c constraints/cpu.txt bitsandbytes)", flush=True)
+    else:
+        bnb_missing = False
+    nf4 = {} if bnb_missing else {dq: nf4_weight_bytes(KLEIN, dq) for dq in (False, True)}
+    lora_cases = [(FLUX1, "flux_lora", "FLUX.1-dev LoRA r64 (attention) on a bf16 base", (4, 4)),
+                  (QWEN, "qwen_lora", "Qwen-Image LoRA r64 (attention) on a bf16 base", (5,)),
+                  (KLEIN, "klein_qlora", "FLUX.2 [klein] 4B LoRA r64 on an NF4 base (bitsandbytes)", (4, 4))]
+    for family, stem, title, check_at in lora_cases:
+        if family is KLEIN and bnb_missing:
+            continue
+        width_f = family.config["num_attention_heads"] * family.config["attention_head_dim"]
+        tw = 1 * tokens * width_f * 2
+        depth = dict(zip(family.kinds, family.depth()))
+        for ac in (True, False):
+            key = f"{stem}_{'ac' if ac else 'noac'}"
+            stamp(key)
+            item = lora_item(family, ac, check_at, quant="nf4" if family is KLEIN else None)
+            ext = item["extrapolation"]
+            # Backward temporaries are one block's at a time: they do not grow with depth (the check
+            # at a deeper model shows it), so the full-size figure is the largest reduced-depth one.
+            ext["max_temporaries"] = max(r["temporaries"] for r in item["runs"].values())
+            consts = constants(ext, tw, temp_fit=False)
+            item["tracker"]["temporaries"] = ext["max_temporaries"]
+            v = item["validation"]
+            notes = [
+                "per block (GiB): " + "; ".join(
+                    f"{k} " + ", ".join(f"{kind} {x / GiB:.4f}" for kind, x in ext["per_block"][k].items())
+                    for k in ("params", "grads", "activations", "peak")),
+                "outside the blocks (GiB): " + ", ".join(f"{k} {ext['outside'][k] / GiB:.4f}"
+                                                         for k in ("params", "activations", "peak")),
+                "activation constants (bf16 elements per token per width): "
+                + ", ".join(f"{k} {x:.2f}" for k, x in consts["widths"].items())
+                + f", outside {consts['outside']:.2f}; temporaries {consts['temp_outside']:.2f} widths",
+                f"trainable {item['trainable_params'] / 1e6:.1f}e6 (LoRA), base {item['base_params'] / 1e9:.3f}e9; the "
+                f"fit gives params {ext['value']['params'] / GiB:.3f} GiB, the exact count "
+                + (f"{(item['base_params'] * 2 + item['trainable_params'] * 4) / GiB:.3f} GiB" if family is not KLEIN else
+                   f"{(nf4[False]['packed_bytes'] + nf4[False]['other_bf16_bytes'] + item['trainable_params'] * 4) / GiB:.3f}"
+                   " GiB (packed NF4 + bf16 rest + fp32 LoRA)"),
+            ]
+            if v:
+                notes.append(f"check of the per-block fit at depth {'x'.join(map(str, v['depth']))}: " + ", ".join(
+                    f"{k} measured {v['measured'][k] / GiB:.3f} vs fit {v['predicted'][k] / GiB:.3f} GiB"
+                    for k in ("activations", "temporaries", "peak")))
+            notes.append(f"tracker CPU time {item['cpu_seconds']} s at reduced depth")
+            base_bytes = 2.0
+            dequant = 0.0
+            if family is KLEIN:
+                q = nf4[False]
+                # The tracker counts parameters, and bitsandbytes keeps its per-block statistics
+                # (absmax, quantisation map) outside them, in each weight's quant_state; and the
+                # forward's 4-bit matmul dequantises the weight to bf16 inside its own op (on a
+                # GPU for this many tokens), where no tracker sees it: add both.
+                dequant = q["largest_linear"] * 2.0
+                item["tracker_as_measured"] = dict(item["tracker"])
+                t = item["tracker"]
+                t["params"] += q["state_bytes"]
+                t["peak"] += q["state_bytes"] + dequant
+                item["nf4"] = nf4
+                base_bytes = q["total_bytes"] / item["base_params"]
+                notes.append(
+                    f"NF4 storage (bitsandbytes {q['bitsandbytes']}, blocksize 64): {q['bits_per_linear_param']:.3f} bits "
+                    f"per Linear weight = {q['packed_bytes'] / GiB:.3f} GiB packed + {q['state_bytes'] / GiB:.3f} GiB "
+                    f"absmax and maps + {q['other_bf16_bytes'] / GiB:.4f} GiB of bf16 non-Linear parameters = "
+                    f"{q['total_bytes'] / GiB:.3f} GiB (bf16: {item['base_params'] * 2 / GiB:.3f} GiB); with double "
+                    f"quantisation {nf4[True]['bits_per_linear_param']:.3f} bits, {nf4[True]['total_bytes'] / GiB:.3f} GiB")
+                notes.append("tracked with bitsandbytes' Linear4bit layers and fake packed weights from its own "
+                             "quantize_4bit; the tracker does not see the absmax/maps (quant_state, added to params "
+                             "and peak) nor the forward matmul's internal bf16 dequantised weight (the largest, "
+                             f"{dequant / GiB:.3f} GiB, added to the peak); the backward's dequantisation it sees")
+            item["should"] = should_lora(item["base_params"], base_bytes, item["trainable_params"], tw=tw, depth=depth,
+                                         consts=consts, checkpointing=ac, dequant=dequant)
+            if family is FLUX1:
+                item["plan"] = plan_numbers(PLAN_512 + LORA_OVERRIDES + [
+                    f"model.gradient_checkpointing={'true' if ac else 'false'}"], 1)
+            else:
+                notes.append("flowrl has no adapter for this model yet: no plan column")
+            item["constants"] = consts
+            item["title"] = f"{title}, one process, micro-batch 1, checkpointing {'on' if ac else 'off'}"
+            item["notes"] = notes
+            items[key] = item
+            print_item(key, item)
+
+    # 5. The rollout (no grad): the plan's INFERENCE_WIDTHS (12) against the tracker.
+    plan_flux = plan_numbers(PLAN_512 + LORA_OVERRIDES, 1)
+    for family, batch, lora in ((FLUX1, 1, True), (FLUX1, 1, False), (QWEN, 8, True), (KLEIN, 1, True)):
+        if family is KLEIN and bnb_missing:
+            continue
+        key = f"{family.name}_rollout_b{batch}{'_lora' if lora else '_bare'}"
+        stamp(key)
+        r = rollout_item(family, batch, lora=lora, quant="nf4" if family is KLEIN else None)
+        width_f = family.config["num_attention_heads"] * family.config["attention_head_dim"]
+        r["widths"] = r["activations"] / (batch * tokens * width_f * 2)
+        if family is FLUX1:
+            r["plan_per_sample"] = plan_flux["rollout_activations"] / plan_flux["rollout_samples"]
+        items[key] = r
+        print(f"   no-grad bf16 forward of {batch} sample(s) {'with' if lora else 'without'} LoRA: live activations "
+              f"peak {r['activations'] / GiB:.3f} GiB = {r['widths']:.2f} widths per token (the plan assumes 12)")
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "OMP_NUM_THREADS=1 python " + " ".join(["benchmarks/memory_plan.py", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+        "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version()},
+        "resolution": "512x512", "image_tokens": IMAGE_TOKENS, "text_tokens": TEXT_TOKENS,
+        "configs": {"flux1_dev": FLUX1_DEV, "qwen_image": QWEN_IMAGE, "flux2_klein_4b": FLUX2_KLEIN_4B},
+        "items": items, "wall_seconds": round(time.time() - started, 1),
+    }
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float):
+        return round(x, 6)
+    return x
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--json", type=Path, help="write every number to this JSON file")
+    parser.add_argument("--markdown", type=Path, help="write the tables as Markdown to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = run_all()
+    print(f"\ntotal wall time {result['wall_seconds']} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(result))
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
