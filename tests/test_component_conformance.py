@@ -59,7 +59,7 @@ def test_every_optional_protocol_is_exercised_by_a_builtin():
         claimed |= set(check_component(kind, built, **CONTEXT.get((kind, name), {})))
     claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard tracker (checked above when installed)
     model_protocols = {"ModelAdapter", "HasReferencePolicy", "CountsForwards", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
-                       "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory",
+                       "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory", "HasShardableBlocks",
                        "RewardPlacement", "Reward"}  # checked by flowrl.testing.conformance and the plan tests
     protocols = {name for name, obj in vars(interfaces).items()
                  if inspect.isclass(obj) and obj is not Protocol and getattr(obj, "_is_protocol", False)}

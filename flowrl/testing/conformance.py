@@ -34,6 +34,9 @@ The checks (each documented on its function):
   trains only LoRA matrices, and a non-zero LoRA does change the velocity.
 - ``reference_model``: when the adapter offers ``reference_velocity``, it is the base model's
   velocity after the policy has changed (LoRA disabled, or a frozen copy for full fine-tuning).
+- ``shardable_blocks``: FSDP2 and activation checkpointing find the denoiser's blocks (the
+  adapter's ``shardable_blocks()``, which must name submodules none inside another, or the
+  ``*blocks`` module lists); the note says what share of the parameters they hold.
 
 Checks that modify the model (``lora_noop``, ``reference_model``) work on a deep copy.
 """
@@ -422,6 +425,28 @@ def check_reference_model(adapter, opts: ConformanceOptions) -> str:
     return "reference = " + ", ".join(results) if results else "reference ok"
 
 
+def check_shardable_blocks(adapter, opts: ConformanceOptions) -> str:
+    """FSDP2 shards, and activation checkpointing recomputes, block by block
+    (:func:`flowrl.train.parallel.transformer_blocks`). Blocks an adapter declares must be
+    submodules of its denoiser, none inside another. An adapter whose blocks are not found
+    still trains (FSDP2 then shards the denoiser as one unit); the note says so."""
+    from flowrl.errors import FlowrlError
+    from flowrl.interfaces import HasShardableBlocks
+    from flowrl.train.parallel import declared_blocks, transformer_blocks
+
+    try:
+        blocks = transformer_blocks(adapter.denoiser, declared_blocks(adapter))
+    except FlowrlError as exc:
+        raise AssertionError(str(exc)) from None
+    if not blocks:
+        return ("skipped: no transformer blocks found (no shardable_blocks(), no *blocks module list): "
+                "FSDP2 shards the denoiser as one unit and activation checkpointing is refused")
+    total = sum(p.numel() for p in adapter.denoiser.parameters())
+    inside = sum(p.numel() for b in blocks for p in b.parameters())
+    source = "shardable_blocks()" if isinstance(adapter, HasShardableBlocks) else "the *blocks module lists"
+    return f"{len(blocks)} blocks from {source} hold {inside / max(total, 1):.0%} of the parameters"
+
+
 CHECKS: dict[str, Callable[..., str]] = {
     "interface": check_interface,
     "velocity_calls_denoiser": check_velocity_calls_denoiser,
@@ -432,6 +457,7 @@ CHECKS: dict[str, Callable[..., str]] = {
     "decode": check_decode,
     "lora_noop": check_lora_noop,
     "reference_model": check_reference_model,
+    "shardable_blocks": check_shardable_blocks,
 }
 CHECK_NAMES = tuple(CHECKS)
 

@@ -117,6 +117,12 @@ class ZImageModel(DiffusersAdapter):
         p = self.pipe
         return [m for m in (p.text_encoder, p.vae) if m is not None]
 
+    def shardable_blocks(self):
+        """Z-Image keeps its blocks in ``noise_refiner``, ``context_refiner``, ``siglip_refiner``
+        (Omni only) and ``layers``: names flowrl's ``*blocks`` rule would not find."""
+        lists = ("noise_refiner", "context_refiner", "siglip_refiner", "layers")
+        return [block for name in lists for block in (getattr(self.denoiser, name, None) or [])]
+
     def _lora_preset(self, preset):
         return list(ZIMAGE_ATTENTION) + (list(ZIMAGE_FEED_FORWARD) if preset == "attention_ff" else [])
 

@@ -112,6 +112,14 @@ class Bypass(Broken):
             self.inner.denoiser = real
 
 
+class ForeignBlocks(Broken):
+    """Names blocks that are not part of its denoiser: FSDP2 would shard modules the model
+    never calls."""
+
+    def shardable_blocks(self):
+        return [torch.nn.Linear(4, 4)]
+
+
 class Unclamped(Broken):
     def decode(self, latents):
         return self.inner.decode(latents) * 2 - 0.5
@@ -126,6 +134,7 @@ class Unclamped(Broken):
         (Noisy, "sde_noise0_equals_ode", "differs from ODE"),
         (Bypass, "velocity_calls_denoiser", "did not call adapter.denoiser"),
         (Unclamped, "decode", "outside [0, 1]"),
+        (ForeignBlocks, "shardable_blocks", "must return submodules of its denoiser"),
     ],
 )
 def test_suite_catches_broken_adapters(embedded, wrapper, check, message):

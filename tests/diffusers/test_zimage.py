@@ -70,6 +70,8 @@ def test_conforms(request, which):
     assert [r.name for r in report.results] == list(CHECK_NAMES)
     # the denoiser receives 1 - sigma: 0 at sigma 1 (noise), 0.75 at sigma 0.25
     assert "timestep = timestep_from_sigma(sigma): sigma 1 -> 0, 0.25 -> 0.75" in notes["sigma_direction"]
+    # its blocks live in noise_refiner / context_refiner / layers, which the *blocks rule misses
+    assert "from shardable_blocks()" in notes["shardable_blocks"]
 
 
 @pytest.mark.parametrize("cfg, extra", [
