@@ -16,7 +16,11 @@
   ``save_pretrained``), loadable with ``Pipeline.from_pretrained("OUT")``; for a model that is
   not a diffusers pipeline, the denoiser's ``save_pretrained`` or a plain safetensors file.
 
-``OUT/flowrl_export.json`` records the run, checkpoint, iteration and format. The checkpoint's
+``--ema`` exports the checkpoint's EMA weights (runs trained with ``[ema] enabled = true``)
+instead of the trained weights, in the same formats.
+
+``OUT/flowrl_export.json`` records the run, checkpoint, iteration, format and whether the EMA
+weights were exported. The checkpoint's
 own recipe rebuilds the model (``--set model.path=...`` if the base weights moved).
 """
 
@@ -33,7 +37,7 @@ from .base import SetOpt, app, console
 
 
 def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | None = None,
-               overrides: list[str] | None = None, merge: bool = False) -> Path:
+               overrides: list[str] | None = None, merge: bool = False, ema: bool = False) -> Path:
     """Export a run's checkpoint (the latest by default); returns the output directory."""
     from ..interfaces import HasLoraTargets
     from ..train.checkpoint import checkpoint_iteration
@@ -46,6 +50,10 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     out = Path(out) if out is not None else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
     out.mkdir(parents=True, exist_ok=True)
     model = load_policy(src, "cpu")
+    if ema:
+        from ..train.ema import load_ema_weights
+
+        load_ema_weights(model.denoiser, src.checkpoint)
     finetune = src.recipe.train.finetune
     if finetune == "lora" and not merge:
         fmt = _save_lora(model, out)
@@ -62,6 +70,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         "finetune": finetune,
         "merged": bool(merge and finetune == "lora"),
         "format": fmt,
+        "ema": ema,
     }
     if finetune == "lora":
         t = src.recipe.train
@@ -123,9 +132,10 @@ def export(
     checkpoint: Annotated[Optional[Path], typer.Option("--checkpoint", help="Export this checkpoint directory instead of the latest.")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (default RUN_DIR/export/<checkpoint>).")] = None,
     merge: Annotated[bool, typer.Option("--merge", help="LoRA runs: merge the LoRA into the base and save full weights.")] = False,
+    ema: Annotated[bool, typer.Option("--ema", help="Export the checkpoint's EMA weights (runs with [ema] enabled).")] = False,
 ) -> None:
     """Export the trained weights: LoRA for pipe.load_lora_weights, or a full save_pretrained pipeline."""
-    out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge)
+    out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge, ema=ema)
     info = json.loads((out / "flowrl_export.json").read_text())
     console.print(f"exported {info['checkpoint']} ({info['format']}) to {out}")
     if info["format"] == "diffusers_lora":

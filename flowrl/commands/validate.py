@@ -19,13 +19,17 @@ def validate(
     set_: SetOpt = None,
     explain: Annotated[bool, typer.Option("--explain", help="Print the documentation of every key the recipe can use.")] = False,
 ) -> None:
-    """Check a recipe without building anything heavy: tables, keys, types, ranges, components."""
+    """Check a recipe without building anything heavy: tables, keys, types, ranges, components,
+    prompt files, trackers' extras."""
     if recipe is None:
         if not explain:
             raise FlowrlError("validate needs a RECIPE path", hint="flowrl validate recipes/quickstart.toml")
         explain_recipe(None)
         return
     resolved = load(recipe, set_)
+    from ..recipe import check_startable
+
+    check_startable(resolved, registry())  # what train would reject before building the model
     if explain:
         explain_recipe(resolved)
     c = resolved.components

@@ -6,6 +6,7 @@ Layout of ``RUN_DIR/checkpoints/``::
         model.safetensors   trainable weights (all of them, or only the LoRA)
         optimizer.safetensors, optimizer.json
         rng.safetensors     torch RNG states
+        ema.safetensors     the EMA of the trainable weights (only with [ema] enabled)
         state.json          iteration, counters, LR schedule
         recipe.toml         the resolved recipe
     latest.json             {"name": "iter_000010"}: the newest COMPLETE checkpoint
@@ -99,8 +100,10 @@ def save_checkpoint(
     state: dict[str, Any],
     recipe_toml: str,
     keep_last: int = 2,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write one checkpoint atomically and point ``latest.json`` at it."""
+    """Write one checkpoint atomically and point ``latest.json`` at it; ``extra`` maps a name
+    to tensors written as ``NAME.safetensors`` (e.g. ``ema``)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     tmp = ckpt_root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
@@ -111,6 +114,8 @@ def save_checkpoint(
     save_tensors(opt_tensors, tmp / "optimizer.safetensors")
     write_text_atomic(tmp / "optimizer.json", json.dumps(opt_meta))
     save_tensors(rng_state(), tmp / "rng.safetensors")
+    for extra_name, tensors in (extra or {}).items():
+        save_tensors(tensors, tmp / f"{extra_name}.safetensors")
     write_text_atomic(tmp / "recipe.toml", recipe_toml)
     write_text_atomic(tmp / MARKER, json.dumps(state, indent=1))  # last: marks the directory complete
     fsync_dir(tmp)
@@ -208,6 +213,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             load_file(str(path / "optimizer.safetensors")), json.loads((path / "optimizer.json").read_text())
         ),
         "rng": load_file(str(path / "rng.safetensors")),
+        "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
         "state": json.loads((path / MARKER).read_text()),
         "recipe_toml": (path / "recipe.toml").read_text(),
     }
