@@ -103,7 +103,10 @@ class RunEvaluator:
             return {}
         recipe, session = self.session.recipe, self.session
         images: list[torch.Tensor] = []
-        keep = lambda x: images.append((x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())  # noqa: E731
+
+        def keep(x: torch.Tensor) -> None:  # as 8-bit images in CPU memory
+            images.append((x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
+
         with self.ema.swapped_in() if self.ema is not None else nullcontext():
             scores = evaluate(session.model, session.sampler.sigmas, session.components.rewards, self.prompts,
                               recipe.prompts.eval_seeds, recipe.run.seed, session.cache,

@@ -8,9 +8,9 @@ Pictures (``RUN_DIR/images``)::
                                  so every advantage 0) says so. Every [log].image_every
                                  iterations, and always the last one.
     eval/iter_000010.png         the fixed evaluation set after 10 completed iterations (same
-                                 prompts, same starting noise at every evaluation), captioned
-                                 with prompt and score; one per evaluation (iter_<iterations>
-                                 is the final evaluation).
+                                 prompts, same starting noise at every evaluation; at most 64
+                                 images), captioned with prompt and score; one per evaluation
+                                 (iter_<iterations> is the final evaluation).
     eval/evolution.png           the first few evaluation prompts (rows) across evaluations
                                  (columns, at most 8, evenly spaced): the same noise, watched
                                  while the policy trains. Redrawn at each evaluation.
@@ -34,6 +34,8 @@ from ..runlog import MetricsLog, image_grid
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
 EVOLUTION_PROMPTS, EVOLUTION_COLUMNS = 4, 8
+#: At most this many images in an evaluation grid (the first ones).
+EVAL_GRID_MAX = 64
 
 
 class RunOutputs:
@@ -136,12 +138,12 @@ class RunOutputs:
         label = next(iter(scores))
         eval_dir = self.run_dir / "images" / "eval"
         (eval_dir / "strips").mkdir(parents=True, exist_ok=True)
-        n = len(prompts)
-        caps = [f"{prompts[j % n]}\n{label} {scores[label][j]:.3f}" for j in range(len(images))]
+        n, shown = len(prompts), min(len(images), EVAL_GRID_MAX)
+        caps = [f"{prompts[j % n]}\n{label} {scores[label][j]:.3f}" for j in range(shown)]
         when = "final evaluation" if final else f"evaluation before iteration {iteration}"
         title = (f"{when} ({iteration} iterations trained): fixed prompts and starting noise; "
                  f"mean {label} {scores[label].mean():.3f}")
-        grid = image_grid(images, caps, columns=min(n, 8), title=title)
+        grid = image_grid(images[:shown], caps, columns=min(n, 8), title=title)
         grid.save(eval_dir / f"iter_{iteration:06d}.png")
         for tracker in self.trackers:
             tracker.log_image(iteration, "eval", grid)

@@ -53,11 +53,13 @@ def velocity_flops(session, prompt: str) -> tuple[int, int]:
     sigma = torch.full((1,), 0.5, device=device)
     text = session.cache.get([prompt], device)
     params = [p for p in model.denoiser.parameters() if p.requires_grad]
-    with FlopCounterMode(display=False) as forward:
-        with torch.no_grad():
-            model.velocity(x, sigma, text)
-    with FlopCounterMode(display=False) as both:
-        model.velocity(x, sigma, text).float().square().mean().backward()
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # a model that draws random numbers leaves the run's RNG as it was
+        with FlopCounterMode(display=False) as forward:
+            with torch.no_grad():
+                model.velocity(x, sigma, text)
+        with FlopCounterMode(display=False) as both:
+            model.velocity(x, sigma, text).float().square().mean().backward()
     for p in params:
         p.grad = None
     return int(forward.get_total_flops()), int(both.get_total_flops())
@@ -86,6 +88,7 @@ class Throughput:
             "device": self.device, "peak_tflops": self.peak, "samples_per_process": self.samples,
             "sampling_steps": self.steps, "passes_per_rollout": self.passes,
             "flops": {"velocity_forward": self.forward, "velocity_forward_backward": self.forward_backward,
+                      "rollout_per_iteration": self.samples * self.steps * self.forward,
                       "counted_with": "torch.utils.flop_counter.FlopCounterMode, one sample"},
         }
 

@@ -109,6 +109,11 @@ def test_evaluation_uses_the_ema_when_asked(tmp_path):
     assert len({r["eval/area/mean"] for r in moving}) > 1
     for a, b in zip(frozen, moving):  # training itself is the same with or without EMA evaluation
         assert a.get("reward/area/mean") == b.get("reward/area/mean")
+    # the same prompts from the same noise with the same (frozen) weights: the same pictures
+    strips = tmp_path / "a" / "images" / "eval" / "strips"
+    first = load_png(strips / "iter_000000.png")
+    assert all(torch.equal(load_png(p), first) for p in sorted(strips.glob("iter_*.png")))
+    assert len(list(strips.glob("iter_*.png"))) == 5  # before iterations 0-3, and the final one
 
 
 def test_sample_and_export_with_ema(tmp_path, ema_run):

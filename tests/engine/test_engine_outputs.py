@@ -140,8 +140,9 @@ def test_eval_grids_over_time_and_the_evolution_picture(eval_run):
     assert evolution.width > 3 * 128 and evolution.height > 3 * 128  # 3 evaluations x 3 prompts, readable cells
 
 
-def test_eval_images_are_the_same_prompts_and_noise_each_time(eval_run):
-    """Same prompts, same starting noise: an unchanged policy redraws the same pictures."""
+def test_eval_strips_hold_the_same_prompts_each_time(eval_run):
+    """The same prompts at every evaluation (that their noise is the same too is checked with a
+    frozen EMA in test_engine_ema.py), stored losslessly at their own size."""
     import numpy as np
     from PIL import Image
 
@@ -196,6 +197,7 @@ def test_run_info_holds_the_model_flops_and_rows_hold_no_speed(eval_run):
     info = json.loads((run_dir / "run_info.json").read_text())
     f, fb = info["flops"]["velocity_forward"], info["flops"]["velocity_forward_backward"]
     assert f > 0 and 2 * f <= fb <= 4 * f  # a backward costs one to two forwards
+    assert info["flops"]["rollout_per_iteration"] == 8 * 5 * f  # 8 samples x 5 steps, one forward each
     assert info["samples_per_process"] == 8 and info["peak_tflops"] is None  # a CPU: no MFU
     assert not any(k.startswith("speed/") for r in read_metrics(run_dir) for k in r)
     speeds = [m for _, m in metrics if "speed/images_per_second" in m]

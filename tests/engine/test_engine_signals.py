@@ -75,7 +75,7 @@ def start_slow_run(tmp_path, seconds: float):
 
 
 def test_first_ctrl_c_is_announced_at_once_and_checkpoints(tmp_path):
-    proc, marker, out, err = start_slow_run(tmp_path, seconds=6.0)
+    proc, marker, out, err = start_slow_run(tmp_path, seconds=10.0)
     try:
         wait_for(marker.is_file, 180, "the first reward call")
         sent = time.monotonic()
