@@ -77,7 +77,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if debug:
             raise
         # escape(): "[train]" or "[[rewards]]" in a message would otherwise be eaten as markup.
-        err_console.print(f"[bold red]error:[/bold red] {escape(exc.format())}", highlight=False)
+        err_console.print(f"[bold red]error:[/bold red] {escape(exc.format())}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except exit_types as exc:
         sys.exit(exc.exit_code)

@@ -156,6 +156,6 @@ def push_folder(folder: Path, repo: str, *, private: bool, message: str) -> str:
             f"pushing {folder} to the hub repository '{repo}' failed: {type(exc).__name__}: {first}",
             where="--push-to-hub",
             hint="log in with `huggingface-cli login` (or set HF_TOKEN) with write access to the repository; "
-                 f"the folder is complete on disk, push it later or inspect it first with --dry-run",
+                 "the folder is complete on disk, push it later or inspect it first with --dry-run",
         ) from exc
     return str(getattr(commit, "commit_url", commit))

@@ -1,7 +1,7 @@
 """TOML recipes: the schema, loading, ``--set`` overrides and validation.
 
 A recipe is a TOML file. Plain tables (``[run]``, ``[train]``, ``[sampler]``, ``[prompts]``,
-``[log]``, ``[checkpoint]``, ``[distributed]``) configure the engine and are documented field by field below.
+``[log]``, ``[checkpoint]``, ``[ema]``, ``[distributed]``) configure the engine and are documented field by field below.
 Component tables name a registered component and give its parameters::
 
     [chunker]
@@ -30,7 +30,7 @@ from typing import Any, Literal
 import torch
 
 from .config import fields_of, from_dict, param, to_dict
-from .errors import RecipeError, printable, suggest
+from .errors import FlowrlError, RecipeError, printable, suggest
 from .interfaces import ProfilingChunker
 from .plugins import Registry, get_registry
 from .sampling import make_kernels, trainable_mask
@@ -175,6 +175,25 @@ class LogConfig:
 class CheckpointConfig:
     every: int = param(10, "Write a checkpoint every N iterations (and always at the end).", min=1)
     keep_last: int = param(2, "Keep this many most recent checkpoints.", min=1)
+    every_minutes: float = param(
+        0.0,
+        "Also write a checkpoint when this many minutes have passed since the last one (0 = off): "
+        "for preemptible clusters, where an iteration-count interval can lose hours.",
+        min=0.0,
+    )
+
+
+@dataclasses.dataclass
+class EmaConfig:
+    enabled: bool = param(False, "Keep an exponential moving average (EMA) of the trained weights.")
+    decay: float = param(0.99, "EMA decay d: e <- d e + (1 - d) w after each update.", min=0.0, max=1.0)
+    warmup_steps: int = param(
+        0, "EMA warm-up: update k uses min(decay, (1 + k) / (1 + warmup_steps + k)); 0 = none, 9 = the "
+        "common (1 + k) / (10 + k).", min=0,
+    )
+    every: int = param(1, "Update the EMA every N optimizer steps.", min=1)
+    on_cpu: bool = param(False, "Keep the EMA weights in CPU memory instead of on the training device.")
+    evaluate: bool = param(False, "Evaluate the EMA weights (not the trained ones) during training.")
 
 
 @dataclasses.dataclass
@@ -231,6 +250,7 @@ SECTIONS: dict[str, type] = {
     "prompts": PromptsConfig,
     "log": LogConfig,
     "checkpoint": CheckpointConfig,
+    "ema": EmaConfig,
     "distributed": DistributedConfig,
 }
 #: Component tables (one component each) and their kinds.
@@ -283,6 +303,7 @@ class Recipe:
     prompts: PromptsConfig
     log: LogConfig
     checkpoint: CheckpointConfig
+    ema: EmaConfig
     components: dict[str, ComponentChoice]
     rewards: list[ComponentChoice]
     trackers: list[ComponentChoice]
@@ -588,6 +609,31 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
                 where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
                 hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
             )
+
+
+def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
+    """What ``flowrl train`` would otherwise reject only after building the model, checked
+    without building it (``flowrl validate`` and ``flowrl train`` both call this): every prompt
+    file exists and holds a prompt, and every tracker can be built (a tracker checks its extra
+    when it is built)."""
+    registry = registry or get_registry()
+    p = recipe.prompts
+    for key, source in (("source", p.source), ("eval_source", p.eval_source)):
+        if not source or source == "model":
+            continue
+        path = Path(source)
+        where = f"{recipe.source}: [prompts].{key}"
+        if not path.is_file():
+            raise RecipeError(f"prompt file not found: {path}", where=where,
+                              hint="give an existing text file (one prompt a line), or 'model'")
+        if not any(line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()):
+            raise RecipeError(f"prompt file {path} holds no prompt", where=where)
+    for i, choice in enumerate(recipe.trackers):
+        try:
+            registry.get("tracker", choice.use).build(choice.params)
+        except FlowrlError as exc:
+            where = f"{recipe.source}: [[trackers]] #{i + 1} ({choice.use})"
+            raise type(exc)(exc.message, where=exc.where or where, hint=exc.hint) from exc
 
 
 # ----------------------------------------------------------------------------- writing

@@ -126,8 +126,9 @@ def results(tiny_run, flowrl_cli):
         "serve_unknown": ["reward", "serve", "nosuch"],
         "help_root": ["--help"],
     }
-    from flowrl.commands.base import app
     import typer.main
+
+    from flowrl.commands.base import app
 
     group = typer.main.get_command(app)
     for name, command in group.commands.items():
@@ -427,6 +428,7 @@ def test_push_to_hub_uploads_the_export_through_huggingface_hub(tiny_run, flowrl
     hub = StandInHub()
     try:
         env = flowrl_cli.env(HF_ENDPOINT=hub.url, HF_TOKEN="hf_stand_in_token", HF_HUB_DISABLE_PROGRESS_BARS="1")
+        env.pop("HF_HUB_OFFLINE", None)  # the tiny-pipeline tests set it for the session; this upload is local
         proc = subprocess.run(
             [str(flowrl_cli.script), "export", str(run), "-o", str(root / "pushed"), "--push-to-hub", "me/tiny-rl",
              "--private"], env=env, capture_output=True, text=True, timeout=300,

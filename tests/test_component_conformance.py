@@ -20,7 +20,8 @@ PROFILE = str(REPO / "recipes" / "profiles" / "embedded.json")
 #: Rewards that need downloaded weights, an extra or a server: they have their own tests.
 NEEDS_MORE = {"pickscore", "clip", "hpsv3", "hpsv3_upstream", "http"}
 #: Params for components whose defaults cannot run alone here.
-PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024}}
+PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024},
+          ("tracker", "wandb"): {"mode": "offline"}}  # wandb: no network in tests
 #: What else a check needs: the 'model' schedule reads the adapter's own sigmas.
 CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "reward", "tracker")
@@ -41,7 +42,7 @@ def test_builtin_component_conforms(kind, name, record_property):
     extra = PARAMS.get((kind, name), {})
     params = comp.params(**extra) if comp.params is not None else None
     if kind == "tracker":
-        pytest.importorskip("tensorboard")
+        pytest.importorskip(name)  # the tracker's extra: tensorboard, wandb
     claimed = check_component(kind, comp.build(params), **CONTEXT.get((kind, name), {}))
     record_property("protocols", claimed)
 
@@ -57,7 +58,7 @@ def test_every_optional_protocol_is_exercised_by_a_builtin():
         extra = PARAMS.get((kind, name), {})
         built = comp.build(comp.params(**extra) if comp.params else None)
         claimed |= set(check_component(kind, built, **CONTEXT.get((kind, name), {})))
-    claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard tracker (checked above when installed)
+    claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard and wandb trackers (checked above when installed)
     model_protocols = {"ModelAdapter", "HasReferencePolicy", "CountsForwards", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
                        "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory", "HasShardableBlocks",
                        "RewardPlacement", "Reward"}  # checked by flowrl.testing.conformance and the plan tests

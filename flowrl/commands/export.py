@@ -17,7 +17,11 @@
   ``save_pretrained``), loadable with ``Pipeline.from_pretrained("OUT")``; for a model that is
   not a diffusers pipeline, the denoiser's ``save_pretrained`` or a plain safetensors file.
 
-``OUT/flowrl_export.json`` records the run, checkpoint, iteration and format. The checkpoint's
+``--ema`` exports the checkpoint's EMA weights (runs trained with ``[ema] enabled = true``)
+instead of the trained weights, in the same formats.
+
+``OUT/flowrl_export.json`` records the run, checkpoint, iteration, format and whether the EMA
+weights were exported. The checkpoint's
 own recipe rebuilds the model (``--set model.path=...`` if the base weights moved).
 """
 
@@ -34,7 +38,7 @@ from .base import SetOpt, app, console
 
 
 def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | None = None,
-               overrides: list[str] | None = None, merge: bool = False) -> Path:
+               overrides: list[str] | None = None, merge: bool = False, ema: bool = False) -> Path:
     """Export a run's checkpoint (the latest by default); returns the output directory."""
     from ..interfaces import HasLoraTargets
     from ..train.checkpoint import checkpoint_iteration
@@ -54,6 +58,10 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     out = Path(out) if out is not None else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
     out.mkdir(parents=True, exist_ok=True)
     model = load_policy(src, "cpu")
+    if ema:
+        from ..train.ema import load_ema_weights
+
+        load_ema_weights(model.denoiser, src.checkpoint)
     if finetune == "lora" and not merge:
         fmt = _save_lora(model, out)
     else:
@@ -69,6 +77,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         "finetune": finetune,
         "merged": bool(merge and finetune == "lora"),
         "format": fmt,
+        "ema": ema,
     }
     if finetune == "lora":
         t = src.recipe.train
@@ -134,12 +143,13 @@ def export(
                            "(README.md, reward curves, recipe) and upload the folder to this Hugging Face hub repository.")] = None,
     private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repository private.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push-to-hub: write the folder and its model card, upload nothing.")] = False,
+    ema: Annotated[bool, typer.Option("--ema", help="Export the checkpoint's EMA weights (runs with [ema] enabled).")] = False,
 ) -> None:
     """Export the trained weights: LoRA for pipe.load_lora_weights, or a full save_pretrained pipeline."""
     if (private or dry_run) and push_to_hub is None:
         raise FlowrlError(f"{'--private' if private else '--dry-run'} applies to --push-to-hub", where="flowrl export",
                           hint="flowrl export RUN_DIR --push-to-hub OWNER/NAME [--private] [--dry-run]")
-    out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge)
+    out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge, ema=ema)
     info = json.loads((out / "flowrl_export.json").read_text())
     console.print(f"exported {info['checkpoint']} ({info['format']}) to {out}")
     if info["format"] == "diffusers_lora":

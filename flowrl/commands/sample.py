@@ -17,7 +17,12 @@ Hybrid inference (the GCPO paper's evaluation): the first ``k`` of ``n`` steps u
 model, the remaining steps the base model (the LoRA disabled, or a fresh copy of the base).
 
 Outputs in ``-o DIR``: ``images/PPPPP_KK.png``, ``samples.jsonl`` (one line per image: prompt,
-seed index, file), ``grid.png`` (prompts in rows, seeds in columns).
+seed index, file), ``grid.png`` (prompts in rows, seeds in columns, captions wrapped).
+
+``--ema`` samples the checkpoint's EMA weights (``[ema]`` in the recipe). ``--compare-base``
+also samples the base model (no checkpoint) from the same noise into ``base/PPPPP_KK.png`` and
+draws ``compare.png``: one row per prompt, base and trained side by side for each seed. The two
+models are loaded one after the other, never both at once.
 
 The helpers here (resolving what to sample from, loading its policy, the seeded items,
 sharding) are shared by ``flowrl eval`` and ``flowrl export``; the policy itself is loaded by
@@ -261,17 +266,23 @@ def dist_context(device):
     return distributed.setup(device)
 
 
-def prepare(source, model_name, set_, checkpoint, device, hybrid_steps):
-    """Resolve the source, start the processes, load the policy (and the base for hybrid inference)."""
+def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: bool = False, compare_base: bool = False):
+    """Resolve the source, start the processes, load the policy (its EMA weights with ``ema``;
+    and the base for hybrid inference)."""
     from .. import distributed
 
     src = resolve_source(source, model_name, list(set_ or []), checkpoint)
     dev = distributed.resolve_device(device or src.recipe.run.device)
     ctx = dist_context(dev)
     dev = distributed.process_device(dev, ctx)
-    if hybrid_steps and src.checkpoint is None:
-        raise FlowrlError("--hybrid-steps needs a trained checkpoint (a run or checkpoint directory)", where="--hybrid-steps")
+    for flag, wanted in (("--hybrid-steps", hybrid_steps), ("--ema", ema), ("--compare-base", compare_base)):
+        if wanted and src.checkpoint is None:
+            raise FlowrlError(f"{flag} needs a trained checkpoint (a run or checkpoint directory)", where=flag)
     model = load_policy(src, dev)
+    if ema:
+        from ..train.ema import load_ema_weights
+
+        load_ema_weights(model.denoiser, src.checkpoint)
     base = base_model_for_hybrid(src, model, dev) if hybrid_steps else None
     return src, dev, ctx, model, base
 
@@ -297,11 +308,14 @@ def sample(
     device: DeviceOpt = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (default RUN_DIR/samples/<checkpoint> or samples/<name>).")] = None,
     grid: Annotated[bool, typer.Option("--grid/--no-grid", help="Write grid.png.")] = True,
+    ema: Annotated[bool, typer.Option("--ema", help="Sample the checkpoint's EMA weights (runs with [ema] enabled).")] = False,
+    compare_base: Annotated[bool, typer.Option(
+        "--compare-base", help="Also sample the base model from the same noise; compare.png shows base | trained.")] = False,
 ) -> None:
     """Sample images with fixed per-prompt seeds (ODE), optionally hybrid trained/base."""
     from ..runlog import image_grid
 
-    src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
+    src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, ema, compare_base)
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
@@ -309,14 +323,12 @@ def sample(
     (out / "images").mkdir(parents=True, exist_ok=True)
     items = make_items(plist, seeds)
     mine = shard(items, ctx.rank, ctx.world_size)
-    records = []
-    for batch, images in generate(policy, mine, sigmas, seed=base_seed, batch_size=batch_size,
-                                  hybrid_steps=hybrid_steps, base=base):
-        for it, img in zip(batch, images):
-            name = f"images/{it.prompt_index:05d}_{it.seed_index:02d}.png"
-            save_png(img, out / name)
-            records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
-                            "seed_index": it.seed_index, "file": name})
+    records = write_images(generate(policy, mine, sigmas, seed=base_seed, batch_size=batch_size,
+                                    hybrid_steps=hybrid_steps, base=base), out, "images")
+    if compare_base:
+        del policy, base  # one model in memory at a time
+        base_model = load_policy(dataclasses.replace(src, checkpoint=None), dev)
+        write_images(generate(base_model, mine, sigmas, seed=base_seed, batch_size=batch_size), out, "base")
     manifest = out / (f"samples.rank{ctx.rank}.jsonl" if ctx.enabled else "samples.jsonl")
     write_jsonl(manifest, records)
     barrier(ctx)
@@ -326,11 +338,26 @@ def sample(
         settings = {"source": src.label, "checkpoint": str(src.checkpoint) if src.checkpoint else None,
                     "model": src.recipe.components["model"].use, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
                     "seed": base_seed, "seeds_per_prompt": seeds, "hybrid_steps": hybrid_steps,
-                    "num_images": len(records)}
+                    "num_images": len(records), "ema": ema, "compare_base": compare_base}
         (out / "settings.json").write_text(json.dumps(settings, indent=1))
         if grid and records:
             grid_png(out, records, seeds, image_grid)
+        if compare_base and records:
+            compare_png(out, records, seeds, src.label, image_grid)
         console.print(f"wrote {len(records)} images to {out}")
+
+
+def write_images(batches, out: Path, folder: str) -> list[dict]:
+    """Save every generated image as ``folder/PPPPP_KK.png``; the manifest records."""
+    (out / folder).mkdir(parents=True, exist_ok=True)
+    records = []
+    for batch, images in batches:
+        for it, img in zip(batch, images):
+            name = f"{folder}/{it.prompt_index:05d}_{it.seed_index:02d}.png"
+            save_png(img, out / name)
+            records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
+                            "seed_index": it.seed_index, "file": name})
+    return records
 
 
 def default_output(src: Source, kind: str) -> Path:
@@ -364,18 +391,40 @@ def merge_rank_manifests(out: Path, world_size: int) -> list[dict]:
     return records
 
 
-def grid_png(out: Path, records: list[dict], seeds: int, image_grid, max_images: int = 64) -> Path:
+def read_png(path: Path):
+    """An image file as a ``[3, H, W]`` float tensor in [0, 1]."""
     import numpy as np
     import torch
     from PIL import Image
 
+    return torch.from_numpy(np.array(Image.open(path).convert("RGB"))).permute(2, 0, 1).float() / 255
+
+
+def grid_png(out: Path, records: list[dict], seeds: int, image_grid, max_images: int = 64) -> Path:
+    """``grid.png``: the first ``max_images`` images, each captioned with its whole prompt
+    (wrapped at spaces) and seed."""
+    import torch
+
     shown = records[:max_images]
-    images = torch.stack([
-        torch.from_numpy(np.array(Image.open(out / r["file"]).convert("RGB"))).permute(2, 0, 1).float() / 255
-        for r in shown
-    ])
-    caps = [f"{r['prompt'][:24]}\nseed {r['seed_index']}" for r in shown]
-    scale = max(1, 128 // images.shape[-1])
+    images = torch.stack([read_png(out / r["file"]) for r in shown])
+    caps = [f"{r['prompt']}\nseed {r['seed_index']}" for r in shown]
     path = out / "grid.png"
-    image_grid(images, caps, columns=min(seeds, 8) if seeds > 1 else min(len(shown), 8), scale=scale).save(path)
+    image_grid(images, caps, columns=min(seeds, 8) if seeds > 1 else min(len(shown), 8)).save(path)
+    return path
+
+
+def compare_png(out: Path, records: list[dict], seeds: int, label: str, image_grid, max_prompts: int = 16) -> Path:
+    """``compare.png``: one row per prompt (its text on the left), base and trained side by side
+    for each seed, from the same starting noise."""
+    import torch
+
+    shown = [r for r in records if r["prompt_index"] < max_prompts]
+    tiles, caps = [], []
+    for r in shown:
+        tiles += [read_png(out / r["file"].replace("images/", "base/", 1)), read_png(out / r["file"])]
+        caps += [f"base, seed {r['seed_index']}", f"trained, seed {r['seed_index']}"]
+    prompts = list(dict.fromkeys(r["prompt"] for r in shown))
+    path = out / "compare.png"
+    image_grid(torch.stack(tiles), caps, columns=2 * seeds, row_labels=prompts,
+               title=f"base model vs trained ({label}): the same prompt and starting noise in each pair").save(path)
     return path

@@ -63,7 +63,8 @@ def train(
 
 
 #: What `flowrl train` writes into a run directory (trackers may add their own directories).
-RUN_OUTPUTS = ("metrics.jsonl", "recipe.toml", "profile.json", "checkpoints", "images", "tensorboard")
+RUN_OUTPUTS = ("metrics.jsonl", "recipe.toml", "profile.json", "run_info.json", "checkpoints", "images", "tensorboard",
+               "wandb", "wandb_run.json")
 
 
 def overwrite_run_directory(run_dir: Path, wait_s: float = 300.0) -> None:

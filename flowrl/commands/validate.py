@@ -21,7 +21,8 @@ def validate(
     explain: Annotated[bool, typer.Option("--explain", help="Print the documentation of every key the recipe can use.")] = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="With --explain and no RECIPE: print docs/reference.md (Markdown).")] = False,
 ) -> None:
-    """Check a recipe without building anything heavy: tables, keys, types, ranges, components."""
+    """Check a recipe without building anything heavy: tables, keys, types, ranges, components,
+    prompt files, trackers' extras."""
     if markdown:
         if recipe is not None or not explain:
             raise FlowrlError("--markdown documents every key of every component: use `flowrl validate --explain --markdown`",
@@ -34,6 +35,9 @@ def validate(
         explain_recipe(None)
         return
     resolved = load(recipe, set_)
+    from ..recipe import check_startable
+
+    check_startable(resolved, registry())  # what train would reject before building the model
     if explain:
         explain_recipe(resolved)
     c = resolved.components

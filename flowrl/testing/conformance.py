@@ -51,12 +51,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flowrl.interfaces import DeclaresTimestep, HasLoraTargets, HasReferencePolicy, ModelAdapter, select_embeddings
+from flowrl.errors import FlowrlError
+from flowrl.interfaces import (
+    DeclaresTimestep,
+    HasLoraTargets,
+    HasReferencePolicy,
+    HasShardableBlocks,
+    ModelAdapter,
+    select_embeddings,
+)
 from flowrl.recipe import TrainConfig
 from flowrl.sampling import rollout, transition_log_prob
 from flowrl.schedules import shifted_sigmas, validate_sigmas
 from flowrl.sde import DanceKernel, FlowKernel, ODEKernel
 from flowrl.train.finetune import prepare_trainable
+from flowrl.train.parallel import declared_blocks, transformer_blocks
 
 __all__ = ["ConformanceOptions", "ConformanceReport", "CHECKS", "CHECK_NAMES", "check_adapter", "run_check"]
 
@@ -430,10 +439,6 @@ def check_shardable_blocks(adapter, opts: ConformanceOptions) -> str:
     (:func:`flowrl.train.parallel.transformer_blocks`). Blocks an adapter declares must be
     submodules of its denoiser, none inside another. An adapter whose blocks are not found
     still trains (FSDP2 then shards the denoiser as one unit); the note says so."""
-    from flowrl.errors import FlowrlError
-    from flowrl.interfaces import HasShardableBlocks
-    from flowrl.train.parallel import declared_blocks, transformer_blocks
-
     try:
         blocks = transformer_blocks(adapter.denoiser, declared_blocks(adapter))
     except FlowrlError as exc:

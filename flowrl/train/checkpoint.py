@@ -8,6 +8,7 @@ Layout of ``RUN_DIR/checkpoints/``::
           or, for a sharded checkpoint (flowrl.train.parallel), instead of those three:
         sharded/            model and AdamW state, torch.distributed.checkpoint format
         rng.safetensors     torch RNG states
+        ema.safetensors     the EMA of the trainable weights (only with [ema] enabled)
         state.json          iteration, counters, LR schedule
         recipe.toml         the resolved recipe
     latest.json             {"name": "iter_000010"}: the newest COMPLETE checkpoint
@@ -107,14 +108,17 @@ def save_checkpoint(
     state: dict[str, Any],
     recipe_toml: str,
     keep_last: int = 2,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
-    """Write one checkpoint atomically and point ``latest.json`` at it."""
+    """Write one checkpoint atomically and point ``latest.json`` at it; ``extra`` maps a name
+    to tensors written as ``NAME.safetensors`` (e.g. ``ema``)."""
     tmp = new_checkpoint_dir(ckpt_root, name, os.getpid())
     opt_tensors, opt_meta = optimizer_to_files(optimizer)
     save_tensors(model, tmp / "model.safetensors")
     save_tensors(opt_tensors, tmp / "optimizer.safetensors")
     write_text_atomic(tmp / "optimizer.json", json.dumps(opt_meta))
-    return commit_checkpoint(ckpt_root, tmp, name, state=state, recipe_toml=recipe_toml, keep_last=keep_last)
+    return commit_checkpoint(ckpt_root, tmp, name, state=state, recipe_toml=recipe_toml, keep_last=keep_last,
+                             extra=extra)
 
 
 def new_checkpoint_dir(ckpt_root: Path, name: str, tag: int) -> Path:
@@ -129,10 +133,12 @@ def new_checkpoint_dir(ckpt_root: Path, name: str, tag: int) -> Path:
 
 
 def commit_checkpoint(ckpt_root: Path, tmp: Path, name: str, *, state: dict[str, Any], recipe_toml: str,
-                      keep_last: int = 2) -> Path:
-    """Complete the checkpoint written into ``tmp`` (RNG states, the recipe, then ``state.json``
-    last), rename it into place as ``name`` and point ``latest.json`` at it."""
+                      keep_last: int = 2, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Complete the checkpoint written into ``tmp`` (RNG states, ``extra`` tensors, the recipe,
+    then ``state.json`` last), rename it into place as ``name`` and point ``latest.json`` at it."""
     save_tensors(rng_state(), tmp / "rng.safetensors")
+    for extra_name, tensors in (extra or {}).items():
+        save_tensors(tensors, tmp / f"{extra_name}.safetensors")
     write_text_atomic(tmp / "recipe.toml", recipe_toml)
     write_text_atomic(tmp / MARKER, json.dumps(state, indent=1))  # last: marks the directory complete
     fsync_dir(tmp)
@@ -252,6 +258,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             load_file(str(path / "optimizer.safetensors")), json.loads((path / "optimizer.json").read_text())
         ),
         "rng": load_file(str(path / "rng.safetensors")),
+        "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
         "state": json.loads((path / MARKER).read_text()),
         "recipe_toml": (path / "recipe.toml").read_text(),
     }

@@ -9,6 +9,10 @@ model's own evaluation uses.
 is item ``j`` of ``[(p, s) for s in seeds for p in prompts]`` and starts from noise drawn by a
 generator seeded with ``(seed, "eval", j)``, so the numbers do not depend on the batch size and
 ``flowrl eval RUN_DIR`` reproduces them at any checkpoint.
+
+:class:`RunEvaluator` is the training run's evaluation: every ``[log].eval_every`` iterations
+and once at the end, on the main process, with the EMA weights when ``[ema].evaluate``; it
+returns the metrics row's ``eval/*`` and hands the images to the run's eval grids.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -63,9 +68,11 @@ def evaluation_noise(latent_shape, seed: int, indices: Sequence[int]) -> torch.T
 
 
 @torch.no_grad()
-def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: int, seed: int, cache, batch: int):
+def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: int, seed: int, cache, batch: int,
+             on_images: Callable[[torch.Tensor], None] | None = None):
     """Scores ``{label: [len(prompts) * seeds]}`` of every reward on the fixed evaluation set
-    (ODE sampling along ``sigmas``, the run's schedule)."""
+    (ODE sampling along ``sigmas``, the run's schedule). ``on_images`` receives each batch's
+    decoded images, in item order."""
     scores: dict[str, list[torch.Tensor]] = defaultdict(list)
     items = evaluation_items(prompts, seeds)
     for start in range(0, len(items), batch):
@@ -74,6 +81,8 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
         text = cache.get(ps, sigmas.device)
         noise = evaluation_noise(model.latent_shape, seed, range(start, start + len(part))).to(sigmas.device)
         images = model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, sigmas))
+        if on_images is not None:
+            on_images(images)
         for label, _, reward in rewards:
             scores[label].append(score(reward, images, ps).scores)
     return {label: torch.cat(v) for label, v in scores.items()}
@@ -86,3 +95,33 @@ def eval_metrics(scores: dict[str, torch.Tensor]) -> dict[str, float]:
         out[f"eval/{label}/mean"] = v.mean().item()
         out[f"eval/{label}/sem"] = (v.std() / math.sqrt(v.numel())).item()
     return out
+
+
+class RunEvaluator:
+    """A training run's evaluation on its fixed set (see the module docstring); ``prompts``
+    empty: the run does not evaluate."""
+
+    def __init__(self, session, prompts: list[str], ctx, outputs, ema=None):
+        self.session, self.prompts, self.ctx, self.outputs = session, prompts, ctx, outputs
+        self.ema = ema if session.recipe.ema.evaluate else None
+
+    def due(self, iteration: int) -> bool:
+        return bool(self.prompts) and iteration % self.session.recipe.log.eval_every == 0
+
+    def __call__(self, iteration: int, final: bool = False) -> dict[str, float]:
+        """``eval/<reward>/mean`` and ``/sem`` of the policy after ``iteration`` iterations
+        (``{}`` on the other processes); writes the eval grids."""
+        if not self.ctx.is_main:
+            return {}
+        recipe, session = self.session.recipe, self.session
+        images: list[torch.Tensor] = []
+
+        def keep(x: torch.Tensor) -> None:  # as 8-bit images in CPU memory
+            images.append((x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
+
+        with self.ema.swapped_in() if self.ema is not None else nullcontext():
+            scores = evaluate(session.model, session.sampler.sigmas, session.components.rewards, self.prompts,
+                              recipe.prompts.eval_seeds, recipe.run.seed, session.cache,
+                              recipe.train.micro_batch_size * 4, on_images=keep)
+        self.outputs.write_eval_grids(iteration, self.prompts, torch.cat(images).float() / 255, scores, final)
+        return eval_metrics(scores)

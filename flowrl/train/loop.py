@@ -15,7 +15,6 @@ depends on the process layout; with 1 the whole update does not.)
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,15 +25,17 @@ from ..errors import FlowrlError
 from ..geometry import resolve_geometry
 from ..plugins import Registry, get_registry
 from ..prompts import evaluation_prompts, read_prompts
-from ..recipe import Recipe
+from ..recipe import Recipe, check_startable
 from .checkpoint import checkpoint_iteration, latest_checkpoint
 from .collect import assign_advantages, collect, score_rewards
-from .evaluate import eval_metrics, evaluate
+from .ema import WeightEMA
+from .evaluate import RunEvaluator
 from .layout import ChunkLayout
 from .outputs import RunOutputs
-from .progress import GracefulInterrupt, PhaseTimer, progress_bar
+from .progress import Aborted, GracefulInterrupt, RunDisplay
 from .session import Session
-from .state import TrainState, check_run_directory, restore_training_state, resume_hint, save_training_checkpoint
+from .state import Checkpointer, TrainState, check_run_directory, restore_training_state, resume_hint, run_is_complete
+from .throughput import Throughput
 from .update import PolicyUpdate
 
 
@@ -45,7 +46,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     registry = registry or get_registry()  # the CLI passes its own (honours --disable-plugin)
     cfg, train_cfg = recipe, recipe.train
 
-    # ---- Setup: device, processes, batch geometry, run directory ----------------------------
+    # ---- Setup: device, processes, batch geometry, run directory checks ----------------------
     device, ctx = distributed.start(recipe.run.device)
     geometry = resolve_geometry(train_cfg, ctx.world_size, cfg.source)
     run_dir = Path(resume) if resume is not None else cfg.output_dir
@@ -53,25 +54,30 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     if dry_run:
         return run_dir
     check_run_directory(recipe, run_dir, resume, registry)
+    check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
-    # ---- Build: components, prompts, chunk layout, trainable parameters and optimizer --------
+    # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
     session = Session.open(recipe, registry, device=device)
     prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source")
     layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
     update = PolicyUpdate(session, geometry, ctx)
+    ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
     eval_set = evaluation_set(session)
 
-    # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, counters ---------------
-    state = restore_training_state(run_dir, session, update, layout, ctx, console) if resume else TrainState()
-    outputs = RunOutputs(run_dir, session, ctx, state.iteration)
-    first_reward = recipe.rewards[0].label
-    progress = progress_bar(console, cfg.log.progress and ctx.is_main)
-    task = progress.add_task("training", total=train_cfg.iterations, completed=state.iteration, reward="-")
+    # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
+    state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
+    if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
+        return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
+    throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
+    outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
+    evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema)
+    saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
+    display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
     interrupted = False
     try:
-        with progress, GracefulInterrupt() as interrupt:
+        with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt:
             for iteration in range(state.iteration, train_cfg.iterations):
-                timer = PhaseTimer(device, update.counter)
+                timer = display.timer(device, update.counter)
                 record = {"iteration": iteration, "world_size": ctx.world_size}
 
                 # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
@@ -80,9 +86,9 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                         record.update(layout.reprofile(iteration, console))
 
                 # ---- Evaluate the current policy on the fixed set (before this update) ---------
-                if eval_set and iteration % cfg.log.eval_every == 0:
+                if evaluator.due(iteration):
                     with timer("eval"):
-                        record.update(run_evaluation(session, eval_set, ctx))
+                        record.update(evaluator(iteration))
 
                 # ---- Collect: prompts and text embeddings, rollout, images; then the rewards ------
                 batch = collect(session, geometry, ctx, prompts, iteration, timer)
@@ -92,40 +98,39 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                 # ---- Advantages over whole groups (rewards gathered from every process) ---------
                 with timer("advantage"):
                     assign_advantages(session, geometry, ctx, batch, len(layout.sizes), record)
-                if distributed.any_rank(interrupt.requested, ctx):  # the iteration is redone on resume
-                    interrupted = True
+                if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
                     break
 
-                # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer --------
+                # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA) ---
                 with timer("update"):
                     outcome = update.run(batch, layout.sizes)
                 state.nonfinite_steps += outcome.skipped
                 record.update(update_record(outcome, batch, state, layout, update, ctx))
-                if outcome.skipped:
-                    warn_skipped(console, ctx, iteration, batch, state, train_cfg)
+                warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
                 # ---- Log and checkpoint: the metrics row is on disk before the checkpoint --------
                 state.iteration = iteration + 1
-                if cfg.log.image_every and iteration % cfg.log.image_every == 0:
-                    outputs.write_group_grid(batch, geometry.group_size, first_reward)
-                stop = distributed.any_rank(interrupt.requested, ctx)
                 last = state.iteration == train_cfg.iterations
-                outputs.log_iteration(
-                    record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
-                    checkpoint=partial(save_training_checkpoint, run_dir, state, session, update, layout, geometry, ctx)
-                    if state.iteration % cfg.checkpoint.every == 0 or last or stop else None,
-                )
-                progress.update(task, advance=1, reward=f"{first_reward}={record.get(f'reward/{first_reward}/mean', float('nan')):.4f}")
+                if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
+                    outputs.write_group_grid(batch, geometry.group_size)
+                interrupted = distributed.any_rank(interrupt.requested, ctx)
+                speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
+                outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
+                                      checkpoint=saver if saver.due(last or interrupted) else None, speed=speed)
+                display.advance(record, speed)
                 check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
-                if stop:
-                    interrupted = True
+                if interrupted:
                     break
 
             # ---- Final evaluation ----------------------------------------------------------------
             if not interrupted and eval_set and state.iteration == train_cfg.iterations:
-                outputs.write_row({"iteration": train_cfg.iterations, "final": True, **run_evaluation(session, eval_set, ctx)})
-        if interrupted:
-            finish_interrupted(console, ctx, run_dir, state, session, update, layout, geometry)
+                display.phase("eval")
+                outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
+            if interrupted:
+                finish_interrupted(console, ctx, run_dir, state, saver)
+    except Aborted:
+        aborted(console, ctx, run_dir)
+        raise
     finally:
         outputs.close()
         distributed.teardown()
@@ -160,14 +165,13 @@ def evaluation_set(session) -> list[str]:
     return evaluation_prompts(pool, session.recipe.run.seed, p.num_eval)
 
 
-def run_evaluation(session, prompts: list[str], ctx) -> dict[str, float]:
-    """``eval/<reward>/mean`` and ``/sem`` on the fixed set (computed on the main process)."""
-    if not ctx.is_main:
-        return {}
-    recipe = session.recipe
-    scores = evaluate(session.model, session.sampler.sigmas, session.components.rewards, prompts,
-                      recipe.prompts.eval_seeds, recipe.run.seed, session.cache, recipe.train.micro_batch_size * 4)
-    return eval_metrics(scores)
+def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path:
+    """A resumed run that is already complete: nothing is run, nothing in it is touched."""
+    if ctx.is_main:
+        console.print(f"nothing to do: {run_dir} has completed all {iterations} iterations and its final "
+                      f"evaluation (raise train.iterations with --set to train further)")
+    distributed.teardown()
+    return run_dir
 
 
 def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update: PolicyUpdate, ctx) -> dict:
@@ -187,8 +191,8 @@ def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update
     return record
 
 
-def warn_skipped(console: Console, ctx, iteration: int, batch, state: TrainState, train_cfg) -> None:
-    if ctx.is_main:
+def warn_skipped(console: Console, ctx, iteration: int, batch, state: TrainState, train_cfg, skipped: bool) -> None:
+    if skipped and ctx.is_main:
         what = "reward" if batch.advantages is None else "loss or gradient"
         console.print(
             f"[yellow]warning:[/yellow] iteration {iteration}: non-finite {what}; update skipped "
@@ -206,13 +210,21 @@ def check_nonfinite_budget(state: TrainState, train_cfg, source: str, run_dir: P
         )
 
 
-def finish_interrupted(console: Console, ctx, run_dir: Path, state: TrainState, *checkpoint_parts) -> None:
-    """After Ctrl-C: make sure the last completed iteration is checkpointed, say how to resume."""
+def finish_interrupted(console: Console, ctx, run_dir: Path, state: TrainState, saver: Checkpointer) -> None:
+    """After Ctrl-C or SIGTERM: make sure the last completed iteration is checkpointed, say how to resume."""
+    saver.ensure_current()
+    if ctx.is_main:
+        console.print(
+            f"interrupted after {state.iteration} completed iteration(s); checkpoint written. "
+            f"Continue with `{resume_hint(run_dir)}`"
+        )
+
+
+def aborted(console: Console, ctx, run_dir: Path) -> None:
+    """After a second Ctrl-C or SIGTERM: no new checkpoint; say where the run resumes from."""
     if not ctx.is_main:
         return
-    if checkpoint_iteration(latest_checkpoint(run_dir)) != state.iteration:
-        save_training_checkpoint(run_dir, state, *checkpoint_parts, ctx)
-    console.print(
-        f"interrupted after {state.iteration} completed iteration(s); checkpoint written. "
-        f"Continue with `{resume_hint(run_dir)}`"
-    )
+    ckpt = latest_checkpoint(run_dir)
+    where = f"its latest checkpoint ({checkpoint_iteration(ckpt)} iterations)" if ckpt else "the start (no checkpoint yet)"
+    console.print(f"aborted: stopped at once, no checkpoint written; the run resumes from {where} "
+                  f"with `{resume_hint(run_dir)}`")

@@ -1,42 +1,88 @@
 """What a run writes for people, on the main process: the resolved recipe, ``metrics.jsonl``
-(one row per iteration), annotated image grids of one group, and the trackers' copies."""
+(one row per iteration), annotated image grids, and the trackers' copies.
+
+Pictures (``RUN_DIR/images``)::
+
+    iter_000010.png              one group of training iteration 10: its prompt, each sample's
+                                 rewards and advantage; a degenerate group (every reward equal,
+                                 so every advantage 0) says so. Every [log].image_every
+                                 iterations, and always the last one.
+    eval/iter_000010.png         the fixed evaluation set after 10 completed iterations (same
+                                 prompts, same starting noise at every evaluation; at most 64
+                                 images), captioned with prompt and score; one per evaluation
+                                 (iter_<iterations> is the final evaluation).
+    eval/evolution.png           the first few evaluation prompts (rows) across evaluations
+                                 (columns, at most 8, evenly spaced): the same noise, watched
+                                 while the policy trains. Redrawn at each evaluation.
+    eval/strips/iter_*.png,json  what evolution.png is drawn from (those prompts' images, scores).
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid
 
+#: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
+EVOLUTION_PROMPTS, EVOLUTION_COLUMNS = 4, 8
+#: At most this many images in an evaluation grid (the first ones).
+EVAL_GRID_MAX = 64
+
 
 class RunOutputs:
-    """The run directory's human-facing files; on processes other than the main one it does nothing."""
+    """The run directory's human-facing files; on processes other than the main one it does nothing.
 
-    def __init__(self, run_dir: Path, session, ctx, start_iteration: int):
+    The run directory is created here, after everything that can reject the run has passed; if
+    starting a tracker fails, a run directory created here is removed again.
+    """
+
+    def __init__(self, run_dir: Path, session, ctx, start_iteration: int, run_info: dict | None = None):
         self.run_dir = run_dir
         self.enabled = ctx.is_main
         self.trackers = session.components.trackers
         self.metrics: MetricsLog | None = None
         if not self.enabled:
             return
+        created = not run_dir.exists()
+        try:
+            self._open(session, start_iteration, run_info)
+        except BaseException:
+            if created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+
+    def _open(self, session, start_iteration: int, run_info: dict | None) -> None:
+        run_dir = self.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "recipe.toml", dump_toml(session.recipe.to_toml_dict()))
+        if run_info is not None:  # run constants: device, model FLOPs (flowrl.train.throughput)
+            write_text_atomic(run_dir / "run_info.json", json.dumps(run_info, indent=1) + "\n")
         chunker = session.components.chunker
         if isinstance(chunker, ProfilingChunker) and chunker.needs_model:
             chunker.save_profile(run_dir / "profile.json")  # the profile measured at start
         (run_dir / "images").mkdir(exist_ok=True)
+        for old in (run_dir / "images" / "eval" / "strips").glob("iter_*"):  # from iterations redone now
+            if int(old.stem.removeprefix("iter_")) >= start_iteration:
+                old.unlink()
         for tracker in self.trackers:
             if isinstance(tracker, NeedsRunDir):
                 tracker.start(run_dir)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_from=start_iteration)
 
-    def log_iteration(self, record: dict[str, Any], timer, write_row: bool, checkpoint: Callable[[], Any] | None) -> None:
+    def log_iteration(self, record: dict[str, Any], timer, write_row: bool, checkpoint: Callable[[], Any] | None,
+                      speed: dict[str, float] | None = None) -> None:
         """Finish one iteration: its metrics row first (on disk before anything else), then the
-        checkpoint (timed as ``time/checkpoint``, added to the row in place), then the trackers.
+        checkpoint (timed as ``time/checkpoint``, added to the row in place), then the trackers
+        (which also get ``speed``, the iteration's throughput; it is not written to the row).
 
         A process killed at any moment therefore never loses the row of an iteration that a
         checkpoint says is complete: resume drops rows from the checkpoint's iteration on.
@@ -52,31 +98,106 @@ class RunOutputs:
             if write_row:
                 self.metrics.rewrite_last(record)
         if write_row:
+            scalars = {k: v for k, v in record.items() if isinstance(v, float)}
             for tracker in self.trackers:
-                tracker.log_metrics(record["iteration"], {k: v for k, v in record.items() if isinstance(v, float)})
+                tracker.log_metrics(record["iteration"], {**scalars, **(speed or {})})
 
     def write_row(self, record: dict[str, Any]) -> None:
         """Append a row that is not an iteration's (the final evaluation)."""
         if self.enabled:
             self.metrics.write(record)
+            for tracker in self.trackers:
+                tracker.log_metrics(record["iteration"], {k: v for k, v in record.items() if isinstance(v, float)})
 
-    def write_group_grid(self, batch, group_size: int, first_reward: str) -> None:
-        """The first group of the batch, each image captioned with its reward and advantage."""
+    def write_group_grid(self, batch, group_size: int) -> None:
+        """The first group of the batch: its prompt as the title, each sample captioned with its
+        rewards and advantage; a degenerate group (no reward spread) is marked as such."""
         if not self.enabled:
             return
         n = min(group_size, len(batch.indices))
         finite = batch.advantages is not None
-        caps = [
-            f"r={batch.rewards[first_reward][i]:.3f}\nA={batch.advantages[i].mean():+.2f}" if finite else "non-finite"
-            for i in range(n)
-        ]
-        grid = image_grid(batch.images[:n], caps)
+        caps = []
+        for i in range(n):
+            lines = [f"{label} {v[i]:.3f}" for label, v in list(batch.rewards.items())[:3]]
+            lines.append(f"A {batch.advantages[i].mean():+.2f}" if finite else "non-finite reward")
+            caps.append("\n".join(lines))
+        title = f'iteration {batch.iteration}, one group of {n}: "{batch.prompts[0]}"'
+        note = degenerate_note(batch.images[:n], {k: v[:n] for k, v in batch.rewards.items()})
+        grid = image_grid(batch.images[:n], caps, title=title + (f"\nNOTE: {note}" if note else ""))
         grid.save(self.run_dir / "images" / f"iter_{batch.iteration:06d}.png")
         for tracker in self.trackers:
             tracker.log_image(batch.iteration, "group", grid)
+
+    def write_eval_grids(self, iteration: int, prompts: list[str], images: torch.Tensor,
+                         scores: dict[str, torch.Tensor], final: bool = False) -> None:
+        """The evaluation set's images after ``iteration`` completed iterations (``images [P * S,
+        3, H, W]`` in the order of :func:`flowrl.train.evaluate.evaluation_items`), and the
+        evolution picture of the first prompts over all evaluations so far."""
+        if not self.enabled:
+            return
+        label = next(iter(scores))
+        eval_dir = self.run_dir / "images" / "eval"
+        (eval_dir / "strips").mkdir(parents=True, exist_ok=True)
+        n, shown = len(prompts), min(len(images), EVAL_GRID_MAX)
+        caps = [f"{prompts[j % n]}\n{label} {scores[label][j]:.3f}" for j in range(shown)]
+        when = "final evaluation" if final else f"evaluation before iteration {iteration}"
+        title = (f"{when} ({iteration} iterations trained): fixed prompts and starting noise; "
+                 f"mean {label} {scores[label].mean():.3f}")
+        grid = image_grid(images[:shown], caps, columns=min(n, 8), title=title)
+        grid.save(eval_dir / f"iter_{iteration:06d}.png")
+        for tracker in self.trackers:
+            tracker.log_image(iteration, "eval", grid)
+        k = min(EVOLUTION_PROMPTS, n)
+        save_strip(images[:k], eval_dir / "strips" / f"iter_{iteration:06d}.png")
+        meta = {"iteration": iteration, "prompts": prompts[:k], "label": label,
+                "scores": [float(x) for x in scores[label][:k]]}
+        write_text_atomic(eval_dir / "strips" / f"iter_{iteration:06d}.json", json.dumps(meta))
+        evolution_grid(eval_dir / "strips").save(eval_dir / "evolution.png")
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
         for tracker in self.trackers:
             tracker.close()
+
+
+def degenerate_note(images: torch.Tensor, rewards: dict[str, torch.Tensor]) -> str:
+    """A note for a group that trains nothing: every reward equal (so every advantage is 0), and
+    whether its images are identical too; empty for a healthy group."""
+    if not rewards or any(float(v.max() - v.min()) > 0 for v in rewards.values()):
+        return ""
+    values = ", ".join(f"{k} {float(v[0]):.3f}" for k, v in rewards.items())
+    same = bool((images - images[:1]).abs().max() < 1 / 255)
+    return (f"degenerate group: all {len(images)} {'images identical, ' if same else ''}rewards equal ({values}), "
+            "advantages 0; it teaches nothing")
+
+
+def save_strip(images: torch.Tensor, path: Path) -> None:
+    """``images [k, 3, H, W]`` side by side at their own size, lossless (PNG)."""
+    from PIL import Image
+
+    row = torch.cat(list(images.detach().float().clamp(0, 1)), dim=2)
+    Image.fromarray((row * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()).save(path)
+
+
+def evolution_grid(strips: Path):
+    """``evolution.png``: rows = the first evaluation prompts, columns = evaluations (at most
+    :data:`EVOLUTION_COLUMNS`, evenly spaced, first and last included), each image captioned with
+    its iteration and score."""
+    import numpy as np
+    from PIL import Image
+
+    metas = sorted((json.loads(p.read_text()) for p in strips.glob("iter_*.json")), key=lambda m: m["iteration"])
+    if len(metas) > EVOLUTION_COLUMNS:
+        picks = sorted({round(i * (len(metas) - 1) / (EVOLUTION_COLUMNS - 1)) for i in range(EVOLUTION_COLUMNS)})
+        metas = [metas[i] for i in picks]
+    columns = []
+    for m in metas:
+        strip = np.array(Image.open(strips / f"iter_{m['iteration']:06d}.png").convert("RGB"))
+        columns.append(torch.from_numpy(strip).permute(2, 0, 1).float().div(255).chunk(len(m["prompts"]), dim=2))
+    k = min(len(c) for c in columns)
+    tiles = torch.stack([columns[c][r] for r in range(k) for c in range(len(metas))])
+    caps = [f"{metas[c]['iteration']} iterations\n{metas[c]['label']} {metas[c]['scores'][r]:.3f}"
+            for r in range(k) for c in range(len(metas))]
+    return image_grid(tiles, caps, columns=len(metas), row_labels=metas[-1]["prompts"][:k],
+                      title="the same prompts and starting noise at each evaluation, as training goes on")

@@ -1,28 +1,47 @@
-"""What a person watching a run sees: seconds per phase, the progress bar, Ctrl-C handling."""
+"""What a person watching a run sees: seconds per phase, the progress bar, Ctrl-C and SIGTERM.
+
+Stopping a run:
+
+- the first Ctrl-C (SIGINT) or SIGTERM (Slurm preemption, ``docker stop``, ``kill``) prints
+  "stopping after this iteration (Ctrl-C again to abort)" at once; the run stops at the next safe
+  point (after the rewards, or at the end of the iteration), writes a checkpoint of the last
+  completed iteration and prints the command that resumes it (exit status 130);
+- a second Ctrl-C or SIGTERM aborts at once (:class:`Aborted`): no checkpoint is written, the
+  latest one stays valid (checkpoints are atomic), and the run says which iteration it resumes
+  from (exit status 130, no traceback).
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+STOP_MESSAGE = "stopping after this iteration (Ctrl-C again to abort)"
+
 
 class PhaseTimer:
     """Seconds per phase for this iteration (synchronising CUDA so the numbers are real); with a
-    :class:`~flowrl.train.compute.ComputeCounter`, the model work is counted under the same phase."""
+    :class:`~flowrl.train.compute.ComputeCounter`, the model work is counted under the same phase;
+    ``on_phase(name)`` is told when a phase starts (the progress bar shows it)."""
 
-    def __init__(self, device: torch.device, counter=None):
+    def __init__(self, device: torch.device, counter=None, on_phase: Callable[[str], None] | None = None):
         self.device = device
         self.counter = counter
+        self.on_phase = on_phase
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
     def __call__(self, phase: str):
+        if self.on_phase is not None:
+            self.on_phase(phase)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -38,34 +57,97 @@ class PhaseTimer:
             self.seconds[phase] += time.perf_counter() - start
 
 
-class GracefulInterrupt:
-    """First Ctrl-C: finish the current phase safely, checkpoint, exit. Second: stop now."""
+class Aborted(KeyboardInterrupt):
+    """A second Ctrl-C or SIGTERM: stop now, without a checkpoint."""
 
-    def __init__(self):
+
+def write_stderr(text: str) -> None:
+    """Write a line to stderr with one system call (safe inside a signal handler)."""
+    os.write(2, f"{text}\n".encode())
+
+
+class GracefulInterrupt:
+    """First SIGINT or SIGTERM: say so at once through ``announce`` (None: stay quiet, as the
+    processes other than the main one do) and set :attr:`requested`; the loop stops at its next
+    safe point and checkpoints. Second: raise :class:`Aborted`."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, announce: Callable[[str], None] | None = write_stderr):
         self.requested = False
-        self._previous = None
+        self.announce = announce
+        self._previous: dict[int, object] = {}
+
+    def handler(self, signum, frame):
+        if self.requested:
+            raise Aborted
+        self.requested = True
+        if self.announce is not None:
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            self.announce(f"{name}: {STOP_MESSAGE}")
 
     def __enter__(self):
-        def handler(signum, frame):
-            if self.requested:
-                raise KeyboardInterrupt
-            self.requested = True
-
-        try:
-            self._previous = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not the main thread
-            self._previous = None
+        for sig in self.SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self.handler)
+            except ValueError:  # not the main thread: leave the signals alone
+                break
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
 
 
 def progress_bar(console: Console, enabled: bool) -> Progress:
-    """The training progress bar: iterations done, the first reward's mean, elapsed and ETA."""
+    """The training progress bar: iterations done, the phase running now, the first reward's
+    mean, images per second (per process), elapsed time and the estimated time to finish."""
     return Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[reward]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("{task.fields[phase]:<10}"), TextColumn("{task.fields[reward]}"), TextColumn("{task.fields[speed]}"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
         console=console, disable=not enabled, transient=False,
     )
+
+
+class RunDisplay:
+    """The progress bar of one run (off on processes other than the main one, or with
+    ``[log].progress = false``): the phase running now, the first reward, the throughput."""
+
+    def __init__(self, console: Console, enabled: bool, train, completed: int, reward_label: str):
+        self.progress = progress_bar(console, enabled)
+        self.enabled, self.label = enabled, reward_label
+        self.task = self.progress.add_task("training", total=train.iterations, completed=completed, reward="-",
+                                           phase="start", speed="")
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.phase("done" if exc[0] is None else "stopped")
+        return self.progress.__exit__(*exc)
+
+    def say(self, text: str) -> None:
+        """A message now: above the live progress bar, or on stderr when there is none."""
+        if self.enabled:
+            self.progress.console.print(text, markup=False, highlight=False)
+        else:
+            write_stderr(text)
+
+    def phase(self, name: str) -> None:
+        self.progress.update(self.task, phase=name)
+
+    def timer(self, device: torch.device, counter=None) -> PhaseTimer:
+        """An iteration's phase timer that shows each phase as it starts (and counts the model's
+        work per phase with a :class:`~flowrl.train.compute.ComputeCounter`)."""
+        return PhaseTimer(device, counter, on_phase=self.phase)
+
+    def advance(self, record: dict, speed: dict[str, float]) -> None:
+        """One more iteration done: its first reward's mean and its throughput."""
+        reward = f"{self.label}={record.get(f'reward/{self.label}/mean', float('nan')):.4f}"
+        text = f"{speed['speed/images_per_second']:.3g} img/s"
+        if "speed/mfu" in speed:
+            text += f" MFU {100 * speed['speed/mfu']:.1f}%"
+        self.progress.update(self.task, advance=1, phase="", reward=reward, speed=text)

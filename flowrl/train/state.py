@@ -11,24 +11,38 @@ state, the RNG states and ``state.json``::
     chunk_sizes       the chunk layout in use (moved by adaptive re-profiling)
     selector_l1rel    the weighted selector's L1rel curve in use, or null
     update_mode       what ``[train] update_mode = "auto"`` chose (null until an off-policy step)
+    ema               EMA updates and optimizer steps counted (only with [ema] enabled)
 
-Resuming restores every one of them, so a resumed run repeats exactly what the uninterrupted run
-would have done. Only iterations, ``[log]``, ``[checkpoint]`` and ``[[trackers]]`` may differ from
-the recipe that started the run.
+Resuming restores every one of them (and the EMA weights, ``ema.safetensors``), so a resumed run
+repeats exactly what the uninterrupted run would have done. Only iterations, ``[log]``,
+``[checkpoint]`` and ``[[trackers]]`` may differ from the recipe that started the run.
+
+:class:`Checkpointer` decides when to write one: every ``[checkpoint].every`` iterations, every
+``[checkpoint].every_minutes`` minutes, at the end, and when the run is stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 from rich.console import Console
 
+from .. import distributed
 from ..errors import FlowrlError
 from ..plugins import Registry
 from ..recipe import Recipe, dump_toml, read_toml, validate
-from .checkpoint import LATEST, MARKER, latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import (
+    LATEST,
+    MARKER,
+    checkpoint_iteration,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
 from .finetune import load_trainable_state_dict, trainable_state_dict
 
 
@@ -145,12 +159,14 @@ def recipe_differences(old: dict, new: dict) -> list[tuple[str, str, str]]:
 _ABSENT = object()
 
 
-def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, layout, geometry, ctx) -> Path | None:
+def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, layout, geometry, ctx,
+                             ema=None) -> Path | None:
     """Write a checkpoint of the whole training state (atomically, on the main process; see the
     module docstring)."""
     if not ctx.is_main:
         return None
     recipe = session.recipe
+    extra = {} if ema is None else {"ema": ema.state()}
     return save_checkpoint(
         run_dir / "checkpoints",
         f"iter_{state.iteration:06d}",
@@ -165,15 +181,17 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
             "chunk_sizes": list(layout.sizes),
             "selector_l1rel": layout.selector_l1rel,
             "update_mode": update.auto_mode,
+            **extra,
         },
         recipe_toml=dump_toml(recipe.to_toml_dict()),
         keep_last=recipe.checkpoint.keep_last,
+        extra=None if ema is None else {"ema": ema.tensors()},
     )
 
 
-def restore_training_state(run_dir: Path, session, update, layout, ctx, console: Console) -> TrainState:
-    """Load the latest checkpoint into the model, AdamW, the LR schedule, the RNG and the chunk
-    layout; a run directory without a checkpoint starts at iteration 0."""
+def restore_training_state(run_dir: Path, session, update, layout, ctx, console: Console, ema=None) -> TrainState:
+    """Load the latest checkpoint into the model, AdamW, the LR schedule, the RNG, the chunk
+    layout and the EMA; a run directory without a checkpoint starts at iteration 0."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         if ctx.is_main:
@@ -185,6 +203,8 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
     update.scheduler.load_state_dict(saved["state"]["lr_scheduler"])
     set_rng_state(saved["rng"])
     state = saved["state"]
+    if ema is not None:
+        restore_ema(ema, saved, ckpt)
     saved_world = state.get("world_size", ctx.world_size)
     if saved_world != ctx.world_size and session.recipe.train.optimizer_steps_per_update > 1 and ctx.is_main:
         console.print(
@@ -197,3 +217,54 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
     if ctx.is_main:
         console.print(f"resumed from {ckpt} at iteration {state['iteration']}")
     return TrainState(iteration=state["iteration"], nonfinite_steps=state["nonfinite_steps"])
+
+
+def restore_ema(ema, saved: dict, ckpt: Path) -> None:
+    if saved["ema"] is None or "ema" not in saved["state"]:
+        raise FlowrlError(
+            f"{ckpt} holds no EMA weights, but the recipe has [ema] enabled = true",
+            where="[ema].enabled", hint="resume with the recipe that started the run (the EMA cannot start late)",
+        )
+    ema.restore(saved["ema"], saved["state"]["ema"])
+
+
+def run_is_complete(run_dir: Path, state: TrainState, recipe: Recipe, evaluates: bool) -> bool:
+    """True when a resumed run has nothing left to do: every iteration is done and, when the run
+    evaluates, the final evaluation's row is in ``metrics.jsonl`` (a run stopped during that
+    evaluation still has it to do)."""
+    if state.iteration < recipe.train.iterations:
+        return False
+    if not evaluates:
+        return True
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return any(r.get("final") and r.get("iteration") == recipe.train.iterations for r in rows)
+
+
+class Checkpointer:
+    """Writes the training checkpoint when one is due: every ``[checkpoint].every`` iterations,
+    when ``[checkpoint].every_minutes`` have passed since the last one (all processes take the
+    same decision), at the end, and when the run stops early."""
+
+    def __init__(self, run_dir: Path, state: TrainState, session, update, layout, geometry, ctx, ema=None):
+        self.parts = (run_dir, state, session, update, layout, geometry, ctx)
+        self.ema, self.ctx, self.state, self.run_dir = ema, ctx, state, run_dir
+        self.config = session.recipe.checkpoint
+        self.last_write = time.monotonic()
+
+    def due(self, force: bool) -> bool:
+        """Whether the iteration just completed (``state.iteration`` done) gets a checkpoint."""
+        due = force or self.state.iteration % self.config.every == 0
+        if self.config.every_minutes > 0:
+            late = time.monotonic() - self.last_write >= 60.0 * self.config.every_minutes
+            due = distributed.any_rank(due or late, self.ctx)
+        return due
+
+    def __call__(self) -> Path | None:
+        self.last_write = time.monotonic()
+        return save_training_checkpoint(*self.parts, ema=self.ema)
+
+    def ensure_current(self) -> None:
+        """After an early stop: the last completed iteration has a checkpoint (main process)."""
+        if self.ctx.is_main and checkpoint_iteration(latest_checkpoint(self.run_dir)) != self.state.iteration:
+            self()

@@ -17,7 +17,6 @@ from typing import Literal
 import torch
 
 from flowrl.config import param
-from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
 from .memory import sd3_memory_spec

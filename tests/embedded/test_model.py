@@ -1,7 +1,6 @@
 import os
 import time
 
-import pytest
 import torch
 
 from flowrl_plugins.embedded import network as N

@@ -7,8 +7,6 @@ Gaussian means), and the reference must be the model as it was before any update
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from engine_helpers import load, quiet_console, write_recipe
@@ -16,7 +14,7 @@ from engine_helpers import load, quiet_console, write_recipe
 from flowrl.chunking import chunk_index
 from flowrl.interfaces import select_embeddings
 from flowrl.runlog import read_metrics
-from flowrl.sampling import make_kernels, rollout, trainable_mask
+from flowrl.sampling import make_kernels, rollout
 from flowrl.schedules import shifted_sigmas
 from flowrl.sde import FlowKernel
 from flowrl.train import train

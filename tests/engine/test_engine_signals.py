@@ -1,0 +1,144 @@
+"""Stopping a run with real signals, in a subprocess: the first Ctrl-C or SIGTERM is announced at
+once and checkpoints; a second one aborts with a message and exit status 130, no traceback.
+
+A slow reward (a plugin registered by the driver below) holds the first iteration in its reward
+phase for a few seconds, so that "at once" can be told apart from "after the iteration"."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from engine_helpers import REPO, TINY_RECIPE, load, quiet_console, wait_for, write_recipe
+
+from flowrl.runlog import read_metrics
+from flowrl.train import train
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
+
+#: Runs `flowrl ARGS...` with a reward `slow` that touches MARKER and sleeps SECONDS per call.
+DRIVER = """
+import sys, time
+from pathlib import Path
+from flowrl import hookimpl
+from flowrl.plugins import temporary_plugin
+
+marker, seconds, args = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+
+class Slow:
+    @hookimpl
+    def register_rewards(self, register):
+        def slow(images, prompts):
+            marker.touch()
+            time.sleep(seconds)
+            return images.mean(dim=(1, 2, 3))
+        register("slow", slow)
+
+with temporary_plugin(Slow(), name="slow"):
+    from flowrl import cli
+    cli.main(args)
+"""
+
+SLOW_RECIPE = TINY_RECIPE.replace('[[rewards]]\nuse = "area"', '[[rewards]]\nuse = "slow"')
+
+
+class Reader:
+    """Collects a pipe's text in a thread, with the time each piece arrived."""
+
+    def __init__(self, pipe):
+        self.parts: list[tuple[float, str]] = []
+        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe):
+        for line in iter(pipe.readline, ""):
+            self.parts.append((time.monotonic(), line))
+
+    def text(self) -> str:
+        return "".join(t for _, t in self.parts)
+
+    def when(self, needle: str) -> float | None:
+        return next((t for t, line in self.parts if needle in line), None)
+
+
+def start_slow_run(tmp_path, seconds: float):
+    marker = tmp_path / "scoring"
+    recipe = write_recipe(tmp_path, SLOW_RECIPE)
+    env = {"OMP_NUM_THREADS": "1", "COLUMNS": "200", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(marker), str(seconds), "train", str(recipe), "-o", str(tmp_path / "run")],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    return proc, marker, Reader(proc.stdout), Reader(proc.stderr)
+
+
+def test_first_ctrl_c_is_announced_at_once_and_checkpoints(tmp_path):
+    proc, marker, out, err = start_slow_run(tmp_path, seconds=10.0)
+    try:
+        wait_for(marker.is_file, 180, "the first reward call")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: err.when("stopping after this iteration") is not None, 5, "the stop message")
+        assert proc.poll() is None, "the run is still finishing its iteration"
+        assert err.when("stopping after this iteration") - sent < 5.0
+        proc.wait(timeout=180)
+    finally:
+        proc.kill()
+    out.thread.join(5), err.thread.join(5)
+    assert proc.returncode == 130, (out.text(), err.text())
+    assert "Ctrl-C: stopping after this iteration (Ctrl-C again to abort)" in err.text()
+    assert "Traceback" not in out.text() + err.text()
+    assert "--resume" in out.text()
+    # stopped at the safe point after the rewards of iteration 0: it is redone on resume
+    assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["state"]["iteration"] == 0
+
+
+def test_second_ctrl_c_aborts_with_a_message(tmp_path):
+    proc, marker, out, err = start_slow_run(tmp_path, seconds=60.0)
+    try:
+        wait_for(marker.is_file, 180, "the first reward call")
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: err.when("stopping after this iteration") is not None, 5, "the stop message")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        assert time.monotonic() - sent < 30, "aborted at once, not after the 60 s reward"
+    finally:
+        proc.kill()
+    out.thread.join(5), err.thread.join(5)
+    text = out.text() + err.text()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text
+    assert "aborted: stopped at once, no checkpoint written; the run resumes from the start" in " ".join(text.split())
+
+
+def test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly(tmp_path, reference_run):
+    """Slurm preemption or `docker stop`: SIGTERM checkpoints the last completed iteration."""
+    from engine_helpers import assert_records_close, assert_weights_close, final_weights
+
+    recipe_path, ref_dir, ref = reference_run
+    run_dir = tmp_path / "run"
+    env = {"OMP_NUM_THREADS": "1", "COLUMNS": "200", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "train", str(recipe_path), "-o", str(run_dir)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1, 180, "the first iteration")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, (out, err)
+    assert "SIGTERM: stopping after this iteration" in err and "Traceback" not in out + err
+    done = len(read_metrics(run_dir))
+    assert 1 <= done < 4 and load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"] == done
+    train(load(run_dir / "recipe.toml"), resume=run_dir, console=quiet_console())
+    records = read_metrics(run_dir)
+    assert [r["iteration"] for r in records] == [r["iteration"] for r in ref]
+    for got, want in zip(records, ref):
+        assert_records_close(got, want)
+    assert_weights_close(final_weights(run_dir), final_weights(ref_dir))
