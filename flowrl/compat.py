@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import sys
 
 import torch
+
+# bitsandbytes (flowrl[quant]) warns at import, on CPUs with AVX512-bf16, that the optional package
+# of faster CPU kernels ("kernels") is missing; flowrl's quantised path runs without it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 #: The schemas torchvision registers fake kernels for at import (torchvision/_meta_registrations.py).
 SCHEMAS = (

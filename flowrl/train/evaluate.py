@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..interfaces import score
+from ..prompts import reward_metadata
 from ..sde import ode_step
 from ..seeding import generator
 
@@ -62,8 +63,9 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
         text = cache.get(ps, sigmas.device)
         noise = evaluation_noise(model.latent_shape, seed, range(start, start + len(part))).to(sigmas.device)
         images = model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, sigmas))
+        metadata = reward_metadata(ps, images)
         for label, _, reward in rewards:
-            scores[label].append(score(reward, images, ps).scores)
+            scores[label].append(score(reward, images, ps, metadata).scores)
     return {label: torch.cat(v) for label, v in scores.items()}
 
 
