@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from .files import write_text_atomic
+from .prompts import condition_images, condition_of
 
 
 class MetricsLog:
@@ -75,3 +76,12 @@ def image_grid(images: torch.Tensor, captions: Sequence[str], columns: int | Non
         for j, line in enumerate(captions[i].split("\n")[:2]):
             draw.text((c * cell_w + 2, r * (cell_h + text_h) + cell_h + 1 + 12 * j), line, fill="black")
     return grid
+
+
+def with_condition(images: torch.Tensor, captions: Sequence[str], prompt: str) -> tuple[torch.Tensor, list[str]]:
+    """``images`` of one prompt with its condition image (image editing) put first, captioned
+    ``condition``; unchanged when the prompt carries none."""
+    if condition_of(prompt) is None:
+        return images, list(captions)
+    cond = condition_images([prompt], images.shape[-2], images.shape[-1]).to(images)
+    return torch.cat([cond, images]), ["condition", *captions]

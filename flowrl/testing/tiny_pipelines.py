@@ -240,7 +240,7 @@ _QWEN_EDIT_PREFIX = (
     "appropriate.<|im_end|>\n<|im_start|>user\n"
 )
 _QWEN_EDIT_DROP = 64
-_QWEN_VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+_QWEN_VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 def qwen_tokenizer(*, image_template_tokens: int | None = None, edit_template_tokens: int | None = None,
@@ -249,7 +249,7 @@ def qwen_tokenizer(*, image_template_tokens: int | None = None, edit_template_to
     chat template. With ``image_template_tokens = n``, Qwen-Image's system-template prefix
     tokenizes to exactly ``n`` tokens (one added token stands for a stretch of its text); with
     ``edit_template_tokens = n`` the same for Qwen-Image-Edit's prefix (up to the user turn).
-    ``vision_tokens`` adds Qwen2-VL's ``<|vision_start|>``, ``<|vision_end|>`` and ``<|image_pad|>``."""
+    ``vision_tokens`` adds Qwen2-VL's ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>`` and ``<|video_pad|>``."""
     from transformers import Qwen2Tokenizer
 
     vocab = {c: i for i, c in enumerate(_byte_alphabet())}  # no merges: one token per byte

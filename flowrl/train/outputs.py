@@ -10,7 +10,7 @@ from typing import Any
 from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
-from ..runlog import MetricsLog, image_grid
+from ..runlog import MetricsLog, image_grid, with_condition
 
 
 class RunOutputs:
@@ -70,7 +70,7 @@ class RunOutputs:
             f"r={batch.rewards[first_reward][i]:.3f}\nA={batch.advantages[i].mean():+.2f}" if finite else "non-finite"
             for i in range(n)
         ]
-        grid = image_grid(batch.images[:n], caps)
+        grid = image_grid(*with_condition(batch.images[:n], caps, batch.prompts[0]))  # editing: the condition first
         grid.save(self.run_dir / "images" / f"iter_{batch.iteration:06d}.png")
         for tracker in self.trackers:
             tracker.log_image(batch.iteration, "group", grid)
