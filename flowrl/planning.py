@@ -73,6 +73,8 @@ class ModelMemory:
     gradient_checkpointing: bool = False
     #: live elements per token per width in a no-grad forward (None: INFERENCE_WIDTHS)
     inference_widths: float | None = None
+    #: the denoiser's storage in bytes when it is not params x denoiser_bytes (a quantised base)
+    denoiser_weight_bytes: float | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -169,8 +171,13 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
     mm = model_memory(recipe, registry)
     t = recipe.train
     lines: list[Line] = []
-    lines.append(Line("persistent", "denoiser weights", mm.denoiser_params * mm.denoiser_bytes,
-                      f"{mm.denoiser_params / 1e9:.3f}e9 params x {mm.denoiser_bytes} B"))
+    if mm.denoiser_weight_bytes is None:
+        lines.append(Line("persistent", "denoiser weights", mm.denoiser_params * mm.denoiser_bytes,
+                          f"{mm.denoiser_params / 1e9:.3f}e9 params x {mm.denoiser_bytes} B"))
+    else:
+        lines.append(Line("persistent", "denoiser weights", mm.denoiser_weight_bytes,
+                          f"{mm.denoiser_params / 1e9:.3f}e9 params, {mm.denoiser_weight_bytes / mm.denoiser_params:.3f} B "
+                          "each on average (quantised)"))
     if t.finetune == "lora":
         targets = list(t.lora_targets) or mm.default_lora_targets
         trainable = lora_parameter_count(mm.lora_shapes or {}, targets, t.lora_rank)

@@ -23,6 +23,7 @@ from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
 from .memory import flux_memory_spec
+from .quantize import QUANTIZE_HELP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class FluxConfig:
         "or 'attention_ff' = attention + feed-forward (Flow-GRPO FLUX: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""

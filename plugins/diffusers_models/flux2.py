@@ -35,6 +35,7 @@ from flowrl.errors import FlowrlError
 
 from .common import ATTENTION, DiffusersAdapter
 from .memory import flux2_klein_memory_spec, pipeline_configs
+from .quantize import QUANTIZE_HELP
 
 FLUX2_FEED_FORWARD = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
 
@@ -87,6 +88,7 @@ class Flux2KleinConfig:
         "projections; 'attention_ff' adds the double blocks' feed-forwards (Flow-Factory: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""

@@ -27,6 +27,7 @@ from flowrl.planning import ModelMemory
 
 from .common import ATTENTION, FEED_FORWARD
 from .loading import check_local_pipeline, looks_like_local_path
+from .quantize import quantized_weight_bytes
 
 ensure_torchvision_importable()  # before diffusers imports transformers (flowrl.compat)
 
@@ -278,7 +279,7 @@ def flux_memory_spec(config):
     key = json.dumps({k: t.get(k) for k in ("attention_head_dim", "axes_dims_rope", "in_channels", "guidance_embeds")})
     consts = _flux_constants(key)
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
-    return ModelMemory(
+    return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
@@ -293,7 +294,7 @@ def flux_memory_spec(config):
         notes=[f"{img_tokens} image + {config.max_sequence_length} text tokens per sample; activation constants "
                f"measured on a one-block replica: {', '.join(f'{k} {v:.1f}' for k, v in consts.per_block.items())} "
                "widths per token"],
-    )
+    ))
 
 
 def sd3_memory_spec(config):
@@ -482,7 +483,7 @@ def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens:
     consts = _qwen_image_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]))
     joint = int(t["joint_attention_dim"])
     vae = cfgs.get("vae", {})
-    return ModelMemory(
+    return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
@@ -494,7 +495,7 @@ def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens:
         vae_batch=config.vae_batch_size, gradient_checkpointing=config.gradient_checkpointing,
         notes=[_measured_note(f"{img} image + {condition_tokens} condition + {txt} text tokens, x{cfg} for true CFG",
                               consts)],
-    )
+    ))
 
 
 def qwen_image_edit_memory_spec(config, lora_targets: list[str]):
@@ -517,7 +518,7 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
     consts = _flux2_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]),
                               float(t.get("mlp_ratio", 3.0)))
     scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
-    return ModelMemory(
+    return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
@@ -529,7 +530,7 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
         notes=[_measured_note(f"{img} image + {txt} text tokens, x{cfg} for true CFG", consts)],
-    )
+    ))
 
 
 def zimage_memory_spec(config, lora_targets: list[str]):
@@ -543,7 +544,7 @@ def zimage_memory_spec(config, lora_targets: list[str]):
     axes = tuple(int(a) for a in t["axes_dims"])
     consts = _zimage_constants(axes, int(t["in_channels"]))
     _, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
-    return ModelMemory(
+    return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
@@ -555,7 +556,7 @@ def zimage_memory_spec(config, lora_targets: list[str]):
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
         notes=[_measured_note(f"{img} image + up to {txt} text tokens, x{cfg} for CFG", consts)],
-    )
+    ))
 
 
 def kontext_memory_spec(config):
@@ -567,4 +568,18 @@ def kontext_memory_spec(config):
     spec.tokens += cond
     spec.text_bytes_per_prompt += cond * channels * spec.compute_bytes
     spec.notes.append(f"+ {cond} condition-image tokens per sample")
+    return spec
+
+
+def with_quantization(t: dict[str, Any], config, spec: ModelMemory) -> ModelMemory:
+    """``spec`` with the denoiser's bytes for a quantised base (``model.quantize``): the block
+    Linear weights in bitsandbytes' storage (:func:`quantize.storage_model`), the rest in dtype."""
+    kind = getattr(config, "quantize", "none")
+    if kind == "none":
+        return spec
+    qbytes, qparams = quantized_weight_bytes(linear_shapes(t), kind)
+    spec.denoiser_weight_bytes = qbytes + (spec.denoiser_params - qparams) * spec.compute_bytes
+    spec.notes.append(f"quantised base ({kind}, bitsandbytes): {qparams / 1e9:.3f}e9 block weights at "
+                      f"{qbytes / qparams:.4f} B each, {(spec.denoiser_params - qparams) / 1e6:.1f}e6 others at "
+                      f"{spec.compute_bytes} B")
     return spec

@@ -39,6 +39,7 @@ from flowrl.errors import FlowrlError
 
 from .common import ATTENTION, DiffusersAdapter
 from .memory import qwen_image_memory_spec
+from .quantize import QUANTIZE_HELP
 
 #: Qwen-Image's MLPs: one for the image stream, one for the text stream.
 QWEN_FEED_FORWARD = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
@@ -90,6 +91,7 @@ class QwenImageConfig:
         "projections) or 'attention_ff' = attention + both MLPs (Flow-Factory / verl-omni Qwen-Image: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""

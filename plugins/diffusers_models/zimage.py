@@ -36,6 +36,7 @@ from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
 from .memory import zimage_memory_spec
+from .quantize import QUANTIZE_HELP
 
 ZIMAGE_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 ZIMAGE_FEED_FORWARD = ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
@@ -89,6 +90,7 @@ class ZImageConfig:
         "(Flow-Factory Z-Image: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""
