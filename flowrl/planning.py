@@ -226,8 +226,9 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
         lines.append(Line("encode", "text encoders (visiting)", enc_bytes, f"{enc_bytes / GB:.1f} GB moved in to encode"))
     infer = mm.inference_widths if mm.inference_widths is not None else INFERENCE_WIDTHS
     shape = f"{mm.tokens} tokens x width {mm.width}" if mm.width > 1 else "measured per sample"
-    lines.append(Line("rollout", "activations, no grad", s * tw * infer,
-                      f"{s} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
+    rolled = min(s, recipe.sampler.batch_size) if recipe.sampler.batch_size else s  # [sampler].batch_size
+    lines.append(Line("rollout", "activations, no grad", rolled * tw * infer,
+                      f"{rolled} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
     decode = (vae_bytes if mm.offload_frozen else 0) + min(s, mm.vae_batch) * mm.decode_bytes_per_image
     lines.append(Line("decode", "VAE + decode activations", decode, f"{mm.vae_batch} images per VAE call"))
     m = t.micro_batch_size

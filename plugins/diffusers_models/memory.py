@@ -472,28 +472,32 @@ def _measured_note(tokens: str, consts: BlockConstants) -> str:
     return f"{tokens} per sample; activation constants measured on a one-block replica: {per} widths per token"
 
 
-def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens: int = 0, vision_tokens: int = 0):
-    """:class:`flowrl.planning.ModelMemory` of the ``qwen_image`` (and ``qwen_image_edit``) adapter."""
+def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens: tuple[int, int] | None = None,
+                           vision_tokens: int = 0):
+    """:class:`flowrl.planning.ModelMemory` of the ``qwen_image`` adapter; ``qwen_image_edit`` adds the
+    condition's size in pixels (its latent tokens join every forward) and its vision tokens."""
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
     compute, storage = _storage(config)
-    img = (config.height // 16) * (config.width // 16)
+    vae = cfgs.get("vae", {})
+    step = 2 * 2 ** len(vae.get("temperal_downsample", [False, True, True]))  # VAE factor x 2x2 packing
+    img = (config.height // step) * (config.width // step)
     txt = config.max_sequence_length + vision_tokens
     cfg = 2 if config.cfg_scale != 1.0 else 1
     consts = _qwen_image_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]))
     joint = int(t["joint_attention_dim"])
-    vae = cfgs.get("vae", {})
+    condition_tokens = condition_tokens and (condition_tokens[0] // step) * (condition_tokens[1] // step)
     return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
-        tokens=img + condition_tokens + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
+        tokens=img + (condition_tokens or 0) + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
         blocks={"joint": int(t["num_layers"])}, per_block=consts.per_block, outside=consts.outside,
         forwards_per_velocity=cfg, latent_elements=img * int(t["in_channels"]),
-        text_bytes_per_prompt=cfg * txt * (joint * compute + 1) + condition_tokens * int(t["in_channels"]) * compute,
+        text_bytes_per_prompt=cfg * txt * (joint * compute + 1) + (condition_tokens or 0) * int(t["in_channels"]) * compute,
         decode_bytes_per_image=6 * config.height * config.width * int(vae.get("base_dim", 96)) * compute,
         vae_batch=config.vae_batch_size, gradient_checkpointing=config.gradient_checkpointing,
-        notes=[_measured_note(f"{img} image + {condition_tokens} condition + {txt} text tokens, x{cfg} for true CFG",
+        notes=[_measured_note(f"{img} image + {condition_tokens or 0} condition + {txt} text tokens, x{cfg} for true CFG",
                               consts)],
     ))
 
@@ -503,8 +507,7 @@ def qwen_image_edit_memory_spec(config, lora_targets: list[str]):
     vision tokens in the text (Qwen2-VL: one per 28 x 28 pixels)."""
     ch, cw = config.condition_height or config.height, config.condition_width or config.width
     vision = max(round(ch / 28), 1) * max(round(cw / 28), 1)
-    return qwen_image_memory_spec(config, lora_targets, condition_tokens=(ch // 16) * (cw // 16),
-                                  vision_tokens=vision + 2)
+    return qwen_image_memory_spec(config, lora_targets, condition_tokens=(ch, cw), vision_tokens=vision + 2)
 
 
 def flux2_klein_memory_spec(config, lora_targets: list[str]):
@@ -512,12 +515,12 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
     compute, storage = _storage(config)
-    img = (config.height // 16) * (config.width // 16)
+    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
+    img = (config.height // (2 * scale)) * (config.width // (2 * scale))
     txt = config.max_sequence_length
     cfg = 2 if config.cfg_scale != 1.0 else 1
     consts = _flux2_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]),
                               float(t.get("mlp_ratio", 3.0)))
-    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
     return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
@@ -538,20 +541,21 @@ def zimage_memory_spec(config, lora_targets: list[str]):
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
     compute, storage = _storage(config)
-    img = (config.height // 16) * (config.width // 16)
+    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
+    img = (config.height // (2 * scale)) * (config.width // (2 * scale))
     txt = config.max_sequence_length
+    pad = lambda n: -(-n // 32) * 32  # noqa: E731  # the transformer pads both sequences to multiples of 32
     cfg = 2 if config.cfg_scale > 0 else 1
     axes = tuple(int(a) for a in t["axes_dims"])
     consts = _zimage_constants(axes, int(t["in_channels"]))
-    _, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
     return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
-        tokens=img + txt, width=int(t["dim"]),
+        tokens=pad(img) + pad(txt), width=int(t["dim"]),
         blocks={"main": int(t["n_layers"]), "refiner": int(t["n_refiner_layers"])},
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
-        latent_elements=int(t["in_channels"]) * (config.height // 8) * (config.width // 8),
+        latent_elements=int(t["in_channels"]) * (config.height // scale) * (config.width // scale),
         text_bytes_per_prompt=cfg * (txt * int(t["cap_feat_dim"]) * compute + 8),
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
@@ -563,8 +567,10 @@ def kontext_memory_spec(config):
     """The ``flux_kontext`` adapter: FLUX.1 plus the condition's tokens in every forward."""
     spec = flux_memory_spec(config)
     ch, cw = config.condition_height or config.height, config.condition_width or config.width
-    cond = (ch // 16) * (cw // 16)
-    channels = spec.latent_elements // max(spec.tokens - config.max_sequence_length, 1)
+    img = spec.tokens - config.max_sequence_length
+    step = round((config.height * config.width / img) ** 0.5)  # pixels per token side
+    cond = (ch // step) * (cw // step)
+    channels = spec.latent_elements // max(img, 1)
     spec.tokens += cond
     spec.text_bytes_per_prompt += cond * channels * spec.compute_bytes
     spec.notes.append(f"+ {cond} condition-image tokens per sample")
