@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
+from .errors import FlowrlError
 from .geometry import resolve_geometry
 from .interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
+from .prompts import TABLE_SUFFIXES, read_prompts
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -157,12 +159,17 @@ def model_memory(recipe, registry) -> ModelMemory:
     return measured_memory(registry.get("model", choice.use).build(choice.params))
 
 
-def count_prompts(source: str) -> int | None:
-    """Prompts in a prompt file (None for another kind of source)."""
+def count_prompts(source: str, config=None) -> int | None:
+    """Prompts in a prompt file, table or dataset (None for the model's own, or an unreadable source)."""
     path = Path(source)
-    if not path.is_file():
+    if path.is_file() and path.suffix.lower() not in TABLE_SUFFIXES:
+        return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    if source == "model" or not (path.exists() or source.startswith("hf:")):
         return None
-    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    try:
+        return len(read_prompts(source, None, "[prompts].source", config))
+    except FlowrlError:
+        return None
 
 
 def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[Line]]:
@@ -203,7 +210,7 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
     n = recipe.sampler.steps
     lines.append(Line("persistent", "trajectories", s * (n + 1) * mm.latent_elements * 4,
                       f"{s} samples x {n + 1} fp32 latents"))
-    in_file = count_prompts(recipe.prompts.source)
+    in_file = count_prompts(recipe.prompts.source, recipe.prompts)
     seen = recipe.train.prompts_per_iteration * recipe.train.iterations
     cached = min(in_file, seen) if in_file else seen
     lines.append(Line("persistent", "prompt-embedding cache", cached * mm.text_bytes_per_prompt,

@@ -222,3 +222,23 @@ def test_reward_metadata_carries_the_condition_images(jsonl, tmp_path):
     missing = PromptRow("x", str(tmp_path / "nope.png"))
     with pytest.raises(FlowrlError, match="condition image not found"):
         reward_metadata([missing], images[:1])
+
+
+def test_the_docs_example_reads_the_shipped_edit_table(monkeypatch):
+    """docs/recipes.md's [prompts] example, as written, validates and reads the example table."""
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+
+    from flowrl.recipe import validate
+
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "docs" / "recipes.md").read_text()
+    block = re.search(r"```toml\n(\[prompts\]\n.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(repo)
+    recipe = validate({**tomllib.loads(block), "rewards": [{"use": "brightness"}]}, source="docs/recipes.md")
+    train = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts)
+    evals = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts, role="eval")
+    assert len(train) == 3 and len(evals) == 1
+    assert all(Path(condition_of(p)).is_file() for p in [*train, *evals])

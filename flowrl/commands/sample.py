@@ -156,18 +156,19 @@ def read_prompt_list(prompt: Optional[list[str]], prompts_file: Optional[Path], 
         raise FlowrlError("give --prompt or --prompts, not both", where="--prompt")
     if prompt:
         out = list(prompt)
-    elif prompts_file is not None:
-        out = read_prompts(str(prompts_file), model, "--prompts")
+    elif prompts_file is not None:  # a table's columns (and eval split) as the recipe names them
+        out = read_prompts(str(prompts_file), model, "--prompts", src.recipe.prompts if src.from_recipe else None,
+                           role="eval")
     elif src.from_recipe:
         pr = src.recipe.prompts
-        out = read_prompts(pr.eval_source or pr.source, model, f"{src.recipe.source}: [prompts]")
+        out = read_prompts(pr.eval_source or pr.source, model, f"{src.recipe.source}: [prompts]", pr, role="eval")
     else:
         own = model.prompt_source()
         if not own:
             raise FlowrlError("no prompts: the model has no prompt source", where="--prompt",
                               hint="pass --prompt TEXT (repeatable) or --prompts FILE")
         out = list(own)
-    return out[:num_prompts] if num_prompts else out
+    return list(out[:num_prompts] if num_prompts else out)
 
 
 def resolve_sigmas(schedule: str, steps: Optional[int], src: Source, model):
@@ -313,7 +314,7 @@ def sample(
             name = f"images/{it.prompt_index:05d}_{it.seed_index:02d}.png"
             save_png(img, out / name)
             records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
-                            "seed_index": it.seed_index, "file": name})
+                            "seed_index": it.seed_index, "file": name, **condition_record(it.prompt)})
     manifest = out / (f"samples.rank{ctx.rank}.jsonl" if ctx.enabled else "samples.jsonl")
     write_jsonl(manifest, records)
     barrier(ctx)
@@ -361,10 +362,21 @@ def merge_rank_manifests(out: Path, world_size: int) -> list[dict]:
     return records
 
 
+def condition_record(prompt) -> dict:
+    """``{"condition": path}`` for a prompt that carries a condition image (image editing), else ``{}``."""
+    from ..prompts import condition_of
+
+    path = condition_of(prompt)
+    return {"condition": path} if path else {}
+
+
 def grid_png(out: Path, records: list[dict], seeds: int, image_grid, max_images: int = 64) -> Path:
     import numpy as np
     import torch
     from PIL import Image
+
+    from ..prompts import PromptRow
+    from ..runlog import with_condition
 
     shown = records[:max_images]
     images = torch.stack([
@@ -372,7 +384,13 @@ def grid_png(out: Path, records: list[dict], seeds: int, image_grid, max_images:
         for r in shown
     ])
     caps = [f"{r['prompt'][:24]}\nseed {r['seed_index']}" for r in shown]
+    columns = min(seeds, 8) if seeds > 1 else min(len(shown), 8)
+    if any("condition" in r for r in shown) and seeds > 1:  # editing: each prompt's condition first in its row
+        parts = [with_condition(images[i : i + seeds], caps[i : i + seeds],
+                                PromptRow(shown[i]["prompt"], shown[i].get("condition")))
+                 for i in range(0, len(shown), seeds)]
+        images, caps, columns = torch.cat([im for im, _ in parts]), sum((c for _, c in parts), []), seeds + 1
     scale = max(1, 128 // images.shape[-1])
     path = out / "grid.png"
-    image_grid(images, caps, columns=min(seeds, 8) if seeds > 1 else min(len(shown), 8), scale=scale).save(path)
+    image_grid(images, caps, columns=min(columns, 9), scale=scale).save(path)
     return path

@@ -237,3 +237,21 @@ def test_kontext_lora_export_loads_with_load_lora_weights(make_kontext, tiny_kon
     text = model.encode_prompts(_rows(conditions)[:1])
     ours = model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, model.sigmas(5)))
     torch.testing.assert_close(tuned, ours, atol=1e-5, rtol=0)
+
+
+def test_sample_grid_puts_each_condition_before_its_row(tiny_kontext, conditions, tmp_path, request, monkeypatch):
+    from PIL import Image
+
+    from flowrl import cli
+
+    monkeypatch.chdir(request.config.rootpath)
+    run = _train("kontext_edit_lora.toml", tiny_kontext, conditions, tmp_path / "run", ["model.max_sequence_length=16"])
+    out = tmp_path / "samples"
+    try:
+        cli.main(["sample", str(run), "--prompts", str(conditions / "edits.jsonl"), "--seeds", "2", "-o", str(out)])
+    except SystemExit as done:
+        assert done.code in (0, None)
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and records[0]["condition"] == str(conditions / "img" / "0.png")
+    grid = Image.open(out / "grid.png")
+    assert grid.width == 3 * 32 * 4  # condition + 2 seeds per row, 32 px tiles scaled 4x
