@@ -214,8 +214,8 @@ class TableRows(Sequence):
         if not self.columns.condition:
             return text.strip()
         cond = record.get(self.columns.condition)
-        if isinstance(cond, dict):  # a datasets Image feature stored by path
-            cond = cond.get("path")
+        if isinstance(cond, dict):  # a datasets Image feature: embedded bytes, or a path
+            cond = stored_image(cond["bytes"]) if cond.get("bytes") else cond.get("path")
         if cond in (None, ""):
             return PromptRow(text.strip())
         path = Path(str(cond)).expanduser()
@@ -236,6 +236,21 @@ class TableRows(Sequence):
 
     def __len__(self) -> int:
         raise NotImplementedError
+
+
+def stored_image(data: bytes) -> str:
+    """The path of an image embedded in a dataset, written once to a cache directory (named by its hash)."""
+    import hashlib
+    import tempfile
+
+    root = Path(tempfile.gettempdir()) / "flowrl-conditions"
+    root.mkdir(exist_ok=True)
+    path = root / f"{hashlib.sha256(data).hexdigest()[:32]}.img"
+    if not path.is_file():
+        tmp = path.with_suffix(f".{id(data)}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return str(path)
 
 
 class LineTableRows(TableRows):

@@ -120,6 +120,14 @@ def test_huggingface_datasets_from_disk_and_data_files_offline(tmp_path, monkeyp
     for split, ds in (("train", train), ("test", test)):
         ds.to_json(str(files / f"{split}.jsonl"))
     assert list(read_prompts(str(files), None, "w", PromptsConfig(), role="eval")) == ["a dog on the red mat"]
+    # an Image feature with the images embedded (as `datasets` stores them): read from the bytes
+    embedded = datasets.Dataset.from_dict({"prompt": ["a red cat"], "image": [str(tmp_path / "img" / "2.png")]})
+    embedded = embedded.cast_column("image", datasets.Image())
+    embedded.save_to_disk(str(tmp_path / "embedded"))
+    (tmp_path / "img" / "2.png").unlink()  # only the embedded copy is left
+    row = read_prompts(str(tmp_path / "embedded"), None, "w", PromptsConfig(condition_column="image"))[0]
+    meta = reward_metadata([row], torch.zeros(1, 3, 6, 8))
+    torch.testing.assert_close(meta["condition_images"][0, :, 0, 0], torch.tensor([80, 100, 200]) / 255.0)
     # a hub name that is not in the local cache: one clear error, no traceback
     with pytest.raises(FlowrlError, match="cannot load dataset") as err:
         read_prompts("hf:nobody/not-a-dataset", None, "[prompts].source", PromptsConfig())
@@ -242,3 +250,15 @@ def test_the_docs_example_reads_the_shipped_edit_table(monkeypatch):
     evals = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts, role="eval")
     assert len(train) == 3 and len(evals) == 1
     assert all(Path(condition_of(p)).is_file() for p in [*train, *evals])
+
+
+def test_condition_fidelity_reward_reads_the_metadata():
+    from flowrl_plugins.rewards.condition import ConditionFidelity, ConditionFidelityConfig
+
+    reward = ConditionFidelity(ConditionFidelityConfig(size=4))
+    cond = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(0)) * 0.5
+    shifted = cond + torch.tensor([0.0, 0.25]).view(2, 1, 1, 1)  # image 1 is 0.25 brighter everywhere
+    out = reward(shifted, ["a", "b"], {"condition_images": cond})
+    torch.testing.assert_close(out.scores, torch.tensor([1.0, 0.75]))
+    with pytest.raises(FlowrlError, match="needs every prompt to carry a condition image"):
+        reward(cond, ["a", "b"], None)
