@@ -381,7 +381,6 @@ KNOWN.update({
     "Qwen/Qwen-Image": _QWEN_IMAGE_PARTS,
     "Qwen/Qwen-Image-2512": _QWEN_IMAGE_PARTS,
     "Qwen/Qwen-Image-Edit": _QWEN_IMAGE_PARTS,
-    "Qwen/Qwen-Image-Edit-2509": _QWEN_IMAGE_PARTS,
     "black-forest-labs/FLUX.2-klein-base-4B": _KLEIN_PARTS,
     "black-forest-labs/FLUX.2-klein-4B": _KLEIN_PARTS,
     "Tongyi-MAI/Z-Image-Turbo": {"transformer": _ZIMAGE_TURBO, "text_encoder": dict(_QWEN3_4B, _class="Qwen3Model"),
