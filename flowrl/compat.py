@@ -29,6 +29,10 @@ import sys
 
 import torch
 
+# bitsandbytes (flowrl[quant]) warns at import, on CPUs with AVX512-bf16, that the optional package
+# of faster CPU kernels ("kernels") is missing; flowrl's quantised path runs without it.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
 #: The schemas torchvision registers fake kernels for at import (torchvision/_meta_registrations.py).
 SCHEMAS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",

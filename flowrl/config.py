@@ -47,7 +47,8 @@ def param(
             directory of the recipe file that gives it (:func:`flowrl.recipe.load_recipe`), and the
             run records the absolute path. ``"hub"``: a Hugging Face hub id or a path; a relative
             value is a path only when it starts with ``./`` or ``../`` or exists there.
-        keep: values of a path field that are words, not paths (the empty string always is).
+        keep: values of a path field that are words, not paths (the empty string always is); an
+            entry ending in ``:`` keeps every value with that prefix (``"hf:"``: a dataset name).
     """
     metadata = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min, "path": path, "keep": keep}
     if isinstance(default, (list, dict)):

@@ -113,6 +113,17 @@ class HasImageSeqLen(Protocol):
 
 
 @runtime_checkable
+class TakesConditionImage(Protocol):
+    """An image-editing adapter: every prompt carries a condition image
+    (:class:`flowrl.prompts.PromptRow`), which ``encode_prompts`` resizes to ``condition_size``
+    ``(height, width)`` and encodes into the text embeddings (batch on dim 0), so ``velocity``
+    sees it without anything else changing. The conformance suite gives such an adapter prompts
+    with condition images and checks that the velocity depends on them."""
+
+    condition_size: tuple[int, int]
+
+
+@runtime_checkable
 class HasLoraTargets(Protocol):
     """An adapter with default LoRA target modules (used when ``[train].lora_targets`` is empty)."""
 

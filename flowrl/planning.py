@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
+from .errors import FlowrlError
 from .geometry import resolve_geometry
 from .interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
+from .prompts import TABLE_SUFFIXES, read_prompts
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -73,6 +75,8 @@ class ModelMemory:
     gradient_checkpointing: bool = False
     #: live elements per token per width in a no-grad forward (None: INFERENCE_WIDTHS)
     inference_widths: float | None = None
+    #: the denoiser's storage in bytes when it is not params x denoiser_bytes (a quantised base)
+    denoiser_weight_bytes: float | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -155,12 +159,17 @@ def model_memory(recipe, registry) -> ModelMemory:
     return measured_memory(registry.get("model", choice.use).build(choice.params))
 
 
-def count_prompts(source: str) -> int | None:
-    """Prompts in a prompt file (None for another kind of source)."""
+def count_prompts(source: str, config=None) -> int | None:
+    """Prompts in a prompt file, table or dataset (None for the model's own, or an unreadable source)."""
     path = Path(source)
-    if not path.is_file():
+    if path.is_file() and path.suffix.lower() not in TABLE_SUFFIXES:
+        return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    if source == "model" or not (path.exists() or source.startswith("hf:")):
         return None
-    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    try:
+        return len(read_prompts(source, None, "[prompts].source", config))
+    except FlowrlError:
+        return None
 
 
 def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[Line]]:
@@ -169,8 +178,13 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
     mm = model_memory(recipe, registry)
     t = recipe.train
     lines: list[Line] = []
-    lines.append(Line("persistent", "denoiser weights", mm.denoiser_params * mm.denoiser_bytes,
-                      f"{mm.denoiser_params / 1e9:.3f}e9 params x {mm.denoiser_bytes} B"))
+    if mm.denoiser_weight_bytes is None:
+        lines.append(Line("persistent", "denoiser weights", mm.denoiser_params * mm.denoiser_bytes,
+                          f"{mm.denoiser_params / 1e9:.3f}e9 params x {mm.denoiser_bytes} B"))
+    else:
+        lines.append(Line("persistent", "denoiser weights", mm.denoiser_weight_bytes,
+                          f"{mm.denoiser_params / 1e9:.3f}e9 params, {mm.denoiser_weight_bytes / mm.denoiser_params:.3f} B "
+                          "each on average (quantised)"))
     if t.finetune == "lora":
         targets = list(t.lora_targets) or mm.default_lora_targets
         trainable = lora_parameter_count(mm.lora_shapes or {}, targets, t.lora_rank)
@@ -196,7 +210,7 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
     n = recipe.sampler.steps
     lines.append(Line("persistent", "trajectories", s * (n + 1) * mm.latent_elements * 4,
                       f"{s} samples x {n + 1} fp32 latents"))
-    in_file = count_prompts(recipe.prompts.source)
+    in_file = count_prompts(recipe.prompts.source, recipe.prompts)
     seen = recipe.train.prompts_per_iteration * recipe.train.iterations
     cached = min(in_file, seen) if in_file else seen
     lines.append(Line("persistent", "prompt-embedding cache", cached * mm.text_bytes_per_prompt,
@@ -219,8 +233,9 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
         lines.append(Line("encode", "text encoders (visiting)", enc_bytes, f"{enc_bytes / GB:.1f} GB moved in to encode"))
     infer = mm.inference_widths if mm.inference_widths is not None else INFERENCE_WIDTHS
     shape = f"{mm.tokens} tokens x width {mm.width}" if mm.width > 1 else "measured per sample"
-    lines.append(Line("rollout", "activations, no grad", s * tw * infer,
-                      f"{s} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
+    rolled = min(s, recipe.sampler.batch_size) if recipe.sampler.batch_size else s  # [sampler].batch_size
+    lines.append(Line("rollout", "activations, no grad", rolled * tw * infer,
+                      f"{rolled} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
     decode = (vae_bytes if mm.offload_frozen else 0) + min(s, mm.vae_batch) * mm.decode_bytes_per_image
     lines.append(Line("decode", "VAE + decode activations", decode, f"{mm.vae_batch} images per VAE call"))
     m = t.micro_batch_size

@@ -154,13 +154,27 @@ class SamplerConfig:
 @dataclasses.dataclass
 class PromptsConfig:
     source: str = param(
-        "model", "'model' (the model's own prompt source) or a path to a text file, one prompt a line.",
-        path=True, keep=("model",),
+        "model",
+        "'model' (the model's own prompt source); a text file, one prompt a line; a table with named columns "
+        "(.jsonl, .csv, .tsv, .parquet); a Hugging Face datasets directory (save_to_disk, or data files); or "
+        "hf:NAME[:CONFIG] from the local datasets cache. Parquet and datasets need flowrl[datasets].",
+        path=True, keep=("model", "hf:"),
     )
     eval_source: str = param("", "Evaluation prompts: same forms as source; empty = same as source.",
-                             path=True, keep=("model",))
+                             path=True, keep=("model", "hf:"))
     num_eval: int = param(0, "Evaluation prompts used per evaluation (0 = no evaluation).", min=0)
     eval_seeds: int = param(1, "Seeds per evaluation prompt.", min=1)
+    text_column: str = param("prompt", "Tables and datasets: the column holding the prompt text.")
+    condition_column: str = param(
+        "", "Tables and datasets: an optional column with a condition image path per row (image editing; relative "
+        "paths are taken from the table's directory). Empty = none.",
+    )
+    split_column: str = param(
+        "", "Tables: an optional column naming each row's split; training reads the rows equal to train_split, "
+        "evaluation those equal to eval_split. Empty = every row (or separate files via eval_source).",
+    )
+    train_split: str = param("train", "The split training reads (a split column's value, or a dataset's split).")
+    eval_split: str = param("test", "The split evaluation reads (a split column's value, or a dataset's split).")
 
 
 @dataclasses.dataclass
@@ -437,7 +451,8 @@ def resolve_path(value: str, base: Path, f: dataclasses.Field, where: str, from_
     (for ``path="hub"`` keys) hub ids stay as they are. A path in a recipe file that exists only
     relative to the current directory is refused: the recipe would mean different files from
     different directories."""
-    if not value or value in f.metadata.get("keep", ()):
+    keep = f.metadata.get("keep", ())
+    if not value or value in keep or any(k.endswith(":") and value.startswith(k) for k in keep):
         return value
     p = Path(value).expanduser()
     if p.is_absolute():

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from .files import write_text_atomic
+from .prompts import condition_images, condition_of
 
 
 class MetricsLog:
@@ -146,3 +147,12 @@ def image_grid(images: torch.Tensor, captions: Sequence[str], columns: int | Non
         for j, line in enumerate(lines):
             draw.text((pad, y + j * line_h), line, fill="black", font=font)
     return grid
+
+
+def with_condition(images: torch.Tensor, captions: Sequence[str], prompt: str) -> tuple[torch.Tensor, list[str]]:
+    """``images`` of one prompt with its condition image (image editing) put first, captioned
+    ``condition``; unchanged when the prompt carries none."""
+    if condition_of(prompt) is None:
+        return images, list(captions)
+    cond = condition_images([prompt], images.shape[-2], images.shape[-1]).to(images)
+    return torch.cat([cond, images]), ["condition", *captions]

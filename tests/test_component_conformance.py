@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Protocol
 
 import pytest
+import torch
 
 from flowrl import interfaces
 from flowrl.plugins import get_registry
@@ -23,7 +24,10 @@ NEEDS_MORE = {"pickscore", "clip", "hpsv3", "hpsv3_upstream", "http"}
 PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024},
           ("tracker", "wandb"): {"mode": "offline"}}  # wandb: no network in tests
 #: What else a check needs: the 'model' schedule reads the adapter's own sigmas.
-CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))}}
+CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))},
+           # an editing reward reads the prompts' condition images from the metadata the engine passes
+           ("reward", "condition_fidelity"): {"metadata": {"condition_images": torch.rand(
+               3, 3, 32, 32, generator=torch.Generator().manual_seed(1))}}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "reward", "tracker")
 
 
@@ -61,7 +65,7 @@ def test_every_optional_protocol_is_exercised_by_a_builtin():
     claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard and wandb trackers (checked above when installed)
     model_protocols = {"ModelAdapter", "HasReferencePolicy", "CountsForwards", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
                        "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory", "HasShardableBlocks",
-                       "RewardPlacement", "Reward"}  # checked by flowrl.testing.conformance and the plan tests
+                       "RewardPlacement", "Reward", "TakesConditionImage"}  # checked by flowrl.testing.conformance and the plan tests
     protocols = {name for name, obj in vars(interfaces).items()
                  if inspect.isclass(obj) and obj is not Protocol and getattr(obj, "_is_protocol", False)}
     missing = protocols - claimed - model_protocols

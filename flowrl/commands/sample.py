@@ -161,18 +161,19 @@ def read_prompt_list(prompt: Optional[list[str]], prompts_file: Optional[Path], 
         raise FlowrlError("give --prompt or --prompts, not both", where="--prompt")
     if prompt:
         out = list(prompt)
-    elif prompts_file is not None:
-        out = read_prompts(str(prompts_file), model, "--prompts")
+    elif prompts_file is not None:  # a table's columns (and eval split) as the recipe names them
+        out = read_prompts(str(prompts_file), model, "--prompts", src.recipe.prompts if src.from_recipe else None,
+                           role="eval")
     elif src.from_recipe:
         pr = src.recipe.prompts
-        out = read_prompts(pr.eval_source or pr.source, model, f"{src.recipe.source}: [prompts]")
+        out = read_prompts(pr.eval_source or pr.source, model, f"{src.recipe.source}: [prompts]", pr, role="eval")
     else:
         own = model.prompt_source()
         if not own:
             raise FlowrlError("no prompts: the model has no prompt source", where="--prompt",
                               hint="pass --prompt TEXT (repeatable) or --prompts FILE")
         out = list(own)
-    return out[:num_prompts] if num_prompts else out
+    return list(out[:num_prompts] if num_prompts else out)
 
 
 def resolve_sigmas(schedule: str, steps: Optional[int], src: Source, model):
@@ -356,7 +357,7 @@ def write_images(batches, out: Path, folder: str) -> list[dict]:
             name = f"{folder}/{it.prompt_index:05d}_{it.seed_index:02d}.png"
             save_png(img, out / name)
             records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
-                            "seed_index": it.seed_index, "file": name})
+                            "seed_index": it.seed_index, "file": name, **condition_record(it.prompt)})
     return records
 
 
@@ -391,6 +392,14 @@ def merge_rank_manifests(out: Path, world_size: int) -> list[dict]:
     return records
 
 
+def condition_record(prompt) -> dict:
+    """``{"condition": path}`` for a prompt that carries a condition image (image editing), else ``{}``."""
+    from ..prompts import condition_of
+
+    path = condition_of(prompt)
+    return {"condition": path} if path else {}
+
+
 def read_png(path: Path):
     """An image file as a ``[3, H, W]`` float tensor in [0, 1]."""
     import numpy as np
@@ -402,14 +411,23 @@ def read_png(path: Path):
 
 def grid_png(out: Path, records: list[dict], seeds: int, image_grid, max_images: int = 64) -> Path:
     """``grid.png``: the first ``max_images`` images, each captioned with its whole prompt
-    (wrapped at spaces) and seed."""
+    (wrapped at spaces) and seed; for image editing, each prompt's condition image first in its row."""
     import torch
+
+    from ..prompts import PromptRow
+    from ..runlog import with_condition
 
     shown = records[:max_images]
     images = torch.stack([read_png(out / r["file"]) for r in shown])
     caps = [f"{r['prompt']}\nseed {r['seed_index']}" for r in shown]
+    columns = min(seeds, 8) if seeds > 1 else min(len(shown), 8)
+    if any("condition" in r for r in shown) and seeds > 1:  # editing: each prompt's condition first in its row
+        parts = [with_condition(images[i : i + seeds], caps[i : i + seeds],
+                                PromptRow(shown[i]["prompt"], shown[i].get("condition")))
+                 for i in range(0, len(shown), seeds)]
+        images, caps, columns = torch.cat([im for im, _ in parts]), sum((c for _, c in parts), []), min(seeds, 8) + 1
     path = out / "grid.png"
-    image_grid(images, caps, columns=min(seeds, 8) if seeds > 1 else min(len(shown), 8)).save(path)
+    image_grid(images, caps, columns=columns).save(path)
     return path
 
 

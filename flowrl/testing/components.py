@@ -151,11 +151,12 @@ def check_loss(loss, **_) -> list[str]:
     return claimed
 
 
-def check_reward(reward, images=None, prompts=None, **_) -> list[str]:
+def check_reward(reward, images=None, prompts=None, metadata=None, **_) -> list[str]:
+    """``metadata``: what the engine would pass (e.g. ``condition_images`` for editing rewards)."""
     g = torch.Generator().manual_seed(0)
     images = torch.rand(3, 3, 32, 32, generator=g) if images is None else images
     prompts = ["a red circle on a blue background"] * images.shape[0] if prompts is None else prompts
-    out = score(reward, images, prompts)  # checks one score per image
+    out = score(reward, images, prompts, metadata)  # checks one score per image
     assert bool(torch.isfinite(out.scores).all()), f"scores must be finite, got {out.scores}"
     return ["Reward"]
 

@@ -37,6 +37,11 @@ The checks (each documented on its function):
 - ``shardable_blocks``: FSDP2 and activation checkpointing find the denoiser's blocks (the
   adapter's ``shardable_blocks()``, which must name submodules none inside another, or the
   ``*blocks`` module lists); the note says what share of the parameters they hold.
+- ``condition``: an image-editing adapter (:class:`flowrl.interfaces.TakesConditionImage`) gives
+  different velocities for the same prompt with different condition images. Such an adapter gets
+  prompts that carry condition images in every check (:func:`conditioned_prompts`, unless
+  ``prompts`` already carry their own), so batch independence and the on-policy check cover the
+  condition too.
 
 Checks that modify the model (``lora_noop``, ``reference_model``) work on a deep copy.
 """
@@ -46,8 +51,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -58,8 +65,10 @@ from flowrl.interfaces import (
     HasReferencePolicy,
     HasShardableBlocks,
     ModelAdapter,
+    TakesConditionImage,
     select_embeddings,
 )
+from flowrl.prompts import PromptRow, condition_of
 from flowrl.recipe import TrainConfig
 from flowrl.sampling import rollout, transition_log_prob
 from flowrl.schedules import shifted_sigmas, validate_sigmas
@@ -128,7 +137,37 @@ def _prompts(adapter, opts: ConformanceOptions, count: int = 4) -> list[str]:
         pool = list(opts.prompts)
     else:
         pool = list(adapter.prompt_source() or DEFAULT_PROMPTS)
-    return [pool[i % len(pool)] for i in range(count)]
+    chosen = [pool[i % len(pool)] for i in range(count)]
+    if isinstance(adapter, TakesConditionImage) and not any(condition_of(p) for p in chosen):
+        chosen = conditioned_prompts(chosen, adapter.condition_size)
+    return chosen
+
+
+_CONDITION_DIRS: dict[tuple[int, int], Path] = {}
+
+
+def condition_image_paths(size: tuple[int, int], count: int = 4) -> list[str]:
+    """``count`` seeded random RGB images of ``size`` (height, width), written once per process."""
+    from PIL import Image
+
+    if size not in _CONDITION_DIRS:
+        _CONDITION_DIRS[size] = Path(tempfile.mkdtemp(prefix="flowrl-conformance-"))
+    root = _CONDITION_DIRS[size]
+    out = []
+    for i in range(count):
+        path = root / f"condition_{i}.png"
+        if not path.is_file():
+            g = torch.Generator().manual_seed(1000 + i)
+            pixels = (torch.rand(size[0], size[1], 3, generator=g) * 255).to(torch.uint8).numpy()
+            Image.fromarray(pixels).save(path)
+        out.append(str(path))
+    return out
+
+
+def conditioned_prompts(prompts: Sequence[str], size: tuple[int, int]) -> list[PromptRow]:
+    """The prompts, each carrying its own condition image (for editing adapters)."""
+    paths = condition_image_paths(size, len(prompts))
+    return [PromptRow(str(p), path) for p, path in zip(prompts, paths)]
 
 
 def _noise(adapter, count: int, seed: int) -> torch.Tensor:
@@ -407,7 +446,9 @@ def check_reference_model(adapter, opts: ConformanceOptions) -> str:
     if not isinstance(adapter, HasReferencePolicy):
         return "skipped: the adapter runs no reference of its own (HasReferencePolicy)"
     results = []
-    for mode in ("lora", "full"):
+    # a quantised base (integer weights) trains only a LoRA: there is no full fine-tuning to check
+    full = all(p.is_floating_point() for p in adapter.denoiser.parameters())
+    for mode in ("lora", "full") if full else ("lora",):
         model = copy.deepcopy(adapter)
         with torch.no_grad():
             text, x = _inputs(model, opts, 2)
@@ -431,7 +472,27 @@ def check_reference_model(adapter, opts: ConformanceOptions) -> str:
         assert diff <= opts.rtol * scale + opts.atol, (
             f"{mode}: reference_velocity differs from the base model by {diff:.3g}"
         )
-    return "reference = " + ", ".join(results) if results else "reference ok"
+    note = "" if full else " (quantised base: LoRA only)"
+    return ("reference = " + ", ".join(results) if results else "reference ok") + note
+
+
+@torch.no_grad()
+def check_condition(adapter, opts: ConformanceOptions) -> str:
+    """An editing adapter's velocity depends on the condition image: the same prompt with two
+    different images gives different velocities (and different text embeddings)."""
+    if not isinstance(adapter, TakesConditionImage):
+        return "skipped: the adapter takes no condition image (TakesConditionImage)"
+    text = str(_prompts(adapter, opts, 1)[0])
+    a, b = condition_image_paths(tuple(adapter.condition_size), 2)
+    emb = adapter.encode_prompts([PromptRow(text, a), PromptRow(text, b)])
+    x = _noise(adapter, 1, opts.seed).repeat(2, *[1] * len(adapter.latent_shape))
+    v = adapter.velocity(x, torch.tensor([0.6, 0.6], device=x.device), emb)
+    diff, scale = _max_rel(v[0], v[1])
+    assert diff > opts.rtol * scale + opts.atol, (
+        f"the velocity does not depend on the condition image (|dv| = {diff:.3g}): it must reach velocity() "
+        "through encode_prompts' embeddings"
+    )
+    return f"condition {tuple(adapter.condition_size)}: |dv| between two images = {diff:.2g}"
 
 
 def check_shardable_blocks(adapter, opts: ConformanceOptions) -> str:
@@ -463,6 +524,7 @@ CHECKS: dict[str, Callable[..., str]] = {
     "lora_noop": check_lora_noop,
     "reference_model": check_reference_model,
     "shardable_blocks": check_shardable_blocks,
+    "condition": check_condition,
 }
 CHECK_NAMES = tuple(CHECKS)
 

@@ -44,6 +44,7 @@ import torch
 
 __all__ = [
     "build_tiny_flux", "build_tiny_sd3", "build_tiny_qwen_image", "build_tiny_flux2_klein", "build_tiny_zimage",
+    "build_tiny_flux_kontext", "build_tiny_qwen_image_edit",
     "clip_tokenizer", "t5_tokenizer", "qwen_tokenizer", "TINY_PROMPTS",
 ]
 
@@ -143,11 +144,18 @@ def _vae(latent_channels: int, *, scaling_factor: float, shift_factor: float | N
 def build_tiny_flux(path: str | Path, *, guidance_embeds: bool = True, seed: int = 0) -> Path:
     """Write a tiny FLUX.1 pipeline to ``path`` (guidance-distilled like FLUX.1-dev by default;
     ``guidance_embeds=False`` is schnell-like). Returns ``path``."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextModel
+    from diffusers import FluxPipeline
 
     path = Path(path)
     torch.manual_seed(seed)
+    FluxPipeline(**_flux_parts(guidance_embeds)).save_pretrained(path)
+    return path
+
+
+def _flux_parts(guidance_embeds: bool) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
     tok, tok2 = clip_tokenizer(), t5_tokenizer()
     text_encoder = CLIPTextModel(_clip_config(tok, hidden=32, projection=32))
     text_encoder_2 = _t5(tok2, 32)
@@ -162,11 +170,18 @@ def build_tiny_flux(path: str | Path, *, guidance_embeds: bool = True, seed: int
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
-        text_encoder_2=text_encoder_2, tokenizer_2=tok2, transformer=transformer,
-    )
-    pipe.save_pretrained(path)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                text_encoder_2=text_encoder_2, tokenizer_2=tok2, transformer=transformer)
+
+
+def build_tiny_flux_kontext(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny FLUX.1 Kontext pipeline to ``path``: the tiny FLUX.1 parts (guidance-distilled
+    like Kontext-dev) in a FluxKontextPipeline. Returns ``path``."""
+    from diffusers import FluxKontextPipeline
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    FluxKontextPipeline(**_flux_parts(True)).save_pretrained(path)
     return path
 
 
@@ -216,29 +231,49 @@ _QWEN_IMAGE_PREFIX = (
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n"
 )
 _QWEN_IMAGE_DROP = 34
+#: Qwen-Image-Edit's prefix up to the user turn; the pipeline drops the first 64 tokens, so the kept
+#: embeddings start at the condition image's vision tokens.
+_QWEN_EDIT_PREFIX = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n"
+)
+_QWEN_EDIT_DROP = 64
+_QWEN_VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def qwen_tokenizer(*, image_template_tokens: int | None = None):
+def qwen_tokenizer(*, image_template_tokens: int | None = None, edit_template_tokens: int | None = None,
+                   vision_tokens: bool = False):
     """A byte-level BPE Qwen2 tokenizer: every byte a token (no merges), the chat specials and a
     chat template. With ``image_template_tokens = n``, Qwen-Image's system-template prefix
-    tokenizes to exactly ``n`` tokens (one added token stands for a stretch of its text)."""
+    tokenizes to exactly ``n`` tokens (one added token stands for a stretch of its text); with
+    ``edit_template_tokens = n`` the same for Qwen-Image-Edit's prefix (up to the user turn).
+    ``vision_tokens`` adds Qwen2-VL's ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>`` and ``<|video_pad|>``."""
     from transformers import Qwen2Tokenizer
 
     vocab = {c: i for i, c in enumerate(_byte_alphabet())}  # no merges: one token per byte
-    for token in _QWEN_SPECIALS:
+    specials = _QWEN_SPECIALS + (_QWEN_VISION_SPECIALS if vision_tokens else [])
+    for token in specials:
         vocab[token] = len(vocab)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=_QWEN_SPECIALS[1:], model_max_length=4096)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=specials[1:], model_max_length=4096)
     tok.chat_template = _QWEN_CHAT_TEMPLATE
-    if image_template_tokens is not None:
-        n = len(tok(_QWEN_IMAGE_PREFIX).input_ids)
-        text = _QWEN_IMAGE_PREFIX[len("<|im_start|>system\n"):]
-        # replacing k plain characters (one token each) by one added token removes k - 1 tokens
-        k = n - image_template_tokens + 1
-        if not 1 <= k <= text.index("<|im_end|>"):
-            raise ValueError(f"cannot make the Qwen-Image template {image_template_tokens} tokens long (it is {n})")
-        tok.add_tokens([text[:k]])
-        assert len(tok(_QWEN_IMAGE_PREFIX).input_ids) == image_template_tokens
+    for prefix, wanted in ((_QWEN_IMAGE_PREFIX, image_template_tokens), (_QWEN_EDIT_PREFIX, edit_template_tokens)):
+        if wanted is not None:
+            _shorten_template(tok, prefix, wanted)
     return tok
+
+
+def _shorten_template(tok, prefix: str, wanted: int) -> None:
+    """Add one token for the start of ``prefix``'s system text so that ``prefix`` is ``wanted`` tokens."""
+    n = len(tok(prefix).input_ids)
+    text = prefix[len("<|im_start|>system\n"):]
+    # replacing k plain characters (one token each) by one added token removes k - 1 tokens
+    k = n - wanted + 1
+    if not 1 <= k <= text.index("<|im_end|>"):
+        raise ValueError(f"cannot make the template {wanted} tokens long (it is {n})")
+    tok.add_tokens([text[:k]])
+    assert len(tok(prefix).input_ids) == wanted
 
 
 def _qwen3(tok, *, hidden: int, layers: int, model: str = "Qwen3Model"):
@@ -255,23 +290,50 @@ def _qwen3(tok, *, hidden: int, layers: int, model: str = "Qwen3Model"):
 def build_tiny_qwen_image(path: str | Path, *, seed: int = 0) -> Path:
     """Write a tiny Qwen-Image pipeline to ``path`` (Qwen2.5-VL text encoder, Wan-style 3-D VAE,
     dynamic-shift scheduler with a terminal shift like Qwen-Image's). Returns ``path``."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     path = Path(path)
     torch.manual_seed(seed)
     tok = qwen_tokenizer(image_template_tokens=_QWEN_IMAGE_DROP)
+    parts = _qwen_image_parts(tok)
+    QwenImagePipeline(tokenizer=tok, **parts).save_pretrained(path)
+    return path
+
+
+def build_tiny_qwen_image_edit(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Qwen-Image-Edit pipeline to ``path``: Qwen-Image's parts, a Qwen2.5-VL whose
+    vision tower reads the condition image (patch 4, merge 2, so a 32 x 32 image is 16 vision
+    tokens), and a Qwen2-VL processor. Returns ``path``."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    tok = qwen_tokenizer(edit_template_tokens=_QWEN_EDIT_DROP, vision_tokens=True)
+    parts = _qwen_image_parts(tok, vision=True)
+    images = Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
+                                   max_pixels=64 * 64)
+    videos = Qwen2VLVideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
+    processor = Qwen2VLProcessor(image_processor=images, tokenizer=tok, video_processor=videos)
+    QwenImageEditPipeline(tokenizer=tok, processor=processor, **parts).save_pretrained(path)
+    return path
+
+
+def _qwen_image_parts(tok, *, vision: bool = False) -> dict:
+    """Text encoder, VAE, transformer and scheduler of the tiny Qwen-Image pipelines."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     width = 32
     ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if vision:  # the vision tower reads the image between these tokens
+        ids.update({f"{name}_token_id": tok.convert_tokens_to_ids(token) for name, token in (
+            ("image", "<|image_pad|>"), ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"))})
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tok), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, **ids),
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         **{k: v for k, v in ids.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=width,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
                            fullatt_block_indexes=[0]),
@@ -291,10 +353,7 @@ def build_tiny_qwen_image(path: str | Path, *, seed: int = 0) -> Path:
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
         max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
     )
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
-                             transformer=transformer)
-    pipe.save_pretrained(path)
-    return path
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, transformer=transformer)
 
 
 def build_tiny_flux2_klein(path: str | Path, *, distilled: bool = False, seed: int = 0) -> Path:

@@ -14,7 +14,7 @@ import torch
 from .. import distributed
 from ..advantages import advantages_for
 from ..interfaces import TextEmbeddings, score, select_embeddings
-from ..prompts import prompts_for_iteration
+from ..prompts import prompts_for_iteration, reward_metadata
 from ..sampling import rollout
 from ..seeding import generator, sample_generators
 from ..trajectory import Trajectory
@@ -96,8 +96,9 @@ def sample(session, batch: Batch, group_size: int) -> None:
 
 def score_rewards(batch: Batch, rewards) -> None:
     """Score the decoded images with every reward; fills ``batch.rewards`` and ``reward_extras``."""
+    metadata = reward_metadata(batch.prompts, batch.images)  # condition images, when the prompts carry them
     for label, _, reward in rewards:
-        out = score(reward, batch.images, batch.prompts)
+        out = score(reward, batch.images, batch.prompts, metadata)
         batch.rewards[label] = out.scores
         batch.reward_extras.update({f"{label}/{k}": v.reshape(-1) for k, v in sorted(out.extras.items())})
 

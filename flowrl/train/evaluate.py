@@ -25,7 +25,7 @@ from contextlib import nullcontext
 import torch
 
 from ..interfaces import score
-from ..prompts import evaluation_prompts, read_prompts
+from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sde import ode_step
 from ..seeding import generator
 
@@ -81,10 +81,11 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
         text = cache.get(ps, sigmas.device)
         noise = evaluation_noise(model.latent_shape, seed, range(start, start + len(part))).to(sigmas.device)
         images = model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, sigmas))
+        metadata = reward_metadata(ps, images)
         if on_images is not None:
             on_images(images)
         for label, _, reward in rewards:
-            scores[label].append(score(reward, images, ps).scores)
+            scores[label].append(score(reward, images, ps, metadata).scores)
     return {label: torch.cat(v) for label, v in scores.items()}
 
 

@@ -22,6 +22,11 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
     """
     denoiser = model.denoiser
     if train.finetune == "full":
+        quantised = sorted({str(p.dtype) for p in denoiser.parameters() if not p.is_floating_point()})
+        if quantised:
+            raise FlowrlError(f"full fine-tuning needs floating-point weights; the denoiser holds {', '.join(quantised)} "
+                              "(a quantised base)", where="[train].finetune",
+                              hint='train a LoRA over the quantised base (finetune = "lora")')
         denoiser.requires_grad_(True)
     else:
         targets = list(train.lora_targets) or (list(model.lora_targets) if isinstance(model, HasLoraTargets) else [])

@@ -58,7 +58,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
     # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
     session = Session.open(recipe, registry, device=device)
-    prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source")
+    prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
     layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
     update = PolicyUpdate(session, geometry, ctx)
     ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
@@ -161,7 +161,7 @@ def evaluation_set(session) -> list[str]:
     p, source = session.recipe.prompts, session.recipe.source
     if not p.num_eval:
         return []
-    pool = read_prompts(p.eval_source or p.source, session.model, f"{source}: [prompts].eval_source")
+    pool = read_prompts(p.eval_source or p.source, session.model, f"{source}: [prompts].eval_source", p, role="eval")
     return evaluation_prompts(pool, session.recipe.run.seed, p.num_eval)
 
 

@@ -30,7 +30,7 @@ import torch
 from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
-from ..runlog import MetricsLog, image_grid
+from ..runlog import MetricsLog, image_grid, with_condition
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
 EVOLUTION_PROMPTS, EVOLUTION_COLUMNS = 4, 8
@@ -123,7 +123,8 @@ class RunOutputs:
             caps.append("\n".join(lines))
         title = f'iteration {batch.iteration}, one group of {n}: "{batch.prompts[0]}"'
         note = degenerate_note(batch.images[:n], {k: v[:n] for k, v in batch.rewards.items()})
-        grid = image_grid(batch.images[:n], caps, title=title + (f"\nNOTE: {note}" if note else ""))
+        images, caps = with_condition(batch.images[:n], caps, batch.prompts[0])  # editing: the condition first
+        grid = image_grid(images, caps, title=title + (f"\nNOTE: {note}" if note else ""))
         grid.save(self.run_dir / "images" / f"iter_{batch.iteration:06d}.png")
         for tracker in self.trackers:
             tracker.log_image(batch.iteration, "group", grid)

@@ -24,6 +24,7 @@ from flowrl.compat import ensure_torchvision_importable
 from flowrl.errors import FlowrlError
 
 from .loading import dtype_kwarg, load_pipeline, resolve_dtype
+from .quantize import is_quantized, quantize_blocks
 
 #: LoRA target presets (module-name suffixes, as peft matches them). "attention" is DanceGRPO's
 #: choice (with r = 128, alpha = 256); "attention_ff" is Flow-GRPO FLUX's (r = 64, alpha = 128).
@@ -83,6 +84,12 @@ class DiffusersAdapter:
         self.denoiser = self.pipe.transformer
         if self.denoiser_dtype != self.dtype:
             self.denoiser.to(self.denoiser_dtype)
+        self.quantize = getattr(config, "quantize", "none")
+        if self.quantize != "none":  # a frozen NF4 / int8 base for LoRA (quantize.py)
+            if self.denoiser_dtype != self.dtype:
+                raise FlowrlError("a quantised base keeps no master weights: denoiser_dtype must be 'auto'",
+                                  where=f"{where}.denoiser_dtype", hint='set model.denoiser_dtype = "auto"')
+            quantize_blocks(self.denoiser, self.quantize, self.dtype, f"{where}.quantize")
         for module in self._frozen_modules() + [self.denoiser]:
             module.requires_grad_(False)
             module.eval()
@@ -270,5 +277,11 @@ class DiffusersAdapter:
 
     def save_pretrained(self, out_dir) -> None:
         """Write the whole pipeline with the current denoiser (merged LoRA, if any, must be fused first)."""
+        if is_quantized(self.denoiser):
+            raise FlowrlError(
+                f"the base is quantised ({self.quantize}): a merged pipeline would bake the quantisation in",
+                where=f"{self.where}.quantize",
+                hint="export the LoRA (flowrl export without --merge) and load it onto the full-precision base",
+            )
         self.pipe.transformer = self.denoiser
         self.pipe.save_pretrained(str(out_dir))

@@ -23,6 +23,7 @@ from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
 from .memory import flux_memory_spec
+from .quantize import QUANTIZE_HELP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,7 @@ class FluxConfig:
         "or 'attention_ff' = attention + feed-forward (Flow-GRPO FLUX: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""
@@ -125,18 +127,23 @@ class FluxModel(DiffusersAdapter):
         if self.uses_guidance:
             kwargs["guidance"] = torch.full((b,), float(self.config.guidance), device=self.device, dtype=torch.float32)
         compute = self.dtype
+        hidden, img_ids = self._image_inputs(latents.to(self.device, compute), text)
         with self._autocast():
             out = module(
-                hidden_states=latents.to(self.device, compute),
+                hidden_states=hidden,
                 encoder_hidden_states=embeds.to(compute),
                 pooled_projections=text["pooled"].to(self.device, compute),
                 timestep=sigma.to(self.device, torch.float32),  # FLUX: timestep = sigma
-                img_ids=self.image_ids().to(compute),
+                img_ids=img_ids.to(compute),
                 txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=compute),
                 return_dict=False,
                 **kwargs,
             )[0]
-        return out.to(torch.float32)
+        return out[:, : latents.shape[1]].to(torch.float32)  # the generated image's tokens
+
+    def _image_inputs(self, latents, text) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image tokens the transformer reads and their ids (FLUX.1 Kontext appends the condition's)."""
+        return latents, self.image_ids()
 
     def unpack(self, latents: torch.Tensor) -> torch.Tensor:
         """Packed tokens ``[B, seq, 4C]`` -> VAE latents ``[B, C, H/8, W/8]``."""

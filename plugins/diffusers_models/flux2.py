@@ -34,6 +34,8 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import ATTENTION, DiffusersAdapter
+from .memory import flux2_klein_memory_spec, pipeline_configs
+from .quantize import QUANTIZE_HELP
 
 FLUX2_FEED_FORWARD = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
 
@@ -86,6 +88,24 @@ class Flux2KleinConfig:
         "projections; 'attention_ff' adds the double blocks' feed-forwards (Flow-Factory: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
+
+    def memory_spec(self):
+        """What ``flowrl plan`` needs, from the published configuration (no weights)."""
+        return flux2_klein_memory_spec(self, flux2_lora_targets(self.lora_preset, pipeline_single_blocks(self)))
+
+
+def pipeline_single_blocks(config) -> int:
+    """The transformer's number of single blocks, from its published or local config."""
+    return int(pipeline_configs(config.path, config.revision)["transformer"]["num_single_layers"])
+
+
+def flux2_lora_targets(preset: str, single_blocks: int) -> list[str]:
+    """The LoRA targets of a preset: the double blocks' attention, the single blocks' fused input
+    and output projections, plus the double blocks' feed-forwards for ``attention_ff``."""
+    singles = [f"single_transformer_blocks.{i}.attn.to_out" for i in range(single_blocks)]
+    targets = list(ATTENTION) + ["to_qkv_mlp_proj"] + singles
+    return targets + (list(FLUX2_FEED_FORWARD) if preset == "attention_ff" else [])
 
 
 class Flux2KleinModel(DiffusersAdapter):
@@ -128,10 +148,7 @@ class Flux2KleinModel(DiffusersAdapter):
         return [m for m in (p.text_encoder, p.vae) if m is not None]
 
     def _lora_preset(self, preset):
-        count = len(self.denoiser.single_transformer_blocks)
-        singles = [f"single_transformer_blocks.{i}.attn.to_out" for i in range(count)]
-        targets = list(ATTENTION) + ["to_qkv_mlp_proj"] + singles
-        return targets + (list(FLUX2_FEED_FORWARD) if preset == "attention_ff" else [])
+        return flux2_lora_targets(preset, len(self.denoiser.single_transformer_blocks))
 
     def to(self, device):
         super().to(device)

@@ -21,11 +21,15 @@ from typing import Any
 
 import torch
 
+from flowrl.compat import ensure_torchvision_importable
 from flowrl.errors import FlowrlError
 from flowrl.planning import ModelMemory
 
 from .common import ATTENTION, FEED_FORWARD
 from .loading import check_local_pipeline, looks_like_local_path
+from .quantize import quantized_weight_bytes
+
+ensure_torchvision_importable()  # before diffusers imports transformers (flowrl.compat)
 
 _CLIP_L = {
     "_class": "CLIPTextModel", "vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072,
@@ -275,7 +279,7 @@ def flux_memory_spec(config):
     key = json.dumps({k: t.get(k) for k in ("attention_head_dim", "axes_dims_rope", "in_channels", "guidance_embeds")})
     consts = _flux_constants(key)
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
-    return ModelMemory(
+    return with_quantization(t, config, ModelMemory(
         denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
@@ -290,7 +294,7 @@ def flux_memory_spec(config):
         notes=[f"{img_tokens} image + {config.max_sequence_length} text tokens per sample; activation constants "
                f"measured on a one-block replica: {', '.join(f'{k} {v:.1f}' for k, v in consts.per_block.items())} "
                "widths per token"],
-    )
+    ))
 
 
 def sd3_memory_spec(config):
@@ -325,3 +329,262 @@ def sd3_memory_spec(config):
                f"constants measured on a one-block replica: {', '.join(f'{k} {v:.1f}' for k, v in consts.per_block.items())} "
                "widths per token"],
     )
+
+
+# ---------------------------------------------------------------------------- newer models
+# Qwen-Image (and -Edit), FLUX.2 [klein], Z-Image and FLUX.1 Kontext: the published configs (each
+# model's transformer/config.json, text_encoder/config.json and vae/config.json on the hub, copied
+# here so that `flowrl plan` needs no download) and one-block replicas for the activation constants.
+
+_QWEN25_VL_7B = {
+    "_class": "Qwen2_5_VLForConditionalGeneration", "vocab_size": 152064, "tie_word_embeddings": False,
+    "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                    "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "tie_word_embeddings": False},
+    "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                      "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                      "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
+}
+_QWEN_IMAGE = {
+    "_class": "QwenImageTransformer2DModel", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
+    "axes_dims_rope": [16, 56, 56],
+}
+_QWEN_VAE = {
+    "_class": "AutoencoderKLQwenImage", "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+    "attn_scales": [], "temperal_downsample": [False, True, True],
+}
+_QWEN3_4B = {
+    "_class": "Qwen3ForCausalLM", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "tie_word_embeddings": True,
+}
+_FLUX2_KLEIN_4B = {
+    "_class": "Flux2Transformer2DModel", "patch_size": 1, "in_channels": 128, "num_layers": 5, "num_single_layers": 20,
+    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 7680,
+    "timestep_guidance_channels": 256, "mlp_ratio": 3.0, "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000,
+    "guidance_embeds": False,
+}
+_FLUX2_VAE = {
+    "_class": "AutoencoderKLFlux2", "latent_channels": 32, "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2, "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
+_ZIMAGE_TURBO = {
+    "_class": "ZImageTransformer2DModel", "all_patch_size": [2], "all_f_patch_size": [1], "in_channels": 16,
+    "dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30, "n_kv_heads": 30, "norm_eps": 1e-05,
+    "qk_norm": True, "cap_feat_dim": 2560, "rope_theta": 256.0, "t_scale": 1000.0, "axes_dims": [32, 48, 48],
+    "axes_lens": [1536, 512, 512],
+}
+_QWEN_IMAGE_PARTS = {"transformer": _QWEN_IMAGE, "text_encoder": _QWEN25_VL_7B, "vae": _QWEN_VAE}
+_KLEIN_PARTS = {"transformer": _FLUX2_KLEIN_4B, "text_encoder": _QWEN3_4B, "vae": _FLUX2_VAE}
+KNOWN.update({
+    "Qwen/Qwen-Image": _QWEN_IMAGE_PARTS,
+    "Qwen/Qwen-Image-2512": _QWEN_IMAGE_PARTS,
+    "Qwen/Qwen-Image-Edit": _QWEN_IMAGE_PARTS,
+    "black-forest-labs/FLUX.2-klein-base-4B": _KLEIN_PARTS,
+    "black-forest-labs/FLUX.2-klein-4B": _KLEIN_PARTS,
+    "Tongyi-MAI/Z-Image-Turbo": {"transformer": _ZIMAGE_TURBO, "text_encoder": dict(_QWEN3_4B, _class="Qwen3Model"),
+                                 "vae": dict(_VAE16, scaling_factor=0.3611, shift_factor=0.1159)},
+    "black-forest-labs/FLUX.1-Kontext-dev": KNOWN["black-forest-labs/FLUX.1-dev"],
+})
+
+
+def _replica_constants(run, kinds: tuple[str, ...], tokens: int, width: int) -> BlockConstants:
+    """Saved elements per token per width: ``run(counts)`` builds a replica with ``counts[kind]``
+    blocks of each kind and returns the elements autograd saves in one forward."""
+    zero = {k: 0 for k in kinds}
+    base = run(zero)
+    per = {k: (run({**zero, k: 1}) - base) / (tokens * width) for k in kinds}
+    return BlockConstants(per, max(base / (tokens * width), 0.0))
+
+
+@functools.lru_cache(maxsize=8)
+def _qwen_image_constants(head: int, axes: tuple[int, ...], in_channels: int) -> BlockConstants:
+    from diffusers import QwenImageTransformer2DModel
+
+    side, txt, joint = 16, 64, 32
+
+    def run(counts):
+        torch.manual_seed(0)
+        m = QwenImageTransformer2DModel(patch_size=2, in_channels=in_channels, out_channels=in_channels // 4,
+                                        num_layers=counts["joint"], attention_head_dim=head, num_attention_heads=2,
+                                        joint_attention_dim=joint, axes_dims_rope=axes)
+        x = torch.randn(1, side * side, in_channels)
+        return _saved_elements(m, lambda: m(hidden_states=x, encoder_hidden_states=torch.randn(1, txt, joint),
+                                            timestep=torch.tensor([0.5]), img_shapes=[[(1, side, side)]],
+                                            return_dict=False)[0])
+
+    return _replica_constants(run, ("joint",), side * side + txt, 2 * head)
+
+
+@functools.lru_cache(maxsize=8)
+def _flux2_constants(head: int, axes: tuple[int, ...], in_channels: int, mlp_ratio: float) -> BlockConstants:
+    from diffusers import Flux2Transformer2DModel
+
+    side, txt, joint = 16, 64, 48
+
+    def run(counts):
+        torch.manual_seed(0)
+        m = Flux2Transformer2DModel(patch_size=1, in_channels=in_channels, num_layers=counts["double"],
+                                    num_single_layers=counts["single"], attention_head_dim=head, num_attention_heads=2,
+                                    joint_attention_dim=joint, timestep_guidance_channels=32, mlp_ratio=mlp_ratio,
+                                    axes_dims_rope=axes, guidance_embeds=False)
+        ids = torch.zeros(side, side, len(axes), dtype=torch.long)
+        ids[..., 1] = torch.arange(side)[:, None]
+        ids[..., 2] = torch.arange(side)[None, :]
+        txt_ids = torch.zeros(txt, len(axes), dtype=torch.long)
+        txt_ids[:, -1] = torch.arange(txt)
+        x = torch.randn(1, side * side, in_channels)
+        return _saved_elements(m, lambda: m(hidden_states=x, encoder_hidden_states=torch.randn(1, txt, joint),
+                                            timestep=torch.tensor([0.5]), img_ids=ids.reshape(-1, len(axes)),
+                                            txt_ids=txt_ids, guidance=None, return_dict=False)[0])
+
+    return _replica_constants(run, ("double", "single"), side * side + txt, 2 * head)
+
+
+@functools.lru_cache(maxsize=8)
+def _zimage_constants(head_axes: tuple[int, ...], in_channels: int) -> BlockConstants:
+    from diffusers import ZImageTransformer2DModel
+
+    side, txt, cap = 16, 64, 32
+    dim = 2 * sum(head_axes)
+
+    def run(counts):
+        torch.manual_seed(0)
+        m = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=in_channels, dim=dim,
+                                     n_layers=counts["main"], n_refiner_layers=counts["refiner"], n_heads=2,
+                                     n_kv_heads=2, cap_feat_dim=cap, axes_dims=list(head_axes),
+                                     axes_lens=[1024, 64, 64])
+        x = [torch.randn(in_channels, 1, 2 * side, 2 * side)]
+        return _saved_elements(m, lambda: m(x, torch.tensor([0.5]), [torch.randn(txt, cap)], return_dict=False)[0][0])
+
+    return _replica_constants(run, ("main", "refiner"), side * side + txt, dim)
+
+
+def _storage(config) -> tuple[int, int]:
+    compute = _BYTES[config.dtype]
+    return compute, compute if config.denoiser_dtype == "auto" else _BYTES[config.denoiser_dtype]
+
+
+def _measured_note(tokens: str, consts: BlockConstants) -> str:
+    per = ", ".join(f"{k} {v:.1f}" for k, v in consts.per_block.items())
+    return f"{tokens} per sample; activation constants measured on a one-block replica: {per} widths per token"
+
+
+def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens: tuple[int, int] | None = None,
+                           vision_tokens: int = 0):
+    """:class:`flowrl.planning.ModelMemory` of the ``qwen_image`` adapter; ``qwen_image_edit`` adds the
+    condition's size in pixels (its latent tokens join every forward) and its vision tokens."""
+    cfgs = pipeline_configs(config.path, config.revision)
+    t = cfgs["transformer"]
+    compute, storage = _storage(config)
+    vae = cfgs.get("vae", {})
+    step = 2 * 2 ** len(vae.get("temperal_downsample", [False, True, True]))  # VAE factor x 2x2 packing
+    img = (config.height // step) * (config.width // step)
+    txt = config.max_sequence_length + vision_tokens
+    cfg = 2 if config.cfg_scale != 1.0 else 1
+    consts = _qwen_image_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]))
+    joint = int(t["joint_attention_dim"])
+    condition_tokens = condition_tokens and (condition_tokens[0] // step) * (condition_tokens[1] // step)
+    return with_quantization(t, config, ModelMemory(
+        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
+        lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
+        tokens=img + (condition_tokens or 0) + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
+        blocks={"joint": int(t["num_layers"])}, per_block=consts.per_block, outside=consts.outside,
+        forwards_per_velocity=cfg, latent_elements=img * int(t["in_channels"]),
+        text_bytes_per_prompt=cfg * txt * (joint * compute + 1) + (condition_tokens or 0) * int(t["in_channels"]) * compute,
+        decode_bytes_per_image=6 * config.height * config.width * int(vae.get("base_dim", 96)) * compute,
+        vae_batch=config.vae_batch_size, gradient_checkpointing=config.gradient_checkpointing,
+        notes=[_measured_note(f"{img} image + {condition_tokens or 0} condition + {txt} text tokens, x{cfg} for true CFG",
+                              consts)],
+    ))
+
+
+def qwen_image_edit_memory_spec(config, lora_targets: list[str]):
+    """The ``qwen_image_edit`` adapter: Qwen-Image plus the condition's tokens, and the condition's
+    vision tokens in the text (Qwen2-VL: one per 28 x 28 pixels)."""
+    ch, cw = config.condition_height or config.height, config.condition_width or config.width
+    vision = max(round(ch / 28), 1) * max(round(cw / 28), 1)
+    return qwen_image_memory_spec(config, lora_targets, condition_tokens=(ch, cw), vision_tokens=vision + 2)
+
+
+def flux2_klein_memory_spec(config, lora_targets: list[str]):
+    """:class:`flowrl.planning.ModelMemory` of the ``flux2_klein`` adapter, without weights."""
+    cfgs = pipeline_configs(config.path, config.revision)
+    t = cfgs["transformer"]
+    compute, storage = _storage(config)
+    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
+    img = (config.height // (2 * scale)) * (config.width // (2 * scale))
+    txt = config.max_sequence_length
+    cfg = 2 if config.cfg_scale != 1.0 else 1
+    consts = _flux2_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]),
+                              float(t.get("mlp_ratio", 3.0)))
+    return with_quantization(t, config, ModelMemory(
+        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
+        lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
+        tokens=img + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
+        blocks={"double": int(t["num_layers"]), "single": int(t["num_single_layers"])},
+        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
+        latent_elements=img * int(t["in_channels"]),
+        text_bytes_per_prompt=cfg * txt * int(t["joint_attention_dim"]) * compute,
+        decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
+        gradient_checkpointing=config.gradient_checkpointing,
+        notes=[_measured_note(f"{img} image + {txt} text tokens, x{cfg} for true CFG", consts)],
+    ))
+
+
+def zimage_memory_spec(config, lora_targets: list[str]):
+    """:class:`flowrl.planning.ModelMemory` of the ``zimage`` adapter, without weights."""
+    cfgs = pipeline_configs(config.path, config.revision)
+    t = cfgs["transformer"]
+    compute, storage = _storage(config)
+    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
+    img = (config.height // (2 * scale)) * (config.width // (2 * scale))
+    txt = config.max_sequence_length
+    pad = lambda n: -(-n // 32) * 32  # noqa: E731  # the transformer pads both sequences to multiples of 32
+    cfg = 2 if config.cfg_scale > 0 else 1
+    axes = tuple(int(a) for a in t["axes_dims"])
+    consts = _zimage_constants(axes, int(t["in_channels"]))
+    return with_quantization(t, config, ModelMemory(
+        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
+        lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
+        tokens=pad(img) + pad(txt), width=int(t["dim"]),
+        blocks={"main": int(t["n_layers"]), "refiner": int(t["n_refiner_layers"])},
+        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
+        latent_elements=int(t["in_channels"]) * (config.height // scale) * (config.width // scale),
+        text_bytes_per_prompt=cfg * (txt * int(t["cap_feat_dim"]) * compute + 8),
+        decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
+        gradient_checkpointing=config.gradient_checkpointing,
+        notes=[_measured_note(f"{img} image + up to {txt} text tokens, x{cfg} for CFG", consts)],
+    ))
+
+
+def kontext_memory_spec(config):
+    """The ``flux_kontext`` adapter: FLUX.1 plus the condition's tokens in every forward."""
+    spec = flux_memory_spec(config)
+    ch, cw = config.condition_height or config.height, config.condition_width or config.width
+    img = spec.tokens - config.max_sequence_length
+    step = round((config.height * config.width / img) ** 0.5)  # pixels per token side
+    cond = (ch // step) * (cw // step)
+    channels = spec.latent_elements // max(img, 1)
+    spec.tokens += cond
+    spec.text_bytes_per_prompt += cond * channels * spec.compute_bytes
+    spec.notes.append(f"+ {cond} condition-image tokens per sample")
+    return spec
+
+
+def with_quantization(t: dict[str, Any], config, spec: ModelMemory) -> ModelMemory:
+    """``spec`` with the denoiser's bytes for a quantised base (``model.quantize``): the block
+    Linear weights in bitsandbytes' storage (:func:`quantize.storage_model`), the rest in dtype."""
+    kind = getattr(config, "quantize", "none")
+    if kind == "none":
+        return spec
+    qbytes, qparams = quantized_weight_bytes(linear_shapes(t), kind)
+    spec.denoiser_weight_bytes = qbytes + (spec.denoiser_params - qparams) * spec.compute_bytes
+    spec.notes.append(f"quantised base ({kind}, bitsandbytes): {qparams / 1e9:.3f}e9 block weights at "
+                      f"{qbytes / qparams:.4f} B each, {(spec.denoiser_params - qparams) / 1e6:.1f}e6 others at "
+                      f"{spec.compute_bytes} B")
+    return spec

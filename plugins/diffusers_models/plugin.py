@@ -1,5 +1,6 @@
 """Built-in plugin: real text-to-image models through diffusers: ``flux``, ``sd3``,
-``qwen_image``, ``flux2_klein`` and ``zimage``.
+``qwen_image``, ``flux2_klein`` and ``zimage``; image editing with ``flux_kontext`` and
+``qwen_image_edit``.
 
 The adapters import diffusers and load weights only when a recipe builds them, so listing
 plugins or validating a recipe stays fast and works without the weights. See docs/models.md.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from flowrl import hookimpl
 
+from .editing import FluxKontextModel, QwenImageEditModel
 from .flux import FluxModel
 from .flux2 import Flux2KleinModel
 from .qwen_image import QwenImageModel
@@ -24,5 +26,10 @@ def register_models(register):
              help="Qwen-Image (diffusers QwenImagePipeline): true CFG with norm correction, timestep = sigma.")
     register("flux2_klein", Flux2KleinModel,
              help="FLUX.2 [klein] (diffusers Flux2KleinPipeline): true CFG (base) or none (distilled), timestep = sigma.")
+    register("flux_kontext", FluxKontextModel,
+             help="FLUX.1 Kontext (diffusers FluxKontextPipeline): image editing, the condition image's tokens appended.")
+    register("qwen_image_edit", QwenImageEditModel,
+             help="Qwen-Image-Edit (diffusers QwenImageEditPipeline): image editing, condition in the text encoder and "
+                  "as appended tokens, true CFG.")
     register("zimage", ZImageModel,
              help="Z-Image / Z-Image-Turbo (diffusers ZImagePipeline): reversed time t = 1 - sigma, negated output.")

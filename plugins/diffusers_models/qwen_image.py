@@ -38,6 +38,8 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import ATTENTION, DiffusersAdapter
+from .memory import qwen_image_memory_spec
+from .quantize import QUANTIZE_HELP
 
 #: Qwen-Image's MLPs: one for the image stream, one for the text stream.
 QWEN_FEED_FORWARD = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
@@ -89,6 +91,16 @@ class QwenImageConfig:
         "projections) or 'attention_ff' = attention + both MLPs (Flow-Factory / verl-omni Qwen-Image: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
+
+    def memory_spec(self):
+        """What ``flowrl plan`` needs, from the published configuration (no weights)."""
+        return qwen_image_memory_spec(self, qwen_lora_targets(self.lora_preset))
+
+
+def qwen_lora_targets(preset: str) -> list[str]:
+    """The LoRA targets of a preset: attention (image and text streams), plus both MLPs."""
+    return list(ATTENTION) + (list(QWEN_FEED_FORWARD) if preset == "attention_ff" else [])
 
 
 class QwenImageModel(DiffusersAdapter):
@@ -119,7 +131,7 @@ class QwenImageModel(DiffusersAdapter):
         return [m for m in (p.text_encoder, p.vae) if m is not None]
 
     def _lora_preset(self, preset):
-        return list(ATTENTION) + (list(QWEN_FEED_FORWARD) if preset == "attention_ff" else [])
+        return qwen_lora_targets(preset)
 
     # ---- text -------------------------------------------------------------------------------
 
@@ -165,20 +177,25 @@ class QwenImageModel(DiffusersAdapter):
             # Valid tokens come first; drop the columns that are padding in every row of this batch.
             keep = max(int(mask.sum(dim=1).max()), 1)
             embeds, mask = embeds[:, :keep], mask[:, :keep]
-        h, w = self.grid
+        x, shapes = self._image_inputs(x, text)
         with self._autocast():
             out = module(
                 hidden_states=x, timestep=t,
                 encoder_hidden_states=embeds.to(compute),
                 encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-                img_shapes=[[(1, h, w)]] * x.shape[0], return_dict=False,
+                img_shapes=[shapes] * x.shape[0], return_dict=False,
             )[0]
-        out = out.to(torch.float32)
+        out = out[:, : latents.shape[1]].to(torch.float32)  # the generated image's tokens
         if self.uses_cfg:
             v_u, v_c = out.chunk(2)
             combined = v_u + self.config.cfg_scale * (v_c - v_u)
             out = combined * (v_c.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
         return out
+
+    def _image_inputs(self, x, text) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The image tokens the transformer reads (``[B or 2B, seq, C]``) and their grids
+        (Qwen-Image-Edit appends the condition's)."""
+        return x, [(1, *self.grid)]
 
     # ---- latents and images -----------------------------------------------------------------
 

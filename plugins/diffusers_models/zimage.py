@@ -35,6 +35,8 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
+from .memory import zimage_memory_spec
+from .quantize import QUANTIZE_HELP
 
 ZIMAGE_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 ZIMAGE_FEED_FORWARD = ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
@@ -88,6 +90,16 @@ class ZImageConfig:
         "(Flow-Factory Z-Image: r64/a128).",
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
+
+    def memory_spec(self):
+        """What ``flowrl plan`` needs, from the published configuration (no weights)."""
+        return zimage_memory_spec(self, zimage_lora_targets(self.lora_preset))
+
+
+def zimage_lora_targets(preset: str) -> list[str]:
+    """The LoRA targets of a preset: attention (refiners included), plus the feed-forwards."""
+    return list(ZIMAGE_ATTENTION) + (list(ZIMAGE_FEED_FORWARD) if preset == "attention_ff" else [])
 
 
 class ZImageModel(DiffusersAdapter):
@@ -124,7 +136,7 @@ class ZImageModel(DiffusersAdapter):
         return [block for name in lists for block in (getattr(self.denoiser, name, None) or [])]
 
     def _lora_preset(self, preset):
-        return list(ZIMAGE_ATTENTION) + (list(ZIMAGE_FEED_FORWARD) if preset == "attention_ff" else [])
+        return zimage_lora_targets(preset)
 
     @staticmethod
     def timestep_from_sigma(sigma: torch.Tensor) -> torch.Tensor:

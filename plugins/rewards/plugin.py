@@ -6,6 +6,7 @@
 - ``hpsv3``: HPSv3 (Qwen2-VL reward model) natively on transformers >= 4.52.
 - ``hpsv3_upstream``: the upstream ``hpsv3`` package, for its own environment behind ``http``.
 - ``http``: any reward served by ``flowrl reward serve`` in another process or environment.
+- ``condition_fidelity``: image editing, how close the result stays to its condition image.
 
 Every module here imports its heavy dependencies (transformers, open_clip) only when a reward
 is built, so listing the plugins (``flowrl plugins``) stays fast and needs none of the extras. Docs: docs/rewards.md.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from flowrl import hookimpl
 
 from .clip import Clip, PickScore
+from .condition import ConditionFidelity
 from .embedded_clip import EmbeddedClip
 from .hpsv3 import HPSv3
 from .hpsv3_upstream import HPSv3Upstream
@@ -34,5 +36,7 @@ def register_rewards(register):
              help="HPSv3 human preference (Qwen2-VL reward model, mu), native on transformers >= 4.52.")
     register("hpsv3_upstream", HPSv3Upstream,
              help="The upstream hpsv3 package (its own transformers 4.45 env): serve it over HTTP.")
+    register("condition_fidelity", ConditionFidelity,
+             help="Image editing: 1 - mean |image - condition image| at low resolution (reads rewards' metadata).")
     register("http", HttpReward,
              help="A reward served over HTTP by `flowrl reward serve` (own env/GPU); errors, never defaults.")

@@ -1,0 +1,70 @@
+"""``flowrl plan`` for Qwen-Image, FLUX.2 [klein], Z-Image and the editing models: offline from the
+built-in copies of the published configs, exact parameter counts against the loaded tiny
+pipelines, and the update's activation estimate against what autograd really saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl_plugins.diffusers_models.memory import _saved_elements
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("recipe, params", [
+    ("qwen_image_lora", "20.430e9 params x 2 B"),          # Qwen-Image's 20B MMDiT
+    ("qwen_image_edit_lora", "20.430e9 params x 2 B"),     # the same transformer
+    ("flux2_klein_lora", "3.876e9 params x 2 B"),          # FLUX.2 [klein] 4B
+    ("zimage_lora", "6.155e9 params x 2 B"),               # Z-Image-Turbo's 6B single-stream DiT
+    ("kontext_edit_lora", "11.901e9 params x 2 B"),        # FLUX.1 Kontext [dev] = FLUX.1's 12B
+    ("flux2_klein_nf4_24gb", "3.876e9 params, 0.591 B each on average (quantised)"),
+])
+def test_plan_needs_no_weights(cli, recipe, params):
+    code, out, err = cli("plan", f"recipes/{recipe}.toml", "--num-processes", "8")
+    assert code == 0, err
+    assert params in _flat(out) and "peak ~" in out, _flat(out)
+
+
+def _tiny(name, tiny_dir):
+    from flowrl.testing import tiny_pipelines
+
+    return getattr(tiny_pipelines, f"build_tiny_{name}")(tiny_dir / f"plan_{name}")
+
+
+CASES = {
+    "qwen_image": ("recipes/qwen_image_lora.toml", ["model.max_sequence_length=64"]),
+    "flux2_klein": ("recipes/flux2_klein_lora.toml", ["model.max_sequence_length=16"]),
+    "zimage": ("recipes/zimage_lora.toml", ["model.max_sequence_length=16"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_counts_and_update_activations_match_the_tiny_model(name, tiny_dir, monkeypatch, request):
+    from flowrl.planning import estimate
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+    from flowrl.train.session import build_components
+
+    monkeypatch.chdir(request.config.rootpath)
+    recipe_path, extra = CASES[name]
+    sets = [f"model.path={_tiny(name, tiny_dir)}", "model.height=32", "model.width=32", "model.dtype=fp32",
+            "model.gradient_checkpointing=false", "rewards.0.use=brightness", "train.micro_batch_size=2",
+            "train.group_size=2", "train.prompts_per_iteration=1", "train.optimizer_steps_per_update=1", *extra]
+    recipe = load_recipe(recipe_path, sets)
+    _, mm, lines = estimate(recipe, get_registry(), 1)
+    model = build_components(recipe, get_registry(), rewards=False, trackers=False).model
+    den = model.denoiser
+    assert mm.denoiser_params == sum(p.numel() for p in den.parameters()) + sum(b.numel() for b in den.buffers())
+    for part, (count, _) in mm.frozen.items():
+        module = getattr(model.pipe, part)
+        assert count == sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in module.buffers()), part
+    estimated = next(line for line in lines if line.phase == "update").bytes
+    text = model.encode_prompts(["a red cat on the mat with a dog", "a dog"])
+    x = torch.randn(2, *model.latent_shape)
+    measured = 4 * _saved_elements(den, lambda: model.velocity(x, torch.tensor([0.5, 0.4]), text))
+    den.requires_grad_(False)
+    print(f"{name}: update activations estimated {estimated} B, measured {measured} B")
+    assert 0.7 < estimated / measured < 1.3, (estimated, measured)
