@@ -641,8 +641,9 @@ def nf4_weight_bytes(family: Family, double_quant: bool) -> dict[str, Any]:
 
 
 def plan_numbers(overrides: list[str], world_size: int) -> dict[str, Any]:
-    """What ``flowrl plan`` says for the flagship recipe with ``overrides`` (its Python API)."""
-    from flowrl.commands.plan import estimate
+    """What ``flowrl plan`` says for the flagship recipe with ``overrides`` (its Python API),
+    in the tracker's categories."""
+    from flowrl.planning import Line, estimate, peak
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
 
@@ -650,25 +651,35 @@ def plan_numbers(overrides: list[str], world_size: int) -> dict[str, Any]:
     recipe = load_recipe(REPO / "recipes" / "chunk_grpo_flux.toml", overrides, registry=registry)
     geometry, mm, lines = estimate(recipe, registry, world_size)
     by = {line.item: line.bytes for line in lines}
+    adam = next(k for k in by if k.startswith("AdamW state"))
     out = {
         "params": by["denoiser weights"] + by.get("LoRA weights", 0.0),
-        "grads": by["gradients"],
-        "optimizer": by["AdamW state (2 moments)"],
+        "grads": by.get("gradients", by.get("gradients (sharded)", 0.0)),
+        "optimizer": by[adam],
+        "opt_step_temp": by.get("AdamW step temporary", 0.0),
         "activations": by["activations, forward with grad"],
+        "gathered": by.get("FSDP2 gathered parameters"),
+        "reduce_scatter": by.get("FSDP2 reduce-scatter buffers"),
+        # the tracker files FSDP2's unsharded accumulated gradients under temporaries
+        "temporaries": (by.get("temporaries", 0.0) + by.get("gradients (unsharded, accumulating)", 0.0)) or None,
         "rollout_activations": by["activations, no grad"],
         "rollout_samples": geometry.samples_per_process,
         "micro_batch": recipe.train.micro_batch_size,
         "tokens": mm.tokens, "width": mm.width, "per_block_widths": mm.per_block, "outside_widths": mm.outside,
         "overrides": overrides,
     }
-    # The training step as the plan models it: the persistent denoiser state plus the update
-    # phase's activations (its CUDA overhead, trajectories, caches and rewards are outside what
-    # the tracker sees, and left out here).
-    out["peak"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"]
+    # The training step as the plan models it: the denoiser's state and the update and step
+    # phases, without what the tracker does not see (CUDA overhead, trajectories, caches, rewards).
+    denoiser = {"denoiser weights", "LoRA weights", "gradients", "gradients (sharded)", adam, "AdamW step temporary",
+                "activations, forward with grad", "FSDP2 gathered parameters", "FSDP2 reduce-scatter buffers",
+                "temporaries", "gradients (unsharded, accumulating)"}
+    out["peak"], _ = peak([line for line in lines if line.item in denoiser and line.phase in ("persistent", "update", "step")]
+                          or [Line("persistent", "none", 0.0)])
     return out
 
 
 PLAN_512 = ["model.height=512", "model.width=512"]
+FSDP_OVERRIDES = ["distributed.strategy=fsdp2", "distributed.mixed_precision=bf16"]
 LORA_OVERRIDES = ["train.finetune=lora", f"train.lora_rank={LORA_RANK}", f"train.lora_alpha={LORA_ALPHA}",
                   "model.denoiser_dtype=auto", "model.lora_preset=attention"]
 
@@ -832,8 +843,10 @@ def _fsdp_item(key: str, title: str, small: dict, full: dict, plan: dict | None,
         f"tracker CPU time {full['cpu_seconds']} s (full size) + "
         f"{sum(r['cpu_seconds'] for r in small.values()):.0f} s (reduced depth)",
     ]
-    if plan:
-        notes.insert(1, "the plan replicates (no FSDP yet): its params, grads and optimizer are the whole model's")
+    if plan and (full["accumulate"] == 1 or full["sync_each"]):
+        notes.insert(1, "flowrl never runs this pattern: its fsdp2 update accumulates every backward of an optimizer "
+                        "step unsynchronised and reduce-scatters once, which the plan models (its temporaries include "
+                        "the unsharded float32 gradients): compare the plan with the *_nosync row")
     return {"title": title, "plan": plan, "tracker": full, "should": should, "constants": consts,
             "reduced_depth": {"x".join(map(str, d)): r for d, r in small.items()}, "notes": notes}
 
@@ -862,7 +875,7 @@ def run_all() -> dict[str, Any]:
         if ac not in small_by_ac:
             small_by_ac[ac] = {d: track_fsdp(FLUX1, 8, depth=d, batch=mb, checkpointing=ac) for d in reduced_depths(FLUX1)}
         full = track_fsdp(FLUX1, 8, batch=mb, checkpointing=ac, accumulate=accumulate, sync_each=sync_each)
-        plan = plan_numbers(PLAN_512 + [f"model.gradient_checkpointing={'true' if ac else 'false'}"], 8)
+        plan = plan_numbers(PLAN_512 + FSDP_OVERRIDES + [f"model.gradient_checkpointing={'true' if ac else 'false'}"], 8)
         title = (f"FLUX.1-dev full fine-tuning, FSDP2 x 8, fp32 master / bf16 compute, micro-batch {mb}, "
                  f"checkpointing {'on' if ac else 'off'}"
                  + (f", {accumulate} micro-batches per step ({'reduce-scatter each' if sync_each else 'first unsynced'})"
@@ -958,7 +971,8 @@ def run_all() -> dict[str, Any]:
             items[key] = item
             print_item(key, item)
 
-    # 5. The rollout (no grad): the plan's INFERENCE_WIDTHS (12) against the tracker.
+    # 5. The rollout (no grad): the plan's INFERENCE_WIDTHS against the tracker.
+    from flowrl.planning import INFERENCE_WIDTHS
     plan_flux = plan_numbers(PLAN_512 + LORA_OVERRIDES, 1)
     for family, batch, lora in ((FLUX1, 1, True), (FLUX1, 1, False), (QWEN, 8, True), (KLEIN, 1, True)):
         if family is KLEIN and bnb_missing:
@@ -972,7 +986,9 @@ def run_all() -> dict[str, Any]:
             r["plan_per_sample"] = plan_flux["rollout_activations"] / plan_flux["rollout_samples"]
         items[key] = r
         print(f"   no-grad bf16 forward of {batch} sample(s) {'with' if lora else 'without'} LoRA: live activations "
-              f"peak {r['activations'] / GiB:.3f} GiB = {r['widths']:.2f} widths per token (the plan assumes 12)")
+              f"peak {r['activations'] / GiB:.3f} GiB = {r['widths']:.2f} widths per token (the plan assumes "
+              f"{INFERENCE_WIDTHS:g} unless the model says otherwise)")
+        r["plan_widths"] = INFERENCE_WIDTHS
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -173,6 +173,11 @@ def setup(device: torch.device, settings=None) -> DistContext:
     check_launch_environment(settings)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
+        if settings is not None and settings.strategy == "fsdp2" and not dist.is_initialized():
+            # FSDP2 needs a process group even alone (one GPU with cpu_offload, or a test): a
+            # one-process group over an in-memory store, no launcher, no port
+            dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo",
+                                    store=dist.HashStore(), rank=0, world_size=1)
         return DistContext()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():

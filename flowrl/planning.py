@@ -39,8 +39,8 @@ GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
 CUDA_OVERHEAD = int(1.5 * GB)
 #: Live activations of a forward WITHOUT grad, in elements per token per unit of width: q, k, v,
-#: attention output, the 4x MLP hidden and its activation, residuals (about 12 widths at once).
-INFERENCE_WIDTHS = 12.0
+#: attention output, the 4x MLP hidden and its activation, residuals, norms' upcasts.
+INFERENCE_WIDTHS = 17.2  # FLUX.1-dev at full size under torch's MemTracker (benchmarks/memory_plan.py)
 #: Parameters of reward models known by name (approximate public sizes).
 REWARD_PARAMS = {
     "hpsv3": (8.29e9, "Qwen2-VL-7B"),
@@ -77,6 +77,10 @@ class ModelMemory:
     inference_widths: float | None = None
     #: the denoiser's storage in bytes when it is not params x denoiser_bytes (a quantised base)
     denoiser_weight_bytes: float | None = None
+    #: parameters of the largest transformer block (FSDP2 gathers one block at a time) and
+    #: outside the blocks (the root, which FSDP2 keeps gathered); 0 when unknown
+    largest_block_params: int = 0
+    outside_block_params: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -172,37 +176,103 @@ def count_prompts(source: str, config=None) -> int | None:
         return None
 
 
-def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[Line]]:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the trained denoiser is laid out over processes, as the recipe's ``[distributed]``
+    table and the launch decide (flowrl.train.parallel implements it)."""
+
+    strategy: str  # "none", "ddp" or "fsdp2"
+    world_size: int
+    shard_degree: int  # processes a weight is sharded over: 1 unless fsdp2
+    cpu_offload: bool
+    checkpointing: bool
+    bf16: bool
+
+    @classmethod
+    def from_recipe(cls, recipe, mm: ModelMemory, world_size: int, num_nodes: int = 1) -> "Layout":
+        d = recipe.distributed
+        strategy = d.strategy if d.strategy != "auto" else ("ddp" if world_size > 1 else "none")
+        if strategy == "none" and world_size > 1:
+            raise FlowrlError(f"strategy = 'none' runs one process, not {world_size}", where="[distributed].strategy",
+                              hint="plan one process, or use 'ddp' or 'fsdp2'")
+        if world_size % num_nodes:
+            raise FlowrlError(f"{world_size} processes cannot be spread evenly over {num_nodes} nodes",
+                              where="--num-nodes", hint="use a number of processes that is a multiple of the nodes")
+        degree = 1 if strategy != "fsdp2" else (world_size if d.shard == "full" else world_size // num_nodes)
+        return cls(strategy, world_size, degree, d.cpu_offload, mm.gradient_checkpointing or d.activation_checkpointing,
+                   d.mixed_precision == "bf16")
+
+    def describe(self) -> str:
+        if self.strategy != "fsdp2":
+            return f"{self.strategy}: weights, gradients and AdamW state replicated on each of {self.world_size} process(es)"
+        return (f"fsdp2: weights, gradients and AdamW state sharded over {self.shard_degree} of {self.world_size} "
+                "processes" + (" and kept in CPU memory" if self.cpu_offload else ""))
+
+
+def estimate(recipe, registry, world_size: int, num_nodes: int = 1) -> tuple[Any, ModelMemory, list[Line]]:
     """The geometry, the model's memory facts and the estimate's lines (phase, item, bytes)."""
     geometry = resolve_geometry(recipe.train, world_size, recipe.source)
     mm = model_memory(recipe, registry)
+    layout = Layout.from_recipe(recipe, mm, world_size, num_nodes)
+    mm.notes.insert(0, f"layout: {layout.describe()}")
+    lines = _denoiser_state(recipe, mm, layout)
+    lines += _frozen_and_data(recipe, mm, geometry)
+    lines += _reward_lines(recipe)
+    lines += _transients(recipe, mm, layout, geometry)
+    lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
+    return geometry, mm, lines
+
+
+def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
+    """(trainable parameters, bytes each, how) of the recipe's fine-tuning."""
     t = recipe.train
-    lines: list[Line] = []
-    if mm.denoiser_weight_bytes is None:
-        lines.append(Line("persistent", "denoiser weights", mm.denoiser_params * mm.denoiser_bytes,
-                          f"{mm.denoiser_params / 1e9:.3f}e9 params x {mm.denoiser_bytes} B"))
-    else:
-        lines.append(Line("persistent", "denoiser weights", mm.denoiser_weight_bytes,
-                          f"{mm.denoiser_params / 1e9:.3f}e9 params, {mm.denoiser_weight_bytes / mm.denoiser_params:.3f} B "
-                          "each on average (quantised)"))
     if t.finetune == "lora":
         targets = list(t.lora_targets) or mm.default_lora_targets
-        trainable = lora_parameter_count(mm.lora_shapes or {}, targets, t.lora_rank)
-        tbytes = 4
-        lines.append(Line("persistent", "LoRA weights", trainable * tbytes,
-                          f"{trainable / 1e6:.1f}e6 params (r = {t.lora_rank}), fp32"))
+        n = lora_parameter_count(mm.lora_shapes or {}, targets, t.lora_rank)
+        return n, 4, f"{n / 1e6:.1f}e6 params (r = {t.lora_rank}), fp32"
+    return mm.denoiser_params, mm.denoiser_bytes, ""
+
+
+def _denoiser_state(recipe, mm: ModelMemory, layout: Layout) -> list[Line]:
+    """Weights, gradients, AdamW state, the optimizer step's temporary, a frozen KL reference:
+    divided by the shard degree under fsdp2, and off the GPU with its CPU offload."""
+    n = layout.shard_degree
+    where = "persistent" if not layout.cpu_offload else "cpu"
+    per = f" / {n} shards" if n > 1 else ""
+    weights = mm.denoiser_weight_bytes if mm.denoiser_weight_bytes is not None else mm.denoiser_params * mm.denoiser_bytes
+    how = (f"{mm.denoiser_params / 1e9:.3f}e9 params x {mm.denoiser_bytes} B" if mm.denoiser_weight_bytes is None else
+           f"{mm.denoiser_params / 1e9:.3f}e9 params, {weights / mm.denoiser_params:.3f} B each on average (quantised)")
+    lines = [Line(where, "denoiser weights", weights / n, how + per)]
+    trainable, tbytes, lora = _trainable(recipe, mm)
+    if lora:
+        lines.append(Line(where, "LoRA weights", trainable * tbytes / n, lora + per))
+    adam_bytes = 2 if recipe.train.optimizer == "adamw_8bit" else 2 * tbytes
+    adam = "AdamW state (2 moments)" + (", 8-bit" if adam_bytes == 2 else "")
+    lines.append(Line(where, adam, trainable * adam_bytes / n, per.strip(" /")))
+    # The gradients live from the first backward to the step. fsdp2 holds them unsharded (in
+    # float32, the reduce dtype) while the step's backwards accumulate without communication,
+    # and sharded from the reduce-scatter to the step: the update and step phases below.
+    grads = trainable * tbytes / n
+    if layout.strategy == "fsdp2":
+        lines.append(Line("step", "gradients (sharded)", 0.0 if layout.cpu_offload else grads, per.strip(" /")))
+        lines.append(Line("update", "gradients (unsharded, accumulating)", trainable * 4,
+                          "one reduce-scatter per optimizer step: every backward adds to full-size float32 gradients"))
     else:
-        trainable, tbytes = mm.denoiser_params, mm.denoiser_bytes
-    lines.append(Line("persistent", "gradients", trainable * tbytes))
-    lines.append(Line("persistent", "AdamW state (2 moments)", 2 * trainable * tbytes))
+        lines.append(Line("persistent", "gradients", grads))
+    if not layout.cpu_offload:  # foreach AdamW: a temporary the size of one moment (sqrt of v)
+        lines.append(Line("step", "AdamW step temporary", trainable * tbytes / n, "foreach AdamW's sqrt(v)"))
     loss = recipe.components["loss"].params
     beta = float(loss.beta or 0.0) if isinstance(loss, KLRegularised) else 0.0
-    if beta > 0 and t.finetune == "full":
-        lines.append(Line("persistent", "reference copy (KL)", mm.denoiser_params * mm.compute_bytes))
-    encoders = {k: v for k, v in mm.frozen.items() if k not in mm.vae_names}
-    vaes = {k: v for k, v in mm.frozen.items() if k in mm.vae_names}
-    enc_bytes = sum(p * b for p, b in encoders.values())
-    vae_bytes = sum(p * b for p, b in vaes.values())
+    if beta > 0 and recipe.train.finetune == "full":
+        ref_where = "cpu" if recipe.train.reference_on_cpu else "persistent"
+        lines.append(Line(ref_where, "reference copy (KL)", mm.denoiser_params * mm.denoiser_bytes / n,
+                          "a frozen copy of the denoiser" + (", sharded like it" if n > 1 else "")))
+    return lines
+
+
+def _frozen_and_data(recipe, mm: ModelMemory, geometry) -> list[Line]:
+    """Text encoders and VAE (unless offloaded), stored trajectories, the prompt-embedding cache."""
+    lines = []
     if not mm.offload_frozen:
         for k, (p, b) in mm.frozen.items():
             lines.append(Line("persistent", k, p * b, f"{p / 1e9:.3f}e9 params"))
@@ -215,7 +285,11 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
     cached = min(in_file, seen) if in_file else seen
     lines.append(Line("persistent", "prompt-embedding cache", cached * mm.text_bytes_per_prompt,
                       f"{cached} prompts x {mm.text_bytes_per_prompt / 2**20:.1f} MB"))
-    # Rewards
+    return lines
+
+
+def _reward_lines(recipe) -> list[Line]:
+    lines = []
     for r in recipe.rewards:
         rbytes, note = 0.0, "size unknown (not counted)"
         if isinstance(r.params, PlansRewardMemory):
@@ -227,37 +301,60 @@ def estimate(recipe, registry, world_size: int) -> tuple[Any, ModelMemory, list[
         offload = isinstance(r.params, RewardPlacement) and bool(r.params.offload)
         lines.append(Line("reward" if offload else "persistent", f"reward '{r.label}'", rbytes,
                           note + (" (offloaded: on the GPU while scoring)" if offload else "")))
-    # Transients
-    tw = mm.tokens * mm.width * mm.compute_bytes * mm.forwards_per_velocity
+    return lines
+
+
+def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]:
+    """The largest transient of each phase: encode, rollout, decode and the update's forward with grad."""
+    compute = 2 if layout.bf16 else mm.compute_bytes
+    tw = mm.tokens * mm.width * compute * mm.forwards_per_velocity
+    lines = []
+    encoders = {k: v for k, v in mm.frozen.items() if k not in mm.vae_names}
     if mm.offload_frozen:
+        enc_bytes = sum(p * b for p, b in encoders.values())
         lines.append(Line("encode", "text encoders (visiting)", enc_bytes, f"{enc_bytes / GB:.1f} GB moved in to encode"))
+    s = geometry.samples_per_process
     infer = mm.inference_widths if mm.inference_widths is not None else INFERENCE_WIDTHS
     shape = f"{mm.tokens} tokens x width {mm.width}" if mm.width > 1 else "measured per sample"
     rolled = min(s, recipe.sampler.batch_size) if recipe.sampler.batch_size else s  # [sampler].batch_size
     lines.append(Line("rollout", "activations, no grad", rolled * tw * infer,
                       f"{rolled} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
+    vae_bytes = sum(p * b for k, (p, b) in mm.frozen.items() if k in mm.vae_names)
     decode = (vae_bytes if mm.offload_frozen else 0) + min(s, mm.vae_batch) * mm.decode_bytes_per_image
     lines.append(Line("decode", "VAE + decode activations", decode, f"{mm.vae_batch} images per VAE call"))
-    m = t.micro_batch_size
+    m = recipe.train.micro_batch_size
     total_blocks = sum(mm.blocks.values())
-    full = sum(mm.per_block[k] * c for k, c in mm.blocks.items()) + mm.outside
-    if mm.gradient_checkpointing:
+    if layout.checkpointing:
         widths = total_blocks * 1.0 + max(mm.per_block.values()) + mm.outside
         how = f"checkpointed: {total_blocks} block inputs + 1 block"
     else:
-        widths = full
-        how = f"{full:.0f} widths per token saved over {total_blocks} blocks" if mm.width > 1 else "measured per sample"
+        widths = sum(mm.per_block[k] * c for k, c in mm.blocks.items()) + mm.outside
+        how = f"{widths:.0f} widths per token saved over {total_blocks} blocks" if mm.width > 1 else "measured per sample"
     lines.append(Line("update", "activations, forward with grad", m * tw * widths, f"micro-batch {m}; {how}"))
-    lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
-    return geometry, mm, lines
+    if layout.strategy == "fsdp2" and mm.largest_block_params:
+        b, r = mm.largest_block_params, mm.outside_block_params
+        lines.append(Line("update", "FSDP2 gathered parameters", compute * (r + 3 * b),
+                          f"the root ({r / 1e6:.0f}e6) stays gathered, the running block and two prefetched "
+                          f"({b / 1e6:.0f}e6 each), in {compute}-byte compute dtype"))
+        lines.append(Line("update", "FSDP2 reduce-scatter buffers", 6 * b, "one block's float32 reduce-scatter input "
+                          "and the next block's unsharded gradients"))
+        lines.append(Line("update", "temporaries", 2 * b + m * tw * (5.7 + (total_blocks if layout.checkpointing else 0)),
+                          "measured with torch's FSDPMemTracker (benchmarks/memory_plan.py)"))
+    return lines
+
+
+def cpu_bytes(lines: list[Line]) -> float:
+    """Host memory per process of what is kept in CPU memory (offloaded shards, a CPU reference)."""
+    return sum(l.bytes for l in lines if l.phase == "cpu")
 
 
 def peak(lines: list[Line]) -> tuple[float, str]:
-    """The peak: everything persistent plus the largest phase's transients, and that phase."""
+    """The peak of GPU memory: everything persistent plus the largest phase's transients, and
+    that phase (lines kept in CPU memory do not count)."""
     persistent = sum(l.bytes for l in lines if l.phase == "persistent")
     phases: dict[str, float] = {}
     for l in lines:
-        if l.phase != "persistent":
+        if l.phase not in ("persistent", "cpu"):
             phases[l.phase] = phases.get(l.phase, 0.0) + l.bytes
     worst = max(phases, key=phases.get) if phases else "none"
     return persistent + phases.get(worst, 0.0), worst

@@ -31,7 +31,7 @@ import torch
 
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
-from .interfaces import ProfilingChunker
+from .interfaces import KLRegularised, ProfilingChunker
 from .plugins import Registry, get_registry
 from .sampling import make_kernels, trainable_mask
 
@@ -106,6 +106,18 @@ class TrainConfig:
         True,
         "Before the first optimizer step after a rollout every ratio is 1: back-propagate each selected "
         "step once at ratio 1 (no re-scoring, memory of one step; exact). Disable only to compare.",
+    )
+    optimizer: Literal["adamw", "adamw_8bit"] = param(
+        "adamw",
+        "'adamw': torch's AdamW, moments in the trainable dtype. 'adamw_8bit': bitsandbytes' AdamW8bit, "
+        "moments stored in 8 bits (2 bytes per trainable parameter instead of 8; pip install "
+        "'flowrl[quant]'); strategies 'none' and 'ddp' only (its state does not shard).",
+    )
+    reference_on_cpu: bool = param(
+        False,
+        "Keep the KL reference (the frozen copy of the denoiser that full fine-tuning with a "
+        "reference KL keeps) in CPU memory; its blocks visit the GPU for each reference forward "
+        "(fsdp2: its shards are CPU-offloaded). Saves the copy's GPU memory for host-to-device traffic.",
     )
     on_policy_tolerance: float = param(
         1e-6,
@@ -603,6 +615,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
             f"({recipe.train.prompts_per_iteration} x {recipe.train.group_size})",
             where=f"{recipe.source}: [train].micro_batch_size",
         )
+    _check_memory_knobs(recipe)
     choice = recipe.components["chunker"]
     comp = registry.get("chunker", choice.use)
     chunker = comp.build(choice.params)
@@ -624,6 +637,25 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
                 where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
                 hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
             )
+
+
+def _check_memory_knobs(recipe: Recipe) -> None:
+    """[train].reference_on_cpu and .optimizer only where they apply (never silently ignored)."""
+    t, loss = recipe.train, recipe.components["loss"].params
+    if t.reference_on_cpu:
+        kl = isinstance(loss, KLRegularised) and float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"
+        if t.finetune != "full" or not kl:
+            raise RecipeError(
+                "reference_on_cpu = true, but this recipe keeps no reference copy (only full fine-tuning with "
+                "[loss].beta > 0 and a reference KL kind does; LoRA's reference is the base with the adapter off)",
+                where=f"{recipe.source}: [train].reference_on_cpu", hint="remove it",
+            )
+    if t.optimizer == "adamw_8bit" and recipe.distributed.strategy == "fsdp2":
+        raise RecipeError(
+            "optimizer = 'adamw_8bit' cannot hold sharded (DTensor) parameters",
+            where=f"{recipe.source}: [train].optimizer",
+            hint="use 'adamw' with strategy = 'fsdp2' (its AdamW state is sharded already), or strategy 'ddp'/'none'",
+        )
 
 
 def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:

@@ -4,6 +4,7 @@
 
     flowrl plan recipes/chunk_grpo_flux.toml --num-processes 8
     flowrl plan recipes/lora_single_gpu_sd3.toml --gpu-memory 80 --set train.micro_batch_size=2
+    flowrl plan recipes/chunk_grpo_flux.toml --num-processes 16 --num-nodes 2 --set distributed.shard=hybrid
 
 Needs no GPU and no weights; how the estimate is made: :mod:`flowrl.planning`.
 """
@@ -24,15 +25,17 @@ def plan(
     set_: SetOpt = None,
     num_processes: Annotated[int, typer.Option("--num-processes", min=1, help="Data-parallel processes (GPUs) to plan for.")] = 1,
     gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, help="Memory of one GPU in GB, for the verdict.")] = 80.0,
+    num_nodes: Annotated[int, typer.Option("--num-nodes", min=1, help="Machines the processes are spread over "
+                                           "(hybrid sharding shards within a machine).")] = 1,
 ) -> None:
     """Print the resolved geometry and an estimate of peak GPU memory per process (no GPU needed)."""
     from rich.markup import escape
     from rich.table import Table
 
-    from ..planning import GB, estimate, peak
+    from ..planning import GB, cpu_bytes, estimate, peak
 
     resolved = load(recipe, set_)
-    geometry, mm, lines = estimate(resolved, registry(), num_processes)
+    geometry, mm, lines = estimate(resolved, registry(), num_processes, num_nodes)
     console.print(f"[bold]{escape(str(recipe))}[/bold]: model {resolved.components['model'].use}, "
                   f"finetune {resolved.train.finetune}")
     console.print(f"geometry: {geometry.describe()}")
@@ -45,9 +48,12 @@ def plan(
     total, worst = peak(lines)
     verdict = "[green]fits[/green]" if total <= gpu_memory * GB else "[red]does not fit[/red]"
     console.print(f"peak ~ {total / GB:.1f} GB (persistent + the {worst} phase): {verdict} in {gpu_memory:g} GB")
+    if cpu_bytes(lines):
+        console.print(f"CPU memory per process for the offloaded state: ~ {cpu_bytes(lines) / GB:.1f} GB")
     for note in mm.notes:
         console.print(f"note: {escape(note)}")
     if total > gpu_memory * GB:
-        console.print("to reduce it: finetune = 'lora'; model.gradient_checkpointing = true; "
+        console.print("to reduce it: [distributed] strategy = 'fsdp2' on several GPUs (cpu_offload = true); "
+                      "finetune = 'lora'; model.gradient_checkpointing = true; "
                       "model.offload_encoders = true; offload = true on rewards; a smaller micro_batch_size; "
                       "more processes (fewer samples each); fewer steps or a lower resolution")

@@ -42,6 +42,11 @@ from pathlib import Path
 
 import torch
 
+from ..compat import ensure_torchvision_importable
+
+# every builder imports diffusers, which imports transformers, which imports torchvision
+ensure_torchvision_importable()
+
 __all__ = [
     "build_tiny_flux", "build_tiny_sd3", "build_tiny_qwen_image", "build_tiny_flux2_klein", "build_tiny_zimage",
     "build_tiny_flux_kontext", "build_tiny_qwen_image_edit",

@@ -57,26 +57,38 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def optimizer_to_files(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split ``optimizer.state_dict()`` into tensors and JSON (no pickle)."""
+    """Split ``optimizer.state_dict()`` into tensors and JSON (no pickle). A per-parameter entry
+    may nest dicts of tensors (bitsandbytes' 8-bit state does)."""
     tensors: dict[str, torch.Tensor] = {}
+    shared: dict[tuple, str] = {}  # one copy of a tensor several entries hold (8-bit AdamW's quantisation maps)
+
+    def encode(prefix: str, value: Any) -> Any:
+        if torch.is_tensor(value):
+            same = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
+            if value.numel() and same in shared:
+                return {"tensor": shared[same]}
+            shared[same] = prefix
+            tensors[prefix] = value
+            return {"tensor": prefix}
+        if isinstance(value, dict):
+            return {"nested": {k: encode(f"{prefix}.{k}", v) for k, v in value.items()}}
+        return value
+
     meta: dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
     for idx, entry in state["state"].items():
-        meta["state"][str(idx)] = {}
-        for key, value in entry.items():
-            if torch.is_tensor(value):
-                tensors[f"{idx}.{key}"] = value
-                meta["state"][str(idx)][key] = {"tensor": f"{idx}.{key}"}
-            else:
-                meta["state"][str(idx)][key] = value
+        meta["state"][str(idx)] = {key: encode(f"{idx}.{key}", value) for key, value in entry.items()}
     return tensors, meta
 
 
 def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state = {}
-    for idx, entry in meta["state"].items():
-        state[int(idx)] = {
-            k: (tensors[v["tensor"]] if isinstance(v, dict) and "tensor" in v else v) for k, v in entry.items()
-        }
+    def decode(value: Any) -> Any:
+        if isinstance(value, dict) and "tensor" in value:
+            return tensors[value["tensor"]]
+        if isinstance(value, dict) and "nested" in value:
+            return {k: decode(v) for k, v in value["nested"].items()}
+        return value
+
+    state = {int(idx): {k: decode(v) for k, v in entry.items()} for idx, entry in meta["state"].items()}
     groups = meta["param_groups"]
     for g in groups:
         if "betas" in g:

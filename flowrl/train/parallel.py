@@ -191,6 +191,7 @@ class Strategy:
     def __init__(self, config: DistributedConfig, kind: str, device: torch.device, topology: Topology):
         self.config, self.kind, self.device, self.topology = config, kind, torch.device(device), topology
         self.module: nn.Module | None = None  # what the adapter calls: the denoiser, placed (and FSDP2-sharded)
+        self.block_names: list[str] = []  # the sharded / checkpointed blocks' names in the denoiser
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[nn.Parameter] = []  # the trainable parameters, as the optimizer holds them
         self.accelerator = None
@@ -235,6 +236,8 @@ class Strategy:
                 )
             checkpoint_blocks(found)
         names = {id(p): n for n, p in module.named_parameters()}
+        module_names = {id(m): n for n, m in module.named_modules()}
+        self.block_names = [module_names[id(b)] for b in found]  # to lay out a frozen copy alike
         if self.kind == "fsdp2":
             self.module = self._shard(module, found)
         else:
@@ -262,7 +265,6 @@ class Strategy:
 
     def _shard(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if not dist.is_initialized():
             raise FlowrlError("strategy = 'fsdp2' needs a process group", where="[distributed].strategy",
@@ -272,16 +274,7 @@ class Strategy:
             module.to(self.device)
         _broadcast_module(module, self.topology.world_size)  # every rank shards the same weights
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
-        bf16 = self.config.mixed_precision == "bf16"
-        # bf16 compute on float32 master weights, gradients reduced in float32; the blocks hand
-        # bf16 activations to each other, the root returns float32 (the kernels' maths)
-        inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-        root = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-                if bf16 else MixedPrecisionPolicy())
-        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.config.cpu_offload else OffloadPolicy()
-        for block in blocks:
-            fully_shard(block, mesh=self.mesh, mp_policy=inner, offload_policy=offload, reshard_after_forward=True)
-        fully_shard(module, mesh=self.mesh, mp_policy=root, offload_policy=offload, reshard_after_forward=False)
+        self._fully_shard(module, blocks, self.config.cpu_offload)
         # a trainable tensor without a gradient on one rank still joins its group's reduce-scatter
         module.set_reduce_scatter_unused_params(True)
         # FSDP2 warns on every process that diffusers' transformers return a view. Only an
@@ -290,6 +283,40 @@ class Strategy:
         # process's.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return module
+
+    def _fully_shard(self, module: nn.Module, blocks: Sequence[nn.Module], cpu_offload: bool) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        bf16 = self.config.mixed_precision == "bf16"
+        # bf16 compute on float32 master weights, gradients reduced in float32; the blocks hand
+        # bf16 activations to each other, the root returns float32 (the kernels' maths)
+        inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        root = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+                if bf16 else MixedPrecisionPolicy())
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cpu_offload else OffloadPolicy()
+        for block in blocks:
+            fully_shard(block, mesh=self.mesh, mp_policy=inner, offload_policy=offload, reshard_after_forward=True)
+        fully_shard(module, mesh=self.mesh, mp_policy=root, offload_policy=offload, reshard_after_forward=False)
+
+    def prepare_frozen(self, module: nn.Module, on_cpu: bool = False) -> nn.Module:
+        """A frozen copy of the denoiser (the KL reference), laid out like the trained one after
+        :meth:`prepare`: fsdp2 shards it over the same mesh, block by block (``on_cpu``: its
+        shards stay in CPU memory, FSDP2's CPU offload); otherwise it is placed on the device
+        (``on_cpu``: kept in CPU memory, each submodule visiting the device for its forward,
+        accelerate's ``cpu_offload``). Every process holds rank 0's weights."""
+        module.requires_grad_(False).eval()
+        if self.kind == "fsdp2":
+            if not on_cpu:
+                module.to(self.device)
+            _broadcast_module(module, self.topology.world_size)
+            self._fully_shard(module, [module.get_submodule(n) for n in self.block_names], on_cpu)
+            return module
+        _broadcast_module(module, self.topology.world_size)
+        if not on_cpu:
+            return module.to(self.device)
+        from accelerate import cpu_offload
+
+        return cpu_offload(module.to("cpu"), execution_device=self.device)
 
     # ------------------------------------------------------------------------ one optimizer step
 

@@ -32,6 +32,7 @@ from ..trajectory import Trajectory
 from .chunk_update import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
+from .optimizer import make_optimizer
 from .parallel import Strategy, declared_blocks
 from .reference import KLTerm, ReferencePolicy, kl_backward
 
@@ -175,13 +176,13 @@ class PolicyUpdate:
         self.beta = float(loss.beta or 0.0) if kl else 0.0
         self.kl_kind = loss.kl if kl else "gaussian_exact"
         self.reference = ReferencePolicy(model) if self.beta > 0 and self.kl_kind != "old_policy_k3" else None
-        self.optimizer = torch.optim.AdamW(
-            params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay,
-        )
         # [distributed]: the denoiser placed, replicated or sharded, and the optimizer rebound to
         # the parameters as the strategy holds them (docs/distributed.md)
         self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx)
+        self.optimizer = make_optimizer(params, train, self.strategy.kind)
         model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model))
+        if self.reference is not None and self.reference.copy is not None:  # laid out like the denoiser
+            self.reference.copy = self.strategy.prepare_frozen(self.reference.copy, on_cpu=train.reference_on_cpu)
         self.params = self.strategy.params
         self.lockstep = distributed.AnyRank(ctx) if self.strategy.lockstep else None
         total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update

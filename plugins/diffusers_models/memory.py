@@ -143,6 +143,18 @@ def count_parameters(cfg: dict[str, Any]) -> int:
     return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
 
 
+def denoiser_counts(cfg: dict[str, Any]) -> dict[str, int]:
+    """``denoiser_params`` (parameters plus buffers), ``largest_block_params`` (the largest
+    element of the transformer's block lists, the unit FSDP2 gathers) and
+    ``outside_block_params`` (everything outside the blocks: the root FSDP2 keeps gathered)."""
+    model = _instantiate_meta(cfg)
+    total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    blocks = [m for child in model.children() if isinstance(child, torch.nn.ModuleList) and len(child) > 1 for m in child]
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    return {"denoiser_params": total, "largest_block_params": max(sizes, default=0),
+            "outside_block_params": total - sum(sizes)}
+
+
 def linear_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """``{module name: (in_features, out_features)}`` of every Linear in the component."""
     model = _instantiate_meta(cfg)
@@ -280,7 +292,7 @@ def flux_memory_spec(config):
     consts = _flux_constants(key)
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
     return with_quantization(t, config, ModelMemory(
-        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
         default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
@@ -314,7 +326,7 @@ def sd3_memory_spec(config):
     dual = len(t.get("dual_attention_layers") or [])
     cfg_factor = 2 if config.cfg_scale != 1.0 else 1
     return ModelMemory(
-        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
         default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
@@ -487,12 +499,13 @@ def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens:
     joint = int(t["joint_attention_dim"])
     condition_tokens = condition_tokens and (condition_tokens[0] // step) * (condition_tokens[1] // step)
     return with_quantization(t, config, ModelMemory(
-        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=img + (condition_tokens or 0) + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
         blocks={"joint": int(t["num_layers"])}, per_block=consts.per_block, outside=consts.outside,
         forwards_per_velocity=cfg, latent_elements=img * int(t["in_channels"]),
+        inference_widths=15.4,  # measured: torch's MemTracker, full-size Qwen-Image, a group of 8 (docs/benchmarks.md)
         text_bytes_per_prompt=cfg * txt * (joint * compute + 1) + (condition_tokens or 0) * int(t["in_channels"]) * compute,
         decode_bytes_per_image=6 * config.height * config.width * int(vae.get("base_dim", 96)) * compute,
         vae_batch=config.vae_batch_size, gradient_checkpointing=config.gradient_checkpointing,
@@ -521,13 +534,14 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
     consts = _flux2_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]),
                               float(t.get("mlp_ratio", 3.0)))
     return with_quantization(t, config, ModelMemory(
-        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=img + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
         blocks={"double": int(t["num_layers"]), "single": int(t["num_single_layers"])},
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
         latent_elements=img * int(t["in_channels"]),
+        inference_widths=49.7,  # measured: torch's MemTracker, full-size FLUX.2 [klein] (its 27648-wide fused projection)
         text_bytes_per_prompt=cfg * txt * int(t["joint_attention_dim"]) * compute,
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
@@ -548,7 +562,7 @@ def zimage_memory_spec(config, lora_targets: list[str]):
     axes = tuple(int(a) for a in t["axes_dims"])
     consts = _zimage_constants(axes, int(t["in_channels"]))
     return with_quantization(t, config, ModelMemory(
-        denoiser_params=count_parameters(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=pad(img) + pad(txt), width=int(t["dim"]),

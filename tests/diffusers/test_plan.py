@@ -19,14 +19,22 @@ def test_plan_of_the_paper_recipe_needs_no_gpu_and_no_weights(cli):
     assert code == 0, err
     text = _flat(out)
     assert "world size 8" in text and "24 per process" in text
-    assert "11.901e9 params x 4 B" in text  # FLUX.1-dev's 12B transformer, fp32 master weights
-    assert "does not fit in 80 GB" in text  # replicated full fine-tuning: weights + grads + AdamW
+    assert "11.901e9 params x 4 B / 8 shards" in text  # FLUX.1-dev's 12B transformer, fp32 master weights
+    assert "fits in 80 GB" in text and "sharded over 8 of 8 processes" in text  # FSDP2 full fine-tuning
+    code, out, _ = cli("plan", "recipes/chunk_grpo_flux.toml", "--num-processes", "8", "--set", "distributed.strategy=ddp")
+    assert code == 0 and "does not fit in 80 GB" in _flat(out)  # replicated: weights + grads + AdamW on each GPU
     code, out, _ = cli("plan", "recipes/chunk_grpo_flux.toml", "--num-processes", "8", "--set", "train.finetune=lora",
                        "--set", "model.denoiser_dtype=auto")
     assert code == 0 and "fits in 80 GB" in _flat(out) and "(r = 64)" in _flat(out)
 
 
-@pytest.mark.parametrize("name", ["dance_grpo_flux", "gspo_flux", "fixed_chunk_flux", "chunk_grpo_flux_ws",
+def test_the_flagship_lora_variant_fits_one_80gb_gpu(cli):
+    code, out, err = cli("plan", "recipes/chunk_grpo_flux_lora.toml", "--num-processes", "1")
+    assert code == 0, err
+    assert "fits in 80 GB" in _flat(out) and "(r = 64)" in _flat(out)
+
+
+@pytest.mark.parametrize("name", ["dance_grpo_flux", "gspo_flux", "fixed_chunk_flux", "chunk_grpo_flux_ws", "chunk_grpo_flux_lora",
                                   "chunk_grpo_sd3", "lora_single_gpu_sd3"])
 def test_plan_every_real_model_recipe(cli, name):
     code, out, err = cli("plan", f"recipes/{name}.toml")
@@ -73,9 +81,10 @@ def test_update_activation_estimate_is_close_to_a_measurement(tiny_flux, tiny_ov
 
     recipe = load_recipe("recipes/chunk_grpo_flux.toml", [f"model.path={tiny_flux}", *tiny_overrides,
                          "rewards.0.use=brightness", "model.gradient_checkpointing=false", "train.micro_batch_size=2",
-                         "train.group_size=2", "train.prompts_per_iteration=1", "train.optimizer_steps_per_update=1"])
+                         "train.group_size=2", "train.prompts_per_iteration=1", "train.optimizer_steps_per_update=1",
+                         "distributed.strategy=none", "distributed.mixed_precision=no"])
     _, _, lines = estimate(recipe, get_registry(), 1)
-    estimated = next(l for l in lines if l.phase == "update").bytes
+    estimated = next(l for l in lines if l.item == "activations, forward with grad").bytes
     text = flux_model.encode_prompts(["a red cat", "a dog"])
     x = torch.randn(2, *flux_model.latent_shape)
     measured = 4 * _saved_elements(flux_model.denoiser, lambda: flux_model.velocity(x, torch.tensor([0.5, 0.4]), text))

@@ -1,0 +1,81 @@
+"""``flowrl plan`` per strategy: FSDP2 (full and hybrid sharding, CPU offload), DDP, 8-bit AdamW
+and the CPU reference, each against the arithmetic of the layout it claims (no GPU, no weights).
+How close these closed forms come to torch's own memory accounting is benchmarks/memory_plan.py's
+job (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowrl.errors import FlowrlError
+from flowrl.planning import cpu_bytes, estimate, peak
+from flowrl.plugins import get_registry
+from flowrl.recipe import load_recipe
+
+FLAGSHIP = "recipes/chunk_grpo_flux.toml"
+
+
+def _plan(overrides: list[str], world: int, nodes: int = 1, recipe: str = FLAGSHIP):
+    registry = get_registry()
+    r = load_recipe(recipe, overrides, registry=registry)
+    _, mm, lines = estimate(r, registry, world, nodes)
+    return mm, {l.item: l for l in lines}, lines
+
+
+def test_fsdp2_divides_the_trained_state_by_the_processes_and_adds_its_buffers():
+    mm, by, lines = _plan([], 8)
+    p, n = mm.denoiser_params, 8
+    assert by["denoiser weights"].bytes == pytest.approx(4 * p / n)  # fp32 master shards
+    assert by["AdamW state (2 moments)"].bytes == pytest.approx(8 * p / n)
+    assert by["gradients (sharded)"].bytes == pytest.approx(4 * p / n) and by["gradients (sharded)"].phase == "step"
+    assert by["AdamW step temporary"].bytes == pytest.approx(4 * p / n)
+    # every backward of a step accumulates into unsharded fp32 gradients (one reduce-scatter per step)
+    assert by["gradients (unsharded, accumulating)"].bytes == pytest.approx(4 * p)
+    b, r = mm.largest_block_params, mm.outside_block_params
+    assert 300e6 < b < 400e6 and r < 100e6  # FLUX.1-dev: a double block, and the root
+    assert by["FSDP2 gathered parameters"].bytes == pytest.approx(2 * (r + 3 * b))
+    assert by["FSDP2 reduce-scatter buffers"].bytes == pytest.approx(6 * b)
+    total, worst = peak(lines)
+    assert worst == "update" and total < 80 * 1024**3
+
+
+def test_hybrid_sharding_shards_within_a_node_only():
+    _, full8, _ = _plan([], 8)
+    _, hybrid, _ = _plan(["distributed.shard=hybrid"], 16, nodes=2)
+    _, full16, _ = _plan([], 16)
+    assert hybrid["denoiser weights"].bytes == pytest.approx(full8["denoiser weights"].bytes)
+    assert full16["denoiser weights"].bytes == pytest.approx(full8["denoiser weights"].bytes / 2)
+    with pytest.raises(FlowrlError, match="evenly"):
+        _plan(["distributed.shard=hybrid"], 12, nodes=5)
+
+
+def test_cpu_offload_moves_the_sharded_state_off_the_gpu():
+    _, on_gpu, gpu_lines = _plan([], 8)
+    _, by, lines = _plan(["distributed.cpu_offload=true"], 8)
+    for item in ("denoiser weights", "AdamW state (2 moments)"):
+        assert by[item].phase == "cpu" and by[item].bytes == pytest.approx(on_gpu[item].bytes)
+    assert "AdamW step temporary" not in by  # the step runs on the CPU
+    assert cpu_bytes(lines) == pytest.approx(on_gpu["denoiser weights"].bytes + on_gpu["AdamW state (2 moments)"].bytes)
+    assert peak(lines)[0] < peak(gpu_lines)[0]
+
+
+def test_ddp_replicates_and_8bit_adamw_quarters_the_moments():
+    mm, by, _ = _plan(["distributed.strategy=ddp"], 8)
+    assert by["denoiser weights"].bytes == pytest.approx(4 * mm.denoiser_params)
+    assert by["gradients"].phase == "persistent" and "FSDP2 gathered parameters" not in by
+    _, eight, _ = _plan(["distributed.strategy=ddp", "train.optimizer=adamw_8bit"], 8)
+    assert eight["AdamW state (2 moments), 8-bit"].bytes == pytest.approx(by["AdamW state (2 moments)"].bytes / 4)
+
+
+def test_the_kl_reference_is_sharded_like_the_denoiser_or_kept_on_the_cpu():
+    kl = ["loss.beta=0.01", "loss.kl=gaussian_exact"]
+    mm, by, _ = _plan(kl, 8)
+    assert by["reference copy (KL)"].bytes == pytest.approx(4 * mm.denoiser_params / 8)
+    assert by["reference copy (KL)"].phase == "persistent"
+    _, cpu, _ = _plan(kl + ["train.reference_on_cpu=true"], 8)
+    assert cpu["reference copy (KL)"].phase == "cpu"
+
+
+def test_strategy_none_on_several_processes_is_refused():
+    with pytest.raises(FlowrlError, match="one process"):
+        _plan(["distributed.strategy=none"], 8)
