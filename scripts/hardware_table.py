@@ -76,7 +76,9 @@ def recipe_files() -> list[str]:
 
 def _model_name(recipe) -> str:
     choice = recipe.components["model"]
-    path = getattr(choice.params, "path", None) if choice.params is not None else None
+    path = str(getattr(choice.params, "path", "") or "")  # a hub id, or a directory resolved to an absolute path
+    if path.startswith(str(REPO) + os.sep):  # no machine's checkout path in the page
+        path = Path(path).relative_to(REPO).as_posix()
     return f"{choice.use} ({path})" if path else choice.use
 
 
