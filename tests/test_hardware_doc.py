@@ -1,0 +1,65 @@
+"""docs/hardware.md is what `scripts/hardware_table.py` writes today (issue 18, the hardware table).
+
+The page is `flowrl plan`'s estimate for every shipped recipe at the world sizes it is meant for.
+It goes stale when a recipe, a model's memory facts or the estimate change: regenerate it with
+``python scripts/hardware_table.py``. Planning runs offline (about 35 s here, most of it imports
+and the one-block activation measurements).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "hardware_table.py"
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("hardware_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hardware_table"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("hardware_table", None)
+
+
+def test_every_shipped_recipe_has_a_world_size(table):
+    files = table.recipe_files()
+    assert files
+    missing = [n for n in files if n not in table.WORLD_SIZES]
+    gone = [n for n in table.WORLD_SIZES if n not in files]
+    assert not missing, (f"add these recipes to WORLD_SIZES in scripts/hardware_table.py (the GPUs their header "
+                         f"says they are meant for), then run `{table.COMMAND}`: {missing}")
+    assert not gone, f"WORLD_SIZES in scripts/hardware_table.py lists recipes that do not exist: {gone}"
+
+
+def test_hardware_page_is_current(table):
+    # A fresh process, so that the script switches the hub to offline mode before anything
+    # imports huggingface_hub: the page must be made without the network.
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n(the test's command: `{table.COMMAND} --check`)"
+    assert "docs/hardware.md is up to date" in proc.stdout
+
+
+def test_a_recipe_that_cannot_be_planned_is_listed_with_its_reason(table):
+    rows = [table.Row("a.toml", "flux", "lora", "auto (ddp)", 8, 30.04, "rollout"),
+            table.Row("b.toml", "flux (org/x)", "full", "auto (ddp)", 8, reason="[model].path: cannot read the configs")]
+    text = table.render(rows)
+    assert "| `a.toml` | flux | lora | auto (ddp) | 8 | 30.0 | rollout | no | yes | yes |" in text
+    assert "## Not planned" in text and "- `b.toml` at 8 process(es): [model].path: cannot read the configs" in text
+    assert "`b.toml` |" not in text
+
+
+def test_the_fits_columns_follow_plans_verdict(table):
+    # `flowrl plan --gpu-memory G` says "fits" when the peak is at most G x 2^30 bytes
+    text = table.render([table.Row("a.toml", "m", "lora", "none", 1, 24.0, "update"),
+                         table.Row("b.toml", "m", "lora", "none", 1, 24.01, "update")])
+    assert "| 24.0 | update | yes | yes | yes |" in text
+    assert "| 24.0 | update | no | yes | yes |" in text
