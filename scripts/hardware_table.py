@@ -47,6 +47,7 @@ WORLD_SIZES: dict[str, tuple[int, ...]] = {
     "kontext_edit_lora.toml": (8,),
     # Single-GPU recipes: "on ONE 80 GB GPU", "One consumer GPU (24 GB)".
     "lora_single_gpu_sd3.toml": (1,),
+    "chunk_grpo_flux_lora.toml": (1,),  # "on ONE GPU": the flagship with LoRA
     "flux2_klein_nf4_24gb.toml": (1,),
     # The embedded tiny model: meant for one CPU process; the estimate is what a GPU would hold.
     "quickstart.toml": (1,),
