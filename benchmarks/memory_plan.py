@@ -80,6 +80,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from flowrl.compat import ensure_torchvision_importable  # noqa: E402
+
+ensure_torchvision_importable()  # diffusers imports transformers, which imports torchvision
+
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
 
@@ -680,7 +684,8 @@ def plan_numbers(overrides: list[str], world_size: int) -> dict[str, Any]:
 
 PLAN_512 = ["model.height=512", "model.width=512"]
 FSDP_OVERRIDES = ["distributed.strategy=fsdp2", "distributed.mixed_precision=bf16"]
-LORA_OVERRIDES = ["train.finetune=lora", f"train.lora_rank={LORA_RANK}", f"train.lora_alpha={LORA_ALPHA}",
+# one process without FSDP, as the tracker's LoRA runs (the flagship recipe itself shards with fsdp2)
+LORA_OVERRIDES = ["distributed.strategy=none", "train.finetune=lora", f"train.lora_rank={LORA_RANK}", f"train.lora_alpha={LORA_ALPHA}",
                   "model.denoiser_dtype=auto", "model.lora_preset=attention"]
 
 
@@ -875,7 +880,7 @@ def run_all() -> dict[str, Any]:
         if ac not in small_by_ac:
             small_by_ac[ac] = {d: track_fsdp(FLUX1, 8, depth=d, batch=mb, checkpointing=ac) for d in reduced_depths(FLUX1)}
         full = track_fsdp(FLUX1, 8, batch=mb, checkpointing=ac, accumulate=accumulate, sync_each=sync_each)
-        plan = plan_numbers(PLAN_512 + FSDP_OVERRIDES + [f"model.gradient_checkpointing={'true' if ac else 'false'}"], 8)
+        plan = plan_for(key, {})
         title = (f"FLUX.1-dev full fine-tuning, FSDP2 x 8, fp32 master / bf16 compute, micro-batch {mb}, "
                  f"checkpointing {'on' if ac else 'off'}"
                  + (f", {accumulate} micro-batches per step ({'reduce-scatter each' if sync_each else 'first unsynced'})"
@@ -961,8 +966,7 @@ def run_all() -> dict[str, Any]:
             item["should"] = should_lora(item["base_params"], base_bytes, item["trainable_params"], tw=tw, depth=depth,
                                          consts=consts, checkpointing=ac, dequant=dequant)
             if family is FLUX1:
-                item["plan"] = plan_numbers(PLAN_512 + LORA_OVERRIDES + [
-                    f"model.gradient_checkpointing={'true' if ac else 'false'}"], 1)
+                item["plan"] = plan_for(key, item)
             else:
                 notes.append("flowrl has no adapter for this model yet: no plan column")
             item["constants"] = consts
@@ -1011,14 +1015,36 @@ def _jsonable(x):
     return x
 
 
+def plan_for(key: str, item: dict[str, Any]) -> dict[str, Any] | None:
+    """The plan column of one tracked configuration (None where flowrl has no adapter)."""
+    ac = ["model.gradient_checkpointing=" + ("false" if "noac" in key else "true")]
+    if key.startswith("flux_full_fsdp8"):
+        return plan_numbers(PLAN_512 + FSDP_OVERRIDES + ac, 8)
+    if key.startswith("flux_lora"):
+        return plan_numbers(PLAN_512 + LORA_OVERRIDES + ac, 1)
+    return None
+
+
+def replan(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` (a saved run) with every plan column recomputed by the current ``flowrl plan``:
+    the tracker is the slow part and does not depend on flowrl."""
+    for key, item in result["items"].items():
+        if "tracker" in item and item.get("plan"):
+            item["plan"] = plan_for(key, item)
+            print_item(key, item)
+    result["replanned"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--json", type=Path, help="write every number to this JSON file")
     parser.add_argument("--markdown", type=Path, help="write the tables as Markdown to this file")
+    parser.add_argument("--replan", type=Path, help="recompute only the plan columns of this saved --json result")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = run_all()
-    print(f"\ntotal wall time {result['wall_seconds']} s")
+    result = replan(json.loads(args.replan.read_text())) if args.replan else run_all()
+    print(f"\ntotal wall time {result['wall_seconds']} s" + (" (the tracker run; plan columns recomputed)" if args.replan else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(_jsonable(result), indent=1) + "\n")
