@@ -218,7 +218,10 @@ class EmaConfig:
         "common (1 + k) / (10 + k).", min=0,
     )
     every: int = param(1, "Update the EMA every N optimizer steps.", min=1)
-    on_cpu: bool = param(False, "Keep the EMA weights in CPU memory instead of on the training device.")
+    on_cpu: bool = param(
+        False, "Keep the EMA weights in CPU memory instead of on the training device (not with "
+        "[distributed].strategy = 'fsdp2', where the EMA is sharded like the weights)."
+    )
     evaluate: bool = param(False, "Evaluate the EMA weights (not the trained ones) during training.")
 
 

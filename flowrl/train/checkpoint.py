@@ -236,22 +236,24 @@ def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
-def read_sharded_model_weights(shards: Path) -> dict[str, torch.Tensor]:
-    """Full CPU tensors of the model part of a torch.distributed.checkpoint directory, read in
-    this one process without a process group (DCP reassembles every tensor from its shards)."""
+def read_sharded_model_weights(shards: Path, key: str = SHARDED_MODEL_KEY) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of the model part (or another ``key``: the EMA's) of a
+    torch.distributed.checkpoint directory, read in this one process without a process group
+    (DCP reassembles every tensor from its shards); ``{}`` when it holds nothing under ``key``."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(shards))
     metadata = reader.read_metadata().state_dict_metadata
-    prefix = f"{SHARDED_MODEL_KEY}."
+    prefix = f"{key}."
     out = {
         key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load({SHARDED_MODEL_KEY: out}, storage_reader=reader, no_dist=True)
+        if out:
+            dcp.load({key: out}, storage_reader=reader, no_dist=True)
     return out
 
 

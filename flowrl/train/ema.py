@@ -17,8 +17,10 @@ resumed run's EMA is bit-identical to the uninterrupted run's.
 Uses: ``[ema].evaluate = true`` evaluates the EMA weights during training; ``flowrl sample
 --ema`` and ``flowrl export --ema`` use a checkpoint's EMA weights instead of the trained ones.
 
-Under data parallelism every process holds the whole shadow (the weights are replicated);
-sharding it like the weights under FSDP2 is future work.
+Under data parallelism every process holds the whole shadow (the weights are replicated).
+Under FSDP2 the shadow is sharded like the weights: each process keeps the EMA of its own
+shards (DTensors on the training device), saved into the sharded checkpoint
+(torch.distributed.checkpoint, key ``ema``) by every process; ``on_cpu`` is refused there.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import FlowrlError
+from .checkpoint import SHARDED, read_sharded_model_weights
 from .finetune import load_trainable_state_dict
 
 #: The file a checkpoint keeps the EMA weights in.
 EMA_FILE = "ema.safetensors"
+#: The key of the EMA weights in a sharded (torch.distributed.checkpoint) checkpoint.
+EMA_KEY = "ema"
 
 
 def ema_decay(decay: float, warmup_steps: int, k: int) -> float:
@@ -62,12 +67,13 @@ class WeightEMA:
         config = session.recipe.ema
         if not config.enabled:
             return None
-        if any(hasattr(p, "full_tensor") for group in optimizer.param_groups for p in group["params"]):
+        sharded = any(hasattr(p, "full_tensor") for group in optimizer.param_groups for p in group["params"])
+        if sharded and config.on_cpu:
             raise FlowrlError(
-                "[ema] is not supported with sharded weights ([distributed].strategy = 'fsdp2') yet: the EMA is "
-                "saved as one safetensors file by the main process, which does not hold the full weights",
-                where=f"{session.recipe.source}: [ema].enabled",
-                hint="set [ema] enabled = false, or train with strategy = 'ddp' (or LoRA, which fits replicated)",
+                "[ema] on_cpu = true is not supported with sharded weights ([distributed].strategy = 'fsdp2'): "
+                "the EMA is sharded like the weights and lives next to them",
+                where=f"{session.recipe.source}: [ema].on_cpu",
+                hint="set on_cpu = false (each process then holds 1/N of the EMA), or use strategy 'ddp'",
             )
         ema = cls(session.model.denoiser, config)
         optimizer.register_step_post_hook(lambda *_: ema.step())
@@ -121,8 +127,14 @@ class WeightEMA:
 
 def load_ema_weights(denoiser: torch.nn.Module, checkpoint: Path, where: str = "--ema") -> None:
     """Put a checkpoint's EMA weights into ``denoiser``'s trainable weights (for sampling and
-    export); a clear error when the run kept no EMA."""
+    export; a sharded checkpoint is read in this one process); a clear error when the run kept
+    no EMA."""
     path = Path(checkpoint) / EMA_FILE
+    if (Path(checkpoint) / SHARDED).is_dir():
+        tensors = read_sharded_model_weights(Path(checkpoint) / SHARDED, key=EMA_KEY)
+        if tensors:
+            load_trainable_state_dict(denoiser, tensors)
+            return
     if not path.is_file():
         raise FlowrlError(f"{checkpoint} holds no EMA weights ({EMA_FILE})", where=where,
                           hint="train with [ema] enabled = true (docs/recipes.md, [ema]), or leave out --ema")

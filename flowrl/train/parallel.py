@@ -398,19 +398,20 @@ class Strategy:
         set_state_dict(self.module, self.optimizer, model_state_dict=state[SHARDED_MODEL_KEY],
                        optim_state_dict=state[OPTIM_KEY], options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
-    def save(self, path: Path) -> None:
-        """Every process writes its part of the model and optimizer into ``path`` (DCP)."""
+    def save(self, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Every process writes its part of the model and optimizer into ``path`` (DCP), and of
+        ``extra`` (``{key: {name: tensor}}``, tensors sharded like the weights: the EMA's)."""
         import torch.distributed.checkpoint as dcp
 
         with _single_process_ok():
-            dcp.save(self.state_dict(), checkpoint_id=str(path), no_dist=not dist.is_initialized())
+            dcp.save({**self.state_dict(), **(extra or {})}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
 
-    def load(self, path: Path) -> None:
+    def load(self, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
         """Every process reads its part from ``path`` (DCP reshards a checkpoint written by
-        another number of processes or another strategy)."""
+        another number of processes or another strategy); ``extra``'s tensors are filled in place."""
         import torch.distributed.checkpoint as dcp
 
-        state = self.state_dict()
+        state = {**self.state_dict(), **(extra or {})}
         with _single_process_ok():
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         self.load_state_dict(state)
@@ -547,7 +548,8 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: dict[str, Any],
-                            recipe_toml: str, keep_last: int = 2) -> Path | None:
+                            recipe_toml: str, keep_last: int = 2,
+                            extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
     """Write one checkpoint atomically, every process together: each writes its shards into a
     temporary directory (DCP), then the main process adds the RNG states, the recipe and
     ``state.json`` (last), renames the directory into place and points ``latest.json`` at it
@@ -559,7 +561,7 @@ def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, s
     if ctx.is_main:
         tmp = new_checkpoint_dir(Path(ckpt_root), name, tag)
     _barrier(ctx)
-    strategy.save(tmp / SHARDED)
+    strategy.save(tmp / SHARDED, extra)
     _barrier(ctx)  # every shard and DCP's .metadata are on disk
     final = None
     if ctx.is_main:
@@ -569,7 +571,8 @@ def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, s
     return final
 
 
-def load_sharded_checkpoint(path: Path, strategy: Strategy) -> dict[str, Any]:
+def load_sharded_checkpoint(path: Path, strategy: Strategy,
+                            extra: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
     """Load a checkpoint's model and optimizer into ``strategy``'s prepared module and optimizer,
     on every process; set the RNG; return ``state.json``. A sharded checkpoint of another
     process count or strategy loads (DCP reshards; the continuation then groups samples
@@ -581,7 +584,7 @@ def load_sharded_checkpoint(path: Path, strategy: Strategy) -> dict[str, Any]:
     if not (path / MARKER).is_file():
         raise FlowrlError(f"{path} is not a complete checkpoint (no {MARKER})", where="--resume")
     if is_sharded_checkpoint(path):
-        strategy.load(path / SHARDED)
+        strategy.load(path / SHARDED, extra)
     elif strategy.sharded:
         raise FlowrlError(f"{path} was written without sharding (model.safetensors); an fsdp2 run cannot load it",
                           where="--resume", hint="resume it with [distributed].strategy = 'ddp' or 'none'")

@@ -43,6 +43,7 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from .ema import EMA_KEY
 from .finetune import load_trainable_state_dict, trainable_state_dict
 from .parallel import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
@@ -182,7 +183,8 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
     root, name, recipe_toml = run_dir / "checkpoints", f"iter_{state.iteration:06d}", dump_toml(recipe.to_toml_dict())
     if update.strategy.sharded:  # every process writes its part; no process gathers the model
         return save_sharded_checkpoint(root, name, update.strategy, state=info, recipe_toml=recipe_toml,
-                                       keep_last=recipe.checkpoint.keep_last)
+                                       keep_last=recipe.checkpoint.keep_last,
+                                       extra=None if ema is None else {EMA_KEY: ema.tensors()})
     if not ctx.is_main:
         return None
     return save_checkpoint(
@@ -206,8 +208,11 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
             console.print(f"[yellow]note:[/yellow] {run_dir} has no checkpoint yet; starting at iteration 0")
         return TrainState()
     if update.strategy.sharded or is_sharded_checkpoint(ckpt):
-        state = load_sharded_checkpoint(ckpt, update.strategy)  # weights, AdamW and the RNG
-        saved = {"state": state, "ema": None}
+        # weights, AdamW, the RNG and (sharded like the weights) the EMA, when the run kept one
+        with_ema = ema is not None and "ema" in json.loads((ckpt / MARKER).read_text())
+        extra = {EMA_KEY: ema.tensors()} if with_ema else None
+        state = load_sharded_checkpoint(ckpt, update.strategy, extra)
+        saved = {"state": state, "ema": ema.tensors() if with_ema else None}
     else:
         saved = load_checkpoint(ckpt)
         load_trainable_state_dict(session.model.denoiser, saved["model"])
