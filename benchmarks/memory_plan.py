@@ -644,7 +644,7 @@ def nf4_weight_bytes(family: Family, double_quant: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ flowrl plan
 
 
-def plan_numbers(overrides: list[str], world_size: int) -> dict[str, Any]:
+def plan_numbers(overrides: list[str], world_size: int, recipe_name: str = "chunk_grpo_flux.toml") -> dict[str, Any]:
     """What ``flowrl plan`` says for the flagship recipe with ``overrides`` (its Python API),
     in the tracker's categories."""
     from flowrl.planning import Line, estimate, peak
@@ -652,7 +652,7 @@ def plan_numbers(overrides: list[str], world_size: int) -> dict[str, Any]:
     from flowrl.recipe import load_recipe
 
     registry = get_registry()
-    recipe = load_recipe(REPO / "recipes" / "chunk_grpo_flux.toml", overrides, registry=registry)
+    recipe = load_recipe(REPO / "recipes" / recipe_name, overrides, registry=registry)
     geometry, mm, lines = estimate(recipe, registry, world_size)
     by = {line.item: line.bytes for line in lines}
     adam = next(k for k in by if k.startswith("AdamW state"))
@@ -965,10 +965,7 @@ def run_all() -> dict[str, Any]:
                              f"{dequant / GiB:.3f} GiB, added to the peak); the backward's dequantisation it sees")
             item["should"] = should_lora(item["base_params"], base_bytes, item["trainable_params"], tw=tw, depth=depth,
                                          consts=consts, checkpointing=ac, dequant=dequant)
-            if family is FLUX1:
-                item["plan"] = plan_for(key, item)
-            else:
-                notes.append("flowrl has no adapter for this model yet: no plan column")
+            item["plan"] = plan_for(key, item)
             item["constants"] = consts
             item["title"] = f"{title}, one process, micro-batch 1, checkpointing {'on' if ac else 'off'}"
             item["notes"] = notes
@@ -1022,6 +1019,15 @@ def plan_for(key: str, item: dict[str, Any]) -> dict[str, Any] | None:
         return plan_numbers(PLAN_512 + FSDP_OVERRIDES + ac, 8)
     if key.startswith("flux_lora"):
         return plan_numbers(PLAN_512 + LORA_OVERRIDES + ac, 1)
+    # the shipped recipes of the other models, set to the tracked configuration: 512 x 512,
+    # 512 text tokens, micro-batch 1, LoRA r64 on the attention projections, one process
+    other = PLAN_512 + ac + ["model.max_sequence_length=512", "model.lora_preset=attention", "train.micro_batch_size=1",
+                             "model.cfg_scale=1.0",  # the tracker runs one forward (no true-CFG pair)
+                             f"train.lora_rank={LORA_RANK}", f"train.lora_alpha={LORA_ALPHA}", "distributed.strategy=none"]
+    if key.startswith("qwen_lora"):
+        return plan_numbers(other, 1, "qwen_image_lora.toml")
+    if key.startswith("klein_qlora"):
+        return plan_numbers(other + ["model.quantize=nf4"], 1, "flux2_klein_nf4_24gb.toml")
     return None
 
 
@@ -1029,7 +1035,7 @@ def replan(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` (a saved run) with every plan column recomputed by the current ``flowrl plan``:
     the tracker is the slow part and does not depend on flowrl."""
     for key, item in result["items"].items():
-        if "tracker" in item and item.get("plan"):
+        if "tracker" in item:
             item["plan"] = plan_for(key, item)
             print_item(key, item)
     result["replanned"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -75,6 +75,10 @@ class ModelMemory:
     gradient_checkpointing: bool = False
     #: live elements per token per width in a no-grad forward (None: INFERENCE_WIDTHS)
     inference_widths: float | None = None
+    #: with checkpointing, saved elements per token per width besides one input per block: the
+    #: recompute of one block plus everything outside the blocks (None: the largest per-block
+    #: constant plus ``outside``)
+    checkpoint_outside: float | None = None
     #: the denoiser's storage in bytes when it is not params x denoiser_bytes (a quantised base)
     denoiser_weight_bytes: float | None = None
     #: parameters of the largest transformer block (FSDP2 gathers one block at a time) and
@@ -325,7 +329,8 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]
     m = recipe.train.micro_batch_size
     total_blocks = sum(mm.blocks.values())
     if layout.checkpointing:
-        widths = total_blocks * 1.0 + max(mm.per_block.values()) + mm.outside
+        rest = mm.checkpoint_outside if mm.checkpoint_outside is not None else max(mm.per_block.values()) + mm.outside
+        widths = total_blocks * 1.0 + rest
         how = f"checkpointed: {total_blocks} block inputs + 1 block"
     else:
         widths = sum(mm.per_block[k] * c for k, c in mm.blocks.items()) + mm.outside

@@ -299,6 +299,7 @@ def flux_memory_spec(config):
         tokens=img_tokens + config.max_sequence_length, width=width,
         blocks={"double": int(t["num_layers"]), "single": int(t["num_single_layers"])},
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=1,
+        checkpoint_outside=29.7,  # measured: torch's MemTracker, full-size FLUX.1-dev (benchmarks/memory_plan.py)
         latent_elements=img_tokens * int(t["in_channels"]),
         text_bytes_per_prompt=(config.max_sequence_length * int(t["joint_attention_dim"]) + int(t["pooled_projection_dim"])) * compute,
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
@@ -506,6 +507,7 @@ def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens:
         blocks={"joint": int(t["num_layers"])}, per_block=consts.per_block, outside=consts.outside,
         forwards_per_velocity=cfg, latent_elements=img * int(t["in_channels"]),
         inference_widths=15.4,  # measured: torch's MemTracker, full-size Qwen-Image, a group of 8 (docs/benchmarks.md)
+        checkpoint_outside=37.3,  # measured likewise, LoRA on the bf16 base
         text_bytes_per_prompt=cfg * txt * (joint * compute + 1) + (condition_tokens or 0) * int(t["in_channels"]) * compute,
         decode_bytes_per_image=6 * config.height * config.width * int(vae.get("base_dim", 96)) * compute,
         vae_batch=config.vae_batch_size, gradient_checkpointing=config.gradient_checkpointing,
@@ -542,6 +544,7 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
         latent_elements=img * int(t["in_channels"]),
         inference_widths=49.7,  # measured: torch's MemTracker, full-size FLUX.2 [klein] (its 27648-wide fused projection)
+        checkpoint_outside=48.7,  # measured likewise, LoRA on an NF4 base
         text_bytes_per_prompt=cfg * txt * int(t["joint_attention_dim"]) * compute,
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
