@@ -68,10 +68,9 @@ import torch  # noqa: E402
 
 from flowrl.interfaces import select_embeddings  # noqa: E402
 from flowrl.losses import ClippedObjective, reduce_units  # noqa: E402
-from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout  # noqa: E402
+from flowrl.sampling import make_kernels, make_step_log_prob_fn, rescore_transitions, rollout  # noqa: E402
 from flowrl.schedules import shifted_sigmas  # noqa: E402
 from flowrl.sde import FlowKernel  # noqa: E402
-from flowrl.sampling import rescore_transitions  # noqa: E402
 from flowrl.train.chunk_update import (  # noqa: E402
     chunk_graph_backward,
     full_graph_backward,

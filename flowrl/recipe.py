@@ -141,8 +141,24 @@ class SamplerConfig:
         "[start, end): steps that use the SDE kernel; other steps are ODE. Empty = all steps.",
         min=0, max=10_000,
     )
+    overlap_rewards: bool = param(
+        False,
+        "Decode and score each rollout sub-batch (batch_size samples; needs batch_size > 0) in a background "
+        "thread while the next one samples; rewards come out in the same order, equal to scoring after the "
+        "rollout for rewards that score each image on its own. Pays when the reward runs elsewhere (an http "
+        "reward served by `flowrl reward serve`, another GPU): measured 0.53-0.6x the sequential time with a "
+        "reward as slow as the rollout in another process (docs/benchmarks.md). Off by default: an in-process "
+        "reward on the sampler's own device or cores competes with it, and the VAE decode then shares device "
+        "memory with sampling.",
+    )
 
     def __post_init__(self):
+        if self.overlap_rewards and self.batch_size == 0:
+            raise ValueError(
+                "overlap_rewards = true needs batch_size > 0: the rollout is then run in sub-batches of "
+                "batch_size samples, and each is scored while the next samples (with batch_size = 0 there is "
+                "one sub-batch and nothing to overlap); set e.g. batch_size = 8"
+            )
         if self.sde_window:
             if len(self.sde_window) != 2 or not (0 <= self.sde_window[0] < self.sde_window[1] <= self.steps):
                 raise ValueError(

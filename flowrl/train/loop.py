@@ -27,7 +27,7 @@ from ..plugins import Registry, get_registry
 from ..prompts import evaluation_prompts, read_prompts
 from ..recipe import Recipe, check_startable
 from .checkpoint import checkpoint_iteration, latest_checkpoint
-from .collect import assign_advantages, collect, score_rewards
+from .collect import assign_advantages, collect
 from .ema import WeightEMA
 from .evaluate import RunEvaluator
 from .layout import ChunkLayout
@@ -90,10 +90,9 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     with timer("eval"):
                         record.update(evaluator(iteration))
 
-                # ---- Collect: prompts and text embeddings, rollout, images; then the rewards ------
+                # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
+                # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
                 batch = collect(session, geometry, ctx, prompts, iteration, timer)
-                with timer("reward"):
-                    score_rewards(batch, session.components.rewards)
 
                 # ---- Advantages over whole groups (rewards gathered from every process) ---------
                 with timer("advantage"):
