@@ -113,6 +113,27 @@ class TrainConfig:
         "|log pi_new - log pi_old| must stay below this. bf16 models on a GPU may need ~1e-4.",
         min=0.0,
     )
+    # Kernel switches (flowrl/train/accel.py; docs/recipes.md "Compiled and fused kernels").
+    compile: Literal["off", "default", "max-autotune-no-cudagraphs"] = param(
+        "off",
+        "torch.compile the denoiser (in place) for the rollout and the update, with this mode. The "
+        "standard choice on GPUs; on a CPU it costs a C++ compiler and minutes of warm-up and does not "
+        "pay for the embedded model (docs/benchmarks.md). Rollout (no grad) and update (grad) run "
+        "different compiled graphs: measured on-policy deviation 0 on the embedded model, but raise "
+        "on_policy_tolerance if a model's graphs round differently.",
+    )
+    attention_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = param(
+        "auto",
+        "The only scaled-dot-product attention backend torch may use (torch.nn.attention.sdpa_kernel) "
+        "during rollout, update and evaluation; 'auto' lets torch choose. CPU: math, flash. CUDA: "
+        "math, flash, efficient, cudnn (flash and cudnn need fp16/bf16 and a recent GPU).",
+    )
+    adamw_impl: Literal["auto", "for-loop", "foreach", "fused"] = param(
+        "auto",
+        "AdamW implementation: 'auto' is torch's default (foreach on CUDA, for-loop on CPU), 'fused' "
+        "one kernel for all parameters (CUDA, and CPU since torch 2.4; the standard choice on GPUs), "
+        "'foreach' multi-tensor ops. All compute the same update up to float rounding.",
+    )
 
     def __post_init__(self):
         if len(self.adam_betas) != 2 or not all(0.0 <= b < 1.0 for b in self.adam_betas):

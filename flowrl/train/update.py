@@ -29,6 +29,7 @@ from ..sampling import rescore_transition, rescore_transitions
 from ..sde import StepOutput
 from ..seeding import generator
 from ..trajectory import Trajectory
+from .accel import make_adamw
 from .chunk_update import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
@@ -175,9 +176,7 @@ class PolicyUpdate:
         self.beta = float(loss.beta or 0.0) if kl else 0.0
         self.kl_kind = loss.kl if kl else "gaussian_exact"
         self.reference = ReferencePolicy(model) if self.beta > 0 and self.kl_kind != "old_policy_k3" else None
-        self.optimizer = torch.optim.AdamW(
-            params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay,
-        )
+        self.optimizer = make_adamw(params, train, session.device, session.recipe.source)  # [train].adamw_impl
         # [distributed]: the denoiser placed, replicated or sharded, and the optimizer rebound to
         # the parameters as the strategy holds them (docs/distributed.md)
         self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx)
