@@ -14,7 +14,10 @@ cheap reward, measured first):
   machine is, and it needs a core of its own: on this 2-core machine, shared with other jobs,
   the overlap gains only while one core is free for it;
 - ``--reward-kind wait``: the server sleeps for the cost (a reward model on its own device, a GPU
-  or another machine, whose server process waits for it).
+  or another machine, whose server process waits for it). Load from other processes on the
+  shared cores stretches the rollout's wall time but not a sleep, so before every round the
+  cost is matched again to the wall time of one collect with the cheap reward, run just then
+  (``reward_s_total_per_round``); both variants of the round see the same cost.
 
 - ``sequential``: ``overlap_rewards = false``: the rollout (all sub-batches), then the decode,
   then the rewards (one request per ``http`` batch).
@@ -100,12 +103,16 @@ class SlowBrightness:
 
     name = "slow_brightness"
 
-    def __init__(self, cost: float, kind: str):
+    def __init__(self, cost: float, kind: str, cost_file: str = ""):
         self.cost = cost
         self.kind = kind
+        self.cost_file = cost_file  # when set, the cost per image is re-read from it at each call
         self.a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
 
     def __call__(self, images, prompts, metadata=None):
+        if self.cost_file:
+            with open(self.cost_file) as f:
+                self.cost = float(f.read())
         if self.kind == "wait":
             time.sleep(self.cost * len(prompts))
         else:
@@ -121,8 +128,8 @@ def serve(spec: str) -> int:
     torch.set_num_threads(1)
     from flowrl.serving.simple import make_server
 
-    kind, cost = spec.split(":")
-    server = make_server(SlowBrightness(float(cost), kind), name="slow_brightness", port=0)
+    kind, cost, cost_file = spec.split(":", 2)
+    server = make_server(SlowBrightness(float(cost), kind, cost_file), name="slow_brightness", port=0)
     print(server.url, flush=True)
     server.serve_forever()
     return 0
@@ -146,7 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=17)
     ap.add_argument("--batch-size", type=int, default=4, help="[sampler].batch_size: samples per rollout sub-batch")
     ap.add_argument("--reward-cost", type=float, default=1.0,
-                    help="the reward's CPU time for all images, as a multiple of the rollout's")
+                    help="the reward's cost for all images, as a multiple of the rollout's (CPU time for "
+                         "--reward-kind cpu, wall time for wait)")
     ap.add_argument("--reward-kind", choices=["cpu", "wait"], default="cpu",
                     help="cpu: the reward burns its server process's CPU time (needs a free core); wait: it sleeps "
                          "(a reward model on another device)")
@@ -177,15 +185,40 @@ def main(argv=None) -> int:
     geometry = resolve_geometry(probe.train, 1, probe.source)
     prompts = list(session.model.prompt_source())
     collect(session, geometry, ctx, prompts, 0, PhaseTimer(torch.device("cpu")))  # warm-up
-    rollout_cpu = []
+    rollout_cpu, rollout_wall = [], []
     for _ in range(3):
         timer = PhaseTimer(torch.device("cpu"))
-        c0 = time.process_time()
+        c0, t0 = time.process_time(), time.perf_counter()
         collect(session, geometry, ctx, prompts, 0, timer)
         rollout_cpu.append(time.process_time() - c0)
-    cost = args.reward_cost * statistics.median(rollout_cpu) / n
+        rollout_wall.append(time.perf_counter() - t0)
+    # a CPU-bound reward costs CPU time like the rollout; a reward on another device costs wall
+    # time, so it is matched to the rollout's wall time (which load on the shared cores stretches)
+    base = statistics.median(rollout_cpu if args.reward_kind == "cpu" else rollout_wall)
+    cost = args.reward_cost * base / n
 
-    server = subprocess.Popen([sys.executable, __file__, "--serve", f"{args.reward_kind}:{cost!r}"], stdout=subprocess.PIPE, text=True,
+    cost_file = ""
+    if args.reward_kind == "wait":  # re-calibrated before every round (below)
+        import tempfile
+
+        fd, cost_file = tempfile.mkstemp(prefix="overlap-bench-cost-")
+        os.close(fd)
+        with open(cost_file, "w") as f:
+            f.write(repr(cost))
+
+    def recalibrate():
+        """wait: match the reward to the rollout's wall time now (load on the shared cores
+        stretches the rollout, not a sleep), from one collect with the cheap reward."""
+        t0 = time.perf_counter()
+        collect(probe_session, geometry, ctx, prompts, 0, PhaseTimer(torch.device("cpu")))
+        wall_now = time.perf_counter() - t0
+        with open(cost_file, "w") as f:
+            f.write(repr(args.reward_cost * wall_now / n))
+        return wall_now
+
+    probe_session = session
+    server = subprocess.Popen([sys.executable, __file__, "--serve", f"{args.reward_kind}:{cost!r}:{cost_file}"],
+                              stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         url = server.stdout.readline().strip()
@@ -218,7 +251,10 @@ def main(argv=None) -> int:
         wall = {k: [] for k in names}
         phases = {k: [] for k in names}
         rng = torch.Generator().manual_seed(args.seed)
+        calibrations = []
         for _ in range(args.rounds):
+            if cost_file:
+                calibrations.append(recalibrate())
             order = [names[int(i)] for i in torch.randperm(2, generator=rng)]
             for name in order:
                 t, sec, _ = run(name == "overlapped")
@@ -227,6 +263,8 @@ def main(argv=None) -> int:
     finally:
         server.kill()
         server.wait()
+        if cost_file:
+            os.unlink(cost_file)
 
     per_round = [o / s for o, s in zip(wall["overlapped"], wall["sequential"])]
     med = {k: statistics.median(v) for k, v in wall.items()}
@@ -238,13 +276,16 @@ def main(argv=None) -> int:
         "reward_kind": args.reward_kind, "samples": n, "steps": args.steps, "sub_batch": args.batch_size,
         "sub_batches": -(-n // args.batch_size), "rounds": args.rounds,
         "rollout_cpu_s": statistics.median(rollout_cpu),
-        "reward_cpu_s_per_image": cost, "reward_cpu_s_total": cost * n,
+        "rollout_wall_s": statistics.median(rollout_wall),
+        "reward_s_per_image": cost, "reward_s_total": cost * n,
+        "reward_s_total_per_round": [args.reward_cost * c for c in calibrations] if cost_file else None,
         "images_and_rewards_bit_equal": True,
         "wall_median_s": med,
         "phase_median_s": phase_med,
         "ratio_of_medians": med["overlapped"] / med["sequential"],
         "ratio_paired_median": statistics.median(per_round),
-        "ratio_paired_quartiles": [round(q, 3) for q in statistics.quantiles(per_round, n=4)] if len(per_round) > 1 else per_round,
+        "ratio_paired_quartiles": ([round(q, 3) for q in statistics.quantiles(per_round, n=4)]
+                                   if len(per_round) > 1 else per_round),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "wall_s": wall,

@@ -136,3 +136,18 @@ def test_compiled_denoiser_keeps_the_on_policy_check(tmp_path):
     from engine_helpers import final_weights
 
     assert not any("_orig_mod" in k for k in final_weights(run_dir))
+
+
+def test_the_docs_example_validates():
+    """docs/recipes.md's speed-switch example, as written, is a valid part of a recipe."""
+    import re
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")
+    from flowrl.recipe import validate
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
+    block = re.search(r"```toml\n(\[sampler\]\nbatch_size = 8 .*?)```", text, re.S).group(1)
+    recipe = validate({**tomllib.loads(block), "rewards": [{"use": "brightness"}]}, source="docs/recipes.md")
+    assert recipe.sampler.overlap_rewards and recipe.sampler.batch_size == 8
+    assert (recipe.train.compile, recipe.train.attention_backend, recipe.train.adamw_impl) == ("default", "auto", "fused")
