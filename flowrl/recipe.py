@@ -167,7 +167,7 @@ class SamplerConfig:
         "Decode and score each rollout sub-batch (batch_size samples; needs batch_size > 0) in a background "
         "thread while the next one samples; rewards come out in the same order, equal to scoring after the "
         "rollout for rewards that score each image on its own. Pays when the reward runs elsewhere (an http "
-        "reward served by `flowrl reward serve`, another GPU): measured 0.53-0.6x the sequential time with a "
+        "reward served by `flowrl reward serve`, another GPU): measured 0.58x the sequential time with a "
         "reward as slow as the rollout in another process (docs/benchmarks.md). Off by default: an in-process "
         "reward on the sampler's own device or cores competes with it, and the VAE decode then shares device "
         "memory with sampling.",
