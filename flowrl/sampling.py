@@ -239,11 +239,17 @@ def rescore_transitions(
     trs = [trajectory.transition(i) for i in steps]
     x = torch.cat([tr.sample[idx] for tr in trs])
     sigma = torch.cat([tr.sigma.repeat(idx.numel()) for tr in trs])
-    v = velocity_fn(x, sigma).split(idx.numel())
+    v = velocity_fn(x, sigma)
+    n = idx.numel()
+    if all(tr.kernel is trs[0].kernel for tr in trs):  # one kernel (the usual case): one step over all rows
+        sigma_next = torch.cat([tr.sigma_next.repeat(n) for tr in trs])
+        out = trs[0].kernel.step(v, x, sigma, sigma_next, next_sample=torch.cat([tr.next_sample[idx] for tr in trs]),
+                                 reduction=trajectory.reduction)
+        return out.log_prob.reshape(len(trs), n)
     return torch.stack([
-        tr.kernel.step(v_s, tr.sample[idx], tr.sigma.repeat(idx.numel()), tr.sigma_next.repeat(idx.numel()),
+        tr.kernel.step(v_s, tr.sample[idx], tr.sigma.repeat(n), tr.sigma_next.repeat(n),
                        next_sample=tr.next_sample[idx], reduction=trajectory.reduction).log_prob
-        for tr, v_s in zip(trs, v)
+        for tr, v_s in zip(trs, v.split(n))
     ])
 
 
