@@ -17,7 +17,8 @@ device without it, compile without a C++ compiler on a CPU).
 Which backends exist (torch 2.13): on a CPU, ``math`` and ``flash`` (a CPU flash-attention
 kernel, any float dtype); on CUDA, ``math``, ``flash`` and ``efficient`` (memory-efficient) and
 ``cudnn`` (flash and cudnn need fp16/bf16 and an sm80+ GPU; efficient also takes fp32).
-docs/recipes.md lists what each switch measured on the CPU (benchmarks/kernels.py).
+docs/recipes.md describes the switches; docs/benchmarks.md has what each measured on the CPU
+(benchmarks/kernels.py).
 """
 
 from __future__ import annotations
@@ -52,9 +53,12 @@ def adamw_options(impl: str, device: torch.device, source: str = "<recipe>") -> 
     if impl == "foreach":
         return {"foreach": True}
     if impl == "fused":
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+        try:  # a private helper of torch.optim (torch >= 2.4); without it, let AdamW itself decide
+            from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
-        supported = _get_fused_kernels_supported_devices()
+            supported = _get_fused_kernels_supported_devices()
+        except ImportError:
+            return {"fused": True}
         if device.type not in supported:
             raise FlowrlError(
                 f"adamw_impl = 'fused' is not available on device {device.type!r} (torch {torch.__version__} "
