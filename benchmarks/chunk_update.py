@@ -12,6 +12,16 @@ after the rollout so that ratios are not 1):
 - ``lean7``  ``lean_chunk_backward`` with one chunk of 7.
 - ``lean1``  ``lean_chunk_backward`` with 7 chunks of 1 (how the engine runs step-level GRPO).
 - ``full7``  ``full_graph_backward`` with one chunk of 7 (all 7 graphs alive; for contrast).
+- ``fast7``  ``on_policy_chunk_backward`` (the on-policy fast path) with one chunk of 7, on an
+             on-policy copy of the model (the same weights as the rollout; the fast path is only
+             taken there). Its gradient is checked against ``full7`` on that copy.
+- ``graph7`` ``chunk_graph_backward`` with one chunk of 7, the 7 steps batched into one forward
+             (as the engine's ``update_mode = "chunk_graph"`` does), off-policy like ``lean7``.
+
+All variants do the same model work per call whatever the weights (no data-dependent branches;
+nothing clips), so the on-policy copy costs what the perturbed model costs: ``step`` stays the
+baseline of every ratio, and ``step_on`` (the same step-level update on the on-policy copy) is
+timed beside it to show that.
 
 Memory (peak bytes above the level at the start of the update), two independent meters:
 
@@ -32,7 +42,8 @@ random order keeps one variant from always following the memory-hungry full grap
 Each run is timed twice: process CPU time (``time.process_time``; with one thread it counts the
 cycles the update itself used, not the time spent waiting for a core that other processes hold)
 and wall time. Reported: the median per variant and the median of the per-round ratios, for
-both clocks. Gradients are checked for equality (lean7 == full7, lean1 == step) before timing.
+both clocks. Gradients are checked for equality (lean7 == full7 == graph7 off-policy, fast7 ==
+full7 on-policy, lean1 == step) before timing.
 
 Run (one thread, as everywhere on this machine)::
 
@@ -49,6 +60,7 @@ import statistics
 import sys
 import time
 import weakref
+from types import SimpleNamespace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -56,10 +68,15 @@ import torch  # noqa: E402
 
 from flowrl.interfaces import select_embeddings  # noqa: E402
 from flowrl.losses import ClippedObjective, reduce_units  # noqa: E402
-from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout  # noqa: E402
+from flowrl.sampling import make_kernels, make_step_log_prob_fn, rescore_transitions, rollout  # noqa: E402
 from flowrl.schedules import shifted_sigmas  # noqa: E402
 from flowrl.sde import FlowKernel  # noqa: E402
-from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward  # noqa: E402
+from flowrl.train.chunk_update import (  # noqa: E402
+    chunk_graph_backward,
+    full_graph_backward,
+    lean_chunk_backward,
+    on_policy_chunk_backward,
+)
 
 CHUNK = 7
 # The paper's layout [2, 3, 4, 7] for N = 17 steps (16 trainable): its last and largest chunk.
@@ -166,20 +183,41 @@ def build(batch: int, perturb: float, seed: int):
                    make_kernels(n_steps, FlowKernel(0.7)), generators=gens, prompts=prompts)
     assert traj.num_trainable == 16
 
+    # the on-policy copy: the rollout's weights (the fast path's state)
+    import copy
+
+    on_model = copy.deepcopy(model)
+
     # off-policy: a small relative perturbation of every weight after the rollout
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1000)
         for p in params:
             p.add_(perturb * (p.std() if p.numel() > 1 else p.abs()) * torch.randn(p.shape, generator=g))
 
-    step16 = make_step_log_prob_fn(velocity_fn_for, traj)
+    def fns_for(m):
+        """(fn(t, idx, grad), many(ts, idx)) over the 7 positions of the chunk, for model ``m``."""
 
-    def fn(t, idx, grad):  # the 7 positions of the chunk
-        return step16(CHUNK_START + t, idx, grad)
+        def vel_for(idx):
+            sub = select_embeddings(text, idx)
+            return lambda x, s: m.velocity(x, s, sub)
+
+        step16 = make_step_log_prob_fn(vel_for, traj)
+        positions = traj.trainable_indices.tolist()
+
+        def fn(t, idx, grad):
+            return step16(CHUNK_START + t, idx, grad)
+
+        def many(ts, idx):  # the chunk's steps in ONE forward (the engine's TransitionScorer.many_fn)
+            return rescore_transitions(vel_for(idx.repeat(len(ts))), traj,
+                                       [positions[CHUNK_START + t] for t in ts], idx)
+
+        return fn, many
 
     old = traj.trainable_log_probs[:, CHUNK_START:CHUNK_START + CHUNK].clone()
     adv = torch.linspace(-1.5, 1.5, batch)
-    return model, params, fn, old, adv, pretrained
+    on_params = [p for p in on_model.denoiser.parameters() if p.requires_grad]
+    return SimpleNamespace(model=model, params=params, on_model=on_model, on_params=on_params,
+                           off=fns_for(model), on=fns_for(on_model), old=old, adv=adv, pretrained=pretrained)
 
 
 def step_level_update(fn, old, adv, objective, normaliser):
@@ -212,7 +250,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    model, params, fn, old, adv, pretrained = build(args.batch, args.perturb, args.seed)
+    setup = build(args.batch, args.perturb, args.seed)
+    model, pretrained, old, adv = setup.model, setup.pretrained, setup.old, setup.adv
+    params, on_params = setup.params, setup.on_params
+    (fn, many), (fn_on, _) = setup.off, setup.on
     B = args.batch
     obj = ClippedObjective(args.eps, args.eps)
     mask = torch.ones(B, 1, dtype=torch.bool)
@@ -224,11 +265,14 @@ def main(argv=None) -> int:
         "full7": lambda: full_graph_backward(fn, old, adv, (CHUNK,), mask, obj, norm),
         "lean1": lambda: lean_chunk_backward(fn, old, adv, (1,) * CHUNK, torch.ones(B, CHUNK, dtype=torch.bool),
                                              obj, norm),
+        "fast7": lambda: on_policy_chunk_backward(fn_on, old, adv, (CHUNK,), mask, obj, norm),
+        "graph7": lambda: chunk_graph_backward(fn, old, adv, (CHUNK,), mask, obj, norm, many=many),
+        "step_on": lambda: step_level_update(fn_on, old, adv, obj, norm),
     }
 
     def zero():
         # keep the .grad buffers allocated so that no variant pays for creating them
-        for p in params:
+        for p in params + on_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             else:
@@ -250,21 +294,38 @@ def main(argv=None) -> int:
     zero()
     variants["lean1"]()
     g_lean1 = [p.grad.clone() for p in params]
+    zero()
+    _, met_graph = variants["graph7"]()
+    g_graph = [p.grad.clone() for p in params]
+    # on-policy: the fast path against the full graph on the rollout's weights
+    zero()
+    _, met_fast = variants["fast7"]()
+    g_fast = [p.grad.clone() for p in on_params]
+    zero()
+    full_graph_backward(fn_on, old, adv, (CHUNK,), mask, obj, norm)
+    g_full_on = [p.grad.clone() for p in on_params]
+    with torch.no_grad():
+        on_dev = max(float((fn_on(t, torch.arange(B), False) - old[:, t]).abs().max()) for t in range(CHUNK))
 
     def rel_err(ga, gb):
         scale = max(float(b.abs().max()) for b in gb)
         return max(float((a - b).abs().max()) for a, b in zip(ga, gb)) / scale
 
-    grad_err = rel_err(g_lean, g_full)
-    grad_err_steps = rel_err(g_lean1, g_step)
-    if grad_err > 1e-4 or grad_err_steps > 1e-4:
-        print(f"gradients differ: lean7 vs full7 {grad_err:.3g}, lean1 vs step {grad_err_steps:.3g}",
-              file=sys.stderr)
+    errors = {
+        "lean7_vs_full7": rel_err(g_lean, g_full),
+        "graph7_vs_full7": rel_err(g_graph, g_full),
+        "lean1_vs_step": rel_err(g_lean1, g_step),
+        "fast7_vs_full7_on_policy": rel_err(g_fast, g_full_on),
+    }
+    grad_err, grad_err_steps = errors["lean7_vs_full7"], errors["lean1_vs_step"]
+    if max(errors.values()) > 1e-4:
+        print(f"gradients differ: {errors}", file=sys.stderr)
         return 1
 
     # memory
     exclude = {p.untyped_storage().data_ptr() for p in model.network.parameters()}
-    exclude |= {p.grad.untyped_storage().data_ptr() for p in params}
+    exclude |= {p.untyped_storage().data_ptr() for p in setup.on_model.network.parameters()}
+    exclude |= {p.grad.untyped_storage().data_ptr() for p in params + on_params}
     memory = {}
     for name, run in variants.items():
         zero()
@@ -309,6 +370,10 @@ def main(argv=None) -> int:
         "recompute_mismatch": met_lean["recompute_mismatch"],
         "lean7_vs_full7_grad_rel_err": grad_err,
         "lean1_vs_step_grad_rel_err": grad_err_steps,
+        "grad_rel_err": errors,
+        "on_policy_max_abs_log_ratio": on_dev,
+        "fast7_ratio_range": [met_fast["ratio_min"], met_fast["ratio_max"]],
+        "graph7_ratio_range": [met_graph["ratio_min"], met_graph["ratio_max"]],
         "memory_bytes": memory,
         "memory_ratio_vs_step": {n: {k: memory[n][k] / memory["step"][k] for k in memory[n]} for n in names},
         "cpu_median_s": cmed,

@@ -17,8 +17,9 @@ update back-propagated over the same selected transitions (the first ``--fg-trai
   selected step ``scripts/train_flux.py:compute_log_prob`` and the clipped loss and backward of
   that script's training loop.
 - flowrl side: ``rollout``, the FLUX adapter's ``decode``, ``make_step_log_prob_fn`` and
-  ``lean_chunk_backward`` with units of one step (how flowrl runs step-level GRPO) and
-  ``ClippedObjective``.
+  ``lean_chunk_backward`` with units of one step and ``ClippedObjective`` (``flowrl``), and the
+  same with ``on_policy_chunk_backward`` (``flowrl_fast``: the on-policy fast path, which the
+  engine takes for the first optimizer step after every rollout, as here: no step is taken).
 
 ``--gcpo PATH`` (GCPO, the paper's code): the Chunk-GRPO update on chunks [2, 3, 4, 7] of a
 17-step rollout, 2 of the 4 chunks per sample (the same chunks on both sides), off-policy
@@ -30,7 +31,10 @@ exactly 1).
   and backward of that file's ``train_one_step``, sample by sample, chunk by chunk; its rollout
   ``run_sample_step`` is run once to compare log-probs.
 - flowrl side: ``lean_chunk_backward`` with the same chunks and selection, on micro-batches of
-  each size in ``--gc-micro-batches`` (1 is GCPO's batching, one sample at a time).
+  each size in ``--gc-micro-batches`` (1 is GCPO's batching, one sample at a time):
+  ``flowrl_mbM``; and ``chunk_graph_backward`` (``[train].update_mode = "chunk_graph"``: each
+  chunk's steps in one batched forward with grad, one backward, as GCPO does) on the same
+  micro-batches: ``graph_mbM``.
 - Both updates train on one rollout made by flowrl's ``rollout``; GCPO's per-sample inputs are
   laid out as its ``train_one_step`` lays them out (steps split into chunks, chunk log-prob =
   mean of the rollout's step log-probs), outside the timed update.
@@ -117,15 +121,17 @@ def flowrl_api() -> SimpleNamespace:
     """Every flowrl import of this benchmark, in one place (module paths may move)."""
     from flowrl.interfaces import select_embeddings
     from flowrl.losses import ClippedObjective
-    from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout
+    from flowrl.sampling import make_kernels, make_step_log_prob_fn, rescore_transitions, rollout
     from flowrl.schedules import shifted_sigmas
     from flowrl.sde import FlowKernel
     from flowrl.testing.tiny_pipelines import TINY_PROMPTS, build_tiny_flux
-    from flowrl.train.chunk_update import lean_chunk_backward
+    from flowrl.train.chunk_update import chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
     from flowrl_plugins.diffusers_models.flux import FluxConfig, FluxModel
 
     return SimpleNamespace(
-        lean_chunk_backward=lean_chunk_backward, select_embeddings=select_embeddings,
+        lean_chunk_backward=lean_chunk_backward, on_policy_chunk_backward=on_policy_chunk_backward,
+        chunk_graph_backward=chunk_graph_backward, rescore_transitions=rescore_transitions,
+        select_embeddings=select_embeddings,
         ClippedObjective=ClippedObjective, make_kernels=make_kernels,
         make_step_log_prob_fn=make_step_log_prob_fn, rollout=rollout, shifted_sigmas=shifted_sigmas,
         FlowKernel=FlowKernel, TINY_PROMPTS=TINY_PROMPTS, build_tiny_flux=build_tiny_flux,
@@ -363,7 +369,8 @@ def run_flow_grpo(api, peer, tiny: Path, args) -> dict:
     config = SimpleNamespace(sample=SimpleNamespace(guidance_scale=3.5, noise_level=a))
     wrapped = _WrappedModule(pipe.transformer)
     record: dict = {}
-    phases: dict = {"flow_grpo": [], "flowrl": []}  # (rollout + decode + advantages, update) wall s
+    # (rollout + decode + advantages, update) wall s
+    phases: dict = {"flow_grpo": [], "flowrl": [], "flowrl_fast": []}
 
     def flow_grpo_iteration(keep=False, adv_override=None):
         t0 = time.perf_counter()
@@ -405,7 +412,7 @@ def run_flow_grpo(api, peer, tiny: Path, args) -> dict:
         sub = api.select_embeddings(text, idx)
         return lambda x, s: model.velocity(x, s, sub)
 
-    def flowrl_iteration(keep=False, adv_override=None):
+    def flowrl_iteration(keep=False, adv_override=None, fast=False):
         t0 = time.perf_counter()
         traj = api.rollout(lambda x, s: model.velocity(x, s, text), noise, sigmas, kernels,
                            generators=torch.Generator().manual_seed(args.seed + 1),
@@ -427,9 +434,10 @@ def run_flow_grpo(api, peer, tiny: Path, args) -> dict:
         T = traj.num_trainable
         mask = torch.zeros(B, T, dtype=torch.bool)
         mask[:, :T_sel] = True
-        api.lean_chunk_backward(step, traj.trainable_log_probs, adv, (1,) * T, mask,
-                                api.ClippedObjective(eps, eps), normaliser=float(B))
-        phases["flowrl"].append((t1 - t0, time.perf_counter() - t1))
+        backward = api.on_policy_chunk_backward if fast else api.lean_chunk_backward
+        backward(step, traj.trainable_log_probs, adv, (1,) * T, mask, api.ClippedObjective(eps, eps),
+                 normaliser=float(B))
+        phases["flowrl_fast" if fast else "flowrl"].append((t1 - t0, time.perf_counter() - t1))
         if keep:
             record["flowrl"] = {"latents": traj.latents, "log_probs": traj.log_probs,
                                 "new": torch.stack([new[t] for t in range(T_sel)], 1), "images": images,
@@ -439,6 +447,9 @@ def run_flow_grpo(api, peer, tiny: Path, args) -> dict:
     # within a group is ~5e-4), so normalising it amplifies the ~1e-7 image differences of the two
     # sides into ~1e-4 advantage differences: the gradients are compared with flowrl's advantages
     # given to both sides, so that they compare the updates (the advantages are compared apart).
+    zero_grads(model.denoiser)
+    flowrl_iteration(keep=True, fast=True)
+    g_flowrl_fast = named_grads(model.denoiser)
     zero_grads(model.denoiser)
     flowrl_iteration(keep=True)
     g_flowrl = named_grads(model.denoiser)
@@ -461,20 +472,24 @@ def run_flow_grpo(api, peer, tiny: Path, args) -> dict:
         "reward_std_within_groups": float(rewards_of(rf["images"]).reshape(-1, args.fg_group).std(1).mean()),
         "log_prob_range": [float(rf["log_probs"].min()), float(rf["log_probs"].max())],
         "grad_same_advantages": grad_agreement(g_flowrl, g_peer),
+        "grad_same_advantages_fast_path": grad_agreement(g_flowrl_fast, g_peer),
     }
     for v in phases.values():
         v.clear()
     timing = time_rounds(
-        {"flow_grpo": flow_grpo_iteration, "flowrl": flowrl_iteration},
-        {"flow_grpo": lambda: zero_grads(pipe.transformer), "flowrl": lambda: zero_grads(model.denoiser)},
+        {"flow_grpo": flow_grpo_iteration, "flowrl": flowrl_iteration,
+         "flowrl_fast": lambda: flowrl_iteration(fast=True)},
+        {"flow_grpo": lambda: zero_grads(pipe.transformer), "flowrl": lambda: zero_grads(model.denoiser),
+         "flowrl_fast": lambda: zero_grads(model.denoiser)},
         args.rounds, args.seed, base="flow_grpo",
     )
     timing["wall_phases_median_s"] = {
         n: {"rollout_decode_advantages": statistics.median(r for r, _ in v),
             "update": statistics.median(u for _, u in v)} for n, v in phases.items()}
     timing["wall_phase_paired_ratio_median"] = {
-        ph: statistics.median(f[k] / g[k] for f, g in zip(phases["flowrl"], phases["flow_grpo"]))
-        for k, ph in enumerate(("rollout_decode_advantages", "update"))}
+        name: {ph: statistics.median(f[k] / g[k] for f, g in zip(phases[name], phases["flow_grpo"]))
+               for k, ph in enumerate(("rollout_decode_advantages", "update"))}
+        for name in ("flowrl", "flowrl_fast")}
     return {
         "what": "one step-level GRPO iteration: rollout with log-probs + VAE decode + reward + "
                 "advantages + clipped update back-propagated over the selected steps (no optimizer step)",
@@ -587,10 +602,30 @@ def run_gcpo(api, peer, tiny: Path, args) -> dict:
                                         normaliser=float(B))
         return run
 
-    variants = {"gcpo": gcpo_update, **{f"flowrl_mb{m}": flowrl_update(m) for m in micro}}
-    zero_for = {"gcpo": lambda: zero_grads(transformer), **{f"flowrl_mb{m}": (lambda: zero_grads(model.denoiser))
-                                                             for m in micro}}
-    owner = {"gcpo": transformer, **{f"flowrl_mb{m}": model.denoiser for m in micro}}
+    def flowrl_graph_update(m):
+        """chunk_graph_backward (update_mode = "chunk_graph"): each chunk's steps in one batched
+        forward with grad (the engine's TransitionScorer.many_fn) and one backward."""
+        def run():
+            for start in range(0, B, m):
+                rows = torch.arange(start, start + m)
+                sub = traj.select(rows)
+                positions = sub.trainable_indices.tolist()
+                step = api.make_step_log_prob_fn(lambda idx, rows=rows: velocity_for(rows[idx]), sub)
+
+                def many(ts, b, rows=rows, sub=sub, positions=positions):
+                    return api.rescore_transitions(velocity_for(rows[b].repeat(len(ts))), sub,
+                                                   [positions[t] for t in ts], b)
+
+                api.chunk_graph_backward(step, old[rows], adv[rows], chunks, mask[rows], objective,
+                                         normaliser=float(B), many=many)
+        return run
+
+    flowrl_names = [f"flowrl_mb{m}" for m in micro] + [f"graph_mb{m}" for m in micro]
+    variants = {"gcpo": gcpo_update, **{f"flowrl_mb{m}": flowrl_update(m) for m in micro},
+                **{f"graph_mb{m}": flowrl_graph_update(m) for m in micro}}
+    zero_for = {"gcpo": lambda: zero_grads(transformer), **{n: (lambda: zero_grads(model.denoiser))
+                                                             for n in flowrl_names}}
+    owner = {"gcpo": transformer, **{n: model.denoiser for n in flowrl_names}}
 
     # correctness (also the warm-up)
     grads = {}
@@ -681,6 +716,8 @@ def main(argv=None) -> int:
 
     res = {
         "command": "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer.py " + " ".join(argv or sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_start": os.getloadavg(),
         "device": f"{platform.machine()} CPU ({platform.processor() or 'unknown'}), os.cpu_count() = "
                   f"{os.cpu_count()}, torch threads = {torch.get_num_threads()}, torch {torch.__version__}",
         "rounds": args.rounds,

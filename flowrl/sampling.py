@@ -237,13 +237,28 @@ def rescore_transitions(
     step up to the rounding of a different batch composition."""
     idx = torch.as_tensor(batch_idx, dtype=torch.long).to(trajectory.latents.device)
     trs = [trajectory.transition(i) for i in steps]
-    x = torch.cat([tr.sample[idx] for tr in trs])
-    sigma = torch.cat([tr.sigma.repeat(idx.numel()) for tr in trs])
-    v = velocity_fn(x, sigma).split(idx.numel())
+    n = idx.numel()
+    steps = list(steps)
+    if n == 1 and steps == list(range(steps[0], steps[0] + len(steps))):
+        # one sample, consecutive steps: its states are views of the trajectory (no copy that the
+        # first layer would keep for backward; GCPO's chunk batching costs no more memory)
+        row = trajectory.latents[int(idx[0])]
+        x, x_next = row[steps[0] : steps[-1] + 1], row[steps[0] + 1 : steps[-1] + 2]
+    else:
+        x = torch.cat([tr.sample[idx] for tr in trs])
+        x_next = None
+    sigma = torch.cat([tr.sigma.repeat(n) for tr in trs])
+    v = velocity_fn(x, sigma)
+    if all(tr.kernel is trs[0].kernel for tr in trs):  # one kernel (the usual case): one step over all rows
+        sigma_next = torch.cat([tr.sigma_next.repeat(n) for tr in trs])
+        if x_next is None:
+            x_next = torch.cat([tr.next_sample[idx] for tr in trs])
+        out = trs[0].kernel.step(v, x, sigma, sigma_next, next_sample=x_next, reduction=trajectory.reduction)
+        return out.log_prob.reshape(len(trs), n)
     return torch.stack([
-        tr.kernel.step(v_s, tr.sample[idx], tr.sigma.repeat(idx.numel()), tr.sigma_next.repeat(idx.numel()),
+        tr.kernel.step(v_s, tr.sample[idx], tr.sigma.repeat(n), tr.sigma_next.repeat(n),
                        next_sample=tr.next_sample[idx], reduction=trajectory.reduction).log_prob
-        for tr, v_s in zip(trs, v)
+        for tr, v_s in zip(trs, v.split(n))
     ])
 
 

@@ -1,5 +1,8 @@
 """Collecting one iteration's samples: prompts, rollout, images, rewards, advantages.
 
+With ``[sampler].overlap_rewards`` the images of each rollout sub-batch are decoded and scored
+while the next sub-batch samples (:mod:`flowrl.train.overlap`); otherwise after the rollout.
+
 Every random draw is keyed by the GLOBAL sample index (:mod:`flowrl.seeding`): a sample gets
 the same starting noise, SDE noise and prompt on any number of processes and after a resume.
 The result is a :class:`Batch`, which the update consumes as it is.
@@ -13,11 +16,12 @@ import torch
 
 from .. import distributed
 from ..advantages import advantages_for
-from ..interfaces import TextEmbeddings, score, select_embeddings
-from ..prompts import prompts_for_iteration, reward_metadata
+from ..interfaces import TextEmbeddings, select_embeddings
+from ..prompts import prompts_for_iteration
 from ..sampling import rollout
 from ..seeding import generator, sample_generators
 from ..trajectory import Trajectory
+from .overlap import OverlappedScoring, score_part
 
 
 @dataclasses.dataclass
@@ -54,13 +58,25 @@ def initial_noise(seed: int, iteration: int, indices, group_size: int, shape, sa
 
 def collect(session, geometry, ctx, prompts: list[str], iteration: int, timer) -> Batch:
     """This process's samples of the iteration: prompts and text embeddings (``encode``), the
-    rollout (``rollout``) and the decoded images (``decode``), each phase timed by ``timer``."""
+    rollout (``rollout``), the decoded images (``decode``) and their rewards (``reward``), each
+    phase timed by ``timer``. With ``[sampler].overlap_rewards`` decoding and scoring run beside
+    the rollout, and ``reward`` times only the wait for the last sub-batch's scores."""
+    rewards = session.components.rewards
     with timer("encode"):
         batch = encode(session, geometry, ctx, prompts, iteration)
+    if session.recipe.sampler.overlap_rewards:
+        with OverlappedScoring(session.model, rewards, iteration=iteration) as scoring:
+            with timer("rollout"):
+                sample(session, batch, geometry.group_size, on_part=scoring.submit)
+            with timer("reward"):
+                batch.images, batch.rewards, batch.reward_extras = scoring.gather()
+        return batch
     with timer("rollout"):
         sample(session, batch, geometry.group_size)
     with timer("decode"):
         batch.images = session.model.decode(batch.trajectory.image_latents)
+    with timer("reward"):
+        score_rewards(batch, rewards)
     return batch
 
 
@@ -73,9 +89,10 @@ def encode(session, geometry, ctx, prompts: list[str], iteration: int) -> Batch:
                  group_ids=torch.tensor([j // G for j in local]), text=session.cache.get(sample_prompts, session.device))
 
 
-def sample(session, batch: Batch, group_size: int) -> None:
+def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
     """Roll out every local sample with the training sampler, in ``[sampler].batch_size``
-    micro-batches (0 = all at once); fills ``batch.trajectory``."""
+    micro-batches (0 = all at once); fills ``batch.trajectory``. ``on_part(image_latents,
+    prompts)`` is called after each micro-batch (overlapped rewards)."""
     recipe, model, sampler = session.recipe, session.model, session.sampler
     n = len(batch.indices)
     noise = initial_noise(recipe.run.seed, batch.iteration, batch.indices, group_size, model.latent_shape,
@@ -91,16 +108,17 @@ def sample(session, batch: Batch, group_size: int) -> None:
             sampler.kernels, generators=gens[lo : lo + len(b)], image_from=sampler.image_from,
             reduction=sampler.reduction, prompts=batch.prompts[lo : lo + len(b)], group_ids=batch.group_ids[lo : lo + len(b)],
         ))
+        if on_part is not None:
+            on_part(parts[-1].image_latents, parts[-1].prompts)
     batch.trajectory = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
 
 
 def score_rewards(batch: Batch, rewards) -> None:
-    """Score the decoded images with every reward; fills ``batch.rewards`` and ``reward_extras``."""
-    metadata = reward_metadata(batch.prompts, batch.images)  # condition images, when the prompts carry them
-    for label, _, reward in rewards:
-        out = score(reward, batch.images, batch.prompts, metadata)
-        batch.rewards[label] = out.scores
-        batch.reward_extras.update({f"{label}/{k}": v.reshape(-1) for k, v in sorted(out.extras.items())})
+    """Score the decoded images with every reward; fills ``batch.rewards`` and ``reward_extras``.
+    A reward that raises stops the run naming it (:class:`flowrl.train.overlap.RewardFailedError`)."""
+    scores, extras = score_part(rewards, batch.images, batch.prompts, f"iteration {batch.iteration}")
+    batch.rewards.update(scores)
+    batch.reward_extras.update(extras)
 
 
 def assign_advantages(session, geometry, ctx, batch: Batch, num_chunks: int, record: dict) -> None:

@@ -26,8 +26,9 @@ from ..geometry import resolve_geometry
 from ..plugins import Registry, get_registry
 from ..prompts import evaluation_prompts, read_prompts
 from ..recipe import Recipe, check_startable
+from .accel import prepare_kernels
 from .checkpoint import checkpoint_iteration, latest_checkpoint
-from .collect import assign_advantages, collect, score_rewards
+from .collect import assign_advantages, collect
 from .ema import WeightEMA
 from .evaluate import RunEvaluator
 from .layout import ChunkLayout
@@ -61,6 +62,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
     layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
     update = PolicyUpdate(session, geometry, ctx)
+    kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
     ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
     eval_set = evaluation_set(session)
 
@@ -75,7 +77,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
     interrupted = False
     try:
-        with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt:
+        with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
             for iteration in range(state.iteration, train_cfg.iterations):
                 timer = display.timer(device, update.counter)
                 record = {"iteration": iteration, "world_size": ctx.world_size}
@@ -90,10 +92,9 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     with timer("eval"):
                         record.update(evaluator(iteration))
 
-                # ---- Collect: prompts and text embeddings, rollout, images; then the rewards ------
+                # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
+                # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
                 batch = collect(session, geometry, ctx, prompts, iteration, timer)
-                with timer("reward"):
-                    score_rewards(batch, session.components.rewards)
 
                 # ---- Advantages over whole groups (rewards gathered from every process) ---------
                 with timer("advantage"):

@@ -179,7 +179,7 @@ class PolicyUpdate:
         # [distributed]: the denoiser placed, replicated or sharded, and the optimizer rebound to
         # the parameters as the strategy holds them (docs/distributed.md)
         self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx)
-        self.optimizer = make_optimizer(params, train, self.strategy.kind)
+        self.optimizer = make_optimizer(params, train, self.strategy.kind, session.device, session.recipe.source)
         model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model))
         if self.reference is not None and self.reference.copy is not None:  # laid out like the denoiser
             self.reference.copy = self.strategy.prepare_frozen(self.reference.copy, on_cpu=train.reference_on_cpu)

@@ -1,0 +1,132 @@
+"""Compiled and fused kernels: the ``[train]`` switches ``compile``, ``attention_backend`` and
+``adamw_impl``.
+
+- :func:`make_adamw`: the update's AdamW with ``fused`` / ``foreach`` as ``adamw_impl`` says;
+- :func:`compile_denoiser`: ``torch.compile`` of the denoiser in place (``nn.Module.compile``:
+  the module, its parameters and its ``state_dict`` keys stay what they were, so checkpoints,
+  EMA and the strategy's hold on the parameters are unaffected). Called after the update has
+  built the KL reference (an uncompiled copy) and the strategy has placed or sharded the
+  denoiser (FSDP2 wants ``fully_shard`` before ``compile``);
+- :func:`attention_backend`: a context manager that restricts scaled-dot-product attention to
+  one backend (``torch.nn.attention.sdpa_kernel``) for the training loop.
+
+Each checks the device first and raises a :class:`~flowrl.errors.FlowrlError` naming the recipe
+field when the switch cannot work there (an attention backend the device lacks, fused AdamW on a
+device without it, compile without a C++ compiler on a CPU).
+
+Which backends exist (torch 2.13): on a CPU, ``math`` and ``flash`` (a CPU flash-attention
+kernel, any float dtype); on CUDA, ``math``, ``flash`` and ``efficient`` (memory-efficient) and
+``cudnn`` (flash and cudnn need fp16/bf16 and an sm80+ GPU; efficient also takes fp32).
+docs/recipes.md describes the switches; docs/benchmarks.md has what each measured on the CPU
+(benchmarks/kernels.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from ..errors import FlowrlError
+
+#: attention backends that exist per device type (``auto`` is always allowed)
+SDPA_BACKENDS = {
+    "cpu": ("math", "flash"),
+    "cuda": ("math", "flash", "efficient", "cudnn"),
+}
+_SDPA_NAMES = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+               "cudnn": "CUDNN_ATTENTION"}
+
+
+def _where(source: str, field: str) -> str:
+    return f"{source}: [train].{field}"
+
+
+def adamw_options(impl: str, device: torch.device, source: str = "<recipe>") -> dict:
+    """The ``fused`` / ``foreach`` keyword arguments of ``torch.optim.AdamW`` for ``impl``."""
+    if impl == "auto":
+        return {}
+    if impl == "for-loop":
+        return {"foreach": False, "fused": False}
+    if impl == "foreach":
+        return {"foreach": True}
+    if impl == "fused":
+        try:  # a private helper of torch.optim (torch >= 2.4); without it, let AdamW itself decide
+            from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+            supported = _get_fused_kernels_supported_devices()
+        except ImportError:
+            return {"fused": True}
+        if device.type not in supported:
+            raise FlowrlError(
+                f"adamw_impl = 'fused' is not available on device {device.type!r} (torch {torch.__version__} "
+                f"has fused AdamW on: {', '.join(supported)})",
+                where=_where(source, "adamw_impl"), hint="use adamw_impl = 'foreach' or 'auto' on this device",
+            )
+        return {"fused": True}
+    raise FlowrlError(f"unknown adamw_impl {impl!r}", where=_where(source, "adamw_impl"),
+                      hint="one of 'auto', 'for-loop', 'foreach', 'fused'")
+
+
+def make_adamw(params: Iterable[torch.nn.Parameter], train, device: torch.device, source: str = "<recipe>"):
+    """AdamW over ``params`` with ``[train]``'s lr, betas, eps, weight decay and ``adamw_impl``."""
+    return torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
+                             weight_decay=train.weight_decay, **adamw_options(train.adamw_impl, device, source))
+
+
+def check_attention_backend(name: str, device: torch.device, source: str = "<recipe>") -> None:
+    """Raise when ``name`` is not an attention backend of ``device``'s type."""
+    if name == "auto":
+        return
+    allowed = SDPA_BACKENDS.get(device.type, ("math",))
+    if name not in allowed:
+        raise FlowrlError(
+            f"attention_backend = {name!r} does not exist on device {device.type!r} (it has: {', '.join(allowed)})",
+            where=_where(source, "attention_backend"),
+            hint=f"use 'auto' or one of {', '.join(repr(a) for a in allowed)}",
+        )
+
+
+@contextlib.contextmanager
+def attention_backend(name: str, device: torch.device, source: str = "<recipe>") -> Iterator[None]:
+    """Within the block, scaled-dot-product attention may only use backend ``name`` (``auto``:
+    torch chooses, nothing changes)."""
+    check_attention_backend(name, device, source)
+    if name == "auto":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, _SDPA_NAMES[name])]):
+        yield
+
+
+def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>"):
+    """What the training loop calls once the update is built: check ``[train].attention_backend``
+    against the device, compile the denoiser as ``[train].compile`` says, and return the
+    attention context (:func:`attention_backend`) for the loop to run in."""
+    check_attention_backend(train.attention_backend, device, source)
+    compile_denoiser(model, train.compile, device, source)
+    return attention_backend(train.attention_backend, device, source)
+
+
+def compile_denoiser(model, mode: str, device: torch.device, source: str = "<recipe>") -> bool:
+    """``torch.compile`` ``model.denoiser`` in place with ``mode`` (``off``: nothing). Returns
+    whether it compiled. Compilation itself happens lazily, on the first forward of each shape."""
+    if mode == "off":
+        return False
+    if mode not in ("default", "max-autotune-no-cudagraphs"):
+        raise FlowrlError(f"unknown compile mode {mode!r}", where=_where(source, "compile"),
+                          hint="one of 'off', 'default', 'max-autotune-no-cudagraphs'")
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        raise FlowrlError("compile needs a C++ compiler on a CPU (torch inductor generates C++), and none is on PATH",
+                          where=_where(source, "compile"),
+                          hint="install g++ (apt-get install g++) or set compile = 'off'")
+    denoiser = model.denoiser
+    if not isinstance(denoiser, torch.nn.Module):
+        raise FlowrlError(f"compile needs the model's denoiser to be a torch module (it is {type(denoiser).__name__})",
+                          where=_where(source, "compile"), hint="set compile = 'off' for this model")
+    denoiser.compile(mode=mode)
+    return True
