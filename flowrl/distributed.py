@@ -4,9 +4,7 @@ Both launchers set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR; :func:`setup` j
 group (gloo on CPU, nccl on CUDA) after checking the launcher's settings against the recipe's
 ``[distributed]`` table (:func:`check_launch_environment`). The small collectives of the loop
 (rewards, metrics, flags) live here; how the model is replicated or sharded, and how its
-gradients are reduced, is :mod:`flowrl.train.parallel`. :func:`average_gradients` is the
-original hand-written reduction (one all-reduce per tensor), kept until the engine runs
-through :class:`flowrl.train.parallel.Strategy`.
+gradients are reduced, is :mod:`flowrl.train.parallel`.
 """
 
 from __future__ import annotations
@@ -202,17 +200,6 @@ def all_gather_cat(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def average_gradients(params: list[torch.nn.Parameter], ctx: DistContext) -> None:
-    """Average .grad over ranks, in place, one tensor at a time (no extra gradient copy)."""
-    if not ctx.enabled:
-        return
-    for p in params:
-        if p.grad is None:  # every rank must join every all-reduce
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-        p.grad.div_(ctx.world_size)
-
-
 def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:
     """``op`` in ``"sum"``, ``"max"``, ``"min"`` over ranks (the value itself on one process)."""
     if not ctx.enabled:
@@ -226,6 +213,17 @@ def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:
 def any_rank(flag: bool, ctx: DistContext) -> bool:
     """True on every rank when it is true on any (e.g. a Ctrl-C seen by one process first)."""
     return all_reduce_scalar(1.0 if flag else 0.0, ctx, "max") > 0.5
+
+
+class AnyRank:
+    """``any(flag)``: :func:`any_rank` as an object (the update's lockstep agreement under FSDP2,
+    :class:`flowrl.train.chunk_update.Lockstep`)."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx = ctx
+
+    def any(self, flag: bool) -> bool:
+        return any_rank(flag, self.ctx)
 
 
 def reduce_metrics(metrics: dict[str, float], how: dict[str, str], ctx: DistContext) -> dict[str, float]:

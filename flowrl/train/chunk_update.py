@@ -37,11 +37,20 @@ Two more ways, same gradients:
 Both accept ``forward_with_extra(t, idx) -> (log_prob, extra)``: one forward with grad that also
 returns a per-sample extra loss term (the KL term, weighted), back-propagated with the policy
 loss, so a KL term costs no second policy forward.
+
+Lockstep (FSDP2 over several processes): every forward and backward of a sharded model is a
+collective, so every process must make the same calls in the same order, while the rows each
+one trains differ (its own samples, chunks and advantages). With ``lockstep`` (a
+:class:`Lockstep`), each decision to skip work (no sample selected the unit, every coefficient
+is 0) is agreed by all processes; a process that has nothing to do where another has makes the
+same calls on one row of its micro-batch (:func:`pad_rows`) with weight 0: its gradient gets
+exactly zero from them and its metrics ignore them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -57,6 +66,8 @@ from flowrl.losses import (
 )
 
 __all__ = [
+    "Lockstep",
+    "pad_rows",
     "StepLogProbFn",
     "ForwardWithExtra",
     "lean_chunk_backward",
@@ -71,6 +82,22 @@ StepLogProbFn = Callable[[int, torch.Tensor, bool], torch.Tensor]
 ForwardWithExtra = Callable[[int, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
 # (positions, batch_idx) -> log-probs [len(positions), n] with grad, from ONE batched forward
 ManyStepLogProbFn = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+class Lockstep(Protocol):
+    """``any(flag)``: True when ``flag`` is True on any process (a collective every process calls)."""
+
+    def any(self, flag: bool) -> bool: ...
+
+
+def _agreed(flag: bool, lockstep: Lockstep | None) -> bool:
+    return lockstep.any(flag) if lockstep is not None else flag
+
+
+def pad_rows(rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(rows, False)``, or, for no rows, ``(one row: 0, True)``: the stand-in a process in
+    lockstep forwards (with weight 0) where another process has work."""
+    return (rows, False) if rows.numel() else (rows.new_zeros(1), True)
 
 
 def _setup(old_lp, advantages, sizes, unit_mask):
@@ -100,6 +127,8 @@ def lean_chunk_backward(
     unit_mask: torch.Tensor,
     objective: Objective,
     normaliser: float | None = None,
+    *,
+    lockstep: Lockstep | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Backpropagate ``reduce_units(objective(z, A), unit_mask, normaliser)`` one step at a time.
 
@@ -135,8 +164,9 @@ def lean_chunk_backward(
     mismatch, first = 0.0, 0
     for u, size in enumerate(s):
         idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
-        if idx.numel():
-            dz_used[:, u], unit_mismatch = _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size)
+        if _agreed(bool(idx.numel()), lockstep):
+            dz_used[:, u], unit_mismatch = _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size,
+                                                          lockstep)
             mismatch = max(mismatch, unit_mismatch)
         first += size
 
@@ -160,34 +190,43 @@ def _with_grad(step_log_prob_fn: StepLogProbFn, t: int, idx: torch.Tensor) -> to
     return lp
 
 
-def _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size) -> tuple[torch.Tensor, float]:
+def _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size, lockstep=None) -> tuple[torch.Tensor, float]:
     """Steps 1-3 of the module docstring for unit ``u`` (positions ``first .. first + size - 1``)
     and the samples ``idx`` that selected it; fills ``new`` with their log-probs and returns
-    (``dL/dz`` column ``u`` as used, the largest recompute mismatch)."""
+    (``dL/dz`` column ``u`` as used, the largest recompute mismatch). ``idx`` may be empty in
+    lockstep: a stand-in row is then forwarded with weight 0."""
     last = first + size - 1
+    rows, stand_in = pad_rows(idx)
     # 1. the unit's log-probs: the others without grad, the last with grad (kept)
     with torch.no_grad():
         for t in range(first, last):
-            new[idx, t] = _checked(step_log_prob_fn(t, idx, False), idx.numel(), t).detach().to(torch.float32)
-    lp = _with_grad(step_log_prob_fn, last, idx)
-    new[idx, last] = lp.detach().to(torch.float32)
+            lp = _checked(step_log_prob_fn(t, rows, False), rows.numel(), t)
+            if not stand_in:
+                new[idx, t] = lp.detach().to(torch.float32)
+    lp = _with_grad(step_log_prob_fn, last, rows)
+    if not stand_in:
+        new[idx, last] = lp.detach().to(torch.float32)
     # 2. dL/dz_u
     _, _, dz = units_grad(new)
-    coef = dz[idx, u] / size
+    coef = torch.zeros(1, device=dz.device) if stand_in else dz[idx, u] / size
     live = coef != 0
     # 3. backward through the kept graph, then recompute the other positions one at a time;
     # a unit clipped (or with zero advantage) for every sample has exactly zero gradient
-    if not bool(live.any()):
+    if not _agreed(bool(live.any()), lockstep):
         return dz[:, u], 0.0
     with torch.enable_grad():
         (coef.to(lp.dtype) * lp).sum().backward()
     del lp  # free the graph before the next forward (the memory of one step)
-    sub, c, mismatch = idx[live], coef[live], 0.0
+    sub, c, mismatch = rows[live], coef[live], 0.0
+    sub, idle = pad_rows(sub)  # lockstep: another process recomputes, so this one does too
+    if idle:
+        c = torch.zeros(1, device=coef.device)
     for t in range(first, last):
         lp = _with_grad(step_log_prob_fn, t, sub)
         with torch.enable_grad():
             (c.to(lp.dtype) * lp).sum().backward()
-        mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[sub, t]).abs().max()))
+        if not idle:
+            mismatch = max(mismatch, float((lp.detach().to(torch.float32) - new[sub, t]).abs().max()))
         del lp
     return dz[:, u], mismatch
 
@@ -229,6 +268,7 @@ def on_policy_chunk_backward(
     normaliser: float | None = None,
     *,
     forward_with_extra: ForwardWithExtra | None = None,
+    lockstep: Lockstep | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The fast path of :func:`lean_chunk_backward` for the on-policy point (the current weights
     ARE the rollout's: every ratio is 1, ``z = 0``). Same arguments and return value.
@@ -249,15 +289,19 @@ def on_policy_chunk_backward(
         idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
         coef = dz[idx, u] / size
         live = coef != 0
-        if idx.numel() and (bool(live.any()) or forward_with_extra is not None):
+        if _agreed(bool(idx.numel()) and (bool(live.any()) or forward_with_extra is not None), lockstep):
             last = first + size - 1
             t_rows, t_coef = (idx, coef) if forward_with_extra is not None else (idx[live], coef[live])
+            t_rows, stand_in = pad_rows(t_rows)
+            weight = 0.0 if stand_in else 1.0  # a stand-in row (lockstep) contributes nothing
             for t in [last, *range(first, last)]:  # the lean update's order
                 lp, extra = _forward(forward_with_extra, step_log_prob_fn, t, t_rows)
                 with torch.enable_grad():
-                    total = (t_coef.to(lp.dtype) * lp).sum() + (extra.sum() if extra is not None else 0.0)
+                    total = (t_coef.to(lp.dtype) * lp).sum() if not stand_in else 0.0 * lp.sum()
+                    total = total + (weight * extra.sum() if extra is not None else 0.0)
                     total.backward()
-                new[t_rows, t] = lp.detach().to(torch.float32)
+                if not stand_in:
+                    new[t_rows, t] = lp.detach().to(torch.float32)
                 del lp, extra, total  # one step's graph at a time
         first += size
     return _finish(new, old, s, m, adv, objective, normaliser)
@@ -274,6 +318,7 @@ def chunk_graph_backward(
     *,
     forward_with_extra: ForwardWithExtra | None = None,
     many: ManyStepLogProbFn | None = None,
+    lockstep: Lockstep | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Exact at any policy: one graph per unit (its positions forwarded with grad, batched into
     one forward by ``many`` when given), the unit's ``dL/dz`` from those log-probs, one backward.
@@ -283,20 +328,24 @@ def chunk_graph_backward(
     new, first = old.clone(), 0
     for u, size in enumerate(s):
         idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
-        if idx.numel():
+        if _agreed(bool(idx.numel()), lockstep):
             positions = list(range(first, first + size))
+            rows, stand_in = pad_rows(idx)  # lockstep: a stand-in row, weight 0
             if many is not None and forward_with_extra is None:
                 with torch.enable_grad():
-                    lps, extras = list(many(positions, idx).unbind(0)), [None] * size
+                    lps, extras = list(many(positions, rows).unbind(0)), [None] * size
             else:
-                lps, extras = zip(*(_forward(forward_with_extra, step_log_prob_fn, t, idx) for t in positions))
-            for t, lp in zip(positions, lps):
-                new[idx, t] = lp.detach().to(torch.float32)
-            z = torch.where(m, unit_log_ratios(new, old, s), torch.zeros(m.shape, device=old.device))
-            coef = _units_grad_at(z, m, adv, objective, normaliser)[idx, u] / size
+                lps, extras = zip(*(_forward(forward_with_extra, step_log_prob_fn, t, rows) for t in positions))
+            if stand_in:
+                coef, weight = torch.zeros(1, device=old.device), 0.0
+            else:
+                for t, lp in zip(positions, lps):
+                    new[idx, t] = lp.detach().to(torch.float32)
+                z = torch.where(m, unit_log_ratios(new, old, s), torch.zeros(m.shape, device=old.device))
+                coef, weight = _units_grad_at(z, m, adv, objective, normaliser)[idx, u] / size, 1.0
             with torch.enable_grad():
                 total = sum((coef.to(lp.dtype) * lp).sum() for lp in lps)
-                total = total + sum(e.sum() for e in extras if e is not None)
+                total = total + sum(weight * e.sum() for e in extras if e is not None)
                 total.backward()
             del lps, extras, total
         first += size

@@ -62,6 +62,13 @@ class WeightEMA:
         config = session.recipe.ema
         if not config.enabled:
             return None
+        if any(hasattr(p, "full_tensor") for group in optimizer.param_groups for p in group["params"]):
+            raise FlowrlError(
+                "[ema] is not supported with sharded weights ([distributed].strategy = 'fsdp2') yet: the EMA is "
+                "saved as one safetensors file by the main process, which does not hold the full weights",
+                where=f"{session.recipe.source}: [ema].enabled",
+                hint="set [ema] enabled = false, or train with strategy = 'ddp' (or LoRA, which fits replicated)",
+            )
         ema = cls(session.model.denoiser, config)
         optimizer.register_step_post_hook(lambda *_: ema.step())
         return ema

@@ -102,9 +102,10 @@ class RunEvaluator:
     """A training run's evaluation on its fixed set (see the module docstring); ``prompts``
     empty: the run does not evaluate."""
 
-    def __init__(self, session, prompts: list[str], ctx, outputs, ema=None):
+    def __init__(self, session, prompts: list[str], ctx, outputs, ema=None, lockstep: bool = False):
         self.session, self.prompts, self.ctx, self.outputs = session, prompts, ctx, outputs
         self.ema = ema if session.recipe.ema.evaluate else None
+        self.lockstep = lockstep  # FSDP2: the other processes make the same denoiser calls
 
     def due(self, iteration: int) -> bool:
         return bool(self.prompts) and iteration % self.session.recipe.log.eval_every == 0
@@ -112,9 +113,12 @@ class RunEvaluator:
     def __call__(self, iteration: int, final: bool = False) -> dict[str, float]:
         """``eval/<reward>/mean`` and ``/sem`` of the policy after ``iteration`` iterations
         (``{}`` on the other processes); writes the eval grids."""
-        if not self.ctx.is_main:
-            return {}
         recipe, session = self.session.recipe, self.session
+        if not self.ctx.is_main:
+            if self.lockstep:  # every forward of a sharded denoiser is a collective: sample alongside, unscored
+                evaluate(session.model, session.sampler.sigmas, [], self.prompts, recipe.prompts.eval_seeds,
+                         recipe.run.seed, session.cache, recipe.train.micro_batch_size * 4)
+            return {}
         images: list[torch.Tensor] = []
 
         def keep(x: torch.Tensor) -> None:  # as 8-bit images in CPU memory

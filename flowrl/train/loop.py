@@ -47,7 +47,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     cfg, train_cfg = recipe, recipe.train
 
     # ---- Setup: device, processes, batch geometry, run directory checks ----------------------
-    device, ctx = distributed.start(recipe.run.device)
+    device, ctx = distributed.start(recipe.run.device, recipe.distributed)  # checks the launcher agrees
     geometry = resolve_geometry(train_cfg, ctx.world_size, cfg.source)
     run_dir = Path(resume) if resume is not None else cfg.output_dir
     announce(console, ctx, cfg, geometry, run_dir)
@@ -70,7 +70,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
     throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
     outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
-    evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema)
+    evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
     saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
     display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
     interrupted = False

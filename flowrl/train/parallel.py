@@ -12,10 +12,13 @@ depends on how they are laid out. Per optimizer step, on every process::
     if finite: strategy.step()
 
 - ``none``: one process, the plain module (bf16: accelerate's autocast around its forward).
-- ``ddp``: accelerate's ``Accelerator.prepare_model`` (DistributedDataParallel; bf16: autocast).
-  Backwards run under ``no_sync``; the step's gradients are then averaged with one bucketed,
-  flat all-reduce (DDP's reducer only fires inside a backward, and the memory-lean update does
-  not know which of its backwards is the last).
+- ``ddp``: accelerate's ``Accelerator.prepare_model`` places the replica and, for bf16, puts its
+  autocast around the forward; the weights are broadcast from rank 0. The step's gradients are
+  averaged with one bucketed, flat all-reduce after the last backward. No
+  DistributedDataParallel wrapper: its reducer only fires inside a backward, and the
+  memory-lean update does not know which of its backwards is the last (it would have to run
+  every one under ``no_sync``), while the wrapper's gradient buckets would cost one more copy
+  of the gradients.
 - ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on each transformer block, then on the
   root, over a 1-D mesh (``shard = "full"``) or a 2-D one (``"hybrid"``: replicate across nodes,
   shard within a node). flowrl applies it itself: accelerate on a CPU turns an FSDP2 request
@@ -187,7 +190,7 @@ class Strategy:
 
     def __init__(self, config: DistributedConfig, kind: str, device: torch.device, topology: Topology):
         self.config, self.kind, self.device, self.topology = config, kind, torch.device(device), topology
-        self.module: nn.Module | None = None  # what the adapter calls: the plain, DDP- or FSDP2-wrapped denoiser
+        self.module: nn.Module | None = None  # what the adapter calls: the denoiser, placed (and FSDP2-sharded)
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[nn.Parameter] = []  # the trainable parameters, as the optimizer holds them
         self.accelerator = None
@@ -245,20 +248,17 @@ class Strategy:
 
     def _replicate(self, module: nn.Module) -> nn.Module:
         from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs
 
-        self.accelerator = Accelerator(
-            cpu=self.device.type == "cpu",
-            mixed_precision=self.config.mixed_precision,
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, bucket_cap_mb=BUCKET_BYTES // 2**20)],
-        )
+        self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=self.config.mixed_precision)
         if self.kind == "ddp" and self.topology.world_size > 1 and self.accelerator.num_processes != self.topology.world_size:
             raise FlowrlError(f"accelerate sees {self.accelerator.num_processes} processes, torch.distributed "
                               f"{self.topology.world_size}", where="[distributed].strategy = 'ddp'",
                               hint="launch with torchrun, `flowrl train --num-processes N` or `accelerate launch --multi_gpu`")
-        with warnings.catch_warnings():  # broadcast_buffers=False: no collective in a forward
-            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-            return self.accelerator.prepare_model(module, device_placement=True)
+        # evaluation_mode: placement and autocast without the DistributedDataParallel wrapper
+        # (the module docstring says why); every replica starts from rank 0's weights
+        prepared = self.accelerator.prepare_model(module, device_placement=True, evaluation_mode=True)
+        _broadcast_module(prepared, self.topology.world_size)
+        return prepared
 
     def _shard(self, module: nn.Module, blocks: list[nn.Module]) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -284,6 +284,11 @@ class Strategy:
         fully_shard(module, mesh=self.mesh, mp_policy=root, offload_policy=offload, reshard_after_forward=False)
         # a trainable tensor without a gradient on one rank still joins its group's reduce-scatter
         module.set_reduce_scatter_unused_params(True)
+        # FSDP2 warns on every process that diffusers' transformers return a view. Only an
+        # in-place op on it would be harmful; flowrl's adapters and kernels use the velocity
+        # out of place, and tests/engine/test_engine_fsdp2.py checks the gradients equal one
+        # process's.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return module
 
     # ------------------------------------------------------------------------ one optimizer step
@@ -314,10 +319,7 @@ class Strategy:
                 yield
             finally:
                 self.module.set_requires_gradient_sync(True)
-        elif self.kind == "ddp" and self.topology.world_size > 1:
-            with self.accelerator.no_sync(self.module):
-                yield
-        else:
+        else:  # none, ddp: no wrapper, nothing communicates until _reduce_gradients
             yield
 
     def _reduce_gradients(self) -> None:

@@ -18,6 +18,7 @@ from ..chunking import chunk_index
 from ..compat import ensure_torchvision_importable
 from ..interfaces import HasReferencePolicy
 from ..losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
+from .chunk_update import pad_rows
 
 ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
 
@@ -92,6 +93,7 @@ def kl_backward(
     kind: str,
     beta: float,
     normaliser: float,
+    lockstep=None,
 ) -> tuple[float, float]:
     """Back-propagate ``beta * mean over trained transitions of KL`` for a micro-batch.
 
@@ -101,23 +103,28 @@ def kl_backward(
     Averages like the policy loss: over the trained transitions of each sample, then summed
     over samples and divided by ``normaliser``. One forward + backward (plus a reference forward
     for the reference kinds) per trained transition, one step's graph at a time. Returns
-    ``(mean KL over trained transitions, the term as optimised without beta)``.
+    ``(mean KL over trained transitions, the term as optimised without beta)``. ``lockstep``
+    (:class:`flowrl.train.chunk_update.Lockstep`): a process without rows at a position where
+    another has some forwards a stand-in row with weight 0.
     """
     trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
     per_sample = trans.sum(1).clamp(min=1).float()
     total, count, term = 0.0, 0, 0.0
     for t, i in enumerate(scorer.positions):
         b = torch.nonzero(trans[:, t], as_tuple=False).flatten()
-        if not b.numel():
+        if not (lockstep.any(bool(b.numel())) if lockstep is not None else b.numel()):
             continue
+        b, stand_in = pad_rows(b)
         rows = batch_idx[b]
         tr = scorer.trajectory.transition(i)
         ref_out = None if kind == "old_policy_k3" else scorer.step(t, rows, grad=False, reference=True)
         with torch.enable_grad():
             out = scorer.step(t, rows, grad=True)
             kl = step_kl(kind, out, ref_out, out.log_prob - old_lp[rows, t], tr.sigma, tr.sigma_next)
-            weighted = (kl / per_sample[b].to(kl.device)).sum() / normaliser
+            weighted = (kl / per_sample[b].to(kl.device)).sum() / normaliser * (0.0 if stand_in else 1.0)
             (beta * weighted).backward()
+        if stand_in:
+            continue
         term += float(weighted.detach())
         total += float(kl.detach().sum())
         count += kl.numel()
@@ -145,10 +152,11 @@ class KLTerm:
         ref_out = None if self.kind == "old_policy_k3" else self.scorer.step(t, rows, grad=False, reference=True)
         out = self.scorer.step(t, rows, grad=True)
         kl = step_kl(self.kind, out, ref_out, out.log_prob - self.old_lp[rows, t], tr.sigma, tr.sigma_next)
-        weighted = kl * self.trans[b, t].to(kl.dtype) / self.per_sample[b].to(kl.device) / self.normaliser
+        trained = self.trans[b, t].to(kl.device)  # False for a lockstep stand-in row
+        weighted = kl * trained.to(kl.dtype) / self.per_sample[b].to(kl.device) / self.normaliser
         self.term += float(weighted.detach().sum())
-        self.total += float(kl.detach().sum())
-        self.count += kl.numel()
+        self.total += float(kl.detach()[trained].sum())
+        self.count += int(trained.sum())
         return out.log_prob, self.beta * weighted
 
     def result(self) -> tuple[float, float]:

@@ -44,6 +44,7 @@ from .checkpoint import (
     set_rng_state,
 )
 from .finetune import load_trainable_state_dict, trainable_state_dict
+from .parallel import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 
 @dataclasses.dataclass
@@ -161,29 +162,35 @@ _ABSENT = object()
 
 def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, layout, geometry, ctx,
                              ema=None) -> Path | None:
-    """Write a checkpoint of the whole training state (atomically, on the main process; see the
-    module docstring)."""
-    if not ctx.is_main:
-        return None
+    """Write a checkpoint of the whole training state, atomically (see the module docstring):
+    the main process writes safetensors, or, under FSDP2, every process writes its shards
+    (torch.distributed.checkpoint) and the main process completes it. Returns its path on the
+    main process, None on the others."""
     recipe = session.recipe
     extra = {} if ema is None else {"ema": ema.state()}
+    info = {
+        "iteration": state.iteration,
+        "nonfinite_steps": state.nonfinite_steps,
+        "lr_scheduler": update.scheduler.state_dict(),
+        "data_position": state.iteration * geometry.prompts_per_iteration,
+        "world_size": ctx.world_size,
+        "chunk_sizes": list(layout.sizes),
+        "selector_l1rel": layout.selector_l1rel,
+        "update_mode": update.auto_mode,
+        **extra,
+    }
+    root, name, recipe_toml = run_dir / "checkpoints", f"iter_{state.iteration:06d}", dump_toml(recipe.to_toml_dict())
+    if update.strategy.sharded:  # every process writes its part; no process gathers the model
+        return save_sharded_checkpoint(root, name, update.strategy, state=info, recipe_toml=recipe_toml,
+                                       keep_last=recipe.checkpoint.keep_last)
+    if not ctx.is_main:
+        return None
     return save_checkpoint(
-        run_dir / "checkpoints",
-        f"iter_{state.iteration:06d}",
+        root, name,
         model=trainable_state_dict(session.model.denoiser),
         optimizer=update.optimizer.state_dict(),
-        state={
-            "iteration": state.iteration,
-            "nonfinite_steps": state.nonfinite_steps,
-            "lr_scheduler": update.scheduler.state_dict(),
-            "data_position": state.iteration * geometry.prompts_per_iteration,
-            "world_size": ctx.world_size,
-            "chunk_sizes": list(layout.sizes),
-            "selector_l1rel": layout.selector_l1rel,
-            "update_mode": update.auto_mode,
-            **extra,
-        },
-        recipe_toml=dump_toml(recipe.to_toml_dict()),
+        state=info,
+        recipe_toml=recipe_toml,
         keep_last=recipe.checkpoint.keep_last,
         extra=None if ema is None else {"ema": ema.tensors()},
     )
@@ -191,18 +198,23 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
 
 def restore_training_state(run_dir: Path, session, update, layout, ctx, console: Console, ema=None) -> TrainState:
     """Load the latest checkpoint into the model, AdamW, the LR schedule, the RNG, the chunk
-    layout and the EMA; a run directory without a checkpoint starts at iteration 0."""
+    layout and the EMA; a run directory without a checkpoint starts at iteration 0. A sharded
+    checkpoint loads under any strategy and process count (DCP reshards it)."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
         if ctx.is_main:
             console.print(f"[yellow]note:[/yellow] {run_dir} has no checkpoint yet; starting at iteration 0")
         return TrainState()
-    saved = load_checkpoint(ckpt)
-    load_trainable_state_dict(session.model.denoiser, saved["model"])
-    update.optimizer.load_state_dict(saved["optimizer"])
-    update.scheduler.load_state_dict(saved["state"]["lr_scheduler"])
-    set_rng_state(saved["rng"])
-    state = saved["state"]
+    if update.strategy.sharded or is_sharded_checkpoint(ckpt):
+        state = load_sharded_checkpoint(ckpt, update.strategy)  # weights, AdamW and the RNG
+        saved = {"state": state, "ema": None}
+    else:
+        saved = load_checkpoint(ckpt)
+        load_trainable_state_dict(session.model.denoiser, saved["model"])
+        update.optimizer.load_state_dict(saved["optimizer"])
+        set_rng_state(saved["rng"])
+        state = saved["state"]
+    update.scheduler.load_state_dict(state["lr_scheduler"])
     if ema is not None:
         restore_ema(ema, saved, ckpt)
     saved_world = state.get("world_size", ctx.world_size)

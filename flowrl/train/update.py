@@ -32,6 +32,7 @@ from ..trajectory import Trajectory
 from .chunk_update import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
+from .parallel import Strategy, declared_blocks
 from .reference import KLTerm, ReferencePolicy, kl_backward
 
 
@@ -164,18 +165,25 @@ class PolicyUpdate:
     AdamW and its LR schedule."""
 
     def __init__(self, session, geometry, ctx):
-        train, loss = session.recipe.train, session.components.loss
+        train, loss, model = session.recipe.train, session.components.loss, session.model
         self.session, self.geometry, self.ctx = session, geometry, ctx
-        self.params = prepare_trainable(session.model, train)
+        params = prepare_trainable(model, train)
         # KL regularisation: the reference is fixed now, before any update (and before a resume
-        # loads trained weights). The old-policy kind needs no reference model.
+        # loads trained weights), and before sharding (a frozen copy is a plain module). The
+        # old-policy kind needs no reference model.
         kl = isinstance(loss, KLRegularised)
         self.beta = float(loss.beta or 0.0) if kl else 0.0
         self.kl_kind = loss.kl if kl else "gaussian_exact"
-        self.reference = ReferencePolicy(session.model) if self.beta > 0 and self.kl_kind != "old_policy_k3" else None
+        self.reference = ReferencePolicy(model) if self.beta > 0 and self.kl_kind != "old_policy_k3" else None
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay,
+            params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps, weight_decay=train.weight_decay,
         )
+        # [distributed]: the denoiser placed, replicated or sharded, and the optimizer rebound to
+        # the parameters as the strategy holds them (docs/distributed.md)
+        self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx)
+        model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model))
+        self.params = self.strategy.params
+        self.lockstep = distributed.AnyRank(ctx) if self.strategy.lockstep else None
         total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train, total))
         self.fast_path = train.fast_path
@@ -214,38 +222,36 @@ class PolicyUpdate:
         Returns False when it was skipped for a non-finite loss or gradient."""
         g, train, seed = self.geometry, self.session.recipe.train, self.session.recipe.run.seed
         device, per_step = self.session.device, g.micro_batch_size * g.grad_accumulation
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad()
         probe = OnPolicyProbe() if check_on_policy else None
         step_loss = 0.0
-        for start in range(0, len(rows), g.micro_batch_size):
-            idx = rows[start : start + g.micro_batch_size]
-            sel_gens = [generator(seed, "select", batch.iteration, epoch, batch.indices[int(i)]) for i in idx]
-            mask = self.session.components.selector.select(len(idx), sizes, sel_gens).cpu()
-            if epoch == 0:
-                out.trained[idx] = mask
-            idx, mask = idx.to(device), mask.to(device)
-            self._expect_update(batch.advantages[idx], mask, sizes)
-            loss_value, m, kl = self._micro_batch_backward(scorer, old_lp, batch.advantages, idx, mask, sizes, probe,
-                                                           fast=check_on_policy and self.fast_path, normaliser=per_step)
-            step_loss += float(loss_value)
-            if kl is not None:
-                metrics[f"kl/{self.kl_kind}"].append(kl[0])
-                step_loss += self.beta * kl[1]
-            for k, v in m.items():
-                metrics[k].append(float(v))
+        with self.strategy.accumulate():  # gradients are reduced once, on leaving the block
+            for start in range(0, len(rows), g.micro_batch_size):
+                idx = rows[start : start + g.micro_batch_size]
+                sel_gens = [generator(seed, "select", batch.iteration, epoch, batch.indices[int(i)]) for i in idx]
+                mask = self.session.components.selector.select(len(idx), sizes, sel_gens).cpu()
+                if epoch == 0:
+                    out.trained[idx] = mask
+                idx, mask = idx.to(device), mask.to(device)
+                self._expect_update(batch.advantages[idx], mask, sizes)
+                loss_value, m, kl = self._micro_batch_backward(scorer, old_lp, batch.advantages, idx, mask, sizes, probe,
+                                                               fast=check_on_policy and self.fast_path, normaliser=per_step)
+                step_loss += float(loss_value)
+                if kl is not None:
+                    metrics[f"kl/{self.kl_kind}"].append(kl[0])
+                    step_loss += self.beta * kl[1]
+                for k, v in m.items():
+                    metrics[k].append(float(v))
         if probe is not None:
             out.on_policy = self._check_on_policy(probe)
-        distributed.average_gradients(self.params, self.ctx)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.params, train.max_grad_norm if train.max_grad_norm > 0 else float("inf")
-        )
-        # grad_norm is global after averaging; the loss is summed so that every process takes
-        # the same skip decision.
+        grad_norm = self.strategy.clip_grad_norm_(train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
+        # grad_norm is global after the reduction; the loss is summed so that every process
+        # takes the same skip decision.
         step_loss = distributed.all_reduce_scalar(step_loss, self.ctx) / self.ctx.world_size
         if not (math.isfinite(step_loss) and math.isfinite(float(grad_norm))):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.strategy.zero_grad()
             return False
-        self.optimizer.step()
+        self.strategy.step()
         self.scheduler.step()
         metrics["loss"].append(step_loss)
         metrics["grad_norm"].append(float(grad_norm))
@@ -260,21 +266,22 @@ class PolicyUpdate:
         if probe is not None:
             fn = probe.wrap(fn, old_lp[idx])
         args = (fn, old_lp[idx], advantages[idx], sizes, mask, objective)
+        lockstep = self.lockstep
         if not fast and self._mode(scorer, idx, sizes) == "lean":
-            loss, m = lean_chunk_backward(*args, normaliser=normaliser)
+            loss, m = lean_chunk_backward(*args, normaliser=normaliser, lockstep=lockstep)
             if self.beta <= 0:
                 return loss, m, None
             return loss, m, kl_backward(scorer, idx, mask, sizes, old_lp=old_lp, kind=self.kl_kind, beta=self.beta,
-                                        normaliser=normaliser)
+                                        normaliser=normaliser, lockstep=lockstep)
         kl = KLTerm(scorer, idx, mask, sizes, old_lp, self.kl_kind, self.beta, normaliser) if self.beta > 0 else None
         forward = kl.forward if kl is not None else None
         if forward is not None and probe is not None:
             forward = probe.wrap_forward(forward, old_lp[idx])
         if fast:
-            loss, m = on_policy_chunk_backward(*args, normaliser=normaliser, forward_with_extra=forward)
+            loss, m = on_policy_chunk_backward(*args, normaliser=normaliser, forward_with_extra=forward, lockstep=lockstep)
         else:
             loss, m = chunk_graph_backward(*args, normaliser=normaliser, forward_with_extra=forward,
-                                           many=scorer.many_fn(idx))
+                                           many=scorer.many_fn(idx), lockstep=lockstep)
         return loss, m, (kl.result() if kl is not None else None)
 
     def _expect_update(self, advantages: torch.Tensor, mask: torch.Tensor, sizes) -> None:
@@ -298,7 +305,9 @@ class PolicyUpdate:
             with self.counter.paused():
                 per_step = activation_bytes(lambda: scorer.step(0, idx, grad=True).log_prob)
             budget = free_memory_bytes(self.session.device) / 2
-            self.auto_mode = "chunk_graph" if max(sizes) * per_step <= budget else "lean"
+            fits = max(sizes) * per_step <= budget
+            # every process takes the same mode (under FSDP2 they must make the same calls)
+            self.auto_mode = "lean" if distributed.any_rank(not fits, self.ctx) else "chunk_graph"
         return self.auto_mode
 
     def _check_on_policy(self, probe: OnPolicyProbe) -> float:

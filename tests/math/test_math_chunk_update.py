@@ -243,3 +243,42 @@ def test_fast_path_is_the_lean_update_bit_for_bit_on_policy(on_policy):
     g_fast = _grads(model)
     assert torch.equal(loss_lean, loss_fast) and met_lean == met_fast
     assert all(torch.equal(a, b) for a, b in zip(g_lean, g_fast))
+
+
+class AlwaysBusyElsewhere:
+    """A lockstep agreement in which another process always has work: every skip is refused."""
+
+    def any(self, flag: bool) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("path", ["lean", "fast", "chunk_graph"])
+def test_lockstep_makes_the_same_calls_whatever_the_rows_and_keeps_the_gradient(setup, on_policy, path):
+    """Under FSDP2 every process must make the same forwards and backwards. With an agreement
+    that refuses every skip, the sequence of calls (position, grad) is the same for a micro-batch
+    that selected nothing, one that selected everything and one in between, and the gradients
+    and metrics equal those without lockstep (stand-in rows have weight 0)."""
+    from flowrl.train.chunk_update import chunk_graph_backward, on_policy_chunk_backward
+
+    model, tr = on_policy if path == "fast" else setup
+    fn = make_step_log_prob_fn(model.fn_for, tr)
+    old, sizes = tr.trainable_log_probs, (2, 3, 4, 7)
+    A = torch.tensor([1.0, -1.0, 0.0, -2.0, 1.5, -0.3])
+    obj = ClippedObjective(0.05, 0.05)
+    backward = {"lean": lean_chunk_backward, "fast": on_policy_chunk_backward, "chunk_graph": chunk_graph_backward}[path]
+    sequences = []
+    masks = [torch.zeros(B, 4, dtype=torch.bool), select_uniform(B, 4, 0.5, torch.Generator().manual_seed(3)),
+             torch.ones(B, 4, dtype=torch.bool)]
+    masks[0][:, 0] = True  # every sample trains one unit (the contract); units 1-3 have no rows here
+    for mask in masks:
+        plain_loss, plain_met = backward(fn, old, A, sizes, mask, obj, normaliser=12)
+        g_plain = _grads(model)
+        calls = []
+        counted = lambda t, i, g: calls.append((t, g)) or fn(t, i, g)  # noqa: E731
+        loss, met = backward(counted, old, A, sizes, mask, obj, normaliser=12, lockstep=AlwaysBusyElsewhere())
+        g_lock = _grads(model)
+        for a, b in zip(g_lock, g_plain):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-9), (a - b).abs().max()
+        assert torch.allclose(loss, plain_loss) and met == pytest.approx(plain_met)
+        sequences.append(calls)
+    assert sequences[0] == sequences[1] == sequences[2] and len(sequences[0]) >= 16
