@@ -393,13 +393,11 @@ class KLRegularised(Protocol):
 
 @runtime_checkable
 class ChoosesKLForm(Protocol):
-    """A loss with KL kind ``old_policy_k3`` that says where and in which direction it applies:
-    ``kl_level`` ``"step"`` (every trained transition's log-ratio ``z``) or ``"unit"`` (the unit's
-    mean log-ratio, GCPO's choice, added to the unit's objective); ``kl_direction``
-    ``"old_theta"`` (``e^z - 1 - z``, KL(pi_old || pi_theta) from pi_old's samples) or
-    ``"theta_old"`` (``e^-z - 1 + z``, GCPO's and DeepSeekMath's form)."""
+    """A loss with KL kind ``old_policy_k3`` that says its direction, applied to every trained
+    transition's log-ratio ``z``: ``kl_direction`` ``"old_theta"`` (``e^z - 1 - z``,
+    KL(pi_old || pi_theta) from pi_old's samples) or ``"theta_old"`` (``e^-z - 1 + z``, GCPO's and
+    DeepSeekMath's form; GCPO applies it to the chunk's mean log-ratio, flowrl per step)."""
 
-    kl_level: str
     kl_direction: str
 
 
