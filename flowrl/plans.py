@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.interfaces import Kernel
+from flowrl.sampling import prompts_and_groups
 from flowrl.schedules import validate_sigmas
 from flowrl.sde import GeneratorArg, ode_step
 from flowrl.solvers import DPM2M, dpmpp_2m_step
@@ -67,6 +68,33 @@ def _subset(generators: GeneratorArg, rows: torch.Tensor):
     return [gens[int(r)] for r in rows]
 
 
+def _solver_rows(x, v, x0, s, s_next, euler, after, prev_x0, prev_sigma):
+    """The next states of the rows outside their windows (Euler, or DPM-Solver++(2M) after the
+    window) and zero log-probs; the window rows are filled by the caller."""
+    nxt = torch.empty_like(x)
+    lp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    if bool(euler.any()):
+        rows = torch.nonzero(euler).flatten()
+        nxt[rows] = ode_step(v[rows], x[rows], s.repeat(len(rows)), s_next.repeat(len(rows))).next_sample
+    if bool(after.any()):
+        rows = torch.nonzero(after).flatten()
+        prev = None if prev_x0 is None else prev_x0[rows]
+        nxt[rows] = dpmpp_2m_step(x[rows], x0[rows], float(s), float(s_next), prev,
+                                  None if prev_sigma is None else float(prev_sigma))
+    return nxt, lp
+
+
+def _check_windows(windows: torch.Tensor, sig: torch.Tensor, kernel: Kernel, image_from: str) -> None:
+    """Every step inside a window must be trainable."""
+    n = sig.numel() - 1
+    for i in range(n):
+        if not bool(((windows[:, 0] <= i) & (i < windows[:, 1])).any()):
+            continue
+        if not kernel.stochastic_at(float(sig[i]), float(sig[i + 1])) or (i == n - 1 and image_from == "x0_hat"):
+            raise ValueError(f"step {i} of a window is not trainable (the kernel injects no noise there, or it is the "
+                             f"last step with the image decoded from its x0_hat); place the windows before it")
+
+
 @torch.no_grad()
 def rollout_plan(
     velocity_fn,
@@ -98,16 +126,8 @@ def rollout_plan(
         raise ValueError(f"the plan has {windows.shape[0]} windows for {b} samples")
     T = plan.num_trainable
     starts = windows[:, 0]
-    for i in range(n):
-        rows_here = ((starts <= i) & (i < windows[:, 1]))
-        if not bool(rows_here.any()):
-            continue
-        if not kernel.stochastic_at(float(sig[i]), float(sig[i + 1])) or (i == n - 1 and image_from == "x0_hat"):
-            raise ValueError(f"step {i} of a window is not trainable (the kernel injects no noise there, or it is the "
-                             f"last step with the image decoded from its x0_hat); place the windows before it")
-    prompts = list(prompts) if prompts is not None else [""] * b
-    gids = (torch.as_tensor(group_ids, dtype=torch.long).flatten() if group_ids is not None
-            else torch.arange(b)).to(device)
+    _check_windows(windows, sig, kernel, image_from)
+    prompts, gids = prompts_and_groups(prompts, group_ids, b, device)
     states, log_probs = [x], []
     means = torch.zeros(b, T, *x.shape[1:], dtype=torch.float32, device=device) if keep_means else None
     prev_x0, prev_sigma, image = None, None, None
@@ -119,9 +139,7 @@ def rollout_plan(
         x0 = x - s * v
         inside = ((starts <= i) & (i < windows[:, 1])).to(device)
         after = (windows[:, 1] <= i).to(device) if plan.outside == DPM2M else torch.zeros(b, dtype=torch.bool, device=device)
-        euler = ~inside & ~after
-        nxt = torch.empty_like(x)
-        lp = torch.zeros(b, dtype=torch.float32, device=device)
+        nxt, lp = _solver_rows(x, v, x0, s, s_next, ~inside & ~after, after, prev_x0, prev_sigma)
         if bool(inside.any()):
             rows = torch.nonzero(inside).flatten()
             out = kernel.step(v[rows], x[rows], s.repeat(len(rows)), s_next.repeat(len(rows)),
@@ -130,14 +148,6 @@ def rollout_plan(
             lp[rows] = out.log_prob
             if means is not None:
                 means[rows, i - starts.to(device)[rows]] = out.mean
-        if bool(euler.any()):
-            rows = torch.nonzero(euler).flatten()
-            nxt[rows] = ode_step(v[rows], x[rows], s.repeat(len(rows)), s_next.repeat(len(rows))).next_sample
-        if bool(after.any()):
-            rows = torch.nonzero(after).flatten()
-            prev = None if prev_x0 is None else prev_x0[rows]
-            nxt[rows] = dpmpp_2m_step(x[rows], x0[rows], float(s), float(s_next), prev,
-                                      None if prev_sigma is None else float(prev_sigma))
         if i == n - 1 and image_from == "x0_hat":
             image = x0
         prev_x0, prev_sigma = x0, s

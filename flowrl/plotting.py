@@ -18,6 +18,33 @@ def _series(records, key):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+ON_POLICY_NOTE = ("all 0: every re-scoring was on-policy\n(one optimizer step per rollout);\n"
+                  "several steps or passes per rollout\nshow the policy's drift here")
+
+
+def _all_zero(records, key) -> bool:
+    vals = [x for r in records if isinstance(r.get(key), list) for x in r[key] if x is not None]
+    return bool(vals) and all(x == 0 for x in vals)
+
+
+def plot_unit_ratios(records, ax) -> None:
+    """The per-chunk (unit) log-ratio spread over iterations, one line per unit."""
+    rows = [(r["iteration"], r["diag/unit_log_ratio_std"]) for r in records
+            if isinstance(r.get("diag/unit_log_ratio_std"), list) and r["diag/unit_log_ratio_std"]]
+    if not rows:
+        ax.axis("off")
+        return
+    for k in range(max(len(v) for _, v in rows)):
+        pts = [(it, v[k]) for it, v in rows if k < len(v) and v[k] is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"unit {k}")
+    if _all_zero(records, "diag/unit_log_ratio_std"):
+        ax.text(0.5, 0.5, ON_POLICY_NOTE, transform=ax.transAxes, ha="center", va="center", fontsize=9, alpha=0.8)
+    ax.set_title("unit (chunk) log-ratio std")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def plot_diagnostics(records, axes) -> None:
     """Three panels: the log-ratio mean ± spread of the re-scored steps, the per-step spread as an
     image (iteration x trainable position), and clip fraction / approximate KL to the old policy /
@@ -42,6 +69,10 @@ def plot_diagnostics(records, axes) -> None:
         im = ax.imshow(list(zip(*grid)), aspect="auto", origin="lower", cmap="viridis",
                        extent=(rows[0][0] - 0.5, rows[-1][0] + 0.5, -0.5, width - 0.5))
         ax.figure.colorbar(im, ax=ax, fraction=0.05)
+        ax.set_yticks(range(width) if width <= 16 else range(0, width, max(1, width // 8)))
+        if _all_zero(records, "diag/step_log_ratio_std"):
+            ax.text(0.5, 0.5, ON_POLICY_NOTE, transform=ax.transAxes, ha="center", va="center", fontsize=9,
+                    color="white")
     ax.set_title("log-ratio std per trained position")
     ax.set_xlabel("iteration")
     ax.set_ylabel("trainable position t")
@@ -59,8 +90,8 @@ def plot_diagnostics(records, axes) -> None:
         twin = ax.twinx()
         twin.plot(xs, ys, color="tab:red", ls="--", label="approx KL to old (k3)")
         twin.set_ylabel("approx KL to old", color="tab:red")
-        twin.legend(loc="upper right")
-    ax.legend(loc="upper left")
+        twin.legend(loc="center right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     ax.set_title("clipping, KL to the old policy, zero-advantage groups")
 
 
@@ -85,7 +116,7 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     if diag and not eval_keys:
         axes[0][1].axis("off")
     if diag:
-        axes[0][2].axis("off")
+        plot_unit_ratios(records, axes[0][2])
         plot_diagnostics(records, axes[1])
     ax = axes[0][0]
     for key in train_keys:

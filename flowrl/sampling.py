@@ -27,6 +27,7 @@ __all__ = [
     "make_kernels",
     "trainable_mask",
     "rollout",
+    "prompts_and_groups",
     "rescore_transition",
     "rescore_transitions",
     "rescore_position",
@@ -118,6 +119,21 @@ def _group_ids_from_prompts(prompts: Sequence[str]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def prompts_and_groups(prompts, group_ids, b: int, device) -> tuple[list[str], torch.Tensor]:
+    """A rollout's ``prompts`` (default ``[""] * B``) and ``group_ids`` (default: one group per
+    distinct prompt, in order of first appearance), checked to have ``B`` entries."""
+    prompts = [""] * b if prompts is None else list(prompts)
+    if len(prompts) != b:
+        raise ValueError(f"prompts must have B = {b} entries, got {len(prompts)}")
+    if group_ids is None:
+        gids = _group_ids_from_prompts(prompts)
+    else:
+        gids = torch.as_tensor(group_ids, dtype=torch.long).flatten()
+        if gids.numel() != b:
+            raise ValueError(f"group_ids must have B = {b} entries, got {gids.numel()}")
+    return prompts, gids.to(device)
+
+
 def rollout(
     velocity_fn: VelocityFn,
     initial_noise: torch.Tensor,
@@ -157,18 +173,7 @@ def rollout(
     kernels = tuple(kernels)
     trainable = trainable_mask(kernels, sig.cpu(), image_from)
     b = initial_noise.shape[0]
-    if prompts is None:
-        prompts = [""] * b
-    prompts = list(prompts)
-    if len(prompts) != b:
-        raise ValueError(f"prompts must have B = {b} entries, got {len(prompts)}")
-    if group_ids is None:
-        gids = _group_ids_from_prompts(prompts)
-    else:
-        gids = torch.as_tensor(group_ids, dtype=torch.long).flatten()
-        if gids.numel() != b:
-            raise ValueError(f"group_ids must have B = {b} entries, got {gids.numel()}")
-    gids = gids.to(device)
+    prompts, gids = prompts_and_groups(prompts, group_ids, b, device)
 
     x = initial_noise.to(torch.float32)
     states = [x]
