@@ -118,7 +118,6 @@ def _group_ids_from_prompts(prompts: Sequence[str]) -> torch.Tensor:
     return torch.tensor([first.setdefault(p, len(first)) for p in prompts], dtype=torch.long)
 
 
-@torch.no_grad()
 def prompts_and_groups(prompts, group_ids, b: int, device) -> tuple[list[str], torch.Tensor]:
     """A rollout's ``prompts`` (default ``[""] * B``) and ``group_ids`` (default: one group per
     distinct prompt, in order of first appearance), checked to have ``B`` entries."""
@@ -134,6 +133,7 @@ def prompts_and_groups(prompts, group_ids, b: int, device) -> tuple[list[str], t
     return prompts, gids.to(device)
 
 
+@torch.no_grad()
 def rollout(
     velocity_fn: VelocityFn,
     initial_noise: torch.Tensor,

@@ -234,11 +234,9 @@ class PolicyGradient:
             fast=micro.first and update.fast_path, normaliser=micro.normaliser, recorder=self.recorder,
             kl_direction=self.kl_direction, kl_weights=self.kl_weights())
         self.recorder.finish(mask)
-        metrics = {k: float(v) for k, v in m.items()}
-        losses = (float(loss),)
-        if kl is not None:
-            metrics[f"kl/{update.kl_kind}"] = kl[0]
-            losses += (update.beta * kl[1],)
+        metrics = {} if kl is None else {f"kl/{update.kl_kind}": kl[0]}  # the order rows have always had
+        metrics.update({k: float(v) for k, v in m.items()})
+        losses = (float(loss),) if kl is None else (float(loss), update.beta * kl[1])
         return MicroBatchResult(losses=losses, metrics=metrics, trained=mask)
 
     def end_rollout(self, update, batch) -> dict:

@@ -253,7 +253,8 @@ class PolicyUpdate:
                                                                check_on_policy, probe))
                 if epoch == 0:
                     out.trained[idx] = res.trained.cpu()
-                step_loss += sum(res.losses)
+                for term in res.losses:  # in order, as the terms were always summed
+                    step_loss += term
                 for k, v in res.metrics.items():
                     metrics[k].append(float(v))
         if probe is not None and probe.fed:

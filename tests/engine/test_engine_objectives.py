@@ -41,7 +41,8 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
     if name == "quickstart_diversity":
         overrides.append("chunker.sizes=[1, 2, 2, 3]")
     if name == "quickstart_gardo":
-        overrides += ["chunker.sizes=[1, 2, 2, 3]", "loss.reset_every=1"]
+        # two optimizer steps: the second sees a KL > 0 = kl_threshold, so the reference resets at iteration 1
+        overrides += ["chunker.sizes=[1, 2, 2, 3]", "loss.kl_threshold=0", "train.optimizer_steps_per_update=2"]
     if name == "quickstart_fast":
         overrides.append("window.hi=6")
     if name.startswith("quickstart_mixgrpo"):
@@ -59,7 +60,8 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
         assert rows[0]["on_policy/max_abs_log_ratio"] <= 1e-6
         assert len(rows[0]["diag/step_log_ratio_std"]) == (4 if "mixgrpo" in name else 2 if "fast" in name else 8)
     if name == "quickstart_gardo":
-        assert rows[1]["gardo/reset"] is True and 0 < rows[0]["gardo/gate_fraction"] <= 0.25
+        assert rows[0]["gardo/reset"] is False and rows[1]["gardo/reset"] is True
+        assert 0 < rows[0]["gardo/gate_fraction"] <= 0.25 and rows[0]["kl/flow_grpo"] > 0
     if name == "quickstart_guard":  # two optimizer steps: the second re-scores off-policy
         assert any(s and s > 0 for s in rows[1]["diag/step_log_ratio_std"])
 

@@ -80,3 +80,42 @@ def test_rollout_l1rel_and_chunk_weights_by_hand():
     # per-sample weights are honoured: a sample whose first chunk has weight 1e-8 draws the other
     m = select_weighted(2, w, 1, [torch.Generator().manual_seed(i) for i in range(2)])
     assert bool(m[1, 1])
+
+
+def test_guard_at_chunk_level_against_a_float64_hand_gradient():
+    """One sample, one chunk of two steps, off-policy (d != 0). With zh_t = mean(eps_t d_t) and
+    w_t = 1 / h_t, the chunk ratio is exp((zh_1 + zh_2) / 2) and, unclipped, the loss
+    -A exp(z_u) has gradient dL/dmu_t = -A exp(z_u) w_t eps_t / (2 D) (each step keeps its own
+    weight inside the chunk). Computed here in float64 by hand; flowrl's route: the guard step
+    transform (flowrl.train.objective.guard_step_ratio) through objective_loss."""
+    from flowrl.losses import ClippedObjective, objective_loss
+    from flowrl.train.objective import guard_step_ratio
+    from flowrl.trajectory import Position
+
+    g = torch.Generator().manual_seed(5)
+    D, A = 6, 1.5
+    steps = [(0.8, 0.6, 0.4), (0.6, 0.45, 0.3)]  # sigma, sigma_next, step std
+    eps = [torch.randn(1, D, generator=g, dtype=torch.float64) for _ in steps]
+    mu_old = [torch.randn(1, D, generator=g, dtype=torch.float64) for _ in steps]
+    d = [0.05 * torch.randn(1, D, generator=g, dtype=torch.float64) for _ in steps]
+    # hand, float64
+    zh = [float((e * dd).mean()) for e, dd in zip(eps, d)]
+    zu = sum(zh) / 2
+    w = [1 / (s - sn) for s, sn, _ in steps]
+    want = [-A * math.exp(zu) * w_t * e / (2 * D) for w_t, e in zip(w, eps)]
+    # flowrl, float32
+    mus, lps = [], []
+    for (s, sn, std), e, mo, dd in zip(steps, eps, mu_old, d):
+        mu = (mo + dd).float().requires_grad_(True)
+        old = Position(sample=torch.zeros(1, D), next_sample=(mo + std * e).float(), sigma=torch.tensor([s]),
+                       sigma_next=torch.tensor([sn]), log_prob=torch.tensor([0.3]), mean=mo.float(), kernel=None)
+        out = StepOutput(next_sample=old.next_sample, mean=mu, std=torch.tensor([std]), log_prob=torch.zeros(1))
+        lps.append(guard_step_ratio(out, old))
+        mus.append(mu)
+    new_lp = torch.stack(lps, dim=1)  # [1, 2]
+    loss, _ = objective_loss(new_lp, torch.full((1, 2), 0.3), torch.tensor([A]), [2], torch.ones(1, 1, dtype=torch.bool),
+                             ClippedObjective(0.9, 10.0))
+    grads = torch.autograd.grad(loss, mus)
+    for got, exp in zip(grads, want):
+        torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-7)
+    assert float(new_lp[0, 0] - 0.3) == pytest.approx(zh[0], abs=1e-6)

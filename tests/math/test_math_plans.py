@@ -105,3 +105,19 @@ def test_plans_refuse_untrainable_windows_and_unequal_lengths():
         rollout_plan(velocity, _noise(1), RolloutPlan(sig, torch.tensor([[3, 5]])), FlowKernel(a=0.7))
     with pytest.raises(ValueError, match="not trainable"):  # cps into sigma = 0 injects no noise
         rollout_plan(velocity, _noise(1), RolloutPlan(sig, torch.tensor([[3, 5]])), CPSKernel(a=0.7), image_from="final")
+
+
+def test_rollouts_build_no_graph():
+    """Both rollouts run under no_grad: a trainable velocity leaves no graph on the stored
+    latents, log-probs or means (re-scoring would otherwise back-propagate into the rollout)."""
+    w = torch.nn.Parameter(torch.ones(()))
+
+    def trainable_velocity(x, sigma):
+        return velocity(x, sigma) * w
+
+    sig = shifted_sigmas(4, 3.0)
+    plain = rollout(trainable_velocity, _noise(2), sig, FlowKernel(a=0.7), keep_means=True)
+    planned = rollout_plan(trainable_velocity, _noise(2), RolloutPlan(sig, torch.tensor([[0, 2], [1, 3]])),
+                           FlowKernel(a=0.7), keep_means=True)
+    for t in (plain, planned):
+        assert not (t.latents.requires_grad or t.log_probs.requires_grad or t.means.requires_grad)
