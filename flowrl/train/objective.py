@@ -329,7 +329,7 @@ class ForwardProcessObjective:
 
     Per sample of the rollout (its clean latent ``x0 = image_latents``) and each of ``K`` trained
     sigmas (a per-sample random subset of the sampling schedule's, without 0), fresh noise
-    ``eps`` (seeded by (seed, "nft", iteration, sample, k)), ``x = (1 - sigma) x0 + sigma eps``;
+    ``eps`` (seeded by (seed, "nft", iteration, sample)), ``x = (1 - sigma) x0 + sigma eps``;
     the loss :func:`flowrl.nft.nft_loss` of the current velocity against the old policy's, with
     ``r`` the optimality probability of the sample's advantage, plus ``beta_kl`` times the
     velocity KL to the reference. Rollouts are drawn with the old weights
@@ -345,7 +345,6 @@ class ForwardProcessObjective:
         self.decay = DECAY_PRESETS[decay_type]
         self.weight_min = weight_min
         self.params, self.old, self.reference, self.steps = None, None, None, 0
-        self.sums: dict[str, float] = {}
 
     def prepare(self, update) -> None:
         self.params = [p for p in update.params]
@@ -372,15 +371,17 @@ class ForwardProcessObjective:
                     p.copy_(s)
 
     def start_rollout(self, update, batch, sizes) -> None:
-        self.sums = {}
+        """Nothing to prepare: the rollout was drawn with the old weights."""
 
     def _points(self, update, batch, idx, sigmas):
-        """``(x0, x, sigma, eps)`` for every (row, k), rows repeated K times (row-major)."""
+        """``(x0, x, sigma, rows, K)`` for every (row, k), rows repeated K times (row-major): the
+        sigmas and noises are drawn from one generator per (seed, "nft", iteration, sample), so
+        every pass over the rollout trains the same points."""
         seed = update.session.recipe.run.seed
         x0 = batch.trajectory.image_latents[idx].to(torch.float32)
         grid = sigmas[:-1]  # no sigma = 0
         K = min(self.K, grid.numel())
-        xs, ss, es, x0s, rows = [], [], [], [], []
+        xs, ss, x0s, rows = [], [], [], []
         for j, r in enumerate(idx.tolist()):
             g = generator(seed, "nft", batch.iteration, batch.indices[r])
             pick = torch.randperm(grid.numel(), generator=g)[:K]

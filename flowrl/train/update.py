@@ -240,8 +240,8 @@ class PolicyUpdate:
     def _optimizer_step(self, batch, rows, sizes, epoch, out, metrics, check_on_policy) -> bool:
         """One AdamW step over ``rows`` (this process's samples of the step, in micro-batches).
         Returns False when it was skipped for a non-finite loss or gradient."""
-        g, train, seed = self.geometry, self.session.recipe.train, self.session.recipe.run.seed
-        device, per_step = self.session.device, g.micro_batch_size * g.grad_accumulation
+        g, train = self.geometry, self.session.recipe.train
+        per_step = g.micro_batch_size * g.grad_accumulation
         self.strategy.zero_grad()
         probe = OnPolicyProbe() if check_on_policy else None
         step_loss = 0.0
@@ -249,7 +249,7 @@ class PolicyUpdate:
             for start in range(0, len(rows), g.micro_batch_size):
                 idx = rows[start : start + g.micro_batch_size]
                 # the objective owns the micro-batch's forward and backward (flowrl.train.objective)
-                res = self.objective.backward(self, MicroBatch(batch, idx, tuple(sizes), epoch, float(per_step),
+                res = self.objective.backward(self, MicroBatch(batch, idx, tuple(sizes), epoch, per_step,
                                                                check_on_policy, probe))
                 if epoch == 0:
                     out.trained[idx] = res.trained.cpu()
