@@ -84,7 +84,9 @@ class GardoConfig:
         "code", "'code': gate where the proxy ranks worse than the auxiliaries (flow_grpo's code); 'proxy_high': "
         "where it ranks better (the proxy is high but the auxiliaries disagree).")
     q: float = param(0.1, "Initial share of the samples under the KL (adapted in [0.02, 0.2]).", min=0.02, max=0.2)
-    reset_every: int = param(15, "Reset the reference to the current weights after this many iterations.", min=1)
+    reset_every: int = param(
+        15, "Reset the reference to the current weights once more than this many iterations have passed since the "
+        "last reset (GARDO's rule: iteration - last > reset_every).", min=1)
     kl_threshold: float = param(3e-4, "Also reset after an iteration whose KL exceeded this.", min=0.0)
 
 

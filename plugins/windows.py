@@ -6,7 +6,8 @@
   starts at 0 and moves by ``stride`` steps every ``every`` iterations (rolling back to 0 past
   the last trainable step); Euler before it, ``outside`` (``euler`` or ``dpm2m``,
   DPM-Solver++(2M): MixGRPO-Flash) after it; ``compress`` < 1 replaces the schedule after the
-  window by ``int((N - last) * compress)`` points (MixGRPO-Flash's compression).
+  window by ``int((N - last) * compress)`` points (MixGRPO-Flash's compression); the window then
+  rolls back before compression would leave fewer than 2 points.
 - ``random``: Flow-GRPO-Fast. A window of ``size`` steps placed uniformly in ``[lo, hi)`` per
   sample (``scope = "sample"``), per prompt group or per iteration, ODE elsewhere.
 - ``ode``: no stochastic step at all, the whole trajectory with ``solver`` (for objectives that
@@ -68,14 +69,28 @@ class SlidingWindow:
     def __init__(self, config: SlidingConfig):
         self.config = config
 
+    def max_start(self, context) -> int:
+        """The last start before rolling back: the last whole window on trainable steps and, with
+        ``compress < 1``, the last whose compressed schedule keeps >= 2 points after it."""
+        c = self.config
+        start = context.trainable_prefix - c.size
+        if c.compress < 1.0:
+            while start >= 0 and int((context.num_steps - (start + c.size - 1)) * c.compress) < 2:
+                start -= 1
+            if start < 0:
+                raise ValueError(f"compress = {c.compress} leaves fewer than 2 schedule points after every window "
+                                 f"(N = {context.num_steps}, size = {c.size}); raise compress")
+        return start
+
     def num_trainable(self, context) -> int:
-        _check_fits(self.config.size, context.trainable_prefix, "sliding window")
-        return self.config.size
+        c = self.config
+        _check_fits(c.size, context.trainable_prefix, "sliding window")
+        self.max_start(context)
+        return c.size
 
     def plan(self, iteration, keys, context):
         c = self.config
-        start = sliding_window_start(iteration, every=c.every, stride=c.stride,
-                                     max_start=context.trainable_prefix - c.size)
+        start = sliding_window_start(iteration, every=c.every, stride=c.stride, max_start=self.max_start(context))
         sigmas = context.sigmas
         if c.compress < 1.0:
             if context.warp is None:
