@@ -85,9 +85,9 @@ def objective_for(loss):
 class StepRecorder:
     """Per-step and per-unit statistics of the log-ratio ``l_theta - l_old`` seen while
     re-scoring (for GRPO-Guard: the normalised ratio). Within one micro-batch each (row,
-    position) keeps its last value; the micro-batch's values are then accumulated per position
-    ``t`` and per unit ``k`` (the unit log-ratio is the mean over the unit's positions, for the
-    units a row trained). ``metrics`` all-reduces the sums over processes."""
+    position) keeps its last value; the values of the transitions each row trained are then
+    accumulated per position ``t`` and per unit ``k`` (the unit log-ratio is the mean over the
+    unit's positions). ``metrics`` all-reduces the sums over processes."""
 
     def __init__(self, T: int, sizes):
         self.T, self.sizes = T, tuple(sizes)
@@ -128,13 +128,15 @@ class StepRecorder:
         cur, self.cur = self.cur, None
         if cur is None:
             return
-        seen = ~torch.isnan(cur)
-        vals = torch.where(seen, cur, torch.zeros_like(cur))
-        self.step += torch.stack([seen.sum(0).double(), vals.sum(0), (vals**2).sum(0)])
         if not self.sizes:
             return
         idx = chunk_index(self.sizes)
         m = mask.cpu().bool()
+        # only the transitions of the units each row trained: what is re-scored besides them
+        # depends on the update path and the micro-batching, what is trained does not
+        seen = ~torch.isnan(cur) & m[:, idx]
+        vals = torch.where(seen, cur, torch.zeros_like(cur))
+        self.step += torch.stack([seen.sum(0).double(), vals.sum(0), (vals**2).sum(0)])
         for k in range(len(self.sizes)):
             cols = (idx == k).nonzero().flatten()
             ok = m[:, k] & seen[:, cols].all(1)
