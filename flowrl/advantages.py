@@ -221,7 +221,7 @@ def gather_group_advantages(
 
 
 def advantages_for(estimator, rewards: Mapping[str, torch.Tensor], choices, group_ids: torch.Tensor,
-                   num_chunks: int) -> torch.Tensor:
+                   num_chunks: int, features: torch.Tensor | None = None) -> torch.Tensor:
     """A run's advantages: ``[S]``, or ``[S, K]`` when a reward weights chunks differently.
 
     ``estimator`` is the recipe's advantage component, ``choices`` its ``[[rewards]]`` entries
@@ -229,10 +229,12 @@ def advantages_for(estimator, rewards: Mapping[str, torch.Tensor], choices, grou
     more weight on a preference reward in high-noise chunks and on a structure reward in
     low-noise ones), chunk k's advantage is the estimator's output under chunk k's weights, so
     both multi-reward modes keep their meaning. The loss then pairs each trained chunk with its
-    own advantage.
+    own advantage. ``features`` (``[S, F]``, for an estimator that uses image features, a
+    diversity bonus) is passed on as ``features=``.
     """
+    extra = {} if features is None else {"features": features}
     if not any(c.chunk_weights for c in choices):
-        return estimator(rewards, {c.label: c.weight for c in choices}, group_ids).float()
+        return estimator(rewards, {c.label: c.weight for c in choices}, group_ids, **extra).float()
     for c in choices:
         if c.chunk_weights and len(c.chunk_weights) != num_chunks:
             raise FlowrlError(
@@ -241,7 +243,8 @@ def advantages_for(estimator, rewards: Mapping[str, torch.Tensor], choices, grou
                 hint="keep the number of chunks fixed (dynamics: num_chunks) or match the weights to it",
             )
     per_chunk = [
-        estimator(rewards, {c.label: (c.chunk_weights[k] if c.chunk_weights else c.weight) for c in choices}, group_ids)
+        estimator(rewards, {c.label: (c.chunk_weights[k] if c.chunk_weights else c.weight) for c in choices}, group_ids,
+                  **extra)
         for k in range(num_chunks)
     ]
     return torch.stack(per_chunk, dim=1).float()

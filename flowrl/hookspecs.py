@@ -110,6 +110,16 @@ def register_losses(register):
 
 
 @hookspec
+def register_windows(register):
+    """Register SDE window planners (see :class:`flowrl.interfaces.WindowPlanner`).
+
+    A planner says, per iteration and per sample, which steps of the rollout use the SDE kernel
+    (and are trained) and which solver runs elsewhere: MixGRPO's sliding window, Flow-GRPO-Fast's
+    random window. Recipes pick one with ``[window] use = "name"`` (default ``fixed``).
+    """
+
+
+@hookspec
 def register_rewards(register):
     """Register rewards (see :class:`flowrl.interfaces.Reward`).
 
@@ -134,7 +144,7 @@ def default_component(kind: str):
     """Name the component a recipe gets when it omits the table for ``kind``.
 
     ``kind`` is one of ``model``, ``schedule``, ``kernel``, ``chunker``, ``selector``,
-    ``advantage``, ``loss``. Return a registered name, or ``None`` to defer to other plugins.
+    ``advantage``, ``loss``, ``window``. Return a registered name, or ``None`` to defer to other plugins.
     The first non-None answer wins; the built-in answer is ``trylast``, so any plugin can
     change a default. flowrl's core itself holds no default names.
     """

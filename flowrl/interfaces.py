@@ -189,6 +189,15 @@ class Schedule(Protocol):
 
 
 @runtime_checkable
+class WarpsTime(Protocol):
+    """A schedule that is a function of uniform time: ``sigmas(N)`` is ``sigma_at(linspace(1, 0,
+    N + 1))``. MixGRPO-Flash's compression evaluates it between the grid points."""
+
+    def sigma_at(self, t: torch.Tensor) -> torch.Tensor:
+        """float64 sigmas at uniform times ``t`` in [0, 1] (1 = noise)."""
+
+
+@runtime_checkable
 class Kernel(Protocol):
     """One sampling step with a Gaussian transition ``N(mean, std^2 I)`` (docs/api.md).
 
@@ -212,6 +221,35 @@ class Kernel(Protocol):
         generator: torch.Generator | Sequence[torch.Generator] | None = None,
         reduction: str = "mean",
     ) -> Any: ...
+
+
+@runtime_checkable
+class ScalesFlowGRPOKL(Protocol):
+    """A kernel that says what Flow-GRPO's KL divides by: its ``std_dev_t``. For the SDE kernels
+    that is the diffusion coefficient ``g = std / sqrt(sigma - sigma_next)``; for ``cps`` it is
+    the step std itself (Flow-GRPO's cps ``std_dev_t``), so kind ``flow_grpo`` then equals
+    ``gaussian_exact`` (docs/api.md §8)."""
+
+    def flow_grpo_scale(self, std: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
+        """float32 ``[B]``: the divisor ``c`` of ``mean((mu - mu_ref)^2) / (2 c^2)``."""
+
+
+@runtime_checkable
+class WindowPlanner(Protocol):
+    """Where each rollout's SDE window sits (``[window]``): the steps sampled with the kernel and
+    trained, the solver elsewhere, and the schedule (:mod:`flowrl.plans`).
+
+    ``num_trainable(context)`` is T, the same at every iteration (the chunk layout needs it).
+    ``plan(iteration, keys, context)`` returns a :class:`flowrl.plans.RolloutPlan` for the
+    samples with global indices ``keys``, or None for the run's static sampler (one kernel per
+    step, ``[sampler].sde_window``). ``context`` is a :class:`flowrl.plans.PlanContext`: the
+    number of steps, the run's sigmas, which steps could be trained, the schedule's time warp
+    (None unless the schedule is :class:`WarpsTime`), the seed and the group size. A plan must
+    depend only on (seed, iteration, keys), never on the process layout."""
+
+    def num_trainable(self, context: Any) -> int: ...
+
+    def plan(self, iteration: int, keys: Sequence[int], context: Any) -> Any: ...
 
 
 @runtime_checkable
@@ -293,6 +331,17 @@ class CurveWeightedSelector(Protocol):
 
 
 @runtime_checkable
+class SelectsFromRollout(Protocol):
+    """A selector whose chunk weights come from each sample's own rollout (GCPO's weighted
+    sampling): ``select_from_rollout(B, sizes, generators, l1rel [B, T])`` with the per-sample
+    relative L1 change of every trainable transition of the current rollout
+    (:func:`flowrl.selection.rollout_l1rel`)."""
+
+    def select_from_rollout(self, num_samples: int, sizes: Sequence[int], generators: Any,
+                            l1rel: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class AdvantageEstimator(Protocol):
     """Rewards of a batch of groups to one advantage per sample.
 
@@ -307,6 +356,16 @@ class AdvantageEstimator(Protocol):
         weights: Mapping[str, float],
         group_ids: torch.Tensor,
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class UsesImageFeatures(Protocol):
+    """An estimator that also needs a feature vector per image (a group-diversity bonus): the
+    engine calls ``features(images [B, 3, H, W]) -> [B, F]`` on each process's images, gathers
+    them like the rewards, and passes ``features=`` (``[S, F]``, every sample of the iteration)
+    to the estimator's call."""
+
+    def features(self, images: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -333,11 +392,93 @@ class KLRegularised(Protocol):
 
 
 @runtime_checkable
+class ChoosesKLForm(Protocol):
+    """A loss with KL kind ``old_policy_k3`` that says its direction, applied to every trained
+    transition's log-ratio ``z``: ``kl_direction`` ``"old_theta"`` (``e^z - 1 - z``,
+    KL(pi_old || pi_theta) from pi_old's samples) or ``"theta_old"`` (``e^-z - 1 + z``, GCPO's and
+    DeepSeekMath's form; GCPO applies it to the chunk's mean log-ratio, flowrl per step)."""
+
+    kl_direction: str
+
+
+@runtime_checkable
+class NormalisesStepRatio(Protocol):
+    """A loss whose step log-ratio is not ``l - l_old`` but a transform of the re-scored step
+    (GRPO-Guard): ``step_ratio(out, old)`` maps the kernel's :class:`flowrl.sde.StepOutput`
+    ``out`` of a trainable position and the rollout's :class:`flowrl.trajectory.Position`
+    ``old`` (its states, sigmas, log-prob and proposal mean) to the log-ratio ``[n]`` used in the
+    unit ratios, with gradient. The rollout keeps the proposal means for it."""
+
+    def step_ratio(self, out: Any, old: Any) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class ReportsClipping(Protocol):
     """An objective that can say where its clipped branch is active (logged as clip_fraction)."""
 
     def clip_mask(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
         """bool, ``log_ratio``'s shape: True where the unit's gradient is clipped to zero."""
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """What an update optimises (``[objective]``): it owns the forward and backward of every
+    micro-batch, so that objectives with nothing in common (a likelihood ratio per chunk, a
+    forward-process regression) run in the same loop. The engine
+    (:class:`flowrl.train.update.PolicyUpdate`, passed as ``update``: its ``session``,
+    ``counter``, ``ctx``, ``geometry``) calls, in this order::
+
+        prepare(update)                     once, before any update and before a resume loads
+                                            weights (e.g. fix a reference model)
+        start_rollout(update, batch, sizes) after the advantages of an iteration
+        backward(update, micro)             per micro-batch (flowrl.train.objective.MicroBatch):
+                                            back-propagate its loss; returns a MicroBatchResult
+        end_rollout(update, batch)          after the rollout's last optimizer step; returns
+                                            metrics (already reduced over processes) for the row
+
+    ``uses_units``: the chunk layout (chunker, selector) and the sampler's trainable transitions
+    apply (the ratio-based family, ``policy_gradient``); False for objectives that need no
+    trajectory log-probs (``nft``), which then train with any sampler."""
+
+    uses_units: bool
+
+    def prepare(self, update: Any) -> None: ...
+
+    def start_rollout(self, update: Any, batch: Any, sizes: Sequence[int]) -> None: ...
+
+    def backward(self, update: Any, micro: Any) -> Any: ...
+
+    def end_rollout(self, update: Any, batch: Any) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class SamplesWithOwnWeights(Protocol):
+    """An objective whose rollouts are drawn with other weights than the trained ones
+    (DiffusionNFT samples with its old policy): ``rollout_weights()`` is a context manager
+    inside which the model's trainable weights are those."""
+
+    def rollout_weights(self) -> Any: ...
+
+
+@runtime_checkable
+class KeepsRolloutMeans(Protocol):
+    """An objective that needs the rollout's proposal means at the trainable transitions
+    (``Trajectory.means``) when ``keep_means`` is True (GRPO-Guard's normalised ratio)."""
+
+    keep_means: bool
+
+
+@runtime_checkable
+class CheckpointsState(Protocol):
+    """An objective with state that must survive a resume (an old policy, a reset reference, an
+    adaptive gate): ``state_dict()`` (JSON-able) and ``tensors()`` are written into every
+    checkpoint and handed back to ``load_state(state, tensors)``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state(self, state: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
 
 
 @dataclasses.dataclass

@@ -38,6 +38,7 @@ __all__ = [
     "kl_gaussian_exact",
     "kl_flow_grpo",
     "kl_old_policy_k3",
+    "K3_DIRECTIONS",
 ]
 
 # (log_ratio [B, K], advantages [B, K]) -> per-unit loss [B, K]
@@ -232,9 +233,22 @@ def kl_flow_grpo(mean: torch.Tensor, ref_mean: torch.Tensor, g) -> torch.Tensor:
     return ((d**2) / (2.0 * gg**2)).expand_as(d).reshape(d.shape[0], -1).mean(dim=1)
 
 
-def kl_old_policy_k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi_old || pi_theta) from samples of pi_old (MixGRPO / GCPO's "KL",
-    section 8): ``(rho - 1) - log rho`` with ``log rho = log_ratio`` (theta over old),
-    elementwise, >= 0, with gradient. This is a KL to the OLD policy, not to a reference."""
+#: Directions of :func:`kl_old_policy_k3`.
+K3_DIRECTIONS = ("old_theta", "theta_old")
+
+
+def kl_old_policy_k3(log_ratio: torch.Tensor, direction: str = "old_theta") -> torch.Tensor:
+    """k3 estimator of a KL to the OLD (rollout) policy (section 8), elementwise, >= 0, with
+    gradient; ``z = log_ratio`` (theta over old):
+
+    - ``"old_theta"`` (default): ``(rho - 1) - log rho = e^z - 1 - z``, KL(pi_old || pi_theta)
+      estimated from pi_old's samples;
+    - ``"theta_old"``: ``1/rho - 1 + log rho = e^-z - 1 + z``, the k3 form of KL(pi_theta || pi_old)
+      that GCPO (and DeepSeekMath's GRPO) write.
+
+    Both are ``z^2 / 2 + O(z^3)``; they differ by ``z^3 / 3``. This is a KL to the old policy,
+    not to a reference model."""
+    if direction not in K3_DIRECTIONS:
+        raise ValueError(f"direction must be one of {K3_DIRECTIONS}, got {direction!r}")
     z = log_ratio.to(torch.float32)
-    return torch.expm1(z) - z
+    return torch.expm1(z) - z if direction == "old_theta" else torch.expm1(-z) + z

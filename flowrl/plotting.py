@@ -7,6 +7,92 @@ from pathlib import Path
 from .errors import FlowrlError, require
 from .runlog import read_metrics
 
+#: The update diagnostics every run logs; their panels appear when a run has any of them.
+DIAGNOSTICS = ("diag/log_ratio_std", "clip_fraction", "approx_kl_old", "groups/all_equal_fraction",
+               "diag/step_log_ratio_std")
+
+
+def _series(records, key):
+    pts = [(r["iteration"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not r.get("final")]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+ON_POLICY_NOTE = ("all 0: every re-scoring was on-policy\n(one optimizer step per rollout);\n"
+                  "several steps or passes per rollout\nshow the policy's drift here")
+
+
+def _all_zero(records, key) -> bool:
+    vals = [x for r in records if isinstance(r.get(key), list) for x in r[key] if x is not None]
+    return bool(vals) and all(x == 0 for x in vals)
+
+
+def plot_unit_ratios(records, ax) -> None:
+    """The per-chunk (unit) log-ratio spread over iterations, one line per unit."""
+    rows = [(r["iteration"], r["diag/unit_log_ratio_std"]) for r in records
+            if isinstance(r.get("diag/unit_log_ratio_std"), list) and r["diag/unit_log_ratio_std"]]
+    if not rows:
+        ax.axis("off")
+        return
+    for k in range(max(len(v) for _, v in rows)):
+        pts = [(it, v[k]) for it, v in rows if k < len(v) and v[k] is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"unit {k}")
+    if _all_zero(records, "diag/unit_log_ratio_std"):
+        ax.text(0.5, 0.5, ON_POLICY_NOTE, transform=ax.transAxes, ha="center", va="center", fontsize=9, alpha=0.8)
+    ax.set_title("unit (chunk) log-ratio std")
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
+def plot_diagnostics(records, axes) -> None:
+    """Three panels: the log-ratio mean ± spread of the re-scored steps, the per-step spread as an
+    image (iteration x trainable position), and clip fraction / approximate KL to the old policy /
+    share of groups whose rewards are all equal."""
+    ax = axes[0]
+    xs, mean = _series(records, "diag/log_ratio_mean")
+    _, std = _series(records, "diag/log_ratio_std")
+    if xs:
+        (line,) = ax.plot(xs, mean, label="mean")
+        ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
+                        color=line.get_color(), label="± std")
+        ax.legend()
+    ax.set_title("step log-ratio log pi_theta - log pi_old")
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    rows = [(r["iteration"], r["diag/step_log_ratio_std"]) for r in records
+            if isinstance(r.get("diag/step_log_ratio_std"), list) and r["diag/step_log_ratio_std"]]
+    if rows:
+        width = max(len(v) for _, v in rows)
+        grid = [[(x if x is not None else float("nan")) for x in v] + [float("nan")] * (width - len(v)) for _, v in rows]
+        im = ax.imshow(list(zip(*grid)), aspect="auto", origin="lower", cmap="viridis",
+                       extent=(rows[0][0] - 0.5, rows[-1][0] + 0.5, -0.5, width - 0.5))
+        ax.figure.colorbar(im, ax=ax, fraction=0.05)
+        ax.set_yticks(range(width) if width <= 16 else range(0, width, max(1, width // 8)))
+        if _all_zero(records, "diag/step_log_ratio_std"):
+            ax.text(0.5, 0.5, ON_POLICY_NOTE, transform=ax.transAxes, ha="center", va="center", fontsize=9,
+                    color="white")
+    ax.set_title("log-ratio std per trained position")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("trainable position t")
+    ax = axes[2]
+    for key, label in (("clip_fraction", "clip fraction"), ("groups/all_equal_fraction", "groups with equal rewards")):
+        xs, ys = _series(records, key)
+        if xs:
+            ax.plot(xs, ys, label=label)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("fraction")
+    ax.grid(alpha=0.3)
+    xs, ys = _series(records, "approx_kl_old")
+    if xs:
+        twin = ax.twinx()
+        twin.plot(xs, ys, color="tab:red", ls="--", label="approx KL to old (k3)")
+        twin.set_ylabel("approx KL to old", color="tab:red")
+        twin.legend(loc="center right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("clipping, KL to the old policy, zero-advantage groups")
+
 
 def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     run_dir = Path(run_dir)
@@ -21,7 +107,16 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     records = read_metrics(run_dir)
     train_keys = sorted({k for r in records for k in r if k.startswith("reward/") and k.endswith("/mean")})
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/mean")})
-    fig, axes = plt.subplots(1, 2 if eval_keys else 1, figsize=(11 if eval_keys else 6, 4), squeeze=False)
+    diag = any(k in r for r in records for k in DIAGNOSTICS)
+    cols = 3 if diag else (2 if eval_keys else 1)
+    rows = 2 if diag else 1
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols if diag else (11 if eval_keys else 6), 4 * rows),
+                             squeeze=False)
+    if diag and not eval_keys:
+        axes[0][1].axis("off")
+    if diag:
+        plot_unit_ratios(records, axes[0][2])
+        plot_diagnostics(records, axes[1])
     ax = axes[0][0]
     for key in train_keys:
         xs = [r["iteration"] for r in records if key in r]

@@ -31,7 +31,8 @@ import torch
 
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
-from .interfaces import KLRegularised, ProfilingChunker
+from .interfaces import KLRegularised, Objective, ProfilingChunker
+from .plans import PlanContext
 from .plugins import Registry, get_registry
 from .sampling import make_kernels, trainable_mask
 
@@ -329,6 +330,7 @@ COMPONENT_SECTIONS: dict[str, str] = {
     "selector": "selector",
     "advantage": "advantage",
     "loss": "loss",
+    "window": "window",
 }
 #: Arrays of component tables and their kinds.
 LIST_SECTIONS: dict[str, str] = {"rewards": "reward", "trackers": "tracker"}
@@ -635,7 +637,24 @@ def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
         kernels = make_kernels(s.steps, kernel, window)
     except ValueError as exc:
         raise RecipeError(str(exc), where=f"{recipe.source}: [sampler]") from exc
-    return int(trainable_mask(kernels, torch.linspace(1.0, 0.0, s.steps + 1), s.image_from).sum())
+    sigmas = torch.linspace(1.0, 0.0, s.steps + 1)
+    mask = trainable_mask(kernels, sigmas, s.image_from)
+    wchoice = recipe.components["window"]
+    planner = registry.get("window", wchoice.use).build(wchoice.params)
+    context = PlanContext(num_steps=s.steps, sigmas=sigmas, trainable=mask, warp=None, seed=recipe.run.seed,
+                          group_size=recipe.train.group_size, sde_window=tuple(s.sde_window))
+    try:
+        return int(planner.num_trainable(context))
+    except ValueError as exc:
+        raise RecipeError(str(exc), where=f"{recipe.source}: [window]") from exc
+
+
+def _uses_units(recipe: Recipe, registry: Registry) -> bool:
+    """False when the ``[loss]`` is an objective that trains without trajectory log-probs
+    (DiffusionNFT): then the sampler may leave nothing trainable and the chunk layout is unused."""
+    choice = recipe.components["loss"]
+    loss = registry.get("loss", choice.use).build(choice.params)
+    return not (isinstance(loss, Objective) and not loss.uses_units)
 
 
 def _cross_check(recipe: Recipe, registry: Registry) -> None:
@@ -643,6 +662,8 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     T = trainable_transitions(recipe, registry)
     recipe.num_trainable = T
     where = f"{recipe.source}: [chunker]"
+    if not _uses_units(recipe, registry):
+        return
     if T < 1:
         raise RecipeError(
             "the sampler leaves no trainable transition",

@@ -27,8 +27,11 @@ __all__ = [
     "make_kernels",
     "trainable_mask",
     "rollout",
+    "prompts_and_groups",
     "rescore_transition",
     "rescore_transitions",
+    "rescore_position",
+    "rescore_positions",
     "transition_log_prob",
     "make_step_log_prob_fn",
 ]
@@ -115,6 +118,21 @@ def _group_ids_from_prompts(prompts: Sequence[str]) -> torch.Tensor:
     return torch.tensor([first.setdefault(p, len(first)) for p in prompts], dtype=torch.long)
 
 
+def prompts_and_groups(prompts, group_ids, b: int, device) -> tuple[list[str], torch.Tensor]:
+    """A rollout's ``prompts`` (default ``[""] * B``) and ``group_ids`` (default: one group per
+    distinct prompt, in order of first appearance), checked to have ``B`` entries."""
+    prompts = [""] * b if prompts is None else list(prompts)
+    if len(prompts) != b:
+        raise ValueError(f"prompts must have B = {b} entries, got {len(prompts)}")
+    if group_ids is None:
+        gids = _group_ids_from_prompts(prompts)
+    else:
+        gids = torch.as_tensor(group_ids, dtype=torch.long).flatten()
+        if gids.numel() != b:
+            raise ValueError(f"group_ids must have B = {b} entries, got {gids.numel()}")
+    return prompts, gids.to(device)
+
+
 @torch.no_grad()
 def rollout(
     velocity_fn: VelocityFn,
@@ -127,6 +145,7 @@ def rollout(
     reduction: str = "mean",
     prompts: Sequence[str] | None = None,
     group_ids: torch.Tensor | Sequence[int] | None = None,
+    keep_means: bool = False,
 ) -> Trajectory:
     """Sample ``B`` trajectories from ``initial_noise [B, ...]`` along ``sigmas [N + 1]``.
 
@@ -137,7 +156,8 @@ def rollout(
     (``image_from="x0_hat"``, DanceGRPO / MixGRPO / GCPO) or ``x_N`` (``"final"``, Flow-GRPO).
     ``trainable`` follows :func:`trainable_mask`. ``prompts`` defaults to ``[""] * B``;
     ``group_ids`` defaults to one group per distinct prompt (order of first appearance).
-    Runs under ``torch.no_grad``.
+    ``keep_means`` stores the kernels' proposal means at the trainable transitions
+    (``Trajectory.means``, for GRPO-Guard). Runs under ``torch.no_grad``.
     """
     if image_from not in _IMAGE_FROM:
         raise ValueError(f"image_from must be one of {_IMAGE_FROM}, got {image_from!r}")
@@ -153,22 +173,12 @@ def rollout(
     kernels = tuple(kernels)
     trainable = trainable_mask(kernels, sig.cpu(), image_from)
     b = initial_noise.shape[0]
-    if prompts is None:
-        prompts = [""] * b
-    prompts = list(prompts)
-    if len(prompts) != b:
-        raise ValueError(f"prompts must have B = {b} entries, got {len(prompts)}")
-    if group_ids is None:
-        gids = _group_ids_from_prompts(prompts)
-    else:
-        gids = torch.as_tensor(group_ids, dtype=torch.long).flatten()
-        if gids.numel() != b:
-            raise ValueError(f"group_ids must have B = {b} entries, got {gids.numel()}")
-    gids = gids.to(device)
+    prompts, gids = prompts_and_groups(prompts, group_ids, b, device)
 
     x = initial_noise.to(torch.float32)
     states = [x]
     log_probs = []
+    means = []
     x0_hat = None
     for i in range(n):
         s_i = sig[i].repeat(b)
@@ -179,6 +189,8 @@ def rollout(
         if i == n - 1 and image_from == "x0_hat":
             x0_hat = x - s_i.reshape(b, *([1] * (x.ndim - 1))) * v.to(torch.float32)
         out = kernels[i].step(v, x, s_i, s_n, generator=generators, reduction=reduction)
+        if keep_means and bool(trainable[i]):
+            means.append(out.mean)
         x = out.next_sample
         states.append(x)
         log_probs.append(out.log_prob)
@@ -195,6 +207,7 @@ def rollout(
         kernels=kernels,
         reduction=reduction,
         image_from=image_from,
+        means=torch.stack(means, dim=1) if keep_means else None,
     )
 
 
@@ -259,6 +272,45 @@ def rescore_transitions(
         tr.kernel.step(v_s, tr.sample[idx], tr.sigma.repeat(n), tr.sigma_next.repeat(n),
                        next_sample=tr.next_sample[idx], reduction=trajectory.reduction).log_prob
         for tr, v_s in zip(trs, v.split(n))
+    ])
+
+
+def rescore_position(
+    velocity_fn: VelocityFn,
+    trajectory: Trajectory,
+    t: int,
+    batch_idx: torch.Tensor,
+) -> StepOutput:
+    """Re-score trainable position ``t`` (``0 <= t < T``) of the samples ``batch_idx``: the stored
+    transition :meth:`~flowrl.trajectory.Trajectory.position_index` of each row, with that row's
+    sigmas and the trajectory's kernel. A trajectory whose trainable transitions are shared is
+    re-scored exactly as :func:`rescore_transition` does; one with per-sample positions gathers
+    each row's states and passes per-row sigmas ``[n]`` (``velocity_fn`` gets them too)."""
+    if trajectory.positions is None:
+        return rescore_transition(velocity_fn, trajectory, int(trajectory.trainable_indices[t]), batch_idx)
+    p = trajectory.position(t, batch_idx)
+    v = velocity_fn(p.sample, p.sigma)
+    return p.kernel.step(v, p.sample, p.sigma, p.sigma_next, next_sample=p.next_sample, reduction=trajectory.reduction)
+
+
+def rescore_positions(
+    velocity_fn: VelocityFn,
+    trajectory: Trajectory,
+    ts: Sequence[int],
+    batch_idx: torch.Tensor,
+) -> torch.Tensor:
+    """The log-probs ``[len(ts), n]`` of trainable positions ``ts`` for ``batch_idx`` from ONE
+    velocity call (rows ordered position by position); :func:`rescore_transitions` for a
+    trajectory with shared trainable transitions."""
+    if trajectory.positions is None:
+        idx = trajectory.trainable_indices
+        return rescore_transitions(velocity_fn, trajectory, [int(idx[t]) for t in ts], batch_idx)
+    ps = [trajectory.position(t, batch_idx) for t in ts]
+    v = velocity_fn(torch.cat([p.sample for p in ps]), torch.cat([p.sigma for p in ps])).split(len(batch_idx))
+    return torch.stack([
+        p.kernel.step(v_p, p.sample, p.sigma, p.sigma_next, next_sample=p.next_sample,
+                      reduction=trajectory.reduction).log_prob
+        for p, v_p in zip(ps, v)
     ])
 
 

@@ -22,6 +22,8 @@ from .checks import positive_int
 
 __all__ = [
     "time_shift",
+    "conditioning_timestep",
+    "TIMESTEP_CONDITIONINGS",
     "shifted_sigmas",
     "flux_mu",
     "exponential_time_shift",
@@ -138,3 +140,21 @@ def validate_sigmas(sigmas: torch.Tensor | Sequence[float]) -> torch.Tensor:
     if float(t[-1]) != 0.0:
         raise ValueError(f"sigmas must end exactly at 0, got sigmas[-1] = {float(t[-1])}")
     return t
+
+
+#: How a model adapter feeds sigma to its network (``timestep_conditioning``).
+TIMESTEP_CONDITIONINGS = ("exact", "truncated_1000")
+
+
+def conditioning_timestep(sigma: torch.Tensor, mode: str = "exact") -> torch.Tensor:
+    """The sigma a network is conditioned on: ``"exact"`` (diffusers' pipelines, flowrl's
+    default) returns ``sigma`` unchanged; ``"truncated_1000"`` returns
+    ``floor(float32(sigma) * 1000) / 1000`` in float32, the ``int(sigma * 1000) / 1000`` that
+    GCPO, DanceGRPO and MixGRPO feed their FLUX transformer (the kernel maths keeps the exact
+    sigma). Applied identically at rollout and training, it is part of the policy."""
+    if mode not in TIMESTEP_CONDITIONINGS:
+        raise ValueError(f"timestep conditioning must be one of {TIMESTEP_CONDITIONINGS}, got {mode!r}")
+    if mode == "exact":
+        return sigma
+    s = torch.as_tensor(sigma)
+    return (torch.floor(s.to(torch.float32) * 1000.0) / 1000.0).to(s.dtype)

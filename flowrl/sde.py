@@ -489,3 +489,8 @@ class CPSKernel(_StepKernel):
     def stochastic_at(self, sigma: float, sigma_next: float) -> bool:
         # a step to sigma_next = 0 has std sigma_next sin(a pi / 2) = 0
         return self.is_stochastic and float(sigma_next) > 0
+
+    def flow_grpo_scale(self, std, sigma, sigma_next) -> torch.Tensor:
+        """Flow-GRPO's ``std_dev_t`` for cps is the step std itself (its KL then equals the exact
+        Gaussian KL), not ``std / sqrt(sigma - sigma_next)`` (flowrl.interfaces.ScalesFlowGRPOKL)."""
+        return torch.as_tensor(std, dtype=torch.float32)

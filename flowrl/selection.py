@@ -24,6 +24,8 @@ __all__ = [
     "select_uniform",
     "chunk_weights_from_l1rel",
     "select_weighted",
+    "rollout_l1rel",
+    "rollout_chunk_weights",
 ]
 
 
@@ -130,3 +132,26 @@ def select_weighted(
     mask = torch.zeros(B, K, dtype=torch.bool)
     mask.scatter_(1, torch.topk(keys, count, dim=1, largest=False).indices, True)
     return mask
+
+
+def rollout_l1rel(sample: torch.Tensor, next_sample: torch.Tensor) -> torch.Tensor:
+    """Each sample's relative L1 change over one transition of its own rollout (GCPO's weighted
+    sampling input): ``mean|x' - x| / (mean|x| + 1e-8)`` over the sample's elements, float32 ``[B]``."""
+    x = torch.as_tensor(sample, dtype=torch.float32)
+    y = torch.as_tensor(next_sample, dtype=torch.float32)
+    if x.shape != y.shape or x.ndim < 2:
+        raise ValueError(f"sample and next_sample must be [B, ...] of one shape, got {tuple(x.shape)}, {tuple(y.shape)}")
+    d = (y - x).abs().reshape(x.shape[0], -1).mean(dim=1)
+    return d / (x.abs().reshape(x.shape[0], -1).mean(dim=1) + 1e-8)
+
+
+def rollout_chunk_weights(l1rel: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Per-sample chunk weights ``w[b, j] = mean_{i in chunk j} L1rel[b, i] + 1e-8`` from the
+    rollout's ``l1rel [B, T]`` (GCPO's ``--sample_weight normalized``): float32 ``[B, K]``."""
+    s = validate_chunks(sizes)
+    l1 = torch.as_tensor(l1rel, dtype=torch.float32)
+    if l1.ndim != 2 or l1.shape[1] != sum(s):
+        raise ValueError(f"l1rel must be [B, T] with T = sum(sizes) = {sum(s)}, got shape {tuple(l1.shape)}")
+    if not bool(torch.isfinite(l1).all()) or bool((l1 < 0).any()):
+        raise ValueError("l1rel must be finite and >= 0")
+    return torch.stack([chunk_mean(row, s) for row in l1]) + 1e-8

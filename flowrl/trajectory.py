@@ -24,7 +24,20 @@ field                shape / type                 meaning
 ``reduction``        ``"mean"`` | ``"sum"``       log-prob reduction, identical at rollout and
                                                   training (section 3).
 ``image_from``       ``"x0_hat"`` | ``"final"``   how ``image_latents`` was made (section 4).
+``positions``        ``[B, T]`` long or None      per-sample trainable transitions (a rollout
+                                                  plan whose SDE window differs per sample,
+                                                  :mod:`flowrl.plans`); ``trainable`` is then
+                                                  their union. None: ``trainable`` for all.
+``position_kernel``  ``Kernel`` or None           the kernel of every trainable transition
+                                                  when ``positions`` is set.
+``means``            ``[B, T, ...]`` or None      the rollout's proposal means ``mu_old`` at
+                                                  the trainable transitions, kept when an
+                                                  objective needs them (GRPO-Guard).
 ===================  ===========================  =============================================
+
+Trainable position ``t`` (``0 <= t < T``) of sample ``b`` is transition
+:meth:`Trajectory.position_index` ``(t)[b]``; :meth:`Trajectory.position` returns its states,
+sigmas and kernel for a set of rows, whichever form the trajectory has.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ import torch
 
 from flowrl.interfaces import Kernel
 
-__all__ = ["Trajectory", "Transition"]
+__all__ = ["Trajectory", "Transition", "Position"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,21 @@ class Transition:
     trainable: bool
 
 
+@dataclass(frozen=True)
+class Position:
+    """Trainable position ``t`` of the samples ``rows``: ``sample [n, ...] -> next_sample``, per-row
+    ``sigma [n]`` and ``sigma_next [n]`` (float32), the rollout ``log_prob [n]``, the proposal
+    ``mean [n, ...]`` when the trajectory kept it (else None), and the kernel."""
+
+    sample: torch.Tensor
+    next_sample: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    log_prob: torch.Tensor
+    mean: torch.Tensor | None
+    kernel: Kernel | None
+
+
 @dataclass
 class Trajectory:
     """A batch of sampled trajectories; see the module docstring for every shape."""
@@ -67,6 +95,9 @@ class Trajectory:
     kernels: tuple[Kernel, ...] = field(default=())
     reduction: str = "mean"
     image_from: str = "x0_hat"
+    positions: torch.Tensor | None = None
+    position_kernel: Kernel | None = None
+    means: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         lat = self.latents
@@ -103,6 +134,18 @@ class Trajectory:
             raise ValueError(f"reduction must be 'mean' or 'sum', got {self.reduction!r}")
         if self.image_from not in ("x0_hat", "final"):
             raise ValueError(f"image_from must be 'x0_hat' or 'final', got {self.image_from!r}")
+        if self.positions is not None:
+            p = self.positions
+            if p.ndim != 2 or p.shape[0] != b or p.dtype != torch.long:
+                raise ValueError(f"positions must be a long tensor [B, T] with B = {b}, got {p.dtype} {tuple(p.shape)}")
+            if p.numel() and (int(p.min()) < 0 or int(p.max()) >= n):
+                raise ValueError(f"positions must index transitions in [0, {n - 1}]")
+            if self.position_kernel is None:
+                raise ValueError("per-sample positions need position_kernel (the kernel of the trainable steps)")
+        if self.means is not None:
+            t = self.num_trainable
+            if tuple(self.means.shape) != (b, t, *lat.shape[2:]):
+                raise ValueError(f"means must be [B, T, ...] = {(b, t, *lat.shape[2:])}, got {tuple(self.means.shape)}")
 
     # ---------------------------------------------------------------- sizes
     @property
@@ -116,18 +159,52 @@ class Trajectory:
 
     @property
     def num_trainable(self) -> int:
-        """``T``, the number of trainable transitions."""
+        """``T``, the number of trainable transitions (of each sample)."""
+        if self.positions is not None:
+            return int(self.positions.shape[1])
         return int(self.trainable.sum())
 
     @property
     def trainable_indices(self) -> torch.Tensor:
-        """LongTensor ``[T]``: transition index of each trainable position, in order."""
+        """LongTensor ``[T]``: transition index of each trainable position, in order (shared by
+        the batch; a trajectory with per-sample ``positions`` has none: use :meth:`position_index`)."""
+        if self.positions is not None:
+            raise ValueError("this trajectory's trainable transitions differ per sample: use position_index(t)")
         return torch.nonzero(self.trainable.cpu(), as_tuple=False).flatten()
 
     @property
     def trainable_log_probs(self) -> torch.Tensor:
         """``[B, T]`` float32 rollout log-probs of the trainable transitions (old policy)."""
+        if self.positions is not None:
+            return self.log_probs.gather(1, self.positions.to(self.log_probs.device))
         return self.log_probs[:, self.trainable_indices.to(self.log_probs.device)]
+
+    def position_index(self, t: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """LongTensor ``[n]`` (CPU): the transition index of trainable position ``t`` for ``rows``
+        (default all)."""
+        T = self.num_trainable
+        if not (isinstance(t, int) and 0 <= t < T):
+            raise ValueError(f"trainable position must be an int in [0, {T - 1}], got {t!r}")
+        idx = torch.arange(self.batch_size) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
+        if self.positions is None:
+            return self.trainable_indices[t].repeat(idx.numel())
+        return self.positions.cpu()[idx, t]
+
+    def position(self, t: int, rows: torch.Tensor) -> Position:
+        """Trainable position ``t`` of ``rows`` (:class:`Position`)."""
+        idx = torch.as_tensor(rows, dtype=torch.long).to(self.latents.device)
+        steps = self.position_index(t, idx.cpu()).to(self.latents.device)
+        kernel = self.position_kernel if self.positions is not None else (
+            self.kernels[int(steps[0])] if self.kernels and steps.numel() else None)
+        return Position(
+            sample=self.latents[idx, steps],
+            next_sample=self.latents[idx, steps + 1],
+            sigma=self.sigmas[steps],
+            sigma_next=self.sigmas[steps + 1],
+            log_prob=self.log_probs[idx.to(self.log_probs.device), steps.to(self.log_probs.device)],
+            mean=None if self.means is None else self.means[idx.to(self.means.device), t],
+            kernel=kernel,
+        )
 
     # ---------------------------------------------------------------- access
     def transition(self, i: int) -> Transition:
@@ -157,6 +234,8 @@ class Trajectory:
             group_ids=self.group_ids.to(device),
             image_latents=self.image_latents.to(device),
             prompts=list(self.prompts),
+            positions=None if self.positions is None else self.positions.to(device),
+            means=None if self.means is None else self.means.to(device),
         )
 
     def select(self, indices) -> "Trajectory":
@@ -178,6 +257,8 @@ class Trajectory:
             group_ids=self.group_ids[idx.to(self.group_ids.device)],
             image_latents=self.image_latents[idx.to(self.image_latents.device)],
             prompts=[self.prompts[int(j)] for j in idx_cpu],
+            positions=None if self.positions is None else self.positions[idx.to(self.positions.device)],
+            means=None if self.means is None else self.means[idx.to(self.means.device)],
         )
 
     @classmethod
@@ -187,10 +268,14 @@ class Trajectory:
             raise ValueError("nothing to concatenate")
         first = parts[0]
         for p in parts[1:]:
-            if not torch.equal(p.sigmas, first.sigmas) or not torch.equal(p.trainable, first.trainable):
+            same_trainable = first.positions is not None or torch.equal(p.trainable, first.trainable)
+            if not torch.equal(p.sigmas, first.sigmas) or not same_trainable:
                 raise ValueError("trajectories with different schedules cannot be concatenated")
             if p.kernels != first.kernels or p.reduction != first.reduction or p.image_from != first.image_from:
                 raise ValueError("trajectories with different kernels or settings cannot be concatenated")
+            if (p.positions is None) != (first.positions is None) or (p.means is None) != (first.means is None) \
+                    or p.position_kernel != first.position_kernel:
+                raise ValueError("trajectories with and without per-sample positions or means cannot be concatenated")
         return replace(
             first,
             latents=torch.cat([p.latents for p in parts]),
@@ -198,4 +283,7 @@ class Trajectory:
             group_ids=torch.cat([p.group_ids for p in parts]),
             image_latents=torch.cat([p.image_latents for p in parts]),
             prompts=[q for p in parts for q in p.prompts],
+            trainable=torch.stack([p.trainable for p in parts]).any(dim=0),
+            positions=None if first.positions is None else torch.cat([p.positions for p in parts]),
+            means=None if first.means is None else torch.cat([p.means for p in parts]),
         )

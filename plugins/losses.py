@@ -28,6 +28,11 @@ class ClippedConfig:
         "'flow_grpo' = mean((mu - mu_ref)^2) / (2 g^2); 'old_policy_k3' = k3 estimator against the "
         "rollout (old) policy, no reference model (MixGRPO/GCPO's 'KL').",
     )
+    kl_direction: Literal["old_theta", "theta_old"] = param(
+        "old_theta",
+        "Direction of 'old_policy_k3' (per step): 'old_theta' = e^z - 1 - z, KL(pi_old || pi_theta) from the "
+        "rollout's samples; 'theta_old' = e^-z - 1 + z, GCPO's (and DeepSeekMath's) form. Same to second order.",
+    )
 
 
 class ClippedSurrogate:
@@ -39,6 +44,7 @@ class ClippedSurrogate:
         self.config = config
         self.beta = config.beta
         self.kl = config.kl
+        self.kl_direction = config.kl_direction
         self.objective = ClippedObjective(config.eps_low, config.eps_high)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from flowrl import hookimpl
 from flowrl.config import param
 from flowrl.errors import FlowrlError
@@ -26,6 +28,11 @@ class ShiftSchedule:
 
     def sigmas(self, num_steps, model=None):
         return shifted_sigmas(num_steps, self.config.shift)
+
+    def sigma_at(self, t):
+        """The shifted sigma at uniform times ``t`` (float64; MixGRPO-Flash's compression)."""
+        t = torch.as_tensor(t, dtype=torch.float64)
+        return self.config.shift * t / (1.0 + (self.config.shift - 1.0) * t)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from flowrl import hookimpl
 from flowrl.config import param
 from flowrl.dynamics.profile_file import read_l1rel
-from flowrl.selection import chunk_weights_from_l1rel, select_all, select_uniform, select_weighted
+from flowrl.selection import (
+    chunk_weights_from_l1rel,
+    rollout_chunk_weights,
+    select_all,
+    select_uniform,
+    select_weighted,
+)
 
 
 class AllSelector:
@@ -47,6 +54,12 @@ class WeightedConfig:
         "profile.json from `flowrl profile`; its mean L1rel per transition gives chunk weights "
         "(paper Eq. 16). Empty = the chunker's profile.", path=True,
     )
+    source: Literal["profile", "rollout"] = param(
+        "profile",
+        "Where L1rel comes from: 'profile' = one curve shared by all samples (the profile above or the "
+        "chunker's); 'rollout' = each sample's own L1rel over its current rollout's transitions, as GCPO's "
+        "released code (--sample_weight, the paper's weighted-sampling runs) computes it.",
+    )
 
 
 class WeightedSelector:
@@ -67,6 +80,12 @@ class WeightedSelector:
         weights = chunk_weights_from_l1rel(self.l1rel, sizes)
         count = max(1, int(len(sizes) * self.config.fraction))
         return select_weighted(num_samples, weights, count, generator)
+
+    def select_from_rollout(self, num_samples, sizes, generator, l1rel):
+        if self.config.source != "rollout":
+            return self.select(num_samples, sizes, generator)
+        count = max(1, int(len(sizes) * self.config.fraction))
+        return select_weighted(num_samples, rollout_chunk_weights(l1rel, sizes), count, generator)
 
 
 @hookimpl(trylast=True)

@@ -22,13 +22,14 @@ PROFILE = str(REPO / "recipes" / "profiles" / "embedded.json")
 NEEDS_MORE = {"pickscore", "clip", "hpsv3", "hpsv3_upstream", "http"}
 #: Params for components whose defaults cannot run alone here.
 PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024},
-          ("tracker", "wandb"): {"mode": "offline"}}  # wandb: no network in tests
+          ("tracker", "wandb"): {"mode": "offline"},  # wandb: no network in tests
+          ("loss", "gardo"): {"auxiliary": ["verifier"]}}  # gardo needs an auxiliary reward label
 #: What else a check needs: the 'model' schedule reads the adapter's own sigmas.
 CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))},
            # an editing reward reads the prompts' condition images from the metadata the engine passes
            ("reward", "condition_fidelity"): {"metadata": {"condition_images": torch.rand(
                3, 3, 32, 32, generator=torch.Generator().manual_seed(1))}}}
-KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "reward", "tracker")
+KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")
 
 
 def _builtins():

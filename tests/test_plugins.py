@@ -381,6 +381,10 @@ def test_every_registration_hook_fills_its_own_kind():
             register("t_loss", component("loss"))
 
         @hookimpl
+        def register_windows(self, register):
+            register("t_window", component("window"))
+
+        @hookimpl
         def register_rewards(self, register):
             register("t_reward", component("reward"))
 

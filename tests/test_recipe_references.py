@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from test_docs_references import LINK, cited_paths
 
 REPO = Path(__file__).resolve().parents[1]

@@ -31,7 +31,8 @@ REFERENCE = REPO / "tests" / "fixtures" / "reference" / "quickstart_metrics.json
 
 
 #: Metric keys added after the reference was made, and by which change.
-ADDED = ("compute/",)  # compute accounting (issue 17)
+ADDED = ("compute/",  # compute accounting (issue 17)
+         "diag/", "groups/")  # update diagnostics: log-ratio spread per step and unit, zero-advantage groups (issue 14)
 
 
 def _records(path: Path) -> list[dict]:

@@ -14,6 +14,7 @@ protocols it checked. Model adapters have their own, larger suite: :mod:`flowrl.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -23,21 +24,35 @@ import torch
 from flowrl.interfaces import (
     AdaptiveChunker,
     AdvantageEstimator,
+    CheckpointsState,
+    ChoosesKLForm,
     Chunker,
     ChunkSelector,
     CurveSource,
     CurveWeightedSelector,
+    KeepsRolloutMeans,
     Kernel,
     KLRegularised,
     NeedsRunDir,
+    NormalisesStepRatio,
+    Objective,
     PolicyLoss,
     ProfilingChunker,
     ReportsClipping,
+    SamplesWithOwnWeights,
+    ScalesFlowGRPOKL,
     Schedule,
+    SelectsFromRollout,
     Tracker,
+    UsesImageFeatures,
+    WarpsTime,
+    WindowPlanner,
     score,
 )
-from flowrl.schedules import validate_sigmas
+from flowrl.plans import PlanContext, RolloutPlan
+from flowrl.schedules import shifted_sigmas, validate_sigmas
+from flowrl.sde import StepOutput
+from flowrl.trajectory import Position
 
 __all__ = ["check_component", "KL_KINDS"]
 
@@ -55,6 +70,12 @@ def check_schedule(schedule, model=None, **_) -> list[str]:
     for n in (1, 4, 17):
         sig = validate_sigmas(schedule.sigmas(n, model))  # decreasing, 1 to 0, float32
         assert sig.numel() == n + 1, f"sigmas({n}) must have {n + 1} entries, got {sig.numel()}"
+    if isinstance(schedule, WarpsTime):  # sigmas(N) is sigma_at on the uniform grid
+        sig = schedule.sigmas(8, model)
+        warped = schedule.sigma_at(torch.linspace(1.0, 0.0, 9, dtype=torch.float64))
+        torch.testing.assert_close(warped.to(torch.float32), sig.to(torch.float32), rtol=0, atol=1e-6,
+                                   msg="sigma_at(linspace(1, 0, N + 1)) must reproduce sigmas(N)")
+        return ["Schedule", "WarpsTime"]
     return ["Schedule"]
 
 
@@ -72,6 +93,10 @@ def check_kernel(kernel, **_) -> list[str]:
                                msg="scoring the sampled x' must reproduce the log-prob of sampling it")
     if kernel.stochastic_at(0.8, 0.6):
         assert bool((out.std > 0).all()), "a stochastic step has std > 0"
+    if isinstance(kernel, ScalesFlowGRPOKL):
+        scale = kernel.flow_grpo_scale(out.std, 0.8, 0.6)
+        assert bool((torch.as_tensor(scale) > 0).all() or not kernel.stochastic_at(0.8, 0.6))
+        return ["Kernel", "ScalesFlowGRPOKL"]
     return ["Kernel"]
 
 
@@ -115,6 +140,12 @@ def check_selector(selector, sizes=(2, 3, 4, 7), **_) -> list[str]:
     assert mask.dtype == torch.bool and tuple(mask.shape) == (6, len(sizes)), f"select returns bool [B, K], got {mask.shape}"
     assert bool(mask.any(dim=1).all()), "every sample selects at least one chunk"
     assert torch.equal(mask, selector.select(6, sizes, _gens(6))), "the same generators give the same selection"
+    if isinstance(selector, SelectsFromRollout):
+        claimed.append("SelectsFromRollout")
+        l1rel = torch.rand(6, sum(sizes), generator=torch.Generator().manual_seed(3))
+        m = selector.select_from_rollout(6, sizes, _gens(6), l1rel)
+        assert m.dtype == torch.bool and tuple(m.shape) == (6, len(sizes)) and bool(m.any(dim=1).all())
+        assert torch.equal(m, selector.select_from_rollout(6, sizes, _gens(6), l1rel))
     return claimed
 
 
@@ -126,12 +157,53 @@ def check_advantage(estimator, **_) -> list[str]:
     assert adv.shape == (6,) and adv.dtype == torch.float32 and bool(torch.isfinite(adv).all())
     assert bool((adv[3:] == 0).all()), "a group whose rewards are all equal gets advantage 0"
     assert adv[2] > adv[1] > adv[0], "a higher reward in the group gets a higher advantage"
+    if isinstance(estimator, UsesImageFeatures):
+        images = torch.rand(6, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+        f = estimator.features(images)
+        assert f.ndim == 2 and f.shape[0] == 6, "features(images [B, 3, H, W]) -> [B, F]"
+        shaped = estimator(rewards, {"r": 1.0}, groups, features=f)
+        assert shaped.shape == (6,) and bool((shaped[3:] == 0).all()) and bool((torch.sign(shaped) == torch.sign(adv)).all()), \
+            "features may rescale advantages but not flip their sign or revive an all-equal group"
+        return ["AdvantageEstimator", "UsesImageFeatures"]
     return ["AdvantageEstimator"]
 
 
+def check_objective(objective) -> list[str]:
+    """An objective that owns the backward (flowrl.train.objective): its hooks exist, and the
+    optional parts it claims behave."""
+    assert isinstance(objective, Objective), "an objective has uses_units, prepare, start_rollout, backward, end_rollout"
+    assert isinstance(objective.uses_units, bool), "uses_units must be a bool"
+    claimed = ["Objective"]
+    if isinstance(objective, SamplesWithOwnWeights):
+        claimed.append("SamplesWithOwnWeights")
+        with objective.rollout_weights():  # before prepare: nothing to swap, must not fail
+            pass
+    if isinstance(objective, CheckpointsState):
+        claimed.append("CheckpointsState")
+        state, tensors = objective.state_dict(), objective.tensors()
+        json.dumps(state)  # JSON-able
+        assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+        objective.load_state(state, tensors)
+    return claimed
+
+
 def check_loss(loss, **_) -> list[str]:
+    claimed = []
+    if isinstance(loss, Objective):
+        claimed += check_objective(loss)
+        if not loss.uses_units:
+            return claimed
     assert isinstance(loss, PolicyLoss), "a loss has objective(log_ratio [B, K], advantages [B, K])"
-    claimed = ["PolicyLoss"]
+    claimed.append("PolicyLoss")
+    if isinstance(loss, ChoosesKLForm):
+        claimed.append("ChoosesKLForm")
+        assert loss.kl_direction in ("old_theta", "theta_old")
+    if isinstance(loss, KeepsRolloutMeans):
+        claimed.append("KeepsRolloutMeans")
+        assert isinstance(loss.keep_means, bool)
+    if isinstance(loss, NormalisesStepRatio):
+        claimed.append("NormalisesStepRatio")
+        claimed += _check_step_ratio(loss)
     z = torch.zeros(3, 2, requires_grad=True)
     adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [0.0, 0.0]])
     per_unit = loss.objective(z, adv)
@@ -149,6 +221,48 @@ def check_loss(loss, **_) -> list[str]:
         clipped = loss.objective.clip_mask(z.detach(), adv)
         assert clipped.dtype == torch.bool and clipped.shape == z.shape and not bool(clipped.any())
     return claimed
+
+
+def _check_step_ratio(loss) -> list[str]:
+    """On-policy (the re-scored mean equals the rollout's) the transformed step equals the
+    rollout's log-prob; it carries the gradient of the mean."""
+
+    g = torch.Generator().manual_seed(0)
+    mu_old = torch.randn(2, 4, 3, generator=g)
+    x1 = mu_old + 0.3 * torch.randn(2, 4, 3, generator=g)
+    old = Position(sample=torch.zeros_like(x1), next_sample=x1, sigma=torch.tensor([0.8, 0.8]),
+                   sigma_next=torch.tensor([0.6, 0.6]), log_prob=torch.tensor([0.1, -0.2]), mean=mu_old, kernel=None)
+    mu = mu_old.clone().requires_grad_(True)
+    out = StepOutput(next_sample=x1, mean=mu, std=torch.tensor([0.3, 0.3]), log_prob=torch.zeros(2))
+    lp = loss.step_ratio(out, old)
+    torch.testing.assert_close(lp.detach(), old.log_prob, msg="on-policy the step ratio must be exactly the rollout's")
+    (grad,) = torch.autograd.grad(lp.sum(), mu)
+    assert bool(torch.isfinite(grad).all()) and float(grad.abs().sum()) > 0, "the step ratio must carry the mean's gradient"
+    return []
+
+
+def check_window(planner, **_) -> list[str]:
+    """A window planner: T is fixed, and every plan's windows have that length, fit the
+    trainable steps and depend only on (seed, iteration, keys)."""
+
+    assert isinstance(planner, WindowPlanner), "a window planner has num_trainable(context) and plan(iteration, keys, context)"
+    sig = shifted_sigmas(10, 3.0)
+    trainable = torch.ones(10, dtype=torch.bool)
+    trainable[-1] = False
+    ctx = PlanContext(num_steps=10, sigmas=sig, trainable=trainable, warp=lambda t: 3 * t / (1 + 2 * t), seed=0,
+                      group_size=4)
+    T = planner.num_trainable(ctx)
+    assert isinstance(T, int) and 0 <= T <= 9
+    for it in (0, 7, 31):
+        plan = planner.plan(it, list(range(8)), ctx)
+        if plan is None:
+            continue
+        assert isinstance(plan, RolloutPlan) and plan.windows.shape == (8, 2)
+        assert plan.num_trainable == T or T == 0 and bool((plan.windows[:, 0] == plan.windows[:, 1]).all())
+        assert bool((plan.windows[:, 1] <= ctx.trainable_prefix).all()), "windows must sit on trainable steps"
+        again = planner.plan(it, list(range(4, 8)), ctx)
+        torch.testing.assert_close(again.windows, plan.windows[4:], msg="a sample's window must not depend on the batch")
+    return ["WindowPlanner"]
 
 
 def check_reward(reward, images=None, prompts=None, metadata=None, **_) -> list[str]:
@@ -183,6 +297,7 @@ _CHECKS = {
     "selector": check_selector,
     "advantage": check_advantage,
     "loss": check_loss,
+    "window": check_window,
     "reward": check_reward,
     "tracker": check_tracker,
 }
@@ -190,7 +305,7 @@ _CHECKS = {
 
 def check_component(kind: str, component: Any, **context: Any) -> list[str]:
     """Check ``component`` of ``kind`` (``schedule``, ``kernel``, ``chunker``, ``selector``,
-    ``advantage``, ``loss``, ``reward``, ``tracker``) and every optional protocol it implements;
+    ``advantage``, ``loss``, ``window``, ``reward``, ``tracker``) and every optional protocol it implements;
     returns the protocols checked."""
     if kind not in _CHECKS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(_CHECKS)} (models: flowrl.testing.conformance)")

@@ -11,12 +11,20 @@ The result is a :class:`Batch`, which the update consumes as it is.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 
 import torch
 
 from .. import distributed
 from ..advantages import advantages_for
-from ..interfaces import TextEmbeddings, select_embeddings
+from ..interfaces import (
+    KeepsRolloutMeans,
+    SamplesWithOwnWeights,
+    TextEmbeddings,
+    UsesImageFeatures,
+    select_embeddings,
+)
+from ..plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..sampling import rollout
 from ..seeding import generator, sample_generators
@@ -99,17 +107,29 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
                           recipe.train.same_noise_in_group).to(session.device)
     gens = sample_generators(recipe.run.seed, "rollout", batch.iteration, batch.indices)
     size = recipe.sampler.batch_size or n
+    # what the objective asks of the rollout: the proposal means (GRPO-Guard), other weights (NFT)
+    loss = session.components.loss
+    keep_means = bool(isinstance(loss, KeepsRolloutMeans) and loss.keep_means)
+    weights = loss.rollout_weights() if isinstance(loss, SamplesWithOwnWeights) else nullcontext()
+    # the [window] component's plan for this iteration (None: one kernel per step, [sampler].sde_window)
+    plan = session.components.window.plan(batch.iteration, list(batch.indices), session.plan_context)
     parts = []
-    for lo in range(0, n, size):
-        b = torch.arange(lo, min(lo + size, n))
-        text = select_embeddings(batch.text, b) if size < n else batch.text
-        parts.append(rollout(
-            lambda x, s, text=text: model.velocity(x, s, text), noise[lo : lo + len(b)], sampler.sigmas,
-            sampler.kernels, generators=gens[lo : lo + len(b)], image_from=sampler.image_from,
-            reduction=sampler.reduction, prompts=batch.prompts[lo : lo + len(b)], group_ids=batch.group_ids[lo : lo + len(b)],
-        ))
-        if on_part is not None:
-            on_part(parts[-1].image_latents, parts[-1].prompts)
+    with weights:
+        for lo in range(0, n, size):
+            b = torch.arange(lo, min(lo + size, n))
+            text = select_embeddings(batch.text, b) if size < n else batch.text
+            common = dict(generators=gens[lo : lo + len(b)], image_from=sampler.image_from, reduction=sampler.reduction,
+                          prompts=batch.prompts[lo : lo + len(b)], group_ids=batch.group_ids[lo : lo + len(b)],
+                          keep_means=keep_means)
+            velocity = lambda x, s, text=text: model.velocity(x, s, text)  # noqa: E731
+            if plan is None:
+                parts.append(rollout(velocity, noise[lo : lo + len(b)], sampler.sigmas, sampler.kernels, **common))
+            else:
+                part_plan = dataclasses.replace(plan, windows=plan.windows[lo : lo + len(b)])
+                parts.append(rollout_plan(velocity, noise[lo : lo + len(b)], part_plan, session.components.kernel,
+                                          **common))
+            if on_part is not None:  # [sampler].overlap_rewards: decode and score this part meanwhile
+                on_part(parts[-1].image_latents, parts[-1].prompts)
     batch.trajectory = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
 
 
@@ -131,12 +151,27 @@ def assign_advantages(session, geometry, ctx, batch: Batch, num_chunks: int, rec
         record.update({f"reward/{label}/{k}": x for k, x in summary_stats(v).items()})
     for key, v in batch.reward_extras.items():
         record[f"reward/{key}/mean"] = distributed.all_gather_cat(v, ctx).float().mean().item()
+    record["groups/all_equal_fraction"] = all_equal_fraction(all_rewards, session.recipe.rewards, all_groups)
     if not finite:
         return
-    everyone = advantages_for(session.components.advantage, all_rewards, session.recipe.rewards, all_groups, num_chunks)
+    estimator, features = session.components.advantage, None
+    if isinstance(estimator, UsesImageFeatures):  # a diversity bonus: image features, gathered like the rewards
+        features = distributed.all_gather_cat(estimator.features(batch.images).float(), ctx)
+    everyone = advantages_for(estimator, all_rewards, session.recipe.rewards, all_groups, num_chunks, features=features)
     offset = ctx.rank * geometry.samples_per_process
     batch.advantages = everyone[offset : offset + geometry.samples_per_process].to(session.device)
     record.update({f"advantage/{k}": x for k, x in summary_stats(everyone).items()})
+
+
+def all_equal_fraction(rewards: dict[str, torch.Tensor], choices, group_ids: torch.Tensor) -> float:
+    """The fraction of groups whose rewards with a non-zero weight are all equal within the
+    group (their advantages are all zero: the group teaches nothing)."""
+    used = [rewards[c.label] for c in choices if (c.weight or any(c.chunk_weights)) and c.label in rewards]
+    if not used:
+        return 0.0
+    groups = torch.unique(group_ids)
+    flat = [sum(bool((r[group_ids == g] == r[group_ids == g][0]).all()) for r in used) == len(used) for g in groups]
+    return float(sum(flat)) / max(1, len(flat))
 
 
 def summary_stats(x: torch.Tensor) -> dict[str, float]:

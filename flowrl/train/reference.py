@@ -16,7 +16,7 @@ import torch
 
 from ..chunking import chunk_index
 from ..compat import ensure_torchvision_importable
-from ..interfaces import HasReferencePolicy
+from ..interfaces import HasReferencePolicy, ScalesFlowGRPOKL
 from ..losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
 from .chunk_update import pad_rows
 
@@ -71,14 +71,24 @@ class ReferencePolicy:
             self.model.denoiser = trained
 
 
-def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next) -> torch.Tensor:
-    """One transition's KL ``[b]`` of the named kind, with its gradient (docs/api.md §8)."""
+def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next, kernel=None,
+            direction: str = "old_theta") -> torch.Tensor:
+    """One transition's KL ``[b]`` of the named kind, with its gradient (docs/api.md §8).
+
+    ``flow_grpo`` divides by Flow-GRPO's ``std_dev_t``: the kernel's
+    :meth:`~flowrl.interfaces.ScalesFlowGRPOKL.flow_grpo_scale` (``g`` for the SDE kernels, the
+    step std for ``cps``), else ``g = std / sqrt(sigma - sigma_next)``. ``direction`` is
+    ``old_policy_k3``'s (:func:`flowrl.losses.kl_old_policy_k3`)."""
     if kind == "old_policy_k3":
-        return kl_old_policy_k3(log_ratio)
+        return kl_old_policy_k3(log_ratio, direction)
     if kind == "gaussian_exact":
         return kl_gaussian_exact(out.mean, ref_out.mean, out.std)
-    if kind == "flow_grpo":  # g from the step std: s = g sqrt(sigma - sigma_next)
-        g = torch.as_tensor(out.std, dtype=torch.float32) / torch.sqrt(torch.as_tensor(sigma - sigma_next, dtype=torch.float32))
+    if kind == "flow_grpo":
+        if isinstance(kernel, ScalesFlowGRPOKL):
+            g = kernel.flow_grpo_scale(out.std, sigma, sigma_next)
+        else:  # g from the step std: s = g sqrt(sigma - sigma_next)
+            g = torch.as_tensor(out.std, dtype=torch.float32) / torch.sqrt(
+                torch.as_tensor(sigma - sigma_next, dtype=torch.float32))
         return kl_flow_grpo(out.mean, ref_out.mean, g)
     raise ValueError(f"unknown KL kind {kind!r}")
 
@@ -94,6 +104,8 @@ def kl_backward(
     beta: float,
     normaliser: float,
     lockstep=None,
+    direction: str = "old_theta",
+    sample_weights: torch.Tensor | None = None,
 ) -> tuple[float, float]:
     """Back-propagate ``beta * mean over trained transitions of KL`` for a micro-batch.
 
@@ -106,22 +118,31 @@ def kl_backward(
     ``(mean KL over trained transitions, the term as optimised without beta)``. ``lockstep``
     (:class:`flowrl.train.chunk_update.Lockstep`): a process without rows at a position where
     another has some forwards a stand-in row with weight 0.
+
+    ``direction``: ``old_policy_k3``'s direction. ``sample_weights`` (``[B]`` over the whole
+    batch, indexed by ``batch_idx``): each sample's KL is multiplied by its weight (GARDO's gate,
+    :func:`flowrl.gardo.gated_weights`); the logged mean KL is over the samples with a weight.
     """
     trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
     per_sample = trans.sum(1).clamp(min=1).float()
     total, count, term = 0.0, 0, 0.0
-    for t, i in enumerate(scorer.positions):
+    for t in range(scorer.trajectory.num_trainable):
         b = torch.nonzero(trans[:, t], as_tuple=False).flatten()
+        if sample_weights is not None:
+            b = b[sample_weights.to(b.device)[batch_idx[b]] != 0]
         if not (lockstep.any(bool(b.numel())) if lockstep is not None else b.numel()):
             continue
         b, stand_in = pad_rows(b)
         rows = batch_idx[b]
-        tr = scorer.trajectory.transition(i)
+        tr = scorer.trajectory.position(t, rows)
         ref_out = None if kind == "old_policy_k3" else scorer.step(t, rows, grad=False, reference=True)
         with torch.enable_grad():
             out = scorer.step(t, rows, grad=True)
-            kl = step_kl(kind, out, ref_out, out.log_prob - old_lp[rows, t], tr.sigma, tr.sigma_next)
-            weighted = (kl / per_sample[b].to(kl.device)).sum() / normaliser * (0.0 if stand_in else 1.0)
+            kl = step_kl(kind, out, ref_out, out.log_prob - old_lp[rows, t], tr.sigma, tr.sigma_next, tr.kernel, direction)
+            w = per_sample[b].to(kl.device)
+            if sample_weights is not None and not stand_in:
+                w = w / sample_weights.to(kl.device)[rows]
+            weighted = (kl / w).sum() / normaliser * (0.0 if stand_in else 1.0)
             (beta * weighted).backward()
         if stand_in:
             continue
@@ -139,24 +160,30 @@ class KLTerm:
     Averaged like :func:`kl_backward`: over each sample's trained transitions, summed over samples,
     divided by ``normaliser``, times ``beta``."""
 
-    def __init__(self, scorer, batch_idx, unit_mask, sizes, old_lp, kind: str, beta: float, normaliser: float):
+    def __init__(self, scorer, batch_idx, unit_mask, sizes, old_lp, kind: str, beta: float, normaliser: float,
+                 direction: str = "old_theta", sample_weights: torch.Tensor | None = None):
         self.scorer, self.batch_idx, self.old_lp = scorer, batch_idx, old_lp
-        self.kind, self.beta, self.normaliser = kind, beta, normaliser
+        self.kind, self.beta, self.normaliser, self.direction = kind, beta, normaliser, direction
         self.trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
         self.per_sample = self.trans.sum(1).clamp(min=1).float()
+        self.weights = None if sample_weights is None else sample_weights.to(self.per_sample.device)[batch_idx]
         self.total, self.count, self.term = 0.0, 0, 0.0
 
     def forward(self, t: int, b: torch.Tensor):
         rows = self.batch_idx[b]
-        tr = self.scorer.trajectory.transition(self.scorer.positions[t])
+        tr = self.scorer.trajectory.position(t, rows)
         ref_out = None if self.kind == "old_policy_k3" else self.scorer.step(t, rows, grad=False, reference=True)
         out = self.scorer.step(t, rows, grad=True)
-        kl = step_kl(self.kind, out, ref_out, out.log_prob - self.old_lp[rows, t], tr.sigma, tr.sigma_next)
-        trained = self.trans[b, t].to(kl.device)  # False for a lockstep stand-in row
-        weighted = kl * trained.to(kl.dtype) / self.per_sample[b].to(kl.device) / self.normaliser
+        kl = step_kl(self.kind, out, ref_out, out.log_prob - self.old_lp[rows, t], tr.sigma, tr.sigma_next, tr.kernel,
+                     self.direction)
+        mask = self.trans[b, t].to(kl.dtype)  # 0 for a lockstep stand-in row
+        if self.weights is not None:
+            mask = mask * self.weights[b].to(kl.dtype)
+        weighted = kl * mask / self.per_sample[b].to(kl.device) / self.normaliser
         self.term += float(weighted.detach().sum())
-        self.total += float(kl.detach()[trained].sum())
-        self.count += int(trained.sum())
+        counted = mask != 0
+        self.total += float(kl.detach()[counted].sum())
+        self.count += int(counted.sum())
         return out.log_prob, self.beta * weighted
 
     def result(self) -> tuple[float, float]:

@@ -17,10 +17,11 @@ from typing import Any, NamedTuple
 import torch
 
 from ..distributed import resolve_device
-from ..interfaces import TextEmbeddings
+from ..interfaces import TextEmbeddings, WarpsTime
+from ..plans import PlanContext
 from ..plugins import Registry, get_registry
 from ..recipe import Recipe
-from ..sampling import Sampler, make_kernels
+from ..sampling import Sampler, make_kernels, trainable_mask
 from .checkpoint import read_model_weights
 from .finetune import load_trainable_state_dict, prepare_trainable
 
@@ -46,6 +47,7 @@ class Components:
     loss: Any
     rewards: list[RewardEntry]
     trackers: list[Any]
+    window: Any = None
 
 
 def build_components(recipe: Recipe, registry: Registry, *, rewards: bool = True, trackers: bool = True) -> Components:
@@ -64,6 +66,7 @@ def build_components(recipe: Recipe, registry: Registry, *, rewards: bool = True
         selector=build("selector"),
         advantage=build("advantage"),
         loss=build("loss"),
+        window=build("window"),
         rewards=[
             RewardEntry(c.label, c.weight, registry.get("reward", c.use).build(c.params)) for c in recipe.rewards
         ] if rewards else [],
@@ -84,6 +87,17 @@ def build_sampler(recipe: Recipe, components: Components, device: torch.device) 
         num_trainable=recipe.num_trainable,
         image_from=recipe.sampler.image_from,
         reduction=recipe.sampler.logprob_reduction,
+    )
+
+
+def plan_context(recipe: Recipe, components: Components, sampler: Sampler) -> PlanContext:
+    """What the ``[window]`` planner plans with (:class:`flowrl.plans.PlanContext`)."""
+    schedule = components.schedule
+    return PlanContext(
+        num_steps=recipe.sampler.steps, sigmas=sampler.sigmas,
+        trainable=trainable_mask(sampler.kernels, sampler.sigmas.cpu(), sampler.image_from),
+        warp=schedule.sigma_at if isinstance(schedule, WarpsTime) else None, seed=recipe.run.seed,
+        group_size=recipe.train.group_size, sde_window=tuple(recipe.sampler.sde_window),
     )
 
 
@@ -130,6 +144,7 @@ class Session:
     device: torch.device
     sampler: Sampler
     cache: PromptCache
+    plan_context: PlanContext | None = None
 
     @classmethod
     def open(
@@ -149,7 +164,8 @@ class Session:
         components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
         components.model.to(device)
         sampler = build_sampler(recipe, components, device)
-        return cls(recipe, registry, components, device, sampler, PromptCache(components.model))
+        return cls(recipe, registry, components, device, sampler, PromptCache(components.model),
+                   plan_context(recipe, components, sampler))
 
     @property
     def model(self):

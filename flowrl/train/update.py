@@ -25,13 +25,14 @@ import torch
 from .. import distributed
 from ..errors import FlowrlError
 from ..interfaces import KLRegularised, TextEmbeddings, select_embeddings
-from ..sampling import rescore_transition, rescore_transitions
+from ..sampling import rescore_position, rescore_positions
 from ..sde import StepOutput
 from ..seeding import generator
 from ..trajectory import Trajectory
 from .chunk_update import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
+from .objective import MicroBatch, objective_for
 from .optimizer import make_optimizer
 from .parallel import Strategy, declared_blocks
 from .reference import KLTerm, ReferencePolicy, kl_backward
@@ -46,22 +47,27 @@ class TransitionScorer:
     """
 
     def __init__(self, model, trajectory: Trajectory, text: TextEmbeddings, reference: ReferencePolicy | None = None,
-                 counter: ComputeCounter | None = None):
+                 counter: ComputeCounter | None = None, step_ratio=None):
         self.model = model
         self.trajectory = trajectory
         self.text = text
         self.reference = reference
         self.counter = counter
-        self.positions = trajectory.trainable_indices.tolist()
+        self.num_positions = trajectory.num_trainable
+        # a loss's step transform (GRPO-Guard): the policy's re-scored "log-prob" relative to the rollout's
+        self.step_ratio = step_ratio
 
     def step(self, t: int, rows: torch.Tensor, *, grad: bool, reference: bool = False) -> StepOutput:
-        if not 0 <= t < len(self.positions):
-            raise ValueError(f"trainable position must be in [0, {len(self.positions) - 1}], got {t}")
+        if not 0 <= t < self.num_positions:
+            raise ValueError(f"trainable position must be in [0, {self.num_positions - 1}], got {t}")
         text = select_embeddings(self.text, rows)
         policy = self.reference if reference else self.model
         counted = self.counter.phase("reference") if reference and self.counter is not None else nullcontext()
         with torch.set_grad_enabled(grad), counted:
-            return rescore_transition(lambda x, s: policy.velocity(x, s, text), self.trajectory, self.positions[t], rows)
+            out = rescore_position(lambda x, s: policy.velocity(x, s, text), self.trajectory, t, rows)
+            if self.step_ratio is not None and not reference:
+                out = dataclasses.replace(out, log_prob=self.step_ratio(out, self.trajectory.position(t, rows)))
+            return out
 
     def log_prob_fn(self, rows: torch.Tensor) -> StepLogProbFn:
         """``fn(t, b, grad)``: log-probs of the samples ``rows[b]``, as the chunk update wants."""
@@ -73,9 +79,10 @@ class TransitionScorer:
 
         def many(ts: list[int], b: torch.Tensor) -> torch.Tensor:
             r = rows[b]
+            if self.step_ratio is not None:
+                return torch.stack([self.step(t, r, grad=True).log_prob for t in ts])
             text = select_embeddings(self.text, r.repeat(len(ts)))
-            return rescore_transitions(lambda x, s: self.model.velocity(x, s, text), self.trajectory,
-                                       [self.positions[t] for t in ts], r)
+            return rescore_positions(lambda x, s: self.model.velocity(x, s, text), self.trajectory, ts, r)
 
         return many
 
@@ -92,6 +99,7 @@ class OnPolicyProbe:
 
     def __init__(self):
         self.max_abs = 0.0
+        self.fed = False  # an objective without log-probs never feeds it
 
     def wrap(self, fn: StepLogProbFn, old_lp: torch.Tensor) -> StepLogProbFn:
         """``fn(t, b, grad)`` with ``old_lp [len(micro-batch), T]`` the rollout log-probs."""
@@ -114,6 +122,7 @@ class OnPolicyProbe:
         return probed
 
     def observe(self, lp: torch.Tensor, old: torch.Tensor) -> None:
+        self.fed = True
         d = float((lp.detach().float() - old.float()).abs().max())
         if not d <= self.max_abs:  # also catches NaN
             self.max_abs = d
@@ -169,6 +178,9 @@ class PolicyUpdate:
         train, loss, model = session.recipe.train, session.components.loss, session.model
         self.session, self.geometry, self.ctx = session, geometry, ctx
         params = prepare_trainable(model, train)
+        # what the update optimises: the [loss] component itself when it owns the backward
+        # (flowrl.interfaces.Objective), else the ratio-based family around it
+        self.objective = objective_for(loss)
         # KL regularisation: the reference is fixed now, before any update (and before a resume
         # loads trained weights), and before sharding (a frozen copy is a plain module). The
         # old-policy kind needs no reference model.
@@ -193,6 +205,12 @@ class PolicyUpdate:
         if self.reference is not None and self.reference.copy is not None:
             self.counter.watch(self.reference.copy)
         self.rows_per_sample = network_rows_per_sample(session.model)
+        self.objective.prepare(self)
+
+    def make_scorer(self, batch, step_ratio=None) -> TransitionScorer:
+        """The re-scorer of this rollout's trainable transitions (policy and reference)."""
+        return TransitionScorer(self.session.model, batch.trajectory, batch.text, self.reference, self.counter,
+                                step_ratio=step_ratio)
 
     def run(self, batch, sizes: tuple[int, ...]) -> UpdateOutcome:
         """Every pass and optimizer step of this rollout (none when the rewards were not finite:
@@ -201,9 +219,9 @@ class PolicyUpdate:
         out = UpdateOutcome(lr=self.scheduler.get_last_lr()[0],  # the LR this iteration's first step uses
                             trained=torch.zeros(len(batch.indices), len(sizes), dtype=torch.bool),
                             skipped=batch.advantages is None)
-        scorer = TransitionScorer(self.session.model, batch.trajectory, batch.text, self.reference, self.counter)
         self.counter.expect("rollout", batch.trajectory.num_steps * len(batch.indices) * self.rows_per_sample)
-        old_lp = batch.trajectory.trainable_log_probs.to(self.session.device)
+        if not out.skipped:
+            self.objective.start_rollout(self, batch, sizes)
         metrics: dict[str, list[float]] = defaultdict(list)
         per_step = g.micro_batch_size * g.grad_accumulation  # samples per optimizer step, per process
         for epoch in range(0 if out.skipped else g.updates_per_rollout):
@@ -211,39 +229,36 @@ class PolicyUpdate:
             for opt_step in range(g.optimizer_steps_per_update):
                 rows = order[opt_step * per_step : (opt_step + 1) * per_step]
                 first = epoch == 0 and opt_step == 0  # exactly on-policy: checked
-                if not self._optimizer_step(batch, scorer, old_lp, rows, sizes, epoch, out, metrics, first):
+                if not self._optimizer_step(batch, rows, sizes, epoch, out, metrics, first):
                     out.skipped = True
         local = {k: {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
                  for k, v in metrics.items()}
         out.metrics = distributed.reduce_metrics(local, {k: update_aggregate(k) for k in local}, self.ctx)
+        if not (batch.advantages is None):
+            out.metrics.update(self.objective.end_rollout(self, batch))
         return out
 
-    def _optimizer_step(self, batch, scorer, old_lp, rows, sizes, epoch, out, metrics, check_on_policy) -> bool:
+    def _optimizer_step(self, batch, rows, sizes, epoch, out, metrics, check_on_policy) -> bool:
         """One AdamW step over ``rows`` (this process's samples of the step, in micro-batches).
         Returns False when it was skipped for a non-finite loss or gradient."""
-        g, train, seed = self.geometry, self.session.recipe.train, self.session.recipe.run.seed
-        device, per_step = self.session.device, g.micro_batch_size * g.grad_accumulation
+        g, train = self.geometry, self.session.recipe.train
+        per_step = g.micro_batch_size * g.grad_accumulation
         self.strategy.zero_grad()
         probe = OnPolicyProbe() if check_on_policy else None
         step_loss = 0.0
         with self.strategy.accumulate():  # gradients are reduced once, on leaving the block
             for start in range(0, len(rows), g.micro_batch_size):
                 idx = rows[start : start + g.micro_batch_size]
-                sel_gens = [generator(seed, "select", batch.iteration, epoch, batch.indices[int(i)]) for i in idx]
-                mask = self.session.components.selector.select(len(idx), sizes, sel_gens).cpu()
+                # the objective owns the micro-batch's forward and backward (flowrl.train.objective)
+                res = self.objective.backward(self, MicroBatch(batch, idx, tuple(sizes), epoch, per_step,
+                                                               check_on_policy, probe))
                 if epoch == 0:
-                    out.trained[idx] = mask
-                idx, mask = idx.to(device), mask.to(device)
-                self._expect_update(batch.advantages[idx], mask, sizes)
-                loss_value, m, kl = self._micro_batch_backward(scorer, old_lp, batch.advantages, idx, mask, sizes, probe,
-                                                               fast=check_on_policy and self.fast_path, normaliser=per_step)
-                step_loss += float(loss_value)
-                if kl is not None:
-                    metrics[f"kl/{self.kl_kind}"].append(kl[0])
-                    step_loss += self.beta * kl[1]
-                for k, v in m.items():
+                    out.trained[idx] = res.trained.cpu()
+                for term in res.losses:  # in order, as the terms were always summed
+                    step_loss += term
+                for k, v in res.metrics.items():
                     metrics[k].append(float(v))
-        if probe is not None:
+        if probe is not None and probe.fed:
             out.on_policy = self._check_on_policy(probe)
         grad_norm = self.strategy.clip_grad_norm_(train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
         # grad_norm is global after the reduction; the loss is summed so that every process
@@ -258,14 +273,19 @@ class PolicyUpdate:
         metrics["grad_norm"].append(float(grad_norm))
         return True
 
-    def _micro_batch_backward(self, scorer, old_lp, advantages, idx, mask, sizes, probe, *, fast, normaliser):
+    def micro_batch_backward(self, scorer, old_lp, advantages, idx, mask, sizes, probe, *, fast, normaliser,
+                             recorder=None, kl_direction="old_theta", kl_weights=None):
         """Back-propagate one micro-batch's loss and KL term: the fast path on-policy, otherwise
         the chunk-graph or lean update (``[train].update_mode``). Returns (loss, unit metrics,
-        (mean KL, KL term) or None)."""
+        (mean KL, KL term) or None). ``recorder`` (:class:`flowrl.train.objective.StepRecorder`)
+        sees every re-scored log-prob; ``kl_direction`` and ``kl_weights`` (per-sample ``[B]``)
+        go to the KL pass."""
         objective = self.session.components.loss.objective
         fn = scorer.log_prob_fn(idx)
         if probe is not None:
             fn = probe.wrap(fn, old_lp[idx])
+        if recorder is not None:
+            fn = recorder.wrap(fn, old_lp[idx])
         args = (fn, old_lp[idx], advantages[idx], sizes, mask, objective)
         lockstep = self.lockstep
         if not fast and self._mode(scorer, idx, sizes) == "lean":
@@ -273,19 +293,26 @@ class PolicyUpdate:
             if self.beta <= 0:
                 return loss, m, None
             return loss, m, kl_backward(scorer, idx, mask, sizes, old_lp=old_lp, kind=self.kl_kind, beta=self.beta,
-                                        normaliser=normaliser, lockstep=lockstep)
-        kl = KLTerm(scorer, idx, mask, sizes, old_lp, self.kl_kind, self.beta, normaliser) if self.beta > 0 else None
+                                        normaliser=normaliser, lockstep=lockstep, direction=kl_direction,
+                                        sample_weights=kl_weights)
+        kl = KLTerm(scorer, idx, mask, sizes, old_lp, self.kl_kind, self.beta, normaliser, direction=kl_direction,
+                    sample_weights=kl_weights) if self.beta > 0 else None
         forward = kl.forward if kl is not None else None
         if forward is not None and probe is not None:
             forward = probe.wrap_forward(forward, old_lp[idx])
+        if forward is not None and recorder is not None:
+            forward = recorder.wrap_forward(forward, old_lp[idx])
         if fast:
             loss, m = on_policy_chunk_backward(*args, normaliser=normaliser, forward_with_extra=forward, lockstep=lockstep)
         else:
+            many = scorer.many_fn(idx)
+            if recorder is not None:
+                many = recorder.wrap_many(many, old_lp[idx])
             loss, m = chunk_graph_backward(*args, normaliser=normaliser, forward_with_extra=forward,
-                                           many=scorer.many_fn(idx), lockstep=lockstep)
+                                           many=many, lockstep=lockstep)
         return loss, m, (kl.result() if kl is not None else None)
 
-    def _expect_update(self, advantages: torch.Tensor, mask: torch.Tensor, sizes) -> None:
+    def expect_update(self, advantages: torch.Tensor, mask: torch.Tensor, sizes) -> None:
         """The minimum work of a micro-batch: each trained transition whose gradient is not zero
         (non-zero advantage, or any with a KL term) once forward and backward; one reference
         forward per trained transition for the reference KL kinds."""

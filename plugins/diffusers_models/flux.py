@@ -20,6 +20,7 @@ import torch
 
 from flowrl.config import param
 from flowrl.errors import FlowrlError
+from flowrl.schedules import conditioning_timestep
 
 from .common import DiffusersAdapter
 from .memory import flux_memory_spec
@@ -58,6 +59,10 @@ class FluxConfig:
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
     quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
+    timestep_conditioning: Literal["exact", "truncated_1000"] = param(
+        "exact", "Sigma fed to the transformer: 'exact' (diffusers' pipeline), or 'truncated_1000' = "
+        "int(sigma * 1000) / 1000 as GCPO, DanceGRPO and MixGRPO feed it (to reproduce their numbers: step "
+        "log-probs then differ from 'exact' by up to ~1e-4). The kernel keeps the exact sigma.")
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""
@@ -133,7 +138,7 @@ class FluxModel(DiffusersAdapter):
                 hidden_states=hidden,
                 encoder_hidden_states=embeds.to(compute),
                 pooled_projections=text["pooled"].to(self.device, compute),
-                timestep=sigma.to(self.device, torch.float32),  # FLUX: timestep = sigma
+                timestep=conditioning_timestep(sigma, self.config.timestep_conditioning).to(self.device, torch.float32),
                 img_ids=img_ids.to(compute),
                 txt_ids=torch.zeros(embeds.shape[1], 3, device=self.device, dtype=compute),
                 return_dict=False,

@@ -8,11 +8,13 @@ safetensors inside the package; see MODEL_CARD.md beside this file.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
 from flowrl import hookimpl
 from flowrl.config import param
+from flowrl.schedules import conditioning_timestep
 
 from . import rewards
 from .dataset import all_prompts
@@ -24,6 +26,9 @@ class EmbeddedConfig:
     weights: str = param("", "Path to embedded.safetensors (and its .json); empty = the weights shipped in the package.", path=True)
     random_init: bool = param(False, "Start from random weights instead (for tests of the machinery).")
     seed: int = param(0, "Seed of the random init (random_init = true).", min=0, max=2**63 - 1)
+    timestep_conditioning: Literal["exact", "truncated_1000"] = param(
+        "exact", "Sigma fed to the transformer: 'exact', or 'truncated_1000' = int(sigma * 1000) / 1000 as GCPO, "
+        "DanceGRPO and MixGRPO feed FLUX (for reproducing their numbers; the kernel keeps the exact sigma).")
 
 
 class EmbeddedModel:
@@ -35,6 +40,7 @@ class EmbeddedModel:
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
 
     def __init__(self, config: EmbeddedConfig):
+        self.timestep_conditioning = config.timestep_conditioning
         if config.random_init:
             torch.manual_seed(config.seed)
             self.network = EmbeddedT2I().eval()
@@ -58,7 +64,7 @@ class EmbeddedModel:
             hidden_states=latents,
             encoder_hidden_states=text["prompt_embeds"],
             pooled_projections=text["pooled"],
-            timestep=sigma.to(latents.dtype),
+            timestep=conditioning_timestep(sigma, self.timestep_conditioning).to(latents.dtype),
             img_ids=net.img_ids,
             txt_ids=net.txt_ids[: text["prompt_embeds"].shape[1]],
             return_dict=False,

@@ -102,6 +102,11 @@ def comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIX)}
 
 
+def _float_list(x) -> bool:
+    return isinstance(x, list) and any(isinstance(v, float) for v in x) and all(
+        v is None or isinstance(v, (int, float)) for v in x)
+
+
 def assert_records_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     a, b = comparable(a), comparable(b)
     assert sorted(a) == sorted(b), set(a) ^ set(b)
@@ -109,6 +114,10 @@ def assert_records_close(a: dict, b: dict, rtol: float = 1e-5, atol: float = 1e-
         x, y = a[key], b[key]
         if isinstance(x, float) or isinstance(y, float):
             assert math.isclose(x, y, rel_tol=rtol, abs_tol=atol), (key, x, y)
+        elif _float_list(x) and _float_list(y):  # per-step diagnostics: floats, same tolerance
+            assert len(x) == len(y) and all(
+                (u is None and v is None) or (u is not None and v is not None and math.isclose(u, v, rel_tol=rtol, abs_tol=atol))
+                for u, v in zip(x, y)), (key, x, y)
         else:
             assert x == y, (key, x, y)
 

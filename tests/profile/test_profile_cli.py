@@ -29,7 +29,8 @@ def test_profile_writes_files_and_is_deterministic(tmp_path, capsys):
     assert "Chunk proposals" in out and 'use = "explicit"' in out
     data = json.loads((tmp_path / "a" / "profile.json").read_text())
     assert (tmp_path / "a" / "profile.png").stat().st_size > 10_000
-    assert data["settings"]["model"] == {"use": "embedded", "weights": "", "random_init": True, "seed": 0}
+    assert data["settings"]["model"] == {"use": "embedded", "weights": "", "random_init": True, "seed": 0,
+                                         "timestep_conditioning": "exact"}
     assert data["settings"]["kernel"] == {"use": "flow", "a": 0.7} and len(data["positions"]) == 5
     assert len(data["settings"]["prompts"]) == 4 and data["settings"]["num_seeds"] == 2
     for method in ("dp", "curvature", "derivative"):
