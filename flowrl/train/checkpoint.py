@@ -43,6 +43,9 @@ LATEST = "latest.json"
 #: Sub-directory of a sharded checkpoint: model and optimizer in torch.distributed.checkpoint's
 #: format (one file per process and ``.metadata``), written by every process together.
 SHARDED = "sharded"
+#: The name an objective's tensors are saved under (``objective.safetensors``; a sharded
+#: checkpoint's DCP key), beside its JSON state in ``state.json`` (CheckpointsState)
+OBJECTIVE = "objective"
 #: The key of the model's state in a sharded checkpoint (the optimizer's is ``"optim"``).
 SHARDED_MODEL_KEY = "model"
 #: Written last into a checkpoint directory: its presence means the directory is complete.
@@ -273,6 +276,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         ),
         "rng": load_file(str(path / "rng.safetensors")),
         "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
+        "objective": load_file(str(path / f"{OBJECTIVE}.safetensors")) if (path / f"{OBJECTIVE}.safetensors").is_file() else {},
         "state": json.loads((path / MARKER).read_text()),
         "recipe_toml": (path / "recipe.toml").read_text(),
     }

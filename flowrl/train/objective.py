@@ -263,12 +263,14 @@ class GatedKLPolicyGradient(PolicyGradient):
         self.reset_every, self.kl_threshold = reset_every, kl_threshold
         self.last_reset, self.flagged, self.gate, self.reset_now = 0, False, None, False
         self.kl_seen: list[float] = []
+        self.reference = None  # the update's ReferencePolicy, from prepare()
 
     @property
     def objective(self):  # the PolicyLoss's unit objective, for code that reads [loss] directly
         return self.loss.objective
 
     def prepare(self, update) -> None:
+        self.reference = update.reference
         if update.reference is None or update.reference.copy is None:
             raise ValueError("gardo's reference reset needs the reference as a frozen copy of the denoiser: "
                              "[train].finetune = 'full', beta > 0 and kl = 'gaussian_exact' or 'flow_grpo'")
@@ -316,11 +318,20 @@ class GatedKLPolicyGradient(PolicyGradient):
         return {"last_reset": self.last_reset, "flagged": self.flagged, "compensator": self.compensator.state_dict()}
 
     def tensors(self) -> dict:
-        return {}
+        # the reference as the last reset left it (the live tensors: a sharded resume loads into them)
+        ref = self.reference.copy.state_dict() if self.reference is not None else {}
+        return {f"reference.{k}": v for k, v in ref.items()}
 
     def load_state(self, state, tensors) -> None:
         self.last_reset, self.flagged = int(state["last_reset"]), bool(state["flagged"])
         self.compensator.load_state_dict(state["compensator"])
+        ref = {k[len("reference."):]: v for k, v in tensors.items() if k.startswith("reference.")}
+        if ref and self.reference is not None:
+            live = self.reference.copy.state_dict()
+            with torch.no_grad():
+                for k, v in ref.items():
+                    if live[k] is not v:
+                        live[k].copy_(v)
 
 
 # ----------------------------------------------------------------------------- DiffusionNFT

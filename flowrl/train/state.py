@@ -32,11 +32,13 @@ from rich.console import Console
 
 from .. import distributed
 from ..errors import FlowrlError
+from ..interfaces import CheckpointsState
 from ..plugins import Registry
 from ..recipe import Recipe, dump_toml, read_toml, validate
 from .checkpoint import (
     LATEST,
     MARKER,
+    OBJECTIVE,
     checkpoint_iteration,
     latest_checkpoint,
     load_checkpoint,
@@ -169,6 +171,14 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
     main process, None on the others."""
     recipe = session.recipe
     extra = {} if ema is None else {"ema": ema.state()}
+    objective = update.objective if isinstance(update.objective, CheckpointsState) else None
+    if objective is not None:  # an old policy, a reset reference, an adaptive gate
+        extra["objective"] = objective.state_dict()
+    tensors = {}
+    if ema is not None:
+        tensors[EMA_KEY] = ema.tensors()
+    if objective is not None and objective.tensors():
+        tensors[OBJECTIVE] = objective.tensors()
     info = {
         "iteration": state.iteration,
         "nonfinite_steps": state.nonfinite_steps,
@@ -183,8 +193,7 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
     root, name, recipe_toml = run_dir / "checkpoints", f"iter_{state.iteration:06d}", dump_toml(recipe.to_toml_dict())
     if update.strategy.sharded:  # every process writes its part; no process gathers the model
         return save_sharded_checkpoint(root, name, update.strategy, state=info, recipe_toml=recipe_toml,
-                                       keep_last=recipe.checkpoint.keep_last,
-                                       extra=None if ema is None else {EMA_KEY: ema.tensors()})
+                                       keep_last=recipe.checkpoint.keep_last, extra=tensors or None)
     if not ctx.is_main:
         return None
     return save_checkpoint(
@@ -194,7 +203,7 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
         state=info,
         recipe_toml=recipe_toml,
         keep_last=recipe.checkpoint.keep_last,
-        extra=None if ema is None else {"ema": ema.tensors()},
+        extra=tensors or None,
     )
 
 
@@ -207,12 +216,17 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
         if ctx.is_main:
             console.print(f"[yellow]note:[/yellow] {run_dir} has no checkpoint yet; starting at iteration 0")
         return TrainState()
+    objective = update.objective if isinstance(update.objective, CheckpointsState) else None
     if update.strategy.sharded or is_sharded_checkpoint(ckpt):
-        # weights, AdamW, the RNG and (sharded like the weights) the EMA, when the run kept one
-        with_ema = ema is not None and "ema" in json.loads((ckpt / MARKER).read_text())
-        extra = {EMA_KEY: ema.tensors()} if with_ema else None
-        state = load_sharded_checkpoint(ckpt, update.strategy, extra)
-        saved = {"state": state, "ema": ema.tensors() if with_ema else None}
+        # weights, AdamW, the RNG and (sharded like the weights) the EMA and the objective's
+        # tensors, when the run kept them: DCP loads them in place
+        marker = json.loads((ckpt / MARKER).read_text())
+        with_ema = ema is not None and "ema" in marker
+        extra = {EMA_KEY: ema.tensors()} if with_ema else {}
+        if objective is not None and "objective" in marker and objective.tensors():
+            extra[OBJECTIVE] = objective.tensors()
+        state = load_sharded_checkpoint(ckpt, update.strategy, extra or None)
+        saved = {"state": state, "ema": ema.tensors() if with_ema else None, "objective": extra.get(OBJECTIVE, {})}
     else:
         saved = load_checkpoint(ckpt)
         load_trainable_state_dict(session.model.denoiser, saved["model"])
@@ -222,6 +236,8 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
     update.scheduler.load_state_dict(state["lr_scheduler"])
     if ema is not None:
         restore_ema(ema, saved, ckpt)
+    if objective is not None and "objective" in state:
+        objective.load_state(state["objective"], saved.get("objective") or {})
     saved_world = state.get("world_size", ctx.world_size)
     if saved_world != ctx.world_size and session.recipe.train.optimizer_steps_per_update > 1 and ctx.is_main:
         console.print(
