@@ -73,7 +73,11 @@ class TransitionScorer:
 
         def many(ts: list[int], b: torch.Tensor) -> torch.Tensor:
             r = rows[b]
-            text = select_embeddings(self.text, r.repeat(len(ts)))
+            if r.numel() == 1:  # one sample (GCPO's batching): a view of its embeddings, broadcast over the steps
+                i = int(r[0])
+                text = {k: v[i : i + 1].expand(len(ts), *v.shape[1:]) for k, v in self.text.items()}
+            else:
+                text = select_embeddings(self.text, r.repeat(len(ts)))
             return rescore_transitions(lambda x, s: self.model.velocity(x, s, text), self.trajectory,
                                        [self.positions[t] for t in ts], r)
 
