@@ -34,7 +34,8 @@ exactly 1).
   each size in ``--gc-micro-batches`` (1 is GCPO's batching, one sample at a time):
   ``flowrl_mbM``; and ``chunk_graph_backward`` (``[train].update_mode = "chunk_graph"``: each
   chunk's steps in one batched forward with grad, one backward, as GCPO does) on the same
-  micro-batches: ``graph_mbM``.
+  micro-batches: ``graph_mbM``. Both score the micro-batch's rows of the whole trajectory through
+  the engine's ``TransitionScorer`` (``log_prob_fn``, ``many_fn``), as the engine's update does.
 - Both updates train on one rollout made by flowrl's ``rollout``; GCPO's per-sample inputs are
   laid out as its ``train_one_step`` lays them out (steps split into chunks, chunk log-prob =
   mean of the rollout's step log-probs), outside the timed update.
@@ -121,17 +122,18 @@ def flowrl_api() -> SimpleNamespace:
     """Every flowrl import of this benchmark, in one place (module paths may move)."""
     from flowrl.interfaces import select_embeddings
     from flowrl.losses import ClippedObjective
-    from flowrl.sampling import make_kernels, make_step_log_prob_fn, rescore_transitions, rollout
+    from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout
     from flowrl.schedules import shifted_sigmas
     from flowrl.sde import FlowKernel
     from flowrl.testing.tiny_pipelines import TINY_PROMPTS, build_tiny_flux
     from flowrl.train.chunk_update import chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
+    from flowrl.train.update import TransitionScorer
     from flowrl_plugins.diffusers_models.flux import FluxConfig, FluxModel
 
     return SimpleNamespace(
         lean_chunk_backward=lean_chunk_backward, on_policy_chunk_backward=on_policy_chunk_backward,
-        chunk_graph_backward=chunk_graph_backward, rescore_transitions=rescore_transitions,
-        select_embeddings=select_embeddings,
+        chunk_graph_backward=chunk_graph_backward,
+        select_embeddings=select_embeddings, TransitionScorer=TransitionScorer,
         ClippedObjective=ClippedObjective, make_kernels=make_kernels,
         make_step_log_prob_fn=make_step_log_prob_fn, rollout=rollout, shifted_sigmas=shifted_sigmas,
         FlowKernel=FlowKernel, TINY_PROMPTS=TINY_PROMPTS, build_tiny_flux=build_tiny_flux,
@@ -592,14 +594,18 @@ def run_gcpo(api, peer, tiny: Path, args) -> dict:
 
     objective = api.ClippedObjective(eps, eps)
 
+    # flowrl's side scores the micro-batch's rows of the whole trajectory through the engine's
+    # TransitionScorer (as the engine's update does: no per-micro-batch copy of the trajectory);
+    # only the velocity is wrapped, for GCPO's truncated timestep conditioning
+    truncating = SimpleNamespace(velocity=lambda x, s, t: model.velocity(x, truncated(s), t))
+    scorer = api.TransitionScorer(truncating, traj, text)
+
     def flowrl_update(m):
         def run():
             for start in range(0, B, m):
                 rows = torch.arange(start, start + m)
-                sub = traj.select(rows)
-                step = api.make_step_log_prob_fn(lambda idx, rows=rows: velocity_for(rows[idx]), sub)
-                api.lean_chunk_backward(step, old[rows], adv[rows], chunks, mask[rows], objective,
-                                        normaliser=float(B))
+                api.lean_chunk_backward(scorer.log_prob_fn(rows), old[rows], adv[rows], chunks, mask[rows],
+                                        objective, normaliser=float(B))
         return run
 
     def flowrl_graph_update(m):
@@ -608,16 +614,8 @@ def run_gcpo(api, peer, tiny: Path, args) -> dict:
         def run():
             for start in range(0, B, m):
                 rows = torch.arange(start, start + m)
-                sub = traj.select(rows)
-                positions = sub.trainable_indices.tolist()
-                step = api.make_step_log_prob_fn(lambda idx, rows=rows: velocity_for(rows[idx]), sub)
-
-                def many(ts, b, rows=rows, sub=sub, positions=positions):
-                    return api.rescore_transitions(velocity_for(rows[b].repeat(len(ts))), sub,
-                                                   [positions[t] for t in ts], b)
-
-                api.chunk_graph_backward(step, old[rows], adv[rows], chunks, mask[rows], objective,
-                                         normaliser=float(B), many=many)
+                api.chunk_graph_backward(scorer.log_prob_fn(rows), old[rows], adv[rows], chunks, mask[rows],
+                                         objective, normaliser=float(B), many=scorer.many_fn(rows))
         return run
 
     flowrl_names = [f"flowrl_mb{m}" for m in micro] + [f"graph_mb{m}" for m in micro]

@@ -339,8 +339,7 @@ def chunk_graph_backward(
             if stand_in:
                 coef, weight = torch.zeros(1, device=old.device), 0.0
             else:
-                for t, lp in zip(positions, lps):
-                    new[idx, t] = lp.detach().to(torch.float32)
+                new[idx, first : first + size] = torch.stack([lp.detach() for lp in lps], 1).to(torch.float32)
                 z = torch.where(m, unit_log_ratios(new, old, s), torch.zeros(m.shape, device=old.device))
                 coef, weight = _units_grad_at(z, m, adv, objective, normaliser)[idx, u] / size, 1.0
             with torch.enable_grad():

@@ -81,7 +81,11 @@ class TransitionScorer:
             r = rows[b]
             if self.step_ratio is not None:
                 return torch.stack([self.step(t, r, grad=True).log_prob for t in ts])
-            text = select_embeddings(self.text, r.repeat(len(ts)))
+            if r.numel() == 1:  # one sample (GCPO's batching): a view of its embeddings, broadcast over the steps
+                i = int(r[0])
+                text = {k: v[i : i + 1].expand(len(ts), *v.shape[1:]) for k, v in self.text.items()}
+            else:
+                text = select_embeddings(self.text, r.repeat(len(ts)))
             return rescore_positions(lambda x, s: self.model.velocity(x, s, text), self.trajectory, ts, r)
 
         return many

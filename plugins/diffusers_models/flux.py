@@ -126,11 +126,12 @@ class FluxModel(DiffusersAdapter):
         return {"prompt_embeds": embeds.to(self.device), "pooled": pooled.to(self.device)}
 
     def _velocity(self, module, latents, sigma, text):
-        b = latents.shape[0]
         embeds = text["prompt_embeds"].to(self.device)
         kwargs = {}
         if self.uses_guidance:
-            kwargs["guidance"] = torch.full((b,), float(self.config.guidance), device=self.device, dtype=torch.float32)
+            # one value for the whole batch: the transformer broadcasts its guidance embedding over
+            # the rows, so a [1] tensor embeds once instead of b identical rows kept for backward
+            kwargs["guidance"] = torch.full((1,), float(self.config.guidance), device=self.device, dtype=torch.float32)
         compute = self.dtype
         hidden, img_ids = self._image_inputs(latents.to(self.device, compute), text)
         with self._autocast():
