@@ -55,6 +55,14 @@ WORLD_SIZES: dict[str, tuple[int, ...]] = {
     "quickstart_fixed.toml": (1,),
     "quickstart_gspo.toml": (1,),
     "quickstart_step.toml": (1,),
+    # The objectives' quickstart variants (docs/objectives.md): the same embedded model and geometry.
+    "quickstart_diversity.toml": (1,),
+    "quickstart_fast.toml": (1,),
+    "quickstart_gardo.toml": (1,),
+    "quickstart_guard.toml": (1,),
+    "quickstart_mixgrpo.toml": (1,),
+    "quickstart_mixgrpo_flash.toml": (1,),
+    "quickstart_nft.toml": (1,),
     "study_embedded.toml": (1,),
 }
 
