@@ -177,8 +177,9 @@ def save_training_checkpoint(run_dir: Path, state: TrainState, session, update, 
     tensors = {}
     if ema is not None:
         tensors[EMA_KEY] = ema.tensors()
-    if objective is not None and objective.tensors():
-        tensors[OBJECTIVE] = objective.tensors()
+    objective_tensors = objective.tensors() if objective is not None else {}
+    if objective_tensors:
+        tensors[OBJECTIVE] = objective_tensors
     info = {
         "iteration": state.iteration,
         "nonfinite_steps": state.nonfinite_steps,
@@ -223,8 +224,9 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
         marker = json.loads((ckpt / MARKER).read_text())
         with_ema = ema is not None and "ema" in marker
         extra = {EMA_KEY: ema.tensors()} if with_ema else {}
-        if objective is not None and "objective" in marker and objective.tensors():
-            extra[OBJECTIVE] = objective.tensors()
+        objective_tensors = objective.tensors() if objective is not None and "objective" in marker else {}
+        if objective_tensors:
+            extra[OBJECTIVE] = objective_tensors
         state = load_sharded_checkpoint(ckpt, update.strategy, extra or None)
         saved = {"state": state, "ema": ema.tensors() if with_ema else None, "objective": extra.get(OBJECTIVE, {})}
     else:
