@@ -208,6 +208,7 @@ def build(batch: int, perturb: float, seed: int):
             return step16(CHUNK_START + t, idx, grad)
 
         def many(ts, idx):  # the chunk's steps in ONE forward (the engine's TransitionScorer.many_fn)
+            idx = torch.arange(batch) if idx is None else idx  # None: every row
             return rescore_transitions(vel_for(idx.repeat(len(ts))), traj,
                                        [positions[CHUNK_START + t] for t in ts], idx)
 

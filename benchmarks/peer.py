@@ -81,7 +81,8 @@ edited):
 Measurements: correctness first (latents, log-probs and gradients of both sides), then memory
 (``--gcpo`` only: the peak of the running sum of torch.profiler's CPU allocator events, i.e.
 ``profile(profile_memory=True)``, everything the update allocated at once, ``.grad`` buffers
-allocated beforehand), then time: ``--rounds`` rounds, each running every variant once in a
+allocated beforehand; each side's per-sample inputs, GCPO's split samples and flowrl's
+micro-batch slices of old log-probs, advantages and chunk masks, laid out beforehand), then time: ``--rounds`` rounds, each running every variant once in a
 seeded random order; wall time (``time.perf_counter``) and process CPU time
 (``time.process_time``; one thread). Reported: per-variant medians and the median of the
 per-round ratios flowrl / peer.
@@ -600,21 +601,32 @@ def run_gcpo(api, peer, tiny: Path, args) -> dict:
     truncating = SimpleNamespace(velocity=lambda x, s, t: model.velocity(x, truncated(s), t))
     scorer = api.TransitionScorer(truncating, traj, text)
 
+    def micro_batches(m):
+        """Each micro-batch's rows and inputs (old log-probs, advantages, chunk mask), laid out
+        before the measured update, as GCPO's per-sample data is above."""
+        out = []
+        for start in range(0, B, m):
+            rows = torch.arange(start, start + m)
+            out.append((rows, old[rows], adv[rows], mask[rows]))
+        return out
+
     def flowrl_update(m):
+        batches = micro_batches(m)
+
         def run():
-            for start in range(0, B, m):
-                rows = torch.arange(start, start + m)
-                api.lean_chunk_backward(scorer.log_prob_fn(rows), old[rows], adv[rows], chunks, mask[rows],
+            for rows, old_mb, adv_mb, mask_mb in batches:
+                api.lean_chunk_backward(scorer.log_prob_fn(rows), old_mb, adv_mb, chunks, mask_mb,
                                         objective, normaliser=float(B))
         return run
 
     def flowrl_graph_update(m):
         """chunk_graph_backward (update_mode = "chunk_graph"): each chunk's steps in one batched
         forward with grad (the engine's TransitionScorer.many_fn) and one backward."""
+        batches = micro_batches(m)
+
         def run():
-            for start in range(0, B, m):
-                rows = torch.arange(start, start + m)
-                api.chunk_graph_backward(scorer.log_prob_fn(rows), old[rows], adv[rows], chunks, mask[rows],
+            for rows, old_mb, adv_mb, mask_mb in batches:
+                api.chunk_graph_backward(scorer.log_prob_fn(rows), old_mb, adv_mb, chunks, mask_mb,
                                          objective, normaliser=float(B), many=scorer.many_fn(rows))
         return run
 

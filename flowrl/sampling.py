@@ -255,15 +255,17 @@ def rescore_transitions(
     if n == 1 and steps == list(range(steps[0], steps[0] + len(steps))):
         # one sample, consecutive steps: its states are views of the trajectory (no copy that the
         # first layer would keep for backward; GCPO's chunk batching costs no more memory)
-        row = trajectory.latents[int(idx[0])]
-        x, x_next = row[steps[0] : steps[-1] + 1], row[steps[0] + 1 : steps[-1] + 2]
+        row, first, last = trajectory.latents[int(idx[0])], steps[0], steps[-1]
+        x, x_next = row[first : last + 1], row[first + 1 : last + 2]
+        sigma, sigma_next = trajectory.sigmas[first : last + 1], trajectory.sigmas[first + 1 : last + 2]
     else:
         x = torch.cat([tr.sample[idx] for tr in trs])
-        x_next = None
-    sigma = torch.cat([tr.sigma.repeat(n) for tr in trs])
+        x_next = sigma_next = None
+        sigma = torch.cat([tr.sigma.repeat(n) for tr in trs])
     v = velocity_fn(x, sigma)
     if all(tr.kernel is trs[0].kernel for tr in trs):  # one kernel (the usual case): one step over all rows
-        sigma_next = torch.cat([tr.sigma_next.repeat(n) for tr in trs])
+        if sigma_next is None:
+            sigma_next = torch.cat([tr.sigma_next.repeat(n) for tr in trs])
         if x_next is None:
             x_next = torch.cat([tr.next_sample[idx] for tr in trs])
         out = trs[0].kernel.step(v, x, sigma, sigma_next, next_sample=x_next, reduction=trajectory.reduction)
@@ -303,8 +305,8 @@ def rescore_positions(
     velocity call (rows ordered position by position); :func:`rescore_transitions` for a
     trajectory with shared trainable transitions."""
     if trajectory.positions is None:
-        idx = trajectory.trainable_indices
-        return rescore_transitions(velocity_fn, trajectory, [int(idx[t]) for t in ts], batch_idx)
+        steps = trajectory.trainable_indices.tolist()  # a list: no index tensor lives through the forward
+        return rescore_transitions(velocity_fn, trajectory, [steps[t] for t in ts], batch_idx)
     ps = [trajectory.position(t, batch_idx) for t in ts]
     v = velocity_fn(torch.cat([p.sample for p in ps]), torch.cat([p.sigma for p in ps])).split(len(batch_idx))
     return torch.stack([

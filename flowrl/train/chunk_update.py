@@ -80,8 +80,9 @@ __all__ = [
 StepLogProbFn = Callable[[int, torch.Tensor, bool], torch.Tensor]
 # (t, batch_idx) -> (log-probs [n] with grad, extra loss [n] with grad, or None); one forward
 ForwardWithExtra = Callable[[int, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None]"]
-# (positions, batch_idx) -> log-probs [len(positions), n] with grad, from ONE batched forward
-ManyStepLogProbFn = Callable[[list[int], torch.Tensor], torch.Tensor]
+# (positions, batch_idx) -> log-probs [len(positions), n] with grad, from ONE batched forward;
+# batch_idx None: every row of the micro-batch (the usual case needs no index tensor)
+ManyStepLogProbFn = Callable[[list[int], "torch.Tensor | None"], torch.Tensor]
 
 
 class Lockstep(Protocol):
@@ -107,10 +108,8 @@ def _setup(old_lp, advantages, sizes, unit_mask):
     s = validate_chunks(sizes, T)
     old = old_lp.detach().to(torch.float32)
     m = check_unit_mask(unit_mask, B, len(s), old.device)
-    uid = chunk_index(s, device=old.device)
-    trans = m[:, uid]  # [B, T] selected transitions
     adv = broadcast_advantages(advantages, torch.empty(B, len(s), device=old.device))
-    return B, T, s, old, m, uid, trans, adv
+    return B, T, s, old, m, adv
 
 
 def _checked(lp: torch.Tensor, n: int, t: int) -> torch.Tensor:
@@ -148,7 +147,7 @@ def lean_chunk_backward(
         ``(loss, metrics)``: the detached loss value and :func:`flowrl.losses.unit_metrics`
         plus ``recompute_mismatch``. Gradients are accumulated into the parameters' ``.grad``.
     """
-    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    B, T, s, old, m, adv = _setup(old_lp, advantages, sizes, unit_mask)
 
     def units_grad(new_lp):
         # dL/dz on the whole [B, K] matrix; column u is final once unit u has been scored
@@ -251,6 +250,11 @@ def _forward(forward_with_extra, step_log_prob_fn, t, idx):
 def _finish(new, old, s, m, adv, objective, normaliser) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss value and metrics at the new log-probs (no gradient)."""
     z = torch.where(m, unit_log_ratios(new, old, s), torch.zeros(m.shape, device=old.device))
+    return _finish_units(z, m, adv, objective, normaliser)
+
+
+def _finish_units(z, m, adv, objective, normaliser) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss value and metrics at the unit log-ratios ``z`` ``[B, K]`` (0 where unselected)."""
     with torch.no_grad():
         loss = reduce_units(objective(z, adv), m, normaliser)
     metrics = unit_metrics(z, adv, m, objective)
@@ -282,7 +286,7 @@ def on_policy_chunk_backward(
     metrics are evaluated at the log-probs those forwards produced (rows not forwarded keep
     ``z = 0``).
     """
-    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    B, T, s, old, m, adv = _setup(old_lp, advantages, sizes, unit_mask)
     dz = _units_grad_at(torch.zeros(B, len(s), device=old.device), m, adv, objective, normaliser)
     new, first = old.clone(), 0
     for u, size in enumerate(s):
@@ -324,14 +328,20 @@ def chunk_graph_backward(
     one forward by ``many`` when given), the unit's ``dL/dz`` from those log-probs, one backward.
     No re-scoring; ``|u|`` times the activation memory of one step. Same arguments and return
     value as :func:`lean_chunk_backward` (``many`` is not used with ``forward_with_extra``)."""
-    B, T, s, old, m, uid, trans, adv = _setup(old_lp, advantages, sizes, unit_mask)
-    new, first = old.clone(), 0
+    B, T, s, old, m, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    # the unit log-ratios [B, K]: 0 (ratio 1) until a unit is scored, as the lean update's
+    # z of not-yet-scored units (only z is kept, not a [B, T] copy of the new log-probs)
+    z, first = torch.zeros(m.shape, device=old.device), 0
+    batched = many is not None and forward_with_extra is None
     for u, size in enumerate(s):
-        idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
-        if _agreed(bool(idx.numel()), lockstep):
+        # every row selects the unit (always so at GCPO's batching, one sample): a slice, and the
+        # batched scorer gets None, so no index tensor lives through the unit's forward
+        every_row = batched and B > 0 and bool(m[:, u].all())
+        idx = slice(None) if every_row else torch.nonzero(m[:, u], as_tuple=False).flatten()
+        if _agreed(every_row or bool(idx.numel()), lockstep):
             positions = list(range(first, first + size))
-            rows, stand_in = pad_rows(idx)  # lockstep: a stand-in row, weight 0
-            if many is not None and forward_with_extra is None:
+            rows, stand_in = (None, False) if every_row else pad_rows(idx)  # lockstep: a stand-in row, weight 0
+            if batched:
                 with torch.enable_grad():
                     lps, extras = list(many(positions, rows).unbind(0)), [None] * size
             else:
@@ -339,16 +349,17 @@ def chunk_graph_backward(
             if stand_in:
                 coef, weight = torch.zeros(1, device=old.device), 0.0
             else:
-                new[idx, first : first + size] = torch.stack([lp.detach() for lp in lps], 1).to(torch.float32)
-                z = torch.where(m, unit_log_ratios(new, old, s), torch.zeros(m.shape, device=old.device))
+                new_u = torch.stack([lp.detach() for lp in lps], 1).to(torch.float32)
+                z[idx, u] = (new_u - old[idx, first : first + size]).mean(dim=-1)
                 coef, weight = _units_grad_at(z, m, adv, objective, normaliser)[idx, u] / size, 1.0
+                del new_u
             with torch.enable_grad():
                 total = sum((coef.to(lp.dtype) * lp).sum() for lp in lps)
                 total = total + sum(weight * e.sum() for e in extras if e is not None)
                 total.backward()
-            del lps, extras, total
+            del lps, extras, total, coef  # nothing of this unit lives through the next unit's forward
         first += size
-    return _finish(new, old, s, m, adv, objective, normaliser)
+    return _finish_units(z, m, adv, objective, normaliser)
 
 
 def full_graph_backward(
@@ -363,7 +374,8 @@ def full_graph_backward(
     """Reference for :func:`lean_chunk_backward`: every selected transition's graph kept alive,
     :func:`flowrl.losses.objective_loss` on them, one ``loss.backward()``. Same arguments and
     return value (``recompute_mismatch`` is 0)."""
-    _, T, s, old, m, _, trans, _ = _setup(old_lp, advantages, sizes, unit_mask)
+    _, T, s, old, m, _ = _setup(old_lp, advantages, sizes, unit_mask)
+    trans = m[:, chunk_index(s, device=old.device)]  # [B, T] selected transitions
     with torch.enable_grad():
         cols = []
         for t in range(T):

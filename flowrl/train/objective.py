@@ -118,6 +118,8 @@ class StepRecorder:
     def wrap_many(self, many, old_lp: torch.Tensor):
         def recorded(ts, b):
             lp = many(ts, b)
+            if b is None:  # every row
+                b = torch.arange(old_lp.shape[0])
             for j, t in enumerate(ts):
                 self.observe(t, b, lp[j], old_lp[b, t])
             return lp

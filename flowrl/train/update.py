@@ -74,11 +74,12 @@ class TransitionScorer:
         return lambda t, b, grad: self.step(t, rows[b], grad=grad).log_prob
 
     def many_fn(self, rows: torch.Tensor):
-        """``fn(ts, b)``: log-probs ``[len(ts), len(b)]`` of positions ``ts`` for ``rows[b]`` from
-        one batched forward, with grad (the chunk-graph update)."""
+        """``fn(ts, b)``: log-probs ``[len(ts), len(b)]`` of positions ``ts`` for ``rows[b]`` (every
+        row of ``rows`` when ``b`` is None) from one batched forward, with grad (the chunk-graph
+        update)."""
 
-        def many(ts: list[int], b: torch.Tensor) -> torch.Tensor:
-            r = rows[b]
+        def many(ts: list[int], b: torch.Tensor | None) -> torch.Tensor:
+            r = rows if b is None else rows[b]
             if self.step_ratio is not None:
                 return torch.stack([self.step(t, r, grad=True).log_prob for t in ts])
             if r.numel() == 1:  # one sample (GCPO's batching): a view of its embeddings, broadcast over the steps

@@ -95,6 +95,7 @@ class FluxModel(DiffusersAdapter):
                 where=f"{where}.guidance", hint="set model.guidance = 0 for FLUX.1-schnell",
             )
         self._img_ids: torch.Tensor | None = None
+        self._guidance: torch.Tensor | None = None
 
     def _frozen_modules(self):
         p = self.pipe
@@ -102,7 +103,7 @@ class FluxModel(DiffusersAdapter):
 
     def to(self, device):
         super().to(device)
-        self._img_ids = None
+        self._img_ids = self._guidance = None
         return self
 
     def image_ids(self) -> torch.Tensor:
@@ -130,8 +131,11 @@ class FluxModel(DiffusersAdapter):
         kwargs = {}
         if self.uses_guidance:
             # one value for the whole batch: the transformer broadcasts its guidance embedding over
-            # the rows, so a [1] tensor embeds once instead of b identical rows kept for backward
-            kwargs["guidance"] = torch.full((1,), float(self.config.guidance), device=self.device, dtype=torch.float32)
+            # the rows, so a [1] tensor embeds once instead of b identical rows kept for backward;
+            # built once per device, not on every forward
+            if self._guidance is None:
+                self._guidance = torch.full((1,), float(self.config.guidance), device=self.device, dtype=torch.float32)
+            kwargs["guidance"] = self._guidance
         compute = self.dtype
         hidden, img_ids = self._image_inputs(latents.to(self.device, compute), text)
         with self._autocast():

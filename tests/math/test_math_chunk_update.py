@@ -201,7 +201,8 @@ def test_fast_path_equals_full_graph_on_policy(on_policy, sizes, with_kl):
 
 @pytest.mark.parametrize("sizes", [(2, 3, 4, 7), step_chunks(16), sequence_chunks(16)])
 @pytest.mark.parametrize("batched", [False, True])
-def test_chunk_graph_equals_full_graph_off_policy(setup, sizes, batched):
+@pytest.mark.parametrize("selected", ["half", "all"])  # "all": every row selects each unit (no index tensor)
+def test_chunk_graph_equals_full_graph_off_policy(setup, sizes, batched, selected):
     from flowrl.sampling import rescore_transition
     from flowrl.train.chunk_update import chunk_graph_backward
 
@@ -209,18 +210,27 @@ def test_chunk_graph_equals_full_graph_off_policy(setup, sizes, batched):
     fn = make_step_log_prob_fn(model.fn_for, tr)
     old, K = tr.trainable_log_probs, len(sizes)
     mask = select_uniform(B, K, 0.5, torch.Generator().manual_seed(3))
+    if selected == "all":
+        mask = torch.ones(B, K, dtype=torch.bool)
     A = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.3])
     eps = _eps_for_clipping(fn, old, sizes)
     obj = ClippedObjective(eps, eps)
     positions = tr.trainable_indices.tolist()
+    calls = []
 
     def many(ts, idx):  # a stand-in for a batched scorer: same numbers, stacked [len(ts), n]
+        calls.append(idx)
+        idx = torch.arange(B) if idx is None else idx  # None: every row
         return torch.stack([rescore_transition(model.fn_for(idx), tr, positions[t], idx).log_prob for t in ts])
 
     loss_full, met_full = full_graph_backward(fn, old, A, sizes, mask, obj, normaliser=12)
     g_full = _grads(model)
     loss, met = chunk_graph_backward(fn, old, A, sizes, mask, obj, normaliser=12, many=many if batched else None)
     g_graph = _grads(model)
+    if batched:  # a unit every row selects is scored without an index tensor, others for their rows
+        expected = [None if mask[:, u].all() else torch.nonzero(mask[:, u]).flatten().tolist()
+                    for u in range(K) if mask[:, u].any()]
+        assert [None if i is None else i.tolist() for i in calls] == expected
     assert torch.allclose(loss, loss_full, rtol=1e-5, atol=1e-9)
     assert met["clip_fraction"] == met_full["clip_fraction"]
     for a, b in zip(g_graph, g_full):
