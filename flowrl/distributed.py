@@ -39,7 +39,7 @@ _TRUE = ("1", "true", "yes")
 _FALSE = ("", "0", "false", "no")
 
 
-def _flag(env, key: str) -> bool | None:
+def flag_setting(env, key: str) -> bool | None:
     """An accelerate boolean environment setting: True, False, or None when it is not set."""
     if key not in env:
         return None
@@ -78,7 +78,7 @@ def _check_fsdp_launch(settings, env) -> None:
             hint="for shard-within-node / replicate-across-nodes set parallelism_config dp_replicate_size "
             "(= the number of nodes) and [distributed].shard = 'hybrid'",
         )
-    if _flag(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
+    if flag_setting(env, "ACCELERATE_USE_PARALLELISM_CONFIG"):
         for key in ("PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_CP_SIZE", "PARALLELISM_CONFIG_SP_SIZE"):
             if env.get(key, "1").strip() not in ("", "1"):
                 raise FlowrlError(f"the launcher asks for {key}={env[key]}; flowrl shards data-parallel only",
@@ -88,19 +88,19 @@ def _check_fsdp_launch(settings, env) -> None:
         if shard != settings.shard:
             raise _disagree(f"PARALLELISM_CONFIG_DP_REPLICATE_SIZE={replicate} ({shard} sharding)",
                             f"shard = {settings.shard!r}", f"set [distributed].shard = {shard!r}, or change dp_replicate_size")
-    if _flag(env, "FSDP_RESHARD_AFTER_FORWARD") is False:
+    if flag_setting(env, "FSDP_RESHARD_AFTER_FORWARD") is False:
         raise FlowrlError("the launcher asks FSDP not to reshard after forward (FSDP_RESHARD_AFTER_FORWARD=false); "
                           "flowrl reshards every block after its forward", where="accelerate config",
                           hint="set fsdp_reshard_after_forward: true")
     for key, field in (("FSDP_OFFLOAD_PARAMS", "cpu_offload"), ("FSDP_ACTIVATION_CHECKPOINTING", "activation_checkpointing")):
-        launcher = _flag(env, key)
+        launcher = flag_setting(env, key)
         if launcher is not None and launcher != getattr(settings, field):
             raise _disagree(f"{key}={str(launcher).lower()}", f"{field} = {str(getattr(settings, field)).lower()}",
                             f"set [distributed].{field} = {str(launcher).lower()}, or change the accelerate config")
     # FSDP_SYNC_MODULE_STATES / FSDP_CPU_RAM_EFFICIENT_LOADING (accelerate's defaults: true) hold:
     # every process loads the weights and rank 0's are broadcast before sharding
     for key in ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",):
-        if _flag(env, key):
+        if flag_setting(env, key):
             raise FlowrlError(f"the launcher asks for {key}=true, which flowrl does not implement",
                               where="accelerate config", hint="set it to false in the accelerate config")
 
@@ -114,7 +114,7 @@ def check_launch_environment(settings=None, env=None) -> None:
     """
     env = os.environ if env is None else env
     for key, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_MEGATRON_LM", "Megatron-LM")):
-        if _flag(env, key):
+        if flag_setting(env, key):
             raise FlowrlError(
                 f"the launcher asks for {name} ({key}={env[key]}), which flowrl does not implement",
                 where="accelerate config",
@@ -123,8 +123,8 @@ def check_launch_environment(settings=None, env=None) -> None:
             )
     precision = env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower()
     if settings is None:
-        if _flag(env, "ACCELERATE_USE_FSDP") or precision not in ("", "no"):
-            key, name = ("ACCELERATE_USE_FSDP", "FSDP") if _flag(env, "ACCELERATE_USE_FSDP") else (
+        if flag_setting(env, "ACCELERATE_USE_FSDP") or precision not in ("", "no"):
+            key, name = ("ACCELERATE_USE_FSDP", "FSDP") if flag_setting(env, "ACCELERATE_USE_FSDP") else (
                 "ACCELERATE_MIXED_PRECISION", "mixed precision")
             raise FlowrlError(f"the launcher asks for {name} ({key}={env[key]}), but no [distributed] strategy was "
                               "given to the engine", where="accelerate config", hint="launch with plain data parallelism")
@@ -137,8 +137,21 @@ def check_launch_environment(settings=None, env=None) -> None:
                         f"mixed_precision = {settings.mixed_precision!r}",
                         f"set [distributed].mixed_precision = {precision!r}, or launch with "
                         f"--mixed_precision {settings.mixed_precision}")
-    if _flag(env, "ACCELERATE_USE_FSDP"):
+    if flag_setting(env, "ACCELERATE_USE_FSDP"):
         _check_fsdp_launch(settings, env)
+
+
+def choose_strategy(requested: str, world_size: int, launcher_fsdp: bool = False, *, hint: str | None = None) -> str:
+    """``"none"``, ``"ddp"`` or ``"fsdp2"``: ``requested``, or for ``"auto"`` fsdp2 when the
+    launcher asks for FSDP, else ddp with several processes, else none. The one rule for a run
+    (:func:`flowrl.train.parallel.resolve_strategy`) and its memory plan (``flowrl plan``)."""
+    strategy = requested
+    if strategy == "auto":
+        strategy = "fsdp2" if launcher_fsdp else ("ddp" if world_size > 1 else "none")
+    if strategy == "none" and world_size > 1:
+        raise FlowrlError(f"strategy = 'none' runs one process, not {world_size}", where="[distributed].strategy",
+                          hint=hint or "use 'ddp' or 'fsdp2' (or 'auto'), or launch one process")
+    return strategy
 
 
 def resolve_device(name: str) -> torch.device:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .distributed import choose_strategy
 from .errors import FlowrlError
 from .geometry import resolve_geometry
 from .interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
@@ -195,10 +196,8 @@ class Layout:
     @classmethod
     def from_recipe(cls, recipe, mm: ModelMemory, world_size: int, num_nodes: int = 1) -> "Layout":
         d = recipe.distributed
-        strategy = d.strategy if d.strategy != "auto" else ("ddp" if world_size > 1 else "none")
-        if strategy == "none" and world_size > 1:
-            raise FlowrlError(f"strategy = 'none' runs one process, not {world_size}", where="[distributed].strategy",
-                              hint="plan one process, or use 'ddp' or 'fsdp2'")
+        # no launcher when planning: "auto" plans ddp or none (plan fsdp2 by naming it)
+        strategy = choose_strategy(d.strategy, world_size, hint="plan one process, or use 'ddp' or 'fsdp2'")
         if world_size % num_nodes:
             raise FlowrlError(f"{world_size} processes cannot be spread evenly over {num_nodes} nodes",
                               where="--num-nodes", hint="use a number of processes that is a multiple of the nodes")

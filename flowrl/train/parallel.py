@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import DistContext, broadcast_object, check_launch_environment
+from ..distributed import DistContext, broadcast_object, choose_strategy, flag_setting
 from ..errors import FlowrlError
 from ..interfaces import HasShardableBlocks
 from ..recipe import DistributedConfig
@@ -108,20 +108,11 @@ class Topology:
 
 def resolve_strategy(config: DistributedConfig, world_size: int, env=None) -> str:
     """``"none"``, ``"ddp"`` or ``"fsdp2"`` for ``config.strategy`` (``"auto"``: fsdp2 when the
-    launcher asks for FSDP, else ddp with several processes, else none), after checking the
-    launcher's settings against the recipe (:func:`flowrl.distributed.check_launch_environment`)."""
+    launcher asks for FSDP, else ddp with several processes, else none;
+    :func:`flowrl.distributed.choose_strategy`). The launcher's settings were checked against
+    the recipe when the process group was joined (:func:`flowrl.distributed.setup`)."""
     env = os.environ if env is None else env
-    check_launch_environment(config, env)
-    strategy = config.strategy
-    if strategy == "auto":
-        fsdp = env.get("ACCELERATE_USE_FSDP", "").strip().lower() in ("1", "true", "yes")
-        strategy = "fsdp2" if fsdp else ("ddp" if world_size > 1 else "none")
-    if strategy == "none" and world_size > 1:
-        raise FlowrlError(
-            f"strategy = 'none' runs one process, but {world_size} were launched",
-            where="[distributed].strategy", hint="use 'ddp' or 'fsdp2' (or 'auto'), or launch one process",
-        )
-    return strategy
+    return choose_strategy(config.strategy, world_size, bool(flag_setting(env, "ACCELERATE_USE_FSDP")))
 
 
 def mesh_layout(shard: str, topology: Topology) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -200,7 +191,8 @@ class Strategy:
 
     @classmethod
     def from_recipe(cls, config: DistributedConfig, device: torch.device, ctx: DistContext, env=None) -> Strategy:
-        """Check the launcher against ``config`` and resolve ``"auto"`` for this run."""
+        """Resolve ``"auto"`` for this run (the launcher was checked against ``config`` by
+        :func:`flowrl.distributed.setup`)."""
         topology = Topology.from_context(ctx, env)
         return cls(config, resolve_strategy(config, ctx.world_size, env), device, topology)
 

@@ -34,6 +34,18 @@ def test_the_flagship_lora_variant_fits_one_80gb_gpu(cli):
     assert "fits in 80 GB" in _flat(out) and "(r = 64)" in _flat(out)
 
 
+def test_plan_resolves_auto_as_a_run_does_and_refuses_none_with_several_processes(cli):
+    """One rule (flowrl.distributed.choose_strategy) for a run and its plan; no launcher when
+    planning, so "auto" plans ddp with several processes and none with one."""
+    for n, expected in (("1", "none: weights"), ("2", "ddp: weights")):
+        code, out, err = cli("plan", "recipes/quickstart.toml", "--num-processes", n, "--set", "distributed.strategy=auto")
+        assert code == 0, err
+        assert expected in _flat(out)
+    code, out, err = cli("plan", "recipes/quickstart.toml", "--num-processes", "2", "--set", "distributed.strategy=none")
+    assert code != 0 and "Traceback" not in err
+    assert "strategy = 'none' runs one process, not 2" in _flat(err) and "plan one process" in _flat(err)
+
+
 @pytest.mark.parametrize("name", ["dance_grpo_flux", "gspo_flux", "fixed_chunk_flux", "chunk_grpo_flux_ws", "chunk_grpo_flux_lora",
                                   "chunk_grpo_sd3", "lora_single_gpu_sd3"])
 def test_plan_every_real_model_recipe(cli, name):
