@@ -107,6 +107,49 @@ def run_cli(argv, capsys):
     return code, out, err
 
 
+class InProcessCli:
+    """``flowrl ARGV`` in this process from the repository root, for module-scoped fixtures
+    (which cannot use ``capsys``): ``run(*argv)`` -> (code, stdout, stderr); ``merged(*argv)``
+    -> (code, stdout and stderr interleaved as a terminal shows them)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def _call(self, argv, out, err) -> int:
+        import contextlib
+
+        from flowrl import cli
+
+        cwd, code = os.getcwd(), 0
+        os.chdir(self.root)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                cli.main([str(a) for a in argv])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        finally:
+            os.chdir(cwd)
+        return code
+
+    def run(self, *argv):
+        import io
+
+        out, err = io.StringIO(), io.StringIO()
+        return self._call(argv, out, err), out.getvalue(), err.getvalue()
+
+    def merged(self, *argv):
+        import io
+
+        buf = io.StringIO()
+        return self._call(argv, buf, buf), buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def module_cli(request) -> InProcessCli:
+    """A module-scoped in-process ``flowrl`` runner (see :class:`InProcessCli`)."""
+    return InProcessCli(request.config.rootpath)
+
+
 @pytest.fixture
 def cli(capsys, monkeypatch):
     """``cli(*argv)`` -> (code, stdout, stderr), run from the repository root, wide output."""

@@ -49,32 +49,9 @@ def flux_profile(tmp_path_factory, tiny_flux, tiny_overrides, cli):
 
 
 @pytest.fixture(scope="module")
-def cli(request):
-    """Module-scoped in-process ``flowrl`` runner (the module-scoped profile fixture needs one)."""
-    import os
-
-    from flowrl import cli as flowrl_cli
-
-    repo = request.config.rootpath
-
-    def run(*argv):
-        import contextlib
-        import io
-
-        cwd = os.getcwd()
-        os.chdir(repo)
-        out, err = io.StringIO(), io.StringIO()
-        code = 0
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                flowrl_cli.main([str(a) for a in argv])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        finally:
-            os.chdir(cwd)
-        return code, out.getvalue(), err.getvalue()
-
-    return run
+def cli(module_cli):
+    """``cli(*argv)`` -> (code, stdout, stderr), module-scoped: the module-scoped profile fixture needs it."""
+    return module_cli.run
 
 
 @pytest.mark.parametrize("name", list(RECIPES))

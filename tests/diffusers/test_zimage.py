@@ -206,28 +206,9 @@ _FULL = ["train.finetune=full", "train.lr=0.002", "train.max_grad_norm=0", "mode
 
 
 @pytest.fixture(scope="module")
-def cli(request):
-    """``cli(*argv)`` -> (code, stdout + stderr): flowrl in this process, from the repository root."""
-    import contextlib
-    import io
-    import os
-
-    from flowrl import cli as flowrl_cli
-
-    def run(*argv):
-        cwd, buf = os.getcwd(), io.StringIO()
-        os.chdir(request.config.rootpath)
-        code = 0
-        try:
-            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-                flowrl_cli.main([str(a) for a in argv])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        finally:
-            os.chdir(cwd)
-        return code, buf.getvalue()
-
-    return run
+def cli(module_cli):
+    """``cli(*argv)`` -> (code, stdout + stderr), module-scoped: the module's run fixtures use it."""
+    return module_cli.merged
 
 
 def _train(cli, path, out, extra=()):
