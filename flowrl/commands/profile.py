@@ -160,10 +160,8 @@ def _recipe_from_options(model, model_param, steps, shift, kernel, noise):
         "model": {"use": model},
         "sampler": {"steps": 17},
         "schedule": {"use": "shift", "shift": 3.0},
-        "kernel": {"use": kernel_name},
+        "kernel": {"use": kernel_name},  # the kernel's own defaults (flow: a = 0.7, the paper's setting)
     }
-    if kernel_name == "flow":
-        data["kernel"]["a"] = 0.7  # the paper's setting (GCPO, MixGRPO)
     apply_overrides(data, _option_overrides(reg, kernel_name, steps, shift, kernel, noise, model_param))
     return validate(data, source="options", registry=reg, require_rewards=False)
 
