@@ -122,10 +122,10 @@ def check_launch_environment(settings=None, env=None) -> None:
                 "docs/distributed.md says why DeepSpeed is not offered",
             )
     precision = env.get("ACCELERATE_MIXED_PRECISION", "").strip().lower()
+    fsdp = flag_setting(env, "ACCELERATE_USE_FSDP")
     if settings is None:
-        if flag_setting(env, "ACCELERATE_USE_FSDP") or precision not in ("", "no"):
-            key, name = ("ACCELERATE_USE_FSDP", "FSDP") if flag_setting(env, "ACCELERATE_USE_FSDP") else (
-                "ACCELERATE_MIXED_PRECISION", "mixed precision")
+        if fsdp or precision not in ("", "no"):
+            key, name = ("ACCELERATE_USE_FSDP", "FSDP") if fsdp else ("ACCELERATE_MIXED_PRECISION", "mixed precision")
             raise FlowrlError(f"the launcher asks for {name} ({key}={env[key]}), but no [distributed] strategy was "
                               "given to the engine", where="accelerate config", hint="launch with plain data parallelism")
         return
@@ -137,7 +137,7 @@ def check_launch_environment(settings=None, env=None) -> None:
                         f"mixed_precision = {settings.mixed_precision!r}",
                         f"set [distributed].mixed_precision = {precision!r}, or launch with "
                         f"--mixed_precision {settings.mixed_precision}")
-    if flag_setting(env, "ACCELERATE_USE_FSDP"):
+    if fsdp:
         _check_fsdp_launch(settings, env)
 
 

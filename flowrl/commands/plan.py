@@ -48,8 +48,9 @@ def plan(
     total, worst = peak(lines)
     verdict = "[green]fits[/green]" if total <= gpu_memory * GB else "[red]does not fit[/red]"
     console.print(f"peak ~ {total / GB:.1f} GB (persistent + the {worst} phase): {verdict} in {gpu_memory:g} GB")
-    if cpu_bytes(lines):
-        console.print(f"CPU memory per process for the offloaded state: ~ {cpu_bytes(lines) / GB:.1f} GB")
+    host = cpu_bytes(lines)
+    if host:
+        console.print(f"CPU memory per process for the offloaded state: ~ {host / GB:.1f} GB")
     for note in mm.notes:
         console.print(f"note: {escape(note)}")
     if total > gpu_memory * GB:

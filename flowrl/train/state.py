@@ -228,7 +228,7 @@ def restore_training_state(run_dir: Path, session, update, layout, ctx, console:
         if objective_tensors:
             extra[OBJECTIVE] = objective_tensors
         state = load_sharded_checkpoint(ckpt, update.strategy, extra or None)
-        saved = {"state": state, "ema": ema.tensors() if with_ema else None, "objective": extra.get(OBJECTIVE, {})}
+        saved = {"state": state, "ema": extra.get(EMA_KEY), "objective": extra.get(OBJECTIVE, {})}
     else:
         saved = load_checkpoint(ckpt)
         load_trainable_state_dict(session.model.denoiser, saved["model"])

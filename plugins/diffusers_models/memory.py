@@ -137,10 +137,14 @@ def _instantiate_meta(cfg: dict[str, Any]) -> torch.nn.Module:
         return cls(config_cls(**known))
 
 
-def count_parameters(cfg: dict[str, Any]) -> int:
+def _elements(model: torch.nn.Module) -> int:
     """Parameters plus buffers (SD3's positional-embedding table is a buffer, yet takes memory)."""
-    model = _instantiate_meta(cfg)
     return sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+
+
+def count_parameters(cfg: dict[str, Any]) -> int:
+    """The component's parameters plus buffers."""
+    return _elements(_instantiate_meta(cfg))
 
 
 def denoiser_counts(cfg: dict[str, Any]) -> dict[str, int]:
@@ -148,7 +152,7 @@ def denoiser_counts(cfg: dict[str, Any]) -> dict[str, int]:
     element of the transformer's block lists, the unit FSDP2 gathers) and
     ``outside_block_params`` (everything outside the blocks: the root FSDP2 keeps gathered)."""
     model = _instantiate_meta(cfg)
-    total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    total = _elements(model)
     blocks = [m for child in model.children() if isinstance(child, torch.nn.ModuleList) and len(child) > 1 for m in child]
     sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     return {"denoiser_params": total, "largest_block_params": max(sizes, default=0),
