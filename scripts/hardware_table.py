@@ -92,10 +92,10 @@ def _model_name(recipe) -> str:
 
 
 def _strategy(recipe, world_size: int) -> str:
-    from flowrl.train.parallel import resolve_strategy
+    from flowrl.distributed import choose_strategy
 
     chosen = recipe.distributed.strategy
-    resolved = resolve_strategy(recipe.distributed, world_size, env={})  # no launcher settings
+    resolved = choose_strategy(chosen, world_size)  # as `flowrl plan` does: no launcher settings
     return resolved if chosen == resolved else f"{chosen} ({resolved})"
 
 
