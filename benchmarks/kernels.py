@@ -150,13 +150,15 @@ class Runner:
 
 def optimizer_steps(args, rng_seed: int = 0) -> dict:
     """AdamW.step() alone: for-loop vs foreach vs fused over the embedded denoiser's parameters."""
+    from flowrl.train.accel import adamw_options
     from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
     model = EmbeddedModel(EmbeddedConfig())
     base = [p.detach().clone() for p in model.denoiser.parameters()]
     g = torch.Generator().manual_seed(rng_seed)
     grads = [torch.randn(p.shape, generator=g) * 1e-3 for p in base]
-    impls = {"for-loop": {"foreach": False, "fused": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    # the keyword arguments [train].adamw_impl gives torch's AdamW
+    impls = {name: adamw_options(name, torch.device("cpu")) for name in ("for-loop", "foreach", "fused")}
     params = {}
     opts = {}
     for name, kw in impls.items():
