@@ -11,7 +11,7 @@ import pytest
 from flowrl import cli
 
 REPO = Path(__file__).resolve().parents[1]
-QUICK = str(REPO / "recipes" / "quickstart.toml")
+QUICK = str(REPO / "recipes" / "quickstart_hacking.toml")
 
 
 def _validate(capsys, *overrides: str) -> tuple[int, str]:

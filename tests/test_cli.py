@@ -20,7 +20,7 @@ from flowrl.recipe import apply_overrides, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 FIX = "tests/fixtures/recipes"
-QUICK = "recipes/quickstart.toml"
+QUICK = "recipes/quickstart_hacking.toml"
 
 #: name -> (argv, the file or location the message must name, fragments the message must contain)
 ERRORS = {
@@ -202,7 +202,7 @@ def test_explain_prints_the_documentation_of_the_keys(results):
     # with a recipe: only the components it uses, then the usual "ok" line
     assert "Chunk sizes in sampling order" in out
     assert '[chunker] use = "fixed"' not in out
-    assert "ok recipes/quickstart.toml" in out
+    assert "ok recipes/quickstart_hacking.toml" in out
 
 
 def test_plugins_command(results):
@@ -242,7 +242,7 @@ def test_train_option_parsing(monkeypatch, tmp_path):
     assert seen["resume"] == prev and seen["dry_run"] is True
     seen.clear()
     cli.main(["train", str(REPO / QUICK)])
-    assert seen["recipe"].output_dir == Path("runs/quickstart") and seen["dry_run"] is False
+    assert seen["recipe"].output_dir == Path("runs/quickstart_hacking") and seen["dry_run"] is False
 
 
 def test_main_propagates_a_commands_exit_code(capsys):

@@ -20,7 +20,7 @@ from flowrl.runlog import read_metrics
 from flowrl.train.state import recipe_differences
 
 REPO = Path(__file__).resolve().parents[1]
-QUICK = REPO / "recipes" / "quickstart.toml"
+QUICK = REPO / "recipes" / "quickstart_hacking.toml"
 
 TINY = """
 [run]

@@ -26,7 +26,7 @@ from flowrl.plugins import get_registry  # noqa: E402
 from flowrl.recipe import COMPONENT_SECTIONS, SECTIONS, read_toml  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "recipes" / "quickstart.toml"
+QUICKSTART = REPO / "recipes" / "quickstart_hacking.toml"
 EXTRA_REWARD_KEYS = ("weight", "name", "chunk_weights")
 
 

@@ -96,14 +96,14 @@ def test_settings_the_engine_cannot_train_fail_validation(overrides, message):
     from flowrl.recipe import load_recipe
 
     with pytest.raises(RecipeError) as err:
-        load_recipe(REPO / "recipes" / "quickstart.toml", overrides)
+        load_recipe(REPO / "recipes" / "quickstart_hacking.toml", overrides)
     assert message in err.value.format()
 
 
 def test_trainable_transitions_follow_the_kernel():
     from flowrl.recipe import load_recipe
 
-    qs = REPO / "recipes" / "quickstart.toml"
+    qs = REPO / "recipes" / "quickstart_hacking.toml"
     assert load_recipe(qs).num_trainable == 16  # 17 steps, image from the last x0_hat
     assert load_recipe(qs, ["sampler.image_from='final'", "chunker.sizes=[2,3,4,8]"]).num_trainable == 17
     # CPS into sigma = 0 is deterministic: the last step cannot be trained even with image_from = final

@@ -177,6 +177,7 @@ def evaluate(
     records = score_items(plan, policy, base, sigmas, rewards, ctx, base_seed, hybrid_steps, save_images)
     if not ctx.is_main:
         return
+    from ..artefacts import ARTEFACT_MEASURES
     from ..train.checkpoint import checkpoint_iteration
 
     write_result(Path(path), {
@@ -184,6 +185,7 @@ def evaluate(
         "checkpoint": str(src.checkpoint) if src.checkpoint else None,
         "iteration": checkpoint_iteration(src.checkpoint),
         "rewards": {label: summarize([r["scores"][label] for r in records]) for label, _ in rewards},
+        "artefacts": {label: summarize([r["scores"][label] for r in records]) for label in ARTEFACT_MEASURES},
         "settings": {
             "model": src.recipe.components["model"].use, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
             "protocol": plan.protocol, "seed": base_seed, "seeds_per_prompt": plan.seeds,
@@ -198,6 +200,7 @@ def evaluate(
 def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, hybrid_steps: int, save_images) -> list[dict]:
     """Sample this process's share of the items, score them with every reward; all records on
     the main process, in item order."""
+    from ..artefacts import ARTEFACT_MEASURES
     from ..interfaces import score
     from .sample import generate, save_png, shard
 
@@ -209,6 +212,7 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
                                   noise_of=plan.noise_of):
         batch_prompts = [it.prompt for it in batch]
         scores = {label: score(r, images, batch_prompts, name=label).scores.tolist() for label, r in rewards}
+        scores.update({label: measure(images).tolist() for label, measure in ARTEFACT_MEASURES.items()})
         for j, it in enumerate(batch):
             records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
                             "seed_index": it.seed_index, "scores": {k: v[j] for k, v in scores.items()}})
@@ -222,6 +226,6 @@ def write_result(path: Path, result: dict) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=1))
-    for label, stats in result["rewards"].items():
+    for label, stats in (result["rewards"] | result.get("artefacts", {})).items():
         console.print(f"{label}: {stats['mean']:.4f} +- {stats['sem']:.4f} (n = {stats['n']})")
     console.print(f"wrote {path}")

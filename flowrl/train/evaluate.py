@@ -24,6 +24,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..artefacts import ARTEFACT_MEASURES
 from ..interfaces import score
 from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sde import ode_step
@@ -53,7 +54,7 @@ def evaluation_set(recipe, model) -> list[str]:
     p = recipe.prompts
     if not p.num_eval:
         return []
-    pool = read_prompts(p.eval_source or p.source, model, f"{recipe.source}: [prompts].eval_source")
+    pool = read_prompts(p.eval_source or p.source, model, f"{recipe.source}: [prompts].eval_source", p, role="eval")
     return evaluation_prompts(pool, recipe.run.seed, p.num_eval)
 
 
@@ -71,8 +72,9 @@ def evaluation_noise(latent_shape, seed: int, indices: Sequence[int]) -> torch.T
 def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: int, seed: int, cache, batch: int,
              on_images: Callable[[torch.Tensor], None] | None = None):
     """Scores ``{label: [len(prompts) * seeds]}`` of every reward on the fixed evaluation set
-    (ODE sampling along ``sigmas``, the run's schedule). ``on_images`` receives each batch's
-    decoded images, in item order."""
+    (ODE sampling along ``sigmas``, the run's schedule), then of every artefact measure
+    (:data:`flowrl.artefacts.ARTEFACT_MEASURES`: the texture a policy may learn). ``on_images``
+    receives each batch's decoded images, in item order."""
     scores: dict[str, list[torch.Tensor]] = defaultdict(list)
     items = evaluation_items(prompts, seeds)
     for start in range(0, len(items), batch):
@@ -86,6 +88,9 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
             on_images(images)
         for label, _, reward in rewards:
             scores[label].append(score(reward, images, ps, metadata).scores)
+        if rewards:  # (no rewards: a process that samples in lockstep only)
+            for label, measure in ARTEFACT_MEASURES.items():
+                scores[label].append(measure(images).cpu())
     return {label: torch.cat(v) for label, v in scores.items()}
 
 

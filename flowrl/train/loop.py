@@ -24,13 +24,13 @@ from .. import distributed
 from ..errors import FlowrlError
 from ..geometry import resolve_geometry
 from ..plugins import Registry, get_registry
-from ..prompts import evaluation_prompts, read_prompts
+from ..prompts import read_prompts
 from ..recipe import Recipe, check_startable
 from .accel import prepare_kernels
 from .checkpoint import checkpoint_iteration, latest_checkpoint
 from .collect import assign_advantages, collect
 from .ema import WeightEMA
-from .evaluate import RunEvaluator
+from .evaluate import RunEvaluator, evaluation_set
 from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .progress import Aborted, GracefulInterrupt, RunDisplay
@@ -64,7 +64,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     update = PolicyUpdate(session, geometry, ctx)
     kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
     ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
-    eval_set = evaluation_set(session)
+    eval_set = evaluation_set(cfg, session.model)
 
     # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
     state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
@@ -155,15 +155,6 @@ def announce(console: Console, ctx, recipe: Recipe, geometry, run_dir: Path) -> 
             f"[yellow]note:[/yellow] {geometry.prompts_per_iteration} prompts over {ctx.world_size} processes "
             "split groups across processes; advantages use the rewards gathered from all of them"
         )
-
-
-def evaluation_set(session) -> list[str]:
-    """The run's fixed evaluation prompts (empty: no evaluation)."""
-    p, source = session.recipe.prompts, session.recipe.source
-    if not p.num_eval:
-        return []
-    pool = read_prompts(p.eval_source or p.source, session.model, f"{source}: [prompts].eval_source", p, role="eval")
-    return evaluation_prompts(pool, session.recipe.run.seed, p.num_eval)
 
 
 def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path:

@@ -38,10 +38,10 @@ def test_plan_resolves_auto_as_a_run_does_and_refuses_none_with_several_processe
     """One rule (flowrl.distributed.choose_strategy) for a run and its plan; no launcher when
     planning, so "auto" plans ddp with several processes and none with one."""
     for n, expected in (("1", "none: weights"), ("2", "ddp: weights")):
-        code, out, err = cli("plan", "recipes/quickstart.toml", "--num-processes", n, "--set", "distributed.strategy=auto")
+        code, out, err = cli("plan", "recipes/quickstart_hacking.toml", "--num-processes", n, "--set", "distributed.strategy=auto")
         assert code == 0, err
         assert expected in _flat(out)
-    code, out, err = cli("plan", "recipes/quickstart.toml", "--num-processes", "2", "--set", "distributed.strategy=none")
+    code, out, err = cli("plan", "recipes/quickstart_hacking.toml", "--num-processes", "2", "--set", "distributed.strategy=none")
     assert code != 0 and "Traceback" not in err
     assert "strategy = 'none' runs one process, not 2" in _flat(err) and "plan one process" in _flat(err)
 
@@ -118,6 +118,6 @@ def test_unknown_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_plan_falls_back_to_measuring_small_models(cli):
-    code, out, err = cli("plan", "recipes/quickstart.toml", "--set", "model.random_init=true")
+    code, out, err = cli("plan", "recipes/quickstart_hacking.toml", "--set", "model.random_init=true")
     assert code == 0, err
     assert "measured by building the model" in _flat(out)

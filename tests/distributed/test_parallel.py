@@ -100,7 +100,7 @@ def test_launcher_settings_flowrl_does_not_implement_are_refused(env, what):
 
 
 def test_sharding_options_need_fsdp2_in_the_recipe():
-    qs = REPO / "recipes" / "quickstart.toml"
+    qs = REPO / "recipes" / "quickstart_hacking.toml"
     for override in ("distributed.shard='hybrid'", "distributed.cpu_offload=true"):
         with pytest.raises(RecipeError, match="needs strategy = 'fsdp2'"):
             load_recipe(qs, [override])
@@ -427,7 +427,7 @@ def _flowrl_recipe(argv: list[str]):
 
 
 def test_docs_toml_blocks_validate():
-    base = tomllib.loads((REPO / "recipes" / "quickstart.toml").read_text())
+    base = tomllib.loads((REPO / "recipes" / "quickstart_hacking.toml").read_text())
     blocks = _code_blocks("toml")
     assert len(blocks) == 2
     for block in blocks:

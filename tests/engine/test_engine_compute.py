@@ -23,7 +23,7 @@ def _run(tmp_path, recipe: str, *extra: str) -> dict:
     return read_metrics(train(recipe, console=quiet_console()))[0]
 
 
-@pytest.mark.parametrize("recipe", ["quickstart.toml", "quickstart_step.toml", "quickstart_gspo.toml",
+@pytest.mark.parametrize("recipe", ["quickstart_hacking.toml", "quickstart_step.toml", "quickstart_gspo.toml",
                                     "quickstart_fixed.toml", "quickstart_dynamics.toml"])
 def test_builtin_algorithms_run_at_the_minimum_on_the_fast_path(tmp_path, recipe, monkeypatch):
     monkeypatch.chdir(REPO)  # the dynamics recipe names its profile relative to the repository
@@ -36,7 +36,7 @@ def test_builtin_algorithms_run_at_the_minimum_on_the_fast_path(tmp_path, recipe
 
 @pytest.mark.parametrize("kind", ["gaussian_exact", "old_policy_k3"])
 def test_a_kl_term_costs_no_second_policy_forward(tmp_path, kind):
-    row = _run(tmp_path, "quickstart.toml", "loss.beta=0.1", f"loss.kl={kind!r}")
+    row = _run(tmp_path, "quickstart_hacking.toml", "loss.beta=0.1", f"loss.kl={kind!r}")
     assert row["compute/ratio"] == 1.0, row
     if kind == "gaussian_exact":  # one reference forward per trained transition
         assert row["compute/reference/forward"] == row["compute/update/forward"]
@@ -45,12 +45,12 @@ def test_a_kl_term_costs_no_second_policy_forward(tmp_path, kind):
 
 
 def test_the_counter_sees_the_lean_paths_recomputation(tmp_path):
-    row = _run(tmp_path, "quickstart.toml", "train.fast_path=false", "train.update_mode='lean'")
+    row = _run(tmp_path, "quickstart_hacking.toml", "train.fast_path=false", "train.update_mode='lean'")
     # a chunk of k re-scores k - 1 steps without grad before its backward: more forwards than the minimum
     assert row["compute/update/forward"] > row["compute/update/backward"]
     assert row["compute/ratio"] > 1.05, row
 
 
 def test_the_chunk_graph_update_computes_nothing_twice_off_policy(tmp_path):
-    row = _run(tmp_path, "quickstart.toml", "train.fast_path=false", "train.update_mode='chunk_graph'")
+    row = _run(tmp_path, "quickstart_hacking.toml", "train.fast_path=false", "train.update_mode='chunk_graph'")
     assert row["compute/update/forward"] == row["compute/update/backward"]

@@ -66,7 +66,7 @@ def test_compare_against_a_checkpoint(tmp_path, capsys):
     from flowrl.train.finetune import trainable_state_dict
     from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
-    recipe = load_recipe(ROOT / "recipes" / "quickstart.toml", ["model.random_init=true", "sampler.steps=6", "chunker.use=step"])
+    recipe = load_recipe(ROOT / "recipes" / "quickstart_hacking.toml", ["model.random_init=true", "sampler.steps=6", "chunker.use=step"])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "recipe.toml").write_text(dump_toml(recipe.to_toml_dict()))
