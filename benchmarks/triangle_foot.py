@@ -1,7 +1,7 @@
 """Why an RL-trained embedded model draws triangles with a flared foot: does the verifier pay
 for it? (docs/study.md, "The triangles' foot")
 
-    OMP_NUM_THREADS=1 python benchmarks/triangle_foot.py [--checkpoint RUN/checkpoints/iter_N]
+    OMP_NUM_THREADS=1 python benchmarks/triangle_foot.py [--checkpoint RUN/checkpoints/iter_N] [--noises 4]
 
 For every triangle prompt of the grammar (30) x 4 noises, the base model's ODE sample (and the
 rendered ground truth) is scored by the verifier as drawn and with a foot added: the bottom
@@ -56,9 +56,10 @@ def report(name: str, images: torch.Tensor, prompts: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default="", help="a run's checkpoint directory (model.safetensors) to compare")
+    ap.add_argument("--noises", type=int, default=4, help="starting noises per triangle prompt (default 4)")
     args = ap.parse_args()
-    prompts = [p for p in all_prompts() if parse_prompt(p).shape == "triangle"] * 4
-    noise = torch.cat([eval_noise(s, 30) for s in range(4)])
+    prompts = [p for p in all_prompts() if parse_prompt(p).shape == "triangle"] * args.noises
+    noise = torch.cat([eval_noise(s, 30) for s in range(args.noises)])
     torch.manual_seed(0)
     report("ground truth", render_prompts(prompts, torch.Generator().manual_seed(0)), prompts)
     model = load_pretrained()

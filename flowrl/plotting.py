@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .artefacts import ARTEFACT_MEASURES
 from .errors import FlowrlError, require
 from .runlog import read_metrics
 
 #: The update diagnostics every run logs; their panels appear when a run has any of them.
-DIAGNOSTICS = ("diag/log_ratio_std", "clip_fraction", "approx_kl_old", "groups/all_equal_fraction",
-               "diag/step_log_ratio_std")
+#: The ratio-based update diagnostics; an objective without trajectory log-probs (DiffusionNFT)
+#: logs none of them, and its plot then has no diagnostics row.
+DIAGNOSTICS = ("diag/log_ratio_std", "clip_fraction", "approx_kl_old", "diag/step_log_ratio_std")
 
 
 def _series(records, key):
@@ -107,6 +109,8 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     records = read_metrics(run_dir)
     train_keys = sorted({k for r in records for k in r if k.startswith("reward/") and k.endswith("/mean")})
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/mean")})
+    artefact_keys = [k for k in eval_keys if k[len("eval/") : -len("/mean")] in ARTEFACT_MEASURES]
+    eval_keys = [k for k in eval_keys if k not in artefact_keys]
     diag = any(k in r for r in records for k in DIAGNOSTICS)
     cols = 3 if diag else (2 if eval_keys else 1)
     rows = 2 if diag else 1
@@ -134,11 +138,27 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
         for key in eval_keys:
             xs = [r["iteration"] for r in records if key in r]
             ys = [r[key] for r in records if key in r]
-            ax.plot(xs, ys, marker="o", ms=3, label=key[len("eval/") : -len("/mean")])
-        ax.set_title("evaluation reward (fixed prompts and seeds, ODE)")
+            sem = [r.get(key[: -len("mean")] + "sem", 0.0) for r in records if key in r]
+            (line,) = ax.plot(xs, ys, marker="o", ms=3, label=key[len("eval/") : -len("/mean")])
+            ax.fill_between(xs, [y - s for y, s in zip(ys, sem)], [y + s for y, s in zip(ys, sem)], alpha=0.15,
+                            color=line.get_color())
+        ax.set_title("evaluation reward (fixed prompts and seeds, ODE) ± sem")
         ax.set_xlabel("iteration")
-        ax.legend()
         ax.grid(alpha=0.3)
+        if artefact_keys:  # the texture a policy may learn, on its own scale, against the first evaluation
+            twin = ax.twinx()
+            for key in artefact_keys:
+                xs = [r["iteration"] for r in records if key in r]
+                ys = [r[key] for r in records if key in r]
+                twin.plot(xs, ys, color="0.4", ls="--", marker="x", ms=4,
+                          label=f"{key[len('eval/') : -len('/mean')]} (artefacts, right axis)")
+            twin.set_ylim(0.0, max(0.2, 1.2 * max(r[k] for r in records for k in artefact_keys if k in r)))
+            twin.set_ylabel("artefact measure", color="0.4")
+            lines, labels = ax.get_legend_handles_labels()
+            more, more_labels = twin.get_legend_handles_labels()
+            ax.legend(lines + more, labels + more_labels, fontsize=8)
+        else:
+            ax.legend()
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     output = Path(output) if output else run_dir / "rewards.png"
