@@ -88,11 +88,13 @@ class GardoConfig:
         "last reset (GARDO's rule: iteration - last > reset_every).", min=1)
     kl_threshold: float = param(3e-4, "Also reset after an iteration whose KL exceeded this.", min=0.0)
 
+    def __post_init__(self):
+        if not self.auxiliary:
+            raise ValueError("gardo needs auxiliary = [...] reward labels (e.g. ['verifier'])")
+
 
 def build_gardo(config: GardoConfig):
     """GARDO: gated KL, reference reset (needs [train].finetune = 'full')."""
-    if not config.auxiliary:
-        raise ValueError("gardo needs auxiliary = [...] reward labels (e.g. ['verifier'])")
     return GatedKLPolicyGradient(
         _Clipped(config.eps_low, config.eps_high, config.beta, config.kl), main=config.main or None,
         auxiliary=tuple(config.auxiliary), sign=config.sign, q=config.q, reset_every=config.reset_every,

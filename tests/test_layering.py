@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.schedules", "flowrl.sde", "flowrl.chunking", "flowrl.selection",
      "flowrl.advantages", "flowrl.losses", "flowrl.trajectory", "flowrl.sampling", "flowrl.prompts",
      "flowrl.guard", "flowrl.solvers", "flowrl.windows", "flowrl.nft", "flowrl.gardo", "flowrl.plans",
-     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.plotting", "flowrl.stats", "flowrl.serving", "flowrl.serving.protocol",
+     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats", "flowrl.serving", "flowrl.serving.protocol",
      "flowrl.serving.simple", "flowrl.serving.fleet", "flowrl.serving._litserve_api"},
     {"flowrl.recipe", "flowrl.planning", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
      "flowrl.dynamics.report", "flowrl.dynamics.profile_file", "flowrl.hub"},
