@@ -216,7 +216,7 @@ def test_kontext_lora_export_loads_with_load_lora_weights(make_kontext, tiny_kon
                                                           monkeypatch):
     from diffusers import FluxKontextPipeline
 
-    from flowrl.commands.sample import load_policy, resolve_source
+    from flowrl.commands.inference import load_policy, resolve_source
     from flowrl.train.evaluate import ode_sample
 
     monkeypatch.chdir(request.config.rootpath)

@@ -229,7 +229,7 @@ def test_recipe_validates_and_trains_two_iterations(cli, tiny_klein, tmp_path):
 
 
 def _policy_images(run_dir, noise, prompt):
-    from flowrl.commands.sample import load_policy, resolve_source
+    from flowrl.commands.inference import load_policy, resolve_source
     from flowrl.train.evaluate import ode_sample
 
     model = load_policy(resolve_source(run_dir, None, [], None), "cpu")
