@@ -1,8 +1,8 @@
 """flowrl: plugin-based reinforcement learning for flow-matching text-to-image models.
 
-The core is small: interfaces (:mod:`flowrl.interfaces`), pure maths (:mod:`flowrl.sde`,
-:mod:`flowrl.schedules`, :mod:`flowrl.chunking`, :mod:`flowrl.selection`,
-:mod:`flowrl.advantages`, :mod:`flowrl.losses`), plugins (:mod:`flowrl.hookspecs`,
+The core is small: interfaces (:mod:`flowrl.interfaces`), pure maths (:mod:`flowrl.sampling.kernels`,
+:mod:`flowrl.sampling.schedules`, :mod:`flowrl.chunking`, :mod:`flowrl.selection`,
+:mod:`flowrl.objectives.advantages`, :mod:`flowrl.objectives.losses`), plugins (:mod:`flowrl.hookspecs`,
 :mod:`flowrl.plugins`), recipes (:mod:`flowrl.recipe`) and the engine (:mod:`flowrl.engine`).
 Components live in plugins, the built-ins included.
 """

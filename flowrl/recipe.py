@@ -32,9 +32,9 @@ import torch
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
 from .interfaces import KLRegularised, Objective, ProfilingChunker
-from .plans import PlanContext
+from .sampling.plans import PlanContext
 from .plugins import Registry, get_registry
-from .sampling import make_kernels, trainable_mask
+from .sampling.rollout import make_kernels, trainable_mask
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -25,7 +25,7 @@ from flowrl.dynamics.measure import pick_prompts, profile_model
 from flowrl.dynamics.profile_file import profile_to_dict, read_profile, trainable_curve, write_profile
 from flowrl.dynamics.segment import segment
 from flowrl.errors import FlowrlError
-from flowrl.sampling import trainable_mask
+from flowrl.sampling.rollout import trainable_mask
 
 
 class StepChunker:

@@ -4,7 +4,7 @@ model for hybrid inference), the prompts, the sigmas, the seeded items and their
 processes, and generating and saving their images.
 
 The policy itself is loaded by :class:`flowrl.train.session.Session` and sampled with
-:func:`flowrl.train.evaluate.ode_sample`. No command module imports another: what they share
+:func:`flowrl.sampling.rollout.ode_sample`. No command module imports another: what they share
 lives here.
 """
 
@@ -190,7 +190,7 @@ def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hy
     item's starting noise (default: :func:`noise_for`, keyed by seed, prompt and seed index)."""
     import torch
 
-    from ..train.evaluate import ode_sample
+    from ..sampling.rollout import ode_sample
     from ..train.session import PromptCache
 
     cache, device, n = PromptCache(model), sigmas.device, len(sigmas) - 1

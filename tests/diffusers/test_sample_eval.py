@@ -73,7 +73,7 @@ def test_sharded_sampling_writes_each_image_once(cli, tmp_path, flux_lora_run, m
 
 
 def _images(model, prompts, noise, sigmas, velocity_for_step):
-    from flowrl.train.evaluate import ode_sample
+    from flowrl.sampling.rollout import ode_sample
 
     return model.decode(ode_sample(lambda i, x, s: velocity_for_step(i)(x, s), noise, sigmas))
 

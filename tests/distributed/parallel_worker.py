@@ -237,7 +237,7 @@ def scenario_empty_rank(name, results):
 def embedded_on_policy(kind, results):
     """bf16 compute (autocast for ddp, MixedPrecisionPolicy for fsdp2) with fp32 master weights:
     rollout log-probs re-scored on the same batch and on sub-batches, as the update does."""
-    from flowrl.sde import FlowKernel
+    from flowrl.sampling.kernels import FlowKernel
     from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
     reset_accelerate()

@@ -30,7 +30,7 @@ else:  # pragma: no cover
 from flowrl.distributed import check_launch_environment
 from flowrl.errors import FlowrlError, RecipeError
 from flowrl.recipe import DistributedConfig, load_recipe
-from flowrl.sde import CPSKernel, DanceKernel, FlowKernel, gaussian_log_prob
+from flowrl.sampling.kernels import CPSKernel, DanceKernel, FlowKernel, gaussian_log_prob
 from flowrl.train.parallel import (
     Strategy,
     Topology,

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from flowrl.advantages import (
+from flowrl.objectives.advantages import (
     combine_group_advantages,
     gather_group_advantages,
     group_zscore,

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .errors import FlowrlError
+from flowrl.errors import FlowrlError
 
 __all__ = [
     "group_zscore",
