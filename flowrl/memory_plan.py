@@ -97,10 +97,6 @@ class Line:
     note: str = ""
 
 
-def _human(n: float) -> str:
-    return f"{n / GB:8.2f} GB"
-
-
 def measured_memory(model) -> ModelMemory:
     """A model's memory facts measured by building it and running one CPU forward."""
     denoiser = model.denoiser

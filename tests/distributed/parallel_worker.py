@@ -29,11 +29,12 @@ from flowrl.recipe import DistributedConfig
 from flowrl.train.parallel import (
     Strategy,
     Topology,
-    bf16_on_policy_tolerance,
     load_sharded_checkpoint,
     save_sharded_checkpoint,
     transformer_blocks,
 )
+
+from bf16_tolerance import bf16_on_policy_tolerance  # tests/distributed/bf16_tolerance.py, beside this script
 
 N, D_IN, D, D_OUT = 8, 6, 16, 4  # global batch, widths
 LR, MAX_NORM = 1e-2, 0.5

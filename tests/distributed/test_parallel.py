@@ -34,13 +34,13 @@ from flowrl.sampling.kernels import CPSKernel, DanceKernel, FlowKernel, gaussian
 from flowrl.train.parallel import (
     Strategy,
     Topology,
-    bf16_on_policy_tolerance,
     checkpoint_blocks,
-    log_prob_sensitivity,
     mesh_layout,
     resolve_strategy,
     transformer_blocks,
 )
+
+from bf16_tolerance import bf16_on_policy_tolerance, log_prob_sensitivity  # tests/distributed/bf16_tolerance.py
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("parallel_worker.py")
