@@ -29,10 +29,9 @@ from flowrl.recipe import DistributedConfig
 from flowrl.train.parallel import (
     Strategy,
     Topology,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
     transformer_blocks,
 )
+from flowrl.train.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
 from bf16_tolerance import bf16_on_policy_tolerance  # tests/distributed/bf16_tolerance.py, beside this script
 

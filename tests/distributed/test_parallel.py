@@ -496,7 +496,7 @@ def test_one_process_sharded_and_legacy_checkpoints_round_trip(tmp_path):
 
     from flowrl.train.checkpoint import save_checkpoint
     from flowrl.train.finetune import trainable_state_dict
-    from flowrl.train.parallel import load_sharded_checkpoint, save_sharded_checkpoint
+    from flowrl.train.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
     def trained():
         AcceleratorState._reset_state()
