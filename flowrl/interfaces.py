@@ -422,7 +422,7 @@ class ReportsClipping(Protocol):
 
 @runtime_checkable
 class Objective(Protocol):
-    """What an update optimises (``[objective]``): it owns the forward and backward of every
+    """What an update optimises (the ``[loss]`` component, or what it runs as): it owns the forward and backward of every
     micro-batch, so that objectives with nothing in common (a likelihood ratio per chunk, a
     forward-process regression) run in the same loop. The engine
     (:class:`flowrl.train.update.PolicyUpdate`, passed as ``update``: its ``session``,
