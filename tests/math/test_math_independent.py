@@ -2,10 +2,10 @@
 
 The maths tests beside the code (tests/sampling, tests/objectives, tests/math) check each
 function against the formula it implements. Here the reference is computed another way:
-torch.distributions, python's ``statistics``, closed forms written out term by term, finite differences of a float64 re-implementation, a Monte-Carlo
-frequency, or a hand-written step-level GRPO / GSPO loss on the embedded model. Nothing here
-calls the function under test twice and compares it with itself. Algorithms.md sections cited
-as "s. N".
+torch.distributions, python's ``statistics``, closed forms written out term by term, finite
+differences of a float64 re-implementation, a Monte-Carlo frequency, or a hand-written
+step-level GRPO / GSPO loss on the embedded model. Nothing here calls the function under test
+twice and compares it with itself. Algorithms.md sections cited as "s. N".
 """
 
 from __future__ import annotations
