@@ -171,10 +171,10 @@ def gated_weights(gate: torch.Tensor) -> torch.Tensor:
 class GatedKLPolicyGradient(PolicyGradient):
     """GARDO (flow_grpo ``config/grpo_gardo.py``): the policy-gradient loss plus a KL to the
     reference on the gated samples only (averaged over them), a gate from the rank disagreement
-    between the proxy (main) reward and auxiliary rewards (:func:`flowrl.objectives.gardo.uncertainty`) with
-    an adaptive share ``q`` (:class:`flowrl.objectives.gardo.RiskCompensator`), and a reference reset to the
+    between the proxy (main) reward and auxiliary rewards (:func:`uncertainty`) with
+    an adaptive share ``q`` (:class:`RiskCompensator`), and a reference reset to the
     current weights every ``reset_every`` iterations or after an iteration whose KL exceeded
-    ``kl_threshold`` (:func:`flowrl.objectives.gardo.reset_due`)."""
+    ``kl_threshold`` (:func:`reset_due`)."""
 
     def __init__(self, loss, *, main: str, auxiliary, sign: str, q: float, reset_every: int, kl_threshold: float):
         super().__init__(loss)

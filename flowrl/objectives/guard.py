@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["guard_log_ratio", "gaussian_log_ratio", "guard_bias", "reweighted", "inverse_step_weight", "guard_step_ratio"]
+__all__ = ["guard_log_ratio", "gaussian_log_ratio", "guard_bias", "reweighted", "inverse_step_weight",
+           "guard_step_ratio"]
 
 
 def _reduce(elem: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -106,7 +107,7 @@ def inverse_step_weight(sigma, sigma_next) -> torch.Tensor:
 
 def guard_step_ratio(out, old, reduction: str = "mean", reweight: bool = True) -> torch.Tensor:
     """GRPO-Guard's re-scored step as a "log-prob" relative to the rollout's: ``l_old + zh`` with
-    ``zh = reduce(eps * (mu - mu_old))`` (:func:`flowrl.objectives.guard.guard_log_ratio`) and its gradient
+    ``zh = reduce(eps * (mu - mu_old))`` (:func:`guard_log_ratio`) and its gradient
     scaled by ``1 / h`` (``reweight``). ``out``: the kernel's StepOutput with gradient, ``old``:
     the :class:`flowrl.sampling.trajectory.Position` (its ``mean`` kept at rollout)."""
     if old.mean is None:

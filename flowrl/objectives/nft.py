@@ -37,7 +37,8 @@ from flowrl.objectives.base import MicroBatch, MicroBatchResult
 from flowrl.objectives.kl import ReferencePolicy
 from flowrl.seeding import generator
 
-__all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS", "ForwardProcessObjective"]
+__all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
+           "ForwardProcessObjective"]
 
 #: NFT's decay types: (flat, uprate, uphold) of :func:`old_policy_decay`.
 DECAY_PRESETS: dict[int, tuple[int, float, float]] = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
@@ -110,7 +111,7 @@ class ForwardProcessObjective:
     Per sample of the rollout (its clean latent ``x0 = image_latents``) and each of ``K`` trained
     sigmas (a per-sample random subset of the sampling schedule's, without 0), fresh noise
     ``eps`` (seeded by (seed, "nft", iteration, sample)), ``x = (1 - sigma) x0 + sigma eps``;
-    the loss :func:`flowrl.objectives.nft.nft_loss` of the current velocity against the old policy's, with
+    the loss :func:`nft_loss` of the current velocity against the old policy's, with
     ``r`` the optimality probability of the sample's advantage, plus ``beta_kl`` times the
     velocity KL to the reference. Rollouts are drawn with the old weights
     (:meth:`rollout_weights`); after each rollout the old weights move towards the trained ones

@@ -10,10 +10,10 @@ objective (``prepare``, ``start_rollout``, ``backward``, ``end_rollout``):
 - :class:`PolicyGradient`: the ratio-based GRPO family (step GRPO, GSPO, fixed chunks,
   Chunk-GRPO, GRPO-Guard): selector -> chunk update -> KL pass. A recipe's ``[loss]`` that is a
   plain :class:`~flowrl.interfaces.PolicyLoss` runs through it.
-- :class:`GatedKLPolicyGradient`: GARDO's anti-hacking regulariser on top: a KL to the reference
+- :class:`flowrl.objectives.gardo.GatedKLPolicyGradient`: GARDO's anti-hacking regulariser on top: a KL to the reference
   applied only to the samples whose proxy reward is least trustworthy, and a reference that is
   reset to the current weights periodically or when the KL grows.
-- :class:`ForwardProcessObjective`: DiffusionNFT, likelihood-free: trains on the rollout's clean
+- :class:`flowrl.objectives.nft.ForwardProcessObjective`: DiffusionNFT, likelihood-free: trains on the rollout's clean
   samples with the flow-matching loss on implicit positive and negative policies; no trajectory
   log-probs, no units, sampling with an old copy of the weights.
 """

@@ -73,7 +73,8 @@ def split_run(tmp_path_factory):
     with (root / "prompts.csv").open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, ["caption", "part"])
         writer.writeheader()
-        rows = [{"caption": p, "part": "train"} for p in TRAIN_ROWS] + [{"caption": p, "part": "test"} for p in HELD_OUT_ROWS]
+        rows = [{"caption": p, "part": "train"} for p in TRAIN_ROWS]
+        rows += [{"caption": p, "part": "test"} for p in HELD_OUT_ROWS]
         writer.writerows(sorted(rows, key=lambda r: r["caption"]))  # the splits interleaved
     (root / "recipe.toml").write_text(RECIPE, encoding="utf-8")
     recipe = load_recipe(root / "recipe.toml", [f"run.output_dir={json.dumps(str(root / 'run'))}"])
