@@ -2,7 +2,7 @@
 
 docs/api.md §5: the gradient of a chunk is ``sum_i (dL/dz / |c|) grad l_i``, so once the
 chunk ratio is known the chunk can be back-propagated one step at a time
-(:func:`flowrl.train.chunk_update.lean_chunk_backward`). This script checks what that costs against
+(:func:`flowrl.objectives.chunk_gradient.lean_chunk_backward`). This script checks what that costs against
 the cheapest possible step-level update (chunk size 1: each step's forward + backward, nothing
 else) on the embedded tiny FLUX model, on one batch, in an off-policy state (weights perturbed
 after the rollout so that ratios are not 1):
@@ -67,11 +67,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from flowrl.interfaces import select_embeddings  # noqa: E402
-from flowrl.losses import ClippedObjective, reduce_units  # noqa: E402
-from flowrl.sampling import make_kernels, make_step_log_prob_fn, rescore_transitions, rollout  # noqa: E402
-from flowrl.schedules import shifted_sigmas  # noqa: E402
-from flowrl.sde import FlowKernel  # noqa: E402
-from flowrl.train.chunk_update import (  # noqa: E402
+from flowrl.objectives.losses import ClippedObjective, reduce_units  # noqa: E402
+from flowrl.sampling.rollout import make_kernels, make_step_log_prob_fn, rescore_transitions, rollout  # noqa: E402
+from flowrl.sampling.schedules import shifted_sigmas  # noqa: E402
+from flowrl.sampling.kernels import FlowKernel  # noqa: E402
+from flowrl.objectives.chunk_gradient import (  # noqa: E402
     chunk_graph_backward,
     full_graph_backward,
     lean_chunk_backward,

@@ -647,7 +647,7 @@ def nf4_weight_bytes(family: Family, double_quant: bool) -> dict[str, Any]:
 def plan_numbers(overrides: list[str], world_size: int, recipe_name: str = "chunk_grpo_flux.toml") -> dict[str, Any]:
     """What ``flowrl plan`` says for the flagship recipe with ``overrides`` (its Python API),
     in the tracker's categories."""
-    from flowrl.planning import Line, estimate, peak
+    from flowrl.memory_plan import Line, estimate, peak
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
 
@@ -973,7 +973,7 @@ def run_all() -> dict[str, Any]:
             print_item(key, item)
 
     # 5. The rollout (no grad): the plan's INFERENCE_WIDTHS against the tracker.
-    from flowrl.planning import INFERENCE_WIDTHS
+    from flowrl.memory_plan import INFERENCE_WIDTHS
     plan_flux = plan_numbers(PLAN_512 + LORA_OVERRIDES, 1)
     for family, batch, lora in ((FLUX1, 1, True), (FLUX1, 1, False), (QWEN, 8, True), (KLEIN, 1, True)):
         if family is KLEIN and bnb_missing:

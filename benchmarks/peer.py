@@ -122,12 +122,12 @@ import torch  # noqa: E402
 def flowrl_api() -> SimpleNamespace:
     """Every flowrl import of this benchmark, in one place (module paths may move)."""
     from flowrl.interfaces import select_embeddings
-    from flowrl.losses import ClippedObjective
-    from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout
-    from flowrl.schedules import shifted_sigmas
-    from flowrl.sde import FlowKernel
+    from flowrl.objectives.losses import ClippedObjective
+    from flowrl.sampling.rollout import make_kernels, make_step_log_prob_fn, rollout
+    from flowrl.sampling.schedules import shifted_sigmas
+    from flowrl.sampling.kernels import FlowKernel
     from flowrl.testing.tiny_pipelines import TINY_PROMPTS, build_tiny_flux
-    from flowrl.train.chunk_update import chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
+    from flowrl.objectives.chunk_gradient import chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
     from flowrl.train.update import TransitionScorer
     from flowrl_plugins.diffusers_models.flux import FluxConfig, FluxModel
 

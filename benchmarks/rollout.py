@@ -34,7 +34,7 @@ def main() -> None:
 
     from flowrl.plugins import get_registry
     from flowrl.prompts import prompts_for_iteration, read_prompts
-    from flowrl.sampling import make_kernels, rollout
+    from flowrl.sampling.rollout import make_kernels, rollout
     from flowrl.seeding import sample_generators
     from flowrl.train.collect import initial_noise
     from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel

@@ -1,10 +1,9 @@
 """flowrl: plugin-based reinforcement learning for flow-matching text-to-image models.
 
-The core is small: interfaces (:mod:`flowrl.interfaces`), pure maths (:mod:`flowrl.sde`,
-:mod:`flowrl.schedules`, :mod:`flowrl.chunking`, :mod:`flowrl.selection`,
-:mod:`flowrl.advantages`, :mod:`flowrl.losses`), plugins (:mod:`flowrl.hookspecs`,
-:mod:`flowrl.plugins`), recipes (:mod:`flowrl.recipe`) and the engine (:mod:`flowrl.engine`).
-Components live in plugins, the built-ins included.
+The core is small: interfaces (:mod:`flowrl.interfaces`), the sampler (:mod:`flowrl.sampling`),
+the objectives (:mod:`flowrl.objectives`), plugins (:mod:`flowrl.hookspecs`, :mod:`flowrl.plugins`),
+recipes (:mod:`flowrl.recipe`) and the training loop (:mod:`flowrl.train`). Components live in
+plugins, the built-ins included (docs/architecture.md draws the layout).
 """
 
 from .errors import FlowrlError

@@ -235,7 +235,7 @@ def any_rank(flag: bool, ctx: DistContext) -> bool:
 
 class AnyRank:
     """``any(flag)``: :func:`any_rank` as an object (the update's lockstep agreement under FSDP2,
-    :class:`flowrl.train.chunk_update.Lockstep`)."""
+    :class:`flowrl.objectives.chunk_gradient.Lockstep`)."""
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx

@@ -176,7 +176,7 @@ class HasShardableBlocks(Protocol):
 @runtime_checkable
 class PlansMemory(Protocol):
     """A model's params dataclass that can tell ``flowrl plan`` its sizes without loading
-    weights: ``memory_spec()`` returns a :class:`flowrl.planning.ModelMemory`."""
+    weights: ``memory_spec()`` returns a :class:`flowrl.memory_plan.ModelMemory`."""
 
     def memory_spec(self) -> Any: ...
 
@@ -202,10 +202,10 @@ class Kernel(Protocol):
     """One sampling step with a Gaussian transition ``N(mean, std^2 I)`` (docs/api.md).
 
     ``step`` samples ``x_{i+1}`` when ``next_sample`` is None, otherwise scores the given one;
-    it returns a :class:`flowrl.sde.StepOutput` with ``next_sample [B, *L]``,
+    it returns a :class:`flowrl.sampling.kernels.StepOutput` with ``next_sample [B, *L]``,
     ``log_prob [B]`` (float32), ``mean [B, *L]`` and ``std [B]``. ``stochastic_at`` says
     whether the step from ``sigma`` to ``sigma_next`` injects noise (only such steps are
-    trainable). The built-in kernels are in :mod:`flowrl.sde`.
+    trainable). The built-in kernels are in :mod:`flowrl.sampling.kernels`.
     """
 
     def stochastic_at(self, sigma: float, sigma_next: float) -> bool: ...
@@ -237,12 +237,12 @@ class ScalesFlowGRPOKL(Protocol):
 @runtime_checkable
 class WindowPlanner(Protocol):
     """Where each rollout's SDE window sits (``[window]``): the steps sampled with the kernel and
-    trained, the solver elsewhere, and the schedule (:mod:`flowrl.plans`).
+    trained, the solver elsewhere, and the schedule (:mod:`flowrl.sampling.plans`).
 
     ``num_trainable(context)`` is T, the same at every iteration (the chunk layout needs it).
-    ``plan(iteration, keys, context)`` returns a :class:`flowrl.plans.RolloutPlan` for the
+    ``plan(iteration, keys, context)`` returns a :class:`flowrl.sampling.plans.RolloutPlan` for the
     samples with global indices ``keys``, or None for the run's static sampler (one kernel per
-    step, ``[sampler].sde_window``). ``context`` is a :class:`flowrl.plans.PlanContext`: the
+    step, ``[sampler].sde_window``). ``context`` is a :class:`flowrl.sampling.plans.PlanContext`: the
     number of steps, the run's sigmas, which steps could be trained, the schedule's time warp
     (None unless the schedule is :class:`WarpsTime`), the seed and the group size. A plan must
     depend only on (seed, iteration, keys), never on the process layout."""
@@ -376,7 +376,7 @@ class PolicyLoss(Protocol):
     ``log_ratio`` (a unit's mean step log-ratio: a step, a chunk, or the sequence) and
     elementwise in the units. The engine averages it over the trained units of each sample and
     over samples, and back-propagates it one step at a time (see
-    :mod:`flowrl.train.chunk_update`).
+    :mod:`flowrl.objectives.chunk_gradient`).
     """
 
     objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -404,8 +404,8 @@ class ChoosesKLForm(Protocol):
 @runtime_checkable
 class NormalisesStepRatio(Protocol):
     """A loss whose step log-ratio is not ``l - l_old`` but a transform of the re-scored step
-    (GRPO-Guard): ``step_ratio(out, old)`` maps the kernel's :class:`flowrl.sde.StepOutput`
-    ``out`` of a trainable position and the rollout's :class:`flowrl.trajectory.Position`
+    (GRPO-Guard): ``step_ratio(out, old)`` maps the kernel's :class:`flowrl.sampling.kernels.StepOutput`
+    ``out`` of a trainable position and the rollout's :class:`flowrl.sampling.trajectory.Position`
     ``old`` (its states, sigmas, log-prob and proposal mean) to the log-ratio ``[n]`` used in the
     unit ratios, with gradient. The rollout keeps the proposal means for it."""
 
@@ -422,7 +422,7 @@ class ReportsClipping(Protocol):
 
 @runtime_checkable
 class Objective(Protocol):
-    """What an update optimises (``[objective]``): it owns the forward and backward of every
+    """What an update optimises (the ``[loss]`` component, or what it runs as): it owns the forward and backward of every
     micro-batch, so that objectives with nothing in common (a likelihood ratio per chunk, a
     forward-process regression) run in the same loop. The engine
     (:class:`flowrl.train.update.PolicyUpdate`, passed as ``update``: its ``session``,
@@ -431,7 +431,7 @@ class Objective(Protocol):
         prepare(update)                     once, before any update and before a resume loads
                                             weights (e.g. fix a reference model)
         start_rollout(update, batch, sizes) after the advantages of an iteration
-        backward(update, micro)             per micro-batch (flowrl.train.objective.MicroBatch):
+        backward(update, micro)             per micro-batch (flowrl.objectives.base.MicroBatch):
                                             back-propagate its loss; returns a MicroBatchResult
         end_rollout(update, batch)          after the rollout's last optimizer step; returns
                                             metrics (already reduced over processes) for the row

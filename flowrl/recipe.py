@@ -32,9 +32,9 @@ import torch
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
 from .interfaces import KLRegularised, Objective, ProfilingChunker
-from .plans import PlanContext
+from .sampling.plans import PlanContext
 from .plugins import Registry, get_registry
-from .sampling import make_kernels, trainable_mask
+from .sampling.rollout import make_kernels, trainable_mask
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -625,12 +625,32 @@ def component_choice(
     return choice
 
 
+def build_component(recipe: Recipe, registry: Registry, table: str, index: int | None = None) -> Any:
+    """Build the component a recipe table chooses (``index``: the entry of a ``[[rewards]]`` or
+    ``[[trackers]]`` array), the one way validation and training build components, so that every
+    factory's error reads alike: a ``ValueError``/``TypeError`` (a parameter check that only the
+    built component can make) or a :class:`FlowrlError` becomes one message naming the table,
+    never a traceback. Parameter checks themselves belong in the params dataclass's
+    ``__post_init__`` (then :func:`validate` reports them while reading the table)."""
+    if index is None:
+        kind, choice = COMPONENT_SECTIONS[table], recipe.components[table]
+        where = f"{recipe.source}: [{table}] ({kind} '{choice.use}')"
+    else:
+        kind, choice = LIST_SECTIONS[table], getattr(recipe, table)[index]
+        where = f"{recipe.source}: [[{table}]] #{index + 1} ({choice.use})"
+    try:
+        return registry.get(kind, choice.use).build(choice.params)
+    except FlowrlError as exc:
+        raise type(exc)(exc.message, where=exc.where or where, hint=exc.hint) from exc
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(str(exc), where=where) from exc
+
+
 def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
     """T for this recipe's sampler, decided by the kernel itself (an ``ode`` kernel or noise 0
     trains nothing; ``cps`` into sigma = 0 is deterministic) exactly as the engine decides it,
     on a stand-in schedule (trainability does not depend on the sigma values)."""
-    choice = recipe.components["kernel"]
-    kernel = registry.get("kernel", choice.use).build(choice.params)
+    kernel = build_component(recipe, registry, "kernel")
     s = recipe.sampler
     window = tuple(s.sde_window) if s.sde_window else None
     try:
@@ -639,8 +659,7 @@ def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
         raise RecipeError(str(exc), where=f"{recipe.source}: [sampler]") from exc
     sigmas = torch.linspace(1.0, 0.0, s.steps + 1)
     mask = trainable_mask(kernels, sigmas, s.image_from)
-    wchoice = recipe.components["window"]
-    planner = registry.get("window", wchoice.use).build(wchoice.params)
+    planner = build_component(recipe, registry, "window")
     context = PlanContext(num_steps=s.steps, sigmas=sigmas, trainable=mask, warp=None, seed=recipe.run.seed,
                           group_size=recipe.train.group_size, sde_window=tuple(s.sde_window))
     try:
@@ -652,8 +671,7 @@ def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
 def _uses_units(recipe: Recipe, registry: Registry) -> bool:
     """False when the ``[loss]`` is an objective that trains without trajectory log-probs
     (DiffusionNFT): then the sampler may leave nothing trainable and the chunk layout is unused."""
-    choice = recipe.components["loss"]
-    loss = registry.get("loss", choice.use).build(choice.params)
+    loss = build_component(recipe, registry, "loss")
     return not (isinstance(loss, Objective) and not loss.uses_units)
 
 
@@ -678,9 +696,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
             where=f"{recipe.source}: [train].micro_batch_size",
         )
     _check_memory_knobs(recipe)
-    choice = recipe.components["chunker"]
-    comp = registry.get("chunker", choice.use)
-    chunker = comp.build(choice.params)
+    chunker = build_component(recipe, registry, "chunker")
     if isinstance(chunker, ProfilingChunker) and chunker.needs_model:
         return  # boundaries come from profiling the model at start
     try:
@@ -737,12 +753,8 @@ def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
                               hint="give an existing text file (one prompt a line), or 'model'")
         if not any(line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()):
             raise RecipeError(f"prompt file {path} holds no prompt", where=where)
-    for i, choice in enumerate(recipe.trackers):
-        try:
-            registry.get("tracker", choice.use).build(choice.params)
-        except FlowrlError as exc:
-            where = f"{recipe.source}: [[trackers]] #{i + 1} ({choice.use})"
-            raise type(exc)(exc.message, where=exc.where or where, hint=exc.hint) from exc
+    for i in range(len(recipe.trackers)):
+        build_component(recipe, registry, "trackers", i)
 
 
 # ----------------------------------------------------------------------------- writing

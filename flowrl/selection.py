@@ -16,7 +16,7 @@ import torch
 
 from flowrl.checks import positive_int
 from flowrl.chunking import chunk_mean, validate_chunks
-from flowrl.sde import GeneratorArg
+from flowrl.sampling.kernels import GeneratorArg
 
 __all__ = [
     "selection_count",

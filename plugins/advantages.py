@@ -1,13 +1,22 @@
-"""Built-in advantage estimator: the group z-score and its anchor variants (docs/api.md, advantages)."""
+"""Built-in advantage estimators (docs/api.md, advantages).
+
+- ``group_zscore``: the group z-score and its anchor variants.
+- ``diversity``: the group z-score whose non-negative advantages are multiplied by each sample's
+  nearest-neighbour cosine distance to its group over the group's mean distance (GARDO's
+  diversity-aware advantage).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
+import torch
+
 from flowrl import hookimpl
-from flowrl.advantages import combine_group_advantages, group_zscore, weighted_sum_rewards
 from flowrl.config import param
+from flowrl.objectives.advantages import combine_group_advantages, group_zscore, weighted_sum_rewards
+from flowrl.objectives.gardo import diversity_multipliers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +51,53 @@ class GroupZScore:
         return combine_group_advantages(rewards, group_ids, weights, **kwargs)
 
 
+# ----------------------------------------------------------------------------- diversity
+
+
+@dataclasses.dataclass(frozen=True)
+class DiversityConfig:
+    scale: Literal["std", "none"] = param(
+        "std", "Base advantage: 'std' = group z-score (unbiased std), 'none' = r - group mean (GARDO).")
+    eps: float = param(1e-8, "Added to the std.", min=0.0)
+    clip: float = param(5.0, "Clip the shaped advantages to [-clip, clip]; 0 disables.", min=0.0)
+
+
+class DiversityAdvantage:
+    """Group advantages of the weighted reward sum; each non-negative one multiplied by the
+    sample's nearest-neighbour cosine distance in its group over the group's mean distance.
+    Features: the decoded image, centred per image (parameter-free, offline)."""
+
+    Config = DiversityConfig
+
+    def __init__(self, config: DiversityConfig):
+        self.config = config
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        f = images.detach().float().reshape(images.shape[0], -1)
+        return f - f.mean(dim=1, keepdim=True)
+
+    def __call__(self, rewards, weights, group_ids, features=None):
+        c = self.config
+        total = weighted_sum_rewards(rewards, weights)
+        if c.scale == "std":
+            base = group_zscore(total, group_ids, std="unbiased", eps=c.eps, clip=None)
+        else:
+            g = torch.as_tensor(group_ids).reshape(-1)
+            _, inv = torch.unique(g, return_inverse=True)
+            n = int(inv.max()) + 1
+            mean = torch.zeros(n, dtype=torch.float64).index_add_(0, inv, total.double().cpu()) / torch.bincount(inv, minlength=n)
+            base = (total.double().cpu() - mean[inv]).to(torch.float32).to(total.device)
+        if features is None:
+            return base
+        m = diversity_multipliers(features.cpu(), torch.as_tensor(group_ids).cpu(), base.cpu()).to(torch.float32)
+        out = base * m.to(base.device)
+        return out.clamp(-c.clip, c.clip) if c.clip else out
+
+
 @hookimpl(trylast=True)
 def register_advantages(register):
     register("group_zscore", GroupZScore)
+    register("diversity", DiversityAdvantage)
 
 
 @hookimpl(trylast=True)

@@ -24,8 +24,8 @@ from flowrl.config import param
 from flowrl.dynamics.measure import pick_prompts, profile_model
 from flowrl.dynamics.profile_file import profile_to_dict, read_profile, trainable_curve, write_profile
 from flowrl.dynamics.segment import segment
-from flowrl.errors import FlowrlError, RecipeError
-from flowrl.sampling import trainable_mask
+from flowrl.errors import FlowrlError
+from flowrl.sampling.rollout import trainable_mask
 
 
 class StepChunker:
@@ -116,6 +116,11 @@ class DynamicsConfig:
     num_prompts: int = param(32, "Prompts sampled when profiling at start (profile empty).", min=1)
     seeds: int = param(2, "Noise seeds per prompt when profiling at start (profile empty).", min=1)
 
+    def __post_init__(self):
+        if self.max_size and self.max_size < self.min_size:
+            raise ValueError(f"max_size ({self.max_size}) is smaller than min_size ({self.min_size}); "
+                             "max_size = 0 means no limit")
+
 
 class DynamicsChunker:
     """Chunks from a temporal-dynamics profile (`flowrl profile`): dp, curvature or derivative rule."""
@@ -124,11 +129,6 @@ class DynamicsChunker:
 
     def __init__(self, config: DynamicsConfig):
         self.config = config
-        if config.max_size and config.max_size < config.min_size:
-            raise RecipeError(
-                f"max_size ({config.max_size}) is smaller than min_size ({config.min_size})",
-                where="[chunker]", hint="max_size = 0 means no limit",
-            )
         #: True when boundaries can only be known after profiling the model (no profile file):
         #: recipe validation then skips its size check and the engine calls profile_at_start.
         self.needs_model = not config.profile

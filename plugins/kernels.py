@@ -1,13 +1,13 @@
 """Built-in SDE step kernels: flow (a), dance (eta), ode and cps (docs/api.md, kernels).
 
-Each kernel class in :mod:`flowrl.sde` is a frozen dataclass whose fields are its recipe keys,
+Each kernel class in :mod:`flowrl.sampling.kernels` is a frozen dataclass whose fields are its recipe keys,
 so the class is registered as its own params: the validated params ARE the kernel.
 """
 
 from __future__ import annotations
 
 from flowrl import hookimpl
-from flowrl.sde import CPSKernel, DanceKernel, FlowKernel, ODEKernel
+from flowrl.sampling.kernels import CPSKernel, DanceKernel, FlowKernel, ODEKernel
 
 
 def _kernel(params):

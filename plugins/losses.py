@@ -1,4 +1,15 @@
-"""Built-in policy loss: the PPO/GRPO clipped surrogate per unit (docs/api.md, losses and KL)."""
+"""Built-in ``[loss]`` components (docs/api.md, losses and KL; docs/objectives.md).
+
+- ``clipped``: the PPO/GRPO clipped surrogate per unit (step, chunk or sequence).
+- ``guard``: GRPO-Guard. The clipped surrogate on the normalised step log-ratio
+  ``zh = mean(eps (mu - mu_old))`` with each step's gradient weighted by ``1 / h``; at chunk
+  level a unit's log-ratio is the mean of its steps' ``zh``.
+- ``gardo``: GARDO's anti-hacking regulariser: the clipped surrogate plus a KL to the reference
+  on the samples whose proxy reward disagrees most with auxiliary rewards, with a reference
+  that is reset to the current weights periodically.
+- ``nft``: DiffusionNFT, likelihood-free: an :class:`flowrl.interfaces.Objective` that owns the
+  backward (no trajectory log-probs, no chunks; any sampler, e.g. ``[window] use = "ode"``).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +18,10 @@ from typing import Literal
 
 from flowrl import hookimpl
 from flowrl.config import param
-from flowrl.losses import ClippedObjective
+from flowrl.objectives.gardo import GatedKLPolicyGradient
+from flowrl.objectives.guard import guard_step_ratio
+from flowrl.objectives.losses import ClippedObjective
+from flowrl.objectives.nft import ForwardProcessObjective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +62,107 @@ class ClippedSurrogate:
         self.objective = ClippedObjective(config.eps_low, config.eps_high)
 
 
+# ----------------------------------------------------------------------------- GRPO-Guard
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+    eps_low: float = param(
+        2e-6, "Lower clip on the normalised ratio exp(zh) (flow_grpo's GRPO-Guard configs: 2e-6 to 4e-6).", min=0.0)
+    eps_high: float = param(2e-6, "Upper clip on the normalised ratio.", min=0.0)
+    reweight: bool = param(True, "Multiply each step's gradient by 1 / (sigma - sigma_next) (GRPO-Guard's "
+                           "gradient reweighting); False = ratio normalisation only.")
+    beta: float = param(0.0, "Weight of the KL term to the reference (0 = none, GRPO-Guard's default).", min=0.0)
+    kl: Literal["gaussian_exact", "flow_grpo", "old_policy_k3"] = param(
+        "gaussian_exact", "KL kind, as for the 'clipped' loss (old_policy_k3 reads the normalised log-ratio).")
+
+
+class GuardSurrogate:
+    """GRPO-Guard: the clipped surrogate on the bias-free, step-consistent log-ratio
+    ``zh = mean(eps * (mu - mu_old))``, gradient reweighted by ``1 / h`` per step."""
+
+    Config = GuardConfig
+    keep_means = True
+
+    def __init__(self, config: GuardConfig):
+        self.config = config
+        self.beta, self.kl = config.beta, config.kl
+        self.objective = ClippedObjective(config.eps_low, config.eps_high)
+
+    def step_ratio(self, out, old):
+        return guard_step_ratio(out, old, reweight=self.config.reweight)
+
+
+# ----------------------------------------------------------------------------- GARDO
+
+
+class _Clipped:
+    def __init__(self, eps_low, eps_high, beta, kl):
+        self.objective = ClippedObjective(eps_low, eps_high)
+        self.beta, self.kl = beta, kl
+
+
+@dataclasses.dataclass(frozen=True)
+class GardoConfig:
+    eps_low: float = param(5e-3, "Lower clip of the policy ratio.", min=0.0)
+    eps_high: float = param(5e-3, "Upper clip of the policy ratio.", min=0.0)
+    beta: float = param(0.04, "Weight of the gated KL (GARDO: 0.04 OCR, 0.07 GenEval, 0.01 FLUX).", min=0.0,
+                        exclusive_min=True)
+    kl: Literal["gaussian_exact", "flow_grpo"] = param(
+        "flow_grpo", "KL kind to the reference (GARDO: Flow-GRPO's mean((mu - mu_ref)^2) / (2 g^2)).")
+    main: str = param("", "Label of the proxy reward the gate distrusts (the first [[rewards]] entry when empty).")
+    auxiliary: list[str] = param([], "Labels of the auxiliary rewards (weight 0 is fine) whose ranks the proxy's "
+                                 "ranks are compared with; at least one.")
+    sign: Literal["code", "proxy_high"] = param(
+        "code", "'code': gate where the proxy ranks worse than the auxiliaries (flow_grpo's code); 'proxy_high': "
+        "where it ranks better (the proxy is high but the auxiliaries disagree).")
+    q: float = param(0.1, "Initial share of the samples under the KL (adapted in [0.02, 0.2]).", min=0.02, max=0.2)
+    reset_every: int = param(
+        15, "Reset the reference to the current weights once more than this many iterations have passed since the "
+        "last reset (GARDO's rule: iteration - last > reset_every).", min=1)
+    kl_threshold: float = param(3e-4, "Also reset after an iteration whose KL exceeded this.", min=0.0)
+
+    def __post_init__(self):
+        if not self.auxiliary:
+            raise ValueError("gardo needs auxiliary = [...] reward labels (e.g. ['verifier'])")
+
+
+def build_gardo(config: GardoConfig):
+    """GARDO: gated KL, reference reset (needs [train].finetune = 'full')."""
+    return GatedKLPolicyGradient(
+        _Clipped(config.eps_low, config.eps_high, config.beta, config.kl), main=config.main or None,
+        auxiliary=tuple(config.auxiliary), sign=config.sign, q=config.q, reset_every=config.reset_every,
+        kl_threshold=config.kl_threshold)
+
+
+# ----------------------------------------------------------------------------- DiffusionNFT
+
+
+@dataclasses.dataclass(frozen=True)
+class NftConfig:
+    beta: float = param(1.0, "Mixing of the implicit policies v+- (NFT: 1.0; 0.1 for OCR and multi-reward).",
+                        min=0.0, exclusive_min=True)
+    clip: float = param(5.0, "Advantage clip C; r = clip(A, -C, C) / (2 C) + 1/2.", min=0.0, exclusive_min=True)
+    timesteps: int = param(8, "Sigmas trained per sample (a random subset of the sampling schedule's; NFT: 9 of 10).",
+                           min=1)
+    decay_type: Literal[0, 1, 2] = param(
+        1, "Old-policy update after each rollout: 0 = copy, 1 = decay min(0.001 step, 0.5), "
+        "2 = 0 for 75 steps then min(0.0075 (step - 75), 0.999) (NFT's types).")
+    beta_kl: float = param(0.0, "Weight of mean((v - v_ref)^2) to the reference model (NFT: 1e-4).", min=0.0)
+
+
+def build_nft(config: NftConfig):
+    """DiffusionNFT: forward-process objective on clean samples, sampled with the old weights."""
+    return ForwardProcessObjective(beta=config.beta, clip=config.clip, timesteps=config.timesteps,
+                                   decay_type=config.decay_type, beta_kl=config.beta_kl)
+
+
 @hookimpl(trylast=True)
 def register_losses(register):
     register("clipped", ClippedSurrogate)
+    register("guard", GuardSurrogate)
+    register("gardo", build_gardo, params=GardoConfig)
+    register("nft", build_nft, params=NftConfig)
 
 
 @hookimpl(trylast=True)

@@ -10,7 +10,7 @@ from flowrl import hookimpl
 from flowrl.config import param
 from flowrl.errors import FlowrlError
 from flowrl.interfaces import HasImageSeqLen
-from flowrl.schedules import flux_dynamic_sigmas, shifted_sigmas
+from flowrl.sampling.schedules import flux_dynamic_sigmas, shifted_sigmas
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,10 +26,10 @@ import torch
 
 from flowrl import hookimpl
 from flowrl.config import param
-from flowrl.plans import RolloutPlan
+from flowrl.sampling.plans import RolloutPlan
 from flowrl.seeding import generator
-from flowrl.solvers import flash_schedule
-from flowrl.windows import random_window_start, sliding_window_start
+from flowrl.sampling.solvers import flash_schedule
+from flowrl.sampling.windows import random_window_start, sliding_window_start
 
 
 class FixedWindow:

@@ -5,7 +5,7 @@ is meant for.
     python scripts/hardware_table.py --check    # exit 1 when docs/hardware.md is stale
 
 Each row is what ``flowrl plan RECIPE --num-processes N`` prints (the same public functions,
-:func:`flowrl.planning.estimate` and :func:`flowrl.planning.peak`). Planning needs no GPU, no
+:func:`flowrl.memory_plan.estimate` and :func:`flowrl.memory_plan.peak`). Planning needs no GPU, no
 weights and no network: the Hugging Face hub is switched to offline mode here, so a recipe whose
 model configuration is not built into flowrl (or in a local directory) is listed as not planned,
 with the reason, instead of fetching anything. tests/test_hardware_doc.py fails when the page is
@@ -102,7 +102,7 @@ def _strategy(recipe, world_size: int) -> str:
 def plan_row(name: str, world_size: int, registry) -> Row:
     """One recipe at one world size, as `flowrl plan` estimates it."""
     from flowrl.errors import FlowrlError
-    from flowrl.planning import GB, estimate, peak
+    from flowrl.memory_plan import GB, estimate, peak
     from flowrl.recipe import load_recipe
 
     recipe = load_recipe(RECIPES / name, [], registry=registry)
@@ -144,7 +144,7 @@ def render(rows: list[Row]) -> str:
         "(2^30 bytes) per GPU: everything held for the whole run plus the largest phase's transients",
         "(the phase named). The estimate needs no GPU, weights or network; it leaves out allocator",
         "fragmentation beyond a fixed 1.5 GB, so check the real peak in the first iterations",
-        "(`torch.cuda.max_memory_allocated`). How it is made: `flowrl/planning.py`; per-line",
+        "(`torch.cuda.max_memory_allocated`). How it is made: `flowrl/memory_plan.py`; per-line",
         "breakdown and other world sizes or overrides: `flowrl plan RECIPE --num-processes N --set KEY=VALUE`.",
         "Strategy is the recipe's `[distributed].strategy`, with what `auto` becomes at that number",
         "of processes in brackets (docs/distributed.md).",

@@ -3,7 +3,7 @@
 
 The package pins transformers 4.45.2, so it gets its own virtual environment, which this script
 builds. Both sides then score the same images with the same tiny random Qwen2-VL (built offline
-by flowrl_plugins/rewards/tiny_models.py, under transformers 4.45 because a directory saved by
+by flowrl/testing/tiny_models.py, under transformers 4.45 because a directory saved by
 transformers 5 does not load in 4.x) and the same HPSv3-layout checkpoint (written by the
 package's own model class), and the script prints the largest differences of mu and sigma.
 
@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLUGIN_DIR = REPO / "plugins" / "rewards"
 UPSTREAM_PIP = [
     "transformers==4.45.2", "huggingface_hub<1.0", "diffusers<=0.39", "trl==0.11.4", "accelerate", "peft",
     "datasets", "safetensors", "pillow", "numpy", "pyyaml", "omegaconf", "einops", "pandas", "requests",
@@ -115,7 +114,7 @@ def upstream_worker(work: Path) -> None:
     from PIL import Image
     from safetensors.torch import save_file
 
-    tiny = _load_by_path("tiny_models", PLUGIN_DIR / "tiny_models.py")
+    tiny = _load_by_path("tiny_models", REPO / "flowrl" / "testing" / "tiny_models.py")
     qwen = tiny.build_tiny_qwen2_vl(work / "qwen", seed=0)
 
     import hpsv3

@@ -27,7 +27,7 @@ from flowrl_plugins.embedded.verifier import verify
 from flowrl_plugins.rewards.clip import OPENAI_MEAN, OPENAI_STD
 from flowrl_plugins.rewards.common import normalise
 from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR, EmbeddedClip, EmbeddedClipConfig
-from flowrl_plugins.rewards.tiny_models import write_clip_tokenizer
+from flowrl.testing.tiny_models import write_clip_tokenizer
 
 
 def build_model(seed: int):

@@ -21,6 +21,26 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_hypothesis_profile() -> None:
+    """Property tests (hypothesis) are reproducible in CI: the default ``ci`` profile
+    derandomizes them (the same 120 examples per test on every run and machine, no example
+    database). For a longer local hunt, ``FLOWRL_HYPOTHESIS=long python -m pytest
+    tests/test_recipe_fuzz.py`` draws fresh random examples, 2000 per test
+    (``FLOWRL_HYPOTHESIS_EXAMPLES=N`` sets the number); a failure prints the example, to be kept
+    as an ``@example`` on the test. A property test therefore sets no ``max_examples`` itself."""
+    try:
+        from hypothesis import settings
+    except ImportError:  # the dev extra is not installed: the property tests skip themselves
+        return
+    settings.register_profile("ci", derandomize=True, database=None, max_examples=120)
+    settings.register_profile("long", derandomize=False, print_blob=True,
+                              max_examples=int(os.environ.get("FLOWRL_HYPOTHESIS_EXAMPLES", "2000")))
+    settings.load_profile(os.environ.get("FLOWRL_HYPOTHESIS", "ci"))
+
+
+_load_hypothesis_profile()
 FLOWRL_BIN = Path(sys.executable).parent / "flowrl"
 
 

@@ -3,8 +3,9 @@
 tests/test_docs_references.py already checks that every path the page cites exists. This test
 checks the other direction and the names:
 
-- every module of the training package (``flowrl/train/*.py``) is on the page, so a new one
-  (as ``parallel.py`` once was) cannot be added without saying which phase it owns;
+- every module of the training, sampling and objectives packages (``flowrl/train/*.py``,
+  ``flowrl/sampling/*.py``, ``flowrl/objectives/*.py``) is on the page, so a new one (as
+  ``parallel.py`` once was) cannot be added without saying what it owns;
 - every protocol of :mod:`flowrl.interfaces` is named on the page (a capability a component
   author cannot find does not exist for them);
 - a name given beside a module, ``flowrl/x.py`` (``A``, ``B``), is defined in that module;
@@ -45,10 +46,11 @@ def test_the_scanner_reads_names_beside_modules():
     assert names_beside_modules(text) == [("flowrl.train.state", "Checkpointer"), ("flowrl.recipe", "check_startable")]
 
 
-def test_every_training_module_is_on_the_page():
+def test_every_training_sampling_and_objective_module_is_on_the_page():
+    """A newcomer finds each module of the loop, the sampler and the objectives from this page."""
     text = _text()
-    modules = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "flowrl" / "train").glob("*.py")
-                     if p.name != "__init__.py")
+    modules = sorted(p.relative_to(REPO).as_posix() for package in ("train", "sampling", "objectives")
+                     for p in (REPO / "flowrl" / package).glob("*.py") if p.name != "__init__.py")
     missing = [m for m in modules if not re.search(rf"`{re.escape(m)}[`:]", text)]
     assert not missing, f"docs/architecture.md does not say which phase these modules own: {missing}"
 

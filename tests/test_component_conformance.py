@@ -13,7 +13,7 @@ import torch
 
 from flowrl import interfaces
 from flowrl.plugins import get_registry
-from flowrl.schedules import shifted_sigmas
+from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.testing.components import check_component
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,6 +7,13 @@
 - Nothing imports a private name (``_x``) or a private module from another module.
 - flowrl's modules form layers; a module imports only from its own layer or below, and no two
   modules import each other (directly or through a cycle).
+- No command module (one that adds a command to the app) imports another: what commands share
+  lives in helper modules (``flowrl/commands/base.py``, ``flowrl/commands/inference.py``).
+- The objectives (``flowrl/objectives/``) never import the training loop (``flowrl/train/``): the
+  loop calls an objective, never the other way round.
+- A plugin imports flowrl's public modules only: not the training loop's internals
+  (``flowrl.train``), the commands (``flowrl.commands``, ``flowrl.cli``) or the test support
+  (``flowrl.testing``).
 - Inside the library, flowrl modules are imported at the top of a file. Only the command-line
   modules (``flowrl/commands``, ``flowrl/cli.py``) import them inside functions, so that
   ``flowrl --help`` does not pay for torch; and a module that needs an optional extra may be
@@ -26,12 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[set[str]] = [
     {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
      "flowrl.compat", "flowrl.checks", "flowrl.processes"},
-    {"flowrl.plugins", "flowrl.interfaces", "flowrl.schedules", "flowrl.sde", "flowrl.chunking", "flowrl.selection",
-     "flowrl.advantages", "flowrl.losses", "flowrl.trajectory", "flowrl.sampling", "flowrl.prompts",
-     "flowrl.guard", "flowrl.solvers", "flowrl.windows", "flowrl.nft", "flowrl.gardo", "flowrl.plans",
-     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.plotting", "flowrl.stats", "flowrl.serving", "flowrl.serving.protocol",
-     "flowrl.serving.simple", "flowrl.serving.fleet", "flowrl.serving._litserve_api"},
-    {"flowrl.recipe", "flowrl.planning", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
+    {"flowrl.plugins", "flowrl.interfaces", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
+     "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
+     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
+     "flowrl.serving", "flowrl.serving.protocol", "flowrl.serving.simple", "flowrl.serving.fleet",
+     "flowrl.serving._litserve_api"},
+    {"flowrl.recipe", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
      "flowrl.dynamics.report", "flowrl.dynamics.profile_file", "flowrl.hub"},
     {"flowrl.train", "flowrl.train.*"},
     {"flowrl.testing", "flowrl.testing.*", "flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__"},
@@ -39,8 +46,8 @@ LAYERS: list[set[str]] = [
 CLI_MODULES = ("flowrl.commands", "flowrl.cli")
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(REPO).with_suffix("")
+def _module_name(path: Path, root: Path = REPO) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = list(rel.parts)
     if parts[0] == "plugins":
         parts[0] = "flowrl_plugins"
@@ -86,10 +93,11 @@ def _imports(name: str, path: Path):
             yield module, [a.name for a in node.names], node.lineno, id(node) in nested
 
 
-def _resolve(module: str, names: list[str]) -> list[str]:
+def _resolve(module: str, names: list[str], sources: dict[str, Path] | None = None) -> list[str]:
     """The project modules an import refers to (``from pkg import mod`` names a module)."""
-    out = [module] if module in SOURCES else []
-    out += [f"{module}.{n}" for n in names if f"{module}.{n}" in SOURCES]
+    sources = SOURCES if sources is None else sources
+    out = [module] if module in sources else []
+    out += [f"{module}.{n}" for n in names if f"{module}.{n}" in sources]
     return out
 
 
@@ -195,12 +203,105 @@ def test_library_modules_import_flowrl_at_the_top():
     assert not bad, bad
 
 
+def _registers_a_command(path: Path) -> bool:
+    """True for a module that adds a command to a typer app (``@app.command()``, ``add_typer``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                f = d.func if isinstance(d, ast.Call) else d
+                if isinstance(f, ast.Attribute) and f.attr == "command":
+                    return True
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_typer":
+            return True
+    return False
+
+
+def commands_importing_commands(sources: dict[str, Path]) -> list[str]:
+    """Every import of a command module by another module under ``flowrl/commands/``."""
+    commands = {n for n, p in sources.items() if n.startswith("flowrl.commands.") and _registers_a_command(p)}
+    bad = []
+    for name, path in sources.items():
+        if not name.startswith("flowrl.commands"):
+            continue
+        for module, names, line, _ in _imports(name, path):
+            for target in _resolve(module, names, sources):
+                if target in commands and target != name:
+                    bad.append(f"{path}:{line}: {name} imports the command module {target}")
+    return bad
+
+
+def objectives_importing_train(sources: dict[str, Path]) -> list[str]:
+    """Every import of ``flowrl.train`` (or below) by a module of ``flowrl.objectives``."""
+    bad = []
+    for name, path in sources.items():
+        if name != "flowrl.objectives" and not name.startswith("flowrl.objectives."):
+            continue
+        for module, names, line, _ in _imports(name, path):
+            targets = [module, *(f"{module}.{n}" for n in names)]
+            if any(t == "flowrl.train" or t.startswith("flowrl.train.") for t in targets):
+                bad.append(f"{path}:{line}: {name} imports {module} {names}")
+    return bad
+
+
+#: flowrl modules a plugin may not import: the loop's internals, the commands, the test support.
+NOT_PUBLIC = ("flowrl.train", "flowrl.commands", "flowrl.cli", "flowrl.testing", "flowrl.__main__")
+
+
+def plugins_importing_non_public(sources: dict[str, Path]) -> list[str]:
+    bad = []
+    for name, path in sources.items():
+        if not name.startswith("flowrl_plugins"):
+            continue
+        for module, names, line, _ in _imports(name, path):
+            targets = [module, *(f"{module}.{n}" for n in names)]
+            if any(t == p or t.startswith(p + ".") for t in targets for p in NOT_PUBLIC):
+                bad.append(f"{path}:{line}: {name} imports {module} {names}")
+    return bad
+
+
+def test_no_command_module_imports_another():
+    bad = commands_importing_commands(SOURCES)
+    assert not bad, bad
+
+
+def test_objectives_never_import_the_training_loop():
+    assert any(n.startswith("flowrl.objectives.") for n in SOURCES), "flowrl/objectives/ is gone: update this rule"
+    bad = objectives_importing_train(SOURCES)
+    assert not bad, bad
+
+
+def test_plugins_import_only_public_flowrl_modules():
+    bad = plugins_importing_non_public(SOURCES)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("rule, planted, source, expected", [
+    (commands_importing_commands, "flowrl/commands/bad.py",
+     "from .sample import shard\nfrom .base import app\n", "imports the command module flowrl.commands.sample"),
+    (objectives_importing_train, "flowrl/objectives/bad.py",
+     "from ..train.update import PolicyUpdate\n", "flowrl.objectives.bad imports flowrl.train.update"),
+    (plugins_importing_non_public, "plugins/bad/plugin.py",
+     "from flowrl.train.evaluate import evaluate\nfrom flowrl.errors import FlowrlError\n",
+     "flowrl_plugins.bad.plugin imports flowrl.train.evaluate"),
+])
+def test_each_new_rule_reports_a_planted_violation(tmp_path, rule, planted, source, expected):
+    """Each rule above, run on the real tree plus one planted module, reports the planted import
+    (one line of it: the planted module's other import is allowed)."""
+    path = tmp_path / planted
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    name = _module_name(path, root=tmp_path)
+    bad = [b for b in rule({**SOURCES, name: path}) if b.startswith(str(path))]
+    assert len(bad) == 1 and expected in bad[0], bad
+
+
 def test_the_layering_test_sees_violations(tmp_path, monkeypatch):
     """The checks above can fail: a planted private import and a plugin import are caught."""
     fake = tmp_path / "flowrl" / "bad.py"
     fake.parent.mkdir()
-    fake.write_text("from flowrl.sde import _reduce\nimport flowrl_plugins.embedded\n")
+    fake.write_text("from flowrl.sampling.kernels import _reduce\nimport flowrl_plugins.embedded\n")
     monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
     found = list(_imports("flowrl.bad", fake))
-    assert [m for m, *_ in found] == ["flowrl.sde", "flowrl_plugins.embedded"]
+    assert [m for m, *_ in found] == ["flowrl.sampling.kernels", "flowrl_plugins.embedded"]
     assert found[0][1] == ["_reduce"]

@@ -121,7 +121,7 @@ class EvalPlan:
 def plan_evaluation(prompt, prompts, num_prompts, seeds, batch_size, src, policy, seed: int) -> EvalPlan:
     """The run's own evaluation set, unless prompts or seeds are given (or there is none)."""
     from ..train.evaluate import evaluation_items, evaluation_noise, evaluation_set
-    from .sample import Item, make_items, read_prompt_list
+    from .inference import Item, make_items, read_prompt_list
 
     explicit = bool(prompt) or prompts is not None or num_prompts is not None or seeds is not None
     run_prompts = [] if explicit or not src.from_recipe else evaluation_set(src.recipe, policy)
@@ -164,7 +164,7 @@ def evaluate(
     save_images: Annotated[Optional[Path], typer.Option("--save-images", help="Also write the PNGs to this directory.")] = None,
 ) -> None:
     """Score a checkpoint as the run evaluates it (or given prompts and seeds); JSON beside it."""
-    from .sample import prepare, resolve_sigmas
+    from .inference import prepare, resolve_sigmas
 
     start_time = time.perf_counter()
     check_arguments(source, model, reward, output)
@@ -202,7 +202,7 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
     the main process, in item order."""
     from ..artefacts import ARTEFACT_MEASURES
     from ..interfaces import score
-    from .sample import generate, save_png, shard
+    from .inference import generate, save_png, shard
 
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     """Export a run's checkpoint (the latest by default); returns the output directory."""
     from ..interfaces import HasLoraTargets
     from ..train.checkpoint import checkpoint_iteration
-    from .sample import load_policy, resolve_source
+    from .inference import load_policy, resolve_source
 
     src = resolve_source(Path(run_dir), None, list(overrides or []), checkpoint)
     if src.checkpoint is None:
@@ -163,7 +163,7 @@ def export(
 def publish(out: Path, repo: str, run_dir: Path, checkpoint, overrides: list[str], *, private: bool, dry_run: bool) -> None:
     """The model card beside the exported weights, then the upload (flowrl.hub)."""
     from ..hub import push_folder, write_card
-    from .sample import resolve_source
+    from .inference import resolve_source
 
     src = resolve_source(Path(run_dir), None, overrides, checkpoint)
     written = write_card(out, repo, src.recipe, src.run_dir)

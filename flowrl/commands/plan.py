@@ -6,7 +6,7 @@
     flowrl plan recipes/lora_single_gpu_sd3.toml --gpu-memory 80 --set train.micro_batch_size=2
     flowrl plan recipes/chunk_grpo_flux.toml --num-processes 16 --num-nodes 2 --set distributed.shard=hybrid
 
-Needs no GPU and no weights; how the estimate is made: :mod:`flowrl.planning`.
+Needs no GPU and no weights; how the estimate is made: :mod:`flowrl.memory_plan`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def plan(
     from rich.markup import escape
     from rich.table import Table
 
-    from ..planning import GB, cpu_bytes, estimate, peak
+    from ..memory_plan import GB, cpu_bytes, estimate, peak
 
     resolved = load(recipe, set_)
     geometry, mm, lines = estimate(resolved, registry(), num_processes, num_nodes)

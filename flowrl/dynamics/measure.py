@@ -14,7 +14,7 @@ For transition ``i`` (``x_i -> x_{i+1}``, ``i = 0 .. N-1``) and one sample:
 :func:`curve_stats` reduces per-sample curves ``[S seeds, P prompts, N]`` to the mean, the
 spread across prompts and across seeds (standard deviation and coefficient of variation, the
 "prompt invariance" of the paper) and the first and second differences of the mean.
-:func:`measure_dynamics` samples with :func:`flowrl.sampling.rollout` exactly as training does;
+:func:`measure_dynamics` samples with :func:`flowrl.sampling.rollout.rollout` exactly as training does;
 :func:`profile_model` adds every segmentation proposal (:mod:`flowrl.dynamics.segment`).
 
 What this rests on (measured on the tiny pixel model): with an ODE sampler at shift 3,
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..sampling import rollout, trainable_mask
+from ..sampling.rollout import rollout, trainable_mask
 from ..seeding import generator
 from .segment import METHODS, Segmentation, segment
 
@@ -167,7 +167,7 @@ def curve_stats(values: torch.Tensor) -> CurveStats:
 class ProfileResult:
     """What one profiling run measured.
 
-    ``sigmas [N + 1]``; ``trainable [N]`` (the engine's :func:`flowrl.sampling.trainable_mask`);
+    ``sigmas [N + 1]``; ``trainable [N]`` (the engine's :func:`flowrl.sampling.rollout.trainable_mask`);
     ``curves[name]`` a :class:`CurveStats` over all N transitions; ``proposals[curve][method]``
     a :class:`Segmentation` of that curve restricted to the trainable transitions; ``settings``
     everything needed to reproduce it (JSON-able).
@@ -216,7 +216,7 @@ def measure_dynamics(
 ) -> dict[str, torch.Tensor]:
     """Sample ``num_seeds x len(prompts)`` trajectories and return ``{curve: float32 [S, P, N]}``.
 
-    Sampling is :func:`flowrl.sampling.rollout` with the given kernels, exactly as the engine
+    Sampling is :func:`flowrl.sampling.rollout.rollout` with the given kernels, exactly as the engine
     rolls out. Seed ``k`` uses the same starting noise and the same SDE noise (per-sample
     generators seeded by ``(seed, "profile-noise" / "profile-sde", k)``) for every prompt, so the
     spread across prompts measures the prompt alone, and the result does not depend on

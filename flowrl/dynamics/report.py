@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rich import box
 from rich.console import Console
@@ -64,10 +64,6 @@ def compare_profiles(base: dict[str, Any], trained: dict[str, Any]) -> dict[str,
 
 
 # ----------------------------------------------------------------------------- reporting
-
-
-def _fmt(v: Optional[float], spec: str = ".4f") -> str:
-    return "-" if v is None else format(v, spec)
 
 
 def _component(table: dict[str, Any]) -> str:

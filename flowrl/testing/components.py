@@ -49,14 +49,14 @@ from flowrl.interfaces import (
     WindowPlanner,
     score,
 )
-from flowrl.plans import PlanContext, RolloutPlan
-from flowrl.schedules import shifted_sigmas, validate_sigmas
-from flowrl.sde import StepOutput
-from flowrl.trajectory import Position
+from flowrl.sampling.plans import PlanContext, RolloutPlan
+from flowrl.sampling.schedules import shifted_sigmas, validate_sigmas
+from flowrl.sampling.kernels import StepOutput
+from flowrl.sampling.trajectory import Position
 
 __all__ = ["check_component", "KL_KINDS"]
 
-#: The KL kinds the engine implements (:mod:`flowrl.train.reference`).
+#: The KL kinds the engine implements (:mod:`flowrl.objectives.kl`).
 KL_KINDS = ("gaussian_exact", "flow_grpo", "old_policy_k3")
 
 

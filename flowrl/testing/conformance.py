@@ -70,9 +70,9 @@ from flowrl.interfaces import (
 )
 from flowrl.prompts import PromptRow, condition_of
 from flowrl.recipe import TrainConfig
-from flowrl.sampling import rollout, transition_log_prob
-from flowrl.schedules import shifted_sigmas, validate_sigmas
-from flowrl.sde import DanceKernel, FlowKernel, ODEKernel
+from flowrl.sampling.rollout import rollout, transition_log_prob
+from flowrl.sampling.schedules import shifted_sigmas, validate_sigmas
+from flowrl.sampling.kernels import DanceKernel, FlowKernel, ODEKernel
 from flowrl.train.finetune import prepare_trainable
 from flowrl.train.parallel import declared_blocks, transformer_blocks
 

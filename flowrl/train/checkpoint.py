@@ -34,10 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from ..distributed import DistContext, broadcast_object
 from ..errors import FlowrlError
 from ..files import fsync_dir, write_text_atomic
+from .finetune import load_trainable_state_dict
+from .parallel import SHARDED_MODEL_KEY, Strategy, unwrap_module
 
 LATEST = "latest.json"
 #: Sub-directory of a sharded checkpoint: model and optimizer in torch.distributed.checkpoint's
@@ -46,8 +50,6 @@ SHARDED = "sharded"
 #: The name an objective's tensors are saved under (``objective.safetensors``; a sharded
 #: checkpoint's DCP key), beside its JSON state in ``state.json`` (CheckpointsState)
 OBJECTIVE = "objective"
-#: The key of the model's state in a sharded checkpoint (the optimizer's is ``"optim"``).
-SHARDED_MODEL_KEY = "model"
 #: Written last into a checkpoint directory: its presence means the directory is complete.
 MARKER = "state.json"
 
@@ -280,3 +282,63 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         "state": json.loads((path / MARKER).read_text()),
         "recipe_toml": (path / "recipe.toml").read_text(),
     }
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """True for a checkpoint directory written by :func:`save_sharded_checkpoint`."""
+    return (Path(path) / SHARDED).is_dir()
+
+
+def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: dict[str, Any],
+                            recipe_toml: str, keep_last: int = 2,
+                            extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
+    """Write one checkpoint atomically, every process together: each writes its shards into a
+    temporary directory (DCP), then the main process adds the RNG states, the recipe and
+    ``state.json`` (last), renames the directory into place and points ``latest.json`` at it
+    (:func:`commit_checkpoint`). Several nodes need a shared file
+    system. Returns the checkpoint's path on the main process, None on the others."""
+    ctx = DistContext(rank=strategy.topology.rank, world_size=strategy.topology.world_size)
+    tag = broadcast_object(os.getpid(), ctx)
+    tmp = Path(ckpt_root) / f".tmp-{name}-{tag}"
+    if ctx.is_main:
+        tmp = new_checkpoint_dir(Path(ckpt_root), name, tag)
+    _barrier(ctx)
+    strategy.save(tmp / SHARDED, extra)
+    _barrier(ctx)  # every shard and DCP's .metadata are on disk
+    final = None
+    if ctx.is_main:
+        state = dict(state, world_size=ctx.world_size, strategy=strategy.kind, format="dcp")
+        final = commit_checkpoint(Path(ckpt_root), tmp, name, state=state, recipe_toml=recipe_toml, keep_last=keep_last)
+    _barrier(ctx)
+    return final
+
+
+def load_sharded_checkpoint(path: Path, strategy: Strategy,
+                            extra: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+    """Load a checkpoint's model and optimizer into ``strategy``'s prepared module and optimizer,
+    on every process; set the RNG; return ``state.json``. A sharded checkpoint of another
+    process count or strategy loads (DCP reshards; the continuation then groups samples
+    differently, see :mod:`flowrl.train.state`). An unsharded one (safetensors, written by one
+    process) loads under ``none`` and ``ddp``."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FlowrlError(f"{path} is not a complete checkpoint (no {MARKER})", where="--resume")
+    if is_sharded_checkpoint(path):
+        strategy.load(path / SHARDED, extra)
+    elif strategy.sharded:
+        raise FlowrlError(f"{path} was written without sharding (model.safetensors); an fsdp2 run cannot load it",
+                          where="--resume", hint="resume it with [distributed].strategy = 'ddp' or 'none'")
+    else:
+        saved = load_checkpoint(path)
+        load_trainable_state_dict(unwrap_module(strategy.module), saved["model"])
+        strategy.optimizer.load_state_dict(saved["optimizer"])
+    set_rng_state(load_file(str(path / "rng.safetensors")))
+    return json.loads((path / MARKER).read_text())
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 import torch
 
 from .. import distributed
-from ..advantages import advantages_for
+from ..objectives.advantages import advantages_for
 from ..interfaces import (
     KeepsRolloutMeans,
     SamplesWithOwnWeights,
@@ -24,11 +24,11 @@ from ..interfaces import (
     UsesImageFeatures,
     select_embeddings,
 )
-from ..plans import rollout_plan
+from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
-from ..sampling import rollout
+from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
-from ..trajectory import Trajectory
+from ..sampling.trajectory import Trajectory
 from .overlap import OverlappedScoring, score_part
 
 

@@ -1,11 +1,7 @@
-"""The one ODE sampler, and the run's evaluation on a fixed prompt set.
+"""The run's evaluation on a fixed prompt set.
 
-:func:`ode_sample` is deterministic Euler sampling (the policy's mean path, no SDE noise). It is
-what training evaluates with, what ``flowrl sample`` and ``flowrl eval`` draw images with
-(including hybrid inference: a different velocity for the late steps), and what the embedded
-model's own evaluation uses.
-
-:func:`evaluate` scores the fixed evaluation set of a run: prompt ``p`` with seed index ``s``
+Images are drawn with the one ODE sampler, :func:`flowrl.sampling.rollout.ode_sample` (as
+``flowrl sample`` and ``flowrl eval`` draw them). :func:`evaluate` scores the fixed evaluation set of a run: prompt ``p`` with seed index ``s``
 is item ``j`` of ``[(p, s) for s in seeds for p in prompts]`` and starts from noise drawn by a
 generator seeded with ``(seed, "eval", j)``, so the numbers do not depend on the batch size and
 ``flowrl eval RUN_DIR`` reproduces them at any checkpoint.
@@ -27,24 +23,8 @@ import torch
 from ..artefacts import ARTEFACT_MEASURES
 from ..interfaces import score
 from ..prompts import evaluation_prompts, read_prompts, reward_metadata
-from ..sde import ode_step
+from ..sampling.rollout import ode_sample
 from ..seeding import generator
-
-#: ``velocity_at(step, x [B, *L], sigma [B]) -> v [B, *L]``
-StepVelocity = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@torch.no_grad()
-def ode_sample(velocity_at: StepVelocity, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """Euler ODE sampling from ``noise [B, *L]`` along ``sigmas [N + 1]``; returns ``x_N``
-    (float32). ``velocity_at(i, x, sigma)`` gives step ``i``'s velocity, so a caller can switch
-    models part-way (hybrid inference)."""
-    x = noise.to(torch.float32)
-    b = x.shape[0]
-    for i in range(len(sigmas) - 1):
-        s, s_next = sigmas[i].repeat(b), sigmas[i + 1].repeat(b)
-        x = ode_step(velocity_at(i, x, s), x, s, s_next).next_sample
-    return x
 
 
 def evaluation_set(recipe, model) -> list[str]:

@@ -28,7 +28,9 @@ depends on how they are laid out. Per optimizer step, on every process::
   process must run the same sequence of forwards and backwards (:attr:`Strategy.lockstep`).
 
 Checkpoints are sharded (torch.distributed.checkpoint, every process writes its part; no process
-gathers the model): :func:`save_sharded_checkpoint`, :func:`load_sharded_checkpoint`. DCP
+gathers the model), with :meth:`Strategy.save` and :meth:`Strategy.load`; the checkpoint files and
+their atomic commit are :func:`flowrl.train.checkpoint.save_sharded_checkpoint` and
+:func:`flowrl.train.checkpoint.load_sharded_checkpoint`. DCP
 stores global tensors, so a checkpoint resumes with another number of processes or another
 strategy. :meth:`Strategy.full_state_dict` gathers full tensors one at a time onto the main
 process's CPU (for ``flowrl export``); :func:`flowrl.train.checkpoint.read_model_weights` reads
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -50,20 +51,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import DistContext, broadcast_object, choose_strategy, flag_setting
+from ..distributed import DistContext, choose_strategy, flag_setting
 from ..errors import FlowrlError
 from ..interfaces import HasShardableBlocks
 from ..recipe import DistributedConfig
-from .checkpoint import (
-    MARKER,
-    SHARDED,
-    SHARDED_MODEL_KEY,
-    commit_checkpoint,
-    load_checkpoint,
-    new_checkpoint_dir,
-    set_rng_state,
-)
-from .finetune import load_trainable_state_dict
 
 __all__ = [
     "Strategy",
@@ -73,17 +64,14 @@ __all__ = [
     "transformer_blocks",
     "declared_blocks",
     "checkpoint_blocks",
-    "save_sharded_checkpoint",
-    "load_sharded_checkpoint",
-    "is_sharded_checkpoint",
-    "log_prob_sensitivity",
-    "bf16_on_policy_tolerance",
 ]
 
 #: Gradient bytes per all-reduce bucket under DDP (DDP's own default bucket size).
 BUCKET_BYTES = 25 * 2**20
 #: The key of the optimizer's state in a sharded checkpoint.
 OPTIM_KEY = "optim"
+#: The key of the model's state in a sharded checkpoint (the optimizer's is ``OPTIM_KEY``).
+SHARDED_MODEL_KEY = "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +222,7 @@ class Strategy:
             self.module = self._shard(module, found)
         else:
             self.module = self._replicate(module)
-        live = dict(_unwrap(self.module).named_parameters())
+        live = dict(unwrap_module(self.module).named_parameters())
         for group in optimizer.param_groups:
             group["params"] = [live[names[id(p)]] for p in group["params"]]
         self.optimizer = optimizer
@@ -412,7 +400,7 @@ class Strategy:
         """``(name, full tensor on the CPU)`` one parameter at a time on the main process,
         ``(name, None)`` on the others; every process must iterate to the end (under FSDP2 each
         tensor is all-gathered in turn, so no process holds more than one full tensor)."""
-        for name, p in _unwrap(self.module).named_parameters():
+        for name, p in unwrap_module(self.module).named_parameters():
             if trainable_only and not p.requires_grad:
                 continue
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
@@ -423,40 +411,6 @@ class Strategy:
         """The full (unsharded) weights on the main process's CPU, ``{}`` on the others (for
         ``flowrl export``). Collective: every process calls it."""
         return {n: t for n, t in self.iter_full_tensors(trainable_only) if t is not None}
-
-
-# ----------------------------------------------------------------------------- bf16 and the on-policy check
-
-
-def log_prob_sensitivity(kernel, sigma: float, sigma_next: float) -> tuple[float, float]:
-    """``(c, s)`` of one step: the kernel's mean moves by ``c * delta`` when the velocity moves by
-    ``delta`` (every kernel's mean is affine in the velocity), and ``s`` is its std."""
-    x = torch.zeros(1, 1)
-    at0 = kernel.step(torch.zeros(1, 1), x, sigma, sigma_next, next_sample=x)
-    at1 = kernel.step(torch.ones(1, 1), x, sigma, sigma_next, next_sample=x)
-    return float(at1.mean - at0.mean), float(at0.std)
-
-
-def bf16_on_policy_tolerance(kernels, sigmas: torch.Tensor, trainable: torch.Tensor, *, velocity_rms: float,
-                             latent_numel: int, reduction: str = "mean", rho: float = 2.0**-8,
-                             noise_rms: float = 1.0) -> float:
-    """The largest ``|log pi_new - log pi_old|`` of one trainable transition when the velocity of
-    re-scoring differs from the rollout's by ``delta`` with ``rms(delta) <= rho * velocity_rms``
-    (``rho = 2**-8``: one bfloat16 rounding of the output).
-
-    With the Gaussian step ``N(mu, s^2)``, ``mu' = mu + c delta`` and the stored sample
-    ``x' = mu + s eps``, the per-element log-density changes exactly by
-    ``(c / s) eps delta - (c / s)^2 delta^2 / 2``; averaged over the latent (``"mean"``) and
-    bounded by Cauchy-Schwarz: ``(|c| / s) rms(eps) rms(delta) + (c / s)^2 rms(delta)^2 / 2``
-    (times ``latent_numel`` for ``"sum"``). ``rms(eps)`` is about 1 (``noise_rms``)."""
-    worst = 0.0
-    for i, kernel in enumerate(kernels):
-        if not bool(trainable[i]):
-            continue
-        c, s = log_prob_sensitivity(kernel, float(sigmas[i]), float(sigmas[i + 1]))
-        k, d = abs(c) / s, rho * velocity_rms
-        worst = max(worst, k * noise_rms * d + 0.5 * (k * d) ** 2)
-    return worst * (latent_numel if reduction == "sum" else 1)
 
 
 # ----------------------------------------------------------------------------- gradient reduction
@@ -470,7 +424,7 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap_module(module: nn.Module) -> nn.Module:
     """The module whose parameter names are the checkpoint's (DDP's ``module``, not the wrapper)."""
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
@@ -529,65 +483,3 @@ def _broadcast_module(module: nn.Module, world_size: int) -> None:
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             dist.broadcast(t.data, src=0)
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def is_sharded_checkpoint(path: Path) -> bool:
-    """True for a checkpoint directory written by :func:`save_sharded_checkpoint`."""
-    return (Path(path) / SHARDED).is_dir()
-
-
-def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: dict[str, Any],
-                            recipe_toml: str, keep_last: int = 2,
-                            extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
-    """Write one checkpoint atomically, every process together: each writes its shards into a
-    temporary directory (DCP), then the main process adds the RNG states, the recipe and
-    ``state.json`` (last), renames the directory into place and points ``latest.json`` at it
-    (:func:`flowrl.train.checkpoint.commit_checkpoint`). Several nodes need a shared file
-    system. Returns the checkpoint's path on the main process, None on the others."""
-    ctx = DistContext(rank=strategy.topology.rank, world_size=strategy.topology.world_size)
-    tag = broadcast_object(os.getpid(), ctx)
-    tmp = Path(ckpt_root) / f".tmp-{name}-{tag}"
-    if ctx.is_main:
-        tmp = new_checkpoint_dir(Path(ckpt_root), name, tag)
-    _barrier(ctx)
-    strategy.save(tmp / SHARDED, extra)
-    _barrier(ctx)  # every shard and DCP's .metadata are on disk
-    final = None
-    if ctx.is_main:
-        state = dict(state, world_size=ctx.world_size, strategy=strategy.kind, format="dcp")
-        final = commit_checkpoint(Path(ckpt_root), tmp, name, state=state, recipe_toml=recipe_toml, keep_last=keep_last)
-    _barrier(ctx)
-    return final
-
-
-def load_sharded_checkpoint(path: Path, strategy: Strategy,
-                            extra: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
-    """Load a checkpoint's model and optimizer into ``strategy``'s prepared module and optimizer,
-    on every process; set the RNG; return ``state.json``. A sharded checkpoint of another
-    process count or strategy loads (DCP reshards; the continuation then groups samples
-    differently, see :mod:`flowrl.train.state`). An unsharded one (safetensors, written by one
-    process) loads under ``none`` and ``ddp``."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / MARKER).is_file():
-        raise FlowrlError(f"{path} is not a complete checkpoint (no {MARKER})", where="--resume")
-    if is_sharded_checkpoint(path):
-        strategy.load(path / SHARDED, extra)
-    elif strategy.sharded:
-        raise FlowrlError(f"{path} was written without sharding (model.safetensors); an fsdp2 run cannot load it",
-                          where="--resume", hint="resume it with [distributed].strategy = 'ddp' or 'none'")
-    else:
-        saved = load_checkpoint(path)
-        load_trainable_state_dict(_unwrap(strategy.module), saved["model"])
-        strategy.optimizer.load_state_dict(saved["optimizer"])
-    set_rng_state(load_file(str(path / "rng.safetensors")))
-    return json.loads((path / MARKER).read_text())
-
-
-def _barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
-        dist.barrier()

@@ -18,10 +18,10 @@ import torch
 
 from ..distributed import resolve_device
 from ..interfaces import TextEmbeddings, WarpsTime
-from ..plans import PlanContext
+from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
 from ..recipe import Recipe
-from ..sampling import Sampler, make_kernels, trainable_mask
+from ..sampling.rollout import Sampler, make_kernels, trainable_mask
 from .checkpoint import read_model_weights
 from .finetune import load_trainable_state_dict, prepare_trainable
 
@@ -91,7 +91,7 @@ def build_sampler(recipe: Recipe, components: Components, device: torch.device) 
 
 
 def plan_context(recipe: Recipe, components: Components, sampler: Sampler) -> PlanContext:
-    """What the ``[window]`` planner plans with (:class:`flowrl.plans.PlanContext`)."""
+    """What the ``[window]`` planner plans with (:class:`flowrl.sampling.plans.PlanContext`)."""
     schedule = components.schedule
     return PlanContext(
         num_steps=recipe.sampler.steps, sigmas=sampler.sigmas,

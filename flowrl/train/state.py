@@ -40,14 +40,16 @@ from .checkpoint import (
     MARKER,
     OBJECTIVE,
     checkpoint_iteration,
+    is_sharded_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    load_sharded_checkpoint,
     save_checkpoint,
+    save_sharded_checkpoint,
     set_rng_state,
 )
 from .ema import EMA_KEY
 from .finetune import load_trainable_state_dict, trainable_state_dict
-from .parallel import is_sharded_checkpoint, load_sharded_checkpoint, save_sharded_checkpoint
 
 
 @dataclasses.dataclass

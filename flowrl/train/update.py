@@ -3,7 +3,7 @@
 One rollout is used for ``updates_per_rollout`` passes; each pass takes
 ``optimizer_steps_per_update`` AdamW steps, each over ``grad_accumulation`` micro-batches. Per
 micro-batch the selector picks the chunks each sample trains, the memory-lean chunk update
-(:mod:`flowrl.train.chunk_update`) back-propagates the loss over them one step at a time, and a
+(:mod:`flowrl.objectives.chunk_gradient`) back-propagates the loss over them one step at a time, and a
 KL pass adds the loss's KL term. Every re-scoring of a stored transition, for the policy loss as
 for the KL, goes through one :class:`TransitionScorer`.
 
@@ -25,23 +25,24 @@ import torch
 from .. import distributed
 from ..errors import FlowrlError
 from ..interfaces import KLRegularised, TextEmbeddings, select_embeddings
-from ..sampling import rescore_position, rescore_positions
-from ..sde import StepOutput
+from ..sampling.rollout import rescore_position, rescore_positions
+from ..sampling.kernels import StepOutput
 from ..seeding import generator
-from ..trajectory import Trajectory
-from .chunk_update import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
+from ..sampling.trajectory import Trajectory
+from ..objectives.chunk_gradient import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
-from .objective import MicroBatch, objective_for
+from ..objectives.base import MicroBatch
+from ..objectives.policy_gradient import objective_for
 from .optimizer import make_optimizer
 from .parallel import Strategy, declared_blocks
-from .reference import KLTerm, ReferencePolicy, kl_backward
+from ..objectives.kl import KLTerm, ReferencePolicy, kl_backward
 
 
 class TransitionScorer:
     """Re-scores a rollout's trainable transitions with the current policy or the reference.
 
-    ``step(t, rows, grad)`` is the kernel's :class:`~flowrl.sde.StepOutput` at trainable position
+    ``step(t, rows, grad)`` is the kernel's :class:`~flowrl.sampling.kernels.StepOutput` at trainable position
     ``t`` (``0 <= t < T``) for the samples ``rows`` (indices into the trajectory): the chunk
     update reads its ``log_prob``, the KL pass its ``mean`` and ``std``.
     """
@@ -95,7 +96,7 @@ class TransitionScorer:
 class OnPolicyProbe:
     """Largest per-step ``|log pi_new - log pi_old|`` seen while re-scoring, before any update.
 
-    Wraps the step log-prob function handed to :func:`flowrl.train.chunk_update.lean_chunk_backward`
+    Wraps the step log-prob function handed to :func:`flowrl.objectives.chunk_gradient.lean_chunk_backward`
     and reads every recomputation of a selected transition, with or without grad (the lean
     update scores the last position of each chunk only with grad), so the check costs no extra
     forward. Before the first optimizer step every call is on-policy. It is stricter than
@@ -282,7 +283,7 @@ class PolicyUpdate:
                              recorder=None, kl_direction="old_theta", kl_weights=None):
         """Back-propagate one micro-batch's loss and KL term: the fast path on-policy, otherwise
         the chunk-graph or lean update (``[train].update_mode``). Returns (loss, unit metrics,
-        (mean KL, KL term) or None). ``recorder`` (:class:`flowrl.train.objective.StepRecorder`)
+        (mean KL, KL term) or None). ``recorder`` (:class:`flowrl.objectives.policy_gradient.StepRecorder`)
         sees every re-scored log-prob; ``kl_direction`` and ``kl_weights`` (per-sample ``[B]``)
         go to the KL pass."""
         objective = self.session.components.loss.objective

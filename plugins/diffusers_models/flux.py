@@ -20,7 +20,7 @@ import torch
 
 from flowrl.config import param
 from flowrl.errors import FlowrlError
-from flowrl.schedules import conditioning_timestep
+from flowrl.sampling.schedules import conditioning_timestep
 
 from .common import DiffusersAdapter
 from .memory import flux_memory_spec

@@ -23,7 +23,7 @@ import torch
 
 from flowrl.compat import ensure_torchvision_importable
 from flowrl.errors import FlowrlError
-from flowrl.planning import ModelMemory
+from flowrl.memory_plan import ModelMemory
 
 from .common import ATTENTION, FEED_FORWARD
 from .loading import check_local_pipeline, looks_like_local_path
@@ -285,7 +285,7 @@ def _frozen(cfgs, names, nbytes) -> dict[str, tuple[int, int]]:
 
 
 def flux_memory_spec(config):
-    """:class:`flowrl.planning.ModelMemory` of the ``flux`` adapter, without weights."""
+    """:class:`flowrl.memory_plan.ModelMemory` of the ``flux`` adapter, without weights."""
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
     compute = _BYTES[config.dtype]
@@ -315,7 +315,7 @@ def flux_memory_spec(config):
 
 
 def sd3_memory_spec(config):
-    """:class:`flowrl.planning.ModelMemory` of the ``sd3`` adapter, without weights."""
+    """:class:`flowrl.memory_plan.ModelMemory` of the ``sd3`` adapter, without weights."""
     cfgs = dict(pipeline_configs(config.path, config.revision))
     if not config.use_t5:
         cfgs.pop("text_encoder_3", None)
@@ -490,7 +490,7 @@ def _measured_note(tokens: str, consts: BlockConstants) -> str:
 
 def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens: tuple[int, int] | None = None,
                            vision_tokens: int = 0):
-    """:class:`flowrl.planning.ModelMemory` of the ``qwen_image`` adapter; ``qwen_image_edit`` adds the
+    """:class:`flowrl.memory_plan.ModelMemory` of the ``qwen_image`` adapter; ``qwen_image_edit`` adds the
     condition's size in pixels (its latent tokens join every forward) and its vision tokens."""
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
@@ -529,7 +529,7 @@ def qwen_image_edit_memory_spec(config, lora_targets: list[str]):
 
 
 def flux2_klein_memory_spec(config, lora_targets: list[str]):
-    """:class:`flowrl.planning.ModelMemory` of the ``flux2_klein`` adapter, without weights."""
+    """:class:`flowrl.memory_plan.ModelMemory` of the ``flux2_klein`` adapter, without weights."""
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
     compute, storage = _storage(config)
@@ -557,7 +557,7 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
 
 
 def zimage_memory_spec(config, lora_targets: list[str]):
-    """:class:`flowrl.planning.ModelMemory` of the ``zimage`` adapter, without weights."""
+    """:class:`flowrl.memory_plan.ModelMemory` of the ``zimage`` adapter, without weights."""
     cfgs = pipeline_configs(config.path, config.revision)
     t = cfgs["transformer"]
     compute, storage = _storage(config)

@@ -8,7 +8,7 @@ from the final x (sigma = 0). Scored by ``verifier.verify``.
 
 Run: ``python -m flowrl_plugins.embedded.evaluate [--weights PATH] [--seeds 0 1]``.
 
-Sampling is flowrl's own ODE sampler (:func:`flowrl.train.evaluate.ode_sample`), the one training
+Sampling is flowrl's own ODE sampler (:func:`flowrl.sampling.rollout.ode_sample`), the one training
 evaluates with.
 """
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from flowrl.train.evaluate import ode_sample
+from flowrl.sampling.rollout import ode_sample
 
 from .dataset import all_prompts
 from .network import load_pretrained

@@ -14,7 +14,7 @@ import torch
 
 from flowrl import hookimpl
 from flowrl.config import param
-from flowrl.schedules import conditioning_timestep
+from flowrl.sampling.schedules import conditioning_timestep
 
 from . import rewards
 from .dataset import all_prompts

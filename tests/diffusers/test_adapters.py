@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flowrl.errors import FlowrlError
-from flowrl.sampling import rollout
-from flowrl.sde import ODEKernel
+from flowrl.sampling.rollout import rollout
+from flowrl.sampling.kernels import ODEKernel
 
 PROMPTS = ["a red cat", "the blue dog"]
 
@@ -64,7 +64,7 @@ def test_flux_packing_and_ids_match_diffusers(flux_model):
 
 
 def test_flux_own_schedule_is_the_dynamic_shift(flux_model):
-    from flowrl.schedules import flux_dynamic_sigmas
+    from flowrl.sampling.schedules import flux_dynamic_sigmas
 
     for n in (4, 17):
         torch.testing.assert_close(flux_model.sigmas(n), flux_dynamic_sigmas(n, 64), atol=2e-6, rtol=0)
@@ -73,7 +73,7 @@ def test_flux_own_schedule_is_the_dynamic_shift(flux_model):
 def test_sd3_own_schedule_is_the_shifted_linspace(sd3_model):
     # diffusers' FlowMatchEuler (shift 3): linspace from sigma_max = 1 to sigma_min = shift(1/1000),
     # shifted again, then a terminal 0 (an independent float64 computation)
-    from flowrl.schedules import time_shift
+    from flowrl.sampling.schedules import time_shift
 
     n = 6
     lo = float(time_shift(torch.tensor(1e-3, dtype=torch.float64), 3.0))

@@ -76,8 +76,8 @@ def make_qwen_edit(tiny_qwen_edit):
 
 
 def _ode_images(model, prompts, noise, steps):
-    from flowrl.sampling import rollout
-    from flowrl.sde import ODEKernel
+    from flowrl.sampling.rollout import rollout
+    from flowrl.sampling.kernels import ODEKernel
 
     text = model.encode_prompts(prompts)
     traj = rollout(lambda x, s: model.velocity(x, s, text), noise, model.sigmas(steps), ODEKernel(), image_from="final")
@@ -216,8 +216,8 @@ def test_kontext_lora_export_loads_with_load_lora_weights(make_kontext, tiny_kon
                                                           monkeypatch):
     from diffusers import FluxKontextPipeline
 
-    from flowrl.commands.sample import load_policy, resolve_source
-    from flowrl.train.evaluate import ode_sample
+    from flowrl.commands.inference import load_policy, resolve_source
+    from flowrl.sampling.rollout import ode_sample
 
     monkeypatch.chdir(request.config.rootpath)
     run = _train("kontext_edit_lora.toml", tiny_kontext, conditions, tmp_path / "run", ["model.max_sequence_length=16"])

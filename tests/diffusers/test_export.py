@@ -21,8 +21,8 @@ def _pipeline_images(pipe, model_like_shape, seed=0):
 
 def _policy_images(run_dir, noise):
     """What flowrl's own sampler makes with the run's latest checkpoint (ODE, model's schedule)."""
-    from flowrl.commands.sample import load_policy, resolve_source
-    from flowrl.train.evaluate import ode_sample
+    from flowrl.commands.inference import load_policy, resolve_source
+    from flowrl.sampling.rollout import ode_sample
 
     model = load_policy(resolve_source(run_dir, None, [], None), "cpu")
     text = model.encode_prompts([PROMPT])

@@ -60,7 +60,7 @@ def test_single_gpu_sd3_recipe_is_planned_to_fit_80gb(cli):
 
 
 def test_counts_match_the_loaded_tiny_pipeline(tiny_flux, tiny_overrides, flux_model):
-    from flowrl.planning import estimate
+    from flowrl.memory_plan import estimate
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
     from flowrl.train.finetune import prepare_trainable
@@ -86,7 +86,7 @@ def test_counts_match_the_loaded_tiny_pipeline(tiny_flux, tiny_overrides, flux_m
 def test_update_activation_estimate_is_close_to_a_measurement(tiny_flux, tiny_overrides, flux_model):
     # The estimate uses constants measured on a one-block replica; compare it with the tensors
     # autograd really saves for one training forward of the whole tiny model (micro-batch 2).
-    from flowrl.planning import estimate
+    from flowrl.memory_plan import estimate
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
     from flowrl_plugins.diffusers_models.memory import _saved_elements

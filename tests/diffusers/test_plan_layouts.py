@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from flowrl.errors import FlowrlError
-from flowrl.planning import cpu_bytes, estimate, peak
+from flowrl.memory_plan import cpu_bytes, estimate, peak
 from flowrl.plugins import get_registry
 from flowrl.recipe import load_recipe
 

@@ -43,7 +43,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_counts_and_update_activations_match_the_tiny_model(name, tiny_dir, monkeypatch, request):
-    from flowrl.planning import estimate
+    from flowrl.memory_plan import estimate
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
     from flowrl.train.session import build_components

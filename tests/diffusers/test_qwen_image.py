@@ -39,8 +39,8 @@ def model(make):
 
 
 def _ode_images(model, prompts, noise, steps):
-    from flowrl.sampling import rollout
-    from flowrl.sde import ODEKernel
+    from flowrl.sampling.rollout import rollout
+    from flowrl.sampling.kernels import ODEKernel
 
     text = model.encode_prompts(prompts)
     traj = rollout(lambda x, s: model.velocity(x, s, text), noise, model.sigmas(steps), ODEKernel(), image_from="final")
@@ -216,8 +216,8 @@ def test_recipe_validates_and_trains_two_iterations(cli, tiny_qwen, tmp_path):
 
 
 def _policy_images(run_dir, noise, prompt):
-    from flowrl.commands.sample import load_policy, resolve_source
-    from flowrl.train.evaluate import ode_sample
+    from flowrl.commands.inference import load_policy, resolve_source
+    from flowrl.sampling.rollout import ode_sample
 
     model = load_policy(resolve_source(run_dir, None, [], None), "cpu")
     text = model.encode_prompts([prompt])

@@ -45,7 +45,7 @@ def test_sample_images_do_not_depend_on_batch_size_or_prompt_order(cli, tmp_path
 
 
 def test_shard_covers_every_item_once():
-    from flowrl.commands.sample import shard
+    from flowrl.commands.inference import shard
 
     items = list(range(11))
     parts = [shard(items, r, 3) for r in range(3)]
@@ -53,6 +53,7 @@ def test_shard_covers_every_item_once():
 
 
 def test_sharded_sampling_writes_each_image_once(cli, tmp_path, flux_lora_run, monkeypatch):
+    import flowrl.commands.inference as inference
     import flowrl.commands.sample as sample_mod
 
     single, sharded = tmp_path / "single", tmp_path / "sharded"
@@ -60,7 +61,7 @@ def test_sharded_sampling_writes_each_image_once(cli, tmp_path, flux_lora_run, m
     assert cli("sample", flux_lora_run, *args, "-o", single)[0] == 0
     monkeypatch.setattr(sample_mod, "barrier", lambda ctx: None)
     for rank in (2, 1, 0):  # rank 0 last: it merges the other ranks' manifests after the barrier
-        monkeypatch.setattr(sample_mod, "dist_context", lambda dev, rank=rank: DistContext(rank=rank, world_size=3))
+        monkeypatch.setattr(inference, "dist_context", lambda dev, rank=rank: DistContext(rank=rank, world_size=3))
         code, _, err = cli("sample", flux_lora_run, *args, "-o", sharded)
         assert code == 0, err
     records, images = _pngs(sharded)
@@ -72,14 +73,14 @@ def test_sharded_sampling_writes_each_image_once(cli, tmp_path, flux_lora_run, m
 
 
 def _images(model, prompts, noise, sigmas, velocity_for_step):
-    from flowrl.train.evaluate import ode_sample
+    from flowrl.sampling.rollout import ode_sample
 
     return model.decode(ode_sample(lambda i, x, s: velocity_for_step(i)(x, s), noise, sigmas))
 
 
 @pytest.mark.parametrize("run_fixture", ["flux_lora_run", "flux_full_run"])
 def test_hybrid_inference_switches_to_the_base_model(request, run_fixture, make_flux):
-    from flowrl.commands.sample import Item, base_model_for_hybrid, generate, load_policy, noise_for, resolve_source
+    from flowrl.commands.inference import Item, base_model_for_hybrid, generate, load_policy, noise_for, resolve_source
 
     run = request.getfixturevalue(run_fixture)
     src = resolve_source(run, None, [], None)

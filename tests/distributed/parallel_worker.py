@@ -29,11 +29,11 @@ from flowrl.recipe import DistributedConfig
 from flowrl.train.parallel import (
     Strategy,
     Topology,
-    bf16_on_policy_tolerance,
-    load_sharded_checkpoint,
-    save_sharded_checkpoint,
     transformer_blocks,
 )
+from flowrl.train.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+
+from bf16_tolerance import bf16_on_policy_tolerance  # tests/distributed/bf16_tolerance.py, beside this script
 
 N, D_IN, D, D_OUT = 8, 6, 16, 4  # global batch, widths
 LR, MAX_NORM = 1e-2, 0.5
@@ -237,7 +237,7 @@ def scenario_empty_rank(name, results):
 def embedded_on_policy(kind, results):
     """bf16 compute (autocast for ddp, MixedPrecisionPolicy for fsdp2) with fp32 master weights:
     rollout log-probs re-scored on the same batch and on sub-batches, as the update does."""
-    from flowrl.sde import FlowKernel
+    from flowrl.sampling.kernels import FlowKernel
     from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
     reset_accelerate()

@@ -30,17 +30,17 @@ else:  # pragma: no cover
 from flowrl.distributed import check_launch_environment
 from flowrl.errors import FlowrlError, RecipeError
 from flowrl.recipe import DistributedConfig, load_recipe
-from flowrl.sde import CPSKernel, DanceKernel, FlowKernel, gaussian_log_prob
+from flowrl.sampling.kernels import CPSKernel, DanceKernel, FlowKernel, gaussian_log_prob
 from flowrl.train.parallel import (
     Strategy,
     Topology,
-    bf16_on_policy_tolerance,
     checkpoint_blocks,
-    log_prob_sensitivity,
     mesh_layout,
     resolve_strategy,
     transformer_blocks,
 )
+
+from bf16_tolerance import bf16_on_policy_tolerance, log_prob_sensitivity  # tests/distributed/bf16_tolerance.py
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("parallel_worker.py")
@@ -496,7 +496,7 @@ def test_one_process_sharded_and_legacy_checkpoints_round_trip(tmp_path):
 
     from flowrl.train.checkpoint import save_checkpoint
     from flowrl.train.finetune import trainable_state_dict
-    from flowrl.train.parallel import load_sharded_checkpoint, save_sharded_checkpoint
+    from flowrl.train.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
     def trained():
         AcceleratorState._reset_state()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_helpers import TINY_RECIPE, comparable, load, quiet_console, write_recipe
 
-from flowrl.advantages import advantages_for
+from flowrl.objectives.advantages import advantages_for
 from flowrl.errors import RecipeError
 from flowrl.recipe import ComponentChoice
 from flowrl.runlog import read_metrics

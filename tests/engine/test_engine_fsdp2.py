@@ -3,7 +3,7 @@ on the same global batch, through every update path, and a sharded run resumes e
 
 The recipe's selector picks half of each sample's chunks at random, so the processes train
 different chunks: the update must keep them in lockstep (every forward of a sharded model is
-a collective) while each trains only its own rows (flowrl.train.chunk_update, "Lockstep").
+a collective) while each trains only its own rows (flowrl.objectives.chunk_gradient, "Lockstep").
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ from engine_helpers import load, quiet_console, write_recipe
 from flowrl.chunking import chunk_index
 from flowrl.interfaces import select_embeddings
 from flowrl.runlog import read_metrics
-from flowrl.sampling import make_kernels, rollout
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import FlowKernel
+from flowrl.sampling.rollout import make_kernels, rollout
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import FlowKernel
 from flowrl.train import train
 from flowrl.train.finetune import prepare_trainable
-from flowrl.train.reference import ReferencePolicy, kl_backward
+from flowrl.objectives.kl import ReferencePolicy, kl_backward
 from flowrl.train.update import TransitionScorer
 from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 

@@ -16,7 +16,7 @@ import torch
 from engine_helpers import TINY_RECIPE, load, quiet_console, write_recipe
 
 from flowrl import hookimpl
-from flowrl.plans import RolloutPlan
+from flowrl.sampling.plans import RolloutPlan
 from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics
 from flowrl.train import train

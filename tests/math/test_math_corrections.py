@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from flowrl.losses import kl_old_policy_k3
-from flowrl.schedules import conditioning_timestep, shifted_sigmas
-from flowrl.sde import CPSKernel, FlowKernel, StepOutput
+from flowrl.objectives.losses import kl_old_policy_k3
+from flowrl.sampling.schedules import conditioning_timestep, shifted_sigmas
+from flowrl.sampling.kernels import CPSKernel, FlowKernel, StepOutput
 from flowrl.selection import rollout_chunk_weights, rollout_l1rel, select_weighted
-from flowrl.train.reference import step_kl
+from flowrl.objectives.kl import step_kl
 
 
 def _out(mean, std):
@@ -87,10 +87,10 @@ def test_guard_at_chunk_level_against_a_float64_hand_gradient():
     w_t = 1 / h_t, the chunk ratio is exp((zh_1 + zh_2) / 2) and, unclipped, the loss
     -A exp(z_u) has gradient dL/dmu_t = -A exp(z_u) w_t eps_t / (2 D) (each step keeps its own
     weight inside the chunk). Computed here in float64 by hand; flowrl's route: the guard step
-    transform (flowrl.train.objective.guard_step_ratio) through objective_loss."""
-    from flowrl.losses import ClippedObjective, objective_loss
-    from flowrl.train.objective import guard_step_ratio
-    from flowrl.trajectory import Position
+    transform (flowrl.objectives.guard.guard_step_ratio) through objective_loss."""
+    from flowrl.objectives.losses import ClippedObjective, objective_loss
+    from flowrl.objectives.guard import guard_step_ratio
+    from flowrl.sampling.trajectory import Position
 
     g = torch.Generator().manual_seed(5)
     D, A = 6, 1.5

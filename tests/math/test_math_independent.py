@@ -1,11 +1,11 @@
 """Independent checks of the maths: every expected value comes from a SECOND route.
 
-The other files in tests/math check each function against the formula it implements. Here the
-reference is computed another way: torch.distributions, python's ``statistics``, closed forms
-written out term by term, finite differences of a float64 re-implementation, a Monte-Carlo
-frequency, or a hand-written step-level GRPO / GSPO loss on the embedded model. Nothing here
-calls the function under test twice and compares it with itself. Algorithms.md sections cited
-as "s. N".
+The maths tests beside the code (tests/sampling, tests/objectives, tests/math) check each
+function against the formula it implements. Here the reference is computed another way:
+torch.distributions, python's ``statistics``, closed forms written out term by term, finite
+differences of a float64 re-implementation, a Monte-Carlo frequency, or a hand-written
+step-level GRPO / GSPO loss on the embedded model. Nothing here calls the function under test
+twice and compares it with itself. Algorithms.md sections cited as "s. N".
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import statistics
 import pytest
 import torch
 
-from flowrl.advantages import group_zscore
+from flowrl.objectives.advantages import group_zscore
 from flowrl.chunking import sequence_chunks, step_chunks
 from flowrl.interfaces import select_embeddings
-from flowrl.losses import ClippedObjective, kl_flow_grpo, kl_gaussian_exact, objective_loss
-from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout, trainable_mask
-from flowrl.schedules import flux_dynamic_sigmas, shifted_sigmas
-from flowrl.sde import CPSKernel, FlowKernel, dance_step, flow_diffusion, flow_step
+from flowrl.objectives.losses import ClippedObjective, kl_flow_grpo, kl_gaussian_exact, objective_loss
+from flowrl.sampling.rollout import make_kernels, make_step_log_prob_fn, rollout, trainable_mask
+from flowrl.sampling.schedules import flux_dynamic_sigmas, shifted_sigmas
+from flowrl.sampling.kernels import CPSKernel, FlowKernel, dance_step, flow_diffusion, flow_step
 from flowrl.selection import select_uniform, select_weighted, selection_count
-from flowrl.train.chunk_update import lean_chunk_backward
+from flowrl.objectives.chunk_gradient import lean_chunk_backward
 
 LOG_2PI = math.log(2 * math.pi)
 
@@ -616,7 +616,7 @@ def test_lean_update_keeps_one_step_graph_alive():
         lean_chunk_backward(fn, old, A, sizes, mask, obj)
     with _SavedBytes() as lean_skip:  # unit 1 has zero advantage for every sample: skipped
         lean_chunk_backward(fn, old, torch.stack([A, 0 * A, A], 1), sizes, mask, obj)
-    from flowrl.train.chunk_update import full_graph_backward
+    from flowrl.objectives.chunk_gradient import full_graph_backward
 
     with _SavedBytes() as full:
         full_graph_backward(fn, old, A, sizes, mask, obj)

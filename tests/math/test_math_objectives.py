@@ -1,9 +1,9 @@
 """The newer objectives' maths against a second route: hand arithmetic, float64 closed forms,
 exact ODE solutions and the anchors' own schedules written out (never flowrl's own output).
 
-GRPO-Guard (flowrl.guard), MixGRPO's windows and MixGRPO-Flash's solver and schedule
-(flowrl.windows, flowrl.solvers), DiffusionNFT (flowrl.nft), GARDO and the diversity bonus
-(flowrl.gardo)."""
+GRPO-Guard (flowrl.objectives.guard), MixGRPO's windows and MixGRPO-Flash's solver and schedule
+(flowrl.sampling.windows, flowrl.sampling.solvers), DiffusionNFT (flowrl.objectives.nft), GARDO and the diversity bonus
+(flowrl.objectives.gardo)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from flowrl.gardo import (
+from flowrl.objectives.gardo import (
     RiskCompensator,
     descending_ranks,
     diversity_multipliers,
@@ -22,12 +22,12 @@ from flowrl.gardo import (
     uncertainty,
     uncertainty_gate,
 )
-from flowrl.guard import gaussian_log_ratio, guard_bias, guard_log_ratio, inverse_step_weight, reweighted
-from flowrl.nft import DECAY_PRESETS, nft_loss, old_policy_decay, optimality_probability, velocity_kl
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import gaussian_log_prob
-from flowrl.solvers import dpm_first_order_step, dpmpp_2m_step, flash_schedule
-from flowrl.windows import mixgrpo_window, random_window_start, sliding_window_start
+from flowrl.objectives.guard import gaussian_log_ratio, guard_bias, guard_log_ratio, inverse_step_weight, reweighted
+from flowrl.objectives.nft import DECAY_PRESETS, nft_loss, old_policy_decay, optimality_probability, velocity_kl
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import gaussian_log_prob
+from flowrl.sampling.solvers import dpm_first_order_step, dpmpp_2m_step, flash_schedule
+from flowrl.sampling.windows import mixgrpo_window, random_window_start, sliding_window_start
 
 # ------------------------------------------------------------------------------------ GRPO-Guard
 
@@ -45,7 +45,7 @@ def test_guard_hand_example():
     assert float(gaussian_log_ratio(x, mu, old, s)) == pytest.approx(-0.3, abs=1e-6)
     assert float(guard_log_ratio(x, mu, old, s)) == pytest.approx(-0.1, abs=1e-6)
     assert float(guard_bias(mu, old, s)) == pytest.approx(0.1, abs=1e-6)
-    # the raw log-ratio is the difference of the two Gaussian log-probs (flowrl.sde), route 2
+    # the raw log-ratio is the difference of the two Gaussian log-probs (flowrl.sampling.kernels), route 2
     r = gaussian_log_prob(x, mu, torch.tensor([s])) - gaussian_log_prob(x, old, torch.tensor([s]))
     assert float(r) == pytest.approx(-0.3, abs=1e-6)
 

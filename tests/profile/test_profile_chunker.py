@@ -12,8 +12,8 @@ from flowrl.dynamics.segment import segment
 from flowrl.errors import FlowrlError, RecipeError
 from flowrl.plugins import get_registry
 from flowrl.recipe import load_recipe, validate
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import FlowKernel
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import FlowKernel
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 9  # steps; image from x0_hat -> T = 8

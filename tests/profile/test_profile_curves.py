@@ -15,8 +15,8 @@ from flowrl.dynamics.measure import (
     transition_curves,
 )
 from flowrl.dynamics.segment import segment
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import FlowKernel, ODEKernel
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import FlowKernel, ODEKernel
 
 
 def np_rel(a, b):

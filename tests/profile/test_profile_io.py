@@ -8,8 +8,8 @@ import torch
 from flowrl.dynamics.measure import profile_model
 from flowrl.dynamics.profile_file import profile_to_dict, read_l1rel, read_profile, trainable_curve, write_profile
 from flowrl.errors import FlowrlError
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import FlowKernel
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import FlowKernel
 
 
 @pytest.fixture

@@ -14,6 +14,6 @@ ensure_torchvision_importable()
 @pytest.fixture(scope="session")
 def tiny_clip_dir(tmp_path_factory):
     """A tiny CLIPModel + CLIPProcessor saved to disk (image size 32, logit scale exp(3))."""
-    from flowrl_plugins.rewards.tiny_models import build_tiny_clip
+    from flowrl.testing.tiny_models import build_tiny_clip
 
     return build_tiny_clip(tmp_path_factory.mktemp("tiny_clip"), image_size=32, seed=0, logit_scale=3.0)

@@ -53,11 +53,26 @@ def build(delay: float, log_dir: str, settings: list[str]) -> SlowReward:
     return SlowReward(delay, log_dir, device)
 
 
-def events(log_dir: Path) -> list[dict]:
+def log_positions(log_dir: Path) -> dict[str, int]:
+    """How many events each replica's log holds now: pass it to :func:`events` as ``after`` to
+    read only the events written since (per file, since replicas append to their own files in
+    any order relative to each other)."""
+    return {path.name: len(_lines(path)) for path in Path(log_dir).glob("*.log")}
+
+
+def events(log_dir: Path, after: dict[str, int] | None = None) -> list[dict]:
+    """Every event of every replica (only those written since ``after``, a
+    :func:`log_positions`), in the order they happened (by their time stamp)."""
     out = []
     for path in sorted(Path(log_dir).glob("*.log")):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
+        out += [json.loads(line) for line in _lines(path)[(after or {}).get(path.name, 0):]]
+    return sorted(out, key=lambda e: e["t"])
+
+
+def _lines(path: Path) -> list[str]:
+    # a replica may be writing its last line right now: only whole lines are events
+    text = path.read_text()
+    return [line for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 SERVER = """

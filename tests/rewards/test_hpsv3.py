@@ -38,7 +38,7 @@ def tiny_hps(tmp_path_factory):
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
-    from flowrl_plugins.rewards.tiny_models import build_tiny_qwen2_vl, tiny_hpsv3_head
+    from flowrl.testing.tiny_models import build_tiny_qwen2_vl, tiny_hpsv3_head
 
     directory = tmp_path_factory.mktemp("hpsv3")
     base = build_tiny_qwen2_vl(directory / "qwen", seed=0, min_pixels=PIXELS, max_pixels=PIXELS)

@@ -20,7 +20,7 @@ open_clip = pytest.importorskip("open_clip")
 
 from flowrl.interfaces import score  # noqa: E402
 from flowrl_plugins.rewards.clip import Clip, ClipConfig  # noqa: E402
-from flowrl_plugins.rewards.tiny_models import write_tiny_open_clip_config  # noqa: E402
+from flowrl.testing.tiny_models import write_tiny_open_clip_config  # noqa: E402
 
 NAME = "flowrl-tiny-clip"
 

@@ -227,7 +227,7 @@ def test_requests_from_many_clients_are_batched(slow_fleet):
 def test_replica_killed_mid_run_loses_and_duplicates_nothing(slow_fleet):
     fleet, log_dir = slow_fleet
     wait_ready(fleet.url, 2)
-    seen = len(fleet_helpers.events(log_dir))
+    seen = fleet_helpers.log_positions(log_dir)
     results, errors = {}, []
 
     def client(k):
@@ -244,7 +244,7 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(slow_fleet):
         t.start()
     deadline = time.monotonic() + 30
     while True:  # the first replica to start scoring is the victim, killed in the middle of it
-        started = [e for e in fleet_helpers.events(log_dir)[seen:] if e["event"] == "start"]
+        started = [e for e in fleet_helpers.events(log_dir, after=seen) if e["event"] == "start"]
         if started:
             break
         assert time.monotonic() < deadline, "no replica started scoring"
@@ -259,7 +259,7 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(slow_fleet):
     for images, out in results.values():  # each reply is its own request's (scores are unique per image)
         assert torch.equal(out.scores, fleet_helpers.expected(images))
         assert torch.equal(out.extras["red"], images[:, 0].mean((1, 2)))
-    events = fleet_helpers.events(log_dir)[seen:]
+    events = fleet_helpers.events(log_dir, after=seen)
     done_by_victim = {p for e in events if e["event"] == "done" and e["pid"] == victim for p in e["prompts"]}
     interrupted = [p for e in events if e["event"] == "start" and e["pid"] == victim for p in e["prompts"]
                    if p not in done_by_victim]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout, transition_log_prob
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import CPSKernel, DanceKernel, FlowKernel, ODEKernel
-from flowrl.trajectory import Trajectory
+from flowrl.sampling.rollout import make_kernels, make_step_log_prob_fn, rollout, transition_log_prob
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import CPSKernel, DanceKernel, FlowKernel, ODEKernel
+from flowrl.sampling.trajectory import Trajectory
 
 SHAPE = (2, 3, 3)
 

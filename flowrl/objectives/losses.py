@@ -24,7 +24,7 @@ import torch
 
 from flowrl.chunking import chunk_mean, validate_chunks
 from flowrl.interfaces import ReportsClipping
-from flowrl.sde import std_like
+from flowrl.sampling.kernels import std_like
 
 __all__ = [
     "Objective",
@@ -107,7 +107,7 @@ def clip_mask(
 @dataclass(frozen=True)
 class ClippedObjective:
     """The clipped surrogate of section 5 as an objective for :func:`objective_loss` and
-    :mod:`flowrl.train.chunk_update`. Compose extra per-unit terms by wrapping it, e.g.
+    :mod:`flowrl.objectives.chunk_gradient`. Compose extra per-unit terms by wrapping it, e.g.
     ``lambda z, a: ClippedObjective(e, e)(z, a) + beta * kl_old_policy_k3(z)``."""
 
     eps_low: float = 5e-5
@@ -213,7 +213,7 @@ def objective_loss(
 def kl_gaussian_exact(mean: torch.Tensor, ref_mean: torch.Tensor, std) -> torch.Tensor:
     """Exact KL between the two step Gaussians ``N(mean, s^2 I)`` and ``N(ref_mean, s^2 I)``
     per element, averaged over elements: ``mean((mu - mu_ref)^2 / (2 s^2))`` -> ``[B]``
-    (section 8; ``s = g sqrt(h)``). ``std`` follows :func:`flowrl.sde.gaussian_log_prob`'s
+    (section 8; ``s = g sqrt(h)``). ``std`` follows :func:`flowrl.sampling.kernels.gaussian_log_prob`'s
     rule (per-sample ``[B]`` allowed). Keeps the gradient of both means."""
     d = mean.to(torch.float32) - ref_mean.to(torch.float32)
     s = std_like(std, d)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.chunking import chunk_index, validate_chunks
-from flowrl.losses import (
+from flowrl.objectives.losses import (
     ClippedObjective,
     clip_mask,
     clipped_surrogate,

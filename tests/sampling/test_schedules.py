@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.schedules import (
+from flowrl.sampling.schedules import (
     exponential_time_shift,
     flux_dynamic_sigmas,
     flux_mu,

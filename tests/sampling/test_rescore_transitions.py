@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flowrl.interfaces import select_embeddings
-from flowrl.sampling import make_kernels, rescore_transitions, rollout
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import FlowKernel
+from flowrl.sampling.rollout import make_kernels, rescore_transitions, rollout
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import FlowKernel
 
 
 @pytest.fixture(scope="module")

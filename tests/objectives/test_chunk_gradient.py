@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from flowrl.chunking import relative_l1_change, sequence_chunks, step_chunks
-from flowrl.losses import ClippedObjective, kl_old_policy_k3, unit_log_ratios
-from flowrl.sampling import make_kernels, make_step_log_prob_fn, rollout
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import FlowKernel
+from flowrl.objectives.losses import ClippedObjective, kl_old_policy_k3, unit_log_ratios
+from flowrl.sampling.rollout import make_kernels, make_step_log_prob_fn, rollout
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import FlowKernel
 from flowrl.selection import chunk_weights_from_l1rel, select_uniform, select_weighted
-from flowrl.train.chunk_update import full_graph_backward, lean_chunk_backward
+from flowrl.objectives.chunk_gradient import full_graph_backward, lean_chunk_backward
 
 B = 6
 SHAPE = (2, 3, 3)
@@ -147,7 +147,7 @@ def _kl_extra(model, tr, mask, sizes, beta):
     """forward_with_extra: the step log-prob and a per-sample extra term (beta * k3 of the step
     log-ratio, averaged over each sample's trained transitions) from ONE forward."""
     from flowrl.chunking import chunk_index
-    from flowrl.sampling import rescore_transition
+    from flowrl.sampling.rollout import rescore_transition
 
     trans = mask[:, chunk_index(sizes)]
     per_sample = trans.sum(1).clamp(min=1).float()
@@ -173,7 +173,7 @@ def _kl_extra(model, tr, mask, sizes, beta):
 @pytest.mark.parametrize("sizes", [(2, 3, 4, 7), step_chunks(16), sequence_chunks(16)])
 @pytest.mark.parametrize("with_kl", [False, True])
 def test_fast_path_equals_full_graph_on_policy(on_policy, sizes, with_kl):
-    from flowrl.train.chunk_update import on_policy_chunk_backward
+    from flowrl.objectives.chunk_gradient import on_policy_chunk_backward
 
     model, tr = on_policy
     fn = make_step_log_prob_fn(model.fn_for, tr)
@@ -203,8 +203,8 @@ def test_fast_path_equals_full_graph_on_policy(on_policy, sizes, with_kl):
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("selected", ["half", "all"])  # "all": every row selects each unit (no index tensor)
 def test_chunk_graph_equals_full_graph_off_policy(setup, sizes, batched, selected):
-    from flowrl.sampling import rescore_transition
-    from flowrl.train.chunk_update import chunk_graph_backward
+    from flowrl.sampling.rollout import rescore_transition
+    from flowrl.objectives.chunk_gradient import chunk_graph_backward
 
     model, tr = setup  # weights moved after the rollout
     fn = make_step_log_prob_fn(model.fn_for, tr)
@@ -239,7 +239,7 @@ def test_chunk_graph_equals_full_graph_off_policy(setup, sizes, batched, selecte
 
 def test_fast_path_is_the_lean_update_bit_for_bit_on_policy(on_policy):
     """On a deterministic device the fast path skips the no-grad forwards and nothing else."""
-    from flowrl.train.chunk_update import on_policy_chunk_backward
+    from flowrl.objectives.chunk_gradient import on_policy_chunk_backward
 
     model, tr = on_policy
     fn = make_step_log_prob_fn(model.fn_for, tr)
@@ -268,7 +268,7 @@ def test_lockstep_makes_the_same_calls_whatever_the_rows_and_keeps_the_gradient(
     that refuses every skip, the sequence of calls (position, grad) is the same for a micro-batch
     that selected nothing, one that selected everything and one in between, and the gradients
     and metrics equal those without lockstep (stand-in rows have weight 0)."""
-    from flowrl.train.chunk_update import chunk_graph_backward, on_policy_chunk_backward
+    from flowrl.objectives.chunk_gradient import chunk_graph_backward, on_policy_chunk_backward
 
     model, tr = on_policy if path == "fast" else setup
     fn = make_step_log_prob_fn(model.fn_for, tr)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .checks import positive_int
+from flowrl.checks import positive_int
 
 __all__ = [
     "time_shift",

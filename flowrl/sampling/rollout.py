@@ -6,6 +6,11 @@ docs/api.md §1 (conventions), 2 (kernels), 3 (log-probs) and 4 (trainable set).
 embeddings of exactly the samples it is given (for re-scoring a sub-batch, build the closure
 for that sub-batch; see :func:`make_step_log_prob_fn`). ``sigma`` is passed as a float32 tensor
 ``[B]`` taken from the stored schedule, identical at rollout and at training.
+
+:func:`ode_sample` is the one deterministic sampler (Euler along the schedule, the policy's mean
+path): what training evaluates with, what ``flowrl sample`` and ``flowrl eval`` draw images with
+(including hybrid inference: a different velocity for the late steps), and what the embedded
+model's own evaluation uses.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import torch
 
 from flowrl.checks import positive_int
 from flowrl.interfaces import Kernel
-from flowrl.schedules import validate_sigmas
-from flowrl.sde import GeneratorArg, ODEKernel, StepOutput
-from flowrl.trajectory import Trajectory
+from flowrl.sampling.kernels import GeneratorArg, ODEKernel, StepOutput, ode_step
+from flowrl.sampling.schedules import validate_sigmas
+from flowrl.sampling.trajectory import Trajectory
 
 __all__ = [
+    "ode_sample",
+    "StepVelocity",
     "Sampler",
     "VelocityFn",
     "make_kernels",
@@ -218,7 +225,7 @@ def rescore_transition(
     batch_idx: torch.Tensor | None = None,
 ) -> StepOutput:
     """Re-score transition ``i`` of the samples ``batch_idx`` (default all) with ``velocity_fn``
-    (built for exactly those samples): the kernel's :class:`~flowrl.sde.StepOutput` for the stored
+    (built for exactly those samples): the kernel's :class:`~flowrl.sampling.kernels.StepOutput` for the stored
     ``x_i -> x_{i+1}``, whose ``log_prob [len(batch_idx)]`` (float32) and ``mean`` carry the
     gradient of ``velocity_fn`` when grad mode is on. Uses the trajectory's stored kernel, sigmas,
     float32 latents and reduction, so on-policy the ratio is 1 (section 3)."""
@@ -284,7 +291,7 @@ def rescore_position(
     batch_idx: torch.Tensor,
 ) -> StepOutput:
     """Re-score trainable position ``t`` (``0 <= t < T``) of the samples ``batch_idx``: the stored
-    transition :meth:`~flowrl.trajectory.Trajectory.position_index` of each row, with that row's
+    transition :meth:`~flowrl.sampling.trajectory.Trajectory.position_index` of each row, with that row's
     sigmas and the trajectory's kernel. A trajectory whose trainable transitions are shared is
     re-scored exactly as :func:`rescore_transition` does; one with per-sample positions gathers
     each row's states and passes per-row sigmas ``[n]`` (``velocity_fn`` gets them too)."""
@@ -329,7 +336,7 @@ def transition_log_prob(
 def make_step_log_prob_fn(
     velocity_fn_for: Callable[[torch.Tensor], VelocityFn], trajectory: Trajectory
 ) -> Callable[[int, torch.Tensor, bool], torch.Tensor]:
-    """Adapter for :mod:`flowrl.train.chunk_update`: returns ``fn(t, batch_idx, grad) -> [len]``
+    """Adapter for :mod:`flowrl.objectives.chunk_gradient`: returns ``fn(t, batch_idx, grad) -> [len]``
     where ``t`` is a position in the trainable sequence (``0 <= t < T``) and
     ``velocity_fn_for(batch_idx)`` builds the velocity closure for those samples.
 
@@ -345,3 +352,20 @@ def make_step_log_prob_fn(
             return transition_log_prob(velocity_fn_for(batch_idx), trajectory, positions[t], batch_idx)
 
     return step_log_prob
+
+
+#: ``velocity_at(step, x [B, *L], sigma [B]) -> v [B, *L]``
+StepVelocity = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@torch.no_grad()
+def ode_sample(velocity_at: StepVelocity, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """Euler ODE sampling from ``noise [B, *L]`` along ``sigmas [N + 1]``; returns ``x_N``
+    (float32). ``velocity_at(i, x, sigma)`` gives step ``i``'s velocity, so a caller can switch
+    models part-way (hybrid inference)."""
+    x = noise.to(torch.float32)
+    b = x.shape[0]
+    for i in range(len(sigmas) - 1):
+        s, s_next = sigmas[i].repeat(b), sigmas[i + 1].repeat(b)
+        x = ode_step(velocity_at(i, x, s), x, s, s_next).next_sample
+    return x

@@ -1,4 +1,4 @@
-"""Rollouts with moving SDE windows (flowrl.plans) against the plain rollout and against each
+"""Rollouts with moving SDE windows (flowrl.sampling.plans) against the plain rollout and against each
 row rolled alone: per-sample windows change nothing but where each row's noise goes."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.plans import RolloutPlan, rollout_plan
-from flowrl.sampling import make_kernels, rescore_position, rescore_positions, rollout
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import CPSKernel, FlowKernel
+from flowrl.sampling.plans import RolloutPlan, rollout_plan
+from flowrl.sampling.rollout import make_kernels, rescore_position, rescore_positions, rollout
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import CPSKernel, FlowKernel
 from flowrl.seeding import sample_generators
-from flowrl.solvers import dpmpp_2m_step
+from flowrl.sampling.solvers import dpmpp_2m_step
 
 
 def velocity(x, sigma):

@@ -14,11 +14,11 @@ import copy
 
 import torch
 
-from ..chunking import chunk_index
-from ..compat import ensure_torchvision_importable
-from ..interfaces import HasReferencePolicy, ScalesFlowGRPOKL
-from ..losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
-from .chunk_update import pad_rows
+from flowrl.chunking import chunk_index
+from flowrl.compat import ensure_torchvision_importable
+from flowrl.interfaces import HasReferencePolicy, ScalesFlowGRPOKL
+from flowrl.objectives.losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
+from flowrl.objectives.chunk_gradient import pad_rows
 
 ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
 
@@ -78,7 +78,7 @@ def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next,
     ``flow_grpo`` divides by Flow-GRPO's ``std_dev_t``: the kernel's
     :meth:`~flowrl.interfaces.ScalesFlowGRPOKL.flow_grpo_scale` (``g`` for the SDE kernels, the
     step std for ``cps``), else ``g = std / sqrt(sigma - sigma_next)``. ``direction`` is
-    ``old_policy_k3``'s (:func:`flowrl.losses.kl_old_policy_k3`)."""
+    ``old_policy_k3``'s (:func:`flowrl.objectives.losses.kl_old_policy_k3`)."""
     if kind == "old_policy_k3":
         return kl_old_policy_k3(log_ratio, direction)
     if kind == "gaussian_exact":
@@ -116,12 +116,12 @@ def kl_backward(
     over samples and divided by ``normaliser``. One forward + backward (plus a reference forward
     for the reference kinds) per trained transition, one step's graph at a time. Returns
     ``(mean KL over trained transitions, the term as optimised without beta)``. ``lockstep``
-    (:class:`flowrl.train.chunk_update.Lockstep`): a process without rows at a position where
+    (:class:`flowrl.objectives.chunk_gradient.Lockstep`): a process without rows at a position where
     another has some forwards a stand-in row with weight 0.
 
     ``direction``: ``old_policy_k3``'s direction. ``sample_weights`` (``[B]`` over the whole
     batch, indexed by ``batch_idx``): each sample's KL is multiplied by its weight (GARDO's gate,
-    :func:`flowrl.gardo.gated_weights`); the logged mean KL is over the samples with a weight.
+    :func:`flowrl.objectives.gardo.gated_weights`); the logged mean KL is over the samples with a weight.
     """
     trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
     per_sample = trans.sum(1).clamp(min=1).float()
@@ -155,7 +155,7 @@ def kl_backward(
 class KLTerm:
     """The KL term of a micro-batch computed inside the policy's own forwards (the fast path and
     the chunk-graph update): :meth:`forward` is ``forward_with_extra`` for
-    :mod:`flowrl.train.chunk_update`, returning the step log-prob and the per-sample weighted KL
+    :mod:`flowrl.objectives.chunk_gradient`, returning the step log-prob and the per-sample weighted KL
     of that step from one policy forward (plus one reference forward for the reference kinds).
     Averaged like :func:`kl_backward`: over each sample's trained transitions, summed over samples,
     divided by ``normaliser``, times ``beta``."""

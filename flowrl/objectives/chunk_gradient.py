@@ -55,7 +55,7 @@ from typing import Protocol
 import torch
 
 from flowrl.chunking import chunk_index, validate_chunks
-from flowrl.losses import (
+from flowrl.objectives.losses import (
     Objective,
     broadcast_advantages,
     check_unit_mask,
@@ -140,11 +140,11 @@ def lean_chunk_backward(
         unit_mask: bool ``[B, K]``, at least one unit per sample.
         objective: ``(z [B, K], A [B, K]) -> per-unit loss [B, K]``, elementwise in the units
             (unit ``u``'s loss depends on ``z_u`` and ``A_u`` only), e.g.
-            :class:`flowrl.losses.ClippedObjective`; checked at the end.
+            :class:`flowrl.objectives.losses.ClippedObjective`; checked at the end.
         normaliser: divides the sum over samples (default ``B``).
 
     Returns:
-        ``(loss, metrics)``: the detached loss value and :func:`flowrl.losses.unit_metrics`
+        ``(loss, metrics)``: the detached loss value and :func:`flowrl.objectives.losses.unit_metrics`
         plus ``recompute_mismatch``. Gradients are accumulated into the parameters' ``.grad``.
     """
     B, T, s, old, m, adv = _setup(old_lp, advantages, sizes, unit_mask)
@@ -372,7 +372,7 @@ def full_graph_backward(
     normaliser: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Reference for :func:`lean_chunk_backward`: every selected transition's graph kept alive,
-    :func:`flowrl.losses.objective_loss` on them, one ``loss.backward()``. Same arguments and
+    :func:`flowrl.objectives.losses.objective_loss` on them, one ``loss.backward()``. Same arguments and
     return value (``recompute_mismatch`` is 0)."""
     _, T, s, old, m, _ = _setup(old_lp, advantages, sizes, unit_mask)
     trans = m[:, chunk_index(s, device=old.device)]  # [B, T] selected transitions

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from .distributed import choose_strategy
-from .errors import FlowrlError
-from .geometry import resolve_geometry
-from .interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
-from .prompts import TABLE_SUFFIXES, read_prompts
+from flowrl.distributed import choose_strategy
+from flowrl.errors import FlowrlError
+from flowrl.geometry import resolve_geometry
+from flowrl.interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
+from flowrl.prompts import TABLE_SUFFIXES, read_prompts
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -95,10 +95,6 @@ class Line:
     item: str
     bytes: float
     note: str = ""
-
-
-def _human(n: float) -> str:
-    return f"{n / GB:8.2f} GB"
 
 
 def measured_memory(model) -> ModelMemory:

@@ -3,7 +3,7 @@
 A :class:`RolloutPlan` says, for one rollout, the schedule (which may change per iteration:
 MixGRPO-Flash compresses the steps after the window), each sample's SDE window
 ``[start, stop)`` of step indices, and the deterministic solver after the window (``euler``, or
-``dpm2m``: DPM-Solver++(2M), :mod:`flowrl.solvers`; steps before the window are always Euler).
+``dpm2m``: DPM-Solver++(2M), :mod:`flowrl.sampling.solvers`; steps before the window are always Euler).
 :func:`rollout_plan` samples it with one model forward per step for the whole batch: each row
 takes the SDE kernel inside its window and the ODE elsewhere, sharing the step's velocity.
 
@@ -11,7 +11,7 @@ Every sample's window has the same length ``T`` (the trained transitions; the ch
 needs a fixed ``T``), and every step of a window must be trainable: the kernel injects noise
 there, and it is not the last step when the image is the last ``x0_hat``. The trajectory
 records the positions per sample (``Trajectory.positions``), so re-scoring gathers each
-row's own transitions (:func:`flowrl.sampling.rescore_position`).
+row's own transitions (:func:`flowrl.sampling.rollout.rescore_position`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from flowrl.interfaces import Kernel
-from flowrl.sampling import prompts_and_groups
-from flowrl.schedules import validate_sigmas
-from flowrl.sde import GeneratorArg, ode_step
-from flowrl.solvers import DPM2M, dpmpp_2m_step
-from flowrl.trajectory import Trajectory
+from flowrl.sampling.rollout import prompts_and_groups
+from flowrl.sampling.schedules import validate_sigmas
+from flowrl.sampling.kernels import GeneratorArg, ode_step
+from flowrl.sampling.solvers import DPM2M, dpmpp_2m_step
+from flowrl.sampling.trajectory import Trajectory
 
 __all__ = ["RolloutPlan", "PlanContext", "rollout_plan", "OUTSIDE_SOLVERS"]
 
@@ -111,7 +111,7 @@ def rollout_plan(
 ) -> Trajectory:
     """Sample ``B`` trajectories along ``plan`` (module docstring): ``kernel`` inside each row's
     window, Euler before it and ``plan.outside`` after it. ``generators`` as in
-    :func:`flowrl.sampling.rollout` (a list of ``B`` keeps each row's noise independent of the
+    :func:`flowrl.sampling.rollout.rollout` (a list of ``B`` keeps each row's noise independent of the
     batch); a row draws SDE noise only inside its window. Returns a trajectory with per-sample
     ``positions`` (``[B, T]``), ``position_kernel = kernel`` and, with ``keep_means``, the
     proposal means at those positions."""

@@ -21,13 +21,17 @@ chunk is weighted by its ``w_i`` (:func:`reweighted`: the value is unchanged).
 The bias here is per sample (``mean`` over one sample's elements), as in Flow-Factory and
 verl-omni; flow_grpo's script averages it over the micro-batch (a ``mean(dim=())`` side effect),
 which couples samples: see docs/objectives.md, "what differs".
+
+:func:`guard_step_ratio` is the step transform the ``guard`` loss hands the policy gradient:
+the re-scored step as a "log-prob" relative to the rollout's, with the ``1 / h`` reweighting.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["guard_log_ratio", "gaussian_log_ratio", "guard_bias", "reweighted", "inverse_step_weight"]
+__all__ = ["guard_log_ratio", "gaussian_log_ratio", "guard_bias", "reweighted", "inverse_step_weight",
+           "guard_step_ratio"]
 
 
 def _reduce(elem: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -99,3 +103,16 @@ def inverse_step_weight(sigma, sigma_next) -> torch.Tensor:
     if not bool((h > 0).all()):
         raise ValueError("sigma_next must be < sigma")
     return 1.0 / h
+
+
+def guard_step_ratio(out, old, reduction: str = "mean", reweight: bool = True) -> torch.Tensor:
+    """GRPO-Guard's re-scored step as a "log-prob" relative to the rollout's: ``l_old + zh`` with
+    ``zh = reduce(eps * (mu - mu_old))`` (:func:`guard_log_ratio`) and its gradient
+    scaled by ``1 / h`` (``reweight``). ``out``: the kernel's StepOutput with gradient, ``old``:
+    the :class:`flowrl.sampling.trajectory.Position` (its ``mean`` kept at rollout)."""
+    if old.mean is None:
+        raise ValueError("GRPO-Guard needs the rollout's proposal means (keep_means)")
+    zh = guard_log_ratio(old.next_sample, out.mean, old.mean, out.std, reduction)
+    if reweight:
+        zh = reweighted(zh, inverse_step_weight(old.sigma, old.sigma_next).to(zh.device))
+    return old.log_prob.to(zh.device) + zh

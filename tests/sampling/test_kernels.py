@@ -7,8 +7,8 @@ import torch
 
 from flowrl.errors import RecipeError
 from flowrl.plugins import get_registry
-from flowrl.schedules import shifted_sigmas
-from flowrl.sde import (
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import (
     CPSKernel,
     DanceKernel,
     FlowKernel,

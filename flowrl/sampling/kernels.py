@@ -37,7 +37,7 @@ from typing import ClassVar, Literal, Union
 
 import torch
 
-from .config import param
+from flowrl.config import param
 
 __all__ = [
     "StepOutput",

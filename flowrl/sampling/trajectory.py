@@ -26,7 +26,7 @@ field                shape / type                 meaning
 ``image_from``       ``"x0_hat"`` | ``"final"``   how ``image_latents`` was made (section 4).
 ``positions``        ``[B, T]`` long or None      per-sample trainable transitions (a rollout
                                                   plan whose SDE window differs per sample,
-                                                  :mod:`flowrl.plans`); ``trainable`` is then
+                                                  :mod:`flowrl.sampling.plans`); ``trainable`` is then
                                                   their union. None: ``trainable`` for all.
 ``position_kernel``  ``Kernel`` or None           the kernel of every trainable transition
                                                   when ``positions`` is set.

@@ -1,13 +1,10 @@
 """Group advantages (docs/api.md §7)."""
 
-import os
-
 import pytest
 import torch
 
-from flowrl.advantages import (
+from flowrl.objectives.advantages import (
     combine_group_advantages,
-    gather_group_advantages,
     group_zscore,
     weighted_sum_rewards,
 )
@@ -83,47 +80,3 @@ def test_input_errors():
         group_zscore(R, G, std="population")
     with pytest.raises(ValueError, match="finite"):
         group_zscore(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
-
-
-def test_gather_single_process_equals_local():
-    assert torch.equal(gather_group_advantages(R, G), group_zscore(R, G))
-
-
-# -------------------------------------------------------------------- 2-process gloo test
-# rank 0 holds 5 samples, rank 1 holds 3; groups 1 and 2 span both ranks.
-RANK_SLICES = [(0, 5), (5, 8)]
-R2 = torch.tensor([1.0, 2.0, 7.0, 10.0, 4.0, 3.0, 6.0, 0.5])
-G2 = torch.tensor([0, 1, 2, 1, 2, 0, 1, 2])
-R2B = torch.tensor([0.2, 0.9, 0.4, 0.4, 0.1, 0.8, 0.3, 0.7])
-WEIGHTS = {"x": 0.25, "y": 0.75}
-
-
-def _worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        lo, hi = RANK_SLICES[rank]
-        single = gather_group_advantages(R2[lo:hi], G2[lo:hi], std="unbiased")
-        glob = gather_group_advantages(R2[lo:hi], G2[lo:hi], std="biased", eps=1e-4, global_std=True)
-        multi = gather_group_advantages({"x": R2[lo:hi], "y": R2B[lo:hi]}, G2[lo:hi], weights=WEIGHTS)
-        torch.save({"single": single, "global": glob, "multi": multi}, os.path.join(out_dir, f"r{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_gather_two_process_gloo_equals_single_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"r{r}.pt") for r in range(2)]
-    ref = {
-        "single": group_zscore(R2, G2, std="unbiased"),
-        "global": group_zscore(R2, G2, std="biased", eps=1e-4, global_std=True),
-        "multi": combine_group_advantages({"x": R2, "y": R2B}, G2, WEIGHTS),
-    }
-    for key, full in ref.items():
-        both = torch.cat([got[0][key], got[1][key]])
-        assert got[0][key].shape == (5,) and got[1][key].shape == (3,)
-        assert torch.equal(both, full), key

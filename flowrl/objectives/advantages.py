@@ -19,13 +19,12 @@ from collections.abc import Mapping
 
 import torch
 
-from .errors import FlowrlError
+from flowrl.errors import FlowrlError
 
 __all__ = [
     "group_zscore",
     "weighted_sum_rewards",
     "combine_group_advantages",
-    "gather_group_advantages",
     "advantages_for",
 ]
 
@@ -144,80 +143,6 @@ def combine_group_advantages(
         a = group_zscore(rewards[k], group_ids, **zscore_kwargs).to(torch.float64) * float(weights[k])
         total = a if total is None else total + a
     return total.to(torch.float32)
-
-
-def _all_gather_1d(t: torch.Tensor, group) -> tuple[torch.Tensor, list[int]]:
-    """All-gather a tensor ``[n, ...]`` whose ``n`` may differ per rank; returns concat, sizes."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    n = torch.tensor([t.shape[0]], dtype=torch.long, device=t.device)
-    sizes_t = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes_t, n, group=group)
-    sizes = [int(s) for s in sizes_t]
-    m = max(sizes)
-    padded = torch.zeros((m, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    padded[: t.shape[0]] = t
-    out = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
-    return torch.cat([o[:s] for o, s in zip(out, sizes)], dim=0), sizes
-
-
-def gather_group_advantages(
-    local_rewards: torch.Tensor | Mapping[str, torch.Tensor],
-    local_group_ids: torch.Tensor,
-    *,
-    weights: Mapping[str, float] | None = None,
-    process_group=None,
-    **zscore_kwargs,
-) -> torch.Tensor:
-    """Advantages for groups that may span processes (section 7); returns this rank's slice.
-
-    Gathers every rank's rewards and group ids (``torch.distributed.all_gather``; ranks may hold
-    different numbers of samples), computes :func:`group_zscore` (a tensor) or
-    :func:`combine_group_advantages` (a dict of named rewards, with ``weights``) on the whole
-    batch in rank order, and returns the rows of this rank. ``group_ids`` must be global (the
-    same prompt has the same id on every rank). Without an initialised process group it is the
-    single-process computation. The result equals the single-process computation on the
-    concatenated batch.
-    """
-    import torch.distributed as dist
-
-    is_dict = isinstance(local_rewards, Mapping)
-    if is_dict:
-        if weights is None:
-            raise ValueError("a dict of named rewards needs weights (one per reward)")
-        _check_weights(local_rewards, weights)
-        keys = sorted(local_rewards)
-        r_local = torch.stack([torch.as_tensor(local_rewards[k]).to(torch.float64) for k in keys], dim=1)
-    else:
-        if weights is not None:
-            raise ValueError("weights apply to a dict of named rewards, not to a single reward tensor")
-        r_local = torch.as_tensor(local_rewards).to(torch.float64).unsqueeze(1)
-    if r_local.ndim != 2:
-        raise ValueError(f"rewards must be [B] per reward, got shape {tuple(r_local.shape)[:-1]}")
-    g_local = torch.as_tensor(local_group_ids).to(device=r_local.device, dtype=torch.long).flatten()
-    if g_local.numel() != r_local.shape[0]:
-        raise ValueError(
-            f"group_ids must have B = {r_local.shape[0]} entries like the rewards, got {g_local.numel()}"
-        )
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
-        r_all, sizes = _all_gather_1d(r_local, process_group)
-        g_all, _ = _all_gather_1d(g_local, process_group)
-        rank = dist.get_rank(process_group)
-        start = sum(sizes[:rank])
-        stop = start + sizes[rank]
-    else:
-        r_all, g_all, start, stop = r_local, g_local, 0, r_local.shape[0]
-
-    if is_dict:
-        adv = combine_group_advantages(
-            {k: r_all[:, j] for j, k in enumerate(keys)}, g_all, weights, **zscore_kwargs
-        )
-    else:
-        adv = group_zscore(r_all[:, 0], g_all, **zscore_kwargs)
-    return adv[start:stop]
 
 
 def advantages_for(estimator, rewards: Mapping[str, torch.Tensor], choices, group_ids: torch.Tensor,

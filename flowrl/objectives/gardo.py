@@ -22,6 +22,9 @@ trusted, and lets the reference follow the policy:
   ``b``'s feature to its nearest other member; a non-negative advantage is multiplied by
   ``d_b / mean_group(d)`` (:func:`diversity_multipliers`), so among good samples the unusual
   ones count more and a diverse bad sample is not rewarded.
+
+:class:`GatedKLPolicyGradient` is the objective the ``gardo`` loss runs as: the policy gradient
+plus the gated KL to a reference that is reset as above.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import math
 from collections import deque
 
 import torch
+
+from flowrl import distributed
+from flowrl.objectives.policy_gradient import PolicyGradient
 
 __all__ = [
     "descending_ranks",
@@ -40,6 +46,7 @@ __all__ = [
     "nearest_cosine_distance",
     "diversity_multipliers",
     "gated_weights",
+    "GatedKLPolicyGradient",
 ]
 
 _SIGNS = ("code", "proxy_high")
@@ -159,3 +166,90 @@ def gated_weights(gate: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.zeros(g.numel(), dtype=torch.float32)
     return g.to(torch.float32) * (g.numel() / n)
+
+
+class GatedKLPolicyGradient(PolicyGradient):
+    """GARDO (flow_grpo ``config/grpo_gardo.py``): the policy-gradient loss plus a KL to the
+    reference on the gated samples only (averaged over them), a gate from the rank disagreement
+    between the proxy (main) reward and auxiliary rewards (:func:`uncertainty`) with
+    an adaptive share ``q`` (:class:`RiskCompensator`), and a reference reset to the
+    current weights every ``reset_every`` iterations or after an iteration whose KL exceeded
+    ``kl_threshold`` (:func:`reset_due`)."""
+
+    def __init__(self, loss, *, main: str, auxiliary, sign: str, q: float, reset_every: int, kl_threshold: float):
+        super().__init__(loss)
+        self.beta, self.kl = loss.beta, loss.kl
+        self.main, self.auxiliary, self.sign = main, tuple(auxiliary), sign
+        self.compensator = RiskCompensator(base=q)
+        self.reset_every, self.kl_threshold = reset_every, kl_threshold
+        self.last_reset, self.flagged, self.gate, self.reset_now = 0, False, None, False
+        self.kl_seen: list[float] = []
+        self.reference = None  # the update's ReferencePolicy, from prepare()
+
+    @property
+    def objective(self):  # the PolicyLoss's unit objective, for code that reads [loss] directly
+        return self.loss.objective
+
+    def prepare(self, update) -> None:
+        self.reference = update.reference
+        if update.reference is None or update.reference.copy is None:
+            raise ValueError("gardo's reference reset needs the reference as a frozen copy of the denoiser: "
+                             "[train].finetune = 'full', beta > 0 and kl = 'gaussian_exact' or 'flow_grpo'")
+
+    def start_rollout(self, update, batch, sizes) -> None:
+        super().start_rollout(update, batch, sizes)
+        it = batch.iteration
+        self.reset_now = reset_due(it, self.last_reset, self.flagged, self.reset_every)
+        if self.reset_now:  # the reference becomes the current policy
+            update.reference.copy.load_state_dict(update.session.model.denoiser.state_dict())
+            self.last_reset, self.flagged = it, False
+        everyone = {k: distributed.all_gather_cat(v, update.ctx) for k, v in batch.rewards.items()}
+        main = self.main or next(iter(everyone))
+        for name in (main, *self.auxiliary):
+            if name not in everyone:
+                raise ValueError(f"gardo: no reward labelled {name!r} (rewards: {sorted(everyone)})")
+        u = uncertainty(everyone[main], [everyone[a] for a in self.auxiliary], self.sign)
+        q = self.compensator.update(float(u[u >= 0].mean()))
+        gate, _ = uncertainty_gate(u, q)
+        offset = update.ctx.rank * update.geometry.samples_per_process
+        self.gate = gated_weights(gate[offset: offset + len(batch.indices)]).to(update.session.device)
+        self.kl_seen = []
+
+    def kl_weights(self):
+        return self.gate
+
+    def backward(self, update, micro):
+        res = super().backward(update, micro)
+        kl = res.metrics.get(f"kl/{update.kl_kind}")
+        if kl is not None:
+            self.kl_seen.append(kl)
+        return res
+
+    def end_rollout(self, update, batch) -> dict:
+        out = super().end_rollout(update, batch)
+        kl = distributed.all_reduce_scalar(max(self.kl_seen, default=0.0), update.ctx, "max")
+        if kl > self.kl_threshold:  # the reference is reset before the next rollout
+            self.flagged = True
+        out["gardo/gate_fraction"] = float((self.gate > 0).float().mean())
+        out["gardo/q"] = float(self.compensator.q)
+        out["gardo/reset"] = bool(self.reset_now)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"last_reset": self.last_reset, "flagged": self.flagged, "compensator": self.compensator.state_dict()}
+
+    def tensors(self) -> dict:
+        # the reference as the last reset left it (the live tensors: a sharded resume loads into them)
+        ref = self.reference.copy.state_dict() if self.reference is not None else {}
+        return {f"reference.{k}": v for k, v in ref.items()}
+
+    def load_state(self, state, tensors) -> None:
+        self.last_reset, self.flagged = int(state["last_reset"]), bool(state["flagged"])
+        self.compensator.load_state_dict(state["compensator"])
+        ref = {k[len("reference."):]: v for k, v in tensors.items() if k.startswith("reference.")}
+        if ref and self.reference is not None:
+            live = self.reference.copy.state_dict()
+            with torch.no_grad():
+                for k, v in ref.items():
+                    if live[k] is not v:
+                        live[k].copy_(v)

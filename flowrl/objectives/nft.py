@@ -1,0 +1,225 @@
+"""DiffusionNFT's likelihood-free objective on the forward process (docs/objectives.md).
+
+DiffusionNFT (NVlabs) trains on the CLEAN samples of a rollout and their rewards only: no
+trajectory, no log-probs, so any sampler (an ODE solver) may produce them. With the advantage
+mapped to an "optimality probability" ``r`` in [0, 1]::
+
+    r = clip(clip(A, -C, C) / (2 C) + 1/2, 0, 1)
+
+and, per sample and trained noise level ``sigma`` (fresh noise ``eps``,
+``x = (1 - sigma) x0 + sigma eps``), the current velocity ``v = v_theta(x, sigma)`` and the
+old policy's ``v_old`` (no gradient), two implicit policies::
+
+    v+ = beta v + (1 - beta) v_old          (positive)
+    v- = (1 + beta) v_old - beta v          (negative)
+    x0+- = x - sigma v+-
+    L+- = mean((x0+- - x0)^2) / sg(max(mean|x0+- - x0|, w_min))      (adaptive weight)
+    loss = C (r L+ + (1 - r) L-) / beta
+
+At ``theta = theta_old`` the gradient is ``C (2r - 1) dL/dv`` whatever ``beta``: descent moves
+``v`` towards the data's velocity when ``A > 0`` and away when ``A < 0``. The old parameters
+follow the trained ones softly after every iteration, ``theta_old <- d theta_old + (1 - d) theta``
+with ``d`` from :func:`old_policy_decay`.
+
+:class:`ForwardProcessObjective` is the objective the ``nft`` loss runs as: it owns its backward
+(no trajectory log-probs, no units) and samples with the old weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from flowrl.interfaces import select_embeddings
+from flowrl.objectives.base import MicroBatch, MicroBatchResult
+from flowrl.objectives.kl import ReferencePolicy
+from flowrl.seeding import generator
+
+__all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
+           "ForwardProcessObjective"]
+
+#: NFT's decay types: (flat, uprate, uphold) of :func:`old_policy_decay`.
+DECAY_PRESETS: dict[int, tuple[int, float, float]] = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
+
+
+def optimality_probability(advantages: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
+    """``r = clip(clip(A, -C, C) / (2 C) + 1/2, 0, 1)`` (float32, ``A``'s shape)."""
+    if not (isinstance(clip, (int, float)) and math.isfinite(clip) and clip > 0):
+        raise ValueError(f"clip C must be a number > 0, got {clip!r}")
+    a = torch.as_tensor(advantages, dtype=torch.float32).clamp(-clip, clip)
+    return (a / (2.0 * clip) + 0.5).clamp(0.0, 1.0)
+
+
+def _col(t, x):
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    if t.ndim == 0:
+        t = t.expand(x.shape[0])
+    return t.reshape(-1, *([1] * (x.ndim - 1)))
+
+
+def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x: torch.Tensor, x0: torch.Tensor, sigma, r: torch.Tensor, *,
+             beta: float, clip: float = 5.0, weight_min: float = 1e-5) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-sample NFT loss ``[B]`` (module docstring) and its parts ``{"positive", "negative"}``
+    (``L+``, ``L-``, detached). ``v`` carries the gradient; ``v_old``, ``x``, ``x0`` are used
+    detached; ``sigma`` is a number or ``[B]``; ``r [B]`` the optimality probabilities. The
+    adaptive weights are computed in float64 and detached."""
+    if not (isinstance(beta, (int, float)) and beta > 0):
+        raise ValueError(f"beta must be a number > 0, got {beta!r}")
+    vv = v.to(torch.float32)
+    vo = v_old.detach().to(torch.float32)
+    xx, x0d = x.detach().to(torch.float32), x0.detach().to(torch.float32)
+    if not (vv.shape == vo.shape == xx.shape == x0d.shape) or vv.ndim < 2:
+        raise ValueError(f"v, v_old, x and x0 must be [B, ...] of one shape, got {tuple(vv.shape)}, "
+                         f"{tuple(vo.shape)}, {tuple(xx.shape)}, {tuple(x0d.shape)}")
+    s = _col(sigma, xx)
+    rr = torch.as_tensor(r, dtype=torch.float32, device=xx.device).reshape(-1)
+    parts = {}
+    losses = []
+    for name, vel in (("positive", beta * vv + (1.0 - beta) * vo), ("negative", (1.0 + beta) * vo - beta * vv)):
+        err = (xx - s * vel) - x0d
+        flat = err.reshape(err.shape[0], -1)
+        w = flat.detach().to(torch.float64).abs().mean(dim=1).clamp(min=weight_min)
+        loss = (flat**2).mean(dim=1) / w.to(torch.float32)
+        parts[name] = loss.detach()
+        losses.append(loss)
+    total = clip * (rr * losses[0] + (1.0 - rr) * losses[1]) / beta
+    return total, parts
+
+
+def velocity_kl(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
+    """NFT's KL surrogate to the reference: ``mean((v - v_ref)^2)`` per sample ``[B]``."""
+    d = v.to(torch.float32) - v_ref.detach().to(torch.float32)
+    return (d**2).reshape(d.shape[0], -1).mean(dim=1)
+
+
+def old_policy_decay(step: int, flat: int, uprate: float, uphold: float) -> float:
+    """The old policy's decay after ``step`` optimizer steps: ``0`` before ``flat``, then
+    ``min((step - flat) * uprate, uphold)`` (NFT's schedule; :data:`DECAY_PRESETS`)."""
+    if step < flat:
+        return 0.0
+    return min((step - flat) * uprate, uphold)
+
+
+# ----------------------------------------------------------------------------- DiffusionNFT
+
+
+class ForwardProcessObjective:
+    """DiffusionNFT (NVlabs/DiffusionNFT ``train_nft_sd3.py``), likelihood-free.
+
+    Per sample of the rollout (its clean latent ``x0 = image_latents``) and each of ``K`` trained
+    sigmas (a per-sample random subset of the sampling schedule's, without 0), fresh noise
+    ``eps`` (seeded by (seed, "nft", iteration, sample)), ``x = (1 - sigma) x0 + sigma eps``;
+    the loss :func:`nft_loss` of the current velocity against the old policy's, with
+    ``r`` the optimality probability of the sample's advantage, plus ``beta_kl`` times the
+    velocity KL to the reference. Rollouts are drawn with the old weights
+    (:meth:`rollout_weights`); after each rollout the old weights move towards the trained ones
+    with NFT's decay schedule on the optimizer-step counter."""
+
+    uses_units = False
+    keep_means = False
+
+    def __init__(self, *, beta: float, clip: float, timesteps: int, decay_type: int, beta_kl: float,
+                 weight_min: float = 1e-5):
+        self.beta, self.clip, self.K, self.beta_kl = beta, clip, timesteps, beta_kl
+        self.decay = DECAY_PRESETS[decay_type]
+        self.weight_min = weight_min
+        self.params, self.old, self.reference, self.steps = None, None, None, 0
+
+    def prepare(self, update) -> None:
+        self.params = [p for p in update.params]
+        self.old = [p.detach().clone() for p in self.params]
+        self.model = update.session.model
+        if self.beta_kl > 0:
+            self.reference = ReferencePolicy(update.session.model)
+
+    @contextlib.contextmanager
+    def rollout_weights(self):
+        """The old weights in place of the trained ones (restored after)."""
+        if self.old is None:
+            yield
+            return
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self.params]
+            for p, o in zip(self.params, self.old):
+                p.copy_(o)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
+
+    def start_rollout(self, update, batch, sizes) -> None:
+        """Nothing to prepare: the rollout was drawn with the old weights."""
+
+    def _points(self, update, batch, idx, sigmas):
+        """``(x0, x, sigma, rows, K)`` for every (row, k), rows repeated K times (row-major): the
+        sigmas and noises are drawn from one generator per (seed, "nft", iteration, sample), so
+        every pass over the rollout trains the same points."""
+        seed = update.session.recipe.run.seed
+        x0 = batch.trajectory.image_latents[idx].to(torch.float32)
+        grid = sigmas[:-1]  # no sigma = 0
+        K = min(self.K, grid.numel())
+        xs, ss, x0s, rows = [], [], [], []
+        for j, r in enumerate(idx.tolist()):
+            g = generator(seed, "nft", batch.iteration, batch.indices[r])
+            pick = torch.randperm(grid.numel(), generator=g)[:K]
+            for k in range(K):
+                s = grid[int(pick[k])]
+                eps = torch.randn(tuple(x0.shape[1:]), generator=g).to(x0.device)
+                xs.append((1 - s) * x0[j] + s * eps)
+                ss.append(s)
+                x0s.append(x0[j])
+                rows.append(r)
+        return (torch.stack(x0s), torch.stack(xs), torch.stack(ss).to(x0.device), torch.tensor(rows), K)
+
+    def backward(self, update, micro: MicroBatch) -> MicroBatchResult:
+        batch, device = micro.batch, update.session.device
+        idx = micro.rows
+        sigmas = batch.trajectory.sigmas.to(device)
+        x0, x, s, rows, K = self._points(update, batch, idx, sigmas)
+        text = select_embeddings(batch.text, rows.to(device))
+        r = optimality_probability(batch.advantages[rows.to(device)].reshape(len(rows), -1)[:, 0], self.clip)
+        model = update.session.model
+        with torch.no_grad(), self.rollout_weights():
+            v_old = model.velocity(x, s, text).to(torch.float32)
+        v_ref = None
+        if self.reference is not None:
+            v_ref = self.reference.velocity(x, s, text).to(torch.float32)
+        with torch.enable_grad():
+            v = model.velocity(x, s, text).to(torch.float32)
+            loss, parts = nft_loss(v, v_old, x, x0, s, r, beta=self.beta, clip=self.clip, weight_min=self.weight_min)
+            total = loss
+            if v_ref is not None:
+                total = total + self.beta_kl * velocity_kl(v, v_ref)
+            scaled = total.sum() / (micro.normaliser * K)
+            scaled.backward()
+        dev = float(((v.detach() - v_old) ** 2).mean())
+        metrics = {"nft/positive": float(parts["positive"].mean()), "nft/negative": float(parts["negative"].mean()),
+                   "nft/old_deviation": dev, "nft/r_mean": float(r.mean())}
+        if v_ref is not None:
+            metrics["nft/kl_ref"] = float(velocity_kl(v.detach(), v_ref).mean())
+        return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
+                                trained=torch.zeros(len(idx), len(micro.sizes), dtype=torch.bool))
+
+    def end_rollout(self, update, batch) -> dict:
+        self.steps = int(update.scheduler.last_epoch)
+        d = old_policy_decay(self.steps, *self.decay)
+        with torch.no_grad():
+            for o, p in zip(self.old, self.params):
+                o.mul_(d).add_(p.detach(), alpha=1.0 - d)
+        return {"nft/decay": d}
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def tensors(self) -> dict:
+        return {f"old.{i}": t for i, t in enumerate(self.old or [])}
+
+    def load_state(self, state, tensors) -> None:
+        self.steps = int(state.get("steps", 0))
+        if tensors and self.old is not None:
+            for i, o in enumerate(self.old):
+                o.copy_(tensors[f"old.{i}"])
