@@ -54,6 +54,7 @@ WORLD_SIZES: dict[str, tuple[int, ...]] = {
     "quickstart_dynamics.toml": (1,),
     "quickstart_fixed.toml": (1,),
     "quickstart_gspo.toml": (1,),
+    "quickstart_hacking.toml": (1,),
     "quickstart_step.toml": (1,),
     # The objectives' quickstart variants (docs/objectives.md): the same embedded model and geometry.
     "quickstart_diversity.toml": (1,),
