@@ -2,9 +2,9 @@
 
 ::
 
-    flowrl profile recipes/quickstart.toml                      # the recipe's model and sampler
+    flowrl profile recipes/quickstart_hacking.toml                      # the recipe's model and sampler
     flowrl profile --model embedded --model-param random_init=true --steps 17 --shift 3
-    flowrl profile recipes/quickstart.toml --num-chunks 0 --max-size 6 -o recipes/profiles/embedded.json
+    flowrl profile recipes/quickstart_hacking.toml --num-chunks 0 --max-size 6 -o recipes/profiles/embedded.json
     flowrl profile --compare runs/quickstart                    # base model vs the latest checkpoint
 
 Sampling uses exactly what ``flowrl train`` builds from the recipe (a

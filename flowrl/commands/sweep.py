@@ -2,9 +2,9 @@
 
 ::
 
-    flowrl sweep recipes/quickstart.toml --grid train.lr=1e-4,3e-4 --seeds 3 -j 2 -o runs/lr_sweep
-    flowrl sweep recipes/quickstart.toml --grid "chunker.sizes=[2,3,4,7],[16]" --seeds 5
-    flowrl sweep recipes/quickstart.toml --seeds 5 \\
+    flowrl sweep recipes/quickstart_hacking.toml --grid train.lr=1e-4,3e-4 --seeds 3 -j 2 -o runs/lr_sweep
+    flowrl sweep recipes/quickstart_hacking.toml --grid "chunker.sizes=[2,3,4,7],[16]" --seeds 5
+    flowrl sweep recipes/quickstart_hacking.toml --seeds 5 \\
         --variant "step:chunker.use=step,selector.use=uniform,selector.fraction=0.5" \\
         --variant "gspo:chunker.use=sequence,selector.use=all"
     flowrl sweep --resume runs/lr_sweep          # continue a killed sweep
