@@ -130,10 +130,11 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _cell(values: list[float], digits: int = 4, signed: bool = False) -> str:
+def _cell(values: list[float], digits: int = 4, signed: bool = False, sci: bool = False) -> str:
     iv = t_interval(values)
-    fmt = f"{{:{'+' if signed else ''}.{digits}f}}"
-    return fmt.format(iv.mean) + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}f}")
+    kind = "e" if sci else "f"
+    fmt = f"{{:{'+' if signed else ''}.{digits}{kind}}}"
+    return fmt.format(iv.mean) + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}{kind}}")
 
 
 def diagnostics_table(sweep_dir: Path, seeds: int) -> str:
@@ -169,9 +170,27 @@ def diagnostics_table(sweep_dir: Path, seeds: int) -> str:
         lines.append(
             f"| {name} | {_cell(cols['v0'])} -> {_cell(cols['v1'])} | {_cell(cols['rise'], signed=True)} | "
             f"{_cell(cols['clip_change'], signed=True)} | {_cell(cols['hf0'])} -> {_cell(cols['hf1'])} | "
-            f"{_cell(cols['clip'])} | {_cell([100 * x for x in cols['clipped']], 0)}% | {_cell(cols['spread'], 5)} | "
-            f"{_cell(cols['lr_sd'], 6)} | {_cell(cols['kl'], 10)} | {_cell(cols['equal'], 3)} |")
+            f"{_cell(cols['clip'])} | {_cell([100 * x for x in cols['clipped']], 0)}% | {_cell(cols['spread'], 1, sci=True)} | "
+            f"{_cell(cols['lr_sd'], 1, sci=True)} | {_cell(cols['kl'], 1, sci=True)} | {_cell(cols['equal'], 3)} |")
     return "\n".join(lines)
+
+
+def worst_texture_figures(sweep_dir: Path, figures: Path) -> tuple[str, float, float]:
+    """Copy the first and final evaluation grids of the run whose ``hf_share`` rose the most
+    (the worst texture the study trained) next to the report; returns (run, first, final)."""
+    import shutil
+
+    worst = None
+    for run_dir in sorted((sweep_dir / "runs").iterdir()):
+        evals = [r for r in _rows(run_dir) if ARTEFACT in r]
+        if evals and (worst is None or evals[-1][ARTEFACT] - evals[0][ARTEFACT] > worst[2] - worst[1]):
+            worst = (run_dir, evals[0][ARTEFACT], evals[-1][ARTEFACT])
+    run_dir, first, final = worst
+    grids = sorted((run_dir / "images" / "eval").glob("iter_*.png"))
+    (REPO / figures).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(grids[0], REPO / figures / "texture_first_eval.png")
+    shutil.copyfile(grids[-1], REPO / figures / "texture_final_eval.png")
+    return run_dir.name, first, final
 
 
 def main() -> None:
@@ -213,6 +232,17 @@ def main() -> None:
     command = "OMP_NUM_THREADS=1 python benchmarks/study.py" + (" --smoke" if args.smoke else "") + (
         f" --seeds {args.seeds}" if args.seeds != 5 else "")
     n_runs = sum(v["n"] for v in equal_it["variants"])
+    worst_run, worst_first, worst_final = worst_texture_figures(sweep_dir, figures)
+    evals_of = {(name, k): [r for r in _rows(sweep_dir / "runs" / f"{name}_seed{42 + k}") if PRIMARY in r]
+                for name in VARIANTS for k in range(args.seeds)}
+    rose = sum(e[-1][PRIMARY] > e[0][PRIMARY] for e in evals_of.values())
+    n_runs_all = len(evals_of)
+    clipped_runs = sum(sum(r["clip_fraction"] for r in _rows(sweep_dir / "runs" / f"{name}_seed{42 + k}")
+                           if "clip_fraction" in r) > 0 for name, k in evals_of)
+    textured = sum(
+        sum(e[-1][ARTEFACT] - e[0][ARTEFACT] for e in ([r for r in _rows(sweep_dir / "runs" / f"{name}_seed{42 + k}")
+                                                        if ARTEFACT in r] for k in range(args.seeds))) > 0
+        for name in VARIANTS)
     verdict_rows = {"final": verdicts(equal_it, "final"), "auc": verdicts(equal_it, "auc"),
                     "wall": verdicts(equal_wall, "at_wall_time")}
     tally = {q: {v: sum(r[2].split(":")[0].split(" (")[0] == v for r in rows)
@@ -226,15 +256,22 @@ before the runs). {n_runs} runs ({len(VARIANTS)} variants x {args.seeds} seeds),
 
 ## In short
 
-- Every variant learns: the held-out verifier (18 prompts never trained on) rises in every
-  variant and every seed (table "What each variant did"). The second judge and the artefact
+- The held-out verifier (18 prompts never trained on) rose from the first evaluation to the
+  last in {rose} of {n_runs_all} runs (table "What each variant did"). The second judge and the artefact
   measure are in the same table: read them before the reward.
-- The clip acts in every variant (clip fraction above zero; second pass at clip range 5e-5).
+- The clip acted (a clip fraction above zero, averaged over the run) in {clipped_runs} of
+  {n_runs_all} runs; the second pass runs at clip range 5e-5. Per variant: the table.
+- The images are not as clean as the quickstart's. `hf_share` (the artefact measure) rose in
+  {textured} of {len(VARIANTS)} variants (mean over seeds; table), and the grids show a faint
+  periodic pattern on flat backgrounds in the runs where it rose most (the largest rise,
+  `{worst_run}`: {worst_first:.3f} -> {worst_final:.3f}; its grids are below). DiffusionNFT,
+  the quickstart's objective, ended below the base model's `hf_share` on all three seeds
+  (README).
 - The paper's orderings at equal iterations (final evaluation): {tally["final"]["held"]} held,
   {tally["final"]["reversed"]} reversed, {tally["final"]["cannot be told apart"]} cannot be told apart
   (the tie: {"no difference detected" if tally["final"]["no difference detected"] else "see the table"}); at equal wall time:
   {tally["wall"]["held"]} held, {tally["wall"]["reversed"]} reversed, {tally["wall"]["cannot be told apart"]} cannot be told apart.
-  With 5 seeds and gains of a few hundredths, differences between layouts smaller than about
+  With {args.seeds} seeds and gains of a few hundredths, differences between layouts smaller than about
   the paired intervals' half-widths cannot be resolved here; that is a statement about this
   scale, not about FLUX.
 
@@ -267,6 +304,12 @@ The dynamics-guided chunks come from the profile of this very sampler
 
 {diagnostics_table(sweep_dir, args.seeds)}
 
+The worst texture of the study, `{worst_run}`: its first evaluation (the base model) and its
+final one, the same held-out prompts and noise.
+
+![first evaluation](study/texture_first_eval.png)
+![final evaluation](study/texture_final_eval.png)
+
 `hf_share` is the evaluation's artefact measure (share of high-frequency energy, base model
 about 0.05; the hacking recipe's checkerboard reaches about 0.5). "ratio max - min" is the spread
 of the unit importance ratios, "unit log-ratio sd" the standard deviation of the per-unit
@@ -294,6 +337,10 @@ log-ratios, both per iteration and averaged.
 ![evaluation curves](study/equal_iterations/compare.png)
 
 ## Equal wall time (budget {budget:g} s of train time: the smallest total over all runs)
+
+Train time is wall-clock time per phase. These runs shared the 2-core machine with other work
+(two study runs at a time, and at times a test suite), so a run's train time includes its
+neighbours' load; read this comparison as noisier than the equal-iteration one.
 
 {md_wall}
 ![evaluation curves against train time](study/equal_wall_time/compare.png)
