@@ -126,8 +126,15 @@ def verdict_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def load_runs(sweep_dir: Path, seeds: int) -> dict[tuple[str, int], tuple[list[dict], list[dict]]]:
+    """Each study run's metrics, read once: ``(variant, k) -> (evaluation rows, update rows)``."""
+    runs = {}
+    for name in VARIANTS:
+        for k in range(seeds):
+            text = (sweep_dir / "runs" / f"{name}_seed{42 + k}" / "metrics.jsonl").read_text()
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            runs[name, k] = ([r for r in rows if PRIMARY in r], [r for r in rows if "clip_fraction" in r])
+    return runs
 
 
 def _cell(values: list[float], digits: int = 4, signed: bool = False, sci: bool = False) -> str:
@@ -137,7 +144,7 @@ def _cell(values: list[float], digits: int = 4, signed: bool = False, sci: bool 
     return fmt.format(iv.mean) + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}{kind}}")
 
 
-def diagnostics_table(sweep_dir: Path, seeds: int) -> str:
+def diagnostics_table(runs: dict, seeds: int) -> str:
     """Per variant, over seeds (mean ± 95% t half-width): the held-out rise of the optimised
     reward, the second judge's and the artefact measure's change from the first evaluation to
     the last, and what the update did: the clip fraction, the share of iterations in which the
@@ -151,9 +158,7 @@ def diagnostics_table(sweep_dir: Path, seeds: int) -> str:
         cols: dict[str, list[float]] = {k: [] for k in ("v0", "v1", "rise", "clip_change", "hf0", "hf1", "clip",
                                                          "clipped", "spread", "lr_sd", "kl", "equal")}
         for k in range(seeds):
-            rows = _rows(sweep_dir / "runs" / f"{name}_seed{42 + k}")
-            evals = [r for r in rows if PRIMARY in r]
-            train = [r for r in rows if "clip_fraction" in r]
+            evals, train = runs[name, k]
             first, last = evals[0], evals[-1]
             cols["v0"].append(first[PRIMARY])
             cols["v1"].append(last[PRIMARY])
@@ -175,17 +180,13 @@ def diagnostics_table(sweep_dir: Path, seeds: int) -> str:
     return "\n".join(lines)
 
 
-def worst_texture_figures(sweep_dir: Path, figures: Path) -> tuple[str, float, float]:
+def worst_texture_figures(runs: dict, sweep_dir: Path, figures: Path) -> tuple[str, float, float]:
     """Copy the first and final evaluation grids of the run whose ``hf_share`` rose the most
     (the worst texture the study trained) next to the report; returns (run, first, final)."""
     import shutil
 
-    worst = None
-    for run_dir in sorted((sweep_dir / "runs").iterdir()):
-        evals = [r for r in _rows(run_dir) if ARTEFACT in r]
-        if evals and (worst is None or evals[-1][ARTEFACT] - evals[0][ARTEFACT] > worst[2] - worst[1]):
-            worst = (run_dir, evals[0][ARTEFACT], evals[-1][ARTEFACT])
-    run_dir, first, final = worst
+    (name, k), (evals, _) = max(runs.items(), key=lambda kv: kv[1][0][-1][ARTEFACT] - kv[1][0][0][ARTEFACT])
+    run_dir, first, final = sweep_dir / "runs" / f"{name}_seed{42 + k}", evals[0][ARTEFACT], evals[-1][ARTEFACT]
     grids = sorted((run_dir / "images" / "eval").glob("iter_*.png"))
     (REPO / figures).mkdir(parents=True, exist_ok=True)
     shutil.copyfile(grids[0], REPO / figures / "texture_first_eval.png")
@@ -232,17 +233,13 @@ def main() -> None:
     command = "OMP_NUM_THREADS=1 python benchmarks/study.py" + (" --smoke" if args.smoke else "") + (
         f" --seeds {args.seeds}" if args.seeds != 5 else "")
     n_runs = sum(v["n"] for v in equal_it["variants"])
-    worst_run, worst_first, worst_final = worst_texture_figures(sweep_dir, figures)
-    evals_of = {(name, k): [r for r in _rows(sweep_dir / "runs" / f"{name}_seed{42 + k}") if PRIMARY in r]
-                for name in VARIANTS for k in range(args.seeds)}
-    rose = sum(e[-1][PRIMARY] > e[0][PRIMARY] for e in evals_of.values())
-    n_runs_all = len(evals_of)
-    clipped_runs = sum(sum(r["clip_fraction"] for r in _rows(sweep_dir / "runs" / f"{name}_seed{42 + k}")
-                           if "clip_fraction" in r) > 0 for name, k in evals_of)
-    textured = sum(
-        sum(e[-1][ARTEFACT] - e[0][ARTEFACT] for e in ([r for r in _rows(sweep_dir / "runs" / f"{name}_seed{42 + k}")
-                                                        if ARTEFACT in r] for k in range(args.seeds))) > 0
-        for name in VARIANTS)
+    runs = load_runs(sweep_dir, args.seeds)
+    worst_run, worst_first, worst_final = worst_texture_figures(runs, sweep_dir, figures)
+    rose = sum(evals[-1][PRIMARY] > evals[0][PRIMARY] for evals, _ in runs.values())
+    n_runs_all = len(runs)
+    clipped_runs = sum(sum(r["clip_fraction"] for r in train) > 0 for _, train in runs.values())
+    textured = sum(sum(runs[name, k][0][-1][ARTEFACT] - runs[name, k][0][0][ARTEFACT] for k in range(args.seeds)) > 0
+                   for name in VARIANTS)
     verdict_rows = {"final": verdicts(equal_it, "final"), "auc": verdicts(equal_it, "auc"),
                     "wall": verdicts(equal_wall, "at_wall_time")}
     tally = {q: {v: sum(r[2].split(":")[0].split(" (")[0] == v for r in rows)
@@ -302,7 +299,7 @@ The dynamics-guided chunks come from the profile of this very sampler
 
 ## What each variant did (first and last evaluation; update diagnostics over all iterations)
 
-{diagnostics_table(sweep_dir, args.seeds)}
+{diagnostics_table(runs, args.seeds)}
 
 The worst texture of the study, `{worst_run}`: its first evaluation (the base model) and its
 final one, the same held-out prompts and noise.
