@@ -131,3 +131,24 @@ def flowrl_cli():
     Use the fixture rather than importing this module: ``conftest`` is not a unique module name.
     """
     return SimpleNamespace(batch=run_cli_batch, env=cli_env, script=FLOWRL_BIN, repo=REPO)
+
+
+@pytest.fixture
+def validate(capsys):
+    """``validate(recipe, *overrides) -> (exit code, stderr)``: ``flowrl validate RECIPE --set
+    ...`` through :func:`flowrl.cli.main` in this process."""
+    from flowrl import cli
+
+    def run(recipe, *overrides: str) -> tuple[int, str]:
+        capsys.readouterr()
+        args = ["validate", str(recipe)]
+        for o in overrides:
+            args += ["--set", o]
+        try:
+            cli.main(args)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+        return code, capsys.readouterr().err
+
+    return run

@@ -8,23 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import cli
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = str(REPO / "recipes" / "quickstart_hacking.toml")
 
 
-def _validate(capsys, *overrides: str) -> tuple[int, str]:
-    capsys.readouterr()
-    args = ["validate", QUICK]
-    for o in overrides:
-        args += ["--set", o]
-    try:
-        cli.main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    return code, " ".join(capsys.readouterr().err.split())
+def _validate(validate, *overrides: str) -> tuple[int, str]:
+    code, err = validate(QUICK, *overrides)
+    return code, " ".join(err.split())
 
 
 @pytest.mark.parametrize("override, message", [
@@ -38,16 +29,16 @@ def _validate(capsys, *overrides: str) -> tuple[int, str]:
     ('run.output_dir="a\\u0000b"', "key 'output_dir' contains a NUL character"),    # crashed making the run dir
     ("train.iterations=10000000000", "key 'iterations' must be <= 1000000000"),
 ])
-def test_bad_values_are_refused_at_validation(capsys, override, message):
+def test_bad_values_are_refused_at_validation(validate, override, message):
     start = time.perf_counter()
-    code, err = _validate(capsys, override)
+    code, err = _validate(validate, override)
     assert code == 2 and message in err, err
     assert err.startswith("error:") and "Traceback" not in err
     assert time.perf_counter() - start < 10
 
 
-def test_control_and_bidi_characters_in_a_key_name_are_shown_escaped(capsys):
-    code, err = _validate(capsys, "run.na\x1b[31mme\u202e=1")
+def test_control_and_bidi_characters_in_a_key_name_are_shown_escaped(validate):
+    code, err = _validate(validate, "run.na\x1b[31mme\u202e=1")
     assert code == 2
     assert "\x1b" not in err and "\u202e" not in err
     assert "unknown key 'na\\x1b[31mme\\u202e'" in err

@@ -11,23 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import cli
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "quickstart_hacking.toml"
-
-
-def _validate(capsys, recipe: Path, *overrides: str) -> tuple[int, str]:
-    capsys.readouterr()
-    args = ["validate", str(recipe)]
-    for o in overrides:
-        args += ["--set", o]
-    try:
-        cli.main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 def _with_table(tmp_path: Path, table: str, body: str) -> Path:
@@ -55,9 +41,9 @@ PROFILE = str(REPO / "recipes" / "profiles" / "embedded.json")
     ("window", 'use = "sliding"\nsize = 40', "[window]", "a window of 40 steps does not fit"),
     ("chunker", "use = \"explicit\"\nsizes = [1, 2]", "[chunker]", "sum"),
 ])
-def test_bad_component_params_exit_2_with_one_message_naming_the_table(capsys, tmp_path, table, body, table_named,
+def test_bad_component_params_exit_2_with_one_message_naming_the_table(validate, tmp_path, table, body, table_named,
                                                                        message):
-    code, err = _validate(capsys, _with_table(tmp_path, table, body))
+    code, err = validate(_with_table(tmp_path, table, body))
     flat = " ".join(err.split())
     assert code == 2, err
     assert err.startswith("error:") and err.count("\nerror:") == 0 and "Traceback" not in err, err
