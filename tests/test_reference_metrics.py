@@ -1,9 +1,18 @@
 """The quickstart's metrics are bit-identical to the reference made before the loop redesign.
 
 tests/fixtures/reference/quickstart_metrics.jsonl was written by flowrl at commit 06b93d1 (the
-engine before flowrl/train/ existed) with::
+engine before flowrl/train/ existed), in its own clean venv, with::
 
     OMP_NUM_THREADS=1 flowrl train recipes/quickstart.toml -o DIR --set log.progress=false
+
+Bits depend on the machine as well as the code: torch picks CPU kernels by instruction set and
+shape, so the same commit gives other last bits on another CPU (06b93d1's own first reference,
+made on an earlier CI machine, differs from what 06b93d1 computes on today's in row 0's
+``grad_norm``). The machine the reference was made on is recorded beside it
+(``environment.json``: torch version, torch's CPU capability, the CPU's vector extensions); the
+bitwise test runs where the machine matches and says why it skips where it does not, and the
+float-tolerance test below runs everywhere. To move the reference to a new machine, run the command
+above at 06b93d1 there and write ``environment.json`` with ``python tests/test_reference_metrics.py``.
 
 Every row, key order and value must be the same today, except the wall-clock ``time/*`` fields and
 the keys added since (``compute/*``, listed below). The recipe is pinned here
@@ -19,6 +28,7 @@ test holds the default run to the reference within float tolerance. Each runs th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -30,6 +40,24 @@ from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "tests" / "fixtures" / "reference" / "quickstart_metrics.jsonl"
+ENVIRONMENT = REFERENCE.parent / "environment.json"
+
+
+def machine() -> dict:
+    """What decides the last bits of a CPU run besides flowrl's code."""
+    import platform
+
+    import torch
+
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "machine": platform.machine(),
+            "vector_extensions": sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "sse")))}
 
 
 #: Metric keys added after the reference was made, and by which change.
@@ -58,6 +86,11 @@ def _quickstart(tmp_path, *overrides: str) -> list[dict]:
 
 
 def test_quickstart_metrics_equal_the_pre_redesign_reference(tmp_path):
+    recorded, here = json.loads(ENVIRONMENT.read_text()), machine()
+    if recorded != here:
+        import pytest
+
+        pytest.skip(f"the reference's bits were made on another machine: {recorded} here {here}")
     got, want = _quickstart(tmp_path, "train.fast_path=false", "train.update_mode='lean'"), _records(REFERENCE)
     assert len(got) == len(want) == 31
     for i, (g, w) in enumerate(zip(got, want)):
@@ -69,8 +102,13 @@ def test_quickstart_with_the_fast_path_stays_on_the_reference(tmp_path):
     """The default run (fast path) computes the same gradients from log-probs that differ from the
     lean path's in the last bits; training amplifies such differences from iteration to
     iteration (measured: first difference at iteration 10, advantages' extremes 2.5% apart by
-    iteration 27). The learning curve is what must not move: every reward and evaluation mean
-    within 1% of the reference at every iteration (a wrong coefficient moves it far more)."""
+    iteration 27), so from then on the two runs draw different samples. The learning curve is
+    what must not move: every reward and evaluation mean within 1% of the reference at every
+    iteration, or within the standard error of the reference's own mean where sampling noise is
+    larger than 1% (measured: at iteration 29 the logged verifier mean differs by 2.0%, 0.67 of
+    its standard error). A wrong coefficient moves the curve far more."""
+    recipe = load_recipe(REFERENCE.parent / "quickstart.toml")
+    samples = recipe.train.prompts_per_iteration * recipe.train.group_size
     got, want = _quickstart(tmp_path), _records(REFERENCE)
     assert len(got) == len(want) == 31
     for i, (g, w) in enumerate(zip(got, want)):
@@ -79,4 +117,11 @@ def test_quickstart_with_the_fast_path_stays_on_the_reference(tmp_path):
         assert g.get("recompute_mismatch", 0.0) == 0.0, (i, g["recompute_mismatch"])
         for key, value in w.items():
             if key.endswith("/mean") and key.startswith(("reward/", "eval/")):
-                assert math.isclose(g[key], value, rel_tol=1e-2), (i, key, g[key], value)
+                stem = key[: -len("/mean")]
+                standard_error = w[f"{stem}/sem"] if stem.startswith("eval/") else w[f"{stem}/std"] / math.sqrt(samples)
+                assert math.isclose(g[key], value, rel_tol=1e-2, abs_tol=standard_error), (i, key, g[key], value)
+
+
+if __name__ == "__main__":  # record this machine as the reference's (after regenerating it here)
+    ENVIRONMENT.write_text(json.dumps(machine(), indent=2) + "\n")
+    print(f"wrote {ENVIRONMENT}")

@@ -3,6 +3,13 @@
 Every run here uses 5 sampling steps (T = 4 trainable transitions in chunks of 2), 2 prompts x
 4 samples, two passes over each rollout with two optimizer steps each, and a warm-up + cosine LR
 schedule, so resume has optimizer moments, a moving LR and off-policy ratios to get right.
+
+AdamW's eps is 1e-6, not torch's 1e-8, so that comparing two runs is well conditioned. AdamW moves
+a weight by about lr * g / (|g| + eps): where a gradient is near zero (a group's advantages sum to
+zero, so some gradients cancel to rounding level), a rounding difference dg in g moves the weight
+by up to lr / eps * dg. With eps = 1e-8 and lr = 3e-3 that is 3e5 * dg, so two processes that sum
+the same gradient in a different order (dg ~ 1e-11) can disagree by 3e-6 in a weight; with eps =
+1e-6 by 3e-8, well under the 1e-6 the comparisons allow.
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ micro_batch_size = 2
 updates_per_rollout = 2
 optimizer_steps_per_update = 2
 lr = 3e-3
+adam_eps = 1e-6
 lr_schedule = "cosine"
 warmup_steps = 2
 
