@@ -10,6 +10,7 @@ gradients are reduced, is :mod:`flowrl.train.parallel`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -228,6 +229,16 @@ def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:
     return sign * float(t.item())
 
 
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The element-wise sum over ranks of equal-shaped CPU tensors (a new tensor; ``tensor`` itself
+    on one process)."""
+    if not ctx.enabled:
+        return tensor
+    out = tensor.detach().clone()
+    dist.all_reduce(out)
+    return out
+
+
 def any_rank(flag: bool, ctx: DistContext) -> bool:
     """True on every rank when it is true on any (e.g. a Ctrl-C seen by one process first)."""
     return all_reduce_scalar(1.0 if flag else 0.0, ctx, "max") > 0.5
@@ -245,25 +256,43 @@ class AnyRank:
 
 
 def reduce_metrics(metrics: dict[str, float], how: dict[str, str], ctx: DistContext) -> dict[str, float]:
-    """Combine per-rank metrics with two collectives: ``how[key]`` is ``"mean"``, ``"sum"``,
-    ``"min"`` or ``"max"``. Every rank must pass the same keys (the loop runs the same code on
-    each)."""
-    if not ctx.enabled or not metrics:
+    """Combine per-rank metrics in one collective: ``how[key]`` is ``"mean"``, ``"sum"``, ``"min"``
+    or ``"max"``.
+
+    Ranks may hold different keys: a process that evaluated nothing, re-scored nothing or whose
+    groups all tied has fewer metrics than the others, and a reduction that assumed equal keys would
+    hand the backend tensors of different lengths (gloo aborts, NCCL hangs). So every rank sends its
+    whole table (one ``all_gather_object`` of a few hundred numbers) and each combines the union
+    alike, in rank order, in float64: a key counts only on the ranks that have it (a mean is over
+    those ranks). Every rank must call it at the same point; the tables themselves may differ.
+    """
+    if not ctx.enabled:
         return dict(metrics)
-    keys = sorted(metrics)
-    sums = [k for k in keys if how[k] in ("mean", "sum")]
-    extremes = [k for k in keys if how[k] in ("min", "max")]
-    out: dict[str, float] = {}
-    if sums:
-        t = torch.tensor([metrics[k] for k in sums], dtype=torch.float64)
-        dist.all_reduce(t)
-        out.update({k: float(v) / (ctx.world_size if how[k] == "mean" else 1) for k, v in zip(sums, t.tolist())})
-    if extremes:
-        signs = [-1.0 if how[k] == "min" else 1.0 for k in extremes]
-        t = torch.tensor([s * metrics[k] for s, k in zip(signs, extremes)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.update({k: s * float(v) for s, k, v in zip(signs, extremes, t.tolist())})
-    return out
+    tables: list = [None] * ctx.world_size
+    dist.all_gather_object(tables, {k: (how[k], float(v)) for k, v in metrics.items()})
+    seen: dict[str, list[float]] = {}
+    kinds: dict[str, str] = {}
+    for table in tables:  # rank order: the same sums on every rank
+        for key, (kind, value) in table.items():
+            if kinds.setdefault(key, kind) != kind:
+                raise ValueError(f"metric {key!r} is reduced as {kinds[key]!r} on one process and {kind!r} on another")
+            seen.setdefault(key, []).append(value)
+    combine = {"sum": math.fsum, "mean": lambda xs: math.fsum(xs) / len(xs), "min": min, "max": max}
+    return {key: float(combine[kinds[key]](values)) for key, values in seen.items()}  # rank 0's key order first
+
+
+def drop_gathered_weights(module: torch.nn.Module) -> None:
+    """Free the all-gathered weights FSDP2 still holds for ``module`` and its sharded parts.
+
+    The root is sharded with ``reshard_after_forward=False``, so after a forward without a
+    backward (sampling, evaluation) its gathered weights stay and the next forward reuses them.
+    A change made to the shards in place meanwhile (the EMA swapped in or out, a reference reset)
+    would go unseen: call this before and after such a change. Nothing to do without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            part.reshard()
 
 
 def broadcast_object(obj, ctx: DistContext):

@@ -201,7 +201,7 @@ class GatedKLPolicyGradient(PolicyGradient):
         it = batch.iteration
         self.reset_now = reset_due(it, self.last_reset, self.flagged, self.reset_every)
         if self.reset_now:  # the reference becomes the current policy
-            update.reference.copy.load_state_dict(update.session.model.denoiser.state_dict())
+            update.reference.reset_to_current()
             self.last_reset, self.flagged = it, False
         everyone = {k: distributed.all_gather_cat(v, update.ctx) for k, v in batch.rewards.items()}
         main = self.main or next(iter(everyone))

@@ -16,6 +16,7 @@ import torch
 
 from flowrl.chunking import chunk_index
 from flowrl.compat import ensure_torchvision_importable
+from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import HasReferencePolicy, ScalesFlowGRPOKL
 from flowrl.objectives.losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
 from flowrl.objectives.chunk_gradient import pad_rows
@@ -55,6 +56,12 @@ class ReferencePolicy:
         else:
             self.mode = "frozen_copy"
             self.copy = copy.deepcopy(model.denoiser).requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def reset_to_current(self) -> None:
+        """The reference becomes the current policy (GARDO's reset; a frozen copy only)."""
+        self.copy.load_state_dict(self.model.denoiser.state_dict())
+        drop_gathered_weights(self.copy)  # under FSDP2 its root still holds the weights gathered before
 
     @torch.no_grad()
     def velocity(self, latents, sigma, text):

@@ -105,9 +105,9 @@ class StepRecorder:
             self.unit[:, k] += torch.stack([torch.tensor(float(z.numel()), dtype=torch.float64), z.sum(), (z**2).sum()])
 
     def metrics(self, ctx) -> dict:
-        step = torch.tensor([distributed.all_reduce_scalar(float(x), ctx) for x in self.step.flatten()]).reshape(3, -1)
-        unit = torch.tensor([distributed.all_reduce_scalar(float(x), ctx) for x in self.unit.flatten()]).reshape(3, -1) \
-            if self.unit.numel() else self.unit
+        # counts, sums and sums of squares of every step and unit: one all-reduce, not one per number
+        both = distributed.all_reduce_sum(torch.cat([self.step.flatten(), self.unit.flatten()]), ctx)
+        step, unit = both[: self.step.numel()].reshape(self.step.shape), both[self.step.numel():].reshape(self.unit.shape)
 
         def stats(a):
             n = a[0].clamp(min=1)

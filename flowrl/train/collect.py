@@ -149,8 +149,12 @@ def assign_advantages(session, geometry, ctx, batch: Batch, num_chunks: int, rec
     finite = all(bool(torch.isfinite(v).all()) for v in all_rewards.values())
     for label, v in all_rewards.items():
         record.update({f"reward/{label}/{k}": x for k, x in summary_stats(v).items()})
-    for key, v in batch.reward_extras.items():
-        record[f"reward/{key}/mean"] = distributed.all_gather_cat(v, ctx).float().mean().item()
+    # a reward's extras may differ by process (reported only for some images): reduced by key
+    extras = {f"{key}/{part}": x for key, v in batch.reward_extras.items()
+              for part, x in (("sum", float(v.double().sum())), ("count", float(v.numel())))}
+    extras = distributed.reduce_metrics(extras, dict.fromkeys(extras, "sum"), ctx)
+    for key in dict.fromkeys(k.rsplit("/", 1)[0] for k in extras):
+        record[f"reward/{key}/mean"] = extras[f"{key}/sum"] / extras[f"{key}/count"]
     record["groups/all_equal_fraction"] = all_equal_fraction(all_rewards, session.recipe.rewards, all_groups)
     if not finite:
         return

@@ -90,8 +90,9 @@ class ComputeCounter:
         phases = sorted(set(self.forward) | set(self.backward) | set(self.minimum))
         counts = {f"{phase}/{kind}": float(table[phase]) for phase in phases
                   for kind, table in (("forward", self.forward), ("backward", self.backward), ("minimum", self.minimum))}
-        if ctx is not None and ctx.enabled:
+        if ctx is not None and ctx.enabled:  # a phase only some processes ran (ddp's evaluation) counts once
             counts = distributed.reduce_metrics(counts, {k: "sum" for k in counts}, ctx)
+            phases = sorted({key.rsplit("/", 1)[0] for key in counts})
         out: dict[str, float] = {}
         for phase in phases:
             if counts[f"{phase}/forward"]:

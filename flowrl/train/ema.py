@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ..distributed import drop_gathered_weights
 from ..errors import FlowrlError
 from .checkpoint import SHARDED, read_sharded_model_weights
 from .finetune import load_trainable_state_dict
@@ -53,6 +54,7 @@ class WeightEMA:
 
     def __init__(self, denoiser: torch.nn.Module, config):
         self.config = config
+        self.denoiser = denoiser
         self.params = {n: p for n, p in denoiser.named_parameters() if p.requires_grad}
         device = torch.device("cpu") if config.on_cpu else None
         self.shadow = {n: p.detach().to(device=device or p.device, dtype=torch.float32, copy=True)
@@ -114,12 +116,14 @@ class WeightEMA:
         """Within the block the model's trainable weights are the EMA weights; the trained
         weights are put back exactly afterwards."""
         saved = {n: p.detach().clone() for n, p in self.params.items()}
+        drop_gathered_weights(self.denoiser)  # FSDP2 would reuse weights gathered before the swap
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(self.shadow[n])
         try:
             yield
         finally:
+            drop_gathered_weights(self.denoiser)
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.copy_(saved[n])

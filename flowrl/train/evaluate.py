@@ -100,9 +100,11 @@ class RunEvaluator:
         (``{}`` on the other processes); writes the eval grids."""
         recipe, session = self.session.recipe, self.session
         if not self.ctx.is_main:
-            if self.lockstep:  # every forward of a sharded denoiser is a collective: sample alongside, unscored
-                evaluate(session.model, session.sampler.sigmas, [], self.prompts, recipe.prompts.eval_seeds,
-                         recipe.run.seed, session.cache, recipe.train.micro_batch_size * 4)
+            if self.lockstep:  # every forward of a sharded denoiser is a collective: sample alongside, unscored,
+                # with this process's EMA shards swapped in too (else the gathered weights would mix EMA and live)
+                with self.ema.swapped_in() if self.ema is not None else nullcontext():
+                    evaluate(session.model, session.sampler.sigmas, [], self.prompts, recipe.prompts.eval_seeds,
+                             recipe.run.seed, session.cache, recipe.train.micro_batch_size * 4)
             return {}
         images: list[torch.Tensor] = []
 

@@ -264,7 +264,7 @@ class PolicyUpdate:
                     step_loss += term
                 for k, v in res.metrics.items():
                     metrics[k].append(float(v))
-        if probe is not None and probe.fed:
+        if probe is not None:  # on every process: one whose rows all have zero advantage fed nothing
             out.on_policy = self._check_on_policy(probe)
         grad_norm = self.strategy.clip_grad_norm_(train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
         # grad_norm is global after the reduction; the loss is summed so that every process
@@ -344,8 +344,14 @@ class PolicyUpdate:
             self.auto_mode = "lean" if distributed.any_rank(not fits, self.ctx) else "chunk_graph"
         return self.auto_mode
 
-    def _check_on_policy(self, probe: OnPolicyProbe) -> float:
-        deviation = distributed.all_reduce_scalar(probe.max_abs, self.ctx, "max")
+    def _check_on_policy(self, probe: OnPolicyProbe) -> float | None:
+        """The largest deviation any process saw (None when no process re-scored anything). A
+        collective: every process calls it, whether or not its own probe was fed."""
+        seen = distributed.reduce_metrics({"deviation": probe.max_abs, "fed": float(probe.fed)},
+                                          {"deviation": "max", "fed": "max"}, self.ctx)
+        if not seen["fed"]:
+            return None
+        deviation = seen["deviation"]
         tolerance = self.session.recipe.train.on_policy_tolerance
         if not deviation <= tolerance:
             raise FlowrlError(

@@ -356,6 +356,30 @@ def mode_single(out: Path) -> tuple[dict, dict]:
     return results, tensors
 
 
+def mode_collectives(out: Path):
+    """The metric reductions with tables that differ by process (what one process with nothing to
+    do in a phase hands them): they must agree, not abort or hang."""
+    from flowrl.distributed import DistContext, all_reduce_sum, reduce_metrics
+    from flowrl.train.compute import ComputeCounter
+
+    rank = dist.get_rank()
+    ctx = DistContext(rank=rank, world_size=2, local_rank=rank)
+    table = {"both": 1.0 + rank, "low": 3.0 - rank, "high": 3.0 - rank}
+    if rank == 0:
+        table["only_rank0"] = 5.0  # e.g. what the main process's evaluation alone reports
+    how = {"both": "mean", "low": "min", "high": "max", "only_rank0": "sum"}
+    reduced = reduce_metrics(table, {k: how[k] for k in table}, ctx)
+    empty = reduce_metrics({} if rank == 0 else {"late": 2.0}, {} if rank == 0 else {"late": "mean"}, ctx)
+    counter = ComputeCounter()  # its tables only: no model watched
+    counter.forward["rollout"] = 10
+    counter.minimum["rollout"] = 10
+    if rank == 0:
+        counter.forward["eval"] = 4  # ddp: only the main process evaluates
+    compute = counter.take(ctx)
+    summed = all_reduce_sum(torch.tensor([1.0, float(rank)], dtype=torch.float64), ctx).tolist()
+    return {"reduced": reduced, "empty": empty, "compute": compute, "summed": summed}, {}
+
+
 def main() -> int:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -363,7 +387,8 @@ def main() -> int:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if mode != "single" else 0
     try:
-        results, tensors = {"train": mode_train, "resume": mode_resume, "single": mode_single}[mode](out)
+        results, tensors = {"train": mode_train, "resume": mode_resume, "single": mode_single,
+                              "collectives": mode_collectives}[mode](out)
         results["ok"] = True
     except Exception:  # reported to the test, which shows it
         results, tensors = {"ok": False, "error": traceback.format_exc()}, {}

@@ -287,6 +287,19 @@ def runs(tmp_path_factory):
                            tensors=lambda name: load_file(str(out / f"{name}.safetensors")))
 
 
+def test_metric_reductions_agree_when_processes_hold_different_metrics(tmp_path):
+    """A key only one process has (its evaluation, its phase) is combined over the processes that
+    have it, identically on each, instead of handing the backend tensors of different lengths."""
+    _torchrun("collectives", tmp_path)
+    r0, r1 = (json.loads((tmp_path / f"collectives-rank{r}.json").read_text()) for r in range(2))
+    assert r0["ok"] and r1["ok"], (r0.get("error"), r1.get("error"))
+    assert r0["reduced"] == r1["reduced"] == {"both": 1.5, "low": 2.0, "high": 3.0, "only_rank0": 5.0}
+    assert r0["empty"] == r1["empty"] == {"late": 2.0}
+    assert r0["compute"] == r1["compute"]
+    assert r0["compute"]["compute/eval/forward"] == 4.0 and r0["compute"]["compute/rollout/forward"] == 20.0
+    assert r0["summed"] == r1["summed"] == [2.0, 1.0]
+
+
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "hybrid", "fsdp2_ckpt_offload", "ddp_ckpt", "fsdp2_lora"])
 def test_two_processes_equal_one_process_with_the_same_global_batch(runs, name):
     """Two AdamW steps, 8 backwards per step per process, clipped: weights and the global grad

@@ -174,8 +174,9 @@ class InterruptAt:
         register("interrupt_at", lambda: Tracker())
 
 
-def run_cli(args: list[str], timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """``python -m flowrl ARGS`` from the repository, one thread, wide output; ``env`` adds variables."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "flowrl", *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout, **kwargs,

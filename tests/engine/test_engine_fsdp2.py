@@ -88,7 +88,9 @@ def test_fsdp2_ema_is_sharded_resumes_exactly_and_exports(tmp_path, reference_ru
     from flowrl.train.checkpoint import SHARDED, load_checkpoint, read_sharded_model_weights
 
     recipe_path, _, _ = reference_run
-    ema = ["ema.enabled=true", "ema.decay=0.9", "ema.warmup_steps=1"]
+    # evaluated with the EMA: every process swaps its own EMA shards in for the sharded forwards
+    ema = ["ema.enabled=true", "ema.decay=0.9", "ema.warmup_steps=1", "ema.evaluate=true",
+           "log.eval_every=1", "prompts.num_eval=2"]
     whole, parts, one = tmp_path / "whole", tmp_path / "parts", tmp_path / "one"
     run_two(recipe_path, whole, *ema)
     run_two(recipe_path, parts, *ema, "train.iterations=1")
@@ -103,6 +105,10 @@ def test_fsdp2_ema_is_sharded_resumes_exactly_and_exports(tmp_path, reference_ru
     assert state["ema"] == {"updates": 4, "steps": 4}  # 2 iterations x 2 passes x 1 step
     train(load(recipe_path, *TWO_STEPS, *ema, f"run.output_dir={str(one)!r}"), console=quiet_console())
     assert_weights_close(ea, load_checkpoint(latest_checkpoint(one))["ema"], atol=1e-6)
+    evals = [[{k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(run)] for run in (whole, one)]
+    assert evals[0][-1] and len(evals[0]) == len(evals[1])
+    for a, b in zip(*evals):
+        assert_records_close(a, b, rtol=1e-4, atol=1e-6)
     assert not all(bool((ea[k] == weights(whole)[k]).all()) for k in ea)  # an average, not the weights
     proc = run_cli(["export", str(whole), "--ema"], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
