@@ -33,6 +33,7 @@ from .ema import WeightEMA
 from .evaluate import RunEvaluator, evaluation_set
 from .layout import ChunkLayout
 from .outputs import RunOutputs
+from .run_lock import hold_run_directory
 from .progress import Aborted, GracefulInterrupt, RunDisplay
 from .session import Session
 from .state import Checkpointer, TrainState, check_run_directory, restore_training_state, resume_hint, run_is_complete
@@ -54,92 +55,96 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     announce(console, ctx, cfg, geometry, run_dir)
     if dry_run:
         return run_dir
-    check_run_directory(recipe, run_dir, resume, registry)
-    check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
+    # One writer per run directory, from here on (creates it: an OS error is one message, before
+    # any model loads). The command usually holds it already; then this is a no-op.
+    with hold_run_directory(run_dir, where="--resume" if resume is not None else "[run].output_dir",
+                            main=ctx.is_main):
+        check_run_directory(recipe, run_dir, resume, registry)
+        check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
-    # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
-    session = Session.open(recipe, registry, device=device)
-    prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
-    layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
-    update = PolicyUpdate(session, geometry, ctx)
-    kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
-    ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
-    eval_set = evaluation_set(cfg, session.model)
+        # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
+        session = Session.open(recipe, registry, device=device)
+        prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
+        layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
+        update = PolicyUpdate(session, geometry, ctx)
+        kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
+        ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
+        eval_set = evaluation_set(cfg, session.model)
 
-    # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
-    state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
-    if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
-        return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
-    throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
-    outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
-    evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
-    saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
-    display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
-    interrupted = False
-    try:
-        with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
-            for iteration in range(state.iteration, train_cfg.iterations):
-                timer = display.timer(device, update.counter)
-                record = {"iteration": iteration, "world_size": ctx.world_size}
+        # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
+        state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
+        if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
+            return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
+        throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
+        outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
+        evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
+        saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
+        display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
+        interrupted = False
+        try:
+            with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
+                for iteration in range(state.iteration, train_cfg.iterations):
+                    timer = display.timer(device, update.counter)
+                    record = {"iteration": iteration, "world_size": ctx.world_size}
 
-                # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
-                if layout.reprofile_due(iteration):
-                    with timer("profile"):
-                        record.update(layout.reprofile(iteration, console))
+                    # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
+                    if layout.reprofile_due(iteration):
+                        with timer("profile"):
+                            record.update(layout.reprofile(iteration, console))
 
-                # ---- Evaluate the current policy on the fixed set (before this update) ---------
-                if evaluator.due(iteration):
-                    with timer("eval"):
-                        record.update(evaluator(iteration))
+                    # ---- Evaluate the current policy on the fixed set (before this update) ---------
+                    if evaluator.due(iteration):
+                        with timer("eval"):
+                            record.update(evaluator(iteration))
 
-                # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
-                # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
-                batch = collect(session, geometry, ctx, prompts, iteration, timer)
+                    # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
+                    # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
+                    batch = collect(session, geometry, ctx, prompts, iteration, timer)
 
-                # ---- Advantages over whole groups (rewards gathered from every process) ---------
-                with timer("advantage"):
-                    assign_advantages(session, geometry, ctx, batch, len(layout.sizes), record)
-                if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
-                    break
+                    # ---- Advantages over whole groups (rewards gathered from every process) ---------
+                    with timer("advantage"):
+                        assign_advantages(session, geometry, ctx, batch, len(layout.sizes), record)
+                    if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
+                        break
 
-                # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA) ---
-                with timer("update"):
-                    outcome = update.run(batch, layout.sizes)
-                state.nonfinite_steps += outcome.skipped
-                record.update(update_record(outcome, batch, state, layout, update, ctx))
-                warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
+                    # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA) ---
+                    with timer("update"):
+                        outcome = update.run(batch, layout.sizes)
+                    state.nonfinite_steps += outcome.skipped
+                    record.update(update_record(outcome, batch, state, layout, update, ctx))
+                    warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
-                # ---- Log and checkpoint: the metrics row is on disk before the checkpoint --------
-                state.iteration = iteration + 1
-                last = state.iteration == train_cfg.iterations
-                if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
-                    outputs.write_group_grid(batch, geometry.group_size)
-                interrupted = distributed.any_rank(interrupt.requested, ctx)
-                speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
-                outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
-                                      checkpoint=saver if saver.due(last or interrupted) else None, speed=speed)
-                display.advance(record, speed)
-                check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
+                    # ---- Log and checkpoint: the metrics row is on disk before the checkpoint --------
+                    state.iteration = iteration + 1
+                    last = state.iteration == train_cfg.iterations
+                    if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
+                        outputs.write_group_grid(batch, geometry.group_size)
+                    interrupted = distributed.any_rank(interrupt.requested, ctx)
+                    speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
+                    outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
+                                          checkpoint=saver if saver.due(last or interrupted) else None, speed=speed)
+                    display.advance(record, speed)
+                    check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
+                    if interrupted:
+                        break
+
+                # ---- Final evaluation ----------------------------------------------------------------
+                if not interrupted and eval_set and state.iteration == train_cfg.iterations:
+                    display.phase("eval")
+                    outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
                 if interrupted:
-                    break
-
-            # ---- Final evaluation ----------------------------------------------------------------
-            if not interrupted and eval_set and state.iteration == train_cfg.iterations:
-                display.phase("eval")
-                outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
-            if interrupted:
-                finish_interrupted(console, ctx, run_dir, state, saver)
-    except Aborted:
-        aborted(console, ctx, run_dir)
-        raise
-    finally:
-        outputs.close()
-        distributed.teardown()
-    if interrupted:
-        raise KeyboardInterrupt
-    if ctx.is_main:
-        console.print(f"done: {train_cfg.iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
-    return run_dir
+                    finish_interrupted(console, ctx, run_dir, state, saver)
+        except Aborted:
+            aborted(console, ctx, run_dir)
+            raise
+        finally:
+            outputs.close()
+            distributed.teardown()
+        if interrupted:
+            raise KeyboardInterrupt
+        if ctx.is_main:
+            console.print(f"done: {train_cfg.iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
+        return run_dir
 
 
 # ------------------------------------------------------------------------------ the phases' helpers
