@@ -1,9 +1,11 @@
-"""Small process utilities shared by ``flowrl sweep`` and the reward fleet (Linux-aware)."""
+"""Small process utilities shared by ``flowrl sweep``, the reward fleet and the ``--num-processes``
+launcher (Linux-aware)."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +23,14 @@ def signal_on_parent_death(signum: int) -> bool:
     except (OSError, AttributeError):
         return False
     return True
+
+
+def die_with_parent(parent_pid: int, signum: int = getattr(signal, "SIGKILL", signal.SIGTERM)) -> None:
+    """Ask for ``signum`` when the parent exits, then exit at once if the parent (``parent_pid``)
+    is already gone: it may have died before the request took effect, and then no signal comes."""
+    signal_on_parent_death(signum)
+    if os.getppid() != parent_pid:
+        os._exit(128 + int(signum))
 
 
 def pid_alive(pid: int) -> bool:
