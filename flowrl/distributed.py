@@ -276,10 +276,7 @@ def broadcast_object(obj, ctx: DistContext):
 
 
 #: The torchrun agent, started by :func:`launch` through this wrapper: it dies with the launcher.
-_AGENT = ("import os, runpy, sys; from flowrl.processes import die_with_parent; "
-          "die_with_parent(int(os.environ.pop('FLOWRL_LAUNCHER_PID'))); "
-          "os.environ['FLOWRL_AGENT_PID'] = str(os.getpid()); sys.argv[0] = 'torchrun'; "
-          "runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)")
+_AGENT = "import sys; from flowrl.processes import run_launch_agent; run_launch_agent(sys.argv[1:])"
 
 
 def launch(num_processes: int, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -287,7 +284,7 @@ def launch(num_processes: int, argv: list[str], env: dict[str, str] | None = Non
     environment for them). Returns the exit status; 130 after a forwarded Ctrl-C or SIGTERM.
 
     The workers live exactly as long as this launcher. Linux's parent-death signal ties each link
-    of launcher -> torchrun agent -> worker: the agent is started through :data:`_AGENT`, and
+    of launcher -> torchrun agent -> worker: the agent is started through :data:`_AGENT` (:func:`flowrl.processes.run_launch_agent`), and
     every worker asks for it at startup (``flowrl train`` under ``FLOWRL_AGENT_PID``), each
     checking that its parent had not died before it asked. A per-link death signal was chosen over
     workers watching the launcher's pid: it needs no polling thread, fires the moment the parent

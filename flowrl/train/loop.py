@@ -23,6 +23,8 @@ from rich.console import Console
 from .. import distributed
 from ..errors import FlowrlError
 from ..geometry import resolve_geometry
+from ..interfaces import PlansMemory
+from ..memory_plan import GB, estimate, peak
 from ..plugins import Registry, get_registry
 from ..prompts import read_prompts
 from ..recipe import Recipe, check_startable
@@ -33,8 +35,8 @@ from .ema import WeightEMA
 from .evaluate import RunEvaluator, evaluation_set
 from .layout import ChunkLayout
 from .outputs import RunOutputs
-from .run_lock import hold_run_directory
 from .progress import Aborted, GracefulInterrupt, RunDisplay
+from .run_lock import hold_run_directory
 from .session import Session
 from .state import Checkpointer, TrainState, check_run_directory, restore_training_state, resume_hint, run_is_complete
 from .throughput import Throughput
@@ -137,6 +139,10 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         except Aborted:
             aborted(console, ctx, run_dir)
             raise
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            if not is_allocation_failure(exc):
+                raise
+            raise out_of_memory(recipe, geometry, ctx, registry, exc) from exc
         finally:
             outputs.close()
             distributed.teardown()
@@ -225,3 +231,48 @@ def aborted(console: Console, ctx, run_dir: Path) -> None:
     where = f"its latest checkpoint ({checkpoint_iteration(ckpt)} iterations)" if ckpt else "the start (no checkpoint yet)"
     console.print(f"aborted: stopped at once, no checkpoint written; the run resumes from {where} "
                   f"with `{resume_hint(run_dir)}`")
+
+
+#: What torch and Python say when memory runs out: CUDA's OutOfMemoryError, the CPU allocator's
+#: RuntimeError ("DefaultCPUAllocator: can't allocate memory"), MemoryError.
+ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "defaultcpuallocator", "cannot allocate memory")
+#: Model keys that set the size of every image and latent (whichever the model has).
+IMAGE_SIZE_KEYS = ("resolution", "image_size", "height", "width")
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or any(
+        text in str(exc).lower() for text in ALLOCATION_FAILURES)
+
+
+def out_of_memory(recipe: Recipe, geometry, ctx, registry: Registry, exc: BaseException) -> FlowrlError:
+    """An allocation failure while training, as one message: the recipe keys that set the size,
+    with their values, and what ``flowrl plan`` expected (where that needs no model load)."""
+    t = recipe.train
+    keys = [f"[train].prompts_per_iteration = {t.prompts_per_iteration}, group_size = {t.group_size} "
+            f"({geometry.samples_per_process} samples per process), micro_batch_size = {t.micro_batch_size}",
+            f"[sampler].steps = {recipe.sampler.steps}"]
+    params = recipe.components["model"].params
+    sizes = [f"{k} = {getattr(params, k)}" for k in IMAGE_SIZE_KEYS if isinstance(getattr(params, k, None), int)]
+    if sizes:
+        keys.append(f"[model].{', '.join(sizes)}")
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return FlowrlError(
+        f"out of memory while training ({first_line}); the batch is set by {'; '.join(keys)}{planned_memory(recipe, ctx, registry)}",
+        where=f"{recipe.source}: [train]",
+        hint="lower [train].micro_batch_size (the update's batch), prompts_per_iteration or group_size (the rollout), "
+        "or the image size; with several GPUs, more processes or [distributed].strategy = 'fsdp2'; "
+        f"`flowrl plan {recipe.source}` shows where the memory goes",
+    )
+
+
+def planned_memory(recipe: Recipe, ctx, registry: Registry) -> str:
+    """``; flowrl plan expects ...`` when the model states its sizes (PlansMemory): never a
+    model load here, right after memory ran out."""
+    if not isinstance(recipe.components["model"].params, PlansMemory):
+        return ""
+    try:
+        total, phase = peak(estimate(recipe, registry, ctx.world_size)[2])
+    except Exception:  # an estimate is a courtesy here: never hide the allocation failure behind another error
+        return ""
+    return f"; `flowrl plan` expects a peak of ~{total / GB:.1f} GB per process (in the {phase} phase)"
