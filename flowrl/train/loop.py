@@ -15,6 +15,7 @@ depends on the process layout; with 1 the whole update does not.)
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -57,11 +58,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     announce(console, ctx, cfg, geometry, run_dir)
     if dry_run:
         return run_dir
-    # One writer per run directory, from here on (creates it: an OS error is one message, before
-    # any model loads). The command usually holds it already; then this is a no-op.
-    with hold_run_directory(run_dir, where="--resume" if resume is not None else "[run].output_dir",
-                            main=ctx.is_main):
-        check_run_directory(recipe, run_dir, resume, registry)
+    with run_directory_held(recipe, run_dir, resume, registry, ctx), oom_explained(recipe, geometry, ctx, registry):
         check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
         # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
@@ -139,10 +136,6 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         except Aborted:
             aborted(console, ctx, run_dir)
             raise
-        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            if not is_allocation_failure(exc):
-                raise
-            raise out_of_memory(recipe, geometry, ctx, registry, exc) from exc
         finally:
             outputs.close()
             distributed.teardown()
@@ -233,6 +226,28 @@ def aborted(console: Console, ctx, run_dir: Path) -> None:
                   f"with `{resume_hint(run_dir)}`")
 
 
+@contextlib.contextmanager
+def run_directory_held(recipe: Recipe, run_dir: Path, resume: Path | None, registry: Registry, ctx):
+    """One writer per run directory for the block (:mod:`flowrl.train.run_lock`; the command
+    usually holds it already, then this only checks): taking it creates the directory, so an OS
+    error is one message before any model loads. Then: may this run write there?"""
+    with hold_run_directory(run_dir, where="--resume" if resume is not None else "[run].output_dir", main=ctx.is_main):
+        check_run_directory(recipe, run_dir, resume, registry)
+        yield
+
+
+@contextlib.contextmanager
+def oom_explained(recipe: Recipe, geometry, ctx, registry: Registry):
+    """An allocation failure in the block (building the run, or training) is one message naming
+    the recipe keys that set the size (:func:`out_of_memory`)."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_allocation_failure(exc):
+            raise
+        raise out_of_memory(recipe, geometry, ctx, registry, exc) from exc
+
+
 #: What torch and Python say when memory runs out: CUDA's OutOfMemoryError, the CPU allocator's
 #: RuntimeError ("DefaultCPUAllocator: can't allocate memory"), MemoryError.
 ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "defaultcpuallocator", "cannot allocate memory")
@@ -258,7 +273,7 @@ def out_of_memory(recipe: Recipe, geometry, ctx, registry: Registry, exc: BaseEx
         keys.append(f"[model].{', '.join(sizes)}")
     first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
     return FlowrlError(
-        f"out of memory while training ({first_line}); the batch is set by {'; '.join(keys)}{planned_memory(recipe, ctx, registry)}",
+        f"out of memory ({first_line}); the batch is set by {'; '.join(keys)}{planned_memory(recipe, ctx, registry)}",
         where=f"{recipe.source}: [train]",
         hint="lower [train].micro_batch_size (the update's batch), prompts_per_iteration or group_size (the rollout), "
         "or the image size; with several GPUs, more processes or [distributed].strategy = 'fsdp2'; "
