@@ -153,7 +153,8 @@ def lock_file(run_dir: Path, where: str) -> int | None:
             os.write(fd, f"{os.getpid()}\n".encode())
             return fd
         os.close(fd)  # the previous holder removed the file as we locked it: lock the one there now
-    raise FlowrlError(f"could not lock {path}: it kept being replaced", where=where, hint="is another run starting there?")
+    raise FlowrlError(f"could not lock {path}: it kept being replaced", where=where,
+                      hint="is another run starting there?")
 
 
 def same_file(fd: int, path: Path) -> bool:

@@ -183,7 +183,8 @@ def test_bad_input_an_allocation_failure_names_the_recipe_keys_that_set_the_size
         _one_message(code, err)
         err = " ".join(err.split())
         assert f"{tiny}: [train]: out of memory (" in err, err
-        for key in ("[train].prompts_per_iteration = 2", "group_size = 4", "micro_batch_size = 2", "[sampler].steps = 5"):
+        for key in ("[train].prompts_per_iteration = 2", "group_size = 4", "micro_batch_size = 2",
+                    "[sampler].steps = 5"):
             assert key in err, (key, err)
         assert "hint: lower [train].micro_batch_size" in err and f"flowrl plan {tiny}" in err
 
