@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -303,8 +304,29 @@ def broadcast_object(obj, ctx: DistContext):
     return box[0]
 
 
-def launch(num_processes: int, argv: list[str]) -> int:
-    """Re-run this command under torchrun with ``num_processes`` local processes."""
+#: The torchrun agent, started by :func:`launch` through this wrapper: it dies with the launcher.
+_AGENT = "import sys; from flowrl.processes import run_launch_agent; run_launch_agent(sys.argv[1:])"
+
+
+def launch(num_processes: int, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Re-run this command under torchrun with ``num_processes`` local processes (``env``: more
+    environment for them). Returns the exit status; 130 after a forwarded Ctrl-C or SIGTERM.
+
+    The workers live exactly as long as this launcher. Linux's parent-death signal ties each link
+    of launcher -> torchrun agent -> worker: the agent is started through :data:`_AGENT` (:func:`flowrl.processes.run_launch_agent`), and
+    every worker asks for it at startup (``flowrl train`` under ``FLOWRL_AGENT_PID``), each
+    checking that its parent had not died before it asked. A per-link death signal was chosen over
+    workers watching the launcher's pid: it needs no polling thread, fires the moment the parent
+    dies (SIGKILL and the OOM killer included, which no handler sees), cannot be fooled by a
+    reused pid, and torchrun starts every worker in a session of its own, out of reach of a
+    process-group kill. The death signal is SIGKILL: the graceful stops (Ctrl-C, SIGTERM, SIGHUP)
+    reach this launcher, which forwards them and waits, so a parent dies without stopping its
+    children first only when it was itself killed; a run is written to survive a kill at any
+    moment (atomic checkpoints) and resumes from its last checkpoint.
+
+    torchrun runs in a session (process group) of its own, so a Ctrl-C at the terminal reaches it once,
+    through this launcher, not twice (a second Ctrl-C aborts a run without its checkpoint).
+    """
     args = []
     skip = False
     for a in argv:
@@ -317,7 +339,27 @@ def launch(num_processes: int, argv: list[str]) -> int:
         if a.startswith("--num-processes="):
             continue
         args.append(a)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", "-m", "flowrl", *args]
-    return subprocess.call(cmd, env=env)
+    child_env = dict(os.environ, **(env or {}), FLOWRL_LAUNCHER_PID=str(os.getpid()))
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-c", _AGENT, "--standalone", f"--nproc_per_node={num_processes}", "-m", "flowrl", *args]
+    forwarded: list[int] = []
+    agent = subprocess.Popen(cmd, env=child_env, start_new_session=True)
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        if len(forwarded) >= 3:  # the third: stop waiting for anything (the workers die with the agent)
+            agent.kill()
+        else:  # the first stops after a checkpoint, the second aborts (flowrl.train.progress)
+            agent.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, forward) for sig in handled}
+    try:
+        code = agent.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if agent.poll() is None:  # an exception here (not a signal): leave no agent behind
+            agent.kill()
+            agent.wait()
+    return 130 if forwarded else code

@@ -400,15 +400,32 @@ class Recipe:
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """A recipe file's tables; a file the TOML parser cannot read, for any reason, is one
+    RecipeError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"{path} is a directory, not a recipe file", hint="pass a .toml file (`ls recipes/`)")
     if not path.is_file():
         raise RecipeError(f"recipe file not found: {path}", hint="check the path (`ls recipes/`)")
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"TOML syntax error: {exc}", where=str(path)) from exc
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise RecipeError(f"not a UTF-8 text file ({exc})", where=str(path)) from exc
+    except OSError as exc:
+        raise RecipeError(f"cannot read the recipe: {exc.strerror or exc}", where=str(path)) from exc
+    return parse_toml(text, str(path))
+
+
+def parse_toml(text: str, where: str) -> dict[str, Any]:
+    """``tomllib.loads``, with every way it can fail as one RecipeError at ``where``: a syntax
+    error, and nesting so deep that the parser (recursive) runs out of stack."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"TOML syntax error: {exc}", where=where) from exc
+    except RecursionError as exc:
+        raise RecipeError("arrays or tables nested too deeply for the TOML parser", where=where,
+                          hint="a recipe nests a few levels at most: look for a run of '[' or '{'") from exc
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -423,6 +440,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    except RecursionError as exc:
+        raise RecipeError(f"the value of override '{dotted.strip()}' is nested too deeply for the TOML parser",
+                          where="--set") from exc
     return keys, value
 
 

@@ -33,6 +33,9 @@ def build_reward(name: str, settings: list[str]):
         key, raw = (part.strip() for part in text.split("=", 1))
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
+        except RecursionError as exc:
+            raise RecipeError(f"the value of setting '{key}' is nested too deeply for the TOML parser",
+                              where="--set") from exc
         except tomllib.TOMLDecodeError:
             value = raw  # bare words are strings, as in `flowrl train --set`
         table[key] = value

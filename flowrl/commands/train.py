@@ -45,21 +45,40 @@ def train(
         if resume is None:
             raise FlowrlError("train needs a RECIPE (or --resume RUN_DIR)", hint="flowrl train recipes/quickstart.toml")
         recipe = resume / "recipe.toml"
+    if "FLOWRL_AGENT_PID" in os.environ:  # a worker of `--num-processes`: it dies with the launcher's agent
+        from ..processes import die_with_parent
+
+        die_with_parent(int(os.environ.pop("FLOWRL_AGENT_PID")))
     overrides = list(set_ or [])
     if output_dir is not None:
         overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")
+    resolved = load(recipe, overrides)  # the launcher too: a bad recipe is one message, before any process starts
+    from ..train.run_lock import HELD_FOR_WORKERS, hold_run_directory, lock_path
+
+    run_dir = resume if resume is not None else resolved.output_dir
+    where = "--resume" if resume is not None else "--output-dir" if output_dir is not None else "[run].output_dir"
     if num_processes > 1 and "LOCAL_RANK" not in os.environ:
         from ..distributed import launch
 
-        if overwrite and not dry_run:  # cleared once, here, before any process looks at the directory
-            clear_run_directory(load(recipe, overrides).output_dir)
-        raise typer.Exit(launch(num_processes, [a for a in sys.argv[1:] if a != "--overwrite"]))
-    resolved = load(recipe, overrides)
+        argv = [a for a in sys.argv[1:] if a != "--overwrite"]
+        if dry_run:
+            raise typer.Exit(launch(num_processes, argv))
+        # The launcher holds the run directory for its workers (they die with it), from before the
+        # --overwrite clearing until the last of them has stopped.
+        with hold_run_directory(run_dir, where=where, main=True):
+            if overwrite:
+                clear_run_directory(run_dir)
+            code = launch(num_processes, argv, env={HELD_FOR_WORKERS: str(lock_path(run_dir))})
+        raise typer.Exit(code)
     from ..train import train as run_training  # torch, diffusers: only when a run starts
 
-    if overwrite and not dry_run:
-        overwrite_run_directory(resolved.output_dir)
-    run_training(resolved, resume=resume, dry_run=dry_run, console=console, registry=registry())
+    if dry_run:
+        run_training(resolved, resume=resume, dry_run=True, console=console, registry=registry())
+        return
+    with hold_run_directory(run_dir, where=where):  # before anything is cleared or written
+        if overwrite:
+            overwrite_run_directory(resolved.output_dir)
+        run_training(resolved, resume=resume, console=console, registry=registry())
 
 
 #: What `flowrl train` writes into a run directory (trackers may add their own directories).

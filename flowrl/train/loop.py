@@ -15,6 +15,7 @@ depends on the process layout; with 1 the whole update does not.)
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ from rich.console import Console
 from .. import distributed
 from ..errors import FlowrlError
 from ..geometry import resolve_geometry
+from ..interfaces import PlansMemory
+from ..memory_plan import GB, estimate, peak
 from ..plugins import Registry, get_registry
 from ..prompts import read_prompts
 from ..recipe import Recipe, check_startable
@@ -34,6 +37,7 @@ from .evaluate import RunEvaluator, evaluation_set
 from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .progress import Aborted, GracefulInterrupt, RunDisplay
+from .run_lock import hold_run_directory
 from .session import Session
 from .state import Checkpointer, TrainState, check_run_directory, restore_training_state, resume_hint, run_is_complete
 from .throughput import Throughput
@@ -54,92 +58,92 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     announce(console, ctx, cfg, geometry, run_dir)
     if dry_run:
         return run_dir
-    check_run_directory(recipe, run_dir, resume, registry)
-    check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
+    with run_directory_held(recipe, run_dir, resume, registry, ctx), oom_explained(recipe, geometry, ctx, registry):
+        check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
-    # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
-    session = Session.open(recipe, registry, device=device)
-    prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
-    layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
-    update = PolicyUpdate(session, geometry, ctx)
-    kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
-    ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
-    eval_set = evaluation_set(cfg, session.model)
+        # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
+        session = Session.open(recipe, registry, device=device)
+        prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
+        layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
+        update = PolicyUpdate(session, geometry, ctx)
+        kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
+        ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
+        eval_set = evaluation_set(cfg, session.model)
 
-    # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
-    state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
-    if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
-        return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
-    throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
-    outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
-    evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
-    saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
-    display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
-    interrupted = False
-    try:
-        with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
-            for iteration in range(state.iteration, train_cfg.iterations):
-                timer = display.timer(device, update.counter)
-                record = {"iteration": iteration, "world_size": ctx.world_size}
+        # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
+        state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
+        if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
+            return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
+        throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
+        outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
+        evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
+        saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
+        display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
+        interrupted = False
+        try:
+            with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
+                for iteration in range(state.iteration, train_cfg.iterations):
+                    timer = display.timer(device, update.counter)
+                    record = {"iteration": iteration, "world_size": ctx.world_size}
 
-                # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
-                if layout.reprofile_due(iteration):
-                    with timer("profile"):
-                        record.update(layout.reprofile(iteration, console))
+                    # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
+                    if layout.reprofile_due(iteration):
+                        with timer("profile"):
+                            record.update(layout.reprofile(iteration, console))
 
-                # ---- Evaluate the current policy on the fixed set (before this update) ---------
-                if evaluator.due(iteration):
-                    with timer("eval"):
-                        record.update(evaluator(iteration))
+                    # ---- Evaluate the current policy on the fixed set (before this update) ---------
+                    if evaluator.due(iteration):
+                        with timer("eval"):
+                            record.update(evaluator(iteration))
 
-                # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
-                # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
-                batch = collect(session, geometry, ctx, prompts, iteration, timer)
+                    # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
+                    # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
+                    batch = collect(session, geometry, ctx, prompts, iteration, timer)
 
-                # ---- Advantages over whole groups (rewards gathered from every process) ---------
-                with timer("advantage"):
-                    assign_advantages(session, geometry, ctx, batch, len(layout.sizes), record)
-                if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
-                    break
+                    # ---- Advantages over whole groups (rewards gathered from every process) ---------
+                    with timer("advantage"):
+                        assign_advantages(session, geometry, ctx, batch, len(layout.sizes), record)
+                    if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
+                        break
 
-                # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA) ---
-                with timer("update"):
-                    outcome = update.run(batch, layout.sizes)
-                state.nonfinite_steps += outcome.skipped
-                record.update(update_record(outcome, batch, state, layout, update, ctx))
-                warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
+                    # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA) ---
+                    with timer("update"):
+                        outcome = update.run(batch, layout.sizes)
+                    state.nonfinite_steps += outcome.skipped
+                    record.update(update_record(outcome, batch, state, layout, update, ctx))
+                    warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
-                # ---- Log and checkpoint: the metrics row is on disk before the checkpoint --------
-                state.iteration = iteration + 1
-                last = state.iteration == train_cfg.iterations
-                if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
-                    outputs.write_group_grid(batch, geometry.group_size)
-                interrupted = distributed.any_rank(interrupt.requested, ctx)
-                speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
-                outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
-                                      checkpoint=saver if saver.due(last or interrupted) else None, speed=speed)
-                display.advance(record, speed)
-                check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
+                    # ---- Log and checkpoint: the metrics row is on disk before the checkpoint --------
+                    state.iteration = iteration + 1
+                    last = state.iteration == train_cfg.iterations
+                    if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
+                        outputs.write_group_grid(batch, geometry.group_size)
+                    interrupted = distributed.any_rank(interrupt.requested, ctx)
+                    speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
+                    outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
+                                          checkpoint=saver if saver.due(last or interrupted) else None, speed=speed)
+                    display.advance(record, speed)
+                    check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
+                    if interrupted:
+                        break
+
+                # ---- Final evaluation ----------------------------------------------------------------
+                if not interrupted and eval_set and state.iteration == train_cfg.iterations:
+                    display.phase("eval")
+                    outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
                 if interrupted:
-                    break
-
-            # ---- Final evaluation ----------------------------------------------------------------
-            if not interrupted and eval_set and state.iteration == train_cfg.iterations:
-                display.phase("eval")
-                outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
-            if interrupted:
-                finish_interrupted(console, ctx, run_dir, state, saver)
-    except Aborted:
-        aborted(console, ctx, run_dir)
-        raise
-    finally:
-        outputs.close()
-        distributed.teardown()
-    if interrupted:
-        raise KeyboardInterrupt
-    if ctx.is_main:
-        console.print(f"done: {train_cfg.iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
-    return run_dir
+                    finish_interrupted(console, ctx, run_dir, state, saver)
+        except Aborted:
+            aborted(console, ctx, run_dir)
+            raise
+        finally:
+            outputs.close()
+            distributed.teardown()
+        if interrupted:
+            raise KeyboardInterrupt
+        if ctx.is_main:
+            console.print(f"done: {train_cfg.iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
+        return run_dir
 
 
 # ------------------------------------------------------------------------------ the phases' helpers
@@ -220,3 +224,70 @@ def aborted(console: Console, ctx, run_dir: Path) -> None:
     where = f"its latest checkpoint ({checkpoint_iteration(ckpt)} iterations)" if ckpt else "the start (no checkpoint yet)"
     console.print(f"aborted: stopped at once, no checkpoint written; the run resumes from {where} "
                   f"with `{resume_hint(run_dir)}`")
+
+
+@contextlib.contextmanager
+def run_directory_held(recipe: Recipe, run_dir: Path, resume: Path | None, registry: Registry, ctx):
+    """One writer per run directory for the block (:mod:`flowrl.train.run_lock`; the command
+    usually holds it already, then this only checks): taking it creates the directory, so an OS
+    error is one message before any model loads. Then: may this run write there?"""
+    with hold_run_directory(run_dir, where="--resume" if resume is not None else "[run].output_dir", main=ctx.is_main):
+        check_run_directory(recipe, run_dir, resume, registry)
+        yield
+
+
+@contextlib.contextmanager
+def oom_explained(recipe: Recipe, geometry, ctx, registry: Registry):
+    """An allocation failure in the block (building the run, or training) is one message naming
+    the recipe keys that set the size (:func:`out_of_memory`)."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_allocation_failure(exc):
+            raise
+        raise out_of_memory(recipe, geometry, ctx, registry, exc) from exc
+
+
+#: What torch and Python say when memory runs out: CUDA's OutOfMemoryError, the CPU allocator's
+#: RuntimeError ("DefaultCPUAllocator: can't allocate memory"), MemoryError.
+ALLOCATION_FAILURES = ("out of memory", "can't allocate memory", "defaultcpuallocator", "cannot allocate memory")
+#: Model keys that set the size of every image and latent (whichever the model has).
+IMAGE_SIZE_KEYS = ("resolution", "image_size", "height", "width")
+
+
+def is_allocation_failure(exc: BaseException) -> bool:
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or any(
+        text in str(exc).lower() for text in ALLOCATION_FAILURES)
+
+
+def out_of_memory(recipe: Recipe, geometry, ctx, registry: Registry, exc: BaseException) -> FlowrlError:
+    """An allocation failure while training, as one message: the recipe keys that set the size,
+    with their values, and what ``flowrl plan`` expected (where that needs no model load)."""
+    t = recipe.train
+    keys = [f"[train].prompts_per_iteration = {t.prompts_per_iteration}, group_size = {t.group_size} "
+            f"({geometry.samples_per_process} samples per process), micro_batch_size = {t.micro_batch_size}",
+            f"[sampler].steps = {recipe.sampler.steps}"]
+    params = recipe.components["model"].params
+    sizes = [f"{k} = {getattr(params, k)}" for k in IMAGE_SIZE_KEYS if isinstance(getattr(params, k, None), int)]
+    if sizes:
+        keys.append(f"[model].{', '.join(sizes)}")
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    return FlowrlError(
+        f"out of memory ({first_line}); the batch is set by {'; '.join(keys)}{planned_memory(recipe, ctx, registry)}",
+        where=f"{recipe.source}: [train]",
+        hint="lower [train].micro_batch_size (the update's batch), prompts_per_iteration or group_size (the rollout), "
+        "or the image size; with several GPUs, more processes or [distributed].strategy = 'fsdp2'; "
+        f"`flowrl plan {recipe.source}` shows where the memory goes",
+    )
+
+
+def planned_memory(recipe: Recipe, ctx, registry: Registry) -> str:
+    """``; flowrl plan expects ...`` when the model states its sizes (PlansMemory): never a
+    model load here, right after memory ran out."""
+    if not isinstance(recipe.components["model"].params, PlansMemory):
+        return ""
+    try:
+        total, phase = peak(estimate(recipe, registry, ctx.world_size)[2])
+    except Exception:  # an estimate is a courtesy here: never hide the allocation failure behind another error
+        return ""
+    return f"; `flowrl plan` expects a peak of ~{total / GB:.1f} GB per process (in the {phase} phase)"

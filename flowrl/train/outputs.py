@@ -31,6 +31,7 @@ from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
+from .run_lock import LOCK_NAME
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
 EVOLUTION_PROMPTS, EVOLUTION_COLUMNS = 4, 8
@@ -41,8 +42,10 @@ EVAL_GRID_MAX = 64
 class RunOutputs:
     """The run directory's human-facing files; on processes other than the main one it does nothing.
 
-    The run directory is created here, after everything that can reject the run has passed; if
-    starting a tracker fails, a run directory created here is removed again.
+    The run's files are written here, after everything that can reject the run has passed; if
+    starting a tracker fails, what was written into a fresh run directory (one holding nothing
+    but its lock, :mod:`flowrl.train.run_lock`) is removed again, and the lock's release removes
+    the directory it made.
     """
 
     def __init__(self, run_dir: Path, session, ctx, start_iteration: int, run_info: dict | None = None):
@@ -52,12 +55,21 @@ class RunOutputs:
         self.metrics: MetricsLog | None = None
         if not self.enabled:
             return
-        created = not run_dir.exists()
+        existed = run_dir.exists()
+        fresh = not existed or all(p.name == LOCK_NAME for p in run_dir.iterdir())
         try:
             self._open(session, start_iteration, run_info)
         except BaseException:
-            if created:
+            if not existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
+            elif fresh:
+                for path in run_dir.iterdir():
+                    if path.name == LOCK_NAME:
+                        continue
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
             raise
 
     def _open(self, session, start_iteration: int, run_info: dict | None) -> None:

@@ -1,0 +1,210 @@
+"""One writer per run directory: ``RUN_DIR/.lock``, held with ``flock`` for the run's life.
+
+Why ``flock``: the kernel drops the lock the moment its holder dies (SIGKILL, the OOM killer),
+so a lock is never stale and nobody has to judge whether the pid in a file still runs; the pid
+written into the file only names the holder in the message a refused writer gets.
+
+Who holds it: ``flowrl train`` takes it in the process that runs the command, before it clears
+(``--overwrite``) or writes anything. Under ``--num-processes N`` that is the launcher, whose
+workers die with it (:func:`flowrl.distributed.launch`); it tells them through
+:data:`HELD_FOR_WORKERS` that the lock is held on their behalf. Under an external launcher
+(torchrun, ``accelerate launch``) the process of rank 0 takes it. :func:`flowrl.train.train`
+called as a library takes it too, unless this process already holds it.
+
+Taking the lock creates the run directory, so an OS error making it (read-only filesystem, a
+parent that is a regular file, ``/proc``) is one message before any model loads; a run that
+stops before writing anything leaves no directory behind that it made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import FlowrlError
+
+LOCK_NAME = ".lock"
+#: Set by the launcher for its workers: the lock file it holds for them (resolved path).
+HELD_FOR_WORKERS = "FLOWRL_RUN_LOCK"
+#: Filesystems that cannot lock (some FUSE and old NFS mounts): run unlocked, with a warning,
+#: rather than refuse to train there at all.
+_NO_LOCKING = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+_held: dict[str, RunLock] = {}  # run directories this process holds: train() inside the command re-enters
+
+
+def lock_path(run_dir: Path) -> Path:
+    return Path(run_dir).resolve() / LOCK_NAME
+
+
+def os_error_message(action: str, path: Path, exc: OSError) -> str:
+    """``cannot ACTION PATH: STRERROR`` (and the file the OS named, where it is another one)."""
+    reason = exc.strerror or str(exc)
+    if exc.filename and Path(str(exc.filename)) != Path(path):
+        reason += f" ({exc.filename})"
+    return f"cannot {action} {path}: {reason}"
+
+
+class RunLock:
+    """The held lock of one run directory; :meth:`release` gives it back."""
+
+    def __init__(self, run_dir: Path, fd: int | None, made: list[Path]):
+        self.run_dir, self.fd, self.made = run_dir, fd, made
+
+    @classmethod
+    def acquire(cls, run_dir: Path, where: str) -> RunLock:
+        run_dir = Path(run_dir)
+        made = make_directory(run_dir, where)
+        try:
+            return cls(run_dir, lock_file(run_dir, where), made)
+        except BaseException:
+            remove_made(made)
+            raise
+
+    def release(self) -> None:
+        """Unlock; a directory this lock made and the run left empty (it stopped before writing
+        anything) is removed again, so a refused or failed start leaves nothing behind."""
+        path = self.run_dir / LOCK_NAME
+        if self.fd is not None:
+            # unlink before unlocking: a writer waiting on this file then finds it gone and locks
+            # the new one (lock_file checks), never an unlinked file nobody else can see
+            with contextlib.suppress(OSError):
+                path.unlink()
+            os.close(self.fd)
+            self.fd = None
+        remove_made(self.made)
+
+
+def make_directory(run_dir: Path, where: str) -> list[Path]:
+    """Create ``run_dir`` and its missing parents; returns those made, outermost first. An OS
+    error is a FlowrlError naming the path, and what was made before it is removed again."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FlowrlError(f"cannot use {run_dir} as the run directory: it is a file, not a directory", where=where,
+                          hint="pass another --output-dir, or move the file away")
+    missing = []
+    for path in (run_dir, *run_dir.parents):
+        if path.is_dir():
+            break
+        missing.append(path)
+    made: list[Path] = []
+    try:
+        for path in reversed(missing):
+            try:
+                path.mkdir()
+            except FileExistsError:
+                if not path.is_dir():  # a regular file in the way
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+                continue  # made by someone else meanwhile: not ours to remove
+            made.append(path)
+    except OSError as exc:
+        remove_made(made)
+        raise FlowrlError(os_error_message("create the run directory", run_dir, exc), where=where,
+                          hint="choose a run directory you can write (--output-dir, or [run].output_dir)") from exc
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the directories in ``made`` (outermost first) that hold nothing but a lock file."""
+    for path in reversed(made):
+        try:
+            leftover = [p for p in path.iterdir() if p.name != LOCK_NAME]
+            if leftover:
+                return
+            with contextlib.suppress(FileNotFoundError):
+                (path / LOCK_NAME).unlink()
+            path.rmdir()
+        except OSError:
+            return
+
+
+def lock_file(run_dir: Path, where: str) -> int | None:
+    """Open and lock ``RUN_DIR/.lock``; refuse with one message while another process holds it."""
+    path = run_dir / LOCK_NAME
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not inherited by torchrun
+        except OSError as exc:
+            raise FlowrlError(os_error_message("write into the run directory", run_dir, exc), where=where,
+                              hint="choose a run directory you can write (--output-dir, or [run].output_dir)") from exc
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = read_holder(fd)
+            os.close(fd)
+            raise busy(run_dir, holder, where) from None
+        except ImportError:  # no fcntl (Windows): nothing to lock with
+            os.close(fd)
+            return None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in _NO_LOCKING:
+                print(f"warning: {run_dir} is on a filesystem that cannot lock files ({exc.strerror}); "
+                      "nothing stops a second run from writing it at the same time", file=sys.stderr)
+                return None
+            raise FlowrlError(os_error_message("lock the run directory", run_dir, exc), where=where) from exc
+        if same_file(fd, path):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)  # the previous holder removed the file as we locked it: lock the one there now
+    raise FlowrlError(f"could not lock {path}: it kept being replaced", where=where,
+                      hint="is another run starting there?")
+
+
+def same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return text if text.isdigit() else ""
+
+
+def busy(run_dir: Path, holder: str, where: str) -> FlowrlError:
+    who = f"another flowrl process (pid {holder})" if holder else "another flowrl process"
+    stop = f"`kill -INT {holder}`" if holder else "Ctrl-C in its terminal"
+    return FlowrlError(
+        f"{run_dir} is in use: {who} is training there, and a second writer would corrupt the run",
+        where=where,
+        hint=f"wait for that run to end, or stop it ({stop}: it checkpoints first) and continue it with "
+        f"`flowrl train --resume {run_dir}`; to train alongside it, pass another --output-dir",
+    )
+
+
+def held_here(run_dir: Path) -> bool:
+    """Whether this process may write ``run_dir`` without taking the lock: it holds it already,
+    or its launcher holds it for it."""
+    key = str(lock_path(run_dir))
+    return key in _held or os.environ.get(HELD_FOR_WORKERS) == key
+
+
+@contextlib.contextmanager
+def hold_run_directory(run_dir: Path, *, where: str = "[run].output_dir", main: bool | None = None) -> Iterator[None]:
+    """Hold ``run_dir``'s lock for the block (creating the directory). ``main``: whether this is
+    the process that owns the run (default: RANK 0, or no launcher); the others write only
+    what the main process's lock already covers."""
+    main = os.environ.get("RANK", "0") == "0" if main is None else main
+    if not main or held_here(run_dir):
+        yield
+        return
+    key = str(lock_path(run_dir))
+    lock = RunLock.acquire(Path(run_dir), where)
+    _held[key] = lock
+    try:
+        yield
+    finally:
+        del _held[key]
+        lock.release()

@@ -1,0 +1,134 @@
+"""`flowrl train --num-processes 2`: the workers live exactly as long as the launcher, and the run
+directory has one writer.
+
+torchrun starts every worker in a session of its own, so a kill of the launcher's process group
+used to leave both workers training and writing checkpoints. Each test starts a real 2-process
+run of the tiny recipe (long enough that it is still training when it is stopped) and finds every
+process of the run by its run directory in /proc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from engine_helpers import REPO, wait_for, write_recipe
+
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
+from flowrl.train.run_lock import LOCK_NAME, hold_run_directory
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the run's processes in /proc")
+
+
+def run_processes(run_dir: Path) -> list[int]:
+    """Live (not zombie) processes whose command line names ``run_dir``: launcher, agent, workers."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if str(run_dir).encode() in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def start_two_process_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "train", str(recipe), "-o", str(run_dir), "--num-processes", "2",
+         "--set", "train.iterations=500"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a shell gives a job
+    )
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        wait_for(lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1 or launcher.poll() is not None,
+                 240, "the first metrics row")
+    except AssertionError:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        raise
+    assert launcher.poll() is None, launcher.communicate()
+    return launcher, run_dir
+
+
+def stop_everything(run_dir: Path) -> None:
+    for pid in run_processes(run_dir):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_killing_the_launchers_process_group_leaves_no_flowrl_process_within_10_s(tmp_path):
+    launcher, run_dir = start_two_process_run(tmp_path)
+    try:
+        pids = run_processes(run_dir)
+        assert len(pids) >= 4, pids  # the launcher, the torchrun agent and two workers
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        killed = time.monotonic()
+        while run_processes(run_dir) and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        assert run_processes(run_dir) == [], "workers outlived the killed launcher"
+    finally:
+        stop_everything(run_dir)
+    # nothing is written any more, and the dead launcher's lock is free for the next writer
+    rows = (run_dir / "metrics.jsonl").read_text()
+    time.sleep(2)
+    assert (run_dir / "metrics.jsonl").read_text() == rows
+    with hold_run_directory(run_dir, main=True):
+        assert (run_dir / LOCK_NAME).is_file()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_of_the_launcher_stops_the_workers_after_a_checkpoint(tmp_path, signum):
+    launcher, run_dir = start_two_process_run(tmp_path)
+    try:
+        launcher.send_signal(signum)  # to the launcher alone: it forwards it to the workers
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        stop_everything(run_dir)
+    assert launcher.returncode == 130, (out, err)
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"{name}: stopping after this iteration" in err and "Traceback" not in out + err, (out, err)
+    assert "checkpoint written" in " ".join(out.split())
+    assert run_processes(run_dir) == []
+    done = load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"]
+    assert 1 <= done < 500
+
+
+def test_a_second_writer_is_refused_while_the_launcher_holds_the_run_directory(tmp_path, flowrl_cli):
+    launcher, run_dir = start_two_process_run(tmp_path)
+    try:
+        first_row = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
+        recipe = str(tmp_path / "tiny.toml")
+        results = flowrl_cli.batch([
+            ["train", recipe, "-o", str(run_dir)],
+            ["train", recipe, "-o", str(run_dir), "--overwrite"],
+            ["train", "--resume", str(run_dir)],
+            ["train", recipe, "-o", str(run_dir), "--num-processes", "2"],
+        ], timeout=180)
+        still_running = launcher.poll() is None
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        stop_everything(run_dir)
+    assert still_running
+    for result in results:
+        err = result.flat_err
+        assert result.returncode == 2, (result.argv, result.stdout, result.stderr)
+        assert err.startswith("error:") and err.count("error:") == 1 and "Traceback" not in err, result.stderr
+        assert f"{run_dir} is in use" in err and f"pid {launcher.pid}" in err and "--output-dir" in err, err
+        assert "removed the earlier run" not in result.stdout
+    # --overwrite was refused before it deleted anything of the running run
+    assert (run_dir / "metrics.jsonl").read_text().splitlines()[0] == first_row
