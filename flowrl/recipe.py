@@ -303,6 +303,14 @@ class DistributedConfig:
         "(fsdp2: MixedPrecisionPolicy; none/ddp: autocast). Raise [train].on_policy_tolerance "
         "(docs/distributed.md derives it).",
     )
+    num_processes: int = param(
+        1,
+        "The number of processes (one per GPU) the recipe is written for. `flowrl plan` estimates "
+        "memory at this count unless --num-processes says otherwise, and `flowrl train` warns when a "
+        "run has fewer processes. It launches nothing: start them with `flowrl train --num-processes N`, "
+        "torchrun or accelerate launch.",
+        min=1,
+    )
 
     def __post_init__(self):
         for key, value, default in (("shard", self.shard, "full"), ("cpu_offload", self.cpu_offload, False)):
