@@ -6,8 +6,8 @@ recipes (:mod:`flowrl.recipe`) and the training loop (:mod:`flowrl.train`). Comp
 plugins, the built-ins included (docs/architecture.md draws the layout).
 """
 
-from .errors import FlowrlError
+from .errors import DISTRIBUTION, FlowrlError
 from .hookspecs import hookimpl
 
 __version__ = "0.1.0"
-__all__ = ["FlowrlError", "hookimpl", "__version__"]
+__all__ = ["DISTRIBUTION", "FlowrlError", "hookimpl", "__version__"]

@@ -37,9 +37,10 @@ def _print_version(value: bool) -> None:
         from importlib import metadata
 
         from . import __version__
+        from .errors import DISTRIBUTION
 
         try:
-            version = metadata.version("flowrl")  # the installed distribution's
+            version = metadata.version(DISTRIBUTION)  # ours: PyPI's "flowrl" is another project
         except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
             version = __version__
         print(f"flowrl {version}")

@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-# bitsandbytes (flowrl[quant]) warns at import, on CPUs with AVX512-bf16, that the optional package
+# bitsandbytes (flowrl-diffusion[quant]) warns at import, on CPUs with AVX512-bf16, that the optional package
 # of faster CPU kernels ("kernels") is missing; flowrl's quantised path runs without it.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 

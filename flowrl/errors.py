@@ -79,6 +79,12 @@ def suggest(name: str, valid: Iterable[str]) -> str:
     return f"valid: {listing}"
 
 
+#: flowrl's name on the package index, which install hints name: the import package and the command
+#: are ``flowrl``, but the distribution name ``flowrl`` on PyPI belongs to an unrelated JAX library
+#: (issue 24), so installing the name ``flowrl`` from the index would get that library instead.
+DISTRIBUTION = "flowrl-diffusion"
+
+
 def require(module: str, *, extra: str, purpose: str) -> ModuleType:
     """Import an optional dependency lazily, or explain which extra to install.
 
@@ -90,5 +96,5 @@ def require(module: str, *, extra: str, purpose: str) -> ModuleType:
     except ImportError as exc:
         raise MissingDependencyError(
             f"{purpose} needs the optional package '{module}', which is not installed ({exc})",
-            hint=f'pip install "flowrl[{extra}]"',
+            hint=f'pip install "{DISTRIBUTION}[{extra}]"',
         ) from exc

@@ -112,7 +112,7 @@ class TrainConfig:
         "adamw",
         "'adamw': torch's AdamW, moments in the trainable dtype. 'adamw_8bit': bitsandbytes' AdamW8bit, "
         "moments stored in 8 bits (2 bytes per trainable parameter instead of 8; pip install "
-        "'flowrl[quant]'); strategies 'none' and 'ddp' only (its state does not shard).",
+        "'flowrl-diffusion[quant]'); strategies 'none' and 'ddp' only (its state does not shard).",
     )
     reference_on_cpu: bool = param(
         False,
@@ -208,7 +208,7 @@ class PromptsConfig:
         "model",
         "'model' (the model's own prompt source); a text file, one prompt a line; a table with named columns "
         "(.jsonl, .csv, .tsv, .parquet); a Hugging Face datasets directory (save_to_disk, or data files); or "
-        "hf:NAME[:CONFIG] from the local datasets cache. Parquet and datasets need flowrl[datasets].",
+        "hf:NAME[:CONFIG] from the local datasets cache. Parquet and datasets need flowrl-diffusion[datasets].",
         path=True, keep=("model", "hf:"),
     )
     eval_source: str = param("", "Evaluation prompts: same forms as source; empty = same as source.",
@@ -302,6 +302,14 @@ class DistributedConfig:
         "'bf16': compute in bfloat16 with float32 master weights, gradients reduced in float32 "
         "(fsdp2: MixedPrecisionPolicy; none/ddp: autocast). Raise [train].on_policy_tolerance "
         "(docs/distributed.md derives it).",
+    )
+    num_processes: int = param(
+        1,
+        "The number of processes (one per GPU) the recipe is written for. `flowrl plan` estimates "
+        "memory at this count unless --num-processes says otherwise, and `flowrl train` warns when a "
+        "run has fewer processes. It launches nothing: start them with `flowrl train --num-processes N`, "
+        "torchrun or accelerate launch.",
+        min=1,
     )
 
     def __post_init__(self):

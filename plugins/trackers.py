@@ -30,7 +30,7 @@ class TensorBoardConfig:
 
 
 class TensorBoardTracker:
-    """TensorBoard scalars and image grids (needs `pip install "flowrl[tensorboard]"`)."""
+    """TensorBoard scalars and image grids (needs `pip install "flowrl-diffusion[tensorboard]"`)."""
 
     Config = TensorBoardConfig
 
@@ -78,7 +78,7 @@ WANDB_RUN_FILE = "wandb_run.json"
 class WandbTracker:
     """Weights & Biases: scalars (x axis: the iteration), image grids, the resolved recipe as
     the run's config; a resumed run logs into the same wandb run (its id is kept in
-    RUN_DIR/wandb_run.json). wandb's files go to RUN_DIR/wandb. Needs `pip install "flowrl[wandb]"`."""
+    RUN_DIR/wandb_run.json). wandb's files go to RUN_DIR/wandb. Needs `pip install "flowrl-diffusion[wandb]"`."""
 
     Config = WandbConfig
 

@@ -245,6 +245,31 @@ def test_train_option_parsing(monkeypatch, tmp_path):
     assert seen["recipe"].output_dir == Path("runs/quickstart_hacking") and seen["dry_run"] is False
 
 
+@pytest.mark.parametrize("intended, env, warns", [
+    (8, {}, True),                                       # one process, no launcher
+    (8, {"WORLD_SIZE": "2", "RANK": "0"}, True),         # a launcher with fewer processes, the main one
+    (8, {"WORLD_SIZE": "2", "RANK": "1"}, False),        # ... said once, by the main process only
+    (8, {"WORLD_SIZE": "8", "RANK": "0"}, False),        # the intended count
+    (2, {"WORLD_SIZE": "4", "RANK": "0"}, False),        # more processes only lower the memory
+    (1, {}, False),                                      # the default: a one-process recipe
+])
+def test_train_warns_when_the_run_has_fewer_processes_than_the_recipe_states(monkeypatch, capsys, intended, env, warns):
+    """[distributed].num_processes launches nothing (train keeps its one-process default), but a
+    run with fewer processes holds more per process than `flowrl plan RECIPE` estimated."""
+    import flowrl.train
+
+    monkeypatch.setattr(flowrl.train, "train", lambda recipe, **kwargs: None)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    cli.main(["train", str(REPO / QUICK), "--set", f"distributed.num_processes={intended}"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("warning: the recipe is written for 8 processes ([distributed].num_processes) and this run has "
+            f"{env.get('WORLD_SIZE', '1')}" in out) is warns, out
+    assert ("warning" in out) is warns, out
+
+
 def test_main_propagates_a_commands_exit_code(capsys):
     @cli.app.command(name="_exit_test", hidden=True)
     def _exit_test(code: int = 0) -> None:

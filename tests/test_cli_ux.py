@@ -208,7 +208,7 @@ def test_version(results):
     from importlib import metadata
 
     r = results["version"]
-    assert r.returncode == 0 and r.stdout.strip() == f"flowrl {metadata.version('flowrl')}"
+    assert r.returncode == 0 and r.stdout.strip() == f"flowrl {metadata.version('flowrl-diffusion')}"
 
 
 def test_help_shows_no_value_type_after_plain_flags(results):
@@ -219,7 +219,7 @@ def test_help_shows_no_value_type_after_plain_flags(results):
         assert "<bool>" not in r.stdout, f"{name}: {r.stdout}"
     assert "--dry-run" in results["help_train"].stdout and "--overwrite" in results["help_train"].stdout
     assert "<path>" in results["help_train"].stdout  # options that take a value still show its type
-    assert "flowrl[fleet]" in results["help_reward_serve"].flat_out  # not eaten as markup
+    assert "flowrl-diffusion[fleet]" in results["help_reward_serve"].flat_out  # not eaten as markup
 
 
 def test_reward_serve_names_the_argument(results):

@@ -17,7 +17,7 @@ def test_require_names_the_extra_to_install():
         require("surely_not_an_installed_module_xyz", extra="clip", purpose="the 'clip' reward")
     text = err.value.format()
     assert "the 'clip' reward needs the optional package 'surely_not_an_installed_module_xyz'" in text
-    assert 'pip install "flowrl[clip]"' in text
+    assert 'pip install "flowrl-diffusion[clip]"' in text
 
 
 # open_clip is hidden the way a missing package is (`import open_clip` raises ImportError), so
@@ -43,5 +43,5 @@ def test_training_with_the_open_clip_backend_missing_says_which_extra(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2, proc.stderr
-    assert 'pip install "flowrl[clip]"' in proc.stderr
+    assert 'pip install "flowrl-diffusion[clip]"' in proc.stderr
     assert "Traceback" not in proc.stderr

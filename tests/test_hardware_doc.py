@@ -1,6 +1,7 @@
 """docs/hardware.md is what `scripts/hardware_table.py` writes today (issue 18, the hardware table).
 
-The page is `flowrl plan`'s estimate for every shipped recipe at the world sizes it is meant for.
+The page is `flowrl plan`'s estimate for every shipped recipe at the processes it is written for
+(its `[distributed].num_processes`).
 It goes stale when a recipe, a model's memory facts or the estimate change: regenerate it with
 ``python scripts/hardware_table.py``. Planning runs offline (about 35 s here, most of it imports
 and the one-block activation measurements).
@@ -29,14 +30,27 @@ def table():
     sys.modules.pop("hardware_table", None)
 
 
-def test_every_shipped_recipe_has_a_world_size(table):
-    files = table.recipe_files()
-    assert files
-    missing = [n for n in files if n not in table.WORLD_SIZES]
-    gone = [n for n in table.WORLD_SIZES if n not in files]
-    assert not missing, (f"add these recipes to WORLD_SIZES in scripts/hardware_table.py (the GPUs their header "
-                         f"says they are meant for), then run `{table.COMMAND}`: {missing}")
-    assert not gone, f"WORLD_SIZES in scripts/hardware_table.py lists recipes that do not exist: {gone}"
+def test_every_recipe_declares_the_processes_its_header_launches(table):
+    """The page plans each recipe at its [distributed].num_processes (what `flowrl plan RECIPE`
+    uses): a recipe whose header launches `--num-processes N` must declare N, so that the plan,
+    the page and the launch command agree (issue 24 item 4: the flagship was planned at 1)."""
+    import re
+
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+
+    registry = get_registry()
+    launched = {}
+    for name in table.recipe_files():
+        text = (table.RECIPES / name).read_text(encoding="utf-8")
+        counts = {int(n) for n in re.findall(rf"^#\s+flowrl train recipes/{re.escape(name)}\b.*--num-processes (\d+)", text, re.M)}
+        if counts:
+            launched[name] = counts
+    assert len(launched) >= 6, launched  # the multi-GPU recipes' headers are found at all
+    wrong = {name: (counts, load_recipe(table.RECIPES / name, [], registry=registry).distributed.num_processes)
+             for name, counts in launched.items()}
+    wrong = {name: v for name, v in wrong.items() if v[0] != {v[1]}}
+    assert not wrong, f"header --num-processes vs [distributed].num_processes: {wrong}"
 
 
 def test_hardware_page_is_current(table):

@@ -103,7 +103,7 @@ def test_builtin_hookimpls_in_plugins_are_trylast_in_source():
 def test_builtin_hookimpls_are_trylast_once_loaded():
     """The same rule on what pluggy actually registered from the flowrl distribution."""
     registry = get_registry()
-    builtin = {name for name, info in registry.plugins.items() if info.distribution == "flowrl"}
+    builtin = {name for name, info in registry.plugins.items() if info.distribution == "flowrl-diffusion"}
     assert builtin, f"no built-in plugin found in the '{ENTRY_POINT_GROUP}' entry-point group"
     bad = []
     for hook in HOOKS:

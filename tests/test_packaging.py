@@ -1,4 +1,7 @@
-"""Packaging: what `pip install flowrl` ships, its entry points, and the CLI's help screens."""
+"""Packaging: what `pip install flowrl-diffusion` ships, its entry points, and the CLI's help screens.
+
+The full install check (wheel and sdist into fresh environments, the quickstart run from outside
+the checkout) is scripts/check_install.py: it installs torch, too slow for the suite."""
 
 from __future__ import annotations
 
@@ -35,6 +38,30 @@ def _package_dirs() -> dict[str, Path]:
     return found
 
 
+def test_the_distribution_name_is_ours_and_installed():
+    """`flowrl` on PyPI is an unrelated JAX library whose import package is also `flowrl`
+    (issue 24 item 8): the distribution is flowrl-diffusion; the import name and command stay."""
+    import flowrl
+
+    assert PYPROJECT["project"]["name"] == flowrl.DISTRIBUTION == "flowrl-diffusion"
+    assert metadata.distribution(flowrl.DISTRIBUTION).metadata["Name"] == "flowrl-diffusion"
+    assert PYPROJECT["project"]["scripts"] == {"flowrl": "flowrl.cli:main"}
+
+
+def test_no_text_tells_a_user_to_install_the_other_flowrl():
+    """Installing the name `flowrl` (with or without extras) would get the JAX library from PyPI."""
+    import re
+
+    install = re.compile(r"pip install\s+[\"']?flowrl(?![-\w])|(?<![\w/.-])flowrl\[[a-z,]+\]")
+    found = {}
+    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "flowrl").rglob("*.py"),
+                 *(REPO / "plugins").rglob("*.py"), *(REPO / "recipes").glob("*.toml")]:
+        hits = install.findall(path.read_text(encoding="utf-8"))
+        if hits:
+            found[path.relative_to(REPO).as_posix()] = len(hits)
+    assert not found, f"name the distribution flowrl-diffusion (pip install \"flowrl-diffusion[x]\"): {found}"
+
+
 def test_package_dir_mapping():
     assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"flowrl": "flowrl", "flowrl_plugins": "plugins"}
 
@@ -57,7 +84,7 @@ def test_declared_entry_points_are_installed():
     installed = {
         ep.name: ep.value
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
-        if ep.dist is not None and ep.dist.metadata["Name"] == "flowrl"
+        if ep.dist is not None and ep.dist.metadata["Name"] == "flowrl-diffusion"
     }
     assert installed == _declared_entry_points(), (
         "the installed metadata differs from pyproject.toml: reinstall with `pip install -e .`"

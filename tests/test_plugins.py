@@ -158,8 +158,8 @@ def test_third_party_plugin_is_discovered_through_its_entry_point(third_party):
     assert set(mine["components"]) == {"reward:sharpness", "chunker:halves"}
     # help defaults to the first docstring line
     assert mine["components"]["chunker:halves"] == "Two chunks: `first` transitions, then the rest."
-    # the built-ins are discovered through the same group, with the flowrl distribution
-    assert listing["chunkers"]["distribution"] == "flowrl"
+    # the built-ins are discovered through the same group, with flowrl's distribution (its PyPI name)
+    assert listing["chunkers"]["distribution"] == "flowrl-diffusion"
     assert "chunker:explicit" in listing["chunkers"]["components"]
 
 

@@ -162,7 +162,7 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "pyarrow", raising=False)
     with pytest.raises(FlowrlError, match="needs the optional package 'pyarrow.parquet'") as err:
         read_prompts(str(tmp_path / "p.parquet"), None, "w", PromptsConfig())
-    assert "flowrl[datasets]" in err.value.hint and err.value.where == "w"
+    assert "flowrl-diffusion[datasets]" in err.value.hint and err.value.where == "w"
 
 
 def test_a_large_jsonl_is_indexed_in_bounded_memory(tmp_path):

@@ -74,8 +74,11 @@ def test_building_flowrl_prints_no_setuptools_warning_and_ships_the_data(tmp_pat
     assert proc.returncode == 0, proc.stderr
     output = proc.stdout + proc.stderr
     assert "BuildBackendWarning" not in output and not warnings_in(output), output
-    [wheel] = tmp_path.glob("flowrl-*.whl")
+    [wheel] = tmp_path.glob("flowrl_diffusion-*.whl")  # the distribution's name, normalised (PEP 427)
     names = set(zipfile.ZipFile(wheel).namelist())
+    # the distribution the package index knows it by ("flowrl" there is an unrelated JAX library)
+    [meta] = [n for n in names if n.endswith(".dist-info/METADATA")]
+    assert "\nName: flowrl-diffusion\n" in zipfile.ZipFile(wheel).read(meta).decode()
     for data in ("flowrl_plugins/embedded/weights/embedded.safetensors", "flowrl_plugins/embedded/weights/embedded.json",
                  "flowrl_plugins/rewards/embedded_clip/model.safetensors", "flowrl_plugins/rewards/hpsv3_prompt.txt"):
         assert data in names

@@ -65,7 +65,7 @@ def test_the_quickstart_install_covers_its_last_suggested_command(tmp_path, flow
     proc = subprocess.run([sys.executable, "-c", HIDE.format(module="matplotlib", argv=argv)],
                           env=flowrl_cli.env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    needed = re.search(r'pip install "flowrl\[(\w+)\]"', " ".join(proc.stderr.split())).group(1)
+    needed = re.search(r'pip install "flowrl-diffusion\[(\w+)\]"', " ".join(proc.stderr.split())).group(1)
     assert needed in installed_extras(section), f"the quickstart installs {installed_extras(section)}, `flowrl {argv[0]}` needs [{needed}]"
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(req.startswith("matplotlib") for req in extras[needed])

@@ -24,7 +24,7 @@ def test_reference_doc_is_up_to_date():
 def test_reference_documents_every_key_of_every_table_and_builtin_component():
     reg = get_registry()
     doc = reference_markdown(reg)
-    sections = {title: rows for title, _, rows in reference_sections(reg, distribution="flowrl")}
+    sections = {title: rows for title, _, rows in reference_sections(reg, distribution="flowrl-diffusion")}
     for name, cls in SECTIONS.items():
         assert {r[0] for r in sections[f"[{name}]"]} == {f.name for f in dataclasses.fields(cls)}
     assert {r[0] for r in sections["[[rewards]] (every entry)"]} == {"weight", "name", "chunk_weights"}
@@ -33,7 +33,7 @@ def test_reference_documents_every_key_of_every_table_and_builtin_component():
         brackets = f"[[{section}]]" if section in LIST_SECTIONS else f"[{section}]"
         for comp_name in reg.names(kind):
             comp = reg.get(kind, comp_name)
-            if reg.plugins[comp.plugin].distribution != "flowrl":
+            if reg.plugins[comp.plugin].distribution != "flowrl-diffusion":
                 continue
             rows = sections[f'{brackets} use = "{comp_name}"']
             keys = {f.name for f in dataclasses.fields(comp.params)} if comp.params else set()

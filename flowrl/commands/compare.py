@@ -433,7 +433,7 @@ def compare(
     at_wall_time: Annotated[Optional[float], typer.Option(
         "--at-wall-time", min=0.0, help="Also compare at equal train time: the last evaluation within SECONDS.")] = None,
     confidence: Annotated[float, typer.Option("--confidence", min=0.5, max=0.999, help="Confidence of the t intervals.")] = 0.95,
-    figure: Annotated[bool, typer.Option("--figure/--no-figure", help="With -o, draw compare.png (needs flowrl[plot]).")] = True,
+    figure: Annotated[bool, typer.Option("--figure/--no-figure", help="With -o, draw compare.png (needs flowrl-diffusion[plot]).")] = True,
 ) -> None:
     """Compare variants over seeds: final, best and AUC of an eval metric, t intervals, paired differences."""
     if fmt not in FORMATS:

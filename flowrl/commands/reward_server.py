@@ -53,7 +53,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on; 0 picks a free one.")] = 8700,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request.")] = False,
     backend: Annotated[str, typer.Option("--backend", help="'simple' (stdlib, one process) or 'litserve' "
-                                         "(a fleet: replicas, dynamic batching; needs flowrl\\[fleet]).")] = "simple",
+                                         "(a fleet: replicas, dynamic batching; needs flowrl-diffusion\\[fleet]).")] = "simple",
     replicas: Annotated[Optional[int], typer.Option("--replicas", help="litserve: replica processes (default 1).")] = None,
     max_batch: Annotated[Optional[int], typer.Option("--max-batch", help="litserve: most requests scored together (default 8).")] = None,
     max_wait: Annotated[Optional[float], typer.Option("--max-wait", help="litserve: seconds a replica waits to fill a batch (default 0.01).")] = None,

@@ -70,6 +70,7 @@ def train(
                 clear_run_directory(run_dir)
             code = launch(num_processes, argv, env={HELD_FOR_WORKERS: str(lock_path(run_dir))})
         raise typer.Exit(code)
+    warn_about_fewer_processes_than_intended(resolved)
     from ..train import train as run_training  # torch, diffusers: only when a run starts
 
     if dry_run:
@@ -79,6 +80,29 @@ def train(
         if overwrite:
             overwrite_run_directory(resolved.output_dir)
         run_training(resolved, resume=resume, console=console, registry=registry())
+
+
+def warn_about_fewer_processes_than_intended(resolved) -> None:
+    """A warning, on the main process, when the run has fewer processes than the recipe's
+    [distributed].num_processes. Not an error, and no processes are launched from it: the
+    global batch does not depend on the process count, so the run is valid (a tiny test model
+    trains a flagship recipe on one CPU), but each process then holds more samples (and under
+    fsdp2 larger shards) than `flowrl plan RECIPE` estimated, which on GPUs ends in an
+    out-of-memory error hours later. More processes than intended only lowers the memory."""
+    intended = resolved.distributed.num_processes
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun and accelerate launch
+    if world_size >= intended or os.environ.get("RANK", "0") != "0":
+        return
+    from rich.markup import escape
+
+    console.print(
+        "[yellow]warning:[/yellow] " + escape(
+            f"the recipe is written for {intended} processes ([distributed].num_processes) and this run "
+            f"has {world_size}: each process holds {intended / world_size:g} times the samples (and under "
+            f"fsdp2 the shards) that `flowrl plan` estimated; launch it with --num-processes {intended}, "
+            f"or check this run's memory with `flowrl plan {resolved.source} --num-processes {world_size}`"),
+        highlight=False,
+    )
 
 
 #: What `flowrl train` writes into a run directory (trackers may add their own directories).

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..errors import FlowrlError
+from ..errors import DISTRIBUTION, FlowrlError
 from .base import SetOpt, app, console, load, registry
 
 
@@ -110,7 +110,7 @@ def reference_markdown(reg) -> str:
         "format; `flowrl validate --explain RECIPE` prints the keys of one recipe's components.",
         "",
     ]
-    for title, description, rows in reference_sections(reg, distribution="flowrl"):
+    for title, description, rows in reference_sections(reg, distribution=DISTRIBUTION):
         lines += [f"## `{title}`", ""]
         if description:
             lines += [cell(description), ""]

@@ -1,7 +1,7 @@
 """A reward fleet: ``flowrl reward serve NAME --backend litserve --replicas N``.
 
 Serves one reward from N replica processes behind one HTTP endpoint, on LitServe (the optional
-extra ``flowrl[fleet]``), speaking protocol 1 exactly (:mod:`flowrl.serving.protocol`), so
+extra ``flowrl-diffusion[fleet]``), speaking protocol 1 exactly (:mod:`flowrl.serving.protocol`), so
 the ``http`` reward needs no change:
 
 - dynamic batching: each replica takes up to ``max_batch`` queued requests, waiting at most

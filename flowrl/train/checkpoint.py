@@ -5,7 +5,7 @@ Layout of ``RUN_DIR/checkpoints/``::
     iter_000010/            one complete checkpoint
         model.safetensors   trainable weights (all of them, or only the LoRA)
         optimizer.safetensors, optimizer.json
-          or, for a sharded checkpoint (flowrl.train.parallel), instead of those three:
+          or, for a sharded checkpoint (an fsdp2 run, flowrl.train.parallel), instead of those three:
         sharded/            model and AdamW state, torch.distributed.checkpoint format
         rng.safetensors     torch RNG states
         ema.safetensors     the EMA of the trainable weights (only with [ema] enabled)

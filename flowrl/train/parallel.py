@@ -27,10 +27,12 @@ depends on how they are laid out. Per optimizer step, on every process::
   the accumulated gradients once. Every forward and backward all-gathers parameters: every
   process must run the same sequence of forwards and backwards (:attr:`Strategy.lockstep`).
 
-Checkpoints are sharded (torch.distributed.checkpoint, every process writes its part; no process
-gathers the model), with :meth:`Strategy.save` and :meth:`Strategy.load`; the checkpoint files and
-their atomic commit are :func:`flowrl.train.checkpoint.save_sharded_checkpoint` and
-:func:`flowrl.train.checkpoint.load_sharded_checkpoint`. DCP
+Under ``fsdp2`` (:attr:`Strategy.sharded`) a run's checkpoints are sharded
+(torch.distributed.checkpoint, every process writes its part; no process gathers the model), with
+:meth:`Strategy.save` and :meth:`Strategy.load`; the checkpoint files and their atomic commit are
+:func:`flowrl.train.checkpoint.save_sharded_checkpoint` and
+:func:`flowrl.train.checkpoint.load_sharded_checkpoint`. Under ``none`` and ``ddp`` the main
+process writes the single-process files (:func:`flowrl.train.state.save_training_checkpoint`). DCP
 stores global tensors, so a checkpoint resumes with another number of processes or another
 strategy. :meth:`Strategy.full_state_dict` gathers full tensors one at a time onto the main
 process's CPU (for ``flowrl export``); :func:`flowrl.train.checkpoint.read_model_weights` reads

@@ -70,7 +70,7 @@ class DiffusersAdapter:
         return 2 if self.uses_cfg else 1
 
     def __init__(self, config, where: str):
-        # With flowrl[clip] on a CPU machine, torchvision may be a CUDA build whose compiled ops
+        # With flowrl-diffusion[clip] on a CPU machine, torchvision may be a CUDA build whose compiled ops
         # fail to load, which breaks diffusers' and transformers' imports (flowrl.compat).
         ensure_torchvision_importable()
         self.config = config

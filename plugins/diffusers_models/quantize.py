@@ -33,7 +33,7 @@ warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
 #: Linear layers inside a module list (a transformer block stack) are quantised.
 BLOCK_LINEAR = re.compile(r"(^|\.)\d+\.")
 QUANTIZE_HELP = (
-    "Quantise the frozen transformer blocks' Linear weights with bitsandbytes (flowrl[quant]): 'nf4' (4-bit, "
+    "Quantise the frozen transformer blocks' Linear weights with bitsandbytes (flowrl-diffusion[quant]): 'nf4' (4-bit, "
     "QLoRA's format) or 'int8'; 'none' keeps dtype. LoRA only; the LoRA trains in float32 on top."
 )
 

@@ -129,7 +129,7 @@ class EmbeddedT2I(nn.Module):
 
     def __init__(self, transformer_config: dict | None = None, text_config: dict | None = None, vocab=None):
         super().__init__()
-        ensure_torchvision_importable()  # with flowrl[clip] on a CPU machine, a CUDA torchvision breaks diffusers' import
+        ensure_torchvision_importable()  # with flowrl-diffusion[clip] on a CPU machine, a CUDA torchvision breaks diffusers' import
         from diffusers import FluxTransformer2DModel
 
         self.transformer_config = dict(transformer_config or DEFAULT_TRANSFORMER_CONFIG)

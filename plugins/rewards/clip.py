@@ -257,7 +257,7 @@ class OpenClipScorer(_ClipScorer):
 @dataclasses.dataclass(frozen=True)
 class ClipConfig(PlacementConfig):
     backend: Literal["open_clip", "transformers"] = param(
-        "open_clip", "'open_clip' (needs flowrl[clip], which brings torchvision) or 'transformers' (CLIPModel, no torchvision)."
+        "open_clip", "'open_clip' (needs flowrl-diffusion[clip], which brings torchvision) or 'transformers' (CLIPModel, no torchvision)."
     )
     model: str = param(
         "",

@@ -27,9 +27,9 @@ from .http import HttpReward
 @hookimpl(trylast=True)
 def register_rewards(register):
     register("pickscore", PickScore,
-             help="PickScore human-preference score (CLIP-H, transformers); needs flowrl[rewards].")
+             help="PickScore human-preference score (CLIP-H, transformers); needs flowrl-diffusion[rewards].")
     register("clip", Clip,
-             help="CLIP image-text similarity: open_clip (flowrl[clip]) or transformers backend.")
+             help="CLIP image-text similarity: open_clip (flowrl-diffusion[clip]) or transformers backend.")
     register("embedded_clip", EmbeddedClip,
              help="A tiny CLIP trained on the embedded shapes grammar (offline, shipped): image-prompt cosine.")
     register("hpsv3", HPSv3,

@@ -28,6 +28,46 @@ def test_plan_of_the_paper_recipe_needs_no_gpu_and_no_weights(cli):
     assert code == 0 and "fits in 80 GB" in _flat(out) and "(r = 64)" in _flat(out)
 
 
+def test_plan_of_the_flagship_as_the_readme_runs_it_plans_its_8_processes_and_fits(cli):
+    """Issue 24 item 4: without --num-processes the plan is at the recipe's
+    [distributed].num_processes, and the output says where the count came from."""
+    code, out, err = cli("plan", "recipes/chunk_grpo_flux.toml")
+    assert code == 0, err
+    text = _flat(out)
+    assert "(8 processes, from [distributed].num_processes in the recipe)" in text
+    assert "world size 8" in text and "sharded over 8 of 8 processes" in text
+    assert "fits in 80 GB" in text and "does not fit" not in text
+    assert "this plan is for" not in text  # no note when planning at the recipe's own count
+
+
+def test_num_processes_on_the_command_line_overrides_the_recipes_count(cli):
+    code, out, err = cli("plan", "recipes/chunk_grpo_flux.toml", "--num-processes", "1")
+    assert code == 0, err
+    text = _flat(out)
+    assert "(1 process, from --num-processes)" in text and "world size 1" in text
+    assert "does not fit in 80 GB" in text  # 12B parameters of fp32 full fine-tuning on one GPU
+    assert "the recipe is written for 8 processes ([distributed].num_processes); this plan is for 1" in text
+
+
+def test_a_recipe_without_the_key_is_planned_at_one_process(cli):
+    code, out, err = cli("plan", "recipes/lora_single_gpu_sd3.toml")
+    assert code == 0, err
+    assert "(1 process, from [distributed].num_processes in the recipe)" in _flat(out)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--num-processes", "0"], "greater than or equal to 1"),
+    (["--num-processes", "eight"], "valid integer"),
+    (["--set", "distributed.num_processes=0"], "key 'num_processes' must be >= 1, got 0"),
+    (["--set", 'distributed.num_processes="eight"'], "key 'num_processes' must be int, got 'eight'"),
+])
+def test_a_bad_process_count_is_one_clear_error(cli, argv, fragment):
+    code, out, err = cli("plan", "recipes/chunk_grpo_flux.toml", *argv)
+    assert code == 2 and "Traceback" not in err
+    assert fragment in _flat(err)
+    assert "peak ~" not in out
+
+
 def test_the_flagship_lora_variant_fits_one_80gb_gpu(cli):
     code, out, err = cli("plan", "recipes/chunk_grpo_flux_lora.toml", "--num-processes", "1")
     assert code == 0, err

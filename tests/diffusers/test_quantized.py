@@ -1,4 +1,4 @@
-"""A quantised frozen base for LoRA (bitsandbytes NF4 / int8, flowrl[quant]) on the CPU: the
+"""A quantised frozen base for LoRA (bitsandbytes NF4 / int8, flowrl-diffusion[quant]) on the CPU: the
 conformance suite, the on-policy deviation it adds (none beyond the compute dtype's), the
 quantised bytes `flowrl plan` counts against what the layers really hold, the 24 GB recipe
 trained for 2 iterations, and the refusals (full fine-tuning, a merged export, a missing extra)."""
@@ -123,7 +123,7 @@ def test_missing_bitsandbytes_names_the_extra(make):
             "try:\n    bitsandbytes('[model].quantize')\nexcept MissingDependencyError as e:\n"
             "    print(e.where, '|', e.hint)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == '[model].quantize | pip install "flowrl[quant]"', out.stdout + out.stderr
+    assert out.stdout.strip() == '[model].quantize | pip install "flowrl-diffusion[quant]"', out.stdout + out.stderr
 
 
 def test_the_24gb_recipe_trains_two_iterations(tiny_klein, tmp_path, request, monkeypatch):

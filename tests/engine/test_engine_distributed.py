@@ -6,6 +6,8 @@ import json
 
 from engine_helpers import assert_records_close, assert_weights_close, final_weights, load, quiet_console, run_cli
 
+from flowrl.train.checkpoint import latest_checkpoint, read_model_weights
+
 from flowrl.runlog import read_metrics
 from flowrl.train import train
 
@@ -31,8 +33,13 @@ def test_two_processes_equal_one(tmp_path, reference_run):
     [rec2], [rec1] = read_metrics(two), read_metrics(one)
     # the world size inside the run, not just what was asked for
     assert rec2["world_size"] == 2 and rec1["world_size"] == 1
-    state = json.loads((two / "checkpoints" / "iter_000001" / "state.json").read_text())
+    ckpt = two / "checkpoints" / "iter_000001"
+    state = json.loads((ckpt / "state.json").read_text())
     assert state["world_size"] == 2
+    # ddp replicates the weights: the main process writes the single-process layout, no shards
+    # (docs/distributed.md, "Checkpoints"); only fsdp2 writes sharded/ (test_engine_fsdp2.py)
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer.safetensors").is_file()
+    assert not (ckpt / "sharded").exists() and "format" not in state
     rec2.pop("world_size"), rec1.pop("world_size")
     assert len(rec2["trained_units"]) == 12  # gathered from both processes, in global order
     assert_records_close(rec2, rec1, rtol=1e-4, atol=1e-6)
@@ -43,3 +50,26 @@ def test_two_processes_equal_one(tmp_path, reference_run):
     initial = dict(EmbeddedModel(EmbeddedConfig(random_init=True)).denoiser.named_parameters())
     moved = max((w - initial[k].detach()).abs().max().item() for k, w in final_weights(one).items())
     assert moved > 1e-4
+
+
+def test_a_ddp_run_resumes_exactly(tmp_path, reference_run):
+    """Stopped after iteration 1 and resumed with 2 processes from the main process's
+    single-process checkpoint (every process reads model.safetensors and the main process's RNG
+    states): the same metrics and, bit for bit, the same weights as the uninterrupted run."""
+    recipe_path, _, _ = reference_run
+    two_iterations = [*ONE_STEP[1:], "train.iterations=2", "checkpoint.every=1"]
+    sets = [a for s in two_iterations for a in ("--set", s)]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    for out, extra in ((whole, []), (parts, ["--set", "train.iterations=1"])):
+        proc = run_cli(["train", str(recipe_path), *sets, *extra, "-o", str(out), "--num-processes", "2"], timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_cli(["train", str(parts / "recipe.toml"), *sets, "--resume", str(parts), "--num-processes", "2"],
+                   timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert not (latest_checkpoint(parts) / "sharded").exists()
+    a, b = read_metrics(whole), read_metrics(parts)
+    assert [r["iteration"] for r in b] == [0, 1]
+    for x, y in zip(a, b):
+        assert_records_close(x, y, rtol=0, atol=0)
+    wa, wb = read_model_weights(latest_checkpoint(whole)), read_model_weights(latest_checkpoint(parts))
+    assert sorted(wa) == sorted(wb) and all(bool((wa[k] == wb[k]).all()) for k in wa)

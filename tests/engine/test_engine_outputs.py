@@ -265,12 +265,12 @@ def test_validate_and_train_reject_a_missing_prompt_file_and_leave_nothing(tmp_p
 def test_validate_and_train_reject_a_tracker_whose_extra_is_missing(tmp_path, capsys, monkeypatch):
     from flowrl.cli import main
 
-    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if `flowrl[tensorboard]` were not installed
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if `flowrl-diffusion[tensorboard]` were not installed
     path = write_recipe(tmp_path, TINY_RECIPE + '\n[[trackers]]\nuse = "tensorboard"\n')
     with pytest.raises(SystemExit) as exit_:
         main(["validate", str(path)])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and 'pip install "flowrl[tensorboard]"' in err and "[[trackers]] #1" in err
+    assert exit_.value.code == 2 and 'pip install "flowrl-diffusion[tensorboard]"' in err and "[[trackers]] #1" in err
     with pytest.raises(FlowrlError, match="tensorboard"):
         train(load(path, f"run.output_dir={str(tmp_path / 'run')!r}"), console=quiet_console())
     assert not (tmp_path / "run").exists()

@@ -6,7 +6,7 @@ import pytest
 
 from flowrl.compat import ensure_torchvision_importable
 
-# Where a CUDA torchvision sits beside CPU torch (an environment with flowrl[clip]), importing
+# Where a CUDA torchvision sits beside CPU torch (an environment with flowrl-diffusion[clip]), importing
 # transformers' vision models fails unless the shim runs first; a no-op everywhere else.
 ensure_torchvision_importable()
 

@@ -1,6 +1,6 @@
 """clip with the open_clip backend, on a tiny architecture registered locally.
 
-open_clip is an optional extra (flowrl[clip]) and is not installed in the default test
+open_clip is an optional extra (flowrl-diffusion[clip]) and is not installed in the default test
 environment: these tests skip there. Run them in an environment with `pip install -c
 constraints/cpu.txt -e ".[clip,dev]"` (see docs/rewards.md).
 """

@@ -132,5 +132,5 @@ def test_fleet_without_its_extra_names_the_pip_command(flowrl_cli):
     assert proc.returncode == 2, proc.stderr
     flat = " ".join(proc.stderr.split())
     assert "`flowrl reward serve --backend litserve` (a reward fleet) needs the optional package 'litserve'" in flat
-    assert 'pip install "flowrl[fleet]"' in flat
+    assert 'pip install "flowrl-diffusion[fleet]"' in flat
     assert "Traceback" not in proc.stderr
