@@ -7,6 +7,7 @@ a session temp directory, and every test loads them from there by path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Before diffusers / huggingface_hub are imported by any test module: the hub reads it at import.
@@ -93,6 +94,21 @@ def tiny_overrides():
     return list(TINY_MODEL)
 
 
+@contextlib.contextmanager
+def wide_consoles(width: int = 250):
+    """The CLI's consoles ``width`` columns wide for a block. They read ``COLUMNS`` once, when
+    ``flowrl.commands.base`` is first imported, which depends on which test ran first (another
+    under pytest-xdist): without this, a table could wrap a checked phrase in one order only."""
+    from flowrl.commands.base import console, err_console
+
+    saved = console._width, err_console._width
+    console.width = err_console.width = width
+    try:
+        yield
+    finally:
+        console._width, err_console._width = saved
+
+
 def run_cli(argv, capsys):
     """Run ``flowrl ARGV`` in this process; returns (exit code, stdout, stderr)."""
     from flowrl import cli
@@ -100,7 +116,8 @@ def run_cli(argv, capsys):
     capsys.readouterr()
     code = 0
     try:
-        cli.main([str(a) for a in argv])
+        with wide_consoles():
+            cli.main([str(a) for a in argv])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     out, err = capsys.readouterr()
@@ -116,14 +133,12 @@ class InProcessCli:
         self.root = root
 
     def _call(self, argv, out, err) -> int:
-        import contextlib
-
         from flowrl import cli
 
         cwd, code = os.getcwd(), 0
         os.chdir(self.root)
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), wide_consoles():
                 cli.main([str(a) for a in argv])
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -19,7 +19,9 @@ from flowrl.train import train
 
 pytest.importorskip("wandb")
 
-WANDB = '\n[[trackers]]\nuse = "wandb"\nproject = "flowrl-tests"\n'
+# offline by the recipe, not only by WANDB_MODE: wandb's settings are process-wide and an earlier
+# test in the same process (another order under pytest-xdist) may have set them up without it
+WANDB = '\n[[trackers]]\nuse = "wandb"\nproject = "flowrl-tests"\nmode = "offline"\n'
 
 
 def wandb_records(path: Path) -> list:
