@@ -86,7 +86,12 @@ class HasReferencePolicy(Protocol):
         """Called once, before the first update: fix the reference to the current weights."""
 
     def reference_velocity(self, latents: torch.Tensor, sigma: torch.Tensor, text: TextEmbeddings) -> torch.Tensor:
-        """``velocity`` of the reference model, without gradient."""
+        """``velocity`` of the reference model, without gradient.
+
+        An adapter that keeps a frozen copy for it should also expose it as a settable
+        ``reference_module`` attribute (None when it keeps none): the engine then places that copy
+        as it places its own (sharded like the denoiser under FSDP2, in CPU memory with
+        ``[train].reference_on_cpu``) instead of a whole copy on every GPU."""
 
 
 @runtime_checkable

@@ -192,7 +192,7 @@ class GatedKLPolicyGradient(PolicyGradient):
 
     def prepare(self, update) -> None:
         self.reference = update.reference
-        if update.reference is None or update.reference.copy is None:
+        if update.reference is None or update.reference.frozen is None:
             raise ValueError("gardo's reference reset needs the reference as a frozen copy of the denoiser: "
                              "[train].finetune = 'full', beta > 0 and kl = 'gaussian_exact' or 'flow_grpo'")
 
@@ -240,7 +240,7 @@ class GatedKLPolicyGradient(PolicyGradient):
 
     def tensors(self) -> dict:
         # the reference as the last reset left it (the live tensors: a sharded resume loads into them)
-        ref = self.reference.copy.state_dict() if self.reference is not None else {}
+        ref = self.reference.frozen.state_dict() if self.reference is not None else {}
         return {f"reference.{k}": v for k, v in ref.items()}
 
     def load_state(self, state, tensors) -> None:
@@ -248,7 +248,7 @@ class GatedKLPolicyGradient(PolicyGradient):
         self.compensator.load_state_dict(state["compensator"])
         ref = {k[len("reference."):]: v for k, v in tensors.items() if k.startswith("reference.")}
         if ref and self.reference is not None:
-            live = self.reference.copy.state_dict()
+            live = self.reference.frozen.state_dict()
             with torch.no_grad():
                 for k, v in ref.items():
                     if live[k] is not v:

@@ -57,11 +57,26 @@ class ReferencePolicy:
             self.mode = "frozen_copy"
             self.copy = copy.deepcopy(model.denoiser).requires_grad_(False).eval()
 
+    @property
+    def frozen(self) -> torch.nn.Module | None:
+        """The frozen copy of the denoiser this reference runs, whoever holds it (this object, or an
+        adapter that keeps its own as ``reference_module``); None when there is none (LoRA disabled)."""
+        if self.mode == "frozen_copy":
+            return self.copy
+        return getattr(self.model, "reference_module", None) if self.mode == "adapter" else None
+
+    @frozen.setter
+    def frozen(self, module: torch.nn.Module) -> None:
+        if self.mode == "frozen_copy":
+            self.copy = module
+        else:
+            self.model.reference_module = module
+
     @torch.no_grad()
     def reset_to_current(self) -> None:
         """The reference becomes the current policy (GARDO's reset; a frozen copy only)."""
-        self.copy.load_state_dict(self.model.denoiser.state_dict())
-        drop_gathered_weights(self.copy)  # under FSDP2 its root still holds the weights gathered before
+        self.frozen.load_state_dict(self.model.denoiser.state_dict())
+        drop_gathered_weights(self.frozen)  # under FSDP2 its root still holds the weights gathered before
 
     @torch.no_grad()
     def velocity(self, latents, sigma, text):

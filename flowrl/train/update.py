@@ -199,8 +199,9 @@ class PolicyUpdate:
         self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx)
         self.optimizer = make_optimizer(params, train, self.strategy.kind, session.device, session.recipe.source)
         model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model))
-        if self.reference is not None and self.reference.copy is not None:  # laid out like the denoiser
-            self.reference.copy = self.strategy.prepare_frozen(self.reference.copy, on_cpu=train.reference_on_cpu)
+        if self.reference is not None and self.reference.frozen is not None:  # laid out like the denoiser,
+            # the engine's copy or the adapter's own (else a whole copy on every GPU that the plan never counted)
+            self.reference.frozen = self.strategy.prepare_frozen(self.reference.frozen, on_cpu=train.reference_on_cpu)
         self.params = self.strategy.params
         self.lockstep = distributed.AnyRank(ctx) if self.strategy.lockstep else None
         total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
@@ -208,8 +209,8 @@ class PolicyUpdate:
         self.fast_path = train.fast_path
         self.auto_mode: str | None = None  # update_mode "auto", decided on the first off-policy step
         self.counter = ComputeCounter(session.model.denoiser)
-        if self.reference is not None and self.reference.copy is not None:
-            self.counter.watch(self.reference.copy)
+        if self.reference is not None and self.reference.frozen is not None:
+            self.counter.watch(self.reference.frozen)
         self.rows_per_sample = network_rows_per_sample(session.model)
         self.objective.prepare(self)
 

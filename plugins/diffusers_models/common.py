@@ -244,6 +244,17 @@ class DiffusersAdapter:
             self._reference, self._reference_mode = ref, "frozen_copy"
         return self._reference_mode
 
+    @property
+    def reference_module(self) -> torch.nn.Module | None:
+        """The frozen copy behind :meth:`reference_velocity` (None with LoRA: no copy). The engine
+        lays it out like the denoiser (sharded under FSDP2, in CPU memory with
+        ``[train].reference_on_cpu``) and sets the placed module back here."""
+        return self._reference
+
+    @reference_module.setter
+    def reference_module(self, module: torch.nn.Module) -> None:
+        self._reference = module
+
     @torch.no_grad()
     def reference_velocity(self, latents: torch.Tensor, sigma: torch.Tensor, text) -> torch.Tensor:
         """Velocity of the reference (base) model at the same inputs, without gradient."""
