@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult
 from flowrl.objectives.kl import ReferencePolicy
@@ -140,6 +141,9 @@ class ForwardProcessObjective:
         if self.old is None:
             yield
             return
+        # under FSDP2 the root keeps the weights it gathered for the last forward (evaluation):
+        # dropped, so that the rollout gathers the old weights and the update the trained ones
+        drop_gathered_weights(self.model.denoiser)
         with torch.no_grad():
             saved = [p.detach().clone() for p in self.params]
             for p, o in zip(self.params, self.old):
@@ -147,6 +151,7 @@ class ForwardProcessObjective:
         try:
             yield
         finally:
+            drop_gathered_weights(self.model.denoiser)
             with torch.no_grad():
                 for p, s in zip(self.params, saved):
                     p.copy_(s)
