@@ -186,9 +186,8 @@ class Probe:
 
 def stopped_run(tmp_path, stop_at_eval: int) -> tuple[Probe, Path]:
     probe, run_dir = Probe(stop_at_eval), tmp_path / "run"
-    recipe = load(write_recipe(tmp_path, CHECKED_RECIPE), f"run.output_dir={str(run_dir)!r}")
     with temporary_plugin(probe, name="probe"), pytest.raises(KeyboardInterrupt):
-        train(recipe, console=quiet_console())
+        train(load(write_recipe(tmp_path, CHECKED_RECIPE), f"run.output_dir={str(run_dir)!r}"), console=quiet_console())
     return probe, run_dir
 
 
