@@ -23,7 +23,13 @@ def test_the_table_console_is_wide_without_a_terminal_and_follows_columns(monkey
 def test_explain_piped_wraps_within_a_sane_width_and_never_splits_a_key(flowrl_cli):
     from flowrl.recipe import SECTIONS, fields_of
 
-    (r,) = flowrl_cli.batch([{"argv": ["validate", "--explain"], "env": {"COLUMNS": ""}}])
+    import subprocess
+    import sys
+
+    env = flowrl_cli.env()
+    env.pop("COLUMNS")  # as under Slurm: stdout is a file and nothing says how wide
+    r = subprocess.run([sys.executable, "-m", "flowrl", "validate", "--explain"], cwd=flowrl_cli.repo, env=env,
+                       capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert max(map(len, lines)) <= TEXT_WIDTH_WITHOUT_TERMINAL

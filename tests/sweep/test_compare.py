@@ -160,8 +160,15 @@ def test_a_table_piped_into_a_log_keeps_every_row_on_one_line(study, flowrl_cli)
     cells of this table mid-word (issue 28); it now takes the width its cells need."""
     from flowrl.commands.compare import table_rows
 
+    import subprocess
+    import sys
+
     argv = ["compare", str(study), "--baseline", "A", "--metric", "verifier", "--at-wall-time", "2.5"]
-    as_json, piped = flowrl_cli.batch([[*argv, "--format", "json"], {"argv": argv, "env": {"COLUMNS": ""}}])
+    (as_json,) = flowrl_cli.batch([[*argv, "--format", "json"]])
+    env = flowrl_cli.env()
+    env.pop("COLUMNS")  # as under Slurm: stdout is a file and nothing says how wide
+    piped = subprocess.run([sys.executable, "-m", "flowrl", *argv], cwd=flowrl_cli.repo, env=env,
+                           capture_output=True, text=True, timeout=120)
     assert piped.returncode == 0, piped.stderr
     header, rows = table_rows(json.loads(as_json.stdout))
     lines = piped.stdout.splitlines()
