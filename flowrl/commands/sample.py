@@ -165,8 +165,9 @@ SAMPLE_FOLDERS = ("images", "base")
 
 
 def earlier_sample(out: Path) -> bool:
-    return any((out / name).exists() for name in SAMPLE_FILES) or any(
-        any((out / folder).glob("*.png")) for folder in SAMPLE_FOLDERS)
+    """A finished sample is in ``out``: the main process writes its manifest and settings last.
+    (Images alone are not one: the other processes of this very sample may be writing theirs.)"""
+    return (out / "samples.jsonl").is_file() or (out / "settings.json").is_file()
 
 
 def check_output(out: Path, overwrite: bool) -> None:
