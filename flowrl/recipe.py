@@ -32,9 +32,9 @@ import torch
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
 from .interfaces import KLRegularised, Objective, ProfilingChunker
-from .sampling.plans import PlanContext
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
+from .sampling.plans import PlanContext
 from .sampling.rollout import make_kernels, trainable_mask
 
 if sys.version_info >= (3, 11):

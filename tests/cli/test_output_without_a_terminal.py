@@ -21,10 +21,10 @@ def test_the_table_console_is_wide_without_a_terminal_and_follows_columns(monkey
 
 
 def test_explain_piped_wraps_within_a_sane_width_and_never_splits_a_key(flowrl_cli):
-    from flowrl.recipe import SECTIONS, fields_of
-
     import subprocess
     import sys
+
+    from flowrl.recipe import SECTIONS, fields_of
 
     env = flowrl_cli.env()
     env.pop("COLUMNS")  # as under Slurm: stdout is a file and nothing says how wide
