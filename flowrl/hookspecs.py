@@ -29,6 +29,10 @@ component::
 - ``params``: a dataclass whose fields are the recipe keys, each documented with
   :func:`flowrl.config.param` (shown by ``flowrl validate --explain``).
 - ``help``: one line for ``flowrl plugins``; defaults to the factory's docstring.
+- A reward that can score only some prompts (the embedded model's ``area`` and ``verifier`` read
+  its prompt grammar) may carry an attribute ``accepts_prompt(prompt)`` (on the function or the
+  class) that raises ``ValueError`` for a prompt it cannot score: ``flowrl validate`` (and
+  ``flowrl train``, before the model loads) runs it over the recipe's prompt files.
 
 The built-in plugins (``plugins/`` in the repository, ``flowrl_plugins`` once installed) are
 registered through this same entry-point group, so they are ordinary plugins. Their hook

@@ -65,7 +65,9 @@ class ModelAdapter(Protocol):
         """The model's own schedule ``[N + 1]`` from 1 to 0, or None if it has none."""
 
     def prompt_source(self) -> Sequence[str] | None:
-        """Prompts the model ships with (the embedded model's grammar), or None."""
+        """Prompts the model ships with (the embedded model's grammar), or None. A model class
+        whose answer is None may say so without being built (``ships_prompts = False``), so that
+        ``flowrl validate`` refuses ``[prompts] source = "model"`` before the model loads."""
 
     def to(self, device: torch.device) -> Any:
         """Move every module the adapter runs (denoiser, encoders, decoder) to ``device``."""

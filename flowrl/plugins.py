@@ -312,4 +312,6 @@ def _plain_reward(name: str, fn: Callable[..., Any]) -> tuple[Callable[..., Any]
         return FunctionReward(fn, name=name, kwargs=kwargs)
 
     factory.__doc__ = inspect.getdoc(fn)
+    if hasattr(fn, "accepts_prompt"):  # the prompts it can score (flowrl.hookspecs), checked by validation
+        factory.accepts_prompt = fn.accepts_prompt
     return factory, params

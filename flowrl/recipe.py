@@ -32,8 +32,9 @@ import torch
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
 from .interfaces import KLRegularised, Objective, ProfilingChunker
-from .sampling.plans import PlanContext
 from .plugins import Registry, get_registry
+from .prompts import read_prompts
+from .sampling.plans import PlanContext
 from .sampling.rollout import make_kernels, trainable_mask
 
 if sys.version_info >= (3, 11):
@@ -708,6 +709,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     T = trainable_transitions(recipe, registry)
     recipe.num_trainable = T
     where = f"{recipe.source}: [chunker]"
+    _check_sharding(recipe)
     if not _uses_units(recipe, registry):
         return
     if T < 1:
@@ -756,22 +758,42 @@ def _check_memory_knobs(recipe: Recipe) -> None:
                 "[loss].beta > 0 and a reference KL kind does; LoRA's reference is the base with the adapter off)",
                 where=f"{recipe.source}: [train].reference_on_cpu", hint="remove it",
             )
-    if t.optimizer == "adamw_8bit" and recipe.distributed.strategy == "fsdp2":
+
+
+def _check_sharding(recipe: Recipe) -> None:
+    """What cannot work beside sharded (DTensor) weights, refused before any model loads; the
+    optimizer and :meth:`flowrl.train.ema.WeightEMA.attach` would refuse it only after. (With
+    strategy 'auto' a launcher may still choose fsdp2: training checks again then.)"""
+    if recipe.distributed.strategy != "fsdp2":
+        return
+    if recipe.train.optimizer == "adamw_8bit":
         raise RecipeError(
             "optimizer = 'adamw_8bit' cannot hold sharded (DTensor) parameters",
             where=f"{recipe.source}: [train].optimizer",
             hint="use 'adamw' with strategy = 'fsdp2' (its AdamW state is sharded already), or strategy 'ddp'/'none'",
+        )
+    if recipe.ema.enabled and recipe.ema.on_cpu:
+        raise RecipeError(
+            "[ema] on_cpu = true is not supported with strategy = 'fsdp2': the EMA is sharded like the weights "
+            "and lives next to them",
+            where=f"{recipe.source}: [ema].on_cpu",
+            hint="set on_cpu = false (each process then holds 1/N of the EMA), or use strategy 'ddp'",
         )
 
 
 def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
     """What ``flowrl train`` would otherwise reject only after building the model, checked
     without building it (``flowrl validate`` and ``flowrl train`` both call this): every prompt
-    file exists and holds a prompt, and every tracker can be built (a tracker checks its extra
-    when it is built)."""
+    file exists and holds a prompt, ``source = "model"`` names a model that ships prompts, every
+    reward that declares which prompts it scores accepts the prompt files', and every tracker can
+    be built (a tracker checks its extra when it is built)."""
     registry = registry or get_registry()
     p = recipe.prompts
+    model = recipe.components["model"].use
     for key, source in (("source", p.source), ("eval_source", p.eval_source)):
+        if source == "model" and getattr(registry.get("model", model).factory, "ships_prompts", True) is False:
+            raise RecipeError(f"model '{model}' has no prompt source of its own", where=f"{recipe.source}: [prompts].{key}",
+                              hint="give a prompt file (one prompt a line), a table (.csv, .jsonl, .parquet) or hf:DATASET")
         if not source or source == "model":
             continue
         path = Path(source)
@@ -781,8 +803,34 @@ def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
                               hint="give an existing text file (one prompt a line), or 'model'")
         if not any(line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()):
             raise RecipeError(f"prompt file {path} holds no prompt", where=where)
+    _check_rewards_accept_prompts(recipe, registry)
     for i in range(len(recipe.trackers)):
         build_component(recipe, registry, "trackers", i)
+
+
+def _check_rewards_accept_prompts(recipe: Recipe, registry: Registry) -> None:
+    """Every prompt of a local prompt file against each reward that declares which prompts it
+    can score (``accepts_prompt``, :mod:`flowrl.hookspecs`): otherwise training fails at its first
+    reward call, after the model loads. A model's own prompts and hub datasets are not read here."""
+    checks = [(r.label, getattr(registry.get("reward", r.use).factory, "accepts_prompt", None)) for r in recipe.rewards]
+    checks = [(label, accepts) for label, accepts in checks if accepts is not None]
+    p = recipe.prompts
+    roles = [("source", p.source, "train")] + ([("eval_source" if p.eval_source else "source",
+                                                 p.eval_source or p.source, "eval")] if p.num_eval else [])
+    for key, source, role in roles if checks else ():
+        if source == "model" or source.startswith("hf:") or not Path(source).is_file():
+            continue
+        where = f"{recipe.source}: [prompts].{key}"
+        for prompt in read_prompts(source, None, where, p, role=role):
+            for label, accepts in checks:
+                try:
+                    accepts(str(prompt))
+                except ValueError as exc:
+                    raise RecipeError(
+                        f"reward '{label}' cannot score the prompt {str(prompt)!r} of {source}: {exc}", where=where,
+                        hint=f"give prompts that '{label}' can score (with the embedded model: source = \"model\"), "
+                             f"or another reward",
+                    ) from exc
 
 
 # ----------------------------------------------------------------------------- writing

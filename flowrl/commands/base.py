@@ -61,6 +61,24 @@ app = FlowrlTyper(
 console = Console()
 err_console = Console(stderr=True)
 
+#: Where no terminal gives a width (a pipe, a log, a Slurm output file) rich assumes 80 columns
+#: and folds table cells mid-word. A table of figures then takes the width its cells need (a log
+#: has no width to fit) ...
+TABLE_WIDTH_WITHOUT_TERMINAL = 1000
+#: ... and a table of prose (``flowrl validate --explain``) wraps its text at spaces within lines
+#: a reader can take in.
+TEXT_WIDTH_WITHOUT_TERMINAL = 120
+
+
+def table_console(width_without_terminal: int = TABLE_WIDTH_WITHOUT_TERMINAL) -> Console:
+    """The console to print tables on: :data:`console` on a terminal, or where ``COLUMNS`` says
+    how wide the output is; otherwise one ``width_without_terminal`` columns wide."""
+    import os
+
+    if console.is_terminal or os.environ.get("COLUMNS", "").strip().isdigit():
+        return console
+    return Console(width=width_without_terminal)
+
 
 class Options:
     """The global options (``flowrl --debug --disable-plugin NAME ...``), set before a command runs."""

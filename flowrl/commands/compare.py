@@ -49,7 +49,7 @@ import typer
 
 from ..errors import FlowrlError, require, suggest
 from ..stats import Interval, cumulative, curve_auc, paired_interval, t_interval, value_at_budget
-from .base import app, console, err_console
+from .base import app, err_console, table_console
 
 MANIFEST = "sweep.json"
 FORMATS = ("table", "md", "csv", "json")
@@ -378,9 +378,10 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
         table.add_row(*(escape(c) for c in r))
-    console.print(table)
+    out = table_console()  # piped into a log: as wide as the cells, never folded mid-word
+    out.print(table)
     for line in legend(result):
-        console.print(escape(line), style="dim", highlight=False)
+        out.print(escape(line), style="dim", highlight=False)
 
 
 def plot(curves: list[RunCurve], result: dict[str, Any], path: Path) -> None:

@@ -17,7 +17,11 @@ that checkpoint (``--seed`` draws other noise for the same prompts). Passing ``-
 deterministic ODE sampling and optional hybrid inference, and score in batches. With
 ``WORLD_SIZE > 1`` each rank samples and scores its shard and rank 0 gathers the scores: every
 image is scored once. The result goes to ``RUN_DIR/checkpoints/<checkpoint>.<name>.json``
-(beside the checkpoint directory, so pruning old checkpoints keeps it), or ``-o PATH``::
+(beside the checkpoint directory, so pruning old checkpoints keeps it), or ``-o PATH``. An
+ad-hoc evaluation (other prompts, seeds, noise, steps, rewards or ``--set``) without ``--name``
+or ``-o`` goes to the next free ``<checkpoint>.adhoc-N.json``, so it never replaces the run's own
+``<checkpoint>.eval.json``. A run directory without a checkpoint is refused (it has no trained
+weights); its recipe file evaluates the base model::
 
     {"checkpoint": ..., "iteration": 10, "rewards": {"hpsv3": {"mean": .., "sem": .., "std": ..,
      "min": .., "max": .., "n": ..}}, "per_image": [{"prompt": .., "seed_index": .., "scores": {..}}],
@@ -80,11 +84,43 @@ def gather_records(records: list[dict], ctx) -> list[dict]:
     return sorted((r for part in parts for r in part), key=lambda r: r["index"])
 
 
-def default_eval_path(src, name: str) -> Path:
+def default_eval_path(src, name: str | None, custom: list[str]) -> Path:
+    """``<checkpoint>.<name>.json`` beside the checkpoint (``eval`` when unnamed); an unnamed
+    ad-hoc evaluation (``custom``: the options that make it one) takes the next free
+    ``<checkpoint>.adhoc-N.json`` instead, so the run's own evaluation is never replaced."""
     if src.checkpoint is None:
         raise FlowrlError("without a checkpoint there is nowhere beside it to write", where="-o",
                           hint="pass -o results.json")
-    return src.checkpoint.parent / f"{src.checkpoint.name}.{name}.json"
+    if name is not None or not custom:
+        return src.checkpoint.parent / f"{src.checkpoint.name}.{name or 'eval'}.json"
+    n = 1
+    while (path := src.checkpoint.parent / f"{src.checkpoint.name}.adhoc-{n}.json").exists():
+        n += 1
+    return path
+
+
+def custom_options(given: dict[str, bool]) -> list[str]:
+    """The flags given (``{flag: given}``) that make this evaluation differ from the run's own:
+    its numbers then are not the ones the run logged."""
+    return [flag for flag, was_given in given.items() if was_given]
+
+
+def refuse_run_without_checkpoint(source: Optional[Path], checkpoint: Optional[Path]) -> None:
+    """A run directory before its first checkpoint has no trained weights: evaluating it would
+    score the base model under the run's name (and then ask for -o)."""
+    from ..train.checkpoint import MARKER, latest_checkpoint
+
+    if source is None or checkpoint is not None:
+        return
+    path = Path(source)
+    if not path.is_dir() or (path / MARKER).is_file() or not (path / "recipe.toml").is_file():
+        return
+    if latest_checkpoint(path) is None:
+        raise FlowrlError(
+            f"{path} has no checkpoint yet, so there are no trained weights to evaluate", where="SOURCE",
+            hint=f"wait for its first checkpoint ([checkpoint].every), or evaluate the base model with "
+                 f"`flowrl eval {path / 'recipe.toml'} -o base_eval.json`",
+        )
 
 
 def check_arguments(source, model, reward, output) -> None:
@@ -159,7 +195,7 @@ def evaluate(
     hybrid_steps: Annotated[int, typer.Option("--hybrid-steps", min=0, help="First K steps from the trained model, the rest from the base.")] = 0,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Images per batch (default: the run's evaluation batch, else 8).")] = None,
     device: DeviceOpt = None,
-    name: Annotated[str, typer.Option("--name", help="Result name: <checkpoint>.<name>.json.")] = "eval",
+    name: Annotated[Optional[str], typer.Option("--name", help="Result name: <checkpoint>.<name>.json (default: eval; other prompts, seeds or settings: the next <checkpoint>.adhoc-N.json).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="JSON path (default: beside the checkpoint).")] = None,
     save_images: Annotated[Optional[Path], typer.Option("--save-images", help="Also write the PNGs to this directory.")] = None,
 ) -> None:
@@ -168,8 +204,14 @@ def evaluate(
 
     start_time = time.perf_counter()
     check_arguments(source, model, reward, output)
+    refuse_run_without_checkpoint(source, checkpoint)
+    custom = custom_options({
+        "--prompt": bool(prompt), "--prompts": prompts is not None, "--num-prompts": num_prompts is not None,
+        "--seeds": seeds is not None, "--seed": seed is not None, "--steps": steps is not None,
+        "--schedule": schedule != "auto", "--hybrid-steps": hybrid_steps > 0, "--reward": bool(reward),
+        "--batch-size": batch_size is not None, "--set": bool(set_)})
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
-    path = output or default_eval_path(src, name)
+    path = output or default_eval_path(src, name, custom)
     rewards = build_rewards(src, list(reward or []))
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
@@ -195,6 +237,9 @@ def evaluate(
         "per_image": records,
         "elapsed_s": time.perf_counter() - start_time,
     })
+    if output is None and name is None and custom:
+        console.print(f"an ad-hoc evaluation ({', '.join(custom)}), kept apart from the run's own "
+                      f"{src.checkpoint.name}.eval.json (written by `flowrl eval` without these options)")
 
 
 def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, hybrid_steps: int, save_images) -> list[dict]:
@@ -226,6 +271,7 @@ def write_result(path: Path, result: dict) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(result, indent=1))
+    console.print("mean +- standard error of the mean, over n images:")
     for label, stats in (result["rewards"] | result.get("artefacts", {})).items():
         console.print(f"{label}: {stats['mean']:.4f} +- {stats['sem']:.4f} (n = {stats['n']})")
     console.print(f"wrote {path}")

@@ -40,6 +40,7 @@ from .base import SetOpt, app, console
 def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | None = None,
                overrides: list[str] | None = None, merge: bool = False, ema: bool = False) -> Path:
     """Export a run's checkpoint (the latest by default); returns the output directory."""
+    from ..files import file_identities, give_ordinary_mode_since
     from ..interfaces import HasLoraTargets
     from ..train.checkpoint import checkpoint_iteration
     from .inference import load_policy, resolve_source
@@ -58,6 +59,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     out = Path(out) if out is not None else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
     out.mkdir(parents=True, exist_ok=True)
     model = load_policy(src, "cpu")
+    before = file_identities(out)
     if ema:
         from ..train.ema import load_ema_weights
 
@@ -68,6 +70,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         if finetune == "lora":
             _merge_lora(model)
         fmt = _save_full(model, out)
+    give_ordinary_mode_since(out, before)  # safetensors writes 0600, whoever calls it (flowrl.files)
     info = {
         "run_dir": str(src.run_dir) if src.run_dir else None,
         "checkpoint": str(src.checkpoint),

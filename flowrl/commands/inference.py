@@ -231,12 +231,16 @@ def dist_context(device):
     return distributed.setup(device)
 
 
-def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: bool = False, compare_base: bool = False):
+def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: bool = False, compare_base: bool = False,
+            before_load=None):
     """Resolve the source, start the processes, load the policy (its EMA weights with ``ema``;
-    and the base for hybrid inference)."""
+    and the base for hybrid inference). ``before_load(src)``: a check that refuses before any
+    model loads (and before any process is started)."""
     from .. import distributed
 
     src = resolve_source(source, model_name, list(set_ or []), checkpoint)
+    if before_load is not None:
+        before_load(src)
     dev = distributed.resolve_device(device or src.recipe.run.device)
     ctx = dist_context(dev)
     dev = distributed.process_device(dev, ctx)

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ..errors import FlowrlError
-from .base import DeviceOpt, SeedOpt, SetOpt, app, console, load, registry
+from .base import DeviceOpt, SeedOpt, SetOpt, app, console, load, registry, table_console
 
 
 @app.command()
@@ -222,7 +222,7 @@ def _write_profile(data, output: Optional[Path], default_dir: Path, curve: str, 
 
     json_path, png_path = _paths(output, default_dir, "profile")
     write_profile(json_path, data)
-    print_profile(console, data, curve)
+    print_profile(table_console(), data, curve)
     console.print(f"wrote {json_path}")
     if plot:
         plot_profile(data, png_path, curve=curve)
@@ -246,7 +246,7 @@ def _write_comparison(measure, session, run_dir: Path, output: Optional[Path], c
     summary = compare_profiles(base, trained)
     summary["checkpoint"] = str(ckpt)
     write_json(out_dir / "compare.json", summary)
-    print_comparison(console, base, trained, summary, curve)
+    print_comparison(table_console(), base, trained, summary, curve)
     console.print(f"wrote {out_dir / 'base.json'}, {out_dir / 'trained.json'}, {out_dir / 'compare.json'}")
     if plot:
         plot_profile(trained, out_dir / "compare.png", curve=curve, base=base)

@@ -16,8 +16,12 @@ no duplicates); rank 0 merges the manifests and draws the grid.
 Hybrid inference (the GCPO paper's evaluation): the first ``k`` of ``n`` steps use the trained
 model, the remaining steps the base model (the LoRA disabled, or a fresh copy of the base).
 
-Outputs in ``-o DIR``: ``images/PPPPP_KK.png``, ``samples.jsonl`` (one line per image: prompt,
-seed index, file), ``grid.png`` (prompts in rows, seeds in columns, captions wrapped).
+Outputs in ``-o DIR`` (default ``RUN_DIR/samples/<checkpoint>``, or ``runs/samples/<name>`` for a
+recipe or ``--model NAME``: under ``runs/``, which git ignores): ``images/PPPPP_KK.png``,
+``samples.jsonl`` (one line per image: prompt, seed index, file), ``settings.json``, ``grid.png``
+(prompts in rows, seeds in columns, captions wrapped). A directory that holds an earlier sample is
+refused, as ``flowrl train`` refuses an earlier run, unless ``--overwrite`` (which deletes that
+sample's files first); the command ends by naming every file it drew.
 
 ``--ema`` samples the checkpoint's EMA weights (``[ema]`` in the recipe). ``--compare-base``
 also samples the base model (no checkpoint) from the same noise into ``base/PPPPP_KK.png`` and
@@ -37,6 +41,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..errors import FlowrlError
 from .base import (
     CheckpointOpt,
     DeviceOpt,
@@ -86,15 +91,25 @@ def sample(
     ema: Annotated[bool, typer.Option("--ema", help="Sample the checkpoint's EMA weights (runs with [ema] enabled).")] = False,
     compare_base: Annotated[bool, typer.Option(
         "--compare-base", help="Also sample the base model from the same noise; compare.png shows base | trained.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an earlier sample in the output directory (its files are deleted first).")] = False,
 ) -> None:
     """Sample images with fixed per-prompt seeds (ODE), optionally hybrid trained/base."""
     from ..runlog import image_grid
 
-    src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, ema, compare_base)
+    def refuse_earlier_sample(src: Source) -> None:
+        check_output(output or default_output(src, "samples"), overwrite)
+
+    src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, ema, compare_base,
+                                          before_load=refuse_earlier_sample)
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
     out = output or default_output(src, "samples")
+    barrier(ctx)  # every process has looked for an earlier sample before any clears or writes
+    if overwrite and ctx.is_main:
+        remove_earlier_sample(out)
+    barrier(ctx)
     (out / "images").mkdir(parents=True, exist_ok=True)
     items = make_items(plist, seeds)
     mine = shard(items, ctx.rank, ctx.world_size)
@@ -115,11 +130,12 @@ def sample(
                     "seed": base_seed, "seeds_per_prompt": seeds, "hybrid_steps": hybrid_steps,
                     "num_images": len(records), "ema": ema, "compare_base": compare_base}
         (out / "settings.json").write_text(json.dumps(settings, indent=1))
+        drawn = []
         if grid and records:
-            grid_png(out, records, seeds, image_grid)
+            drawn.append(f"the grid: {grid_png(out, records, seeds, image_grid)}")
         if compare_base and records:
-            compare_png(out, records, seeds, src.label, image_grid)
-        console.print(f"wrote {len(records)} images to {out}")
+            drawn.append(f"base | trained: {compare_png(out, records, seeds, src.label, image_grid)}")
+        console.print(f"wrote {len(records)} images to {out / 'images'}" + "".join(f"; {d}" for d in drawn))
 
 
 def write_images(batches, out: Path, folder: str) -> list[dict]:
@@ -136,9 +152,41 @@ def write_images(batches, out: Path, folder: str) -> list[dict]:
 
 
 def default_output(src: Source, kind: str) -> Path:
+    """``RUN_DIR/<kind>/<checkpoint>`` for a trained run; else ``runs/<kind>/<name>`` (under
+    ``runs/``, as training's outputs, which git ignores, not in the current directory)."""
     if src.run_dir is not None and src.checkpoint is not None:
         return src.run_dir / kind / src.checkpoint.name
-    return Path(kind) / src.label.replace("/", "_").removesuffix(".toml")
+    return Path("runs") / kind / src.label.replace("/", "_").removesuffix(".toml")
+
+
+#: What one sample writes in its directory (the image folders are emptied of PNGs only).
+SAMPLE_FILES = ("samples.jsonl", "settings.json", "grid.png", "compare.png")
+SAMPLE_FOLDERS = ("images", "base")
+
+
+def earlier_sample(out: Path) -> bool:
+    """A finished sample is in ``out``: the main process writes its manifest and settings last.
+    (Images alone are not one: the other processes of this very sample may be writing theirs.)"""
+    return (out / "samples.jsonl").is_file() or (out / "settings.json").is_file()
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse to mix with, or silently replace, an earlier sample in ``out`` (as ``flowrl train``
+    refuses an earlier run): ``--overwrite`` replaces it."""
+    if not overwrite and earlier_sample(out):
+        raise FlowrlError(f"{out} already holds a sample; a new one would overwrite it", where="--output",
+                          hint="pass another -o DIR, or replace it with --overwrite (deletes the earlier sample's files)")
+
+
+def remove_earlier_sample(out: Path) -> None:
+    """The files an earlier sample wrote in ``out`` (nothing else there)."""
+    for name in SAMPLE_FILES:
+        (out / name).unlink(missing_ok=True)
+    for part in out.glob("samples.rank*.jsonl"):
+        part.unlink()
+    for folder in SAMPLE_FOLDERS:
+        for png in (out / folder).glob("*.png"):
+            png.unlink()
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

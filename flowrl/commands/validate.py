@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from ..errors import DISTRIBUTION, FlowrlError
-from .base import SetOpt, app, console, load, registry
+from .base import TEXT_WIDTH_WITHOUT_TERMINAL, SetOpt, app, console, load, registry, table_console
 
 
 @app.command()
@@ -79,8 +78,8 @@ def reference_sections(reg, resolved=None, *, distribution: str | None = None) -
 
 def explain_recipe(resolved) -> None:
     """One table per recipe table: every key with its type, default and meaning. Piped output
-    is not cut to 80 columns (key names never wrap)."""
-    out = console if console.is_terminal else Console(width=200, soft_wrap=False)
+    is not cut to 80 columns (key names never wrap), nor wider than a reader takes in."""
+    out = table_console(TEXT_WIDTH_WITHOUT_TERMINAL)
     for title, description, rows in reference_sections(registry(), resolved):
         t = Table(title=escape(f"{title} - {description}" if description else title), title_justify="left")
         t.add_column("key", no_wrap=True)

@@ -210,6 +210,11 @@ def check_interface(adapter, opts: ConformanceOptions) -> str:
     assert isinstance(shape, tuple) and shape and all(isinstance(d, int) and d > 0 for d in shape), (
         f"latent_shape must be a tuple of positive ints, got {shape!r}"
     )
+    ships = getattr(type(adapter), "ships_prompts", None)  # what validation reads without building it
+    assert ships is None or ships == bool(adapter.prompt_source()), (
+        f"{type(adapter).__name__}.ships_prompts = {ships}, but prompt_source() returns "
+        f"{'prompts' if adapter.prompt_source() else 'none'}"
+    )
     prompts = _prompts(adapter, opts, 3)
     text = adapter.encode_prompts(prompts)
     assert isinstance(text, dict) and text, "encode_prompts must return a non-empty dict of tensors"

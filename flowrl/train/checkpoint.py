@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from ..distributed import DistContext, broadcast_object
 from ..errors import FlowrlError
-from ..files import fsync_dir, write_text_atomic
+from ..files import fsync_dir, give_ordinary_mode, write_text_atomic
 from .finetune import load_trainable_state_dict
 from .parallel import SHARDED_MODEL_KEY, Strategy, unwrap_module
 
@@ -55,8 +55,10 @@ MARKER = "state.json"
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Write tensors to a safetensors file and flush it to disk."""
+    """Write tensors to a safetensors file, with the run's other files' permissions (safetensors
+    itself leaves 0600, :mod:`flowrl.files`), and flush it to disk."""
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    give_ordinary_mode(path)
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 

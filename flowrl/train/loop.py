@@ -83,6 +83,8 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         try:
             with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
                 for iteration in range(state.iteration, train_cfg.iterations):
+                    if interrupted := distributed.any_rank(interrupt.requested, ctx):  # e.g. while checkpointing
+                        break
                     timer = display.timer(device, update.counter)
                     record = {"iteration": iteration, "world_size": ctx.world_size}
 
@@ -95,6 +97,8 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     if evaluator.due(iteration):
                         with timer("eval"):
                             record.update(evaluator(iteration))
+                    if interrupted := distributed.any_rank(interrupt.requested, ctx):  # eval is redone on resume
+                        break
 
                     # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
                     # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
@@ -118,16 +122,14 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     last = state.iteration == train_cfg.iterations
                     if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
                         outputs.write_group_grid(batch, geometry.group_size)
-                    interrupted = distributed.any_rank(interrupt.requested, ctx)
                     speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
                     outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
-                                          checkpoint=saver if saver.due(last or interrupted) else None, speed=speed)
+                                          checkpoint=saver if saver.due(last) else None, speed=speed)
                     display.advance(record, speed)
                     check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
-                    if interrupted:
-                        break
 
                 # ---- Final evaluation ----------------------------------------------------------------
+                interrupted = interrupted or distributed.any_rank(interrupt.requested, ctx)  # same value on every rank
                 if not interrupted and eval_set and state.iteration == train_cfg.iterations:
                     display.phase("eval")
                     outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
@@ -141,9 +143,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
             distributed.teardown()
         if interrupted:
             raise KeyboardInterrupt
-        if ctx.is_main:
-            console.print(f"done: {train_cfg.iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
-        return run_dir
+        return done(console, ctx, run_dir, train_cfg.iterations)
 
 
 # ------------------------------------------------------------------------------ the phases' helpers
@@ -159,6 +159,12 @@ def announce(console: Console, ctx, recipe: Recipe, geometry, run_dir: Path) -> 
             f"[yellow]note:[/yellow] {geometry.prompts_per_iteration} prompts over {ctx.world_size} processes "
             "split groups across processes; advantages use the rewards gathered from all of them"
         )
+
+
+def done(console: Console, ctx, run_dir: Path, iterations: int) -> Path:
+    if ctx.is_main:
+        console.print(f"done: {iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
+    return run_dir
 
 
 def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path:

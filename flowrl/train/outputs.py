@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..artefacts import ARTEFACT_MEASURES
 from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
@@ -149,13 +150,14 @@ class RunOutputs:
         if not self.enabled:
             return
         label = next(iter(scores))
+        rewards = [k for k in scores if k not in ARTEFACT_MEASURES] or [label]  # every reward, in recipe order
         eval_dir = self.run_dir / "images" / "eval"
         (eval_dir / "strips").mkdir(parents=True, exist_ok=True)
         n, shown = len(prompts), min(len(images), EVAL_GRID_MAX)
-        caps = [f"{prompts[j % n]}\n{label} {scores[label][j]:.3f}" for j in range(shown)]
+        caps = [prompts[j % n] + "".join(f"\n{k} {scores[k][j]:.3f}" for k in rewards) for j in range(shown)]
         when = "final evaluation" if final else f"evaluation before iteration {iteration}"
-        title = (f"{when} ({iteration} iterations trained): fixed prompts and starting noise; "
-                 f"mean {label} {scores[label].mean():.3f}")
+        title = (f"{when} ({iteration} iterations trained): fixed prompts and starting noise; mean "
+                 + ", ".join(f"{k} {scores[k].mean():.3f}" for k in rewards))
         grid = image_grid(images[:shown], caps, columns=min(n, 8), title=title)
         grid.save(eval_dir / f"iter_{iteration:06d}.png")
         for tracker in self.trackers:

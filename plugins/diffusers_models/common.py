@@ -63,6 +63,8 @@ class DiffusersAdapter:
     lora_targets: list[str] = ATTENTION
     #: true classifier-free guidance: the network runs an unconditional row beside each sample
     uses_cfg: bool = False
+    #: no prompts of its own (prompt_source() is None): `flowrl validate` refuses [prompts] source = "model"
+    ships_prompts: bool = False
 
     @property
     def forwards_per_velocity(self) -> int:

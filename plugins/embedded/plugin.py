@@ -35,6 +35,7 @@ class EmbeddedModel:
     """The embedded tiny text-to-image model: 32x32 RGB, 16x16x12 latent packed to [64, 48] tokens."""
 
     Config = EmbeddedConfig
+    ships_prompts = True  # prompt_source(): every prompt of its grammar
     latent_shape = (64, 48)
     image_seq_len = 64
     lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]

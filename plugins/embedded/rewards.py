@@ -38,3 +38,9 @@ def brightness(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
 
 
 REWARDS = {"verifier_score": verifier_score, "foreground_area": foreground_area, "brightness": brightness}
+
+# Both read the prompt's attributes, so a prompt outside the grammar cannot be scored; saying so
+# (flowrl.hookspecs: accepts_prompt) lets `flowrl validate` check a recipe's prompt files before a
+# model loads, instead of training failing at its first reward call.
+verifier_score.accepts_prompt = parse_prompt
+foreground_area.accepts_prompt = parse_prompt

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,7 +122,10 @@ def test_eval_writes_json_beside_the_checkpoint(cli, flux_lora_run):
         code, out, err = cli("eval", flux_lora_run, "-p", "a red cat", "-p", "the blue dog", "--seeds", "2",
                              "--steps", "3", "--reward", "brightness", "--reward", "redness", "--batch-size", "3")
     assert code == 0, err
-    path = flux_lora_run / "checkpoints" / "iter_000002.eval.json"
+    # prompts, seeds and rewards of its own: an ad-hoc evaluation, beside the checkpoint but never in
+    # place of the run's own iter_000002.eval.json (issue 28)
+    path = Path(re.search(r"wrote (\S+\.json)", out).group(1))
+    assert path.parent == flux_lora_run / "checkpoints" and re.fullmatch(r"iter_000002\.adhoc-\d+\.json", path.name)
     result = json.loads(path.read_text())
     assert result["iteration"] == 2 and set(result["rewards"]) == {"brightness", "redness"}
     per = result["per_image"]

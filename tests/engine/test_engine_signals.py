@@ -2,18 +2,26 @@
 once and checkpoints; a second one aborts with a message and exit status 130, no traceback.
 
 A slow reward (a plugin registered by the driver below) holds the first iteration in its reward
-phase for a few seconds, so that "at once" can be told apart from "after the iteration"."""
+phase for a few seconds, so that "at once" can be told apart from "after the iteration".
+
+In this process: a stop that arrives during an evaluation, or after the last iteration, pays for
+no rollout and no evaluation after it (a 10 s `docker stop` must end with a checkpoint)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-from engine_helpers import REPO, TINY_RECIPE, load, quiet_console, wait_for, write_recipe
+import pytest
+from engine_helpers import REPO, TINY_RECIPE, InterruptAt, load, quiet_console, wait_for, write_recipe
 
+from flowrl import hookimpl
+from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics
 from flowrl.train import train
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -142,3 +150,68 @@ def test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly(tmp_path, refer
     for got, want in zip(records, ref):
         assert_records_close(got, want)
     assert_weights_close(final_weights(run_dir), final_weights(ref_dir))
+
+
+# ------------------------------------------------------------------ a stop before evaluation or rollout
+
+#: The evaluation scores its 3 prompts (one image each) in one call; a rollout scores the 2 x 4
+#: samples of an iteration, never 3 at once. So a call's size says which phase made it.
+EVAL_IMAGES = 3
+CHECKED_RECIPE = (TINY_RECIPE.replace('[[rewards]]\nuse = "area"', '[[rewards]]\nuse = "probe"')
+                  .replace("[checkpoint]\nevery = 2", "[checkpoint]\nevery = 4")
+                  .replace("image_every = 0", "image_every = 0\neval_every = 1")
+                  + "\n[prompts]\nnum_eval = 3\neval_seeds = 1\n")
+
+
+class Probe:
+    """A reward ``probe`` that records the size of every call and sends this process SIGINT
+    during the evaluation call number ``stop_at_eval`` (counting from 1)."""
+
+    def __init__(self, stop_at_eval: int):
+        self.sizes: list[int] = []
+        self.sizes_at_signal: int | None = None
+        self.stop_at_eval = stop_at_eval
+
+    @hookimpl
+    def register_rewards(self, register):
+        def probe(images, prompts):
+            self.sizes.append(len(images))
+            if len(images) == EVAL_IMAGES and self.sizes.count(EVAL_IMAGES) == self.stop_at_eval:
+                self.sizes_at_signal = len(self.sizes)
+                os.kill(os.getpid(), signal.SIGINT)
+            return images.mean(dim=(1, 2, 3))
+
+        register("probe", probe)
+
+
+def stopped_run(tmp_path, stop_at_eval: int) -> tuple[Probe, Path]:
+    probe, run_dir = Probe(stop_at_eval), tmp_path / "run"
+    with temporary_plugin(probe, name="probe"), pytest.raises(KeyboardInterrupt):
+        train(load(write_recipe(tmp_path, CHECKED_RECIPE), f"run.output_dir={str(run_dir)!r}"), console=quiet_console())
+    return probe, run_dir
+
+
+def test_a_stop_during_evaluation_skips_the_rollout_and_checkpoints(tmp_path):
+    probe, run_dir = stopped_run(tmp_path, stop_at_eval=3)  # the evaluation before iteration 2
+    assert probe.sizes_at_signal is not None
+    assert len(probe.sizes) == probe.sizes_at_signal, f"rewards scored after the stop: {probe.sizes}"
+    assert [r["iteration"] for r in read_metrics(run_dir)] == [0, 1]
+    ckpt = latest_checkpoint(run_dir)  # not due (every 4): written because of the stop
+    assert ckpt.name == "iter_000002" and load_checkpoint(ckpt)["state"]["iteration"] == 2
+
+
+def test_a_stop_after_the_last_iteration_skips_the_final_evaluation_which_resume_runs(tmp_path):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path, CHECKED_RECIPE + '\n[[trackers]]\nuse = "interrupt_at"\n')
+    probe = Probe(stop_at_eval=0)  # scores, never stops: the tracker presses Ctrl-C after iteration 3 is logged
+    with temporary_plugin(probe, name="probe"), temporary_plugin(InterruptAt(3), name="interrupt-at-3"):
+        with pytest.raises(KeyboardInterrupt):
+            train(load(recipe, f"run.output_dir={str(run_dir)!r}"), console=quiet_console())
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3] and not any(r.get("final") for r in rows)
+    assert load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"] == 4
+    resumed, without_tracker = Probe(stop_at_eval=0), write_recipe(tmp_path, CHECKED_RECIPE)
+    with temporary_plugin(resumed, name="probe"):
+        train(load(without_tracker, f"run.output_dir={str(run_dir)!r}"), resume=run_dir, console=quiet_console())
+    assert resumed.sizes == [EVAL_IMAGES]  # only the final evaluation was left to do
+    assert read_metrics(run_dir)[-1]["final"]

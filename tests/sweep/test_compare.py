@@ -153,3 +153,25 @@ def test_bad_compare_input_gives_one_message_and_exit_2(study, tmp_path, flowrl_
         assert res.flat_err.count("error:") == 1, (name, res.stderr)
         for f in fragments:
             assert f in res.flat_err, (name, f, res.stderr)
+
+
+def test_a_table_piped_into_a_log_keeps_every_row_on_one_line(study, flowrl_cli):
+    """No terminal and no COLUMNS (a Slurm output file): rich assumed 80 columns and folded the
+    cells of this table mid-word (issue 28); it now takes the width its cells need."""
+    import subprocess
+    import sys
+
+    from flowrl.commands.compare import table_rows
+
+    argv = ["compare", str(study), "--baseline", "A", "--metric", "verifier", "--at-wall-time", "2.5"]
+    (as_json,) = flowrl_cli.batch([[*argv, "--format", "json"]])
+    env = flowrl_cli.env()
+    env.pop("COLUMNS")  # as under Slurm: stdout is a file and nothing says how wide
+    piped = subprocess.run([sys.executable, "-m", "flowrl", *argv], cwd=flowrl_cli.repo, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    header, rows = table_rows(json.loads(as_json.stdout))
+    lines = piped.stdout.splitlines()
+    assert max(map(len, lines)) > 80  # wider than rich's assumed terminal: the case that used to fold
+    for cells in [header, *rows]:
+        assert any(all(cell in line for cell in cells) for line in lines), (cells, piped.stdout)
