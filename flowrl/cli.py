@@ -25,6 +25,7 @@ from .commands import (  # noqa: F401
     profile,
     reward_server,
     sample,
+    selftest,
     sweep,
     train,
     validate,
