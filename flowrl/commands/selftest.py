@@ -3,7 +3,7 @@
 ::
 
     flowrl selftest                    # the GPU if there is one (bf16 where it computes it), else the CPU
-    flowrl selftest --device cpu       # what CI runs (about 30 s on a 2-core CPU)
+    flowrl selftest --device cpu       # what CI runs (14 s on a 2-core CPU)
     flowrl selftest --json
 
 Builds a tiny FLUX-architecture pipeline offline (no download) and checks: a 2-iteration
@@ -41,7 +41,7 @@ def selftest(
         "--workdir", help="Keep the pipeline and runs here (default: a temporary directory, removed).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Train a tiny FLUX offline on this machine and check training, resume, kernels and sharding (CPU: ~30 s)."""
+    """Train a tiny FLUX offline on this machine and check training, resume, kernels and sharding (CPU: ~15 s)."""
     # the tiny pipeline is built here: nothing may reach for the hub, and no download bar is due
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -445,14 +445,18 @@ def check_fsdp2(setup: Setup, timeout: float = 600) -> list[Check]:
                       f"needs 2 or more GPUs; {gpus} visible" if setup.device.type == "cuda" else
                       "needs 2 or more GPUs; running on the CPU (tests/distributed covers FSDP2 on gloo)")]
     recipe = setup.recipe("fsdp2", probed=False)
+    # 2 samples per process: two optimizer steps of one (the fast path, then the chunk-graph update)
     command = [sys.executable, "-m", "flowrl", "train", str(recipe.source), "--num-processes", "2",
-               "--set", 'distributed.strategy="fsdp2"', "--set", 'run.device="cuda"']  # cuda:LOCAL_RANK each
+               "--set", 'distributed.strategy="fsdp2"', "--set", "train.micro_batch_size=1",
+               "--set", 'run.device="cuda"']  # each process on its own GPU, cuda:LOCAL_RANK
     with measured(setup.device) as figures:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     figures.pop("peak_memory_gb")  # the workers' memory, not this process's
     if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-4:])
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        errors = list(dict.fromkeys(line for line in lines if line.startswith("error:")))  # flowrl's own message
+        tail = " | ".join(errors or lines[-4:])
         return [Check("fsdp2", "2-process FSDP2", "fail", f"exit {proc.returncode}: {tail}", figures)]
     rows = [r for r in read_metrics(recipe.output_dir) if not r.get("final")]
     sharded = is_sharded_checkpoint(latest_checkpoint(recipe.output_dir))
