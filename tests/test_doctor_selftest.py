@@ -189,6 +189,7 @@ def test_selftest_passes_on_the_cpu_and_reports_each_check(selftest):
     assert checks["2-process FSDP2"]["status"] == "skip" and "2 or more GPUs" in checks["2-process FSDP2"]["detail"]
     train = checks["2 iterations"]["figures"]
     assert train["images_per_second"] > 0 and train["peak_memory_gb"] is None and train["plan_gb"] > 0
+    assert {"rollout", "update", "eval", "checkpoint"} <= set(train["seconds_per_phase"])
     assert "every metrics row equals the uninterrupted run's" in checks["kill and resume"]["detail"]
     assert report["dtype"] == "fp32" and report["device"] == "cpu"
     # CI runs it: a regression guard well above its ~30 s here (2 cores, one thread)

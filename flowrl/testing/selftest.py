@@ -301,8 +301,10 @@ def check_training(setup: Setup, reference: dict) -> list[Check]:
     reference["records"] = records
     rows = [r for r in records if not r.get("final")]
     reward = rows[-1].get("reward/brightness/mean", math.nan)
+    figures["seconds_per_phase"] = phases = seconds_per_phase(rows)
     checks = [Check("train", "2 iterations", "pass",
-                    f"{setup.dtype} on {setup.device}, {len(rows)} metrics rows, last reward {reward:.3f}", figures)]
+                    f"{setup.dtype} on {setup.device}, {len(rows)} metrics rows, last reward {reward:.3f}; seconds per "
+                    f"iteration: {', '.join(f'{name} {t:.3f}' for name, t in phases.items())}", figures)]
     for path, n in calls.items():
         checks.append(Check("train", path, "pass" if n else "fail",
                             f"{n} micro-batch backward(s)" if n else "never ran: the update did not take this path"))
@@ -314,6 +316,16 @@ def check_training(setup: Setup, reference: dict) -> list[Check]:
                         f"<= {tolerance:g} in {len(deviations)} of {len(rows)} rollouts"
                         if held else f"checked in {len(deviations)} of {len(rows)} rollouts: {deviations}"))
     return checks
+
+
+def seconds_per_phase(rows: list[dict]) -> dict[str, float]:
+    """Each phase's mean seconds per iteration (the rows' ``time/<phase>``), slowest first."""
+    totals: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("time/"):
+                totals[key[5:]] = totals.get(key[5:], 0.0) + value
+    return dict(sorted(((k, v / len(rows)) for k, v in totals.items()), key=lambda kv: -kv[1]))
 
 
 def differences(got: list[dict], want: list[dict], rtol: float, atol: float) -> list[str]:
