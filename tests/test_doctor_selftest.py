@@ -42,6 +42,7 @@ DOCTOR_CALLS = {
     "flagship": ["doctor", FLAGSHIP, "--json"],
     "missing": ["doctor", "recipes/no_such_recipe.toml"],
     "launched": {"argv": ["doctor", "--json"], "env": {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}},
+    "garbled": {"argv": ["doctor", "--json"], "env": {"WORLD_SIZE": "two", "MASTER_ADDR": "10.0.0.1"}},
     "deepspeed": {"argv": ["doctor", "recipes/quickstart.toml", "--json"], "env": {"ACCELERATE_USE_DEEPSPEED": "true"}},
 }
 
@@ -129,6 +130,8 @@ def test_doctor_reads_the_launcher(doctor):
     processes = _checks(doctor["launched"])["launcher/processes"]
     assert processes["status"] == "warn" and "WORLD_SIZE=2" in processes["detail"]
     assert "without MASTER_ADDR" in processes["detail"]
+    garbled = _checks(doctor["garbled"])["launcher/processes"]
+    assert garbled["status"] == "warn" and "WORLD_SIZE='two' is not a number" in garbled["detail"], garbled
     refused = doctor["deepspeed"]
     accelerate = _checks(refused)["launcher/accelerate"]
     assert accelerate["status"] == "fail" and "DeepSpeed" in accelerate["detail"], accelerate

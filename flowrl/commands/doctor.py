@@ -306,12 +306,14 @@ def launcher_checks(recipe, devices: list[dict]) -> list[Check]:
         checks.append(Check("launcher", "processes", "ok", "no launcher: one process (flowrl train --num-processes N, "
                             "torchrun and accelerate launch set WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR)"))
     else:
-        problems = []
-        if int(present.get("WORLD_SIZE", "1") or 1) > 1 and "MASTER_ADDR" not in present:
+        problems = [f"{k}={v!r} is not a number" for k, v in present.items()
+                    if k not in ("MASTER_ADDR", "MASTER_PORT") and not v.strip().isdigit()]
+        numbers = {k: int(v) for k, v in present.items() if v.strip().isdigit()}
+        if numbers.get("WORLD_SIZE", 1) > 1 and "MASTER_ADDR" not in present:
             problems.append("WORLD_SIZE > 1 without MASTER_ADDR")
         gpus = sum(1 for d in devices if d["device"].startswith("cuda"))
-        if gpus and int(present.get("LOCAL_RANK", "0") or 0) >= gpus:
-            problems.append(f"LOCAL_RANK {present['LOCAL_RANK']} but {gpus} GPU(s) visible")
+        if gpus and numbers.get("LOCAL_RANK", 0) >= gpus:
+            problems.append(f"LOCAL_RANK {numbers['LOCAL_RANK']} but {gpus} GPU(s) visible")
         shown = ", ".join(f"{k}={v}" for k, v in present.items())
         checks.append(Check("launcher", "processes", "warn" if problems else "ok",
                             shown + (f" ({'; '.join(problems)})" if problems else ""), dict(present)))
