@@ -198,6 +198,8 @@ def test_selftest_passes_on_the_cpu_and_reports_each_check(selftest):
     # CI runs it: a regression guard well above its ~30 s here (2 cores, one thread)
     assert report["seconds"] < 120, report["seconds"]
     assert "peak memory n/a on the CPU" in text.stdout and "summary:" in text.stdout
+    noise = [line for line in text.stderr.splitlines() if not line.startswith("running ")]
+    assert not noise, noise  # progress only: no library warning or loading bar
 
 
 def test_selftest_fails_when_a_check_fails(monkeypatch, capsys):
