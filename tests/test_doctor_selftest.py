@@ -48,10 +48,13 @@ DOCTOR_CALLS = {
 
 
 @pytest.fixture(scope="module")
-def doctor(flowrl_cli):
+def doctor(flowrl_cli, tmp_path_factory):
     """name -> result of each call above, and of every doctor command docs/install.md shows."""
     docs = {f"doc:{' '.join(argv)}": argv for argv in doc_commands() if argv[0] == "doctor"}
-    calls = {**DOCTOR_CALLS, **docs}
+    not_a_pipeline = tmp_path_factory.mktemp("not_a_pipeline")
+    local = {"local_dir": ["doctor", FLAGSHIP, "--json", "--set", f"model.path={json.dumps(str(not_a_pipeline))}"],
+             "offline": {"argv": ["doctor", FLAGSHIP, "--json"], "env": {"HF_HUB_OFFLINE": "1"}}}
+    calls = {**DOCTOR_CALLS, **local, **docs}
     results = flowrl_cli.batch(list(calls.values()), timeout=300)
     return dict(zip(calls, results))
 
@@ -267,3 +270,21 @@ def test_install_doc_example_is_doctor_output_of_today(doctor):
     assert [l for l in example.splitlines() if l in SECTIONS] == SECTIONS
     assert CORE_NAMES <= {name for _, name in STATUS_LINE.findall(example)}
     assert CORE_NAMES <= {name for _, name in STATUS_LINE.findall(doctor["text"].stdout)}
+
+
+def test_doctor_says_where_the_weights_come_from(doctor):
+    """A hub id not in the cache is downloaded by the first run (a warning, naming the login a gated
+    model needs when no token is set), or cannot be with HF_HUB_OFFLINE (a failure); a local
+    directory must be a diffusers pipeline. The embedded model ships its weights: no line."""
+    import huggingface_hub
+
+    if isinstance(huggingface_hub.try_to_load_from_cache("black-forest-labs/FLUX.1-dev", "model_index.json"), str):
+        pytest.skip("FLUX.1-dev is in this machine's Hugging Face cache")
+    weights = _checks(doctor["flagship"])["recipe/weights"]
+    assert weights["status"] == "warn" and "black-forest-labs/FLUX.1-dev: not in the Hugging Face cache" in weights["detail"]
+    assert ("huggingface-cli login" in weights["detail"]) == (huggingface_hub.get_token() is None)
+    offline = _checks(doctor["offline"])["recipe/weights"]
+    assert offline["status"] == "fail" and "HF_HUB_OFFLINE" in offline["detail"]
+    local = _checks(doctor["local_dir"])["recipe/weights"]
+    assert local["status"] == "fail" and "without model_index.json" in local["detail"]
+    assert "weights:" not in doctor["quickstart"].stdout

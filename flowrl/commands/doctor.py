@@ -53,6 +53,7 @@ def doctor(
     checks += launcher_checks(resolved, devices)
     if resolved is not None:
         checks += plan_checks(resolved, devices)
+        checks += weights_checks(resolved)
     if as_json:
         print(report_json("doctor", checks, recipe=str(recipe) if recipe else None))
     else:
@@ -379,3 +380,36 @@ def plan_checks(recipe, devices: list[dict]) -> list[Check]:
                             f"{len(gpus)} GPU(s): run it on more GPUs or machines, or plan another count with "
                             "`flowrl plan RECIPE --num-processes N`"))
     return checks
+
+
+def weights_checks(recipe) -> list[Check]:
+    """Where the recipe's model weights come from (``[model].path``): a local pipeline directory,
+    the Hugging Face cache, or a download at the first run, which a gated repository (FLUX.1-dev)
+    refuses without a login. Reads the cache only: no network."""
+    params = recipe.components["model"].params
+    path = getattr(params, "path", None)
+    if not isinstance(path, str) or not path:
+        return []  # a model that ships its weights (the embedded one)
+    local = Path(path).expanduser()
+    if local.is_dir() or path.startswith(("/", "./", "../", "~")):
+        if not local.is_dir():
+            return [Check("recipe", "weights", "fail", f"{path}: no such directory ([model].path)")]
+        if not (local / "model_index.json").is_file():
+            return [Check("recipe", "weights", "fail", f"{path}: a directory without model_index.json, not a "
+                          "diffusers pipeline (save_pretrained writes one)")]
+        return [Check("recipe", "weights", "ok", f"{path}: a local pipeline directory")]
+    try:
+        from huggingface_hub import get_token, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - a dependency of diffusers
+        return []
+    revision = getattr(params, "revision", "") or None
+    if isinstance(try_to_load_from_cache(path, "model_index.json", revision=revision), str):
+        return [Check("recipe", "weights", "ok", f"{path}: in the Hugging Face cache (its model_index.json; "
+                      "that every weight file is there is not checked)")]
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes"):
+        return [Check("recipe", "weights", "fail", f"{path}: not in the Hugging Face cache, and HF_HUB_OFFLINE "
+                      "forbids the download: `huggingface-cli download` it where the hub is reachable")]
+    login = "" if get_token() else ("; no Hugging Face token here: a gated model (FLUX.1-dev) needs its licence "
+                                    "accepted on its page and `huggingface-cli login` (or HF_TOKEN)")
+    return [Check("recipe", "weights", "warn", f"{path}: not in the Hugging Face cache: the first run downloads "
+                  f"it (tens of GB for a full-size model){login}")]
