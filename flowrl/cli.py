@@ -16,6 +16,7 @@ from rich.markup import escape
 # Importing a command module adds its command(s) to the app.
 from .commands import (  # noqa: F401
     compare,
+    doctor,
     evaluate,
     export,
     plan,
@@ -24,6 +25,7 @@ from .commands import (  # noqa: F401
     profile,
     reward_server,
     sample,
+    selftest,
     sweep,
     train,
     validate,
