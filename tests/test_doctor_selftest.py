@@ -39,7 +39,8 @@ DOCTOR_CALLS = {
     "text": ["doctor"],
     "json": ["doctor", "--json"],
     "quickstart": ["doctor", "recipes/quickstart.toml"],
-    "flagship": ["doctor", FLAGSHIP, "--json"],
+    # online as far as doctor knows: other tests in this process may have set HF_HUB_OFFLINE for good
+    "flagship": {"argv": ["doctor", FLAGSHIP, "--json"], "env": {"HF_HUB_OFFLINE": "0"}},
     "missing": ["doctor", "recipes/no_such_recipe.toml"],
     "launched": {"argv": ["doctor", "--json"], "env": {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}},
     "garbled": {"argv": ["doctor", "--json"], "env": {"WORLD_SIZE": "two", "MASTER_ADDR": "10.0.0.1"}},

@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .base import SetOpt, app, console, load, registry
+from .base import SetOpt, app, console, load, registry, table_console
 
 
 @app.command()
@@ -54,7 +54,7 @@ def plan(
         table.add_column(col, overflow="fold")
     for l in lines:
         table.add_row(l.phase, l.item, f"{l.bytes / GB:.2f}", escape(l.note))
-    console.print(table)
+    table_console().print(table)  # piped (a log, Slurm): wide enough not to fold a note mid-word
     total, worst = peak(lines)
     verdict = "[green]fits[/green]" if total <= gpu_memory * GB else "[red]does not fit[/red]"
     console.print(f"peak ~ {total / GB:.1f} GB (persistent + the {worst} phase): {verdict} in {gpu_memory:g} GB")

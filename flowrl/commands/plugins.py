@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .base import app, console, registry
+from .base import app, console, registry, table_console
 
 
 @app.command()
@@ -37,4 +37,4 @@ def plugins(
     for name, info in reg.plugins.items():
         comps = ", ".join(f"{c.kind}:{c.name}" for c in sorted(grouped.get(name, []), key=lambda c: (c.kind, c.name)))
         t.add_row(name, info.distribution, info.version, comps or "-")
-    console.print(t)
+    table_console().print(t)

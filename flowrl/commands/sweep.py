@@ -55,7 +55,7 @@ import typer
 
 from ..errors import FlowrlError
 from ..processes import pid_alive, signal_on_parent_death
-from .base import SetOpt, app, console, load, options
+from .base import SetOpt, app, console, load, options, table_console
 
 MANIFEST = "sweep.json"
 MANIFEST_VERSION = 1
@@ -766,4 +766,4 @@ def _print_plan(manifest: dict[str, Any]) -> None:
         table.add_column(col, overflow="fold")
     for r in manifest["runs"]:
         table.add_row(escape(r["id"]), escape(r["variant"]), str(r["seed"]), escape(" ".join(r["overrides"]) or "-"), r["status"])
-    console.print(table)
+    table_console().print(table)

@@ -37,3 +37,16 @@ def test_explain_piped_wraps_within_a_sane_width_and_never_splits_a_key(flowrl_c
     words = set(re.findall(r"[\w.]+", r.stdout))
     keys = [f.name for cls in SECTIONS.values() for f, _ in fields_of(cls)]
     assert keys and [k for k in keys if k not in words] == []
+
+
+def test_plan_piped_keeps_each_note_on_one_line(flowrl_cli):
+    """`flowrl plan` into a log: a cell's note is not folded at rich's assumed 80 columns."""
+    import subprocess
+    import sys
+
+    env = flowrl_cli.env()
+    env.pop("COLUMNS")
+    r = subprocess.run([sys.executable, "-m", "flowrl", "plan", "recipes/flux2_klein_nf4_24gb.toml"],
+                       cwd=flowrl_cli.repo, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert any("3.876e9 params, 0.591 B each on average (quantised)" in line for line in r.stdout.splitlines()), r.stdout
