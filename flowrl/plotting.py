@@ -8,10 +8,50 @@ from .artefacts import ARTEFACT_MEASURES
 from .errors import FlowrlError, require
 from .runlog import read_metrics
 
-#: The update diagnostics every run logs; their panels appear when a run has any of them.
-#: The ratio-based update diagnostics; an objective without trajectory log-probs (DiffusionNFT)
-#: logs none of them, and its plot then has no diagnostics row.
+#: The ratio-based update diagnostics. Their row of panels appears when a run logs them and they
+#: carry more than rounding; an objective without trajectory log-probs (DiffusionNFT) logs none.
 DIAGNOSTICS = ("diag/log_ratio_std", "clip_fraction", "approx_kl_old", "diag/step_log_ratio_std")
+
+
+#: Scalars an objective logs about itself (DiffusionNFT, GARDO, the KL terms): their own panel.
+OBJECTIVE_PREFIXES = ("nft/", "gardo/", "kl/")
+
+#: Below this, a run's ratio diagnostics are float rounding: every re-scoring was on-policy.
+ROUNDING = 1e-6
+
+
+def _integer_iterations(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _off_policy(records) -> bool:
+    """Whether the ratio diagnostics carry information: some re-scoring left the old policy (a
+    second optimizer step or pass), beyond float rounding. An on-policy run (one step per
+    rollout) logs 1e-8 noise there, which is not worth a row of panels."""
+    def big(key):
+        return any(isinstance(r.get(key), (int, float)) and abs(r[key]) > ROUNDING for r in records)
+
+    return big("diag/log_ratio_std") or big("clip_fraction") or big("approx_kl_old")
+
+
+def plot_objective(records, keys, ax) -> None:
+    """The objective's own scalars over iterations (log scale where they are positive and span
+    more than two decades)."""
+    values = []
+    for key in keys:
+        xs, ys = _series(records, key)
+        ys = [float(y) for y in ys]
+        ax.plot(xs, ys, label=key)
+        values += ys
+    positive = [v for v in values if v > 0]
+    if positive and len(positive) == len(values) and max(positive) / min(positive) > 100:
+        ax.set_yscale("log")
+    ax.set_title("objective: " + ", ".join(sorted({k.split("/")[0] for k in keys})))
+    ax.set_xlabel("iteration")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 def _series(records, key):
@@ -106,21 +146,37 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
+    fig = run_figure(read_metrics(run_dir), run_dir.name)
+    output = Path(output) if output else run_dir / "rewards.png"
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+def run_figure(records: list[dict], title: str):
+    """The figure ``flowrl plot`` saves, for a run's metrics rows."""
+    import matplotlib.pyplot as plt
+
     train_keys = sorted({k for r in records for k in r if k.startswith("reward/") and k.endswith("/mean")})
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/mean")})
     artefact_keys = [k for k in eval_keys if k[len("eval/") : -len("/mean")] in ARTEFACT_MEASURES]
     eval_keys = [k for k in eval_keys if k not in artefact_keys]
-    diag = any(k in r for r in records for k in DIAGNOSTICS)
-    cols = 3 if diag else (2 if eval_keys else 1)
+    objective_keys = sorted({k for r in records for k, v in r.items()
+                             if k.startswith(OBJECTIVE_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    logged = any(k in r for r in records for k in DIAGNOSTICS)
+    diag = logged and _off_policy(records)
+    top = ["train"] + (["eval"] if eval_keys else []) + (["objective"] if objective_keys else []) + (["units"] if diag else [])
+    cols = max(len(top), 3 if diag else 1)
     rows = 2 if diag else 1
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols if diag else (11 if eval_keys else 6), 4 * rows),
-                             squeeze=False)
-    if diag and not eval_keys:
-        axes[0][1].axis("off")
+    fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 8.0), 4 * rows), squeeze=False)
+    panel = {name: axes[0][i] for i, name in enumerate(top)}
+    for ax in axes[0][len(top):]:
+        ax.axis("off")
     if diag:
-        plot_unit_ratios(records, axes[0][2])
+        plot_unit_ratios(records, panel["units"])
         plot_diagnostics(records, axes[1])
+    if objective_keys:
+        plot_objective(records, objective_keys, panel["objective"])
     ax = axes[0][0]
     for key in train_keys:
         xs = [r["iteration"] for r in records if key in r]
@@ -134,7 +190,7 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     ax.legend()
     ax.grid(alpha=0.3)
     if eval_keys:
-        ax = axes[0][1]
+        ax = panel["eval"]
         for key in eval_keys:
             xs = [r["iteration"] for r in records if key in r]
             ys = [r[key] for r in records if key in r]
@@ -159,9 +215,10 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
             ax.legend(lines + more, labels + more_labels, fontsize=8)
         else:
             ax.legend()
-    fig.suptitle(run_dir.name)
+    note = "\non-policy: every ratio diagnostic was float rounding (< 1e-6), not drawn" if logged and not diag else ""
+    fig.suptitle(title + note)
+    for ax in axes.flat:
+        if ax.get_xlabel() == "iteration":
+            _integer_iterations(ax)
     fig.tight_layout()
-    output = Path(output) if output else run_dir / "rewards.png"
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
-    return output
+    return fig

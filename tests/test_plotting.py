@@ -1,0 +1,64 @@
+"""`flowrl plot`'s panels carry information for the run's objective (flowrl/plotting.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from flowrl.plotting import run_figure  # noqa: E402
+
+
+def _grpo(iterations: int, spread: float) -> list[dict]:
+    return [{"iteration": i, "reward/area/mean": 0.5 + 0.01 * i, "reward/area/std": 0.1,
+             "diag/log_ratio_mean": 0.0, "diag/log_ratio_std": spread, "clip_fraction": 0.0,
+             "approx_kl_old": spread**2, "diag/step_log_ratio_std": [spread] * 4,
+             "diag/unit_log_ratio_std": [spread] * 2, "groups/all_equal_fraction": 0.0} for i in range(iterations)]
+
+
+def _titles(fig) -> list[str]:
+    return [ax.get_title() for ax in fig.axes if ax.get_title()]
+
+
+def test_an_on_policy_run_draws_no_panels_of_rounding_noise():
+    fig = run_figure(_grpo(5, 3e-8), "on_policy")
+    try:
+        assert not any("log-ratio" in t for t in _titles(fig)), _titles(fig)
+        assert "not drawn" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+
+
+def test_an_off_policy_run_draws_its_ratio_diagnostics():
+    fig = run_figure(_grpo(5, 2e-3), "off_policy")
+    try:
+        titles = _titles(fig)
+        assert "step log-ratio log pi_theta - log pi_old" in titles and "unit (chunk) log-ratio std" in titles
+        assert "not drawn" not in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+
+
+@pytest.mark.parametrize("keys, name", [
+    ({"nft/positive": 0.02, "nft/negative": 0.03, "nft/old_deviation": 1e-4, "nft/decay": 0.5}, "nft"),
+    ({"gardo/gate_fraction": 0.7, "gardo/q": 0.2, "kl/gaussian_exact": 1e-3}, "gardo, kl"),
+])
+def test_the_objectives_own_metrics_get_a_panel_and_iterations_are_integers(keys, name):
+    rows = [{"iteration": i, "reward/verifier/mean": 0.8, "reward/verifier/std": 0.1, **keys,
+             **({"eval/verifier/mean": 0.8, "eval/verifier/sem": 0.01} if i % 2 == 0 else {})} for i in range(4)]
+    fig = run_figure(rows, "objective")
+    try:
+        (panel,) = [ax for ax in fig.axes if ax.get_title() == f"objective: {name}"]
+        assert sorted(line.get_label() for line in panel.get_lines()) == sorted(keys)
+        for ax in fig.axes:
+            if ax.get_xlabel() == "iteration":
+                locator = ax.xaxis.get_major_locator()
+                assert isinstance(locator, MaxNLocator) and locator._integer
+    finally:
+        plt.close(fig)
