@@ -15,44 +15,9 @@ import shutil
 import pytest
 
 from flowrl.recipe import load_recipe
+from tiny_cli_recipe import tiny_recipe  # tests/cli/tiny_cli_recipe.py
 
-RECIPE = """
-[run]
-name = "adhoc_eval"
-seed = 5
-device = "cpu"
-
-[model]
-use = "embedded"
-random_init = true
-
-[sampler]
-steps = 4
-
-[chunker]
-use = "fixed"
-size = 1
-
-[train]
-iterations = 1
-prompts_per_iteration = 2
-group_size = 2
-micro_batch_size = 2
-
-[prompts]
-num_eval = 2
-eval_seeds = 1
-
-[log]
-progress = false
-image_every = 0
-
-[checkpoint]
-every = 1
-
-[[rewards]]
-use = "area"
-"""
+RECIPE = tiny_recipe("adhoc_eval", 5)
 
 PROMPT = "a red circle on a blue background"
 

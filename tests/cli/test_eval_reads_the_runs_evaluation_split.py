@@ -16,6 +16,7 @@ import pytest
 
 from flowrl import cli
 from flowrl.recipe import load_recipe
+from tiny_cli_recipe import tiny_recipe  # tests/cli/tiny_cli_recipe.py
 from flowrl.runlog import read_metrics
 
 TRAIN_ROWS = [f"a {c} {s} on a white background" for c, s in
@@ -23,46 +24,7 @@ TRAIN_ROWS = [f"a {c} {s} on a white background" for c, s in
 HELD_OUT_ROWS = [f"a {c} {s} on a black background" for c, s in
                  [("blue", "circle"), ("green", "square"), ("red", "triangle"), ("green", "circle")]]
 
-RECIPE = """
-[run]
-name = "split_eval"
-seed = 3
-device = "cpu"
-
-[model]
-use = "embedded"
-random_init = true
-
-[sampler]
-steps = 4
-
-[chunker]
-use = "fixed"
-size = 1
-
-[train]
-iterations = 1
-prompts_per_iteration = 2
-group_size = 2
-micro_batch_size = 2
-
-[prompts]
-source = "prompts.csv"
-text_column = "caption"
-split_column = "part"
-num_eval = 3
-eval_seeds = 1
-
-[log]
-progress = false
-image_every = 0
-
-[checkpoint]
-every = 1
-
-[[rewards]]
-use = "area"
-"""
+RECIPE = tiny_recipe("split_eval", 3, prompts='source = "prompts.csv"\ntext_column = "caption"\nsplit_column = "part"\nnum_eval = 3\neval_seeds = 1')
 
 
 @pytest.fixture(scope="module")

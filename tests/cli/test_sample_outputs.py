@@ -14,48 +14,9 @@ from pathlib import Path
 import pytest
 
 from flowrl.recipe import load_recipe
+from tiny_cli_recipe import AREA, tiny_recipe  # tests/cli/tiny_cli_recipe.py
 
-RECIPE = """
-[run]
-name = "sample_outputs"
-seed = 3
-device = "cpu"
-
-[model]
-use = "embedded"
-random_init = true
-
-[sampler]
-steps = 4
-
-[chunker]
-use = "fixed"
-size = 1
-
-[train]
-iterations = 1
-prompts_per_iteration = 2
-group_size = 2
-micro_batch_size = 2
-
-[prompts]
-num_eval = 2
-eval_seeds = 1
-
-[log]
-progress = false
-image_every = 0
-
-[checkpoint]
-every = 1
-
-[[rewards]]
-use = "area"
-
-[[rewards]]
-use = "verifier"
-weight = 0.5
-"""
+RECIPE = tiny_recipe("sample_outputs", 3, rewards=AREA + '\n[[rewards]]\nuse = "verifier"\nweight = 0.5\n')
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 
