@@ -361,9 +361,10 @@ def _no_cyclic_gc():
 
 
 def _step(model, inputs, optimizer, tracker, *, iterations: int = 2, accumulate: int = 1,
-          sync_each: bool = True, grad: bool = True) -> None:
+          sync_each: bool = True, grad: bool = True, reference=None) -> None:
     """``iterations`` optimizer steps of ``accumulate`` forward + backward each (FSDP2 without a
-    gradient sync on all but the last when ``sync_each`` is false); or one no-grad forward."""
+    gradient sync on all but the last when ``sync_each`` is false); or one no-grad forward.
+    ``reference``: a frozen copy run without grad before each forward (a KL term's reference)."""
     with _no_cyclic_gc(), tracker:
         if not grad:
             with torch.no_grad():
@@ -375,6 +376,9 @@ def _step(model, inputs, optimizer, tracker, *, iterations: int = 2, accumulate:
                     tracker.reset_mod_stats()  # the tracker refuses a second forward of the root otherwise
                 if not sync_each:
                     model.set_requires_gradient_sync(micro == accumulate - 1)
+                if reference is not None:
+                    with torch.no_grad():
+                        reference(**inputs)
                 out = model(**inputs)[0]
                 out.float().square().mean().backward()
             optimizer.step()
@@ -392,10 +396,13 @@ def _step(model, inputs, optimizer, tracker, *, iterations: int = 2, accumulate:
 
 def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None = None, batch: int = 1,
                img: int = IMAGE_TOKENS, txt: int = TEXT_TOKENS, checkpointing: bool = True,
-               accumulate: int = 1, sync_each: bool = True, iterations: int = 2) -> dict[str, Any]:
+               accumulate: int = 1, sync_each: bool = True, iterations: int = 2,
+               reference: bool = False) -> dict[str, Any]:
     """Full fine-tuning under FSDP2 at ``world_size`` (a fake process group): fp32 master weights,
     bf16 compute, ``fully_shard`` per block and at the root, AdamW. Bytes per rank by category,
-    the peak, and proof of sharding (every parameter a ``DTensor`` with ``Shard(0)``)."""
+    the peak, and proof of sharding (every parameter a ``DTensor`` with ``Shard(0)``).
+    ``reference``: a KL term's frozen float32 copy, sharded like the model (as flowrl's
+    ``Strategy.prepare_frozen`` does) and run without grad before each forward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
@@ -409,12 +416,18 @@ def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None
     if checkpointing:
         model.enable_gradient_checkpointing()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ref = family.build(depth, torch.float32).requires_grad_(False).eval() if reference else None
     t0 = time.process_time()
     with fake_process_group(world_size) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
         for b in blocks:
             fully_shard(b, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         model.to_empty(device="cpu")
+        if ref is not None:
+            for b in family.blocks(ref):
+                fully_shard(b, mesh=mesh, mp_policy=mp)
+            fully_shard(ref, mesh=mesh, mp_policy=mp)
+            ref.to_empty(device="cpu")
         params = list(model.parameters())
         sharded = all(isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),) for p in params)
         local_bytes = sum(p.to_local().numel() * p.element_size() for p in params if isinstance(p, DTensor))
@@ -422,9 +435,18 @@ def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None
         inputs = family.inputs(batch, img, txt, torch.float32)
         tracker = _fsdp_tracker_class()(model, optimizer)
         tracker.track_inputs(tuple(v for v in inputs.values() if torch.is_tensor(v)))
-        _step(model, inputs, optimizer, tracker, iterations=iterations, accumulate=accumulate, sync_each=sync_each)
+        if ref is not None:
+            tracker.track_external(ref)
+            local = [p.to_local() if isinstance(p, DTensor) else p for p in ref.parameters()]
+            ref_bytes, ref_sharded = sum(t.numel() * t.element_size() for t in local), all(
+                isinstance(p, DTensor) for p in ref.parameters())
+        _step(model, inputs, optimizer, tracker, iterations=iterations, accumulate=accumulate, sync_each=sync_each,
+              reference=ref)
         result = _summarise(tracker)
-    result.update(
+        if ref is not None:
+            # before the step; after a forward FSDP2's root keeps its own parameters gathered (bf16)
+            result["reference_bytes"], result["reference_sharded"] = ref_bytes, ref_sharded
+    result.update(reference=reference, 
         world_size=world_size, depth=list(depth or family.depth()), batch=batch, tokens=img + txt,
         checkpointing=checkpointing, accumulate=accumulate, sync_each=sync_each, n_params=n_params,
         full_param_bytes=full_param_bytes, local_param_bytes=local_bytes, all_dtensor_shard0=sharded,
@@ -432,6 +454,50 @@ def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None
         cpu_seconds=round(time.process_time() - t0, 1),
     )
     return result
+
+
+def track_startup(family: Family, world_size: int, *, depth: tuple[int, ...] | None = None,
+                  reference: bool = False) -> dict[str, Any]:
+    """The device memory of FSDP2's start-up as flowrl places the denoiser (shard before moving,
+    ``flowrl.train.parallel.Strategy._fully_shard``): each block arrives whole on the device
+    (here: materialised from ``meta``) and is sharded, then the root's own parameters; with
+    ``reference``, the KL reference's copy after it, the same way. torch's ``MemTracker`` counts
+    every byte allocated on the (fake) device; the peak is the start-up transient the plan's
+    ``start-up`` line and :func:`flowrl.memory_plan.startup_peak` estimate."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    _quiet()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = [family.build(depth, torch.float32) for _ in range(2 if reference else 1)]
+    t0 = time.process_time()
+    with fake_process_group(world_size) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
+        tracker = MemTracker()
+        with _no_cyclic_gc(), tracker:
+            for model in models:
+                for b in family.blocks(model):
+                    b.to_empty(device="cpu")  # the block arrives on the device, whole
+                    fully_shard(b, mesh=mesh, mp_policy=mp)
+                for module in model.modules():  # the root's own parameters and buffers arrive
+                    for name, t in list(module._parameters.items()):
+                        if t is not None and not isinstance(t, DTensor) and t.is_meta:
+                            module._parameters[name] = torch.nn.Parameter(torch.empty_like(t, device="cpu"),
+                                                                          requires_grad=t.requires_grad)
+                    for name, t in list(module._buffers.items()):
+                        if t is not None and t.is_meta:
+                            module._buffers[name] = torch.empty_like(t, device="cpu")
+                fully_shard(model, mesh=mesh, mp_policy=mp)
+            peak_snap = {_category_name(k): v for snap in tracker.get_tracker_snapshot("peak").values()
+                         for k, v in snap.items()}
+            now = {_category_name(k): v for snap in tracker.get_tracker_snapshot("current").values()
+                   for k, v in snap.items()}
+    blocks = family.blocks(models[0])
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    return {"peak": peak_snap.get("Total", 0), "after": now.get("Total", 0), "reference": reference,
+            "largest_block_params": max(block_params), "world_size": world_size,
+            "cpu_seconds": round(time.process_time() - t0, 1)}
 
 
 def _replace_nf4(model: torch.nn.Module) -> torch.nn.Module:
@@ -666,6 +732,7 @@ def plan_numbers(overrides: list[str], world_size: int, recipe_name: str = "chun
         "reduce_scatter": by.get("FSDP2 reduce-scatter buffers"),
         # the tracker files FSDP2's unsharded accumulated gradients under temporaries
         "temporaries": (by.get("temporaries", 0.0) + by.get("gradients (unsharded, accumulating)", 0.0)) or None,
+        "reference": by.get("reference copy (KL)"),
         "rollout_activations": by["activations, no grad"],
         "rollout_samples": geometry.samples_per_process,
         "micro_batch": recipe.train.micro_batch_size,
@@ -675,11 +742,16 @@ def plan_numbers(overrides: list[str], world_size: int, recipe_name: str = "chun
     # The training step as the plan models it: the denoiser's state and the update and step
     # phases, without what the tracker does not see (CUDA overhead, trajectories, caches, rewards).
     denoiser = {"denoiser weights", "LoRA weights", "gradients", "gradients (sharded)", "gradients (sharded, accumulating)",
-                adam, "AdamW step temporary",
+                "reference copy (KL)", adam, "AdamW step temporary",
                 "activations, forward with grad", "FSDP2 gathered parameters", "FSDP2 reduce-scatter buffers",
                 "temporaries", "gradients (unsharded, accumulating)"}
     out["peak"], _ = peak([line for line in lines if line.item in denoiser and line.phase in ("persistent", "update", "step")]
                           or [Line("persistent", "none", 0.0)])
+    # start-up (flowrl.memory_plan.startup_peak) without what the tracker does not see: the CUDA
+    # context and the encoders (offloaded by the flagship anyway)
+    out["startup"] = sum(by.get(k, 0.0) for k in ("denoiser weights", "LoRA weights", "reference copy (KL)",
+                                                  "one block placed whole while sharding"))
+    out["startup_block"] = by.get("one block placed whole while sharding")
     return out
 
 
@@ -773,8 +845,8 @@ def constants(ext: dict[str, Any], tw: float, *, temp_offset: float = 0.0, temp_
 # ------------------------------------------------------------------------------ report
 
 
-ROWS = ("params", "grads", "optimizer", "opt_step_temp", "activations", "temporaries", "gathered", "reduce_scatter",
-        "unsynced_grads", "peak")
+ROWS = ("params", "reference", "grads", "optimizer", "opt_step_temp", "activations", "temporaries", "gathered",
+        "reduce_scatter", "unsynced_grads", "startup_block", "peak")
 
 
 def rel(a: float | None, b: float | None) -> float | None:
@@ -857,6 +929,60 @@ def _fsdp_item(key: str, title: str, small: dict, full: dict, plan: dict | None,
             "reduced_depth": {"x".join(map(str, d)): r for d, r in small.items()}, "notes": notes}
 
 
+#: FSDP2 items beside the main ones (``--items`` runs a subset and adds it to a saved result): a
+#: KL term's reference copy, the start-up, and the flagship's own 720 x 720 geometry with
+#: gradients reduce-scattered after every backward (the 8 x 40 GB configuration).
+KL_ITEMS = ("flux_full_fsdp8_ac_kl", "flux_full_fsdp8_startup_kl", "flux_full_fsdp8_720_ac_accum2_sync")
+#: tokens of one 720 x 720 FLUX sample (45 x 45 latent patches) and its text
+FLAGSHIP_TOKENS = (2025, 512)
+
+
+def run_kl_items(keys=KL_ITEMS) -> dict[str, Any]:
+    """The flagship with ``loss.beta > 0`` at full size: one optimizer step with the sharded
+    float32 reference run before each forward (steady state), and the start-up that places the
+    denoiser and then the reference a block at a time (flowrl's shard-before-moving); and the
+    flagship's geometry with ``gradient_sync = "micro_batch"``."""
+    items: dict[str, Any] = {}
+    width = FLUX1_DEV["num_attention_heads"] * FLUX1_DEV["attention_head_dim"]
+    mb = plan_numbers(PLAN_512, 8)["micro_batch"]
+    if "flux_full_fsdp8_720_ac_accum2_sync" in keys:
+        img, txt = FLAGSHIP_TOKENS
+        small = {d: track_fsdp(FLUX1, 8, depth=d, batch=mb, img=img, txt=txt) for d in reduced_depths(FLUX1)}
+        full = track_fsdp(FLUX1, 8, batch=mb, img=img, txt=txt, accumulate=2, sync_each=True)
+        title = (f"FLUX.1-dev full fine-tuning at the flagship's 720 x 720 ({img} + {txt} tokens), FSDP2 x 8, "
+                 f"micro-batch {mb}, checkpointing on, 2 micro-batches per step, a reduce-scatter after each "
+                 "(gradient_sync = 'micro_batch')")
+        item = _fsdp_item("flux_full_fsdp8_720_ac_accum2_sync", title, small, full,
+                          plan_for("flux_full_fsdp8_720_ac_accum2_sync", {}), width)
+        items["flux_full_fsdp8_720_ac_accum2_sync"] = item
+        print_item("flux_full_fsdp8_720_ac_accum2_sync", item)
+    if "flux_full_fsdp8_ac_kl" in keys:
+        small = {d: track_fsdp(FLUX1, 8, depth=d, batch=mb, checkpointing=True) for d in reduced_depths(FLUX1)}
+        full = track_fsdp(FLUX1, 8, batch=mb, checkpointing=True, reference=True)
+        full["reference"] = full["reference_bytes"]
+        title = (f"FLUX.1-dev full fine-tuning with a KL term (loss.beta > 0): FSDP2 x 8, the float32 reference "
+                 f"sharded like the model and run before each forward, micro-batch {mb}, checkpointing on")
+        item = _fsdp_item("flux_full_fsdp8_ac_kl", title, small, full, plan_for("flux_full_fsdp8_ac_kl", {}), width)
+        item["notes"].insert(0, f"reference sharded (every parameter a DTensor before the step): "
+                                f"{full['reference_sharded']}; its shards {full['reference_bytes'] / GiB:.3f} GiB")
+        items["flux_full_fsdp8_ac_kl"] = item
+        print_item("flux_full_fsdp8_ac_kl", item)
+    if "flux_full_fsdp8_startup_kl" in keys:
+        r = track_startup(FLUX1, 8, reference=True)
+        tracker = {"peak": r["peak"], "after": r["after"]}
+        item = {"title": "FLUX.1-dev start-up with a KL term, FSDP2 x 8: each block of the model, then of the "
+                         "reference, placed whole and sharded (flowrl's shard before moving)",
+                "plan": plan_for("flux_full_fsdp8_startup_kl", {}), "tracker": tracker, "raw": r,
+                "notes": [f"held after start-up (all shards of the model and the reference): {r['after'] / GiB:.2f} GiB; "
+                          f"largest block {r['largest_block_params'] / 1e6:.1f}e6 parameters; tracker CPU time "
+                          f"{r['cpu_seconds']} s",
+                          "the plan's start-up here is the shards of the model and of the reference plus one whole "
+                          "block (flowrl.memory_plan.startup_peak without the CUDA context)"]}
+        items["flux_full_fsdp8_startup_kl"] = item
+        print_item("flux_full_fsdp8_startup_kl", item)
+    return items
+
+
 def run_all() -> dict[str, Any]:
     import diffusers
 
@@ -888,6 +1014,9 @@ def run_all() -> dict[str, Any]:
                     if accumulate > 1 else ""))
         items[key] = _fsdp_item(key, title, small_by_ac[ac], full, plan, width)
         print_item(key, items[key])
+
+    stamp("KL term and start-up")
+    items.update(run_kl_items())
 
     # 2-4. LoRA on one process: reduced depth, extrapolated per block, checked at a deeper model.
     try:
@@ -1019,7 +1148,13 @@ def plan_for(key: str, item: dict[str, Any]) -> dict[str, Any] | None:
     if key.startswith("flux_full_fsdp8"):
         # the tracker's "reduce-scatter each backward" runs are [distributed].gradient_sync = "micro_batch"
         sync = ["distributed.gradient_sync=" + ("micro_batch" if key.endswith("_sync") else "step")]
-        return plan_numbers(PLAN_512 + FSDP_OVERRIDES + ac + sync, 8)
+        kl = ["loss.beta=0.01"] if key.endswith("_kl") else []  # a KL term: the reference copy, sharded
+        geometry = [] if "_720_" in key else PLAN_512  # the flagship recipe is 720 x 720
+        plan = plan_numbers(geometry + FSDP_OVERRIDES + ac + sync + kl, 8)
+        if "startup" in key:  # the start-up figure, in the tracker's terms
+            plan = {"peak": plan["startup"], "startup_block": plan["startup_block"], "params": plan["params"],
+                    "reference": plan["reference"], "overrides": plan["overrides"]}
+        return plan
     if key.startswith("flux_lora"):
         return plan_numbers(PLAN_512 + LORA_OVERRIDES + ac, 1)
     # the shipped recipes of the other models, set to the tracked configuration: 512 x 512,
@@ -1052,9 +1187,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every number to this JSON file")
     parser.add_argument("--markdown", type=Path, help="write the tables as Markdown to this file")
     parser.add_argument("--replan", type=Path, help="recompute only the plan columns of this saved --json result")
+    parser.add_argument("--items", help="comma-separated: run only these of " + ", ".join(KL_ITEMS)
+                        + " and add them to the --json file's saved result")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = replan(json.loads(args.replan.read_text())) if args.replan else run_all()
+    if args.items:
+        keys = [k.strip() for k in args.items.split(",")]
+        if unknown := [k for k in keys if k not in KL_ITEMS]:
+            parser.error(f"unknown item(s) {unknown}; choose from {', '.join(KL_ITEMS)}")
+        if not (args.json and args.json.exists()):
+            parser.error("--items adds to a saved result: give --json PATH of an earlier full run")
+        result = json.loads(args.json.read_text())
+        started = time.time()
+        result["items"].update(run_kl_items(keys))
+        result.setdefault("added", {})[",".join(keys)] = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "wall_seconds": round(time.time() - started, 1)}
+    else:
+        result = replan(json.loads(args.replan.read_text())) if args.replan else run_all()
     print(f"\ntotal wall time {result['wall_seconds']} s" + (" (the tracker run; plan columns recomputed)" if args.replan else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -377,6 +377,13 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]
         widths = sum(mm.per_block[k] * c for k, c in mm.blocks.items()) + mm.outside
         how = f"{widths:.0f} widths per token saved over {total_blocks} blocks" if mm.width > 1 else "measured per sample"
     lines.append(Line("update", "activations, forward with grad", m * tw * widths, f"micro-batch {m}; {how}"))
+    if layout.strategy == "fsdp2":
+        # shard before moving: one block (or the root's own parameters) whole on the device at a
+        # time, in the storage dtype, on top of the shards placed so far
+        largest = max(mm.largest_block_params, mm.outside_block_params) or mm.denoiser_params
+        lines.append(Line("start-up", "one block placed whole while sharding", largest * mm.denoiser_bytes,
+                          f"{largest / 1e6:.0f}e6 params x {mm.denoiser_bytes} B; the rest stays in CPU memory until "
+                          "its turn" + ("" if mm.largest_block_params else " (blocks unknown: the whole denoiser)")))
     if layout.strategy == "fsdp2" and mm.largest_block_params:
         b, r = mm.largest_block_params, mm.outside_block_params
         lines.append(Line("update", "FSDP2 gathered parameters", compute * (r + 3 * b),
@@ -387,6 +394,44 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]
         lines.append(Line("update", "temporaries", 2 * b + m * tw * (5.7 + (total_blocks if layout.checkpointing else 0)),
                           "measured with torch's FSDPMemTracker (benchmarks/memory_plan.py)"))
     return lines
+
+
+def startup_peak(lines: list[Line], mm: ModelMemory) -> float:
+    """GPU memory per process while the model is placed, before the first iteration: the
+    weights (sharded under fsdp2) and whatever else is placed for good (encoders, a reward
+    kept on the GPU, the CUDA context), plus the ``start-up`` transient. Gradients, AdamW state,
+    trajectories and caches do not exist yet."""
+    held = ("denoiser weights", "LoRA weights", "reference copy (KL)", "CUDA context + allocator slack")
+    placed = sum(l.bytes for l in lines if l.phase == "persistent" and
+                 (l.item in held or l.item in mm.frozen or l.item.startswith("reward '")))
+    return placed + sum(l.bytes for l in lines if l.phase == "start-up")
+
+
+def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_nodes: int = 1) -> list[Line]:
+    """Host (CPU) memory per node: what the processes on one node keep in CPU memory for the
+    whole run (phase ``held``) and the start-up transient (``loading``), each the sum over the
+    node's ``world_size / num_nodes`` processes. Every process loads the whole model into CPU
+    memory before placing it (from_pretrained), and under fsdp2 also takes the KL reference's
+    copy there before sharding it onto the GPU."""
+    per_node = world_size // max(num_nodes, 1)
+    node = f" x {per_node} processes" if per_node > 1 else ""
+    weights = mm.denoiser_weight_bytes if mm.denoiser_weight_bytes is not None else mm.denoiser_params * mm.denoiser_bytes
+    frozen = sum(p * b for p, b in mm.frozen.values())
+    out = []
+    held = cpu_bytes(lines) + (frozen if mm.offload_frozen else 0.0)
+    held += sum(l.bytes for l in lines if l.phase == "reward")  # offloaded rewards wait in CPU memory
+    if held:
+        out.append(Line("held", "offloaded state (shards, encoders, rewards, a CPU reference)", held * per_node,
+                        f"per process {held / GB:.1f} GB{node}"))
+    loading = weights + (0.0 if mm.offload_frozen else frozen)  # offloaded encoders are counted as held
+    reference = any(l.item == "reference copy (KL)" for l in lines)
+    sharded = "sharded over" in (mm.notes[0] if mm.notes else "") or any(l.item.startswith("FSDP2") for l in lines)
+    what = "the whole model loaded into CPU memory before placing it"
+    if reference and sharded:
+        loading += mm.denoiser_params * mm.denoiser_bytes
+        what += ", and the KL reference's copy taken there before sharding"
+    out.append(Line("loading", "start-up transient", loading * per_node, f"{what}: per process {loading / GB:.1f} GB{node}"))
+    return out
 
 
 def cpu_bytes(lines: list[Line]) -> float:
@@ -400,7 +445,7 @@ def peak(lines: list[Line]) -> tuple[float, str]:
     persistent = sum(l.bytes for l in lines if l.phase == "persistent")
     phases: dict[str, float] = {}
     for l in lines:
-        if l.phase not in ("persistent", "cpu"):
+        if l.phase not in ("persistent", "cpu", "start-up", "held", "loading"):  # start-up: startup_peak()
             phases[l.phase] = phases.get(l.phase, 0.0) + l.bytes
     worst = max(phases, key=phases.get) if phases else "none"
     return persistent + phases.get(worst, 0.0), worst

@@ -36,7 +36,7 @@ def plan(
     from rich.markup import escape
     from rich.table import Table
 
-    from ..memory_plan import GB, cpu_bytes, estimate, peak
+    from ..memory_plan import GB, estimate, host_lines, peak, startup_peak
 
     resolved = load(recipe, set_)
     # A recipe written for 8 GPUs planned at one process would say "does not fit" about a run
@@ -53,18 +53,27 @@ def plan(
     table = Table(title=f"estimated GPU memory per process ({processes}, {escape(origin)})", title_justify="left")
     for col in ("phase", "item", "GB", "how"):
         table.add_column(col, overflow="fold")
+    host = host_lines(resolved, mm, lines, num_processes, num_nodes)
     for l in lines:
         table.add_row(l.phase, l.item, f"{l.bytes / GB:.2f}", escape(l.note))
+    per_node = num_processes // num_nodes
+    for l in host:  # host memory, summed over one node's processes
+        table.add_row(f"host {l.phase}", l.item + (f" (node of {per_node})" if per_node > 1 else ""),
+                      f"{l.bytes / GB:.2f}", escape(l.note))
     table_console().print(table)  # piped (a log, Slurm): wide enough not to fold a note mid-word
     total, worst = peak(lines)
     verdict = "[green]fits[/green]" if total <= gpu_memory * GB else "[red]does not fit[/red]"
     console.print(f"peak ~ {total / GB:.1f} GB (persistent + the {worst} phase): {verdict} in {gpu_memory:g} GB")
+    console.print(f"start-up ~ {startup_peak(lines, mm) / GB:.1f} GB per GPU while the model is placed "
+                  "(before gradients, AdamW state and trajectories exist)")
+    held = sum(l.bytes for l in host if l.phase == "held")
+    loading = sum(l.bytes for l in host if l.phase == "loading")
+    console.print(f"host memory per node ({per_node} process{'es' if per_node > 1 else ''}): ~ {held / GB:.1f} GB held, "
+                  f"~ {(held + loading) / GB:.1f} GB at start-up")
     other = _other_gradient_sync(resolved, num_processes, num_nodes, lines)
     if other:
         console.print(other)
-    host = cpu_bytes(lines)
-    if host:
-        console.print(f"CPU memory per process for the offloaded state: ~ {host / GB:.1f} GB")
+
     for note in mm.notes:
         console.print(f"note: {escape(note)}")
     intended = resolved.distributed.num_processes

@@ -36,6 +36,7 @@ from .ema import WeightEMA
 from .evaluate import RunEvaluator, evaluation_set
 from .layout import ChunkLayout
 from .outputs import RunOutputs
+from .parallel import resolve_strategy
 from .progress import Aborted, GracefulInterrupt, RunDisplay
 from .run_lock import hold_run_directory
 from .session import Session
@@ -62,10 +63,11 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
         # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
-        session = Session.open(recipe, registry, device=device)
+        # (fsdp2 places the denoiser itself, a block at a time as it shards it: no whole copy on the GPU)
+        session = Session.open(recipe, registry, device=device, place_denoiser=not sharded_run(recipe, ctx))
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
-        layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
         update = PolicyUpdate(session, geometry, ctx)
+        layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the placed model first
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
         eval_set = evaluation_set(cfg, session.model)
@@ -297,3 +299,9 @@ def planned_memory(recipe: Recipe, ctx, registry: Registry) -> str:
     except Exception:  # an estimate is a courtesy here: never hide the allocation failure behind another error
         return ""
     return f"; `flowrl plan` expects a peak of ~{total / GB:.1f} GB per process (in the {phase} phase)"
+
+
+def sharded_run(recipe: Recipe, ctx) -> bool:
+    """Whether this run's denoiser is sharded with FSDP2 (the launcher may have asked for it)."""
+    return resolve_strategy(recipe.distributed, ctx.world_size) == "fsdp2"
+

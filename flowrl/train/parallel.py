@@ -262,9 +262,6 @@ class Strategy:
             raise FlowrlError("strategy = 'fsdp2' needs a process group", where="[distributed].strategy",
                               hint="launch with `flowrl train --num-processes N`, torchrun or accelerate launch")
         shape, names = mesh_layout(self.config.shard, self.topology)
-        if not self.config.cpu_offload:  # offloaded shards are placed by FSDP2 itself
-            module.to(self.device)
-        _broadcast_module(module, self.topology.world_size)  # every rank shards the same weights
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         self._fully_shard(module, blocks, self.config.cpu_offload)
         # a trainable tensor without a gradient on one rank still joins its group's reduce-scatter
@@ -277,7 +274,13 @@ class Strategy:
         return module
 
     def _fully_shard(self, module: nn.Module, blocks: Sequence[nn.Module], cpu_offload: bool) -> None:
+        """Shard before moving (torch's FSDP2 guidance): ``module`` may sit in CPU memory, whole;
+        each block visits the device alone, gets rank 0's weights and is sharded, and the root's
+        own parameters follow. At most one block's full weights are on the device at a time,
+        instead of the whole model (47.6 GB for FLUX.1-dev in float32) before any sharding.
+        With ``cpu_offload`` FSDP2 then keeps each shard in CPU memory."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.tensor import DTensor
 
         bf16 = self.config.mixed_precision == "bf16"
         # bf16 compute on float32 master weights, gradients reduced in float32; the blocks hand
@@ -286,8 +289,17 @@ class Strategy:
         root = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
                 if bf16 else MixedPrecisionPolicy())
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cpu_offload else OffloadPolicy()
+        world = self.topology.world_size
         for block in blocks:
+            block.to(self.device)
+            _broadcast_module(block, world)  # every rank shards the same weights
             fully_shard(block, mesh=self.mesh, mp_policy=inner, offload_policy=offload, reshard_after_forward=True)
+        with torch.no_grad():  # the root's own parameters and buffers (the blocks' are DTensor shards now)
+            rest = [t for t in [*module.parameters(), *module.buffers()] if not isinstance(t, DTensor)]
+            for t in rest:
+                t.data = t.data.to(self.device)
+            for t in rest if world > 1 else ():
+                dist.broadcast(t.data, src=0)
         fully_shard(module, mesh=self.mesh, mp_policy=root, offload_policy=offload, reshard_after_forward=False)
 
     def prepare_frozen(self, module: nn.Module, on_cpu: bool = False) -> nn.Module:
@@ -297,10 +309,7 @@ class Strategy:
         (``on_cpu``: kept in CPU memory, each submodule visiting the device for its forward,
         accelerate's ``cpu_offload``). Every process holds rank 0's weights."""
         module.requires_grad_(False).eval()
-        if self.kind == "fsdp2":
-            if not on_cpu:
-                module.to(self.device)
-            _broadcast_module(module, self.topology.world_size)
+        if self.kind == "fsdp2":  # placed block by block as it is sharded (_fully_shard)
             self._fully_shard(module, [module.get_submodule(n) for n in self.block_names], on_cpu)
             return module
         _broadcast_module(module, self.topology.world_size)

@@ -9,6 +9,8 @@ weights into the model (attaching the LoRA first when the run trained one).
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from collections import OrderedDict
 from pathlib import Path
@@ -90,6 +92,17 @@ def build_sampler(recipe: Recipe, components: Components, device: torch.device) 
     )
 
 
+@contextlib.contextmanager
+def staying_in_place(module: torch.nn.Module):
+    """``module`` ignores ``.to()`` / ``.cuda()`` inside the block, so that an adapter's
+    ``to(device)``, which moves every module it runs, moves all but this one."""
+    module._apply = lambda fn, recurse=True: module  # an instance attribute shadows nn.Module._apply
+    try:
+        yield
+    finally:
+        del module._apply
+
+
 def plan_context(recipe: Recipe, components: Components, sampler: Sampler) -> PlanContext:
     """What the ``[window]`` planner plans with (:class:`flowrl.sampling.plans.PlanContext`)."""
     schedule = components.schedule
@@ -155,14 +168,18 @@ class Session:
         device: torch.device | str | None = None,
         rewards: bool = True,
         trackers: bool = True,
+        place_denoiser: bool = True,
     ) -> Session:
         """Build the recipe's components and move the model to ``device`` (default: the recipe's
-        ``[run].device``)."""
+        ``[run].device``). ``place_denoiser=False`` leaves the denoiser where it was loaded (CPU
+        memory) for FSDP2, which moves it to the device one block at a time as it shards it
+        (:meth:`flowrl.train.parallel.Strategy.prepare`)."""
         registry = registry or get_registry()
         if not isinstance(device, torch.device):
             device = resolve_device(device or recipe.run.device)
         components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
-        components.model.to(device)
+        with contextlib.nullcontext() if place_denoiser else staying_in_place(components.model.denoiser):
+            components.model.to(device)
         sampler = build_sampler(recipe, components, device)
         return cls(recipe, registry, components, device, sampler, PromptCache(components.model),
                    plan_context(recipe, components, sampler))

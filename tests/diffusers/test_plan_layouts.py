@@ -111,3 +111,34 @@ def test_gradient_sync_per_backward_keeps_fsdp2_gradients_sharded():
     assert choose_gradient_sync(recipe, registry, 8, gpu_memory=40 * GB)[0] == "micro_batch"
     assert choose_gradient_sync(recipe, registry, 8, gpu_memory=None)[0] == "step"  # a CPU: no limit known
     assert plan("auto", 40 * GB)[1] == each_peak and plan("auto", 80 * GB)[1] == step_peak
+
+
+def test_start_up_and_host_memory_are_planned():
+    """fsdp2 places the denoiser a block at a time as it shards it: the start-up peak per GPU
+    is the shards plus one whole block, far below the whole float32 model; host memory per node
+    counts every process's CPU copy of the model while it loads (and, with a KL term under fsdp2,
+    the reference's copy), and the offloaded state held for the whole run."""
+    from flowrl.memory_plan import host_lines, startup_peak
+
+    registry = get_registry()
+    flagship = Path(__file__).resolve().parents[2] / "recipes" / "chunk_grpo_flux.toml"
+    r = load_recipe(flagship, ["loss.beta=0.01"], registry=registry)
+    _, mm, lines = estimate(r, registry, 8)
+    by = {l.item: l for l in lines}
+    whole = mm.denoiser_params * 4
+    assert by["one block placed whole while sharding"].bytes == mm.largest_block_params * 4
+    start = startup_peak(lines, mm)
+    expected = (by["denoiser weights"].bytes + by["reference copy (KL)"].bytes + by["one block placed whole while sharding"].bytes
+                + by["CUDA context + allocator slack"].bytes)  # encoders and the reward are offloaded
+    assert start == pytest.approx(expected) and start < whole / 2 < peak(lines)[0]
+    host = {l.phase: l for l in host_lines(r, mm, lines, 8)}
+    assert host["loading"].bytes == pytest.approx(8 * 2 * whole)  # 8 processes x (the model + the reference's copy)
+    frozen = sum(p * b for p, b in mm.frozen.values())
+    assert host["held"].bytes == pytest.approx(8 * (frozen + by["reward 'hpsv3'"].bytes))
+    # two nodes: half the processes, half the host memory on each
+    assert {l.phase: l.bytes for l in host_lines(r, mm, lines, 8, 2)}["loading"] == pytest.approx(host["loading"].bytes / 2)
+    # without a KL term no reference copy; ddp places the whole model, so no start-up transient line
+    r0 = load_recipe(flagship, ["distributed.strategy='ddp'"], registry=registry)
+    _, mm0, lines0 = estimate(r0, registry, 8)
+    assert not [l for l in lines0 if l.phase == "start-up"]
+    assert {l.phase: l.bytes for l in host_lines(r0, mm0, lines0, 8)}["loading"] == pytest.approx(8 * whole)

@@ -290,6 +290,27 @@ def embedded_on_policy(kind, results):
     }
 
 
+def scenario_placement(name, results):
+    """What FSDP2's preparation moves to the device: every ``Module.to`` call, with the
+    parameters not yet sharded under the module it was called on (shard before moving)."""
+    from torch.distributed.tensor import DTensor
+
+    moved, original = [], torch.nn.Module.to
+
+    def recording(self, *args, **kwargs):
+        moved.append(sum(p.numel() for p in self.parameters() if not isinstance(p, DTensor)))
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.to = recording
+    try:
+        build("fsdp2")
+    finally:
+        torch.nn.Module.to = original
+    net = make_net()
+    results[name] = {"moved": moved, "largest_block": max(sum(p.numel() for p in b.parameters()) for b in net.blocks),
+                     "whole": sum(p.numel() for p in net.parameters()), "blocks": len(net.blocks)}
+
+
 def mode_train(out: Path) -> tuple[dict, dict]:
     results, tensors = {}, {}
     t0 = time.perf_counter()
@@ -306,6 +327,7 @@ def mode_train(out: Path) -> tuple[dict, dict]:
     scenario_counts("counts_fsdp2", "fsdp2", results)
     scenario_counts("counts_fsdp2_sync_each", "fsdp2", results, gradient_sync="micro_batch")
     scenario_empty_rank("empty_rank", results)
+    scenario_placement("placement", results)
     results["seconds_tiny"] = time.perf_counter() - t0
     embedded_on_policy("ddp", results)
     embedded_on_policy("fsdp2", results)
