@@ -429,33 +429,50 @@ class ReportsClipping(Protocol):
 
 @runtime_checkable
 class Objective(Protocol):
-    """What an update optimises (the ``[loss]`` component, or what it runs as): it owns the forward and backward of every
-    micro-batch, so that objectives with nothing in common (a likelihood ratio per chunk, a
-    forward-process regression) run in the same loop. The engine
-    (:class:`flowrl.train.update.PolicyUpdate`, passed as ``update``: its ``session``,
-    ``counter``, ``ctx``, ``geometry``) calls, in this order::
+    """What an update optimises (the ``[loss]`` component, or what it runs as): it owns the whole
+    forward and backward of every micro-batch, so that objectives with nothing in common (a
+    likelihood ratio per chunk, a forward-process regression) run in the same update.
 
-        prepare(update)                     once, before any update and before a resume loads
-                                            weights (e.g. fix a reference model)
-        start_rollout(update, batch, sizes) after the advantages of an iteration
-        backward(update, micro)             per micro-batch (flowrl.objectives.base.MicroBatch):
-                                            back-propagate its loss; returns a MicroBatchResult
-        end_rollout(update, batch)          after the rollout's last optimizer step; returns
-                                            metrics (already reduced over processes) for the row
+    The update (:class:`flowrl.train.update.PolicyUpdate`) keeps the optimizer, the LR schedule,
+    the distributed strategy, the passes over a rollout, gradient clipping, skipping non-finite
+    steps and the on-policy check. It calls, in this order::
+
+        prepare(ctx)                     once, before any update and before a resume loads
+                                         weights (e.g. take an old copy of the weights)
+        start_rollout(ctx, batch, sizes) after the advantages of an iteration
+        backward(ctx, micro)             per micro-batch: back-propagate its loss (gradients
+                                         accumulate into the parameters' .grad; the update
+                                         clips and steps); returns a MicroBatchResult
+        end_rollout(ctx, batch)          after the rollout's last optimizer step; returns
+                                         metrics (already reduced over processes) for the row
+
+    ``ctx`` is a :class:`flowrl.objectives.base.UpdateContext`, the same object every call: the
+    model, the device, the seed, the process layout, the compute counter, the selector, the
+    lockstep agreement, the trainable parameters, the KL settings and reference
+    (``ctx.kl``), the update mode and the optimizer-step count, typed; an objective needs
+    nothing else of the update. ``micro`` is a :class:`flowrl.objectives.base.MicroBatch` (the
+    iteration's batch, the micro-batch's rows, the chunk layout, the pass, the normaliser, and
+    on the first, on-policy optimizer step the probe to feed re-scored log-probs to); the result
+    a :class:`flowrl.objectives.base.MicroBatchResult` (the loss terms, the metrics, the units
+    each row trained). Build on :class:`flowrl.objectives.policy_gradient.PolicyGradient` to add
+    to the ratio-based family (as GARDO does), or write the backward from scratch (as DiffusionNFT
+    does; docs/objectives.md, "Writing an objective").
 
     ``uses_units``: the chunk layout (chunker, selector) and the sampler's trainable transitions
     apply (the ratio-based family, ``policy_gradient``); False for objectives that need no
     trajectory log-probs (``nft``), which then train with any sampler."""
 
+    # The annotations name flowrl.objectives.base's classes without importing them: that module
+    # builds on this one (its context holds a ModelAdapter and a ChunkSelector).
     uses_units: bool
 
-    def prepare(self, update: Any) -> None: ...
+    def prepare(self, ctx: UpdateContext) -> None: ...  # noqa: F821
 
-    def start_rollout(self, update: Any, batch: Any, sizes: Sequence[int]) -> None: ...
+    def start_rollout(self, ctx: UpdateContext, batch: Any, sizes: Sequence[int]) -> None: ...  # noqa: F821
 
-    def backward(self, update: Any, micro: Any) -> Any: ...
+    def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult: ...  # noqa: F821
 
-    def end_rollout(self, update: Any, batch: Any) -> dict[str, Any]: ...
+    def end_rollout(self, ctx: UpdateContext, batch: Any) -> dict[str, Any]: ...  # noqa: F821
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ from flowrl.sampling.kernels import FlowKernel
 from flowrl.train import train
 from flowrl.train.finetune import prepare_trainable
 from flowrl.objectives.kl import ReferencePolicy, kl_backward
-from flowrl.train.update import TransitionScorer
+from flowrl.objectives.policy_gradient import TransitionScorer
 from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
 
