@@ -35,6 +35,7 @@ from collections import deque
 import torch
 
 from flowrl import distributed
+from flowrl.objectives.advantages import group_means
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.policy_gradient import PolicyGradient
 
@@ -149,12 +150,7 @@ def diversity_multipliers(features: torch.Tensor, group_ids: torch.Tensor, advan
     d = nearest_cosine_distance(features, group_ids)
     g = torch.as_tensor(group_ids).reshape(-1).to(d.device)
     a = torch.as_tensor(advantages, dtype=torch.float64).reshape(-1).to(d.device)
-    _, inv = torch.unique(g, return_inverse=True)
-    n = int(inv.max()) + 1
-    finite = torch.nan_to_num(d, nan=0.0)
-    sums = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, inv, finite)
-    counts = torch.bincount(inv, minlength=n).to(torch.float64)
-    mean = (sums / counts)[inv]
+    mean = group_means(torch.nan_to_num(d, nan=0.0), g)  # a sample alone in its group counts 0
     ok = (a >= 0) & (mean > 0) & ~torch.isnan(d)
     return torch.where(ok, d / torch.where(mean > 0, mean, torch.ones_like(mean)), torch.ones_like(d))
 
