@@ -139,15 +139,6 @@ def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next,
     raise ValueError(f"unknown KL kind {kind!r}")
 
 
-def kl_backward(scorer, batch_idx: torch.Tensor, unit_mask: torch.Tensor, sizes, *, old_lp: torch.Tensor, kind: str,
-                beta: float, normaliser: float, lockstep=None, direction: str = "old_theta",
-                sample_weights: torch.Tensor | None = None) -> tuple[float, float]:
-    """The KL term of a micro-batch as a pass of its own (:meth:`KLTerm.backward`); the arguments
-    are :class:`KLTerm`'s."""
-    return KLTerm(scorer, batch_idx, unit_mask, sizes, old_lp, kind, beta, normaliser, direction=direction,
-                  sample_weights=sample_weights).backward(lockstep)
-
-
 class KLTerm:
     """The KL term of one micro-batch: ``beta * mean over trained transitions of KL`` (docs/api.md §8).
 
