@@ -188,9 +188,13 @@ class Layout:
     cpu_offload: bool
     checkpointing: bool
     bf16: bool
+    #: fsdp2: gradients reduce-scattered once per optimizer step ("step") or after every
+    #: backward ("micro_batch"); "step" for the other strategies
+    gradient_sync: str = "step"
 
     @classmethod
-    def from_recipe(cls, recipe, mm: ModelMemory, world_size: int, num_nodes: int = 1) -> "Layout":
+    def from_recipe(cls, recipe, mm: ModelMemory, world_size: int, num_nodes: int = 1,
+                    gradient_sync: str = "step") -> "Layout":
         d = recipe.distributed
         # no launcher when planning: "auto" plans ddp or none (plan fsdp2 by naming it)
         strategy = choose_strategy(d.strategy, world_size, hint="plan one process, or use 'ddp' or 'fsdp2'")
@@ -199,27 +203,62 @@ class Layout:
                               where="--num-nodes", hint="use a number of processes that is a multiple of the nodes")
         degree = 1 if strategy != "fsdp2" else (world_size if d.shard == "full" else world_size // num_nodes)
         return cls(strategy, world_size, degree, d.cpu_offload, mm.gradient_checkpointing or d.activation_checkpointing,
-                   d.mixed_precision == "bf16")
+                   d.mixed_precision == "bf16", gradient_sync if strategy == "fsdp2" else "step")
 
     def describe(self) -> str:
         if self.strategy != "fsdp2":
             return f"{self.strategy}: weights, gradients and AdamW state replicated on each of {self.world_size} process(es)"
+        sync = ("gradients reduce-scattered once per optimizer step" if self.gradient_sync == "step" else
+                "gradients reduce-scattered after every backward")
         return (f"fsdp2: weights, gradients and AdamW state sharded over {self.shard_degree} of {self.world_size} "
-                "processes" + (" and kept in CPU memory" if self.cpu_offload else ""))
+                "processes" + (" and kept in CPU memory" if self.cpu_offload else "") + f"; {sync}")
 
 
-def estimate(recipe, registry, world_size: int, num_nodes: int = 1) -> tuple[Any, ModelMemory, list[Line]]:
-    """The geometry, the model's memory facts and the estimate's lines (phase, item, bytes)."""
-    geometry = resolve_geometry(recipe.train, world_size, recipe.source)
+def estimate(recipe, registry, world_size: int, num_nodes: int = 1,
+             gpu_memory: float | None = None) -> tuple[Any, ModelMemory, list[Line]]:
+    """The geometry, the model's memory facts and the estimate's lines (phase, item, bytes).
+
+    ``gpu_memory`` (bytes of one GPU): what ``[distributed].gradient_sync = "auto"`` decides
+    against (:func:`choose_gradient_sync`); None plans ``"auto"`` as ``"step"``."""
     mm = model_memory(recipe, registry)
-    layout = Layout.from_recipe(recipe, mm, world_size, num_nodes)
-    mm.notes.insert(0, f"layout: {layout.describe()}")
+    sync, why = choose_gradient_sync(recipe, registry, world_size, num_nodes, gpu_memory, mm=mm)
+    geometry, lines = _estimate(recipe, dataclasses.replace(mm, notes=list(mm.notes)), world_size, num_nodes, sync)
+    layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, sync)
+    mm.notes.insert(0, f"layout: {layout.describe()}" + (f" ({why})" if why else ""))
+    return geometry, mm, lines
+
+
+def choose_gradient_sync(recipe, registry, world_size: int, num_nodes: int = 1, gpu_memory: float | None = None,
+                         mm: ModelMemory | None = None) -> tuple[str, str]:
+    """``[distributed].gradient_sync`` for a run: the recipe's choice, or for ``"auto"`` under
+    fsdp2 ``"step"`` (one reduce-scatter per optimizer step) when its planned peak fits
+    ``gpu_memory`` bytes (None: no limit known, e.g. a CPU), else ``"micro_batch"`` (gradients
+    stay sharded). Returns the choice and why (empty when the recipe chose)."""
+    choice = recipe.distributed.gradient_sync
+    if choice != "auto":
+        return choice, ""
+    mm = mm or model_memory(recipe, registry)
+    if Layout.from_recipe(recipe, mm, world_size, num_nodes).strategy != "fsdp2":
+        return "step", ""
+    if gpu_memory is None:
+        return "step", "gradient_sync 'auto': no GPU memory to plan against, so once per optimizer step"
+    step_peak, _ = peak(_estimate(recipe, dataclasses.replace(mm, notes=[]), world_size, num_nodes, "step")[1])
+    if step_peak <= gpu_memory:
+        return "step", (f"gradient_sync 'auto': once per optimizer step, whose {step_peak / GB:.1f} GB fits "
+                        f"{gpu_memory / GB:.0f} GB")
+    return "micro_batch", (f"gradient_sync 'auto': after every backward, since once per optimizer step would "
+                           f"need {step_peak / GB:.1f} GB of {gpu_memory / GB:.0f} GB")
+
+
+def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient_sync: str) -> tuple[Any, list[Line]]:
+    geometry = resolve_geometry(recipe.train, world_size, recipe.source)
+    layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, gradient_sync)
     lines = _denoiser_state(recipe, mm, layout)
     lines += _frozen_and_data(recipe, mm, geometry)
     lines += _reward_lines(recipe)
     lines += _transients(recipe, mm, layout, geometry)
     lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
-    return geometry, mm, lines
+    return geometry, lines
 
 
 def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
@@ -248,14 +287,21 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout) -> list[Line]:
     adam_bytes = 2 if recipe.train.optimizer == "adamw_8bit" else 2 * tbytes
     adam = "AdamW state (2 moments)" + (", 8-bit" if adam_bytes == 2 else "")
     lines.append(Line(where, adam, trainable * adam_bytes / n, per.strip(" /")))
-    # The gradients live from the first backward to the step. fsdp2 holds them unsharded (in
-    # float32, the reduce dtype) while the step's backwards accumulate without communication,
-    # and sharded from the reduce-scatter to the step: the update and step phases below.
+    # The gradients live from the first backward to the step. With one reduce-scatter per
+    # optimizer step, fsdp2 holds them unsharded (in float32, the reduce dtype) while the step's
+    # backwards accumulate without communication, and sharded from the reduce-scatter to the
+    # step; reduce-scattered after every backward, they are sharded throughout.
     grads = trainable * tbytes / n
     if layout.strategy == "fsdp2":
-        lines.append(Line("step", "gradients (sharded)", 0.0 if layout.cpu_offload else grads, per.strip(" /")))
-        lines.append(Line("update", "gradients (unsharded, accumulating)", trainable * 4,
-                          "one reduce-scatter per optimizer step: every backward adds to full-size float32 gradients"))
+        sharded = 0.0 if layout.cpu_offload else grads
+        lines.append(Line("step", "gradients (sharded)", sharded, per.strip(" /")))
+        if layout.gradient_sync == "step":
+            lines.append(Line("update", "gradients (unsharded, accumulating)", trainable * 4,
+                              "one reduce-scatter per optimizer step: every backward adds to full-size float32 "
+                              "gradients ([distributed].gradient_sync)"))
+        else:
+            lines.append(Line("update", "gradients (sharded, accumulating)", sharded,
+                              "reduce-scattered after every backward ([distributed].gradient_sync = 'micro_batch')"))
     else:
         lines.append(Line("persistent", "gradients", grads))
     if not layout.cpu_offload:  # foreach AdamW: a temporary the size of one moment (sqrt of v)

@@ -295,6 +295,14 @@ class DistributedConfig:
     cpu_offload: bool = param(
         False, "fsdp2 only: keep the sharded parameters, gradients and AdamW state in CPU memory (FSDP2 CPUOffloadPolicy)."
     )
+    gradient_sync: Literal["auto", "step", "micro_batch"] = param(
+        "auto",
+        "fsdp2 only: when gradients are reduce-scattered. 'step': once per optimizer step (the fewest "
+        "collectives; every process holds a full-size float32 gradient during the update); "
+        "'micro_batch': after every backward (gradients stay sharded: 4P/N instead of 4P bytes, for one "
+        "reduce-scatter per backward); 'auto': 'step' when `flowrl plan` says it fits the GPU's memory, "
+        "else 'micro_batch' (on a CPU: 'step'). docs/distributed.md, \"Gradient memory\".",
+    )
     activation_checkpointing: bool = param(
         False, "Recompute each transformer block's activations in the backward instead of storing them."
     )
@@ -314,7 +322,8 @@ class DistributedConfig:
     )
 
     def __post_init__(self):
-        for key, value, default in (("shard", self.shard, "full"), ("cpu_offload", self.cpu_offload, False)):
+        for key, value, default in (("shard", self.shard, "full"), ("cpu_offload", self.cpu_offload, False),
+                                    ("gradient_sync", self.gradient_sync, "auto")):
             if value != default and self.strategy != "fsdp2":
                 raise ValueError(f"{key} = {value!r} needs strategy = 'fsdp2' (strategy is {self.strategy!r})")
 

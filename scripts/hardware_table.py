@@ -15,6 +15,7 @@ not what this script writes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import sys
@@ -37,6 +38,10 @@ class Row:
     peak_gb: float | None = None
     phase: str = ""
     reason: str = ""  # why it could not be planned (then there is no peak)
+    #: GPU size (GB) -> (fits, the gradient sync `auto` takes there); fsdp2 decides per size
+    fits: dict[int, tuple[bool, str]] | None = None
+    #: fsdp2 only: the peak with gradients reduce-scattered once per step and after every backward
+    sync_peaks: dict[str, float] | None = None
 
 
 def recipe_files() -> list[str]:
@@ -70,12 +75,24 @@ def plan_row(name: str, registry) -> Row:
     row = Row(name, _model_name(recipe), recipe.train.finetune, recipe.distributed.strategy, world_size)
     try:
         row.strategy = _strategy(recipe, world_size)
-        _, _, lines = estimate(recipe, registry, world_size)
+        # as `flowrl plan --gpu-memory G` decides, fsdp2's gradient_sync 'auto' included; the
+        # peak column is the largest card's plan
+        row.fits = {}
+        for g in GPU_SIZES_GB:
+            _, mm, lines = estimate(recipe, registry, world_size, gpu_memory=g * GB)
+            total, phase = peak(lines)
+            sync = "micro_batch" if any(l.item == "gradients (sharded, accumulating)" for l in lines) else "step"
+            row.fits[g] = (total <= g * GB, sync)
+            row.peak_gb, row.phase = total / GB, phase
+        if any(l.item.startswith("gradients (") and "accumulating" in l.item for l in lines):
+            row.sync_peaks = {}
+            for sync in ("step", "micro_batch"):
+                chosen = dataclasses.replace(recipe, distributed=dataclasses.replace(recipe.distributed, gradient_sync=sync))
+                row.sync_peaks[sync] = peak(estimate(chosen, registry, world_size)[2])[0] / GB
     except FlowrlError as exc:  # e.g. a model configuration that only the hub has, or a geometry
         row.reason = " ".join(str(exc).split())
+        row.peak_gb = None
         return row
-    total, row.phase = peak(lines)
-    row.peak_gb = total / GB
     return row
 
 
@@ -110,7 +127,9 @@ def render(rows: list[Row]) -> str:
     ]
     for r in planned:
         # as `flowrl plan --gpu-memory G` decides: the unrounded peak against G x 2^30 bytes
-        fits = " | ".join("yes" if r.peak_gb <= g else "no" for g in GPU_SIZES_GB)
+        verdicts = r.fits or {g: (r.peak_gb <= g, "step") for g in GPU_SIZES_GB}  # one plan for every size
+        fits = " | ".join(("yes" if ok else "no") + (" (sync per backward)" if sync == "micro_batch" else "")
+                          for ok, sync in (verdicts[g] for g in GPU_SIZES_GB))
         out.append(f"| `{r.recipe}` | {r.model} | {r.finetune} | {r.strategy} | {r.processes} | "
                    f"{r.peak_gb:.1f} | {r.phase} | {fits} |")
     out += [
@@ -119,6 +138,26 @@ def render(rows: list[Row]) -> str:
         "for one CPU process; their row is what one GPU would hold.",
         "",
     ]
+    sharded = [r for r in planned if r.sync_peaks]
+    if sharded:
+        out += [
+            "## FSDP2: gradient memory against communication",
+            "",
+            "Under `fsdp2` the recipe's `[distributed].gradient_sync` decides when gradients are",
+            "reduce-scattered: once per optimizer step (`step`: the fewest collectives, but every process",
+            "holds a full-size float32 gradient during the update) or after every backward (`micro_batch`:",
+            "gradients stay sharded, one reduce-scatter per backward). `auto` (the default) takes `step`",
+            "where its plan fits the GPU and `micro_batch` where it does not: \"(sync per backward)\" in the",
+            "table above. Both give the same gradients (tests/engine/test_engine_fsdp2.py). Peak GB per GPU:",
+            "",
+            "| recipe | processes | `step` | `micro_batch` |",
+            "|---|---|---|---|",
+        ]
+        out += [f"| `{r.recipe}` | {r.processes} | {r.sync_peaks['step']:.1f} | {r.sync_peaks['micro_batch']:.1f} |"
+                for r in sharded]
+        out += ["", "So full fine-tuning of FLUX.1-dev fits 8 x 40 GB cards (A100-40GB) with gradients reduce-scattered",
+                "after every backward; `benchmarks/memory_plan.py` checks both against torch's memory accounting",
+                "(docs/benchmarks.md).", ""]
     if unplanned:
         out += ["## Not planned", ""]
         out += [f"- `{r.recipe}` at {r.processes} process(es): {r.reason}" for r in unplanned]

@@ -347,7 +347,9 @@ def plan_checks(recipe, devices: list[dict]) -> list[Check]:
 
     processes = recipe.distributed.num_processes
     try:
-        _, _, lines = estimate(recipe, registry(), processes)
+        gpu_bytes = [d["memory_bytes"] for d in devices if d["device"].startswith("cuda") and d["memory_bytes"]]
+        # fsdp2's gradient_sync "auto" decides against the card the run will have
+        _, _, lines = estimate(recipe, registry(), processes, gpu_memory=min(gpu_bytes) if gpu_bytes else None)
     except FlowrlError as exc:
         return [Check("recipe", "memory plan", "fail", exc.format().replace("\n  ", " "))]
     total, phase = peak(lines)

@@ -6,6 +6,7 @@
     flowrl plan recipes/chunk_grpo_flux.toml --num-processes 16
     flowrl plan recipes/lora_single_gpu_sd3.toml --gpu-memory 80 --set train.micro_batch_size=2
     flowrl plan recipes/chunk_grpo_flux.toml --num-processes 16 --num-nodes 2 --set distributed.shard=hybrid
+    flowrl plan recipes/chunk_grpo_flux.toml --gpu-memory 40     # fsdp2 'auto' gradient sync picks for 40 GB
 
 Needs no GPU and no weights; how the estimate is made: :mod:`flowrl.memory_plan`.
 """
@@ -44,7 +45,7 @@ def plan(
         num_processes, origin = resolved.distributed.num_processes, "from [distributed].num_processes in the recipe"
     else:
         origin = "from --num-processes"
-    geometry, mm, lines = estimate(resolved, registry(), num_processes, num_nodes)
+    geometry, mm, lines = estimate(resolved, registry(), num_processes, num_nodes, gpu_memory=gpu_memory * GB)
     console.print(f"[bold]{escape(str(recipe))}[/bold]: model {resolved.components['model'].use}, "
                   f"finetune {resolved.train.finetune}")
     console.print(f"geometry: {geometry.describe()}")
@@ -58,6 +59,9 @@ def plan(
     total, worst = peak(lines)
     verdict = "[green]fits[/green]" if total <= gpu_memory * GB else "[red]does not fit[/red]"
     console.print(f"peak ~ {total / GB:.1f} GB (persistent + the {worst} phase): {verdict} in {gpu_memory:g} GB")
+    other = _other_gradient_sync(resolved, num_processes, num_nodes, lines)
+    if other:
+        console.print(other)
     host = cpu_bytes(lines)
     if host:
         console.print(f"CPU memory per process for the offloaded state: ~ {host / GB:.1f} GB")
@@ -72,3 +76,24 @@ def plan(
                       "finetune = 'lora'; model.gradient_checkpointing = true; "
                       "model.offload_encoders = true; offload = true on rewards; a smaller micro_batch_size; "
                       "more processes (fewer samples each); fewer steps or a lower resolution")
+
+
+def _other_gradient_sync(recipe, num_processes: int, num_nodes: int, lines) -> str:
+    """Under fsdp2, the peak with the other ``[distributed].gradient_sync`` choice, so that a
+    user sees both sides of the trade (memory against one reduce-scatter per backward)."""
+    import dataclasses
+
+    from ..memory_plan import GB, estimate, peak
+
+    if not any(l.item.startswith("gradients (") and "accumulating" in l.item for l in lines):
+        return ""  # not fsdp2
+    mine = "step" if any(l.item == "gradients (unsharded, accumulating)" for l in lines) else "micro_batch"
+    other = "micro_batch" if mine == "step" else "step"
+    changed = dataclasses.replace(recipe, distributed=dataclasses.replace(recipe.distributed, gradient_sync=other))
+    total, worst = peak(estimate(changed, registry(), num_processes, num_nodes)[2])
+    what = ("reduce-scattered after every backward: gradients stay sharded, one reduce-scatter per backward"
+            if other == "micro_batch" else "reduce-scattered once per optimizer step: a full-size float32 gradient "
+            "on every process during the update, the fewest collectives")
+    return (f"with gradient_sync = '{other}' ({what}): peak ~ {total / GB:.1f} GB ({worst} phase); "
+            f"set it with --set distributed.gradient_sync={other}")
+

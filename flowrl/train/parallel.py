@@ -24,7 +24,9 @@ depends on how they are laid out. Per optimizer step, on every process::
   shard within a node). flowrl applies it itself: accelerate on a CPU turns an FSDP2 request
   into DDP without a word, and one code path serves CPUs and GPUs. Backwards run with
   ``set_requires_gradient_sync(False)``; FSDP2's end-of-backward routine then reduce-scatters
-  the accumulated gradients once. Every forward and backward all-gathers parameters: every
+  the accumulated gradients once (``[distributed].gradient_sync = "step"``), or every backward
+  reduce-scatters into sharded gradients (``"micro_batch"``: no full-size gradient, one
+  reduce-scatter per backward). Every forward and backward all-gathers parameters: every
   process must run the same sequence of forwards and backwards (:attr:`Strategy.lockstep`).
 
 Under ``fsdp2`` (:attr:`Strategy.sharded`) a run's checkpoints are sharded
@@ -169,8 +171,14 @@ class Strategy:
     """The denoiser's layout over processes, and everything that depends on it (module
     docstring). Build it with :meth:`from_recipe`, then call :meth:`prepare` once."""
 
-    def __init__(self, config: DistributedConfig, kind: str, device: torch.device, topology: Topology):
+    def __init__(self, config: DistributedConfig, kind: str, device: torch.device, topology: Topology,
+                 gradient_sync: str = "step"):
         self.config, self.kind, self.device, self.topology = config, kind, torch.device(device), topology
+        if gradient_sync not in ("step", "micro_batch"):
+            raise ValueError(f"gradient_sync must be resolved to 'step' or 'micro_batch', got {gradient_sync!r}")
+        #: fsdp2: reduce-scatter once per optimizer step ("step") or after every backward
+        #: ("micro_batch": gradients stay sharded); other strategies always reduce once per step
+        self.gradient_sync = gradient_sync if kind == "fsdp2" else "step"
         self.module: nn.Module | None = None  # what the adapter calls: the denoiser, placed (and FSDP2-sharded)
         self.block_names: list[str] = []  # the sharded / checkpointed blocks' names in the denoiser
         self.optimizer: torch.optim.Optimizer | None = None
@@ -180,11 +188,13 @@ class Strategy:
         self._accumulating = False
 
     @classmethod
-    def from_recipe(cls, config: DistributedConfig, device: torch.device, ctx: DistContext, env=None) -> Strategy:
+    def from_recipe(cls, config: DistributedConfig, device: torch.device, ctx: DistContext, env=None,
+                    gradient_sync: str = "step") -> Strategy:
         """Resolve ``"auto"`` for this run (the launcher was checked against ``config`` by
-        :func:`flowrl.distributed.setup`)."""
+        :func:`flowrl.distributed.setup`). ``gradient_sync``: ``[distributed].gradient_sync``
+        with ``"auto"`` already decided (:func:`flowrl.memory_plan.choose_gradient_sync`)."""
         topology = Topology.from_context(ctx, env)
-        return cls(config, resolve_strategy(config, ctx.world_size, env), device, topology)
+        return cls(config, resolve_strategy(config, ctx.world_size, env), device, topology, gradient_sync)
 
     @property
     def lockstep(self) -> bool:
@@ -307,7 +317,9 @@ class Strategy:
         """Every backward of one optimizer step goes inside: gradients accumulate locally, and
         leaving the block normally reduces them once (DDP: bucketed all-reduce, averaged; FSDP2:
         one reduce-scatter per sharded block, averaged, and an all-reduce across nodes for
-        hybrid sharding). Leaving it by an exception reduces nothing."""
+        hybrid sharding). Leaving it by an exception reduces nothing. FSDP2 with
+        ``gradient_sync = "micro_batch"`` instead reduce-scatters at the end of every backward,
+        into sharded gradients that accumulate: the same sum, without a full-size gradient."""
         if self.module is None:
             raise RuntimeError("call Strategy.prepare() first")
         if self._accumulating:
@@ -322,7 +334,7 @@ class Strategy:
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
-        if self.kind == "fsdp2":
+        if self.kind == "fsdp2" and self.gradient_sync == "step":
             self.module.set_requires_gradient_sync(False)
             try:
                 yield
@@ -335,7 +347,8 @@ class Strategy:
         if self.topology.world_size <= 1 and self.kind != "fsdp2":
             return
         if self.kind == "fsdp2":
-            _fsdp_reduce_accumulated(self.module)
+            if self.gradient_sync == "step":  # "micro_batch": every backward reduce-scattered already
+                _fsdp_reduce_accumulated(self.module)
         else:
             _all_reduce_mean(self.params, self.topology.world_size)
 

@@ -94,7 +94,8 @@ class PolicyUpdate:
         kl = KLSettings.of(loss, model)
         # [distributed]: the denoiser placed, replicated or sharded, and the optimizer rebound to
         # the parameters as the strategy holds them (docs/distributed.md)
-        self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx)
+        self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx,
+                                             gradient_sync=gradient_sync(session, ctx))
         self.optimizer = make_optimizer(params, train, self.strategy.kind, session.device, session.recipe.source)
         model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model))
         if kl.reference is not None and kl.reference.frozen is not None:  # laid out like the denoiser,
@@ -203,3 +204,25 @@ class PolicyUpdate:
                 hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
             )
         return deviation
+
+
+def gradient_sync(session, ctx) -> str:
+    """``[distributed].gradient_sync`` for this run: ``"auto"`` plans against the GPU's memory
+    (:func:`flowrl.memory_plan.choose_gradient_sync`; a CPU has no such limit: ``"step"``)."""
+    import dataclasses
+
+    from ..memory_plan import choose_gradient_sync
+    from .parallel import Topology, resolve_strategy
+
+    recipe, config = session.recipe, session.recipe.distributed
+    if config.gradient_sync != "auto":
+        return config.gradient_sync
+    if resolve_strategy(config, ctx.world_size) != "fsdp2":
+        return "step"
+    if config.strategy != "fsdp2":  # "auto" that the launcher made fsdp2: plan it as such
+        recipe = dataclasses.replace(recipe, distributed=dataclasses.replace(config, strategy="fsdp2"))
+    device = session.device
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return choose_gradient_sync(recipe, session.registry, ctx.world_size, Topology.from_context(ctx).num_nodes,
+                                memory)[0]
+

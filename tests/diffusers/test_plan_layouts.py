@@ -5,6 +5,8 @@ job (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flowrl.errors import FlowrlError
@@ -79,3 +81,33 @@ def test_the_kl_reference_is_sharded_like_the_denoiser_or_kept_on_the_cpu():
 def test_strategy_none_on_several_processes_is_refused():
     with pytest.raises(FlowrlError, match="one process"):
         _plan(["distributed.strategy=none"], 8)
+
+
+def test_gradient_sync_per_backward_keeps_fsdp2_gradients_sharded():
+    """[distributed].gradient_sync: 'step' plans a full-size float32 gradient (4P) during the
+    update; 'micro_batch' plans the shard (4P/N) instead; 'auto' takes 'step' where it fits the
+    stated GPU memory and 'micro_batch' where it does not (the flagship on 80 and 40 GB)."""
+    from flowrl.memory_plan import GB, choose_gradient_sync, estimate, peak
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+
+    registry = get_registry()
+    flagship = Path(__file__).resolve().parents[2] / "recipes" / "chunk_grpo_flux.toml"
+
+    def plan(sync, memory=None):
+        r = load_recipe(flagship, [f"distributed.gradient_sync='{sync}'"], registry=registry)
+        _, mm, lines = estimate(r, registry, 8, gpu_memory=memory)
+        return {l.item: l.bytes for l in lines if l.phase == "update"}, peak(lines)[0], mm.notes[0]
+
+    step, step_peak, _ = plan("step")
+    each, each_peak, note = plan("micro_batch")
+    params = 11_901_408_320  # FLUX.1-dev transformer: exact parameter count
+    assert step["gradients (unsharded, accumulating)"] == pytest.approx(4 * params, rel=1e-3)
+    assert each["gradients (sharded, accumulating)"] == pytest.approx(4 * params / 8, rel=1e-3)
+    assert "gradients (unsharded, accumulating)" not in each and "after every backward" in note
+    assert each_peak < 40 * GB < step_peak <= 80 * GB
+    recipe = load_recipe(flagship, [], registry=registry)
+    assert choose_gradient_sync(recipe, registry, 8, gpu_memory=80 * GB)[0] == "step"
+    assert choose_gradient_sync(recipe, registry, 8, gpu_memory=40 * GB)[0] == "micro_batch"
+    assert choose_gradient_sync(recipe, registry, 8, gpu_memory=None)[0] == "step"  # a CPU: no limit known
+    assert plan("auto", 40 * GB)[1] == each_peak and plan("auto", 80 * GB)[1] == step_peak

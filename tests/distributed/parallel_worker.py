@@ -135,7 +135,8 @@ def build(kind: str, lora=False, topology=None, **cfg) -> Strategy:
     reset_accelerate()
     rank, world = dist.get_rank(), dist.get_world_size()
     strategy = Strategy(DistributedConfig(strategy=kind, **cfg), kind, torch.device("cpu"),
-                        topology or Topology(rank=rank, world_size=world, local_world_size=world))
+                        topology or Topology(rank=rank, world_size=world, local_world_size=world),
+                        gradient_sync=cfg.get("gradient_sync", "step"))
     net = make_net(lora)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     strategy.prepare(net, opt)
@@ -208,9 +209,9 @@ def scenario_equal(name, kind, results, tensors, lora=False, ckpt=None, topology
     results[name] = out
 
 
-def scenario_counts(name, kind, results):
+def scenario_counts(name, kind, results, **cfg):
     """Gradient collectives per optimizer step for 4, 8 and 16 backwards per step."""
-    strategy = build(kind)
+    strategy = build(kind, **cfg)
     results[name] = [train_step(strategy, 0, splits=s) for s in (1, 2, 4)]
     if kind == "fsdp2":
         results[name + "_groups"] = 1 + len(strategy.module.blocks)  # one FSDP group per block, plus the root
@@ -300,8 +301,10 @@ def mode_train(out: Path) -> tuple[dict, dict]:
     scenario_equal("fsdp2_ckpt_offload", "fsdp2", results, tensors, activation_checkpointing=True, cpu_offload=True)
     scenario_equal("ddp_ckpt", "ddp", results, tensors, activation_checkpointing=True)
     scenario_equal("fsdp2_lora", "fsdp2", results, tensors, lora=True, ckpt=out / "ckpt_fsdp2_lora")
+    scenario_equal("fsdp2_sync_each", "fsdp2", results, tensors, gradient_sync="micro_batch")
     scenario_counts("counts_ddp", "ddp", results)
     scenario_counts("counts_fsdp2", "fsdp2", results)
+    scenario_counts("counts_fsdp2_sync_each", "fsdp2", results, gradient_sync="micro_batch")
     scenario_empty_rank("empty_rank", results)
     results["seconds_tiny"] = time.perf_counter() - t0
     embedded_on_policy("ddp", results)

@@ -101,7 +101,8 @@ def test_launcher_settings_flowrl_does_not_implement_are_refused(env, what):
 
 def test_sharding_options_need_fsdp2_in_the_recipe():
     qs = REPO / "recipes" / "quickstart_hacking.toml"
-    for override in ("distributed.shard='hybrid'", "distributed.cpu_offload=true"):
+    for override in ("distributed.shard='hybrid'", "distributed.cpu_offload=true", "distributed.gradient_sync='micro_batch'",
+                     "distributed.gradient_sync='step'"):
         with pytest.raises(RecipeError, match="needs strategy = 'fsdp2'"):
             load_recipe(qs, [override])
     recipe = load_recipe(qs, ["distributed.strategy='fsdp2'", "distributed.shard='hybrid'", "distributed.mixed_precision='bf16'"])
@@ -300,7 +301,8 @@ def test_metric_reductions_agree_when_processes_hold_different_metrics(tmp_path)
     assert r0["summed"] == r1["summed"] == [2.0, 1.0]
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2", "hybrid", "fsdp2_ckpt_offload", "ddp_ckpt", "fsdp2_lora"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "hybrid", "fsdp2_ckpt_offload", "ddp_ckpt", "fsdp2_lora",
+                                  "fsdp2_sync_each"])
 def test_two_processes_equal_one_process_with_the_same_global_batch(runs, name):
     """Two AdamW steps, 8 backwards per step per process, clipped: weights and the global grad
     norms agree with one process that runs the whole batch (torch's clip_grad_norm_)."""
@@ -343,6 +345,19 @@ def test_gradients_are_reduced_once_per_optimizer_step(runs, kind):
             assert s["inside"] == {}  # no collective at all in a DDP forward or backward
     for name in ("ddp", "fsdp2", "hybrid", "fsdp2_lora"):  # the training runs too
         assert all(s["grad_collectives_inside"] == 0 for s in runs.train[0][name]["steps"])
+
+
+def test_fsdp2_gradient_sync_per_micro_batch_reduce_scatters_every_backward(runs):
+    """[distributed].gradient_sync = 'micro_batch': each of the 4, 8 or 16 backwards of a step
+    reduce-scatters every FSDP group into sharded gradients (no full-size gradient is kept),
+    and leaving accumulate() reduces nothing more; the weights equal one process's (the test
+    above, 'fsdp2_sync_each')."""
+    steps = runs.train[0]["counts_fsdp2_sync_each"]
+    groups = runs.train[0]["counts_fsdp2_groups"]
+    assert [s["backwards"] for s in steps] == [4, 8, 16]
+    for s in steps:
+        assert s["inside"].get("_reduce_scatter_base_") == groups * s["backwards"]
+        assert s["grad_collectives_on_exit"] == 0
 
 
 def test_a_process_without_samples_keeps_fsdp2_in_lockstep(runs):

@@ -37,14 +37,17 @@ def run_two(recipe_path, out, *sets, timeout=600):
 
 
 @pytest.mark.parametrize("sets", [
-    ["train.update_mode='lean'", "loss.beta=0.05", "loss.kl='old_policy_k3'"],  # lean update and KL pass off-policy
+    # lean update and KL pass off-policy; gradients reduce-scattered after every backward (three
+    # micro-batches of several backwards per step), where the other case reduces once per step
+    ["train.update_mode='lean'", "loss.beta=0.05", "loss.kl='old_policy_k3'", "distributed.gradient_sync='micro_batch'"],
     ["train.update_mode='chunk_graph'", "loss.beta=0.05", "log.eval_every=1", "prompts.num_eval=2"],  # reference KL, eval
-], ids=["lean", "chunk_graph_kl_eval"])
+], ids=["lean_sync_each_backward", "chunk_graph_kl_eval"])
 def test_fsdp2_two_processes_equal_one(tmp_path, reference_run, sets):
     recipe_path, _, _ = reference_run
     two, one = tmp_path / "two", tmp_path / "one"
     run_two(recipe_path, two, *sets)
-    train(load(recipe_path, *TWO_STEPS, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    one_process = [s for s in sets if not s.startswith("distributed.")]  # fsdp2's options need fsdp2
+    train(load(recipe_path, *TWO_STEPS, *one_process, f"run.output_dir={str(one)!r}"), console=quiet_console())
 
     ckpt = latest_checkpoint(two)
     state = json.loads((ckpt / "state.json").read_text())
