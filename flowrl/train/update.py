@@ -24,6 +24,7 @@ import torch
 
 from .. import distributed
 from ..errors import FlowrlError
+from ..memory_plan import choose_gradient_sync
 from ..objectives.base import MicroBatch, OnPolicyProbe, UpdateContext, UpdateMode
 from ..objectives.kl import KLSettings
 from ..objectives.policy_gradient import objective_for
@@ -31,7 +32,7 @@ from ..seeding import generator
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
 from .optimizer import make_optimizer
-from .parallel import Strategy, declared_blocks
+from .parallel import Strategy, Topology, declared_blocks, resolve_strategy
 
 
 def lr_lambda(train, total_steps: int) -> Callable[[int], float]:
@@ -209,11 +210,6 @@ class PolicyUpdate:
 def gradient_sync(session, ctx) -> str:
     """``[distributed].gradient_sync`` for this run: ``"auto"`` plans against the GPU's memory
     (:func:`flowrl.memory_plan.choose_gradient_sync`; a CPU has no such limit: ``"step"``)."""
-    import dataclasses
-
-    from ..memory_plan import choose_gradient_sync
-    from .parallel import Topology, resolve_strategy
-
     recipe, config = session.recipe, session.recipe.distributed
     if config.gradient_sync != "auto":
         return config.gradient_sync
