@@ -128,7 +128,7 @@ def flowrl_api() -> SimpleNamespace:
     from flowrl.sampling.kernels import FlowKernel
     from flowrl.testing.tiny_pipelines import TINY_PROMPTS, build_tiny_flux
     from flowrl.objectives.chunk_gradient import chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
-    from flowrl.train.update import TransitionScorer
+    from flowrl.objectives.policy_gradient import TransitionScorer
     from flowrl_plugins.diffusers_models.flux import FluxConfig, FluxModel
 
     return SimpleNamespace(

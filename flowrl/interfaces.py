@@ -18,7 +18,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import FlowrlError
 
 #: Text conditioning of a batch: named tensors, each with the batch on dim 0, so the engine can
 #: index, repeat and cache them without knowing the model (FLUX: ``prompt_embeds [B, L, D]``,
@@ -377,7 +376,8 @@ class UsesImageFeatures(Protocol):
 
 @runtime_checkable
 class PolicyLoss(Protocol):
-    """The per-unit policy objective.
+    """A loss of the ratio-based family: its *unit objective* (not an :class:`Objective`, which
+    is what an update optimises; the ``PolicyGradient`` objective runs this one).
 
     ``objective(log_ratio [B, K], advantages [B, K]) -> [B, K]`` is differentiable in
     ``log_ratio`` (a unit's mean step log-ratio: a step, a chunk, or the sequence) and
@@ -429,33 +429,50 @@ class ReportsClipping(Protocol):
 
 @runtime_checkable
 class Objective(Protocol):
-    """What an update optimises (the ``[loss]`` component, or what it runs as): it owns the forward and backward of every
-    micro-batch, so that objectives with nothing in common (a likelihood ratio per chunk, a
-    forward-process regression) run in the same loop. The engine
-    (:class:`flowrl.train.update.PolicyUpdate`, passed as ``update``: its ``session``,
-    ``counter``, ``ctx``, ``geometry``) calls, in this order::
+    """What an update optimises (the ``[loss]`` component, or what it runs as): it owns the whole
+    forward and backward of every micro-batch, so that objectives with nothing in common (a
+    likelihood ratio per chunk, a forward-process regression) run in the same update.
 
-        prepare(update)                     once, before any update and before a resume loads
-                                            weights (e.g. fix a reference model)
-        start_rollout(update, batch, sizes) after the advantages of an iteration
-        backward(update, micro)             per micro-batch (flowrl.objectives.base.MicroBatch):
-                                            back-propagate its loss; returns a MicroBatchResult
-        end_rollout(update, batch)          after the rollout's last optimizer step; returns
-                                            metrics (already reduced over processes) for the row
+    The update (:class:`flowrl.train.update.PolicyUpdate`) keeps the optimizer, the LR schedule,
+    the distributed strategy, the passes over a rollout, gradient clipping, skipping non-finite
+    steps and the on-policy check. It calls, in this order::
+
+        prepare(ctx)                     once, before any update and before a resume loads
+                                         weights (e.g. take an old copy of the weights)
+        start_rollout(ctx, batch, sizes) after the advantages of an iteration
+        backward(ctx, micro)             per micro-batch: back-propagate its loss (gradients
+                                         accumulate into the parameters' .grad; the update
+                                         clips and steps); returns a MicroBatchResult
+        end_rollout(ctx, batch)          after the rollout's last optimizer step; returns
+                                         metrics (already reduced over processes) for the row
+
+    ``ctx`` is a :class:`flowrl.objectives.base.UpdateContext`, the same object every call: the
+    model, the device, the seed, the process layout, the compute counter, the selector, the
+    lockstep agreement, the trainable parameters, the KL settings and reference
+    (``ctx.kl``), the update mode and the optimizer-step count, typed; an objective needs
+    nothing else of the update. ``micro`` is a :class:`flowrl.objectives.base.MicroBatch` (the
+    iteration's batch, the micro-batch's rows, the chunk layout, the pass, the normaliser, and
+    on the first, on-policy optimizer step the probe to feed re-scored log-probs to); the result
+    a :class:`flowrl.objectives.base.MicroBatchResult` (the loss terms, the metrics, the units
+    each row trained). Build on :class:`flowrl.objectives.policy_gradient.PolicyGradient` to add
+    to the ratio-based family (as GARDO does), or write the backward from scratch (as DiffusionNFT
+    does; docs/objectives.md, "Writing an objective").
 
     ``uses_units``: the chunk layout (chunker, selector) and the sampler's trainable transitions
     apply (the ratio-based family, ``policy_gradient``); False for objectives that need no
     trajectory log-probs (``nft``), which then train with any sampler."""
 
+    # The annotations name flowrl.objectives.base's classes without importing them: that module
+    # builds on this one (its context holds a ModelAdapter and a ChunkSelector).
     uses_units: bool
 
-    def prepare(self, update: Any) -> None: ...
+    def prepare(self, ctx: UpdateContext) -> None: ...  # noqa: F821
 
-    def start_rollout(self, update: Any, batch: Any, sizes: Sequence[int]) -> None: ...
+    def start_rollout(self, ctx: UpdateContext, batch: Any, sizes: Sequence[int]) -> None: ...  # noqa: F821
 
-    def backward(self, update: Any, micro: Any) -> Any: ...
+    def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult: ...  # noqa: F821
 
-    def end_rollout(self, update: Any, batch: Any) -> dict[str, Any]: ...
+    def end_rollout(self, ctx: UpdateContext, batch: Any) -> dict[str, Any]: ...  # noqa: F821
 
 
 @runtime_checkable
@@ -528,64 +545,6 @@ class PlansRewardMemory(Protocol):
     """A reward's params that can tell ``flowrl plan`` the bytes its model occupies on the device."""
 
     def memory_bytes(self) -> int: ...
-
-
-class FunctionReward:
-    """A plain function ``fn(images, prompts, **kwargs) -> Tensor[B]`` as a :class:`Reward`."""
-
-    def __init__(self, fn: Callable[..., torch.Tensor], *, name: str, kwargs: Mapping[str, Any] | None = None):
-        self.fn = fn
-        self.name = name
-        self.kwargs = dict(kwargs or {})
-
-    def __call__(self, images, prompts, metadata=None):
-        """A tensor result as a :class:`RewardOutput`, unchanged (no reshaping or conversion);
-        any other result as it is, for :func:`score` to check."""
-        with torch.no_grad():
-            out = self.fn(images, list(prompts), **self.kwargs)
-        return RewardOutput(scores=out) if isinstance(out, torch.Tensor) else out
-
-
-class RewardOutputError(FlowrlError, ValueError):
-    """A reward returned something other than ``[B]`` float scores (see :func:`score`)."""
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
-    if isinstance(value, (list, tuple)):
-        return f"a {type(value).__name__} of {len(value)} element(s)"
-    return f"a {type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
-
-
-def score(reward: Reward, images: torch.Tensor, prompts: Sequence[str], metadata=None, *, name: str | None = None) -> RewardOutput:
-    """Call a reward and check its output; the ONE rule for every reward:
-
-    it returns a :class:`RewardOutput` or a tensor whose scores are a floating-point tensor of
-    shape exactly ``[B]`` (one score per image; non-finite values are allowed and handled by the
-    engine), and every extra is ``[B]`` too. Anything else (a list, a numpy array, ``[B, 1]``,
-    integers) raises :class:`RewardOutputError` naming the reward (``name``, else its ``name``
-    attribute) and what it returned. Returns float32 scores on the CPU."""
-    out = reward(images, prompts, metadata)
-    label = name or getattr(reward, "name", None) or type(reward).__name__
-    b = images.shape[0]
-    scores = out.scores if isinstance(out, RewardOutput) else out
-    what = "scores" if isinstance(out, RewardOutput) else "output"
-    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or tuple(scores.shape) != (b,):
-        raise RewardOutputError(
-            f"reward '{label}' returned {_describe(scores)} as its {what} for {b} images; "
-            f"a reward must return a float tensor of shape [{b}] (one score per image) or a RewardOutput of one",
-            where=f"reward '{label}'",
-            hint="e.g. `return torch.as_tensor(values, dtype=torch.float32)`; images arrive as [B, 3, H, W] "
-                 "floats in [0, 1] with a list of B prompts (README, 'Writing a plugin')",
-        )
-    extras = {}
-    for key, v in out.extras.items() if isinstance(out, RewardOutput) else ():
-        if not isinstance(v, torch.Tensor) or v.numel() != b:
-            raise RewardOutputError(f"reward '{label}' returned extra '{key}' as {_describe(v)} for {b} images",
-                                    where=f"reward '{label}'", hint=f"every extra holds one number per image: shape [{b}]")
-        extras[key] = v.detach().float().reshape(-1).cpu()
-    return RewardOutput(scores=scores.detach().to(torch.float32).cpu(), extras=extras)
 
 
 @runtime_checkable

@@ -30,7 +30,7 @@ import pluggy
 from . import hookspecs
 from .config import params_from_signature
 from .errors import PluginError, RecipeError, suggest
-from .interfaces import FunctionReward
+from .rewards import FunctionReward
 
 ENTRY_POINT_GROUP = "flowrl"
 DISABLE_ENV = "FLOWRL_DISABLE_PLUGINS"

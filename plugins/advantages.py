@@ -15,7 +15,7 @@ import torch
 
 from flowrl import hookimpl
 from flowrl.config import param
-from flowrl.objectives.advantages import combine_group_advantages, group_zscore, weighted_sum_rewards
+from flowrl.objectives.advantages import combine_group_advantages, group_means, group_zscore, weighted_sum_rewards
 from flowrl.objectives.gardo import diversity_multipliers
 
 
@@ -82,11 +82,8 @@ class DiversityAdvantage:
         if c.scale == "std":
             base = group_zscore(total, group_ids, std="unbiased", eps=c.eps, clip=None)
         else:
-            g = torch.as_tensor(group_ids).reshape(-1)
-            _, inv = torch.unique(g, return_inverse=True)
-            n = int(inv.max()) + 1
-            mean = torch.zeros(n, dtype=torch.float64).index_add_(0, inv, total.double().cpu()) / torch.bincount(inv, minlength=n)
-            base = (total.double().cpu() - mean[inv]).to(torch.float32).to(total.device)
+            r = total.double().cpu()
+            base = (r - group_means(r, group_ids)).to(torch.float32).to(total.device)
         if features is None:
             return base
         m = diversity_multipliers(features.cpu(), torch.as_tensor(group_ids).cpu(), base.cpu()).to(torch.float32)

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[set[str]] = [
     {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
      "flowrl.compat", "flowrl.checks", "flowrl.processes"},
-    {"flowrl.plugins", "flowrl.interfaces", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
+    {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
      "flowrl.serving", "flowrl.serving.protocol", "flowrl.serving.simple", "flowrl.serving.fleet",

@@ -17,7 +17,7 @@ import torch
 from flowrl import hookimpl
 from flowrl.config import param
 from flowrl.errors import PluginError, RecipeError
-from flowrl.interfaces import score
+from flowrl.rewards import score
 from flowrl.plugins import KINDS, get_registry, temporary_plugin
 from flowrl.recipe import validate
 

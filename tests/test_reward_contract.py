@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from flowrl import cli, hookimpl
-from flowrl.interfaces import RewardOutput, RewardOutputError, score
+from flowrl.interfaces import RewardOutput
+from flowrl.rewards import RewardOutputError, score
 from flowrl.plugins import temporary_plugin
 
 RECIPE = """

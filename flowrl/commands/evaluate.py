@@ -246,7 +246,7 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
     """Sample this process's share of the items, score them with every reward; all records on
     the main process, in item order."""
     from ..artefacts import ARTEFACT_MEASURES
-    from ..interfaces import score
+    from ..rewards import score
     from .inference import generate, save_png, shard
 
     if save_images is not None:

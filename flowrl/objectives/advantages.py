@@ -22,6 +22,7 @@ import torch
 from flowrl.errors import FlowrlError
 
 __all__ = [
+    "group_means",
     "group_zscore",
     "weighted_sum_rewards",
     "combine_group_advantages",
@@ -43,6 +44,17 @@ def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torc
     if not bool(torch.isfinite(r).all()):
         raise ValueError("rewards must be finite, got NaN or inf")
     return r, g.to(device=r.device, dtype=torch.long)
+
+
+def group_means(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Each sample's group mean ``[B]`` (float64) of ``values [B]``: the group's float64 sum over
+    its size, groups given by ``group_ids [B]`` (any integers). The one group mean of the
+    advantages (the z-score, GARDO's ``r - mean`` and its diversity multipliers)."""
+    v = torch.as_tensor(values).reshape(-1).to(torch.float64)
+    _, inv = torch.unique(torch.as_tensor(group_ids).reshape(-1).to(v.device), return_inverse=True)
+    n_groups = int(inv.max()) + 1
+    sums = torch.zeros(n_groups, dtype=torch.float64, device=v.device).index_add_(0, inv, v)
+    return (sums / torch.bincount(inv, minlength=n_groups).to(torch.float64))[inv]
 
 
 def group_zscore(
@@ -72,8 +84,7 @@ def group_zscore(
     _, inv = torch.unique(g, return_inverse=True)
     n_groups = int(inv.max()) + 1
     counts = torch.bincount(inv, minlength=n_groups).to(torch.float64)
-    mean = torch.zeros(n_groups, dtype=torch.float64, device=r.device).index_add_(0, inv, r) / counts
-    dev = r - mean[inv]
+    dev = r - group_means(r, g)
     gmax = torch.full((n_groups,), -math.inf, dtype=torch.float64, device=r.device).scatter_reduce(
         0, inv, r, reduce="amax"
     )

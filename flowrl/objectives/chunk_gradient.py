@@ -56,7 +56,7 @@ import torch
 
 from flowrl.chunking import chunk_index, validate_chunks
 from flowrl.objectives.losses import (
-    Objective,
+    UnitObjective,
     broadcast_advantages,
     check_unit_mask,
     objective_loss,
@@ -124,7 +124,7 @@ def lean_chunk_backward(
     advantages: torch.Tensor,
     sizes: Sequence[int],
     unit_mask: torch.Tensor,
-    objective: Objective,
+    objective: UnitObjective,
     normaliser: float | None = None,
     *,
     lockstep: Lockstep | None = None,
@@ -268,7 +268,7 @@ def on_policy_chunk_backward(
     advantages: torch.Tensor,
     sizes: Sequence[int],
     unit_mask: torch.Tensor,
-    objective: Objective,
+    objective: UnitObjective,
     normaliser: float | None = None,
     *,
     forward_with_extra: ForwardWithExtra | None = None,
@@ -317,7 +317,7 @@ def chunk_graph_backward(
     advantages: torch.Tensor,
     sizes: Sequence[int],
     unit_mask: torch.Tensor,
-    objective: Objective,
+    objective: UnitObjective,
     normaliser: float | None = None,
     *,
     forward_with_extra: ForwardWithExtra | None = None,
@@ -368,7 +368,7 @@ def full_graph_backward(
     advantages: torch.Tensor,
     sizes: Sequence[int],
     unit_mask: torch.Tensor,
-    objective: Objective,
+    objective: UnitObjective,
     normaliser: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Reference for :func:`lean_chunk_backward`: every selected transition's graph kept alive,

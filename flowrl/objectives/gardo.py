@@ -35,6 +35,8 @@ from collections import deque
 import torch
 
 from flowrl import distributed
+from flowrl.objectives.advantages import group_means
+from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.policy_gradient import PolicyGradient
 
 __all__ = [
@@ -148,12 +150,7 @@ def diversity_multipliers(features: torch.Tensor, group_ids: torch.Tensor, advan
     d = nearest_cosine_distance(features, group_ids)
     g = torch.as_tensor(group_ids).reshape(-1).to(d.device)
     a = torch.as_tensor(advantages, dtype=torch.float64).reshape(-1).to(d.device)
-    _, inv = torch.unique(g, return_inverse=True)
-    n = int(inv.max()) + 1
-    finite = torch.nan_to_num(d, nan=0.0)
-    sums = torch.zeros(n, dtype=torch.float64, device=d.device).index_add_(0, inv, finite)
-    counts = torch.bincount(inv, minlength=n).to(torch.float64)
-    mean = (sums / counts)[inv]
+    mean = group_means(torch.nan_to_num(d, nan=0.0), g)  # a sample alone in its group counts 0
     ok = (a >= 0) & (mean > 0) & ~torch.isnan(d)
     return torch.where(ok, d / torch.where(mean > 0, mean, torch.ones_like(mean)), torch.ones_like(d))
 
@@ -184,26 +181,26 @@ class GatedKLPolicyGradient(PolicyGradient):
         self.reset_every, self.kl_threshold = reset_every, kl_threshold
         self.last_reset, self.flagged, self.gate, self.reset_now = 0, False, None, False
         self.kl_seen: list[float] = []
-        self.reference = None  # the update's ReferencePolicy, from prepare()
+        self.reference = None  # the update's ReferencePolicy (ctx.kl.reference), from prepare()
 
     @property
     def objective(self):  # the PolicyLoss's unit objective, for code that reads [loss] directly
         return self.loss.objective
 
-    def prepare(self, update) -> None:
-        self.reference = update.reference
-        if update.reference is None or update.reference.frozen is None:
+    def prepare(self, ctx: UpdateContext) -> None:
+        self.reference = ctx.kl.reference
+        if self.reference is None or self.reference.frozen is None:
             raise ValueError("gardo's reference reset needs the reference as a frozen copy of the denoiser: "
                              "[train].finetune = 'full', beta > 0 and kl = 'gaussian_exact' or 'flow_grpo'")
 
-    def start_rollout(self, update, batch, sizes) -> None:
-        super().start_rollout(update, batch, sizes)
+    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+        super().start_rollout(ctx, batch, sizes)
         it = batch.iteration
         self.reset_now = reset_due(it, self.last_reset, self.flagged, self.reset_every)
         if self.reset_now:  # the reference becomes the current policy
-            update.reference.reset_to_current()
+            self.reference.reset_to_current()
             self.last_reset, self.flagged = it, False
-        everyone = {k: distributed.all_gather_cat(v, update.ctx) for k, v in batch.rewards.items()}
+        everyone = {k: distributed.all_gather_cat(v, ctx.process) for k, v in batch.rewards.items()}
         main = self.main or next(iter(everyone))
         for name in (main, *self.auxiliary):
             if name not in everyone:
@@ -211,23 +208,23 @@ class GatedKLPolicyGradient(PolicyGradient):
         u = uncertainty(everyone[main], [everyone[a] for a in self.auxiliary], self.sign)
         q = self.compensator.update(float(u[u >= 0].mean()))
         gate, _ = uncertainty_gate(u, q)
-        offset = update.ctx.rank * update.geometry.samples_per_process
-        self.gate = gated_weights(gate[offset: offset + len(batch.indices)]).to(update.session.device)
+        offset = ctx.process.rank * ctx.samples_per_process
+        self.gate = gated_weights(gate[offset: offset + len(batch.indices)]).to(ctx.device)
         self.kl_seen = []
 
     def kl_weights(self):
         return self.gate
 
-    def backward(self, update, micro):
-        res = super().backward(update, micro)
-        kl = res.metrics.get(f"kl/{update.kl_kind}")
+    def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
+        res = super().backward(ctx, micro)
+        kl = res.metrics.get(f"kl/{ctx.kl.kind}")
         if kl is not None:
             self.kl_seen.append(kl)
         return res
 
-    def end_rollout(self, update, batch) -> dict:
-        out = super().end_rollout(update, batch)
-        kl = distributed.all_reduce_scalar(max(self.kl_seen, default=0.0), update.ctx, "max")
+    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+        out = super().end_rollout(ctx, batch)
+        kl = distributed.all_reduce_scalar(max(self.kl_seen, default=0.0), ctx.process, "max")
         if kl > self.kl_threshold:  # the reference is reset before the next rollout
             self.flagged = True
         out["gardo/gate_fraction"] = float((self.gate > 0).float().mean())

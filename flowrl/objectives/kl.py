@@ -1,4 +1,5 @@
-"""The reference policy for KL terms, and the KL pass of the update (docs/api.md §8).
+"""The KL term to the reference policy (docs/api.md §8): the reference (:class:`ReferencePolicy`),
+a ``[loss]``'s KL settings (:class:`KLSettings`) and a micro-batch's term (:class:`KLTerm`).
 
 The reference is the model before RL: with LoRA, the same denoiser with its adapters disabled
 (nothing copied); with full fine-tuning, a frozen copy of the denoiser taken before the first
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 
 from flowrl.chunking import chunk_index
 from flowrl.compat import ensure_torchvision_importable
 from flowrl.distributed import drop_gathered_weights
-from flowrl.interfaces import HasReferencePolicy, ScalesFlowGRPOKL
+from flowrl.interfaces import HasReferencePolicy, KLRegularised, ScalesFlowGRPOKL
 from flowrl.objectives.losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
 from flowrl.objectives.chunk_gradient import pad_rows
 
@@ -93,6 +95,28 @@ class ReferencePolicy:
             self.model.denoiser = trained
 
 
+@dataclasses.dataclass(frozen=True)
+class KLSettings:
+    """A ``[loss]``'s KL term: its weight ``beta`` (0: no KL term), its ``kind`` (docs/api.md §8)
+    and the ``reference`` policy it is taken to (None for ``old_policy_k3``, which needs none, and
+    without a KL term)."""
+
+    beta: float = 0.0
+    kind: str = "gaussian_exact"
+    reference: ReferencePolicy | None = None
+
+    @classmethod
+    def of(cls, loss, model) -> KLSettings:
+        """The KL term of the ``[loss]`` component (:class:`flowrl.interfaces.KLRegularised`, else
+        none). Fixes the reference to ``model``'s current weights, so call it before any update
+        (and before a resume loads trained weights) and before the denoiser is sharded (a frozen
+        copy is a plain module)."""
+        if not isinstance(loss, KLRegularised):
+            return cls()
+        beta, kind = float(loss.beta or 0.0), loss.kl
+        return cls(beta, kind, ReferencePolicy(model) if beta > 0 and kind != "old_policy_k3" else None)
+
+
 def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next, kernel=None,
             direction: str = "old_theta") -> torch.Tensor:
     """One transition's KL ``[b]`` of the named kind, with its gradient (docs/api.md §8).
@@ -115,72 +139,32 @@ def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next,
     raise ValueError(f"unknown KL kind {kind!r}")
 
 
-def kl_backward(
-    scorer,
-    batch_idx: torch.Tensor,
-    unit_mask: torch.Tensor,
-    sizes,
-    *,
-    old_lp: torch.Tensor,
-    kind: str,
-    beta: float,
-    normaliser: float,
-    lockstep=None,
-    direction: str = "old_theta",
-    sample_weights: torch.Tensor | None = None,
-) -> tuple[float, float]:
-    """Back-propagate ``beta * mean over trained transitions of KL`` for a micro-batch.
-
-    ``scorer`` is the update's :class:`flowrl.train.update.TransitionScorer` (it re-scores a
-    stored transition with the policy, or with the reference), ``batch_idx [m]`` the micro-batch's
-    rows, ``unit_mask [m, K]`` its trained chunks and ``old_lp [B, T]`` the rollout log-probs.
-    Averages like the policy loss: over the trained transitions of each sample, then summed
-    over samples and divided by ``normaliser``. One forward + backward (plus a reference forward
-    for the reference kinds) per trained transition, one step's graph at a time. Returns
-    ``(mean KL over trained transitions, the term as optimised without beta)``. ``lockstep``
-    (:class:`flowrl.objectives.chunk_gradient.Lockstep`): a process without rows at a position where
-    another has some forwards a stand-in row with weight 0.
-
-    ``direction``: ``old_policy_k3``'s direction. ``sample_weights`` (``[B]`` over the whole
-    batch, indexed by ``batch_idx``): each sample's KL is multiplied by its weight (GARDO's gate,
-    :func:`flowrl.objectives.gardo.gated_weights`); the logged mean KL is over the samples with a weight.
-    """
-    trans = unit_mask[:, chunk_index(sizes, device=unit_mask.device)]  # [m, T]
-    per_sample = trans.sum(1).clamp(min=1).float()
-    total, count, term = 0.0, 0, 0.0
-    for t in range(scorer.trajectory.num_trainable):
-        b = torch.nonzero(trans[:, t], as_tuple=False).flatten()
-        if sample_weights is not None:
-            b = b[sample_weights.to(b.device)[batch_idx[b]] != 0]
-        if not (lockstep.any(bool(b.numel())) if lockstep is not None else b.numel()):
-            continue
-        b, stand_in = pad_rows(b)
-        rows = batch_idx[b]
-        tr = scorer.trajectory.position(t, rows)
-        ref_out = None if kind == "old_policy_k3" else scorer.step(t, rows, grad=False, reference=True)
-        with torch.enable_grad():
-            out = scorer.step(t, rows, grad=True)
-            kl = step_kl(kind, out, ref_out, out.log_prob - old_lp[rows, t], tr.sigma, tr.sigma_next, tr.kernel, direction)
-            w = per_sample[b].to(kl.device)
-            if sample_weights is not None and not stand_in:
-                w = w / sample_weights.to(kl.device)[rows]
-            weighted = (kl / w).sum() / normaliser * (0.0 if stand_in else 1.0)
-            (beta * weighted).backward()
-        if stand_in:
-            continue
-        term += float(weighted.detach())
-        total += float(kl.detach().sum())
-        count += kl.numel()
-    return total / max(count, 1), term
-
-
 class KLTerm:
-    """The KL term of a micro-batch computed inside the policy's own forwards (the fast path and
-    the chunk-graph update): :meth:`forward` is ``forward_with_extra`` for
-    :mod:`flowrl.objectives.chunk_gradient`, returning the step log-prob and the per-sample weighted KL
-    of that step from one policy forward (plus one reference forward for the reference kinds).
-    Averaged like :func:`kl_backward`: over each sample's trained transitions, summed over samples,
-    divided by ``normaliser``, times ``beta``."""
+    """The KL term of one micro-batch: ``beta * mean over trained transitions of KL`` (docs/api.md §8).
+
+    ``scorer`` is the objective's :class:`flowrl.objectives.policy_gradient.TransitionScorer` (it
+    re-scores a stored transition with the policy, or with the reference), ``batch_idx [m]`` the
+    micro-batch's rows, ``unit_mask [m, K]`` its trained chunks and ``old_lp [B, T]`` the rollout
+    log-probs. Averaged like the policy loss: over the trained transitions of each sample, then
+    summed over samples and divided by ``normaliser``. ``direction``: ``old_policy_k3``'s
+    direction. ``sample_weights`` (``[B]`` over the whole batch, indexed by ``batch_idx``): each
+    sample's KL is multiplied by its weight (GARDO's gate, :func:`flowrl.objectives.gardo.gated_weights`);
+    the logged mean KL is over the samples with a weight.
+
+    Two ways to back-propagate it, one per update path:
+
+    - :meth:`forward` is ``forward_with_extra`` for :mod:`flowrl.objectives.chunk_gradient` (the
+      fast path and the chunk-graph update): the step log-prob and the per-sample weighted KL of
+      that step from the policy's own forward, back-propagated with the policy loss, so the KL
+      costs no second policy forward;
+    - :meth:`backward` is a pass of its own after the lean update: one forward + backward per
+      trained transition, one step's graph at a time.
+
+    Both do one reference forward per trained transition for the reference kinds. Each keeps the
+    reduction order it has always had (a per-sample term in one, a summed scalar in the other), so
+    that runs keep their bits. :meth:`result` is ``(mean KL over the trained transitions seen,
+    the term as optimised without beta)``.
+    """
 
     def __init__(self, scorer, batch_idx, unit_mask, sizes, old_lp, kind: str, beta: float, normaliser: float,
                  direction: str = "old_theta", sample_weights: torch.Tensor | None = None):
@@ -191,13 +175,20 @@ class KLTerm:
         self.weights = None if sample_weights is None else sample_weights.to(self.per_sample.device)[batch_idx]
         self.total, self.count, self.term = 0.0, 0, 0.0
 
-    def forward(self, t: int, b: torch.Tensor):
-        rows = self.batch_idx[b]
+    def _step(self, t: int, rows: torch.Tensor):
+        """The policy's re-scored step (with grad) and its KL ``[len(rows)]`` at position ``t``:
+        the reference forward first, then the policy's."""
         tr = self.scorer.trajectory.position(t, rows)
         ref_out = None if self.kind == "old_policy_k3" else self.scorer.step(t, rows, grad=False, reference=True)
         out = self.scorer.step(t, rows, grad=True)
         kl = step_kl(self.kind, out, ref_out, out.log_prob - self.old_lp[rows, t], tr.sigma, tr.sigma_next, tr.kernel,
                      self.direction)
+        return out, kl
+
+    def forward(self, t: int, b: torch.Tensor):
+        """``(log_prob [n], beta * weighted KL [n])`` of the micro-batch rows ``b`` at position ``t``
+        (a lockstep stand-in row, not trained at ``t``, gets weight 0)."""
+        out, kl = self._step(t, self.batch_idx[b])
         mask = self.trans[b, t].to(kl.dtype)  # 0 for a lockstep stand-in row
         if self.weights is not None:
             mask = mask * self.weights[b].to(kl.dtype)
@@ -207,6 +198,31 @@ class KLTerm:
         self.total += float(kl.detach()[counted].sum())
         self.count += int(counted.sum())
         return out.log_prob, self.beta * weighted
+
+    def backward(self, lockstep=None) -> tuple[float, float]:
+        """Back-propagate the whole term, position by position; returns :meth:`result`.
+        ``lockstep`` (:class:`flowrl.objectives.chunk_gradient.Lockstep`): a process without rows
+        at a position where another has some forwards a stand-in row with weight 0."""
+        for t in range(self.scorer.trajectory.num_trainable):
+            b = torch.nonzero(self.trans[:, t], as_tuple=False).flatten()
+            if self.weights is not None:
+                b = b[self.weights.to(b.device)[b] != 0]
+            if not (lockstep.any(bool(b.numel())) if lockstep is not None else b.numel()):
+                continue
+            b, stand_in = pad_rows(b)
+            with torch.enable_grad():
+                _, kl = self._step(t, self.batch_idx[b])
+                w = self.per_sample[b].to(kl.device)
+                if self.weights is not None and not stand_in:
+                    w = w / self.weights[b].to(kl.device)
+                weighted = (kl / w).sum() / self.normaliser * (0.0 if stand_in else 1.0)
+                (self.beta * weighted).backward()
+            if stand_in:
+                continue
+            self.term += float(weighted.detach())
+            self.total += float(kl.detach().sum())
+            self.count += kl.numel()
+        return self.result()
 
     def result(self) -> tuple[float, float]:
         """(mean KL over the trained transitions seen, the term as optimised without beta)."""

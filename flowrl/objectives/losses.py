@@ -27,7 +27,7 @@ from flowrl.interfaces import ReportsClipping
 from flowrl.sampling.kernels import std_like
 
 __all__ = [
-    "Objective",
+    "UnitObjective",
     "ClippedObjective",
     "unit_log_ratios",
     "clipped_surrogate",
@@ -41,8 +41,9 @@ __all__ = [
     "K3_DIRECTIONS",
 ]
 
-# (log_ratio [B, K], advantages [B, K]) -> per-unit loss [B, K]
-Objective = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# A unit objective (a PolicyLoss's ``objective``, e.g. ClippedObjective): (log_ratio [B, K], advantages [B, K]) ->
+# per-unit loss [B, K]. Not an "Objective" (flowrl.interfaces.Objective: what an update optimises, per micro-batch).
+UnitObjective = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _check_eps(eps_low: float, eps_high: float) -> None:
@@ -157,7 +158,7 @@ def unit_metrics(
     log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     unit_mask: torch.Tensor,
-    objective: Objective | None = None,
+    objective: UnitObjective | None = None,
 ) -> dict[str, float]:
     """Diagnostics over the selected units: ``ratio_mean/min/max``, ``clip_fraction`` (share of
     units where the clipped branch is active; 0 when the objective has no ``clip_mask``),
@@ -192,7 +193,7 @@ def objective_loss(
     advantages: torch.Tensor,
     sizes: Sequence[int],
     unit_mask: torch.Tensor,
-    objective: Objective,
+    objective: UnitObjective,
     normaliser: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Generic unit loss: ``reduce_units(objective(z, A), unit_mask, normaliser)`` with

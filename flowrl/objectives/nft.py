@@ -34,7 +34,7 @@ import torch
 
 from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import select_embeddings
-from flowrl.objectives.base import MicroBatch, MicroBatchResult
+from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.kl import ReferencePolicy
 from flowrl.seeding import generator
 
@@ -128,12 +128,12 @@ class ForwardProcessObjective:
         self.weight_min = weight_min
         self.params, self.old, self.reference, self.steps = None, None, None, 0
 
-    def prepare(self, update) -> None:
-        self.params = [p for p in update.params]
+    def prepare(self, ctx: UpdateContext) -> None:
+        self.params = [p for p in ctx.params]
         self.old = [p.detach().clone() for p in self.params]
-        self.model = update.session.model
+        self.model = ctx.model
         if self.beta_kl > 0:
-            self.reference = ReferencePolicy(update.session.model)
+            self.reference = ReferencePolicy(ctx.model)
 
     @contextlib.contextmanager
     def rollout_weights(self):
@@ -156,14 +156,13 @@ class ForwardProcessObjective:
                 for p, s in zip(self.params, saved):
                     p.copy_(s)
 
-    def start_rollout(self, update, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
         """Nothing to prepare: the rollout was drawn with the old weights."""
 
-    def _points(self, update, batch, idx, sigmas):
+    def _points(self, seed: int, batch, idx, sigmas):
         """``(x0, x, sigma, rows, K)`` for every (row, k), rows repeated K times (row-major): the
         sigmas and noises are drawn from one generator per (seed, "nft", iteration, sample), so
         every pass over the rollout trains the same points."""
-        seed = update.session.recipe.run.seed
         x0 = batch.trajectory.image_latents[idx].to(torch.float32)
         grid = sigmas[:-1]  # no sigma = 0
         K = min(self.K, grid.numel())
@@ -180,14 +179,14 @@ class ForwardProcessObjective:
                 rows.append(r)
         return (torch.stack(x0s), torch.stack(xs), torch.stack(ss).to(x0.device), torch.tensor(rows), K)
 
-    def backward(self, update, micro: MicroBatch) -> MicroBatchResult:
-        batch, device = micro.batch, update.session.device
+    def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
+        batch, device = micro.batch, ctx.device
         idx = micro.rows
         sigmas = batch.trajectory.sigmas.to(device)
-        x0, x, s, rows, K = self._points(update, batch, idx, sigmas)
+        x0, x, s, rows, K = self._points(ctx.seed, batch, idx, sigmas)
         text = select_embeddings(batch.text, rows.to(device))
         r = optimality_probability(batch.advantages[rows.to(device)].reshape(len(rows), -1)[:, 0], self.clip)
-        model = update.session.model
+        model = ctx.model
         with torch.no_grad(), self.rollout_weights():
             v_old = model.velocity(x, s, text).to(torch.float32)
         v_ref = None
@@ -209,8 +208,8 @@ class ForwardProcessObjective:
         return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
                                 trained=torch.zeros(len(idx), len(micro.sizes), dtype=torch.bool))
 
-    def end_rollout(self, update, batch) -> dict:
-        self.steps = int(update.scheduler.last_epoch)
+    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+        self.steps = int(ctx.optimizer_steps())
         d = old_policy_decay(self.steps, *self.decay)
         with torch.no_grad():
             for o, p in zip(self.old, self.params):

@@ -1,15 +1,21 @@
-"""The ratio-based policy-gradient objective (:class:`PolicyGradient`), its step statistics
+"""The ratio-based policy-gradient objective (:class:`PolicyGradient`), the re-scoring of a
+rollout's transitions it and its KL term share (:class:`TransitionScorer`), its step statistics
 (:class:`StepRecorder`), and :func:`objective_for`, which picks the objective a ``[loss]`` runs as.
 
 The update (:class:`flowrl.train.update.PolicyUpdate`) owns the optimizer: the passes over a
 rollout, the optimizer steps, gradient averaging and clipping, skipping non-finite steps, the
 on-policy check. The objective owns the loss: everything between "these rows of this rollout"
 and ``.backward()``. The loop and the update call the same four methods whatever the
-objective (``prepare``, ``start_rollout``, ``backward``, ``end_rollout``):
+objective (``prepare``, ``start_rollout``, ``backward``, ``end_rollout``; :class:`flowrl.interfaces.Objective`),
+each with the :class:`~flowrl.objectives.base.UpdateContext`, never the update itself:
 
 - :class:`PolicyGradient`: the ratio-based GRPO family (step GRPO, GSPO, fixed chunks,
-  Chunk-GRPO, GRPO-Guard): selector -> chunk update -> KL pass. A recipe's ``[loss]`` that is a
-  plain :class:`~flowrl.interfaces.PolicyLoss` runs through it.
+  Chunk-GRPO, GRPO-Guard): selector -> chunk update -> KL term. A recipe's ``[loss]`` that is a
+  plain :class:`~flowrl.interfaces.PolicyLoss` runs through it. Per micro-batch: the fast path
+  on the first (on-policy) optimizer step after a rollout, otherwise the chunk-graph or the lean
+  update (``[train].update_mode``; :mod:`flowrl.objectives.chunk_gradient`). Every re-scoring of
+  a stored transition, for the policy loss as for the KL term, goes through one
+  :class:`TransitionScorer`.
 - :class:`flowrl.objectives.gardo.GatedKLPolicyGradient`: GARDO's anti-hacking regulariser on top: a KL to the reference
   applied only to the samples whose proxy reward is least trustworthy, and a reference that is
   reset to the current weights periodically or when the KL grows.
@@ -20,14 +26,36 @@ objective (``prepare``, ``start_rollout``, ``backward``, ``end_rollout``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 from flowrl import distributed
 from flowrl.chunking import chunk_index
-from flowrl.interfaces import KeepsRolloutMeans, NormalisesStepRatio, Objective, SelectsFromRollout
-from flowrl.objectives.base import MicroBatch, MicroBatchResult
+from flowrl.interfaces import (
+    ChoosesKLForm,
+    KeepsRolloutMeans,
+    NormalisesStepRatio,
+    Objective,
+    SelectsFromRollout,
+    TextEmbeddings,
+    select_embeddings,
+)
+from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
+from flowrl.objectives.chunk_gradient import (
+    StepLogProbFn,
+    chunk_graph_backward,
+    lean_chunk_backward,
+    on_policy_chunk_backward,
+)
+from flowrl.objectives.kl import KLTerm, ReferencePolicy
+from flowrl.sampling.kernels import StepOutput
+from flowrl.sampling.rollout import rescore_position, rescore_positions
+from flowrl.sampling.trajectory import Trajectory
 from flowrl.seeding import generator
 from flowrl.selection import rollout_l1rel
 
@@ -36,6 +64,64 @@ def objective_for(loss):
     """The objective a recipe's ``[loss]`` component runs as: itself when it is an
     :class:`~flowrl.interfaces.Objective`, else :class:`PolicyGradient` around it."""
     return loss if isinstance(loss, Objective) else PolicyGradient(loss)
+
+
+# ----------------------------------------------------------------------------- re-scoring
+
+
+class TransitionScorer:
+    """Re-scores a rollout's trainable transitions with the current policy or the reference.
+
+    ``step(t, rows, grad)`` is the kernel's :class:`~flowrl.sampling.kernels.StepOutput` at trainable position
+    ``t`` (``0 <= t < T``) for the samples ``rows`` (indices into the trajectory): the chunk
+    update reads its ``log_prob``, the KL term its ``mean`` and ``std``. The reference's forwards
+    count as the ``reference`` phase of ``counter``.
+    """
+
+    def __init__(self, model, trajectory: Trajectory, text: TextEmbeddings, reference: ReferencePolicy | None = None,
+                 counter=None, step_ratio=None):
+        self.model = model
+        self.trajectory = trajectory
+        self.text = text
+        self.reference = reference
+        self.counter = counter
+        self.num_positions = trajectory.num_trainable
+        # a loss's step transform (GRPO-Guard): the policy's re-scored "log-prob" relative to the rollout's
+        self.step_ratio = step_ratio
+
+    def step(self, t: int, rows: torch.Tensor, *, grad: bool, reference: bool = False) -> StepOutput:
+        if not 0 <= t < self.num_positions:
+            raise ValueError(f"trainable position must be in [0, {self.num_positions - 1}], got {t}")
+        text = select_embeddings(self.text, rows)
+        policy = self.reference if reference else self.model
+        counted = self.counter.phase("reference") if reference and self.counter is not None else nullcontext()
+        with torch.set_grad_enabled(grad), counted:
+            out = rescore_position(lambda x, s: policy.velocity(x, s, text), self.trajectory, t, rows)
+            if self.step_ratio is not None and not reference:
+                out = dataclasses.replace(out, log_prob=self.step_ratio(out, self.trajectory.position(t, rows)))
+            return out
+
+    def log_prob_fn(self, rows: torch.Tensor) -> StepLogProbFn:
+        """``fn(t, b, grad)``: log-probs of the samples ``rows[b]``, as the chunk update wants."""
+        return lambda t, b, grad: self.step(t, rows[b], grad=grad).log_prob
+
+    def many_fn(self, rows: torch.Tensor):
+        """``fn(ts, b)``: log-probs ``[len(ts), len(b)]`` of positions ``ts`` for ``rows[b]`` (every
+        row of ``rows`` when ``b`` is None) from one batched forward, with grad (the chunk-graph
+        update)."""
+
+        def many(ts: list[int], b: torch.Tensor | None) -> torch.Tensor:
+            r = rows if b is None else rows[b]
+            if self.step_ratio is not None:
+                return torch.stack([self.step(t, r, grad=True).log_prob for t in ts])
+            if r.numel() == 1:  # one sample (GCPO's batching): a view of its embeddings, broadcast over the steps
+                i = int(r[0])
+                text = {k: v[i : i + 1].expand(len(ts), *v.shape[1:]) for k, v in self.text.items()}
+            else:
+                text = select_embeddings(self.text, r.repeat(len(ts)))
+            return rescore_positions(lambda x, s: self.model.velocity(x, s, text), self.trajectory, ts, r)
+
+        return many
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -133,7 +219,7 @@ class StepRecorder:
 
 class PolicyGradient:
     """The ratio-based family: per micro-batch the selector picks each row's units, the chunk
-    update back-propagates the loss over them and the KL pass adds the loss's KL term
+    update back-propagates the loss over them and the KL term to the reference is added
     (docs/architecture.md). Also records the per-step/per-unit log-ratio diagnostics."""
 
     uses_units = True
@@ -141,12 +227,12 @@ class PolicyGradient:
     def __init__(self, loss):
         self.loss = loss
         self.keep_means = bool(isinstance(loss, KeepsRolloutMeans) and loss.keep_means)
-        self.kl_direction = getattr(loss, "kl_direction", "old_theta")
+        self.kl_direction = loss.kl_direction if isinstance(loss, ChoosesKLForm) else "old_theta"
         self.scorer = self.old_lp = self.recorder = None
 
     # the objective protocol
-    def prepare(self, update) -> None:
-        """The KL reference is fixed by the update (:class:`flowrl.objectives.kl.ReferencePolicy`)."""
+    def prepare(self, ctx: UpdateContext) -> None:
+        """Nothing: the KL reference is fixed by the update (``ctx.kl``)."""
 
     def step_transform(self):
         """The scorer's step transform (GRPO-Guard's normalised ratio) or None."""
@@ -154,42 +240,127 @@ class PolicyGradient:
             return self.loss.step_ratio
         return None
 
-    def start_rollout(self, update, batch, sizes) -> None:
-        self.scorer = update.make_scorer(batch, step_ratio=self.step_transform())
-        self.old_lp = batch.trajectory.trainable_log_probs.to(update.session.device)
+    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+        self.scorer = TransitionScorer(ctx.model, batch.trajectory, batch.text, ctx.kl.reference, ctx.counter,
+                                       step_ratio=self.step_transform())
+        self.old_lp = batch.trajectory.trainable_log_probs.to(ctx.device)
         self.recorder = StepRecorder(batch.trajectory.num_trainable, sizes)
 
     def kl_weights(self):
         """Per-sample KL weights ``[B]`` (None: every sample); GARDO's gate."""
         return None
 
-    def backward(self, update, micro: MicroBatch) -> MicroBatchResult:
-        seed, batch = update.session.recipe.run.seed, micro.batch
-        idx = micro.rows
-        gens = [generator(seed, "select", batch.iteration, micro.epoch, batch.indices[int(i)]) for i in idx]
-        selector = update.session.components.selector
-        if isinstance(selector, SelectsFromRollout):  # GCPO: each sample's L1rel over its own rollout
+    def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
+        batch, idx = micro.batch, micro.rows
+        gens = [generator(ctx.seed, "select", batch.iteration, micro.epoch, batch.indices[int(i)]) for i in idx]
+        if isinstance(ctx.selector, SelectsFromRollout):  # GCPO: each sample's L1rel over its own rollout
             traj = batch.trajectory
             l1rel = torch.stack([rollout_l1rel(p.sample, p.next_sample) for p in
                                  (traj.position(t, idx) for t in range(traj.num_trainable))], dim=1)
-            mask = selector.select_from_rollout(len(idx), micro.sizes, gens, l1rel.cpu()).cpu()
+            mask = ctx.selector.select_from_rollout(len(idx), micro.sizes, gens, l1rel.cpu()).cpu()
         else:
-            mask = selector.select(len(idx), micro.sizes, gens).cpu()
-        device = update.session.device
-        idx_d, mask_d = idx.to(device), mask.to(device)
-        update.expect_update(batch.advantages[idx_d], mask_d, micro.sizes)
+            mask = ctx.selector.select(len(idx), micro.sizes, gens).cpu()
+        idx_d, mask_d = idx.to(ctx.device), mask.to(ctx.device)
+        _expect_work(ctx, batch.advantages[idx_d], mask_d, micro.sizes)
         self.recorder.start(len(idx))
-        loss, m, kl = update.micro_batch_backward(
-            self.scorer, self.old_lp, batch.advantages, idx_d, mask_d, micro.sizes, micro.probe,
-            fast=micro.first and update.fast_path, normaliser=micro.normaliser, recorder=self.recorder,
-            kl_direction=self.kl_direction, kl_weights=self.kl_weights())
+        loss, m, kl = self._units_backward(ctx, batch.advantages, idx_d, mask_d, micro.sizes, micro.probe,
+                                           fast=micro.first and ctx.fast_path, normaliser=micro.normaliser)
         self.recorder.finish(mask)
-        metrics = {} if kl is None else {f"kl/{update.kl_kind}": kl[0]}  # the order rows have always had
+        metrics = {} if kl is None else {f"kl/{ctx.kl.kind}": kl[0]}  # the order rows have always had
         metrics.update({k: float(v) for k, v in m.items()})
-        losses = (float(loss),) if kl is None else (float(loss), update.beta * kl[1])
+        losses = (float(loss),) if kl is None else (float(loss), ctx.kl.beta * kl[1])
         return MicroBatchResult(losses=losses, metrics=metrics, trained=mask)
 
-    def end_rollout(self, update, batch) -> dict:
-        out = self.recorder.metrics(update.ctx) if self.recorder is not None else {}
+    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+        out = self.recorder.metrics(ctx.process) if self.recorder is not None else {}
         self.scorer = None
         return out
+
+    def _units_backward(self, ctx: UpdateContext, advantages, idx, mask, sizes, probe, *, fast, normaliser):
+        """Back-propagate one micro-batch's loss and KL term: the fast path on-policy, otherwise
+        the chunk-graph or lean update (``[train].update_mode``). Returns (loss, unit metrics,
+        (mean KL, KL term) or None). The step recorder sees every re-scored log-prob; the probe
+        (the on-policy check) every one of the first optimizer step."""
+        scorer, old_lp, recorder, kl_settings = self.scorer, self.old_lp, self.recorder, ctx.kl
+        fn = scorer.log_prob_fn(idx)
+        if probe is not None:
+            fn = probe.wrap(fn, old_lp[idx])
+        fn = recorder.wrap(fn, old_lp[idx])
+        args = (fn, old_lp[idx], advantages[idx], sizes, mask, self.loss.objective)
+        lockstep = ctx.lockstep
+        kl = KLTerm(scorer, idx, mask, sizes, old_lp, kl_settings.kind, kl_settings.beta, normaliser,
+                    direction=self.kl_direction, sample_weights=self.kl_weights()) if kl_settings.beta > 0 else None
+        if not fast and _off_policy_mode(ctx, scorer, idx, sizes) == "lean":
+            loss, m = lean_chunk_backward(*args, normaliser=normaliser, lockstep=lockstep)
+            return loss, m, (kl.backward(lockstep) if kl is not None else None)
+        forward = kl.forward if kl is not None else None
+        if forward is not None and probe is not None:
+            forward = probe.wrap_forward(forward, old_lp[idx])
+        if forward is not None:
+            forward = recorder.wrap_forward(forward, old_lp[idx])
+        if fast:
+            loss, m = on_policy_chunk_backward(*args, normaliser=normaliser, forward_with_extra=forward, lockstep=lockstep)
+        else:
+            many = recorder.wrap_many(scorer.many_fn(idx), old_lp[idx])
+            loss, m = chunk_graph_backward(*args, normaliser=normaliser, forward_with_extra=forward,
+                                           many=many, lockstep=lockstep)
+        return loss, m, (kl.result() if kl is not None else None)
+
+
+def _expect_work(ctx: UpdateContext, advantages: torch.Tensor, mask: torch.Tensor, sizes) -> None:
+    """The minimum work of a micro-batch: each trained transition whose gradient is not zero
+    (non-zero advantage, or any with a KL term) once forward and backward; one reference
+    forward per trained transition for the reference KL kinds."""
+    size = torch.tensor(sizes, device=mask.device)
+    adv = advantages if advantages.ndim == 2 else advantages[:, None].expand(mask.shape)
+    trained = int((mask * size).sum())
+    live = trained if ctx.kl.beta > 0 else int((mask & (adv != 0)).mul(size).sum())
+    ctx.counter.expect("update", live * ctx.rows_per_sample)
+    if ctx.kl.beta > 0 and ctx.kl.reference is not None:
+        ctx.counter.expect("reference", trained * ctx.rows_per_sample)
+
+
+def _off_policy_mode(ctx: UpdateContext, scorer: TransitionScorer, idx, sizes) -> str:
+    """``lean`` or ``chunk_graph`` for an off-policy micro-batch (``auto``: measured once, on the
+    first off-policy step: the chunk-graph update when the largest chunk's activations fit in
+    half the free memory on every process)."""
+    mode = ctx.update_mode
+    if mode.setting != "auto":
+        return mode.setting
+    if mode.decided is None:  # decided once per run (and checkpointed, so a resume keeps it)
+        with ctx.counter.paused():
+            per_step = activation_bytes(lambda: scorer.step(0, idx, grad=True).log_prob)
+        budget = free_memory_bytes(ctx.device) / 2
+        fits = max(sizes) * per_step <= budget
+        # every process takes the same mode (under FSDP2 they must make the same calls)
+        mode.decided = "lean" if distributed.any_rank(not fits, ctx.process) else "chunk_graph"
+    return mode.decided
+
+
+def activation_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the tensors autograd saves for backward in ``forward()`` (its graph is freed)."""
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return total
+
+
+def free_memory_bytes(device: torch.device) -> float:
+    """Free memory of the device: CUDA's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return float("inf")

@@ -29,7 +29,7 @@ import litserve as ls
 from fastapi import Body, Response
 
 from flowrl.errors import FlowrlError
-from flowrl.interfaces import score
+from flowrl.rewards import score
 from flowrl.processes import pid_alive, signal_on_parent_death
 
 from .protocol import (

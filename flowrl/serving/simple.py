@@ -15,7 +15,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from flowrl.errors import FlowrlError
-from flowrl.interfaces import score
+from flowrl.rewards import score
 
 from .protocol import PROTOCOL, decode_request, encode_response, request_id_of
 

@@ -47,8 +47,8 @@ from flowrl.interfaces import (
     UsesImageFeatures,
     WarpsTime,
     WindowPlanner,
-    score,
 )
+from flowrl.rewards import score
 from flowrl.sampling.plans import PlanContext, RolloutPlan
 from flowrl.sampling.schedules import shifted_sigmas, validate_sigmas
 from flowrl.sampling.kernels import StepOutput
@@ -169,7 +169,7 @@ def check_advantage(estimator, **_) -> list[str]:
 
 
 def check_objective(objective) -> list[str]:
-    """An objective that owns the backward (flowrl.train.objective): its hooks exist, and the
+    """An objective that owns the backward (flowrl.interfaces.Objective): its hooks exist, and the
     optional parts it claims behave."""
     assert isinstance(objective, Objective), "an objective has uses_units, prepare, start_rollout, backward, end_rollout"
     assert isinstance(objective.uses_units, bool), "uses_units must be a bool"

@@ -53,7 +53,7 @@ from ..plugins import temporary_plugin
 from ..recipe import load_recipe
 from ..runlog import read_metrics
 from ..train import train
-from ..train import update as update_module
+from ..objectives import policy_gradient as update_paths
 from ..train.accel import SDPA_BACKENDS, attention_backend
 from ..train.checkpoint import is_sharded_checkpoint, latest_checkpoint
 from .tiny_pipelines import TINY_PROMPTS, build_tiny_flux
@@ -269,7 +269,7 @@ def check_build(setup: Setup) -> list[Check]:
 @contextlib.contextmanager
 def counting_update_paths() -> Iterator[dict[str, int]]:
     """Count the update's micro-batch backwards by path: the fast path (on-policy, ratio 1) and
-    the chunk-graph update, where :mod:`flowrl.train.update` calls them."""
+    the chunk-graph update, where :mod:`flowrl.objectives.policy_gradient` calls them."""
     calls = {"fast path": 0, "chunk-graph update": 0}
 
     def counted(name, fn):
@@ -278,10 +278,10 @@ def counting_update_paths() -> Iterator[dict[str, int]]:
             return fn(*args, **kwargs)
         return wrapper
 
-    with mock.patch.object(update_module, "on_policy_chunk_backward",
-                           counted("fast path", update_module.on_policy_chunk_backward)), \
-         mock.patch.object(update_module, "chunk_graph_backward",
-                           counted("chunk-graph update", update_module.chunk_graph_backward)):
+    with mock.patch.object(update_paths, "on_policy_chunk_backward",
+                           counted("fast path", update_paths.on_policy_chunk_backward)), \
+         mock.patch.object(update_paths, "chunk_graph_backward",
+                           counted("chunk-graph update", update_paths.chunk_graph_backward)):
         yield calls
 
 

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from ..artefacts import ARTEFACT_MEASURES
-from ..interfaces import score
+from ..rewards import score
 from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sampling.rollout import ode_sample
 from ..seeding import generator

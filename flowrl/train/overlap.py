@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..errors import FlowrlError
-from ..interfaces import score
+from ..rewards import score
 from ..prompts import reward_metadata
 
 

@@ -19,8 +19,8 @@ from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.sampling.kernels import FlowKernel
 from flowrl.train import train
 from flowrl.train.finetune import prepare_trainable
-from flowrl.objectives.kl import ReferencePolicy, kl_backward
-from flowrl.train.update import TransitionScorer
+from flowrl.objectives.kl import KLTerm, ReferencePolicy
+from flowrl.objectives.policy_gradient import TransitionScorer
 from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
 
@@ -75,8 +75,7 @@ def test_kl_pass_gradient_equals_one_graph(kind, finetune):
     for p in params:
         p.grad = None
     scorer = TransitionScorer(model, traj, text, reference)
-    value, term = kl_backward(scorer, idx, mask, sizes, old_lp=traj.trainable_log_probs,
-                              kind=kind, beta=beta, normaliser=normaliser)
+    value, term = KLTerm(scorer, idx, mask, sizes, traj.trainable_log_probs, kind, beta, normaliser).backward()
     lean = [p.grad.clone() for p in params]
 
     # Independent route: every trained transition in one graph, KL written out by hand.

@@ -102,3 +102,38 @@ def test_a_window_plugin_plugs_in(tmp_path):
     row = _rows(run_dir)[0]
     assert row["chunk_sizes"] == [1, 1] and row["on_policy/max_abs_log_ratio"] <= 1e-6
     assert len(row["diag/step_log_ratio_std"]) == 2
+
+
+def _docs_objective_example() -> type:
+    """The objective of docs/objectives.md, "Writing an objective", as written there."""
+    text = (REPO / "docs" / "objectives.md").read_text(encoding="utf-8")
+    section = text.split("## Writing an objective", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/objectives.md", "exec"), namespace)
+    return namespace["AdvantageWeightedRegression"]
+
+
+def test_the_documented_objective_trains_through_the_context_alone(tmp_path):
+    """A third party's objective, written against the documented protocol (backward(ctx, micro)
+    with an UpdateContext, never the update), registers as a [loss] and trains: its loss and
+    metric are logged and a gradient reaches the model."""
+    example = _docs_objective_example()
+
+    class _Losses:
+        @hookimpl
+        def register_losses(self, register):
+            register("awr", example)
+
+    text = TINY_RECIPE.replace('use = "clipped"\neps_low = 0.2\neps_high = 0.2', 'use = "awr"')
+    text = text.replace('[chunker]\nuse = "fixed"\nsize = 2\n\n[selector]\nuse = "uniform"\nfraction = 0.5\n',
+                        '[window]\nuse = "ode"\n')
+    assert 'use = "awr"' in text and '[window]' in text
+    with temporary_plugin(_Losses(), "awr_objective") as registry:
+        recipe = load(write_recipe(tmp_path, text), "train.iterations=2", f"run.output_dir={tmp_path / 'run'}",
+                      "log.progress=false")
+        run_dir = train(recipe, console=quiet_console(), registry=registry)
+    rows = _rows(run_dir)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["awr/loss"] == row["awr/loss"] and row["grad_norm"] > 0  # finite, and a gradient flowed

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from reward_helpers import PROMPTS, assert_invariant, fixed_images, to_pil
 
 from flowrl.errors import FlowrlError
-from flowrl.interfaces import score
+from flowrl.rewards import score
 from flowrl.plugins import get_registry
 from flowrl_plugins.rewards.clip import Clip, ClipConfig, PickScore, PickScoreConfig, apply_scale
 

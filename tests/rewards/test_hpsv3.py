@@ -14,7 +14,7 @@ import torch
 from reward_helpers import PROMPTS, assert_invariant, fixed_images, to_pil
 
 from flowrl.errors import FlowrlError
-from flowrl.interfaces import score
+from flowrl.rewards import score
 from flowrl.plugins import get_registry
 from flowrl_plugins.rewards.hpsv3 import REWARD_TOKEN, HPSv3, HPSv3Config, patchify, prompt_template, smart_resize
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 from reward_helpers import PROMPTS, fixed_images
 
-from flowrl.interfaces import RewardOutput, score
+from flowrl.interfaces import RewardOutput
+from flowrl.rewards import score
 from flowrl_plugins.rewards.http import (
     HttpReward,
     HttpRewardConfig,

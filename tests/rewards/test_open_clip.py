@@ -18,7 +18,7 @@ from flowrl.compat import ensure_torchvision_importable
 ensure_torchvision_importable()  # a CUDA torchvision beside CPU torch breaks `import open_clip`
 open_clip = pytest.importorskip("open_clip")
 
-from flowrl.interfaces import score  # noqa: E402
+from flowrl.rewards import score  # noqa: E402
 from flowrl_plugins.rewards.clip import Clip, ClipConfig  # noqa: E402
 from flowrl.testing.tiny_models import write_tiny_open_clip_config  # noqa: E402
 

@@ -1,0 +1,78 @@
+"""Calling a reward and checking what it returns: the one place that does either.
+
+:func:`score` calls any :class:`flowrl.interfaces.Reward` and holds it to the contract (one float
+score per image, extras of one number per image); the training loop, the evaluation, the reward
+servers, ``flowrl eval`` and the conformance checks all score through it.
+:class:`FunctionReward` makes a plain function a reward (``register("name", fn)``). The protocol
+and its :class:`~flowrl.interfaces.RewardOutput` stay in :mod:`flowrl.interfaces`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import FlowrlError
+from .interfaces import Reward, RewardOutput
+
+__all__ = ["FunctionReward", "RewardOutputError", "score"]
+
+
+class FunctionReward:
+    """A plain function ``fn(images, prompts, **kwargs) -> Tensor[B]`` as a :class:`Reward`."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], *, name: str, kwargs: Mapping[str, Any] | None = None):
+        self.fn = fn
+        self.name = name
+        self.kwargs = dict(kwargs or {})
+
+    def __call__(self, images, prompts, metadata=None):
+        """A tensor result as a :class:`RewardOutput`, unchanged (no reshaping or conversion);
+        any other result as it is, for :func:`score` to check."""
+        with torch.no_grad():
+            out = self.fn(images, list(prompts), **self.kwargs)
+        return RewardOutput(scores=out) if isinstance(out, torch.Tensor) else out
+
+
+class RewardOutputError(FlowrlError, ValueError):
+    """A reward returned something other than ``[B]`` float scores (see :func:`score`)."""
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} element(s)"
+    return f"a {type(value).__module__}.{type(value).__qualname__}".replace("builtins.", "")
+
+
+def score(reward: Reward, images: torch.Tensor, prompts: Sequence[str], metadata=None, *, name: str | None = None) -> RewardOutput:
+    """Call a reward and check its output; the ONE rule for every reward:
+
+    it returns a :class:`RewardOutput` or a tensor whose scores are a floating-point tensor of
+    shape exactly ``[B]`` (one score per image; non-finite values are allowed and handled by the
+    engine), and every extra is ``[B]`` too. Anything else (a list, a numpy array, ``[B, 1]``,
+    integers) raises :class:`RewardOutputError` naming the reward (``name``, else its ``name``
+    attribute) and what it returned. Returns float32 scores on the CPU."""
+    out = reward(images, prompts, metadata)
+    label = name or getattr(reward, "name", None) or type(reward).__name__
+    b = images.shape[0]
+    scores = out.scores if isinstance(out, RewardOutput) else out
+    what = "scores" if isinstance(out, RewardOutput) else "output"
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or tuple(scores.shape) != (b,):
+        raise RewardOutputError(
+            f"reward '{label}' returned {_describe(scores)} as its {what} for {b} images; "
+            f"a reward must return a float tensor of shape [{b}] (one score per image) or a RewardOutput of one",
+            where=f"reward '{label}'",
+            hint="e.g. `return torch.as_tensor(values, dtype=torch.float32)`; images arrive as [B, 3, H, W] "
+                 "floats in [0, 1] with a list of B prompts (README, 'Writing a plugin')",
+        )
+    extras = {}
+    for key, v in out.extras.items() if isinstance(out, RewardOutput) else ():
+        if not isinstance(v, torch.Tensor) or v.numel() != b:
+            raise RewardOutputError(f"reward '{label}' returned extra '{key}' as {_describe(v)} for {b} images",
+                                    where=f"reward '{label}'", hint=f"every extra holds one number per image: shape [{b}]")
+        extras[key] = v.detach().float().reshape(-1).cpu()
+    return RewardOutput(scores=scores.detach().to(torch.float32).cpu(), extras=extras)
