@@ -399,6 +399,17 @@ class KLRegularised(Protocol):
 
 
 @runtime_checkable
+class NeedsReferencePolicy(Protocol):
+    """A ``[loss]`` that is not :class:`KLRegularised` but runs a frozen reference of the starting
+    policy itself (DiffusionNFT's velocity KL, ``beta_kl > 0``): when ``needs_reference()`` says
+    so, the engine fixes the reference before the denoiser is sharded, lays it out like the
+    denoiser (``Strategy.prepare_frozen``: sharded under fsdp2, ``[train].reference_on_cpu``) and
+    hands it over as the update context's ``kl.reference``."""
+
+    def needs_reference(self) -> bool: ...
+
+
+@runtime_checkable
 class ChoosesKLForm(Protocol):
     """A loss with KL kind ``old_policy_k3`` that says its direction, applied to every trained
     transition's log-ratio ``z``: ``kl_direction`` ``"old_theta"`` (``e^z - 1 - z``,

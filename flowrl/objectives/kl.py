@@ -19,7 +19,7 @@ import torch
 from flowrl.chunking import chunk_index
 from flowrl.compat import ensure_torchvision_importable
 from flowrl.distributed import drop_gathered_weights
-from flowrl.interfaces import HasReferencePolicy, KLRegularised, ScalesFlowGRPOKL
+from flowrl.interfaces import HasReferencePolicy, KLRegularised, NeedsReferencePolicy, ScalesFlowGRPOKL
 from flowrl.objectives.losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
 from flowrl.objectives.chunk_gradient import pad_rows
 
@@ -112,7 +112,9 @@ class KLSettings:
         (and before a resume loads trained weights) and before the denoiser is sharded (a frozen
         copy is a plain module)."""
         if not isinstance(loss, KLRegularised):
-            return cls()
+            # an objective with a KL term of its own (NFT) still gets the one reference the engine places
+            wants = isinstance(loss, NeedsReferencePolicy) and loss.needs_reference()
+            return cls(reference=ReferencePolicy(model)) if wants else cls()
         beta, kind = float(loss.beta or 0.0), loss.kl
         return cls(beta, kind, ReferencePolicy(model) if beta > 0 and kind != "old_policy_k3" else None)
 

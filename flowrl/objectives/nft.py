@@ -35,7 +35,6 @@ import torch
 from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
-from flowrl.objectives.kl import ReferencePolicy
 from flowrl.seeding import generator
 
 __all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
@@ -132,8 +131,12 @@ class ForwardProcessObjective:
         self.params = [p for p in ctx.params]
         self.old = [p.detach().clone() for p in self.params]
         self.model = ctx.model
-        if self.beta_kl > 0:
-            self.reference = ReferencePolicy(ctx.model)
+        # the engine's reference (NeedsReferencePolicy), fixed before sharding and laid out like the
+        # denoiser: a copy taken here would copy the sharded module, outside what the plan counts
+        self.reference = ctx.kl.reference if self.beta_kl > 0 else None
+
+    def needs_reference(self) -> bool:
+        return self.beta_kl > 0
 
     @contextlib.contextmanager
     def rollout_weights(self):

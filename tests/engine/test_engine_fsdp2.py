@@ -121,12 +121,15 @@ def test_fsdp2_diffusion_nft_with_evaluation_equals_one_process(tmp_path):
     """DiffusionNFT (the quickstart's objective) samples its rollout with the old weights swapped
     into the trained parameters. Under FSDP2 the root keeps the weights it gathered for the last
     forward (the evaluation just before), so without dropping them the rollout sampled the trained
-    weights at the root: the 2-process run then left the 1-process one at the second iteration."""
+    weights at the root: the 2-process run then left the 1-process one at the second iteration.
+    With NFT's velocity KL on (``beta_kl > 0``) its reference is the engine's, fixed before
+    sharding and sharded like the model (it used to deep-copy the already sharded module)."""
     from engine_helpers import REPO
 
     sets = ["train.iterations=2", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=2",
             "prompts.num_eval=2", "prompts.eval_seeds=1", "log.eval_every=1", "log.image_every=1", "checkpoint.every=1",
-            "train.lr=1e-3", "train.adam_eps=1e-6", "run.device='cpu'"]  # eps: see engine_helpers' docstring
+            "train.lr=1e-3", "train.adam_eps=1e-6", "run.device='cpu'",  # eps: see engine_helpers' docstring
+            "loss.beta_kl=0.01"]
     recipe = REPO / "recipes" / "quickstart.toml"
     two, one = tmp_path / "two", tmp_path / "one"
     args = [a for s in (*sets, "distributed.strategy='fsdp2'") for a in ("--set", s)]
@@ -135,6 +138,7 @@ def test_fsdp2_diffusion_nft_with_evaluation_equals_one_process(tmp_path):
     train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
     rec2, rec1 = read_metrics(two), read_metrics(one)
     assert len(rec2) == len(rec1) == 3 and all(any(k.startswith("eval/") for k in r) for r in rec2)
+    assert all(r["nft/kl_ref"] > 0 for r in rec2[:2])  # the reference ran, and the policy moved off it
     for a, b in zip(rec2, rec1):
         for record in (a, b):
             for key in [k for k in record if k.startswith("compute/") or k == "world_size"]:
