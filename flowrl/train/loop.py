@@ -117,14 +117,18 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     record.update(update_record(outcome, batch, state, layout, update, ctx))
                     warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
-                    # ---- Log and checkpoint: the metrics row is on disk before the checkpoint --------
+                    # ---- Log, then checkpoint: the metrics row is on disk before the checkpoint ------
+                    # (a checkpoint's seconds go into the next row written: metrics.jsonl is only appended to)
                     state.iteration = iteration + 1
                     last = state.iteration == train_cfg.iterations
                     if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
                         outputs.write_group_grid(batch, geometry.group_size)
                     speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
-                    outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
-                                          checkpoint=saver if saver.due(last) else None, speed=speed)
+                    if iteration % cfg.log.every == 0 or last or outcome.skipped:
+                        outputs.write_iteration(record, {**timer.seconds, **saver.take_seconds()}, speed)
+                    if saver.due(last):
+                        display.phase("checkpoint")
+                        saver()
                     display.advance(record, speed)
                     check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
 
@@ -132,7 +136,9 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                 interrupted = interrupted or distributed.any_rank(interrupt.requested, ctx)  # same value on every rank
                 if not interrupted and eval_set and state.iteration == train_cfg.iterations:
                     display.phase("eval")
-                    outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
+                    final = evaluator(state.iteration, final=True)
+                    times = {f"time/{k}": v for k, v in saver.take_seconds().items()}  # the last checkpoint's
+                    outputs.write_row({"iteration": state.iteration, "final": True, **final, **times})
                 if interrupted:
                     finish_interrupted(console, ctx, run_dir, state, saver)
         except Aborted:

@@ -288,6 +288,7 @@ class Checkpointer:
         self.ema, self.ctx, self.state, self.run_dir = ema, ctx, state, run_dir
         self.config = session.recipe.checkpoint
         self.last_write = time.monotonic()
+        self.unreported: float | None = None  # seconds of checkpoints not yet in a metrics row
 
     def due(self, force: bool) -> bool:
         """Whether the iteration just completed (``state.iteration`` done) gets a checkpoint."""
@@ -298,8 +299,18 @@ class Checkpointer:
         return due
 
     def __call__(self) -> Path | None:
-        self.last_write = time.monotonic()
-        return save_training_checkpoint(*self.parts, ema=self.ema)
+        self.last_write, start = time.monotonic(), time.perf_counter()
+        try:
+            return save_training_checkpoint(*self.parts, ema=self.ema)
+        finally:
+            self.unreported = (self.unreported or 0.0) + time.perf_counter() - start
+
+    def take_seconds(self) -> dict[str, float]:
+        """``{"checkpoint": seconds}`` spent writing checkpoints since the last call (``{}`` when
+        none was written). The loop puts it into the next metrics row it writes: a checkpoint
+        follows its iteration's row, and ``metrics.jsonl`` is only appended to."""
+        seconds, self.unreported = self.unreported, None
+        return {} if seconds is None else {"checkpoint": seconds}
 
     def ensure_current(self) -> None:
         """After an early stop: the last completed iteration has a checkpoint (main process)."""
