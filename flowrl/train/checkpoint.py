@@ -26,10 +26,12 @@ complete directory is used instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,9 +259,8 @@ def read_sharded_model_weights(shards: Path, key: str = SHARDED_MODEL_KEY) -> di
         key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        if out:
+    if out:
+        with _single_process_ok():  # "assuming the intent is to load in a single process": it is
             dcp.load({key: out}, storage_reader=reader, no_dist=True)
     return out
 
@@ -308,7 +309,7 @@ def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, s
     if ctx.is_main:
         tmp = new_checkpoint_dir(Path(ckpt_root), name, tag)
     _barrier(ctx)
-    strategy.save(tmp / SHARDED, extra)
+    save_shards(strategy, tmp / SHARDED, extra)
     _barrier(ctx)  # every shard and DCP's .metadata are on disk
     final = None
     if ctx.is_main:
@@ -329,7 +330,7 @@ def load_sharded_checkpoint(path: Path, strategy: Strategy,
     if not (path / MARKER).is_file():
         raise FlowrlError(f"{path} is not a complete checkpoint (no {MARKER})", where="--resume")
     if is_sharded_checkpoint(path):
-        strategy.load(path / SHARDED, extra)
+        load_shards(strategy, path / SHARDED, extra)
     elif strategy.sharded:
         raise FlowrlError(f"{path} was written without sharding (model.safetensors); an fsdp2 run cannot load it",
                           where="--resume", hint="resume it with [distributed].strategy = 'ddp' or 'none'")
@@ -339,6 +340,36 @@ def load_sharded_checkpoint(path: Path, strategy: Strategy,
         strategy.optimizer.load_state_dict(saved["optimizer"])
     set_rng_state(load_file(str(path / "rng.safetensors")))
     return json.loads((path / MARKER).read_text())
+
+
+def save_shards(strategy: Strategy, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Every process writes its part of the model and optimizer (:meth:`Strategy.state_dict`) into
+    ``path`` (DCP), and of ``extra`` (``{key: {name: tensor}}``, tensors sharded like the weights:
+    the EMA's)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_ok():
+        dcp.save({**strategy.state_dict(), **(extra or {})}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def load_shards(strategy: Strategy, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Every process reads its part from ``path`` into the strategy's module and optimizer (DCP
+    reshards a checkpoint written by another number of processes or another strategy);
+    ``extra``'s tensors are filled in place."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {**strategy.state_dict(), **(extra or {})}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    strategy.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _barrier(ctx: DistContext) -> None:
