@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from ..distributed import DistContext, broadcast_object
 from ..errors import FlowrlError
 from ..files import fsync_dir, give_ordinary_mode, write_text_atomic
-from .finetune import load_trainable_state_dict
+from .finetune import load_trainable_state_dict, trainable_state_dict
 from .parallel import SHARDED_MODEL_KEY, Strategy, unwrap_module
 
 LATEST = "latest.json"
@@ -340,6 +340,40 @@ def load_sharded_checkpoint(path: Path, strategy: Strategy,
         strategy.optimizer.load_state_dict(saved["optimizer"])
     set_rng_state(load_file(str(path / "rng.safetensors")))
     return json.loads((path / MARKER).read_text())
+
+
+def write_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: dict[str, Any], recipe_toml: str,
+                     keep_last: int = 2, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
+    """Write the strategy's trainable weights and optimizer, ``extra``'s named tensors (the EMA's,
+    an objective's), the RNG states, the recipe and ``state`` as one checkpoint, atomically: under
+    FSDP2 every process writes its shards (:func:`save_sharded_checkpoint`; no process gathers
+    the model), otherwise the main process writes the single-process files
+    (:func:`save_checkpoint`). Returns its path on the main process, None on the others."""
+    if strategy.sharded:
+        return save_sharded_checkpoint(ckpt_root, name, strategy, state=state, recipe_toml=recipe_toml,
+                                       keep_last=keep_last, extra=extra or None)
+    if strategy.topology.rank != 0:
+        return None
+    return save_checkpoint(ckpt_root, name, model=trainable_state_dict(unwrap_module(strategy.module)),
+                           optimizer=strategy.optimizer.state_dict(), state=state, recipe_toml=recipe_toml,
+                           keep_last=keep_last, extra=extra or None)
+
+
+def read_checkpoint(path: Path, strategy: Strategy, extra: dict[str, dict[str, torch.Tensor]]
+                    ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """Load a checkpoint's weights and optimizer into the strategy's module and optimizer and set
+    the RNG, on every process (either layout, :func:`load_sharded_checkpoint`); return its
+    ``state.json`` and the named tensors it holds of ``extra`` (``{name: tensors like the saved
+    ones}``; a name is absent when the checkpoint has none). A sharded checkpoint's are read
+    into ``extra``'s tensors in place (only those whose ``state.json`` entry of the same name
+    says the run kept them); a single-process checkpoint's come from ``NAME.safetensors``."""
+    path = Path(path)
+    if strategy.sharded or is_sharded_checkpoint(path):
+        marker = json.loads((path / MARKER).read_text()) if (path / MARKER).is_file() else {}
+        kept = {k: v for k, v in extra.items() if k in marker and v}
+        return load_sharded_checkpoint(path, strategy, kept or None), kept
+    state = load_sharded_checkpoint(path, strategy)
+    return state, {k: load_file(str(path / f"{k}.safetensors")) for k in extra if (path / f"{k}.safetensors").is_file()}
 
 
 def save_shards(strategy: Strategy, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:

@@ -37,6 +37,7 @@ from .evaluate import RunEvaluator, evaluation_set
 from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .progress import Aborted, GracefulInterrupt, RunDisplay
+from .run import Run
 from .run_lock import hold_run_directory
 from .session import Session
 from .state import Checkpointer, TrainState, check_run_directory, restore_training_state, resume_hint, run_is_complete
@@ -63,21 +64,22 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
         # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
         session = Session.open(recipe, registry, device=device)
+        run = Run(session, geometry, ctx)
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
         layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the model first
-        update = PolicyUpdate(session, geometry, ctx)
+        update = PolicyUpdate(run)
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
         eval_set = evaluation_set(cfg, session.model)
 
         # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
-        state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
+        state = restore_training_state(run_dir, run, update, layout, console, ema) if resume else TrainState()
         if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
             return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
-        throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
+        throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
         evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
-        saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
+        saver = Checkpointer(run_dir, run, state, update, layout, ema)
         display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
         interrupted = False
         try:
@@ -102,11 +104,11 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
                     # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
                     # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
-                    batch = collect(session, geometry, ctx, prompts, iteration, timer)
+                    batch = collect(run, prompts, iteration, timer)
 
                     # ---- Advantages over whole groups (rewards gathered from every process) ---------
                     with timer("advantage"):
-                        assign_advantages(session, geometry, ctx, batch, len(layout.sizes), record)
+                        assign_advantages(run, batch, len(layout.sizes), record)
                     if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
                         break
 

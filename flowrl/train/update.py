@@ -19,23 +19,26 @@ import os
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
 from .. import distributed
 from ..errors import FlowrlError
-from ..interfaces import KLRegularised, TextEmbeddings, select_embeddings
+from ..interfaces import CheckpointsState, KLRegularised, TextEmbeddings, select_embeddings
 from ..sampling.rollout import rescore_position, rescore_positions
 from ..sampling.kernels import StepOutput
 from ..seeding import generator
 from ..sampling.trajectory import Trajectory
 from ..objectives.chunk_gradient import StepLogProbFn, chunk_graph_backward, lean_chunk_backward, on_policy_chunk_backward
+from .checkpoint import OBJECTIVE
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
 from ..objectives.base import MicroBatch
 from ..objectives.policy_gradient import objective_for
 from .optimizer import make_optimizer
 from .parallel import Strategy, declared_blocks
+from .run import Run
 from ..objectives.kl import KLTerm, ReferencePolicy, kl_backward
 
 
@@ -180,9 +183,10 @@ class PolicyUpdate:
     """What the update keeps across iterations: the trainable parameters, the KL reference,
     AdamW and its LR schedule."""
 
-    def __init__(self, session, geometry, ctx):
+    def __init__(self, run: Run):
+        session, geometry, ctx = run.session, run.geometry, run.ctx
         train, loss, model = session.recipe.train, session.components.loss, session.model
-        self.session, self.geometry, self.ctx = session, geometry, ctx
+        self.session, self.geometry, self.ctx = session, geometry, ctx  # what the objectives read
         params = prepare_trainable(model, train)
         # what the update optimises: the [loss] component itself when it owns the backward
         # (flowrl.interfaces.Objective), else the ratio-based family around it
@@ -362,6 +366,30 @@ class PolicyUpdate:
                 hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
             )
         return deviation
+
+    # ---------------------------------------------------------------------- checkpointed state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The update's entries of a checkpoint's ``state.json``: the LR schedule's position, the
+        mode ``update_mode = "auto"`` chose (null until it chose), and the objective's own state
+        when it keeps one (an old policy, a reset reference, an adaptive gate). The weights and
+        AdamW are the strategy's (:func:`flowrl.train.checkpoint.write_checkpoint`)."""
+        out: dict[str, Any] = {"lr_scheduler": self.scheduler.state_dict(), "update_mode": self.auto_mode}
+        if isinstance(self.objective, CheckpointsState):
+            out[OBJECTIVE] = self.objective.state_dict()
+        return out
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The objective's tensors, under the name a checkpoint keeps them by (none when it has none)."""
+        tensors = self.objective.tensors() if isinstance(self.objective, CheckpointsState) else {}
+        return {OBJECTIVE: tensors} if tensors else {}
+
+    def load_state_dict(self, state: dict[str, Any], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Continue from a checkpoint's ``state.json`` and named tensors (as written above)."""
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.auto_mode = state.get("update_mode")
+        if isinstance(self.objective, CheckpointsState) and OBJECTIVE in state:
+            self.objective.load_state(state[OBJECTIVE], tensors.get(OBJECTIVE) or {})
 
 
 def activation_bytes(forward: Callable[[], torch.Tensor]) -> int:
