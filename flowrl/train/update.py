@@ -36,7 +36,7 @@ from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
 from ..objectives.base import MicroBatch
 from ..objectives.policy_gradient import objective_for
-from .optimizer import make_optimizer
+from .optimizer import make_optimizer, make_scheduler
 from .parallel import Strategy, declared_blocks
 from .run import Run
 from ..objectives.kl import KLTerm, ReferencePolicy, kl_backward
@@ -137,23 +137,6 @@ class OnPolicyProbe:
             self.max_abs = d
 
 
-def lr_lambda(train, total_steps: int) -> Callable[[int], float]:
-    """The LR multiplier of optimizer step ``step``: linear warm-up, then constant, cosine or
-    linear decay over ``total_steps``."""
-
-    def f(step: int) -> float:
-        if train.warmup_steps and step < train.warmup_steps:
-            return (step + 1) / train.warmup_steps
-        progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
-        if train.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        if train.lr_schedule == "linear":
-            return 1.0 - progress
-        return 1.0
-
-    return f
-
-
 def update_aggregate(key: str) -> str:
     """How a per-micro-batch update metric combines over micro-batches and processes."""
     if key.endswith("min"):
@@ -208,8 +191,7 @@ class PolicyUpdate:
             self.reference.frozen = self.strategy.prepare_frozen(self.reference.frozen, on_cpu=train.reference_on_cpu)
         self.params = self.strategy.params
         self.lockstep = distributed.AnyRank(ctx) if self.strategy.lockstep else None
-        total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train, total))
+        self.scheduler = make_scheduler(self.optimizer, train, geometry)
         self.fast_path = train.fast_path
         self.auto_mode: str | None = None  # update_mode "auto", decided on the first off-policy step
         self.counter = ComputeCounter(session.model.denoiser)
