@@ -38,9 +38,9 @@ from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .progress import Aborted, GracefulInterrupt, RunDisplay
 from .run import Run
-from .run_lock import hold_run_directory
+from .run_dir import check_run_directory, hold_run_directory, resume_hint, run_is_complete
 from .session import Session
-from .state import Checkpointer, TrainState, check_run_directory, restore_training_state, resume_hint, run_is_complete
+from .state import Checkpointer, TrainState, restore_training_state
 from .throughput import Throughput
 from .update import PolicyUpdate
 
@@ -74,7 +74,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
         # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
         state = restore_training_state(run_dir, run, update, layout, console, ema) if resume else TrainState()
-        if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
+        if resume and run_is_complete(run_dir, state.iteration, recipe, bool(eval_set)):
             return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
         throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
@@ -242,7 +242,7 @@ def aborted(console: Console, ctx, run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def run_directory_held(recipe: Recipe, run_dir: Path, resume: Path | None, registry: Registry, ctx):
-    """One writer per run directory for the block (:mod:`flowrl.train.run_lock`; the command
+    """One writer per run directory for the block (:mod:`flowrl.train.run_dir`; the command
     usually holds it already, then this only checks): taking it creates the directory, so an OS
     error is one message before any model loads. Then: may this run write there?"""
     with hold_run_directory(run_dir, where="--resume" if resume is not None else "[run].output_dir", main=ctx.is_main):

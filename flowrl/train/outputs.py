@@ -31,7 +31,7 @@ from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
-from .run_lock import LOCK_NAME
+from .run_dir import LOCK_NAME
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
 EVOLUTION_PROMPTS, EVOLUTION_COLUMNS = 4, 8
@@ -44,7 +44,7 @@ class RunOutputs:
 
     The run's files are written here, after everything that can reject the run has passed; if
     starting a tracker fails, what was written into a fresh run directory (one holding nothing
-    but its lock, :mod:`flowrl.train.run_lock`) is removed again, and the lock's release removes
+    but its lock, :mod:`flowrl.train.run_dir`) is removed again, and the lock's release removes
     the directory it made.
     """
 

@@ -32,7 +32,6 @@ resumed run repeats exactly what the uninterrupted run would have done. Only ite
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -41,9 +40,8 @@ from rich.console import Console
 
 from .. import distributed
 from ..errors import FlowrlError
-from ..plugins import Registry
-from ..recipe import Recipe, dump_toml, read_toml, validate
-from .checkpoint import LATEST, MARKER, checkpoint_iteration, latest_checkpoint, read_checkpoint, write_checkpoint
+from ..recipe import dump_toml
+from .checkpoint import checkpoint_iteration, latest_checkpoint, read_checkpoint, write_checkpoint
 from .ema import EMA_KEY
 from .run import Run
 
@@ -60,111 +58,6 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration, self.nonfinite_steps = state["iteration"], state["nonfinite_steps"]
-
-
-def resume_hint(run_dir: Path) -> str:
-    return f"flowrl train {run_dir / 'recipe.toml'} --resume {run_dir}"
-
-
-#: What a run directory holds; said whenever something is not one.
-RUN_DIRECTORY = ("a run directory is what `flowrl train` writes: recipe.toml (the resolved recipe), "
-                 "metrics.jsonl, images/ and checkpoints/iter_NNNNNN/")
-
-
-def check_resume_directory(run_dir: Path) -> None:
-    """``--resume PATH`` must name a run directory (one with the recipe.toml that training wrote)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FlowrlError(f"cannot resume: {run_dir} does not exist", where="--resume", hint=RUN_DIRECTORY)
-    if (run_dir / MARKER).is_file():
-        parent = run_dir.parent.parent if run_dir.parent.name == "checkpoints" else None
-        raise FlowrlError(
-            f"cannot resume: {run_dir} is a checkpoint directory, not a run directory", where="--resume",
-            hint=f"pass the run directory{f' ({parent})' if parent else ''}: a run resumes from its latest checkpoint",
-        )
-    if not (run_dir / "recipe.toml").is_file():
-        raise FlowrlError(
-            f"cannot resume: {run_dir} is not a run directory (it has no recipe.toml)", where="--resume",
-            hint=f"{RUN_DIRECTORY}; pass that directory (e.g. runs/quickstart)",
-        )
-
-
-def check_run_directory(recipe: Recipe, run_dir: Path, resume: Path | None, registry: Registry) -> None:
-    """A new run must not overwrite an earlier one (checkpoints, or metrics without a checkpoint;
-    ``flowrl train --overwrite`` clears it first); a resumed run must use its recipe."""
-    if resume is None:
-        if (run_dir / "checkpoints" / LATEST).exists():
-            raise FlowrlError(
-                f"{run_dir} already holds a run with checkpoints; a new run would overwrite it",
-                where="[run].output_dir",
-                hint=f"continue it with `{resume_hint(run_dir)}`, pass another --output-dir, "
-                "or start afresh there with `flowrl train ... --overwrite` (deletes the old run's files)",
-            )
-        if (run_dir / "metrics.jsonl").is_file():
-            raise FlowrlError(
-                f"{run_dir} already holds the metrics.jsonl of an earlier run (it has no checkpoint to resume); "
-                "a new run would overwrite them",
-                where="[run].output_dir",
-                hint="pass another --output-dir, or replace the old run with `flowrl train ... --overwrite`",
-            )
-        return
-    check_resume_directory(run_dir)
-    check_resumable_recipe(recipe, run_dir, registry)
-
-
-def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) -> None:
-    """A resumed run must use the recipe that wrote it; only iterations, [log], [checkpoint]
-    and [[trackers]] (what is recorded, never what is trained) may change. A difference names
-    every differing key with the run's value and the new one."""
-    saved = run_dir / "recipe.toml"
-    if not saved.is_file():
-        return
-    data = read_toml(saved)
-    data.pop("trackers", None)  # may change, and the old tracker's plugin need not be installed
-    old = validate(data, source=str(saved), registry=registry).to_toml_dict()
-    new = recipe.to_toml_dict()
-    for section in ("log", "checkpoint", "trackers"):
-        old.pop(section, None)
-        new.pop(section, None)
-    for d in (old, new):
-        d["train"].pop("iterations", None)
-        d["run"].pop("output_dir", None)
-    if old != new:
-        diff = recipe_differences(old, new)
-        shown = [f"{key}: {a} in the run, {b} now" for key, a, b in diff[:6]]
-        more = f"; and {len(diff) - 6} more" if len(diff) > 6 else ""
-        raise FlowrlError(
-            f"the recipe differs from the one that started {run_dir} in {len(diff)} key(s): " + "; ".join(shown) + more,
-            where="--resume",
-            hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log], [checkpoint] and [[trackers]] may change)",
-        )
-
-
-def recipe_differences(old: dict, new: dict) -> list[tuple[str, str, str]]:
-    """``(key, old value, new value)`` of every key whose value differs between two resolved
-    recipes: ``[train].lr``, ``[[rewards]] #2.weight``; an absent key or entry reads ``(absent)``."""
-    def show(value) -> str:
-        return "(absent)" if value is _ABSENT else json.dumps(value)
-
-    out = []
-    for section in sorted(set(old) | set(new), key=lambda s: (list(old) + list(new)).index(s)):
-        a, b = old.get(section, _ABSENT), new.get(section, _ABSENT)
-        if isinstance(a, list) or isinstance(b, list):
-            a = a if isinstance(a, list) else []
-            b = b if isinstance(b, list) else []
-            pairs = [(f"[[{section}]] #{i + 1}", a[i] if i < len(a) else {}, b[i] if i < len(b) else {})
-                     for i in range(max(len(a), len(b)))]
-        else:
-            pairs = [(f"[{section}]", a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {})]
-        for prefix, ta, tb in pairs:
-            for key in list(dict.fromkeys([*ta, *tb])):
-                va, vb = ta.get(key, _ABSENT), tb.get(key, _ABSENT)
-                if va != vb:
-                    out.append((f"{prefix}.{key}", show(va), show(vb)))
-    return out
-
-
-_ABSENT = object()
 
 
 def save_training_checkpoint(run_dir: Path, run: Run, state: TrainState, update, layout, ema=None) -> Path | None:
@@ -230,19 +123,6 @@ def restore_training_state(run_dir: Path, run: Run, update, layout, console: Con
     restored = TrainState()
     restored.load_state_dict(state)
     return restored
-
-
-def run_is_complete(run_dir: Path, state: TrainState, recipe: Recipe, evaluates: bool) -> bool:
-    """True when a resumed run has nothing left to do: every iteration is done and, when the run
-    evaluates, the final evaluation's row is in ``metrics.jsonl`` (a run stopped during that
-    evaluation still has it to do)."""
-    if state.iteration < recipe.train.iterations:
-        return False
-    if not evaluates:
-        return True
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    return any(r.get("final") and r.get("iteration") == recipe.train.iterations for r in rows)
 
 
 @dataclasses.dataclass
