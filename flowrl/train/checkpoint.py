@@ -22,6 +22,11 @@ first, so a directory holding ``state.json`` is complete. A complete directory i
 in place under its final name: it is renamed aside first. Should ``latest.json`` ever name a
 directory that is gone (a kill in the rename window of a re-written checkpoint), the newest
 complete directory is used instead.
+
+:func:`write_checkpoint` and :func:`read_checkpoint` take either layout, as the strategy says
+(:attr:`flowrl.train.parallel.Strategy.sharded`); the sharded one's I/O is
+:func:`save_shards` / :func:`load_shards` (DCP over :meth:`~flowrl.train.parallel.Strategy.state_dict`).
+What goes into ``state.json`` is composed in :mod:`flowrl.train.state`.
 """
 
 from __future__ import annotations

@@ -73,10 +73,9 @@ def save_training_checkpoint(run_dir: Path, run: Run, state: TrainState, update,
         "world_size": run.ctx.world_size,
         **{k: v for part in parts for k, v in part.state_dict().items()},
     }
-    tensors = {k: v for part in parts if hasattr(part, "checkpoint_tensors") for k, v in part.checkpoint_tensors().items()}
     return write_checkpoint(run_dir / "checkpoints", f"iter_{state.iteration:06d}", update.strategy, state=info,
                             recipe_toml=dump_toml(recipe.to_toml_dict()), keep_last=recipe.checkpoint.keep_last,
-                            extra=tensors)
+                            extra=named_tensors(parts))
 
 
 def stateful_parts(update, layout, ema=None) -> list:
@@ -85,6 +84,11 @@ def stateful_parts(update, layout, ema=None) -> list:
     ``load_state_dict(state)``, or ``load_state_dict(state, tensors)`` with
     ``checkpoint_tensors()`` (``{name: tensors}``; a name is also the part's ``state.json`` key)."""
     return [update, layout] + ([ema] if ema is not None else [])
+
+
+def named_tensors(parts: list) -> dict:
+    """``{name: tensors}`` of every part that keeps tensors (``checkpoint_tensors()``)."""
+    return {k: v for part in parts if hasattr(part, "checkpoint_tensors") for k, v in part.checkpoint_tensors().items()}
 
 
 def restore_training_state(run_dir: Path, run: Run, update, layout, console: Console, ema=None) -> TrainState:
@@ -99,8 +103,7 @@ def restore_training_state(run_dir: Path, run: Run, update, layout, console: Con
             console.print(f"[yellow]note:[/yellow] {run_dir} has no checkpoint yet; starting at iteration 0")
         return TrainState()
     parts = stateful_parts(update, layout, ema)
-    like = {k: v for part in parts if hasattr(part, "checkpoint_tensors") for k, v in part.checkpoint_tensors().items()}
-    state, tensors = read_checkpoint(ckpt, update.strategy, like)
+    state, tensors = read_checkpoint(ckpt, update.strategy, named_tensors(parts))  # sharded: read into these
     if ema is not None and (EMA_KEY not in tensors or EMA_KEY not in state):
         raise FlowrlError(
             f"{ckpt} holds no EMA weights, but the recipe has [ema] enabled = true",
