@@ -138,9 +138,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                 interrupted = interrupted or distributed.any_rank(interrupt.requested, ctx)  # same value on every rank
                 if not interrupted and eval_set and state.iteration == train_cfg.iterations:
                     display.phase("eval")
-                    final = evaluator(state.iteration, final=True)
-                    times = {f"time/{k}": v for k, v in saver.take_seconds().items()}  # the last checkpoint's
-                    outputs.write_row({"iteration": state.iteration, "final": True, **final, **times})
+                    outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
                 if interrupted:
                     finish_interrupted(console, ctx, run_dir, state, saver)
         except Aborted:
