@@ -113,6 +113,7 @@ class Runner:
         from flowrl.distributed import DistContext
         from flowrl.geometry import resolve_geometry
         from flowrl.train.accel import prepare_kernels
+        from flowrl.train.run import Run
         from flowrl.train.session import Session
         from flowrl.train.update import PolicyUpdate
 
@@ -122,7 +123,8 @@ class Runner:
         self.session = Session.open(recipe, device="cpu")
         self.ctx = DistContext()
         self.geometry = resolve_geometry(recipe.train, 1, recipe.source)
-        self.update = PolicyUpdate(self.session, self.geometry, self.ctx)
+        self.run_parts = Run(self.session, self.geometry, self.ctx)
+        self.update = PolicyUpdate(self.run_parts)
         prepare_kernels(self.session.model, recipe.train, torch.device("cpu"), recipe.source)
         self.prompts = list(self.session.model.prompt_source())
         self.sizes = tuple(self.session.components.chunker.sizes(self.session.sampler.num_trainable))
@@ -137,9 +139,8 @@ class Runner:
 
         c0, t0 = time.process_time(), time.perf_counter()
         with attention_backend(self.train.attention_backend, torch.device("cpu")):
-            batch = collect(self.session, self.geometry, self.ctx, self.prompts, self.iteration,
-                            PhaseTimer(torch.device("cpu")))
-            assign_advantages(self.session, self.geometry, self.ctx, batch, len(self.sizes), {})
+            batch = collect(self.run_parts, self.prompts, self.iteration, PhaseTimer(torch.device("cpu")))
+            assign_advantages(self.run_parts, batch, len(self.sizes), {})
             outcome = self.update.run(batch, self.sizes)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         if outcome.on_policy is not None:

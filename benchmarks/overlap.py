@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     from flowrl.geometry import resolve_geometry
     from flowrl.train.collect import collect
     from flowrl.train.progress import PhaseTimer
+    from flowrl.train.run import Run
     from flowrl.train.session import Session
 
     load_before = os.getloadavg()
@@ -184,12 +185,12 @@ def main(argv=None) -> int:
     ctx = DistContext()
     geometry = resolve_geometry(probe.train, 1, probe.source)
     prompts = list(session.model.prompt_source())
-    collect(session, geometry, ctx, prompts, 0, PhaseTimer(torch.device("cpu")))  # warm-up
+    collect(Run(session, geometry, ctx), prompts, 0, PhaseTimer(torch.device("cpu")))  # warm-up
     rollout_cpu, rollout_wall = [], []
     for _ in range(3):
         timer = PhaseTimer(torch.device("cpu"))
         c0, t0 = time.process_time(), time.perf_counter()
-        collect(session, geometry, ctx, prompts, 0, timer)
+        collect(Run(session, geometry, ctx), prompts, 0, timer)
         rollout_cpu.append(time.process_time() - c0)
         rollout_wall.append(time.perf_counter() - t0)
     # a CPU-bound reward costs CPU time like the rollout; a reward on another device costs wall
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         """wait: match the reward to the rollout's wall time now (load on the shared cores
         stretches the rollout, not a sleep), from one collect with the cheap reward."""
         t0 = time.perf_counter()
-        collect(probe_session, geometry, ctx, prompts, 0, PhaseTimer(torch.device("cpu")))
+        collect(Run(probe_session, geometry, ctx), prompts, 0, PhaseTimer(torch.device("cpu")))
         wall_now = time.perf_counter() - t0
         with open(cost_file, "w") as f:
             f.write(repr(args.reward_cost * wall_now / n))
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
             session.recipe.sampler.overlap_rewards = overlap
             timer = PhaseTimer(torch.device("cpu"))
             t0 = time.perf_counter()
-            batch = collect(session, geometry, ctx, prompts, 0, timer)
+            batch = collect(Run(session, geometry, ctx), prompts, 0, timer)
             return time.perf_counter() - t0, dict(timer.seconds), batch
 
         # correctness: the same images and rewards, bit for bit

@@ -127,7 +127,8 @@ class TrainConfig:
         "|log pi_new - log pi_old| must stay below this. bf16 models on a GPU may need ~1e-4.",
         min=0.0,
     )
-    # Kernel switches (flowrl/train/accel.py; docs/recipes.md "Compiled and fused kernels").
+    # Kernel switches (flowrl/train/accel.py, adamw_impl: flowrl/train/optimizer.py; docs/recipes.md
+    # "Compiled and fused kernels").
     compile: Literal["off", "default", "max-autotune-no-cudagraphs"] = param(
         "off",
         "torch.compile the denoiser (in place) for the rollout and the update, with this mode. The "

@@ -16,7 +16,8 @@ from .prompts import condition_images, condition_of
 
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per iteration, each line on disk (fsynced) when
-    :meth:`write` returns.
+    :meth:`write` returns. While a run trains the file is only appended to (never rewritten:
+    a long run's file would be copied once per row).
 
     On resume, lines for iterations at or after the resumed iteration are dropped first (the file
     is replaced atomically), so the file reads as one uninterrupted run.
@@ -33,15 +34,6 @@ class MetricsLog:
         self._f.write(json.dumps(record, default=_jsonable) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
-
-    def rewrite_last(self, record: dict[str, Any]) -> None:
-        """Replace the last line by ``record``, atomically: a reader sees the old line or the
-        new one, never neither."""
-        self._f.close()
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        lines[-1] = json.dumps(record, default=_jsonable)
-        write_text_atomic(self.path, "\n".join(lines) + "\n")
-        self._f = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:
         self._f.close()

@@ -17,7 +17,7 @@ import pytest
 from flowrl import cli
 from flowrl.recipe import dump_toml, load_recipe
 from flowrl.runlog import read_metrics
-from flowrl.train.state import recipe_differences
+from flowrl.train.run_dir import recipe_differences
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "recipes" / "quickstart_hacking.toml"
@@ -345,7 +345,7 @@ def test_write_card_without_matplotlib(tmp_path, tiny_run, monkeypatch):
 def test_changed_recipe_of_copy(tiny_run, tmp_path):
     """check_resumable_recipe compares resolved recipes: an identical copy of the run's recipe passes."""
     from flowrl.plugins import get_registry
-    from flowrl.train.state import check_resumable_recipe
+    from flowrl.train.run_dir import check_resumable_recipe
 
     _, _, run = tiny_run
     copy = tmp_path / "run"

@@ -35,7 +35,7 @@ def train(
                                             "delete its metrics, checkpoints, images and recipe first.")] = False,
 ) -> None:
     """Train a policy with the recipe's components: rollout, rewards, advantages, update."""
-    from ..train.state import check_resume_directory
+    from ..train.run_dir import check_resume_directory
 
     if resume is not None:
         if overwrite:
@@ -53,7 +53,7 @@ def train(
     if output_dir is not None:
         overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")
     resolved = load(recipe, overrides)  # the launcher too: a bad recipe is one message, before any process starts
-    from ..train.run_lock import HELD_FOR_WORKERS, hold_run_directory, lock_path
+    from ..train.run_dir import HELD_FOR_WORKERS, hold_run_directory, lock_path
 
     run_dir = resume if resume is not None else resolved.output_dir
     where = "--resume" if resume is not None else "--output-dir" if output_dir is not None else "[run].output_dir"

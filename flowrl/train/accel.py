@@ -1,7 +1,6 @@
-"""Compiled and fused kernels: the ``[train]`` switches ``compile``, ``attention_backend`` and
-``adamw_impl``.
+"""Compiled kernels: the ``[train]`` switches ``compile`` and ``attention_backend`` (the third
+speed switch, ``adamw_impl``, is the optimizer's: :func:`flowrl.train.optimizer.adamw_options`).
 
-- :func:`make_adamw`: the update's AdamW with ``fused`` / ``foreach`` as ``adamw_impl`` says;
 - :func:`compile_denoiser`: ``torch.compile`` of the denoiser in place (``nn.Module.compile``:
   the module, its parameters and its ``state_dict`` keys stay what they were, so checkpoints,
   EMA and the strategy's hold on the parameters are unaffected). Called after the update has
@@ -11,8 +10,8 @@
   one backend (``torch.nn.attention.sdpa_kernel``) for the training loop.
 
 Each checks the device first and raises a :class:`~flowrl.errors.FlowrlError` naming the recipe
-field when the switch cannot work there (an attention backend the device lacks, fused AdamW on a
-device without it, compile without a C++ compiler on a CPU).
+field when the switch cannot work there (an attention backend the device lacks, compile without a
+C++ compiler on a CPU).
 
 Which backends exist (torch 2.13): on a CPU, ``math`` and ``flash`` (a CPU flash-attention
 kernel, any float dtype); on CUDA, ``math``, ``flash`` and ``efficient`` (memory-efficient) and
@@ -25,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -42,38 +41,6 @@ _SDPA_NAMES = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIE
 
 def _where(source: str, field: str) -> str:
     return f"{source}: [train].{field}"
-
-
-def adamw_options(impl: str, device: torch.device, source: str = "<recipe>") -> dict:
-    """The ``fused`` / ``foreach`` keyword arguments of ``torch.optim.AdamW`` for ``impl``."""
-    if impl == "auto":
-        return {}
-    if impl == "for-loop":
-        return {"foreach": False, "fused": False}
-    if impl == "foreach":
-        return {"foreach": True}
-    if impl == "fused":
-        try:  # a private helper of torch.optim (torch >= 2.4); without it, let AdamW itself decide
-            from torch.optim.optimizer import _get_fused_kernels_supported_devices
-
-            supported = _get_fused_kernels_supported_devices()
-        except ImportError:
-            return {"fused": True}
-        if device.type not in supported:
-            raise FlowrlError(
-                f"adamw_impl = 'fused' is not available on device {device.type!r} (torch {torch.__version__} "
-                f"has fused AdamW on: {', '.join(supported)})",
-                where=_where(source, "adamw_impl"), hint="use adamw_impl = 'foreach' or 'auto' on this device",
-            )
-        return {"fused": True}
-    raise FlowrlError(f"unknown adamw_impl {impl!r}", where=_where(source, "adamw_impl"),
-                      hint="one of 'auto', 'for-loop', 'foreach', 'fused'")
-
-
-def make_adamw(params: Iterable[torch.nn.Parameter], train, device: torch.device, source: str = "<recipe>"):
-    """AdamW over ``params`` with ``[train]``'s lr, betas, eps, weight decay and ``adamw_impl``."""
-    return torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), eps=train.adam_eps,
-                             weight_decay=train.weight_decay, **adamw_options(train.adamw_impl, device, source))
 
 
 def check_attention_backend(name: str, device: torch.device, source: str = "<recipe>") -> None:

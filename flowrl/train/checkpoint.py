@@ -22,14 +22,21 @@ first, so a directory holding ``state.json`` is complete. A complete directory i
 in place under its final name: it is renamed aside first. Should ``latest.json`` ever name a
 directory that is gone (a kill in the rename window of a re-written checkpoint), the newest
 complete directory is used instead.
+
+:func:`write_checkpoint` and :func:`read_checkpoint` take either layout, as the strategy says
+(:attr:`flowrl.train.parallel.Strategy.sharded`); the sharded one's I/O is
+:func:`save_shards` / :func:`load_shards` (DCP over :meth:`~flowrl.train.parallel.Strategy.state_dict`).
+What goes into ``state.json`` is composed in :mod:`flowrl.train.state`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from ..distributed import DistContext, broadcast_object
 from ..errors import FlowrlError
 from ..files import fsync_dir, give_ordinary_mode, write_text_atomic
-from .finetune import load_trainable_state_dict
+from .finetune import load_trainable_state_dict, trainable_state_dict
 from .parallel import SHARDED_MODEL_KEY, Strategy, unwrap_module
 
 LATEST = "latest.json"
@@ -257,9 +264,8 @@ def read_sharded_model_weights(shards: Path, key: str = SHARDED_MODEL_KEY) -> di
         key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        if out:
+    if out:
+        with _single_process_ok():  # "assuming the intent is to load in a single process": it is
             dcp.load({key: out}, storage_reader=reader, no_dist=True)
     return out
 
@@ -308,7 +314,7 @@ def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, s
     if ctx.is_main:
         tmp = new_checkpoint_dir(Path(ckpt_root), name, tag)
     _barrier(ctx)
-    strategy.save(tmp / SHARDED, extra)
+    save_shards(strategy, tmp / SHARDED, extra)
     _barrier(ctx)  # every shard and DCP's .metadata are on disk
     final = None
     if ctx.is_main:
@@ -329,7 +335,7 @@ def load_sharded_checkpoint(path: Path, strategy: Strategy,
     if not (path / MARKER).is_file():
         raise FlowrlError(f"{path} is not a complete checkpoint (no {MARKER})", where="--resume")
     if is_sharded_checkpoint(path):
-        strategy.load(path / SHARDED, extra)
+        load_shards(strategy, path / SHARDED, extra)
     elif strategy.sharded:
         raise FlowrlError(f"{path} was written without sharding (model.safetensors); an fsdp2 run cannot load it",
                           where="--resume", hint="resume it with [distributed].strategy = 'ddp' or 'none'")
@@ -339,6 +345,70 @@ def load_sharded_checkpoint(path: Path, strategy: Strategy,
         strategy.optimizer.load_state_dict(saved["optimizer"])
     set_rng_state(load_file(str(path / "rng.safetensors")))
     return json.loads((path / MARKER).read_text())
+
+
+def write_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: dict[str, Any], recipe_toml: str,
+                     keep_last: int = 2, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path | None:
+    """Write the strategy's trainable weights and optimizer, ``extra``'s named tensors (the EMA's,
+    an objective's), the RNG states, the recipe and ``state`` as one checkpoint, atomically: under
+    FSDP2 every process writes its shards (:func:`save_sharded_checkpoint`; no process gathers
+    the model), otherwise the main process writes the single-process files
+    (:func:`save_checkpoint`). Returns its path on the main process, None on the others."""
+    if strategy.sharded:
+        return save_sharded_checkpoint(ckpt_root, name, strategy, state=state, recipe_toml=recipe_toml,
+                                       keep_last=keep_last, extra=extra or None)
+    if strategy.topology.rank != 0:
+        return None
+    return save_checkpoint(ckpt_root, name, model=trainable_state_dict(unwrap_module(strategy.module)),
+                           optimizer=strategy.optimizer.state_dict(), state=state, recipe_toml=recipe_toml,
+                           keep_last=keep_last, extra=extra or None)
+
+
+def read_checkpoint(path: Path, strategy: Strategy, extra: dict[str, dict[str, torch.Tensor]]
+                    ) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """Load a checkpoint's weights and optimizer into the strategy's module and optimizer and set
+    the RNG, on every process (either layout, :func:`load_sharded_checkpoint`); return its
+    ``state.json`` and the named tensors it holds of ``extra`` (``{name: tensors like the saved
+    ones}``; a name is absent when the checkpoint has none). A sharded checkpoint's are read
+    into ``extra``'s tensors in place (only those whose ``state.json`` entry of the same name
+    says the run kept them); a single-process checkpoint's come from ``NAME.safetensors``."""
+    path = Path(path)
+    if strategy.sharded or is_sharded_checkpoint(path):
+        marker = json.loads((path / MARKER).read_text()) if (path / MARKER).is_file() else {}
+        kept = {k: v for k, v in extra.items() if k in marker and v}
+        return load_sharded_checkpoint(path, strategy, kept or None), kept
+    state = load_sharded_checkpoint(path, strategy)
+    return state, {k: load_file(str(path / f"{k}.safetensors")) for k in extra if (path / f"{k}.safetensors").is_file()}
+
+
+def save_shards(strategy: Strategy, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Every process writes its part of the model and optimizer (:meth:`Strategy.state_dict`) into
+    ``path`` (DCP), and of ``extra`` (``{key: {name: tensor}}``, tensors sharded like the weights:
+    the EMA's)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_ok():
+        dcp.save({**strategy.state_dict(), **(extra or {})}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+
+
+def load_shards(strategy: Strategy, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+    """Every process reads its part from ``path`` into the strategy's module and optimizer (DCP
+    reshards a checkpoint written by another number of processes or another strategy);
+    ``extra``'s tensors are filled in place."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {**strategy.state_dict(), **(extra or {})}
+    with _single_process_ok():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    strategy.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no process group: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _barrier(ctx: DistContext) -> None:

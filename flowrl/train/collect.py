@@ -30,6 +30,7 @@ from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
 from .overlap import OverlappedScoring, score_part
+from .run import Run
 
 
 @dataclasses.dataclass
@@ -64,14 +65,15 @@ def initial_noise(seed: int, iteration: int, indices, group_size: int, shape, sa
     return torch.stack([torch.randn(tuple(shape), generator=generator(seed, "noise", iteration, k)) for k in keys])
 
 
-def collect(session, geometry, ctx, prompts: list[str], iteration: int, timer) -> Batch:
+def collect(run: Run, prompts: list[str], iteration: int, timer) -> Batch:
     """This process's samples of the iteration: prompts and text embeddings (``encode``), the
     rollout (``rollout``), the decoded images (``decode``) and their rewards (``reward``), each
     phase timed by ``timer``. With ``[sampler].overlap_rewards`` decoding and scoring run beside
     the rollout, and ``reward`` times only the wait for the last sub-batch's scores."""
+    session, geometry = run.session, run.geometry
     rewards = session.components.rewards
     with timer("encode"):
-        batch = encode(session, geometry, ctx, prompts, iteration)
+        batch = encode(run, prompts, iteration)
     if session.recipe.sampler.overlap_rewards:
         with OverlappedScoring(session.model, rewards, iteration=iteration) as scoring:
             with timer("rollout"):
@@ -88,8 +90,9 @@ def collect(session, geometry, ctx, prompts: list[str], iteration: int, timer) -
     return batch
 
 
-def encode(session, geometry, ctx, prompts: list[str], iteration: int) -> Batch:
+def encode(run: Run, prompts: list[str], iteration: int) -> Batch:
     """This process's prompts of the iteration and their (cached) text embeddings."""
+    session, geometry, ctx = run.session, run.geometry, run.ctx
     local, G = geometry.local_sample_range(ctx.rank), geometry.group_size
     global_prompts = prompts_for_iteration(prompts, session.recipe.run.seed, iteration, geometry.prompts_per_iteration)
     sample_prompts = [global_prompts[j // G] for j in local]
@@ -141,9 +144,10 @@ def score_rewards(batch: Batch, rewards) -> None:
     batch.reward_extras.update(extras)
 
 
-def assign_advantages(session, geometry, ctx, batch: Batch, num_chunks: int, record: dict) -> None:
+def assign_advantages(run: Run, batch: Batch, num_chunks: int, record: dict) -> None:
     """Advantages over whole groups, from the rewards of every process; logs reward and
     advantage statistics. Leaves ``batch.advantages`` None when a reward is not finite."""
+    session, geometry, ctx = run.session, run.geometry, run.ctx
     all_rewards = {k: distributed.all_gather_cat(v, ctx) for k, v in batch.rewards.items()}
     all_groups = distributed.all_gather_cat(batch.group_ids, ctx)
     finite = all(bool(torch.isfinite(v).all()) for v in all_rewards.values())

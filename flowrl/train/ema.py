@@ -103,6 +103,20 @@ class WeightEMA:
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.shadow
 
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """The EMA's entry of a checkpoint's ``state.json``: updates and optimizer steps counted
+        (its weights are :meth:`checkpoint_tensors`)."""
+        return {EMA_KEY: self.state()}
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The EMA weights, under the name a checkpoint keeps them by (``ema.safetensors``, or
+        sharded like the weights)."""
+        return {EMA_KEY: self.tensors()}
+
+    def load_state_dict(self, state: dict, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Continue from a checkpoint's ``state.json`` and named tensors (as written above)."""
+        self.restore(tensors[EMA_KEY], state[EMA_KEY])
+
     def restore(self, tensors: dict[str, torch.Tensor], state: dict[str, int]) -> None:
         if sorted(tensors) != sorted(self.shadow):
             raise FlowrlError("the checkpoint's EMA does not match the model's trainable weights",

@@ -77,8 +77,15 @@ class ChunkLayout:
             return None
         return [float(x) for x in self.selector.l1rel]
 
-    def restore(self, sizes: tuple[int, ...], selector_l1rel: list[float] | None) -> None:
-        """Continue with the sizes and curve a checkpoint recorded (moved by re-profiling)."""
+    def state_dict(self) -> dict:
+        """The layout's entries of a checkpoint's ``state.json``: the chunk sizes in use and the
+        selector's curve (both moved by re-profiling)."""
+        return {"chunk_sizes": list(self.sizes), "selector_l1rel": self.selector_l1rel}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue with the sizes and curve a checkpoint recorded (one written before adaptive
+        chunking was checkpointed has neither: the layout stays as built)."""
+        sizes, selector_l1rel = tuple(state.get("chunk_sizes", self.sizes)), state.get("selector_l1rel")
         if sizes != self.sizes:
             self.chunker.set_sizes(sizes)
             self.sizes = sizes

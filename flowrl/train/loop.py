@@ -38,9 +38,10 @@ from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .parallel import resolve_strategy
 from .progress import Aborted, GracefulInterrupt, RunDisplay
-from .run_lock import hold_run_directory
+from .run import Run
+from .run_dir import check_run_directory, hold_run_directory, resume_hint, run_is_complete
 from .session import Session
-from .state import Checkpointer, TrainState, check_run_directory, restore_training_state, resume_hint, run_is_complete
+from .state import Checkpointer, TrainState, restore_training_state
 from .throughput import Throughput
 from .update import PolicyUpdate
 
@@ -65,21 +66,22 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
         # (fsdp2 places the denoiser itself, a block at a time as it shards it: no whole copy on the GPU)
         session = Session.open(recipe, registry, device=device, place_denoiser=not sharded_run(recipe, ctx))
+        run = Run(session, geometry, ctx)
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
-        update = PolicyUpdate(session, geometry, ctx)
+        update = PolicyUpdate(run)
         layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the placed model first
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
         eval_set = evaluation_set(cfg, session.model)
 
         # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
-        state = restore_training_state(run_dir, session, update, layout, ctx, console, ema) if resume else TrainState()
-        if resume and run_is_complete(run_dir, state, recipe, bool(eval_set)):
+        state = restore_training_state(run_dir, run, update, layout, console, ema) if resume else TrainState()
+        if resume and run_is_complete(run_dir, state.iteration, recipe, bool(eval_set)):
             return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
-        throughput = Throughput(session, geometry, ctx, prompts[0], state.iteration, update.counter)  # FLOPs, once
+        throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
         evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
-        saver = Checkpointer(run_dir, state, session, update, layout, geometry, ctx, ema)
+        saver = Checkpointer(run_dir, run, state, update, layout, ema)
         display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
         interrupted = False
         try:
@@ -104,11 +106,11 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
                     # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
                     # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
-                    batch = collect(session, geometry, ctx, prompts, iteration, timer)
+                    batch = collect(run, prompts, iteration, timer)
 
                     # ---- Advantages over whole groups (rewards gathered from every process) ---------
                     with timer("advantage"):
-                        assign_advantages(session, geometry, ctx, batch, len(layout.sizes), record)
+                        assign_advantages(run, batch, len(layout.sizes), record)
                     if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
                         break
 
@@ -119,14 +121,18 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     record.update(update_record(outcome, batch, state, layout, update, ctx))
                     warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
-                    # ---- Log and checkpoint: the metrics row is on disk before the checkpoint --------
+                    # ---- Log, then checkpoint: the metrics row is on disk before the checkpoint ------
+                    # (a checkpoint's seconds go into the next row written: metrics.jsonl is only appended to)
                     state.iteration = iteration + 1
                     last = state.iteration == train_cfg.iterations
                     if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
                         outputs.write_group_grid(batch, geometry.group_size)
                     speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
-                    outputs.log_iteration(record, timer, write_row=iteration % cfg.log.every == 0 or last or outcome.skipped,
-                                          checkpoint=saver if saver.due(last) else None, speed=speed)
+                    if iteration % cfg.log.every == 0 or last or outcome.skipped:
+                        outputs.write_iteration(record, {**timer.seconds, **saver.take_seconds()}, speed)
+                    if saver.due(last):
+                        display.phase("checkpoint")
+                        saver()
                     display.advance(record, speed)
                     check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
 
@@ -236,7 +242,7 @@ def aborted(console: Console, ctx, run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def run_directory_held(recipe: Recipe, run_dir: Path, resume: Path | None, registry: Registry, ctx):
-    """One writer per run directory for the block (:mod:`flowrl.train.run_lock`; the command
+    """One writer per run directory for the block (:mod:`flowrl.train.run_dir`; the command
     usually holds it already, then this only checks): taking it creates the directory, so an OS
     error is one message before any model loads. Then: may this run write there?"""
     with hold_run_directory(run_dir, where="--resume" if resume is not None else "[run].output_dir", main=ctx.is_main):

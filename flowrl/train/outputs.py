@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
-from .run_lock import LOCK_NAME
+from .run_dir import LOCK_NAME
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
 EVOLUTION_PROMPTS, EVOLUTION_COLUMNS = 4, 8
@@ -45,7 +44,7 @@ class RunOutputs:
 
     The run's files are written here, after everything that can reject the run has passed; if
     starting a tracker fails, what was written into a fresh run directory (one holding nothing
-    but its lock, :mod:`flowrl.train.run_lock`) is removed again, and the lock's release removes
+    but its lock, :mod:`flowrl.train.run_dir`) is removed again, and the lock's release removes
     the directory it made.
     """
 
@@ -91,29 +90,22 @@ class RunOutputs:
                 tracker.start(run_dir)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_from=start_iteration)
 
-    def log_iteration(self, record: dict[str, Any], timer, write_row: bool, checkpoint: Callable[[], Any] | None,
-                      speed: dict[str, float] | None = None) -> None:
-        """Finish one iteration: its metrics row first (on disk before anything else), then the
-        checkpoint (timed as ``time/checkpoint``, added to the row in place), then the trackers
-        (which also get ``speed``, the iteration's throughput; it is not written to the row).
+    def write_iteration(self, record: dict[str, Any], seconds: dict[str, float],
+                        speed: dict[str, float] | None = None) -> None:
+        """Append one iteration's metrics row (``seconds`` per phase as ``time/<phase>``), on disk
+        when this returns, then hand it to the trackers (which also get ``speed``, the
+        iteration's throughput; it is not written to the row).
 
-        A process killed at any moment therefore never loses the row of an iteration that a
-        checkpoint says is complete: resume drops rows from the checkpoint's iteration on.
-        """
-        record.update({f"time/{k}": v for k, v in timer.seconds.items()})
-        write_row = write_row and self.enabled
-        if write_row:
-            self.metrics.write(record)
-        if checkpoint is not None:
-            with timer("checkpoint"):
-                checkpoint()
-            record["time/checkpoint"] = timer.seconds["checkpoint"]
-            if write_row:
-                self.metrics.rewrite_last(record)
-        if write_row:
-            scalars = {k: v for k, v in record.items() if isinstance(v, float)}
-            for tracker in self.trackers:
-                tracker.log_metrics(record["iteration"], {**scalars, **(speed or {})})
+        The loop writes the checkpoint only after this: a process killed at any moment never
+        loses the row of an iteration that a checkpoint says is complete (resume drops rows
+        from the checkpoint's iteration on)."""
+        record.update({f"time/{k}": v for k, v in seconds.items()})
+        if not self.enabled:
+            return
+        self.metrics.write(record)
+        scalars = {k: v for k, v in record.items() if isinstance(v, float)}
+        for tracker in self.trackers:
+            tracker.log_metrics(record["iteration"], {**scalars, **(speed or {})})
 
     def write_row(self, record: dict[str, Any]) -> None:
         """Append a row that is not an iteration's (the final evaluation)."""

@@ -30,10 +30,11 @@ depends on how they are laid out. Per optimizer step, on every process::
   process must run the same sequence of forwards and backwards (:attr:`Strategy.lockstep`).
 
 Under ``fsdp2`` (:attr:`Strategy.sharded`) a run's checkpoints are sharded
-(torch.distributed.checkpoint, every process writes its part; no process gathers the model), with
-:meth:`Strategy.save` and :meth:`Strategy.load`; the checkpoint files and their atomic commit are
-:func:`flowrl.train.checkpoint.save_sharded_checkpoint` and
-:func:`flowrl.train.checkpoint.load_sharded_checkpoint`. Under ``none`` and ``ddp`` the main
+(torch.distributed.checkpoint, every process writes its part; no process gathers the model):
+:meth:`Strategy.state_dict` and :meth:`Strategy.load_state_dict` are what is saved and loaded; the
+I/O, the checkpoint files and their atomic commit are in :mod:`flowrl.train.checkpoint`
+(:func:`~flowrl.train.checkpoint.save_sharded_checkpoint`,
+:func:`~flowrl.train.checkpoint.load_sharded_checkpoint`). Under ``none`` and ``ddp`` the main
 process writes the single-process files (:func:`flowrl.train.state.save_training_checkpoint`). DCP
 stores global tensors, so a checkpoint resumes with another number of processes or another
 strategy. :meth:`Strategy.full_state_dict` gathers full tensors one at a time onto the main
@@ -48,7 +49,6 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -402,24 +402,6 @@ class Strategy:
         set_state_dict(self.module, self.optimizer, model_state_dict=state[SHARDED_MODEL_KEY],
                        optim_state_dict=state[OPTIM_KEY], options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
-    def save(self, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-        """Every process writes its part of the model and optimizer into ``path`` (DCP), and of
-        ``extra`` (``{key: {name: tensor}}``, tensors sharded like the weights: the EMA's)."""
-        import torch.distributed.checkpoint as dcp
-
-        with _single_process_ok():
-            dcp.save({**self.state_dict(), **(extra or {})}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-
-    def load(self, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
-        """Every process reads its part from ``path`` (DCP reshards a checkpoint written by
-        another number of processes or another strategy); ``extra``'s tensors are filled in place."""
-        import torch.distributed.checkpoint as dcp
-
-        state = {**self.state_dict(), **(extra or {})}
-        with _single_process_ok():
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-        self.load_state_dict(state)
-
     def iter_full_tensors(self, trainable_only: bool = True) -> Iterator[tuple[str, torch.Tensor | None]]:
         """``(name, full tensor on the CPU)`` one parameter at a time on the main process,
         ``(name, None)`` on the others; every process must iterate to the end (under FSDP2 each
@@ -438,14 +420,6 @@ class Strategy:
 
 
 # ----------------------------------------------------------------------------- gradient reduction
-
-
-@contextlib.contextmanager
-def _single_process_ok() -> Iterator[None]:
-    """DCP warns that it assumes one process when there is no process group: that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:

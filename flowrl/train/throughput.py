@@ -31,6 +31,8 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from .run import Run
+
 #: Dense bf16 tensor-core peaks in TFLOP/s (vendor data sheets), by a substring of the device name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "B200": 2250.0, "A100": 312.0,
                "L40S": 362.05, "A10G": 70.0, "RTX 4090": 165.2, "RTX 3090": 71.0}
@@ -72,7 +74,8 @@ class Throughput:
     #: Phases that are measurement or upkeep, not training.
     NOT_TRAINING = ("eval", "profile", "checkpoint")
 
-    def __init__(self, session, geometry, ctx, prompt: str, start_iteration: int, counter=None):
+    def __init__(self, run: Run, prompt: str, start_iteration: int, counter=None):
+        session, geometry = run.session, run.geometry
         recipe = session.recipe
         self.samples = geometry.samples_per_process
         self.steps = recipe.sampler.steps

@@ -19,11 +19,13 @@ import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .. import distributed
 from ..errors import FlowrlError
+from ..interfaces import CheckpointsState
 from ..memory_plan import choose_gradient_sync
 from ..objectives.base import MicroBatch, OnPolicyProbe, UpdateContext, UpdateMode
 from ..objectives.kl import KLSettings
@@ -31,25 +33,10 @@ from ..objectives.policy_gradient import objective_for
 from ..seeding import generator
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
-from .optimizer import make_optimizer
+from .checkpoint import OBJECTIVE
+from .optimizer import make_optimizer, make_scheduler
 from .parallel import Strategy, Topology, declared_blocks, resolve_strategy
-
-
-def lr_lambda(train, total_steps: int) -> Callable[[int], float]:
-    """The LR multiplier of optimizer step ``step``: linear warm-up, then constant, cosine or
-    linear decay over ``total_steps``."""
-
-    def f(step: int) -> float:
-        if train.warmup_steps and step < train.warmup_steps:
-            return (step + 1) / train.warmup_steps
-        progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
-        if train.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * progress))
-        if train.lr_schedule == "linear":
-            return 1.0 - progress
-        return 1.0
-
-    return f
+from .run import Run
 
 
 def update_aggregate(key: str) -> str:
@@ -82,7 +69,8 @@ class PolicyUpdate:
     AdamW and its LR schedule, and the :class:`~flowrl.objectives.base.UpdateContext` its
     objective works in."""
 
-    def __init__(self, session, geometry, ctx):
+    def __init__(self, run: Run):
+        session, geometry, ctx = run.session, run.geometry, run.ctx
         train, loss, model = session.recipe.train, session.components.loss, session.model
         self.session, self.geometry, self.ctx = session, geometry, ctx
         params = prepare_trainable(model, train)
@@ -103,8 +91,7 @@ class PolicyUpdate:
             # the engine's copy or the adapter's own (else a whole copy on every GPU that the plan never counted)
             kl.reference.frozen = self.strategy.prepare_frozen(kl.reference.frozen, on_cpu=train.reference_on_cpu)
         self.params = self.strategy.params
-        total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train, total))
+        self.scheduler = make_scheduler(self.optimizer, train, geometry)
         self.counter = ComputeCounter(session.model.denoiser)
         if kl.reference is not None and kl.reference.frozen is not None:
             self.counter.watch(kl.reference.frozen)
@@ -205,6 +192,30 @@ class PolicyUpdate:
                 hint="the model adapter must be deterministic for a given batch (dropout? dtype casts?)",
             )
         return deviation
+
+    # ---------------------------------------------------------------------- checkpointed state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The update's entries of a checkpoint's ``state.json``: the LR schedule's position, the
+        mode ``update_mode = "auto"`` chose (null until it chose), and the objective's own state
+        when it keeps one (an old policy, a reset reference, an adaptive gate). The weights and
+        AdamW are the strategy's (:func:`flowrl.train.checkpoint.write_checkpoint`)."""
+        out: dict[str, Any] = {"lr_scheduler": self.scheduler.state_dict(), "update_mode": self.auto_mode}
+        if isinstance(self.objective, CheckpointsState):
+            out[OBJECTIVE] = self.objective.state_dict()
+        return out
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The objective's tensors, under the name a checkpoint keeps them by (none when it has none)."""
+        tensors = self.objective.tensors() if isinstance(self.objective, CheckpointsState) else {}
+        return {OBJECTIVE: tensors} if tensors else {}
+
+    def load_state_dict(self, state: dict[str, Any], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Continue from a checkpoint's ``state.json`` and named tensors (as written above)."""
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.auto_mode = state.get("update_mode")
+        if isinstance(self.objective, CheckpointsState) and OBJECTIVE in state:
+            self.objective.load_state(state[OBJECTIVE], tensors.get(OBJECTIVE) or {})
 
 
 def gradient_sync(session, ctx) -> str:

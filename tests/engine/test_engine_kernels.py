@@ -14,7 +14,8 @@ from engine_helpers import load, quiet_console, write_recipe
 from flowrl.errors import FlowrlError, RecipeError
 from flowrl.runlog import read_metrics
 from flowrl.train import train
-from flowrl.train.accel import adamw_options, attention_backend, check_attention_backend, compile_denoiser, make_adamw
+from flowrl.train.accel import attention_backend, check_attention_backend, compile_denoiser
+from flowrl.train.optimizer import adamw_options, make_adamw
 
 CPU = torch.device("cpu")
 

@@ -19,7 +19,7 @@ import pytest
 from engine_helpers import REPO, wait_for, write_recipe
 
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
-from flowrl.train.run_lock import LOCK_NAME, hold_run_directory
+from flowrl.train.run_dir import LOCK_NAME, hold_run_directory
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the run's processes in /proc")
 

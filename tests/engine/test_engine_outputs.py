@@ -101,7 +101,35 @@ def test_every_minutes_writes_a_checkpoint_when_the_time_has_passed(tmp_path):
                      "checkpoint.keep_last=10", "checkpoint.every_minutes=1e-6"), console=quiet_console())
     names = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
     assert names == ["iter_000001", "iter_000002", "iter_000003", "iter_000004"]
-    assert all("time/checkpoint" in r for r in read_metrics(run))
+    # a checkpoint after every iteration; each one's seconds are in the next row (metrics.jsonl is
+    # only appended to, and the row is on disk before its checkpoint): none in the first row, and
+    # the last checkpoint's nowhere (this recipe has no final evaluation row)
+    assert ["time/checkpoint" in r for r in read_metrics(run)] == [False, True, True, True]
+
+
+def test_metrics_jsonl_is_only_appended_to(tmp_path, monkeypatch):
+    """Each row is appended to what was on disk before it (never a rewrite of the file, which
+    would be quadratic over a long run); a checkpoint's seconds are in the next iteration's row,
+    and the final evaluation's row holds the evaluation only (so a resumed run that redoes it
+    writes the same row)."""
+    from flowrl.runlog import MetricsLog
+
+    before: list[str] = []
+    write = MetricsLog.write
+
+    def spying(self, record):
+        before.append(self.path.read_text())
+        write(self, record)
+
+    monkeypatch.setattr(MetricsLog, "write", spying)
+    path = write_recipe(tmp_path, EVAL_RECIPE)
+    run = train(load(path, f"run.output_dir={str(tmp_path / 'run')!r}", "checkpoint.every=2"), console=quiet_console())
+    text = (run / "metrics.jsonl").read_text()
+    assert len(before) == 5 and all(text.startswith(b) for b in before) and len(set(before)) == 5
+    rows = read_metrics(run)
+    assert rows[-1]["final"] and not any(k.startswith("time/") for k in rows[-1])
+    assert ["time/checkpoint" in r for r in rows[:-1]] == [False, False, True, False]  # after iteration 1
+    assert rows[2]["time/checkpoint"] > 0
 
 
 def test_without_every_minutes_only_the_iteration_interval_and_the_end_count(tmp_path):

@@ -1,4 +1,13 @@
-"""One writer per run directory: ``RUN_DIR/.lock``, held with ``flock`` for the run's life.
+"""The run directory: may this run write there, one writer at a time, and is its run complete.
+
+- :func:`check_run_directory`: a new run does not overwrite an earlier one; a resumed run names
+  a run directory (:func:`check_resume_directory`) and uses the recipe that started it
+  (:func:`check_resumable_recipe`, naming every differing key);
+- :func:`run_is_complete`: a resumed run with nothing left to do is left untouched;
+- :func:`hold_run_directory`: one writer per run directory, described below.
+(What a run writes there: :mod:`flowrl.train.outputs`, :mod:`flowrl.train.checkpoint`.)
+
+One writer per run directory: ``RUN_DIR/.lock``, held with ``flock`` for the run's life.
 
 Why ``flock``: the kernel drops the lock the moment its holder dies (SIGKILL, the OOM killer),
 so a lock is never stale and nobody has to judge whether the pid in a file still runs; the pid
@@ -20,12 +29,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import FlowrlError
+from ..plugins import Registry
+from ..recipe import Recipe, read_toml, validate
+from .checkpoint import LATEST, MARKER
 
 LOCK_NAME = ".lock"
 #: Set by the launcher for its workers: the lock file it holds for them (resolved path).
@@ -208,3 +221,124 @@ def hold_run_directory(run_dir: Path, *, where: str = "[run].output_dir", main: 
     finally:
         del _held[key]
         lock.release()
+
+
+# ------------------------------------------------------------------------------ may this run write there
+
+
+def resume_hint(run_dir: Path) -> str:
+    return f"flowrl train {run_dir / 'recipe.toml'} --resume {run_dir}"
+
+
+#: What a run directory holds; said whenever something is not one.
+RUN_DIRECTORY = ("a run directory is what `flowrl train` writes: recipe.toml (the resolved recipe), "
+                 "metrics.jsonl, images/ and checkpoints/iter_NNNNNN/")
+
+
+def check_resume_directory(run_dir: Path) -> None:
+    """``--resume PATH`` must name a run directory (one with the recipe.toml that training wrote)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FlowrlError(f"cannot resume: {run_dir} does not exist", where="--resume", hint=RUN_DIRECTORY)
+    if (run_dir / MARKER).is_file():
+        parent = run_dir.parent.parent if run_dir.parent.name == "checkpoints" else None
+        raise FlowrlError(
+            f"cannot resume: {run_dir} is a checkpoint directory, not a run directory", where="--resume",
+            hint=f"pass the run directory{f' ({parent})' if parent else ''}: a run resumes from its latest checkpoint",
+        )
+    if not (run_dir / "recipe.toml").is_file():
+        raise FlowrlError(
+            f"cannot resume: {run_dir} is not a run directory (it has no recipe.toml)", where="--resume",
+            hint=f"{RUN_DIRECTORY}; pass that directory (e.g. runs/quickstart)",
+        )
+
+
+def check_run_directory(recipe: Recipe, run_dir: Path, resume: Path | None, registry: Registry) -> None:
+    """A new run must not overwrite an earlier one (checkpoints, or metrics without a checkpoint;
+    ``flowrl train --overwrite`` clears it first); a resumed run must use its recipe."""
+    if resume is None:
+        if (run_dir / "checkpoints" / LATEST).exists():
+            raise FlowrlError(
+                f"{run_dir} already holds a run with checkpoints; a new run would overwrite it",
+                where="[run].output_dir",
+                hint=f"continue it with `{resume_hint(run_dir)}`, pass another --output-dir, "
+                "or start afresh there with `flowrl train ... --overwrite` (deletes the old run's files)",
+            )
+        if (run_dir / "metrics.jsonl").is_file():
+            raise FlowrlError(
+                f"{run_dir} already holds the metrics.jsonl of an earlier run (it has no checkpoint to resume); "
+                "a new run would overwrite them",
+                where="[run].output_dir",
+                hint="pass another --output-dir, or replace the old run with `flowrl train ... --overwrite`",
+            )
+        return
+    check_resume_directory(run_dir)
+    check_resumable_recipe(recipe, run_dir, registry)
+
+
+def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) -> None:
+    """A resumed run must use the recipe that wrote it; only iterations, [log], [checkpoint]
+    and [[trackers]] (what is recorded, never what is trained) may change. A difference names
+    every differing key with the run's value and the new one."""
+    saved = run_dir / "recipe.toml"
+    if not saved.is_file():
+        return
+    data = read_toml(saved)
+    data.pop("trackers", None)  # may change, and the old tracker's plugin need not be installed
+    old = validate(data, source=str(saved), registry=registry).to_toml_dict()
+    new = recipe.to_toml_dict()
+    for section in ("log", "checkpoint", "trackers"):
+        old.pop(section, None)
+        new.pop(section, None)
+    for d in (old, new):
+        d["train"].pop("iterations", None)
+        d["run"].pop("output_dir", None)
+    if old != new:
+        diff = recipe_differences(old, new)
+        shown = [f"{key}: {a} in the run, {b} now" for key, a, b in diff[:6]]
+        more = f"; and {len(diff) - 6} more" if len(diff) > 6 else ""
+        raise FlowrlError(
+            f"the recipe differs from the one that started {run_dir} in {len(diff)} key(s): " + "; ".join(shown) + more,
+            where="--resume",
+            hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log], [checkpoint] and [[trackers]] may change)",
+        )
+
+
+def recipe_differences(old: dict, new: dict) -> list[tuple[str, str, str]]:
+    """``(key, old value, new value)`` of every key whose value differs between two resolved
+    recipes: ``[train].lr``, ``[[rewards]] #2.weight``; an absent key or entry reads ``(absent)``."""
+    def show(value) -> str:
+        return "(absent)" if value is _ABSENT else json.dumps(value)
+
+    out = []
+    for section in sorted(set(old) | set(new), key=lambda s: (list(old) + list(new)).index(s)):
+        a, b = old.get(section, _ABSENT), new.get(section, _ABSENT)
+        if isinstance(a, list) or isinstance(b, list):
+            a = a if isinstance(a, list) else []
+            b = b if isinstance(b, list) else []
+            pairs = [(f"[[{section}]] #{i + 1}", a[i] if i < len(a) else {}, b[i] if i < len(b) else {})
+                     for i in range(max(len(a), len(b)))]
+        else:
+            pairs = [(f"[{section}]", a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {})]
+        for prefix, ta, tb in pairs:
+            for key in list(dict.fromkeys([*ta, *tb])):
+                va, vb = ta.get(key, _ABSENT), tb.get(key, _ABSENT)
+                if va != vb:
+                    out.append((f"{prefix}.{key}", show(va), show(vb)))
+    return out
+
+
+_ABSENT = object()
+
+
+def run_is_complete(run_dir: Path, completed: int, recipe: Recipe, evaluates: bool) -> bool:
+    """True when a resumed run (``completed`` iterations) has nothing left to do: every iteration is done and, when the run
+    evaluates, the final evaluation's row is in ``metrics.jsonl`` (a run stopped during that
+    evaluation still has it to do)."""
+    if completed < recipe.train.iterations:
+        return False
+    if not evaluates:
+        return True
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return any(r.get("final") and r.get("iteration") == recipe.train.iterations for r in rows)
