@@ -19,6 +19,10 @@ import typer
 
 from .base import SetOpt, app, console, load, registry, table_console
 
+#: The GPU `flowrl plan` judges a recipe against unless --gpu-memory says otherwise (GB), and the
+#: one `flowrl validate` assumes where it sees none.
+DEFAULT_GPU_MEMORY_GB = 80.0
+
 
 @app.command()
 def plan(
@@ -27,7 +31,7 @@ def plan(
     num_processes: Annotated[Optional[int], typer.Option(
         "--num-processes", min=1,
         help="Data-parallel processes (GPUs) to plan for [default: the recipe's [distributed].num_processes].")] = None,
-    gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, help="Memory of one GPU in GB, for the verdict.")] = 80.0,
+    gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, help="Memory of one GPU in GB, for the verdict.")] = DEFAULT_GPU_MEMORY_GB,
     num_nodes: Annotated[int, typer.Option("--num-nodes", min=1, help="Machines the processes are spread over "
                                            "(hybrid sharding shards within a machine).")] = 1,
 ) -> None:
