@@ -17,11 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .base import SetOpt, app, console, load, registry, table_console
-
-#: The GPU `flowrl plan` judges a recipe against unless --gpu-memory says otherwise (GB), and the
-#: one `flowrl validate` assumes where it sees none.
-DEFAULT_GPU_MEMORY_GB = 80.0
+from .base import DEFAULT_GPU_MEMORY_GB, SetOpt, app, console, load, registry, table_console
 
 
 @app.command()

@@ -8,6 +8,8 @@ environment, or on another GPU or machine. Protocol: :mod:`flowrl.serving.protoc
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated, Optional
 
 import typer
@@ -120,4 +122,9 @@ def _stopped(signum: int, what: str) -> None:
     from .base import err_console
 
     err_console.print(escape(stopped_message(signum, what)), highlight=False, soft_wrap=True)
-    raise typer.Exit(128 + signum)
+    # Everything is closed and every child has ended: skip the interpreter's finalization, whose
+    # garbage collection of the reward's modules (torch, transformers) takes seconds, so that a
+    # supervisor's SIGTERM ends the server as promptly as the signal's default action did.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)

@@ -78,7 +78,7 @@ def check_memory(path: Path, overrides: list[str], resolved, gpu_memory: float |
     that would make it fit. The plan works from configs (no weights), at the recipe's
     [distributed].num_processes."""
     from ..memory_plan import CUDA_OVERHEAD, GB, cpu_bytes, estimate, peak
-    from .plan import DEFAULT_GPU_MEMORY_GB
+    from .base import DEFAULT_GPU_MEMORY_GB
 
     inexact = ("CUDA context + allocator slack", "trajectories", "prompt-embedding cache")
 
