@@ -98,3 +98,33 @@ def require(module: str, *, extra: str, purpose: str) -> ModuleType:
             f"{purpose} needs the optional package '{module}', which is not installed ({exc})",
             hint=f'pip install "{DISTRIBUTION}[{extra}]"',
         ) from exc
+
+
+#: errno values that mean "the OS would not let this process write there": a full disk or quota, a
+#: file too large, a read-only filesystem, no permission, a failing device.
+WRITE_ERRNOS = {"ENOSPC", "EDQUOT", "EFBIG", "EROFS", "EACCES", "EPERM", "EIO"}
+
+
+def os_write_error(exc: OSError, directory, *, where: str, resume: str) -> FlowrlError | None:
+    """The one message for an OS error that stopped writing into ``directory`` (a run's metrics or
+    checkpoint mid-run: a full disk, a read-only or unwritable path), naming the path and the
+    error; None for any other OSError (a network error, a file read elsewhere), which stays a bug
+    report with its traceback. ``resume`` is the command that continues the run once it is fixed."""
+    import errno
+    from pathlib import Path
+
+    name = errno.errorcode.get(exc.errno or -1, "")
+    directory = Path(directory).resolve()
+    path = Path(str(exc.filename)).resolve() if exc.filename else None
+    if name not in WRITE_ERRNOS or (path is not None and directory not in (path, *path.parents)):
+        return None
+    reason = exc.strerror or str(exc)
+    target = f"{path}" if path is not None else f"into {directory}"
+    if name in ("ENOSPC", "EDQUOT", "EFBIG"):
+        fix = f"free space (or quota) on the filesystem of {directory}"
+    elif name == "EIO":
+        fix = f"check the device that holds {directory}"
+    else:
+        fix = f"make {directory} writable"
+    return FlowrlError(f"the run stopped: cannot write {target}: {reason}", where=where,
+                       hint=f"{fix}, then continue from its last complete checkpoint: {resume}")

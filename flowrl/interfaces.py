@@ -504,6 +504,17 @@ class KeepsRolloutMeans(Protocol):
 
 
 @runtime_checkable
+class NeedsReferenceCopy(Protocol):
+    """An objective that acts on the KL reference as a frozen copy of the denoiser (GARDO resets
+    it to the current weights) when ``needs_reference_copy`` is True. Only full fine-tuning with a
+    reference KL term keeps such a copy (with LoRA the reference is the base with the adapter
+    off): ``flowrl validate`` refuses the other recipes from this declaration
+    (:func:`flowrl.recipe.keeps_reference_copy`), before any model loads."""
+
+    needs_reference_copy: bool
+
+
+@runtime_checkable
 class CheckpointsState(Protocol):
     """An objective with state that must survive a resume (an old policy, a reset reference, an
     adaptive gate): ``state_dict()`` (JSON-able) and ``tensors()`` are written into every

@@ -3,6 +3,7 @@ launcher (Linux-aware)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -64,3 +65,77 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc: trust os.kill
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+_STOPPED: list[list[int]] = []  # the list of the stop_on_signals block in force, if any
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)):
+    """While inside, the first SIGINT or SIGTERM raises KeyboardInterrupt in this process's main
+    thread and is recorded in the list yielded, so that the caller can end quietly with exit
+    status 128 + signal (130 for Ctrl-C, 143 for SIGTERM) once it has shut down; a second one is
+    ignored (the shutdown under way is bounded, and a KeyboardInterrupt inside it would leave
+    children behind and print a traceback). A process forked from this one inherits the
+    handler: it just ends by the signal's default action (no KeyboardInterrupt, no traceback).
+    Nested blocks share the outer block's handler and list (a command around a library call)."""
+    if _STOPPED:
+        yield _STOPPED[-1]
+        return
+    main_pid = os.getpid()
+    stopped: list[int] = []
+
+    def on_signal(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if stopped:
+            return
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, on_signal) for s in signals}
+    _STOPPED.append(stopped)
+    try:
+        yield stopped
+    finally:
+        _STOPPED.pop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def stopped_message(signum: int, what: str) -> str:
+    """One line for a process stopped by ``signum``: ``stopped by SIGINT (Ctrl-C): WHAT``."""
+    name = signal.Signals(signum).name
+    return f"stopped by {name}{' (Ctrl-C)' if signum == signal.SIGINT else ''}: {what}"
+
+
+class _IgnoresSigint:
+    """Makes the process that unpickles it ignore SIGINT (see :func:`spawned_children_ignore_sigint`):
+    by a call of the ``signal`` module itself, so that unpickling it imports nothing that takes time."""
+
+    def __reduce__(self):
+        return (signal.signal, (int(signal.SIGINT), signal.SIG_IGN))
+
+
+@contextlib.contextmanager
+def spawned_children_ignore_sigint():
+    """Every process started inside with multiprocessing's ``spawn`` ignores SIGINT from its very
+    start, whichever thread starts it: Ctrl-C reaches a terminal's whole process group, and a
+    child that its parent ends must not die of its own KeyboardInterrupt, with a traceback,
+    while it still imports its modules (seconds, for torch). A Python handler does not survive
+    the exec of ``spawn``, nor does a blocked signal mask; so the child is told by the first
+    thing it unpickles, its preparation data, before it re-imports the parent's main module."""
+    from multiprocessing import spawn
+
+    get_preparation_data = spawn.get_preparation_data
+
+    def with_sigint_ignored(name):
+        return {"flowrl_ignore_sigint": _IgnoresSigint(), **get_preparation_data(name)}
+
+    spawn.get_preparation_data = with_sigint_ignored
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = get_preparation_data

@@ -31,7 +31,7 @@ import torch
 
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
-from .interfaces import KLRegularised, Objective, ProfilingChunker
+from .interfaces import KLRegularised, NeedsReferenceCopy, Objective, ProfilingChunker
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
 from .sampling.plans import PlanContext
@@ -720,6 +720,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     recipe.num_trainable = T
     where = f"{recipe.source}: [chunker]"
     _check_sharding(recipe)
+    _check_reference_copy_needed(recipe, registry)
     if not _uses_units(recipe, registry):
         return
     if T < 1:
@@ -757,12 +758,51 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
             )
 
 
+def no_reference_copy_because(recipe: Recipe) -> tuple[str, str, str] | None:
+    """Why the run keeps no frozen copy of the denoiser as its KL reference, as ``(key, reason,
+    how to get one)``, or None when it keeps one: as :class:`flowrl.objectives.kl.ReferencePolicy`
+    decides it (a reference only with a loss of ``beta > 0`` and a reference KL kind; a copy only
+    without LoRA, whose reference is the base with the adapter off)."""
+    loss = recipe.components["loss"].params
+    if not (isinstance(loss, KLRegularised) and float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"):
+        return ("[loss].beta", "the [loss] has no KL term to a reference model (beta = 0 or kl = 'old_policy_k3')",
+                "give the [loss] beta > 0 and kl = 'flow_grpo' or 'gaussian_exact'")
+    if recipe.train.finetune != "full":
+        return ("[train].finetune", f"finetune = '{recipe.train.finetune}': the reference is the base with the "
+                "adapter off, not a copy of the weights", "use finetune = 'full'")
+    return None
+
+
+def keeps_reference_copy(recipe: Recipe) -> bool:
+    """True when training keeps a frozen copy of the denoiser as its KL reference."""
+    return no_reference_copy_because(recipe) is None
+
+
+def _check_reference_copy_needed(recipe: Recipe, registry: Registry) -> None:
+    """An objective that declares it needs the reference as a frozen copy
+    (:class:`flowrl.interfaces.NeedsReferenceCopy`: GARDO's reference reset) refuses, in its
+    ``prepare``, a run that keeps none: only after the model has loaded. Refused here from the
+    declaration and the recipe, for every such objective."""
+    loss = build_component(recipe, registry, "loss")
+    if not (isinstance(loss, NeedsReferenceCopy) and loss.needs_reference_copy):
+        return
+    why = no_reference_copy_because(recipe)
+    if why is None:
+        return
+    key, reason, fix = why
+    name = recipe.components["loss"].use
+    raise RecipeError(
+        f"loss '{name}' needs its KL reference as a frozen copy of the denoiser (it resets the reference to "
+        f"the current weights), and this recipe keeps none: {reason}",
+        where=f"{recipe.source}: {key}", hint=f"{fix} with this loss, or use another [loss]",
+    )
+
+
 def _check_memory_knobs(recipe: Recipe) -> None:
     """[train].reference_on_cpu and .optimizer only where they apply (never silently ignored)."""
-    t, loss = recipe.train, recipe.components["loss"].params
+    t = recipe.train
     if t.reference_on_cpu:
-        kl = isinstance(loss, KLRegularised) and float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"
-        if t.finetune != "full" or not kl:
+        if not keeps_reference_copy(recipe):
             raise RecipeError(
                 "reference_on_cpu = true, but this recipe keeps no reference copy (only full fine-tuning with "
                 "[loss].beta > 0 and a reference KL kind does; LoRA's reference is the base with the adapter off)",

@@ -60,6 +60,7 @@ def test_hardware_page_is_current(table):
                           timeout=600)
     assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n(the test's command: `{table.COMMAND} --check`)"
     assert "docs/hardware.md is up to date" in proc.stdout
+    assert "docs/models.md is up to date" in proc.stdout  # its block of plan figures (the same command)
 
 
 def test_a_recipe_that_cannot_be_planned_is_listed_with_its_reason(table):
@@ -77,3 +78,32 @@ def test_the_fits_columns_follow_plans_verdict(table):
                          table.Row("b.toml", "m", "lora", "none", 1, 24.01, "update")])
     assert "| 24.0 | update | yes | yes | yes |" in text
     assert "| 24.0 | update | no | yes | yes |" in text
+
+
+def test_every_memory_figure_of_the_models_page_comes_from_the_plan(table):
+    """docs/models.md quoted per-GPU figures by hand that the plan no longer gave (issue: every
+    memory figure in the docs from `flowrl plan`). Its figures now stand in the block the script
+    writes; outside it, a figure is a card's size ("an 80 GB GPU"), or one of the plan's own lines
+    checked here. A new hand-written figure fails this test: put it in the block."""
+    import re
+
+    from flowrl.commands.base import load, registry
+    from flowrl.memory_plan import CUDA_OVERHEAD, GB, estimate
+
+    text = (REPO / "docs" / "models.md").read_text(encoding="utf-8")
+    head, rest = text.split(table.BEGIN, 1)
+    outside = " ".join((head + rest.split(table.END, 1)[1]).split())
+
+    def weights(*overrides: str) -> str:
+        recipe = load(table.RECIPES / "flux2_klein_nf4_24gb.toml", list(overrides))
+        _, _, lines = estimate(recipe, registry(), 1)
+        return f"{next(l.bytes for l in lines if l.item == 'denoiser weights') / GB:.2f}"
+
+    nf4, bf16 = weights(), weights('model.quantize="none"')
+    checked = {f"{CUDA_OVERHEAD / GB:g} GB of CUDA context": "the plan's CUDA overhead",
+               f"= {nf4} GB ({bf16} GB in bf16)": "the NF4 klein denoiser's weights"}
+    for phrase, what in checked.items():
+        assert phrase in outside, (what, phrase)
+        outside = outside.replace(phrase, "")
+    figures = re.findall(r"(\d+(?:\.\d+)?) ?GB(?! (?:GPU|card))", outside)
+    assert not figures, f"memory figures in docs/models.md outside the generated block: {figures}"

@@ -18,6 +18,10 @@ if TYPE_CHECKING:  # torch loads with the recipe module: only when a command nee
     from ..plugins import Registry
     from ..recipe import Recipe
 
+#: The GPU `flowrl plan` judges a recipe against unless --gpu-memory says otherwise (GB), and the
+#: one `flowrl validate` assumes where it sees none.
+DEFAULT_GPU_MEMORY_GB = 80.0
+
 
 class _PlainFlags:
     """Help screens show no ``<bool>`` after an on/off flag (``--dry-run``, ``--help``): a flag

@@ -18,7 +18,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .base import SetOpt, app, console, load, registry, table_console
+from .base import DEFAULT_GPU_MEMORY_GB, SetOpt, app, console, load, registry, table_console
 
 
 @app.command()
@@ -28,7 +28,7 @@ def plan(
     num_processes: Annotated[Optional[int], typer.Option(
         "--num-processes", min=1,
         help="Data-parallel processes (GPUs) to plan for [default: the recipe's [distributed].num_processes].")] = None,
-    gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, help="Memory of one GPU in GB, for the verdict.")] = 80.0,
+    gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, help="Memory of one GPU in GB, for the verdict.")] = DEFAULT_GPU_MEMORY_GB,
     num_nodes: Annotated[int, typer.Option("--num-nodes", min=1, help="Machines the processes are spread over "
                                            "(hybrid sharding shards within a machine).")] = 1,
 ) -> None:

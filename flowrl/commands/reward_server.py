@@ -8,9 +8,12 @@ environment, or on another GPU or machine. Protocol: :mod:`flowrl.serving.protoc
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from ..errors import FlowrlError
 from .base import FlowrlTyper, app, registry
@@ -61,6 +64,24 @@ def serve(
                                                    "device = the i-th (e.g. cuda:0,cuda:1).")] = None,
 ) -> None:
     """Serve reward NAME over HTTP for the `http` reward (GET /health, POST /score)."""
+    from ..processes import stop_on_signals
+
+    # Ctrl-C or SIGTERM at any point, building the reward included: one line, exit 130 / 143.
+    with stop_on_signals() as stopped:
+        try:
+            what = _serve(name, list(set_ or []), host=host, port=port, verbose=verbose, backend=backend,
+                          replicas=replicas, max_batch=max_batch, max_wait=max_wait, devices=devices)
+        except KeyboardInterrupt:
+            if not stopped:
+                raise
+            what = f"the reward {'fleet' if backend == 'litserve' else 'server'} for '{name}' has ended"
+    if stopped:
+        _stopped(stopped[0], what)
+
+
+def _serve(name: str, settings: list[str], *, host: str, port: int, verbose: bool, backend: str,
+           replicas: Optional[int], max_batch: Optional[int], max_wait: Optional[float], devices: Optional[str]) -> str:
+    """Serve until stopped; returns what has ended, for the stop's message."""
     if backend not in ("simple", "litserve"):
         raise FlowrlError(f"unknown --backend '{backend}'", where="flowrl reward serve", hint="use 'simple' or 'litserve'")
     fleet = {"--replicas": replicas, "--max-batch": max_batch, "--max-wait": max_wait, "--devices": devices}
@@ -69,17 +90,19 @@ def serve(
 
         from ..serving.fleet import serve_fleet
 
-        serve_fleet(functools.partial(build_reward, name), list(set_ or []), name=name, host=host, port=port,
-                    replicas=1 if replicas is None else replicas, max_batch=8 if max_batch is None else max_batch, max_wait=0.01 if max_wait is None else max_wait,
+        n = 1 if replicas is None else replicas
+        serve_fleet(functools.partial(build_reward, name), settings, name=name, host=host, port=port,
+                    replicas=n, max_batch=8 if max_batch is None else max_batch,
+                    max_wait=0.01 if max_wait is None else max_wait,
                     devices=[d.strip() for d in devices.split(",") if d.strip()] if devices else None, verbose=verbose)
-        return
+        return f"the reward fleet for '{name}' and its {n} replica(s) have ended"
     given = [flag for flag, value in fleet.items() if value is not None]
     if given:
         raise FlowrlError(f"{', '.join(given)} need(s) --backend litserve", where="flowrl reward serve",
                           hint="the simple backend serves one reward in one process")
     from ..serving.simple import make_server
 
-    reward = build_reward(name, list(set_ or []))
+    reward = build_reward(name, settings)
     server = make_server(reward, name=name, host=host, port=port, verbose=verbose)
     # Printed (and flushed) only once the socket is bound, so scripts can wait for this line.
     print(f"serving reward '{name}' on {server.url} (Ctrl-C to stop)", flush=True)
@@ -89,3 +112,19 @@ def serve(
         pass
     finally:
         server.server_close()
+    return f"the reward server for '{name}' has ended"
+
+
+def _stopped(signum: int, what: str) -> None:
+    """A server stopped by a signal: one line on stderr, exit status 128 + signal (130 for
+    Ctrl-C, 143 for SIGTERM), as a shell reports a process its signal ended."""
+    from ..processes import stopped_message
+    from .base import err_console
+
+    err_console.print(escape(stopped_message(signum, what)), highlight=False, soft_wrap=True)
+    # Everything is closed and every child has ended: skip the interpreter's finalization, whose
+    # garbage collection of the reward's modules (torch, transformers) takes seconds, so that a
+    # supervisor's SIGTERM ends the server as promptly as the signal's default action did.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import FlowrlError
+from ..errors import FlowrlError, os_write_error
 from .base import SetOpt, app, console, load, registry
 
 
@@ -79,7 +79,13 @@ def train(
     with hold_run_directory(run_dir, where=where):  # before anything is cleared or written
         if overwrite:
             overwrite_run_directory(resolved.output_dir)
-        run_training(resolved, resume=resume, console=console, registry=registry())
+        try:
+            run_training(resolved, resume=resume, console=console, registry=registry())
+        except OSError as exc:  # mid-run: a full disk or an unwritable path at a metrics or checkpoint write
+            error = os_write_error(exc, run_dir, where=where, resume=f"flowrl train --resume {run_dir}")
+            if error is None:
+                raise
+            raise error from exc
 
 
 def warn_about_fewer_processes_than_intended(resolved) -> None:

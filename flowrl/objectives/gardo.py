@@ -173,6 +173,9 @@ class GatedKLPolicyGradient(PolicyGradient):
     current weights every ``reset_every`` iterations or after an iteration whose KL exceeded
     ``kl_threshold`` (:func:`reset_due`)."""
 
+    #: the reference reset loads the current weights into a frozen copy (NeedsReferenceCopy)
+    needs_reference_copy = True
+
     def __init__(self, loss, *, main: str, auxiliary, sign: str, q: float, reset_every: int, kl_threshold: float):
         super().__init__(loss)
         self.beta, self.kl = loss.beta, loss.kl

@@ -11,7 +11,8 @@ Three pieces, all picklable by reference because LitServe spawns one process per
   writes a claim file (request id -> its pid); if that process dies before answering, the
   request is answered 503 at once so the client retries it on another replica instead of
   waiting for its timeout.
-- :func:`die_with_parent`: replicas and HTTP processes end when the fleet's main process does.
+- :func:`die_with_parent`: replicas and HTTP processes end when the fleet's main process does
+  (:func:`manager_process_init`: LitServe's queue manager too).
 """
 
 # No `from __future__ import annotations` here: LitServe hands decode_request's annotation to
@@ -47,6 +48,16 @@ SETUP_ERROR = "setup-error-{}.txt"
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent exits (no orphaned replicas)."""
     signal_on_parent_death(signal.SIGTERM)
+
+
+def manager_process_init() -> None:
+    """LitServe's queue manager: ends with the fleet's main process (SIGKILL: it ignores SIGTERM),
+    and not before it. A SIGTERM sent to the whole process group (``kill -- -PGID``) would
+    otherwise end the manager while the main process still shuts the fleet down through it
+    (LitServe's monitor thread then dies with a BrokenPipeError traceback); it ignores SIGINT
+    itself (multiprocessing's manager server does)."""
+    signal_on_parent_death(signal.SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class _Decoded:

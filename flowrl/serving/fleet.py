@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flowrl.errors import FlowrlError, require
+from flowrl.processes import spawned_children_ignore_sigint, stop_on_signals
 
 from .protocol import PROTOCOL
 
@@ -65,9 +65,9 @@ def check_options(*, host: str, port: int, replicas: int, max_batch: int, max_wa
 
 def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name: str, host: str = "127.0.0.1",
                 port: int = 8700, replicas: int = 1, max_batch: int = 8, max_wait: float = 0.01,
-                devices: list[str] | None = None, verbose: bool = False) -> None:
+                devices: list[str] | None = None, verbose: bool = False) -> int | None:
     """Run the fleet until Ctrl-C or SIGTERM; prints ``serving reward 'NAME' on URL ...`` once
-    every replica is ready.
+    every replica is ready. Returns the signal that stopped it, once every replica has ended.
 
     ``build(settings)`` makes the reward in each replica (``settings`` are ``key=value``
     strings; with ``devices``, replica i gets ``device=devices[i % len(devices)]`` added). It
@@ -75,7 +75,7 @@ def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name:
     """
     check_options(host=host, port=port, replicas=replicas, max_batch=max_batch, max_wait=max_wait)
     ls = require_litserve()
-    from ._litserve_api import ReplicaWatch, RewardAPI, die_with_parent  # optional extra: fleet (litserve)
+    from ._litserve_api import ReplicaWatch, RewardAPI, manager_process_init  # optional extra: fleet (litserve)
 
     if port == 0:
         port = free_port("127.0.0.1" if host == "127.0.0.1" else "")
@@ -94,46 +94,72 @@ def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name:
     watcher = threading.Thread(target=_watch, daemon=True,
                                args=(server, url, name, replicas, max_batch, max_wait, Path(state_dir), failure, stop))
 
-    main_pid = os.getpid()
-
-    def on_sigterm(signum, frame):
-        if os.getpid() == main_pid:
-            raise KeyboardInterrupt  # LitServe shuts down gracefully on KeyboardInterrupt
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked HTTP process: just end
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # The main process alone answers Ctrl-C (which a terminal sends to the whole process group)
+    # and SIGTERM: it ends the HTTP process and every replica itself. The replicas ignore SIGINT
+    # from their start (spawned_children_ignore_sigint), forked processes end by the signal's
+    # default action, and LitServe's manager ignores SIGINT (multiprocessing's) and SIGTERM
+    # (manager_process_init).
     # LitServe's queue manager is a child process too: make it end with this one (like the replicas).
     import multiprocessing.managers as managers
 
     start_manager = managers.BaseManager.start
 
     def start_dying_with_parent(self, initializer=None, initargs=()):
-        return start_manager(self, initializer or die_with_parent, initargs)
+        return start_manager(self, initializer or manager_process_init, initargs)
 
     managers.BaseManager.start = start_dying_with_parent
-    watcher.start()
     try:
-        server.run(host=host, port=port, generate_client_file=False, num_api_servers=1,
-                   log_level="info" if verbose else "warning")
-    except KeyboardInterrupt:
-        pass
-    except RuntimeError as exc:  # LitServe: "One or more workers failed to start"
-        if not failure:
-            failure.append(_setup_errors(Path(state_dir)) or str(exc))
+        with stop_on_signals() as stopped, spawned_children_ignore_sigint():
+            _quiet_shutdown_after_a_stop(server, stopped)
+            watcher.start()
+            try:
+                server.run(host=host, port=port, generate_client_file=False, num_api_servers=1,
+                           log_level="info" if verbose else "warning")
+            except KeyboardInterrupt:  # during start-up: LitServe catches it only once its replicas are ready
+                pass
+            except RuntimeError as exc:  # LitServe: "One or more workers failed to start"
+                if not failure and not stopped:
+                    failure.append(_setup_errors(Path(state_dir)) or str(exc))
+            finally:
+                stop.set()
+                watcher.join(5)
+                for process in getattr(server, "inference_workers", []) or []:
+                    if process.is_alive():
+                        process.terminate()
+                for process in getattr(server, "inference_workers", []) or []:
+                    process.join(10)
     finally:
-        stop.set()
-        watcher.join(5)
-        signal.signal(signal.SIGTERM, previous)
         managers.BaseManager.start = start_manager
-        for process in getattr(server, "inference_workers", []) or []:
-            if process.is_alive():
-                process.terminate()
         shutil.rmtree(state_dir, ignore_errors=True)
+    if stopped:
+        return stopped[0]
     if failure:
         raise FlowrlError(f"the reward fleet for '{name}' stopped: a replica could not build the reward: {failure[0]}",
                           where="flowrl reward serve --backend litserve",
                           hint="fix the reward's settings (--set) or its installation; try the simple backend to debug")
+    return None
+
+
+def _quiet_shutdown_after_a_stop(server, stopped: list[int]) -> None:
+    """Once a signal has stopped the fleet, LitServe shuts it down: its monitor thread must not
+    restart the replicas being ended (it would start orphans), nor log their end, or the
+    manager's, as a crash with a traceback."""
+    import logging
+
+    launch, shut_down = server.launch_single_inference_worker, server._perform_graceful_shutdown
+
+    def launch_unless_stopped(*args, **kwargs):
+        while stopped:  # park the monitor (a daemon thread) until the process exits
+            time.sleep(60)
+        return launch(*args, **kwargs)
+
+    def shut_down_quietly(*args, **kwargs):
+        if stopped:
+            logging.getLogger("litserve").setLevel(logging.CRITICAL)
+        return shut_down(*args, **kwargs)
+
+    server.launch_single_inference_worker = launch_unless_stopped
+    server._perform_graceful_shutdown = shut_down_quietly
 
 
 def _add_health_route(server, *, name: str, replicas: int) -> None:

@@ -85,3 +85,61 @@ def test_a_grammar_reward_on_grammar_prompts_is_what_training_runs(validate, tmp
 def test_the_quickstarts_grammar_prompts_stay_valid(validate, recipe):
     code, err = validate(recipe)
     assert code == 0, err
+
+
+GARDO = REPO / "recipes" / "quickstart_gardo.toml"  # full fine-tuning: its reference is a frozen copy
+SD3_LORA = REPO / "recipes" / "lora_single_gpu_sd3.toml"  # LoRA over SD3.5
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    (GARDO, ('train.finetune="lora"',)),
+    (SD3_LORA, ('loss.use="gardo"', 'loss.auxiliary=["x"]')),
+    (SD3_LORA, ('loss.use="gardo"', 'loss.auxiliary=["x"]', "loss.beta=0.01", 'loss.kl="gaussian_exact"')),
+], ids=["embedded_full_made_lora", "sd3_lora", "sd3_lora_gaussian_exact"])
+def test_an_objective_that_resets_its_reference_with_lora(validate, recipe, overrides):
+    """GARDO's reference reset needs a frozen copy of the denoiser: its ``prepare`` refused LoRA
+    only after the model loaded (the reference is then the base with the adapter off)."""
+    code, err = validate(recipe, *overrides)
+    one_error(code, err, "[train].finetune", "loss 'gardo' needs its KL reference as a frozen copy",
+              "finetune = 'lora'", "use finetune = 'full'")
+
+
+def test_the_refusal_follows_the_objectives_declaration_not_its_name(validate, monkeypatch):
+    """Any objective that declares ``needs_reference_copy`` is refused with LoRA, and GARDO stops
+    being refused once it no longer declares it: validation reads the declaration."""
+    from flowrl.objectives.gardo import GatedKLPolicyGradient
+    from flowrl_plugins.losses import ClippedSurrogate
+
+    monkeypatch.setattr(GatedKLPolicyGradient, "needs_reference_copy", False)
+    code, err = validate(GARDO, 'train.finetune="lora"')
+    assert code == 0, err
+    monkeypatch.setattr(ClippedSurrogate, "needs_reference_copy", True, raising=False)
+    kl = ("loss.beta=0.04", 'loss.kl="flow_grpo"')
+    code, err = validate(HACKING, 'train.finetune="lora"', *kl)  # the clipped loss, declared needy here
+    one_error(code, err, "[train].finetune", "loss 'clipped' needs its KL reference as a frozen copy", "finetune = 'lora'")
+    code, err = validate(HACKING)  # full fine-tuning, but beta = 0: no reference at all
+    one_error(code, err, "[loss].beta", "loss 'clipped' needs its KL reference as a frozen copy", "no KL term")
+    code, err = validate(HACKING, *kl)
+    assert code == 0, err
+
+
+def test_the_objective_that_resets_its_reference_with_full_fine_tuning_stays_valid(validate):
+    code, err = validate(GARDO)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_the_rule_is_the_engines_reference_policy(finetune):
+    """keeps_reference_copy (validation) says what ReferencePolicy (training) does on the
+    embedded model: a frozen copy with full fine-tuning, none with LoRA. (The clipped loss with a
+    KL term: a LoRA GARDO recipe no longer loads.)"""
+    from flowrl.commands.base import load, registry
+    from flowrl.objectives.kl import ReferencePolicy
+    from flowrl.recipe import keeps_reference_copy
+    from flowrl.train.finetune import prepare_trainable
+
+    recipe = load(HACKING, [f'train.finetune="{finetune}"', "loss.beta=0.04", 'loss.kl="flow_grpo"'])
+    choice = recipe.components["model"]
+    model = registry().get("model", choice.use).build(choice.params)
+    prepare_trainable(model, recipe.train)
+    assert (ReferencePolicy(model).frozen is not None) == keeps_reference_copy(recipe) == (finetune == "full")
