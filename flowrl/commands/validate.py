@@ -83,10 +83,13 @@ def check_memory(path: Path, overrides: list[str], resolved, gpu_memory: float |
     inexact = ("CUDA context + allocator slack", "trajectories", "prompt-embedding cache")
 
     processes = resolved.distributed.num_processes
+    on_cpu = resolved.run.device == "cpu"
+    memory = None if on_cpu else gpu_memory or visible_gpu_memory_gb() or DEFAULT_GPU_MEMORY_GB
 
     def plan(recipe) -> tuple[float, str, float, float]:
         """(GPU peak, its phase, the bytes known exactly, the bytes kept in CPU memory)."""
-        _, _, lines = estimate(recipe, registry(), processes)
+        # fsdp2's gradient_sync "auto" decides against the same GPU memory, as at start-up
+        _, _, lines = estimate(recipe, registry(), processes, gpu_memory=None if memory is None else memory * GB)
         total, phase = peak(lines)
         # From exact parameter counts: weights, LoRA, gradients, AdamW state, a reference copy,
         # encoders and VAE (not the activations, trajectories, caches, reward sizes or slack).
@@ -98,7 +101,6 @@ def check_memory(path: Path, overrides: list[str], resolved, gpu_memory: float |
         total, phase, exact, host = plan(resolved)
     except FlowrlError:
         return  # `flowrl plan` reports what keeps it from planning; validation stays as it was
-    on_cpu = resolved.run.device == "cpu"
     if on_cpu:
         ram = host_memory_bytes()
         if ram is None:
@@ -115,7 +117,6 @@ def check_memory(path: Path, overrides: list[str], resolved, gpu_memory: float |
                 hint=f"train on a GPU (device = 'auto' or 'cuda'), or a smaller model; `flowrl plan {path}` "
                      "prints every line")
     else:
-        memory = gpu_memory or visible_gpu_memory_gb() or DEFAULT_GPU_MEMORY_GB
         limit, what = memory * GB, f"the {memory:g} GB of one GPU"
     if total <= limit:
         return
