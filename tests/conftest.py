@@ -176,22 +176,16 @@ def flowrl_cli():
 
 
 @pytest.fixture
-def validate(capsys):
+def validate(flowrl_cli):
     """``validate(recipe, *overrides) -> (exit code, stderr)``: ``flowrl validate RECIPE --set
-    ...`` through :func:`flowrl.cli.main` in this process."""
-    from flowrl import cli
+    ...`` in this process (``flowrl_cli.in_process``), from the current directory."""
 
     def run(recipe, *overrides: str) -> tuple[int, str]:
-        capsys.readouterr()
         args = ["validate", str(recipe)]
         for o in overrides:
             args += ["--set", o]
-        try:
-            cli.main(args)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code
-        return code, capsys.readouterr().err
+        (result,) = flowrl_cli.in_process([args], cwd=Path.cwd())
+        return result.returncode, result.stderr
 
     return run
 
@@ -210,6 +204,9 @@ LONG_FIRST = (
     "tests/distributed/test_parallel.py",
     "tests/engine/test_engine_one_rank_idle.py",
     "tests/engine/test_engine_run_lock.py",
+    "tests/test_quiet_output.py",
+    "tests/test_readme_plugin.py",
+    "tests/test_recipe_fuzz.py",
 )
 
 
