@@ -69,7 +69,8 @@ def stop_everything(run_dir: Path) -> None:
             pass
 
 
-def test_a_second_writer_is_refused_then_killing_the_launchers_group_leaves_no_process_within_10_s(tmp_path, flowrl_cli):
+def test_a_second_writer_is_refused_then_killing_the_launchers_group_leaves_no_process_within_10_s(
+        tmp_path, flowrl_cli):
     """One 2-process run for both checks (each needs a launcher that is training): first every
     way of writing to its directory again is refused, then the launcher's process group is
     killed."""
