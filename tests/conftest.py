@@ -122,34 +122,70 @@ def run_cli_batch(calls: list, *, pythonpath=(), cwd: Path = REPO, timeout: floa
     return [CliResult(**r) for r in json.loads(proc.stdout.split(marker, 1)[1])]
 
 
+def run_cli_in_process(calls: list, *, cwd: Path = REPO) -> list[CliResult]:
+    """The same command lines and results as :func:`run_cli_batch`, run in this process (no
+    interpreter to start: torch is imported already). For calls that need nothing of a fresh
+    process: no import path of their own, no signal, no process count, no library state read at
+    import (``HF_HUB_OFFLINE``, for one, is read when huggingface_hub is first imported). The
+    environment, working directory and console widths are restored after each call."""
+    import contextlib
+    import io
+    import traceback
+
+    from flowrl import cli
+    from flowrl.commands.base import console, err_console
+
+    results = []
+    for call in (c if isinstance(c, dict) else {"argv": list(c)} for c in calls):
+        saved_env, saved_cwd, saved_widths = dict(os.environ), os.getcwd(), (console._width, err_console._width)
+        os.environ.update(OMP_NUM_THREADS="1", COLUMNS="250", PYTHONIOENCODING="utf-8", **call.get("env", {}))
+        os.environ.pop("FLOWRL_DISABLE_PLUGINS", None)
+        console.width = err_console.width = 250  # they read COLUMNS once, at import (as a fresh process would now)
+        out, err, code = io.StringIO(), io.StringIO(), 0
+        try:
+            os.chdir(cwd)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    cli.main([str(a) for a in call["argv"]])
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                except Exception:  # printed as the interpreter would print it (see _DRIVER)
+                    traceback.print_exc()
+                    code = 1
+        finally:
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            console._width, err_console._width = saved_widths
+        results.append(CliResult(argv=call["argv"], returncode=code, stdout=out.getvalue(), stderr=err.getvalue()))
+    return results
+
+
 @pytest.fixture(scope="session")
 def flowrl_cli():
-    """Helpers to run the CLI in subprocesses: ``.batch(calls, pythonpath=...)`` (see
-    :func:`run_cli_batch`), ``.env(pythonpath)`` for a hand-made subprocess, ``.script`` (the
-    installed ``flowrl`` console script) and ``.repo``.
+    """The one way tests run ``flowrl`` command lines, in two modes: ``.in_process(calls, cwd=...)``
+    (see :func:`run_cli_in_process`) where a fresh interpreter adds nothing, ``.batch(calls,
+    pythonpath=...)`` (see :func:`run_cli_batch`) in one subprocess where it does; ``.env(pythonpath)``
+    for a hand-made subprocess (signals, several processes), ``.script`` (the installed ``flowrl``
+    console script) and ``.repo``. Both modes return one :class:`CliResult` per call.
 
     Use the fixture rather than importing this module: ``conftest`` is not a unique module name.
     """
-    return SimpleNamespace(batch=run_cli_batch, env=cli_env, script=FLOWRL_BIN, repo=REPO)
+    return SimpleNamespace(in_process=run_cli_in_process, batch=run_cli_batch, env=cli_env, script=FLOWRL_BIN,
+                           repo=REPO)
 
 
 @pytest.fixture
-def validate(capsys):
+def validate(flowrl_cli):
     """``validate(recipe, *overrides) -> (exit code, stderr)``: ``flowrl validate RECIPE --set
-    ...`` through :func:`flowrl.cli.main` in this process."""
-    from flowrl import cli
+    ...`` in this process (``flowrl_cli.in_process``), from the current directory."""
 
     def run(recipe, *overrides: str) -> tuple[int, str]:
-        capsys.readouterr()
         args = ["validate", str(recipe)]
         for o in overrides:
             args += ["--set", o]
-        try:
-            cli.main(args)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code
-        return code, capsys.readouterr().err
+        (result,) = flowrl_cli.in_process([args], cwd=Path.cwd())
+        return result.returncode, result.stderr
 
     return run
 
@@ -168,6 +204,9 @@ LONG_FIRST = (
     "tests/distributed/test_parallel.py",
     "tests/engine/test_engine_one_rank_idle.py",
     "tests/engine/test_engine_run_lock.py",
+    "tests/test_quiet_output.py",
+    "tests/test_readme_plugin.py",
+    "tests/test_recipe_fuzz.py",
 )
 
 

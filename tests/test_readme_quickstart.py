@@ -45,7 +45,7 @@ def test_every_quickstart_command_runs_as_written(tmp_path, flowrl_cli):
     calls = [c.split()[1:] + shorter for c in trains]
     calls += [c.split()[1:] for c in commands if c.split()[1] != "train"]
     assert sorted(c[0] for c in calls[2:]) == ["plot", "sample"]
-    results = flowrl_cli.batch(calls, cwd=tmp_path, timeout=600)
+    results = flowrl_cli.in_process(calls, cwd=tmp_path)
     for r in results:
         assert r.returncode == 0 and "Traceback" not in r.stderr, (r.argv, r.stderr[-2000:])
     assert (tmp_path / "runs" / "quickstart" / "images" / "eval" / "evolution.png").is_file()

@@ -160,7 +160,7 @@ def test_train_from_another_directory_reads_the_recipes_files(project, flowrl_cl
     """`flowrl train` run from an unrelated directory: prompts, eval prompts and the profile are
     the ones beside the recipe; the saved recipe names them absolutely."""
     home, elsewhere = project
-    r = flowrl_cli.batch([["train", str(home / "recipe.toml"), "-o", str(elsewhere / "run")]], cwd=elsewhere)[0]
+    r = flowrl_cli.in_process([["train", str(home / "recipe.toml"), "-o", str(elsewhere / "run")]], cwd=elsewhere)[0]
     assert r.returncode == 0, r.stderr
     saved = (elsewhere / "run" / "recipe.toml").read_text()
     assert json.dumps(str(home / "data" / "train.txt")) in saved

@@ -59,7 +59,7 @@ def sampled(run_and_grids, flowrl_cli):
         "overwrite": [*model, *one, "--overwrite"],
         "compare": ["sample", str(run), *one, "--steps", "3", "--compare-base", "-o", str(root / "cmp")],
     }
-    results = dict(zip(calls, flowrl_cli.batch(list(calls.values()), cwd=root, timeout=600)))
+    results = dict(zip(calls, flowrl_cli.in_process(list(calls.values()), cwd=root)))
     return root, results
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 
+import pytest
 from engine_helpers import assert_records_close, assert_weights_close, final_weights, load, quiet_console, run_cli
 
 from flowrl.train.checkpoint import latest_checkpoint, read_model_weights
@@ -19,12 +21,25 @@ ONE_STEP = [
 ]
 
 
-def test_two_processes_equal_one(tmp_path, reference_run):
+# The 2-process run of one iteration that both tests need: the first compares it with 1 process,
+# the second resumes a copy of it for the second iteration (checkpoint.every=1 only matters to
+# that resume; a 1-iteration run checkpoints at its end either way).
+ONE_STEP_CHECKPOINTED = [*ONE_STEP, "checkpoint.every=1"]
+
+
+@pytest.fixture(scope="module")
+def two_process_iteration(tmp_path_factory, reference_run):
     recipe_path, _, _ = reference_run
-    two, one = tmp_path / "two", tmp_path / "one"
-    sets = [a for s in ONE_STEP for a in ("--set", s)]
+    two = tmp_path_factory.mktemp("ddp") / "two"
+    sets = [a for s in ONE_STEP_CHECKPOINTED for a in ("--set", s)]
     proc = run_cli(["train", str(recipe_path), *sets, "-o", str(two), "--num-processes", "2"], timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return two, proc
+
+
+def test_two_processes_equal_one(tmp_path, reference_run, two_process_iteration):
+    recipe_path, _, _ = reference_run
+    (two, proc), one = two_process_iteration, tmp_path / "one"
     out = " ".join(proc.stdout.split())
     assert "world size 2" in out and "6 per process" in out and "split groups across processes" in out
 
@@ -52,7 +67,7 @@ def test_two_processes_equal_one(tmp_path, reference_run):
     assert moved > 1e-4
 
 
-def test_a_ddp_run_resumes_exactly(tmp_path, reference_run):
+def test_a_ddp_run_resumes_exactly(tmp_path, reference_run, two_process_iteration):
     """Stopped after iteration 1 and resumed with 2 processes from the main process's
     single-process checkpoint (every process reads model.safetensors and the main process's RNG
     states): the same metrics and, bit for bit, the same weights as the uninterrupted run."""
@@ -60,9 +75,10 @@ def test_a_ddp_run_resumes_exactly(tmp_path, reference_run):
     two_iterations = [*ONE_STEP[1:], "train.iterations=2", "checkpoint.every=1"]
     sets = [a for s in two_iterations for a in ("--set", s)]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    for out, extra in ((whole, []), (parts, ["--set", "train.iterations=1"])):
-        proc = run_cli(["train", str(recipe_path), *sets, *extra, "-o", str(out), "--num-processes", "2"], timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_cli(["train", str(recipe_path), *sets, "-o", str(whole), "--num-processes", "2"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # the first iteration, stopped there: the shared run with the same recipe and 1 iteration
+    shutil.copytree(two_process_iteration[0], parts)
     proc = run_cli(["train", str(parts / "recipe.toml"), *sets, "--resume", str(parts), "--num-processes", "2"],
                    timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

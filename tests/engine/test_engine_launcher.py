@@ -69,9 +69,26 @@ def stop_everything(run_dir: Path) -> None:
             pass
 
 
-def test_killing_the_launchers_process_group_leaves_no_flowrl_process_within_10_s(tmp_path):
+def test_a_second_writer_is_refused_then_killing_the_launchers_group_leaves_no_process_within_10_s(
+        tmp_path, flowrl_cli):
+    """One 2-process run for both checks (each needs a launcher that is training): first every
+    way of writing to its directory again is refused, then the launcher's process group is
+    killed."""
     launcher, run_dir = start_two_process_run(tmp_path)
     try:
+        # ---- a second writer is refused while the launcher holds the run directory
+        first_row = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
+        recipe = str(tmp_path / "tiny.toml")
+        # in this process: refused before anything starts, and no interpreter to start meanwhile
+        results = flowrl_cli.in_process([
+            ["train", recipe, "-o", str(run_dir)],
+            ["train", recipe, "-o", str(run_dir), "--overwrite"],
+            ["train", "--resume", str(run_dir)],
+            ["train", recipe, "-o", str(run_dir), "--num-processes", "2"],
+        ])
+        still_running = launcher.poll() is None
+
+        # ---- kill the launcher's process group: no flowrl process is left within 10 s
         pids = run_processes(run_dir)
         assert len(pids) >= 4, pids  # the launcher, the torchrun agent and two workers
         os.killpg(launcher.pid, signal.SIGKILL)
@@ -81,7 +98,19 @@ def test_killing_the_launchers_process_group_leaves_no_flowrl_process_within_10_
             time.sleep(0.05)
         assert run_processes(run_dir) == [], "workers outlived the killed launcher"
     finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(10)
         stop_everything(run_dir)
+    assert still_running
+    for result in results:
+        err = result.flat_err
+        assert result.returncode == 2, (result.argv, result.stdout, result.stderr)
+        assert err.startswith("error:") and err.count("error:") == 1 and "Traceback" not in err, result.stderr
+        assert f"{run_dir} is in use" in err and f"pid {launcher.pid}" in err and "--output-dir" in err, err
+        assert "removed the earlier run" not in result.stdout
+    # --overwrite was refused before it deleted anything of the running run
+    assert (run_dir / "metrics.jsonl").read_text().splitlines()[0] == first_row
     # nothing is written any more, and the dead launcher's lock is free for the next writer
     rows = (run_dir / "metrics.jsonl").read_text()
     time.sleep(2)
@@ -105,30 +134,3 @@ def test_ctrl_c_or_sigterm_of_the_launcher_stops_the_workers_after_a_checkpoint(
     assert run_processes(run_dir) == []
     done = load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"]
     assert 1 <= done < 500
-
-
-def test_a_second_writer_is_refused_while_the_launcher_holds_the_run_directory(tmp_path, flowrl_cli):
-    launcher, run_dir = start_two_process_run(tmp_path)
-    try:
-        first_row = (run_dir / "metrics.jsonl").read_text().splitlines()[0]
-        recipe = str(tmp_path / "tiny.toml")
-        results = flowrl_cli.batch([
-            ["train", recipe, "-o", str(run_dir)],
-            ["train", recipe, "-o", str(run_dir), "--overwrite"],
-            ["train", "--resume", str(run_dir)],
-            ["train", recipe, "-o", str(run_dir), "--num-processes", "2"],
-        ], timeout=180)
-        still_running = launcher.poll() is None
-    finally:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.wait(10)
-        stop_everything(run_dir)
-    assert still_running
-    for result in results:
-        err = result.flat_err
-        assert result.returncode == 2, (result.argv, result.stdout, result.stderr)
-        assert err.startswith("error:") and err.count("error:") == 1 and "Traceback" not in err, result.stderr
-        assert f"{run_dir} is in use" in err and f"pid {launcher.pid}" in err and "--output-dir" in err, err
-        assert "removed the earlier run" not in result.stdout
-    # --overwrite was refused before it deleted anything of the running run
-    assert (run_dir / "metrics.jsonl").read_text().splitlines()[0] == first_row

@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 
-from engine_helpers import REPO, run_cli, wait_for, write_recipe
+from engine_helpers import REPO, wait_for, write_recipe
 
 from flowrl.runlog import read_metrics
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
-def test_a_second_writer_is_refused_until_the_first_is_killed_then_resume_continues(tmp_path):
+def test_a_second_writer_is_refused_until_the_first_is_killed_then_resume_continues(tmp_path, flowrl_cli):
     recipe, run_dir = write_recipe(tmp_path), tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     first = subprocess.Popen([sys.executable, "-m", "flowrl", "train", str(recipe), "-o", str(run_dir),
@@ -23,7 +23,8 @@ def test_a_second_writer_is_refused_until_the_first_is_killed_then_resume_contin
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: latest_checkpoint(run_dir) is not None or first.poll() is not None, 240, "a checkpoint")
-        second = run_cli(["train", str(recipe), "-o", str(run_dir), "--overwrite"], timeout=120)
+        # the second writer and the resume run in this process: the lock is the first process's
+        (second,) = flowrl_cli.in_process([["train", str(recipe), "-o", str(run_dir), "--overwrite"]])
         assert first.poll() is None, "the first run was still training"
     finally:
         first.send_signal(signal.SIGKILL)
@@ -34,7 +35,7 @@ def test_a_second_writer_is_refused_until_the_first_is_killed_then_resume_contin
     assert "removed the earlier run" not in second.stdout and latest_checkpoint(run_dir) is not None
 
     done = load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"]
-    resumed = run_cli(["train", "--resume", str(run_dir), "--set", f"train.iterations={done + 1}"], timeout=240)
+    (resumed,) = flowrl_cli.in_process([["train", "--resume", str(run_dir), "--set", f"train.iterations={done + 1}"]])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert read_metrics(run_dir)[-1]["iteration"] == done
     assert not (run_dir / ".lock").exists()  # given back (and removed) at the end of the run

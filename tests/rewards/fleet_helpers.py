@@ -3,7 +3,10 @@
 Imported by the replicas LitServe spawns (they inherit the test's sys.path). Every call appends
 one JSON line per event to ``LOG_DIR/<pid>.log``: ``start`` (before the delay, with the
 prompts and the replica's device) and ``done``. A prompt ``"crash"`` ends the replica process
-at once, as a reward that segfaults or runs out of memory would.
+at once, as a reward that segfaults or runs out of memory would. While ``LOG_DIR/hold`` exists, a
+call that has logged ``start`` waits before its delay: a test that must catch a replica in the
+middle of a call (to kill it there) holds the replicas, however long the loaded machine takes it
+to see the ``start``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class SlowReward:
 
     def __init__(self, delay: float, log_dir: str, device: str):
         self.delay, self.log, self.device = delay, Path(log_dir) / f"{os.getpid()}.log", device
+        self.hold = Path(log_dir) / "hold"
 
     def _write(self, **event) -> None:
         with open(self.log, "a") as f:
@@ -39,6 +43,8 @@ class SlowReward:
         if "crash" in prompts:
             os._exit(3)
         self._write(event="start", prompts=list(prompts), device=self.device, pid=os.getpid(), t=time.time())
+        while self.hold.exists():
+            time.sleep(0.01)
         time.sleep(self.delay)
         self._write(event="done", prompts=list(prompts), pid=os.getpid(), t=time.time())
         return RewardOutput(scores=expected(images), extras={"red": images[:, 0].mean((1, 2))})

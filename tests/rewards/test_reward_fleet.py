@@ -239,19 +239,26 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(slow_fleet):
         except Exception as exc:  # reported by the main thread
             errors.append(exc)
 
+    # the replicas hold every call after its `start` until the victim is dead, so the kill lands
+    # in the middle of a call however late this thread sees the `start` on a loaded machine
+    hold = log_dir / "hold"
+    hold.touch()
     threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 30
-    while True:  # the first replica to start scoring is the victim, killed in the middle of it
-        started = [e for e in fleet_helpers.events(log_dir, after=seen) if e["event"] == "start"]
-        if started:
-            break
-        assert time.monotonic() < deadline, "no replica started scoring"
-        time.sleep(0.02)
-    victim = started[0]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
+    try:
+        while True:  # the first replica to start scoring is the victim, killed in the middle of it
+            started = [e for e in fleet_helpers.events(log_dir, after=seen) if e["event"] == "start"]
+            if started:
+                break
+            assert time.monotonic() < deadline, "no replica started scoring"
+            time.sleep(0.02)
+        victim = started[0]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+    finally:
+        hold.unlink()
     for t in threads:
         t.join(60)
     assert not errors, errors

@@ -92,7 +92,7 @@ def test_outputs_in_every_format_and_the_figure(study, flowrl_cli, tmp_path):
     calls = [["compare", str(study), "--baseline", "A", "--metric", "verifier", "--format", f, "--at-wall-time", "2.5"]
              for f in ("json", "md", "csv", "table")]
     calls.append(["compare", str(study), "-b", "A", "-o", str(out)])
-    res = flowrl_cli.batch(calls)
+    res = flowrl_cli.in_process(calls)
     for r in res:
         assert r.returncode == 0, (r.argv, r.stderr)
     as_json = json.loads(res[0].stdout)
@@ -120,7 +120,7 @@ def test_outputs_in_every_format_and_the_figure(study, flowrl_cli, tmp_path):
 def test_runs_named_by_directory_group_into_variants(tmp_path, flowrl_cli):
     for name, seed, ys in [("step_seed1", 1, [0.5, 0.6]), ("step_seed2", 2, [0.5, 0.7]), ("gspo-seed1", 1, [0.5, 0.8])]:
         _write_run(tmp_path / name, ys, 1.0, seed=seed)
-    (res,) = flowrl_cli.batch([["compare", str(tmp_path / "step_seed1"), str(tmp_path / "step_seed2"),
+    (res,) = flowrl_cli.in_process([["compare", str(tmp_path / "step_seed1"), str(tmp_path / "step_seed2"),
                                 str(tmp_path / "gspo-seed1"), "-f", "json"]])
     assert res.returncode == 0, res.stderr
     result = json.loads(res.stdout)
@@ -128,7 +128,7 @@ def test_runs_named_by_directory_group_into_variants(tmp_path, flowrl_cli):
     # gspo seed 1 (0.8) - step seed 1 (0.6)
     assert _variant(result, "gspo")["paired"]["final"]["mean"] == pytest.approx(0.2)
     # a directory holding run directories works the same
-    (res,) = flowrl_cli.batch([["compare", str(tmp_path), "-f", "json"]])
+    (res,) = flowrl_cli.in_process([["compare", str(tmp_path), "-f", "json"]])
     assert [v["name"] for v in json.loads(res.stdout)["variants"]] == ["gspo", "step"]
 
 
@@ -146,7 +146,7 @@ def test_bad_compare_input_gives_one_message_and_exit_2(study, tmp_path, flowrl_
         "unknown format": (["compare", str(study), "--format", "xls"], ["unknown format 'xls'"]),
         "gaps with a budget": (["compare", str(gappy), "--at-wall-time", "1"], ["did not log every iteration", "[log].every = 1"]),
     }
-    results = flowrl_cli.batch([argv for argv, _ in calls.values()])
+    results = flowrl_cli.in_process([argv for argv, _ in calls.values()])
     for (name, (_, fragments)), res in zip(calls.items(), results):
         assert res.returncode == 2, (name, res.stdout, res.stderr)
         assert "Traceback" not in res.stderr, name
@@ -164,7 +164,7 @@ def test_a_table_piped_into_a_log_keeps_every_row_on_one_line(study, flowrl_cli)
     from flowrl.commands.compare import table_rows
 
     argv = ["compare", str(study), "--baseline", "A", "--metric", "verifier", "--at-wall-time", "2.5"]
-    (as_json,) = flowrl_cli.batch([[*argv, "--format", "json"]])
+    (as_json,) = flowrl_cli.in_process([[*argv, "--format", "json"]])
     env = flowrl_cli.env()
     env.pop("COLUMNS")  # as under Slurm: stdout is a file and nothing says how wide
     piped = subprocess.run([sys.executable, "-m", "flowrl", *argv], cwd=flowrl_cli.repo, env=env,

@@ -136,7 +136,7 @@ def test_two_by_two_sweep_runs_every_combination_and_compares(tiny, flowrl_cli):
         assert f"seed = {r['seed']}" in recipe and f"lr = {float(r['overrides'][0].split('=')[1])!r}" in recipe
         assert (tiny / "sw" / "logs" / f"{r['id']}.out").is_file()
 
-    cmp = flowrl_cli.batch([["compare", str(tiny / "sw"), "--format", "json"]])[0]
+    cmp = flowrl_cli.in_process([["compare", str(tiny / "sw"), "--format", "json"]])[0]
     assert cmp.returncode == 0, cmp.stderr
     result = json.loads(cmp.stdout)
     assert result["metric"] == "eval/verifier/mean" and result["baseline"] == "train.lr=1e-4"
@@ -229,7 +229,7 @@ def test_bad_sweep_input_gives_one_message_and_exit_2(tiny, flowrl_cli):
         "resume empty dir": (["sweep", "--resume", "empty"], ["no sweep.json in empty"]),
         "resume with grid": (["sweep", "--resume", "empty", "--grid", "train.lr=1"], ["give no RECIPE"]),
     }
-    results = flowrl_cli.batch([argv for argv, _ in calls.values()], cwd=tiny)
+    results = flowrl_cli.in_process([argv for argv, _ in calls.values()], cwd=tiny)
     for (name, (_, fragments)), res in zip(calls.items(), results):
         assert res.returncode == 2, (name, res.stdout, res.stderr)
         assert "Traceback" not in res.stderr, name

@@ -83,7 +83,7 @@ def test_every_command_in_docs_sweep_md_runs(tmp_path, flowrl_cli):
     # the directories the --resume and compare examples read
     _fake_sweep(tmp_path, defined["runs/lr_sweep"])
     _fake_sweep(tmp_path, defined["runs/algos"])
-    results = flowrl_cli.batch(calls, cwd=tmp_path)
+    results = flowrl_cli.in_process(calls, cwd=tmp_path)
     for res in results:
         assert res.returncode == 0, (res.argv, res.stdout, res.stderr)
         assert "Traceback" not in res.stderr
