@@ -922,9 +922,9 @@ def _fsdp_item(key: str, title: str, small: dict, full: dict, plan: dict | None,
         f"{sum(r['cpu_seconds'] for r in small.values()):.0f} s (reduced depth)",
     ]
     if plan and full["accumulate"] == 1:
-        notes.insert(1, "one backward per optimizer step: flowrl's update runs several; with gradient_sync = 'step' "
-                        "they accumulate unsynchronised (compare the plan with the *_nosync row), with 'micro_batch' "
-                        "each reduce-scatters (the *_sync row)")
+        notes.insert(1, "one backward per optimizer step, planned as gradient_sync = 'micro_batch' (the same "
+                        "collectives); flowrl's update runs several backwards per step: with 'step' they accumulate "
+                        "unsynchronised (the *_nosync row), with 'micro_batch' each reduce-scatters (the *_sync rows)")
     return {"title": title, "plan": plan, "tracker": full, "should": should, "constants": consts,
             "reduced_depth": {"x".join(map(str, d)): r for d, r in small.items()}, "notes": notes}
 
@@ -1146,8 +1146,10 @@ def plan_for(key: str, item: dict[str, Any]) -> dict[str, Any] | None:
     """The plan column of one tracked configuration (None where flowrl has no adapter)."""
     ac = ["model.gradient_checkpointing=" + ("false" if "noac" in key else "true")]
     if key.startswith("flux_full_fsdp8"):
-        # the tracker's "reduce-scatter each backward" runs are [distributed].gradient_sync = "micro_batch"
-        sync = ["distributed.gradient_sync=" + ("micro_batch" if key.endswith("_sync") else "step")]
+        # the tracker's runs reduce-scatter after every backward ([distributed].gradient_sync =
+        # "micro_batch"; with one backward per step also what "step" does), except *_nosync: its
+        # backwards accumulate unsynchronised, then one reduce-scatter ("step" with several)
+        sync = ["distributed.gradient_sync=" + ("step" if key.endswith("_nosync") else "micro_batch")]
         kl = ["loss.beta=0.01"] if key.endswith("_kl") else []  # a KL term: the reference copy, sharded
         geometry = [] if "_720_" in key else PLAN_512  # the flagship recipe is 720 x 720
         plan = plan_numbers(geometry + FSDP_OVERRIDES + ac + sync + kl, 8)
@@ -1175,8 +1177,9 @@ def replan(result: dict[str, Any]) -> dict[str, Any]:
     for key, item in result["items"].items():
         if "tracker" in item:
             item["plan"] = plan_for(key, item)
-            # a note written before flowrl offered [distributed].gradient_sync = "micro_batch"
-            item["notes"] = [n for n in item.get("notes", []) if not n.startswith("flowrl never runs this pattern")]
+            # notes written before flowrl offered [distributed].gradient_sync = "micro_batch"
+            item["notes"] = [n for n in item.get("notes", []) if not n.startswith(("flowrl never runs this pattern",
+                                                                                    "one backward per optimizer step"))]
             print_item(key, item)
     result["replanned"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return result
