@@ -211,8 +211,10 @@ def render_models_figures(rows: list[Row], replicated_gb: float) -> str:
         f"Qwen-Image-Edit LoRA {gb('qwen_image_edit_lora.toml')} (the rollout in 32-sample micro-batches);",
         f"`flux2_klein_nf4_24gb` {gb('flux2_klein_nf4_24gb.toml')} on ONE GPU ({card('flux2_klein_nf4_24gb.toml')};",
         "`flowrl plan recipes/flux2_klein_nf4_24gb.toml --gpu-memory 24`). The FLUX paper recipes",
-        f"(full fine-tuning sharded with FSDP2 over {processes} GPUs in bf16): {gb('chunk_grpo_flux.toml')} per GPU, "
-        f"against {replicated_gb:.1f} GB",
+        f"(full fine-tuning sharded with FSDP2 over {processes} GPUs in bf16): {gb('chunk_grpo_flux.toml')} per GPU"
+        + (f" ({by['chunk_grpo_flux.toml'].sync_peaks['micro_batch']:.1f} GB with gradients reduce-scattered after every "
+           "backward, which `gradient_sync = \"auto\"` takes on a 40 GB card)"
+           if by["chunk_grpo_flux.toml"].sync_peaks else "") + f", against {replicated_gb:.1f} GB",
         "per process if the weights and AdamW state were replicated (`--set distributed.strategy=\"ddp\"`);",
         f"`chunk_grpo_flux_lora.toml`, the flagship with LoRA on one GPU: {gb('chunk_grpo_flux_lora.toml')}.",
         END,
