@@ -285,9 +285,9 @@ def _frozen(cfgs, names, nbytes) -> dict[str, tuple[int, int]]:
 
 
 def _packed_facts(config):
-    """What the specs of the adapters with 2x2-packed latents (FLUX.1, FLUX.2, Z-Image) start from:
-    ``(pipeline configs, transformer config, compute bytes, storage bytes, VAE factor, decode bytes
-    per image, image tokens)``."""
+    """What the specs of the adapters whose transformer reads 2x2 patches of the VAE latent (FLUX.1,
+    FLUX.2, Z-Image) start from: ``(pipeline configs, transformer config, compute bytes, storage
+    bytes, VAE factor, decode bytes per image, image tokens)``."""
     cfgs = pipeline_configs(config.path, config.revision)
     compute, storage = _storage(config)
     scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
