@@ -54,6 +54,34 @@ def lora_disabled(module: torch.nn.Module):
             m.enable_adapters(enabled)
 
 
+def grid_ids(grid: tuple[int, int], width: int, first: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[h * w, width]`` position ids of a token grid ``(h, w)``, row-major like the packing:
+    ``(first, row, col, 0, ...)`` (FLUX.1: ``(0 or 1, row, col)``; FLUX.2: ``(0, row, col, 0)``)."""
+    h, w = grid
+    ids = torch.zeros(h, w, width, dtype=dtype)
+    ids[..., 0] = first
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    return ids.reshape(h * w, width)
+
+
+def pack_2x2(vae_latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents ``[B, C, H/8, W/8]`` -> tokens ``[B, seq, 4C]``: 2x2 patches, channel order
+    ``c, dy, dx``, row-major (FLUX.1's and Qwen-Image's packing)."""
+    b, c, hh, ww = vae_latents.shape
+    x = vae_latents.reshape(b, c, hh // 2, 2, ww // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, (hh // 2) * (ww // 2), 4 * c)
+
+
+def unpack_2x2(latents: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """Tokens ``[B, seq, 4C]`` on a ``grid`` of ``(h, w)`` tokens -> ``[B, C, 2h, 2w]`` (inverse of
+    :func:`pack_2x2`)."""
+    b, _, c4 = latents.shape
+    h, w = grid
+    x = latents.reshape(b, h, w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(b, c4 // 4, 2 * h, 2 * w)
+
+
 class DiffusersAdapter:
     """Base class of the diffusers-backed adapters (see :mod:`flowrl.interfaces`)."""
 
@@ -65,6 +93,8 @@ class DiffusersAdapter:
     uses_cfg: bool = False
     #: no prompts of its own (prompt_source() is None): `flowrl validate` refuses [prompts] source = "model"
     ships_prompts: bool = False
+    #: the pipeline's frozen components (text encoders, VAE), in the order they are moved and frozen
+    frozen_names: tuple[str, ...] = ("text_encoder", "vae")
 
     @property
     def forwards_per_velocity(self) -> int:
@@ -100,6 +130,7 @@ class DiffusersAdapter:
         self.lora_targets = self._lora_preset(config.lora_preset)
         self._reference: torch.nn.Module | None = None
         self._reference_mode: str | None = None
+        self._on_device: dict[str, torch.Tensor] = {}
 
     def _check_image_size(self, multiple_of_vae: int, why: str, vae_scale: int | None = None) -> int:
         """Set ``vae_scale`` and check height and width are multiples of ``vae_scale * multiple_of_vae``.
@@ -119,6 +150,24 @@ class DiffusersAdapter:
                 )
         return step
 
+    def _packed_grid(self, why: str, latent_channels: int, channels_name: str, vae_scale: int | None = None) -> int:
+        """For the adapters whose latents are 2x2-packed tokens ``[(H/16) * (W/16), 4 C]`` (FLUX.1,
+        FLUX.2, Qwen-Image): check the image size (``why`` as in :meth:`_check_image_size`) and that
+        the transformer reads ``4 x`` the VAE's ``latent_channels`` (``channels_name``: that VAE
+        config field, for the error), then set ``grid``, ``latent_shape`` and ``image_seq_len``.
+        Returns the transformer's input channels."""
+        step = self._check_image_size(2, why, vae_scale)
+        self.grid = (self.config.height // step, self.config.width // step)
+        channels = self.denoiser.config.in_channels
+        if channels != 4 * latent_channels:
+            raise FlowrlError(
+                f"transformer in_channels ({channels}) != 4 x VAE {channels_name} ({latent_channels})",
+                where=f"{self.where}.path", hint="the pipeline's transformer and VAE do not belong together",
+            )
+        self.latent_shape = (self.grid[0] * self.grid[1], channels)
+        self.image_seq_len = self.latent_shape[0]
+        return channels
+
     # ---- loading ------------------------------------------------------------------------------
 
     @property
@@ -137,8 +186,9 @@ class DiffusersAdapter:
         )
 
     def _frozen_modules(self) -> list[torch.nn.Module]:
-        """Text encoders and the VAE (everything but the denoiser)."""
-        raise NotImplementedError
+        """Text encoders and the VAE (everything but the denoiser): the pipeline's components named in
+        ``frozen_names`` that it has (a component left out at loading is None)."""
+        return [m for m in (getattr(self.pipe, name) for name in self.frozen_names) if m is not None]
 
     def _lora_preset(self, preset: str) -> list[str]:
         return list(ATTENTION) + (list(FEED_FORWARD) if preset == "attention_ff" else [])
@@ -147,6 +197,7 @@ class DiffusersAdapter:
 
     def to(self, device):
         self.device = torch.device(device)
+        self._on_device = {}  # the constants made for the previous device
         self.denoiser.to(self.device)
         if isinstance(self._reference, torch.nn.Module):
             self._reference.to(self.device)
@@ -155,6 +206,13 @@ class DiffusersAdapter:
         for module in self._frozen_modules():
             module.to(target)
         return self
+
+    def _device_constant(self, key: str, make) -> torch.Tensor:
+        """``make()`` (a tensor on the device, the same for every call: ids, a guidance value), made
+        once per device rather than on every forward; :meth:`to` forgets it."""
+        if key not in self._on_device:
+            self._on_device[key] = make()
+        return self._on_device[key]
 
     @property
     def _offloading(self) -> bool:
@@ -190,6 +248,34 @@ class DiffusersAdapter:
 
     def _velocity(self, module, latents, sigma, text) -> torch.Tensor:
         raise NotImplementedError
+
+    def _cfg_combined(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """True CFG over one batch ``[uncond; cond]`` of velocities: ``(v_u + w (v_c - v_u), v_c)``
+        with ``w = cfg_scale`` (a pipeline that corrects the combination also needs ``v_c``)."""
+        v_u, v_c = out.chunk(2)
+        return v_u + self.config.cfg_scale * (v_c - v_u), v_c
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images ``[B, 3, H, W]`` in ``[0, 1]``: ``vae_batch_size`` latents at a time (bounds the
+        decode memory), float32, through :meth:`_decoder`, with the VAE on the device meanwhile."""
+        vae = self.pipe.vae
+        out = []
+        with self._visiting(vae):
+            to_images = self._decoder(vae)
+            for chunk in latents.split(self.config.vae_batch_size):
+                img = to_images(chunk.to(self.device, torch.float32))
+                out.append((img.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(out)
+
+    def _decoder(self, vae):
+        """``latents -> images in [-1, 1]`` for one chunk of float32 latents on the device, made while
+        the VAE visits the device. Here the latents are the VAE's own (SD3, Z-Image), decoded at
+        ``z / scaling_factor + shift_factor``; adapters that pack or normalise them otherwise
+        override it."""
+        cfg = vae.config
+        return lambda z: vae.decode((z / cfg.scaling_factor + (cfg.shift_factor or 0.0)).to(vae.dtype),
+                                    return_dict=False)[0]
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
         return [p for p in self.denoiser.parameters() if p.requires_grad]

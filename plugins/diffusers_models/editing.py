@@ -37,6 +37,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 from flowrl.prompts import condition_of, load_condition_image
 
+from .common import grid_ids
 from .flux import FluxConfig, FluxModel
 from .memory import kontext_memory_spec, qwen_image_edit_memory_spec
 from .qwen_image import QwenImageConfig, QwenImageModel, qwen_lora_targets
@@ -55,6 +56,14 @@ def condition_size(adapter, config, step: int) -> tuple[int, int]:
             raise FlowrlError(f"{key} = {value} is not a multiple of {step}", where=f"{adapter.where}.{key}",
                               hint=f"use a multiple of {step} (0 = the generated image's size)")
     return size
+
+
+def set_condition_size(adapter, config) -> None:
+    """Set ``condition_size`` (pixels, checked) and ``condition_grid`` (2x2-packed tokens) of an editing
+    adapter whose generated image is set up (``vae_scale`` known)."""
+    step = adapter.vae_scale * 2
+    adapter.condition_size = condition_size(adapter, config, step)
+    adapter.condition_grid = (adapter.condition_size[0] // step, adapter.condition_size[1] // step)
 
 
 def condition_pictures(adapter, prompts) -> list:
@@ -100,25 +109,11 @@ class FluxKontextModel(FluxModel):
 
     def __init__(self, config: FluxKontextConfig, where: str = "[model] (model 'flux_kontext')"):
         super().__init__(config, where)
-        step = self.vae_scale * 2
-        self.condition_size = condition_size(self, config, step)
-        self.condition_grid = (self.condition_size[0] // step, self.condition_size[1] // step)
-        self._cond_ids: torch.Tensor | None = None
-
-    def to(self, device):
-        super().to(device)
-        self._cond_ids = None
-        return self
+        set_condition_size(self, config)
 
     def condition_ids(self) -> torch.Tensor:
         """``[S_c, 3]`` ids ``(1, row, col)`` of the condition's token grid."""
-        if self._cond_ids is None:
-            h, w = self.condition_grid
-            ids = torch.ones(h, w, 3)
-            ids[..., 1] = torch.arange(h)[:, None]
-            ids[..., 2] = torch.arange(w)[None, :]
-            self._cond_ids = ids.reshape(h * w, 3).to(self.device)
-        return self._cond_ids
+        return self._device_constant("cond_ids", lambda: grid_ids(self.condition_grid, 3, first=1.0).to(self.device))
 
     @torch.no_grad()
     def encode_prompts(self, prompts):
@@ -173,9 +168,7 @@ class QwenImageEditModel(QwenImageModel):
 
     def __init__(self, config: QwenImageEditConfig, where: str = "[model] (model 'qwen_image_edit')"):
         super().__init__(config, where)
-        step = self.vae_scale * 2
-        self.condition_size = condition_size(self, config, step)
-        self.condition_grid = (self.condition_size[0] // step, self.condition_size[1] // step)
+        set_condition_size(self, config)
         self.vision_tokens = self.count_vision_tokens()
         self.text_length = self.vision_tokens + config.max_sequence_length
 

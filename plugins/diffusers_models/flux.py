@@ -22,7 +22,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 from flowrl.sampling.schedules import conditioning_timestep
 
-from .common import DiffusersAdapter
+from .common import DiffusersAdapter, grid_ids, pack_2x2, unpack_2x2
 from .memory import flux_memory_spec
 from .quantize import QUANTIZE_HELP
 
@@ -74,47 +74,21 @@ class FluxModel(DiffusersAdapter):
 
     Config = FluxConfig
     pipeline_class_name = "FluxPipeline"
+    frozen_names = ("text_encoder", "text_encoder_2", "vae")
 
     def __init__(self, config: FluxConfig, where: str = "[model] (model 'flux')"):
         super().__init__(config, where)
-        step = self._check_image_size(2, "2x2 packing")
-        self.grid = (config.height // step, config.width // step)
-        channels = self.denoiser.config.in_channels
-        self.latent_shape = (self.grid[0] * self.grid[1], channels)
-        self.image_seq_len = self.latent_shape[0]
-        vae_cfg = self.pipe.vae.config
-        if channels != 4 * vae_cfg.latent_channels:
-            raise FlowrlError(
-                f"transformer in_channels ({channels}) != 4 x VAE latent_channels ({vae_cfg.latent_channels})",
-                where=f"{where}.path", hint="the pipeline's transformer and VAE do not belong together",
-            )
+        self._packed_grid("2x2 packing", self.pipe.vae.config.latent_channels, "latent_channels")
         self.uses_guidance = bool(self.denoiser.config.guidance_embeds)
         if not self.uses_guidance and config.guidance:
             raise FlowrlError(
                 f"this FLUX transformer has no guidance embedding (schnell-like), but guidance = {config.guidance}",
                 where=f"{where}.guidance", hint="set model.guidance = 0 for FLUX.1-schnell",
             )
-        self._img_ids: torch.Tensor | None = None
-        self._guidance: torch.Tensor | None = None
-
-    def _frozen_modules(self):
-        p = self.pipe
-        return [m for m in (p.text_encoder, p.text_encoder_2, p.vae) if m is not None]
-
-    def to(self, device):
-        super().to(device)
-        self._img_ids = self._guidance = None
-        return self
 
     def image_ids(self) -> torch.Tensor:
         """``[seq, 3]`` ids ``(0, row, col)`` of the packed token grid, as FLUX's pipeline makes them."""
-        if self._img_ids is None:
-            h, w = self.grid
-            ids = torch.zeros(h, w, 3)
-            ids[..., 1] = torch.arange(h)[:, None]
-            ids[..., 2] = torch.arange(w)[None, :]
-            self._img_ids = ids.reshape(h * w, 3).to(self.device)
-        return self._img_ids
+        return self._device_constant("img_ids", lambda: grid_ids(self.grid, 3).to(self.device))
 
     @torch.no_grad()
     def encode_prompts(self, prompts):
@@ -133,9 +107,9 @@ class FluxModel(DiffusersAdapter):
             # one value for the whole batch: the transformer broadcasts its guidance embedding over
             # the rows, so a [1] tensor embeds once instead of b identical rows kept for backward;
             # built once per device, not on every forward
-            if self._guidance is None:
-                self._guidance = torch.full((1,), float(self.config.guidance), device=self.device, dtype=torch.float32)
-            kwargs["guidance"] = self._guidance
+            guidance = float(self.config.guidance)
+            kwargs["guidance"] = self._device_constant(
+                "guidance", lambda: torch.full((1,), guidance, device=self.device, dtype=torch.float32))
         compute = self.dtype
         hidden, img_ids = self._image_inputs(latents.to(self.device, compute), text)
         with self._autocast():
@@ -157,28 +131,15 @@ class FluxModel(DiffusersAdapter):
 
     def unpack(self, latents: torch.Tensor) -> torch.Tensor:
         """Packed tokens ``[B, seq, 4C]`` -> VAE latents ``[B, C, H/8, W/8]``."""
-        b, _, c4 = latents.shape
-        h, w = self.grid
-        x = latents.reshape(b, h, w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c4 // 4, 2 * h, 2 * w)
+        return unpack_2x2(latents, self.grid)
 
     def pack(self, vae_latents: torch.Tensor) -> torch.Tensor:
         """VAE latents ``[B, C, H/8, W/8]`` -> packed tokens ``[B, seq, 4C]`` (inverse of unpack)."""
-        b, c, hh, ww = vae_latents.shape
-        x = vae_latents.reshape(b, c, hh // 2, 2, ww // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (hh // 2) * (ww // 2), 4 * c)
+        return pack_2x2(vae_latents)
 
-    @torch.no_grad()
-    def decode(self, latents):
-        vae = self.pipe.vae
-        out = []
-        with self._visiting(vae):
-            for chunk in latents.split(self.config.vae_batch_size):
-                z = self.unpack(chunk.to(self.device, torch.float32))
-                z = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-                img = vae.decode(z.to(vae.dtype), return_dict=False)[0]
-                out.append((img.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(out)
+    def _decoder(self, vae):
+        scaled = super()._decoder(vae)  # the VAE's own latents once unpacked
+        return lambda z: scaled(self.unpack(z))
 
     def sigmas(self, num_steps):
         return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=True)

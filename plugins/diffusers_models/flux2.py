@@ -33,7 +33,7 @@ import torch
 from flowrl.config import param
 from flowrl.errors import FlowrlError
 
-from .common import ATTENTION, DiffusersAdapter
+from .common import ATTENTION, DiffusersAdapter, grid_ids
 from .memory import flux2_klein_memory_spec, pipeline_configs
 from .quantize import QUANTIZE_HELP
 
@@ -117,15 +117,7 @@ class Flux2KleinModel(DiffusersAdapter):
 
     def __init__(self, config: Flux2KleinConfig, where: str = "[model] (model 'flux2_klein')"):
         super().__init__(config, where)
-        step = self._check_image_size(2, "2x2 patches")
-        self.grid = (config.height // step, config.width // step)
-        channels = self.denoiser.config.in_channels
-        latent_channels = self.pipe.vae.config.latent_channels
-        if channels != 4 * latent_channels:
-            raise FlowrlError(
-                f"transformer in_channels ({channels}) != 4 x VAE latent_channels ({latent_channels})",
-                where=f"{where}.path", hint="the pipeline's transformer and VAE do not belong together",
-            )
+        self._packed_grid("2x2 patches", self.pipe.vae.config.latent_channels, "latent_channels")
         if self.denoiser.config.guidance_embeds:
             raise FlowrlError(
                 "this FLUX.2 transformer has a guidance embedding (FLUX.2 [dev]); this adapter runs FLUX.2 [klein]",
@@ -138,32 +130,14 @@ class Flux2KleinModel(DiffusersAdapter):
                 f"{config.cfg_scale}",
                 where=f"{where}.cfg_scale", hint="set model.cfg_scale = 1 (or use a klein-base checkpoint for CFG)",
             )
-        self.latent_shape = (self.grid[0] * self.grid[1], channels)
-        self.image_seq_len = self.latent_shape[0]
         self.uses_cfg = config.cfg_scale > 1.0
-        self._img_ids: torch.Tensor | None = None
-
-    def _frozen_modules(self):
-        p = self.pipe
-        return [m for m in (p.text_encoder, p.vae) if m is not None]
 
     def _lora_preset(self, preset):
         return flux2_lora_targets(preset, len(self.denoiser.single_transformer_blocks))
 
-    def to(self, device):
-        super().to(device)
-        self._img_ids = None
-        return self
-
     def image_ids(self) -> torch.Tensor:
         """``[seq, 4]`` ids ``(0, row, col, 0)`` of the token grid, row-major like the packing."""
-        if self._img_ids is None:
-            h, w = self.grid
-            ids = torch.zeros(h, w, 4, dtype=torch.long)
-            ids[..., 1] = torch.arange(h)[:, None]
-            ids[..., 2] = torch.arange(w)[None, :]
-            self._img_ids = ids.reshape(h * w, 4).to(self.device)
-        return self._img_ids
+        return self._device_constant("img_ids", lambda: grid_ids(self.grid, 4, dtype=torch.long).to(self.device))
 
     @staticmethod
     def text_ids(length: int, device) -> torch.Tensor:
@@ -207,10 +181,7 @@ class Flux2KleinModel(DiffusersAdapter):
                 guidance=None, return_dict=False,
             )[0]
         out = out.to(torch.float32)
-        if self.uses_cfg:
-            v_u, v_c = out.chunk(2)
-            out = v_u + self.config.cfg_scale * (v_c - v_u)
-        return out
+        return self._cfg_combined(out)[0] if self.uses_cfg else out
 
     # ---- latents and images -----------------------------------------------------------------
 
@@ -237,20 +208,13 @@ class Flux2KleinModel(DiffusersAdapter):
         """Tokens ``[B, seq, 4C]`` -> VAE latents ``[B, C, H/8, W/8]`` (inverse of :meth:`pack`)."""
         return self.unpatchify(self.tokens_to_grid(latents))
 
-    @torch.no_grad()
-    def decode(self, latents):
-        vae = self.pipe.vae
-        out = []
-        with self._visiting(vae):
-            bn = vae.bn  # the latents are normalised per patchified channel by the VAE's batch norm
-            mean = bn.running_mean.to(self.device, torch.float32).view(1, -1, 1, 1)
-            var = bn.running_var.to(self.device, torch.float32).view(1, -1, 1, 1)
-            std = torch.sqrt(var + vae.config.batch_norm_eps)
-            for chunk in latents.split(self.config.vae_batch_size):
-                grid = self.tokens_to_grid(chunk.to(self.device, torch.float32)) * std + mean
-                img = vae.decode(self.unpatchify(grid).to(vae.dtype), return_dict=False)[0]
-                out.append((img.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(out)
+    def _decoder(self, vae):
+        bn = vae.bn  # the latents are normalised per patchified channel by the VAE's batch norm
+        mean = bn.running_mean.to(self.device, torch.float32).view(1, -1, 1, 1)
+        var = bn.running_var.to(self.device, torch.float32).view(1, -1, 1, 1)
+        std = torch.sqrt(var + vae.config.batch_norm_eps)
+        return lambda z: vae.decode(self.unpatchify(self.tokens_to_grid(z) * std + mean).to(vae.dtype),
+                                    return_dict=False)[0]
 
     def sigmas(self, num_steps):
         mu = flux2_empirical_mu(self.image_seq_len, num_steps)

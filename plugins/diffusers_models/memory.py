@@ -284,14 +284,20 @@ def _frozen(cfgs, names, nbytes) -> dict[str, tuple[int, int]]:
     return {n: (count_parameters(cfgs[n]), nbytes) for n in names if n in cfgs}
 
 
+def _packed_facts(config):
+    """What the specs of the adapters whose transformer reads 2x2 patches of the VAE latent (FLUX.1,
+    FLUX.2, Z-Image) start from: ``(pipeline configs, transformer config, compute bytes, storage
+    bytes, VAE factor, decode bytes per image, image tokens)``."""
+    cfgs = pipeline_configs(config.path, config.revision)
+    compute, storage = _storage(config)
+    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
+    img = (config.height // (2 * scale)) * (config.width // (2 * scale))
+    return cfgs, cfgs["transformer"], compute, storage, scale, decode, img
+
+
 def flux_memory_spec(config):
     """:class:`flowrl.memory_plan.ModelMemory` of the ``flux`` adapter, without weights."""
-    cfgs = pipeline_configs(config.path, config.revision)
-    t = cfgs["transformer"]
-    compute = _BYTES[config.dtype]
-    storage = compute if config.denoiser_dtype == "auto" else _BYTES[config.denoiser_dtype]
-    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
-    img_tokens = (config.height // (2 * scale)) * (config.width // (2 * scale))
+    cfgs, t, compute, storage, scale, decode, img_tokens = _packed_facts(config)
     key = json.dumps({k: t.get(k) for k in ("attention_head_dim", "axes_dims_rope", "in_channels", "guidance_embeds")})
     consts = _flux_constants(key)
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
@@ -530,11 +536,7 @@ def qwen_image_edit_memory_spec(config, lora_targets: list[str]):
 
 def flux2_klein_memory_spec(config, lora_targets: list[str]):
     """:class:`flowrl.memory_plan.ModelMemory` of the ``flux2_klein`` adapter, without weights."""
-    cfgs = pipeline_configs(config.path, config.revision)
-    t = cfgs["transformer"]
-    compute, storage = _storage(config)
-    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
-    img = (config.height // (2 * scale)) * (config.width // (2 * scale))
+    cfgs, t, compute, storage, scale, decode, img = _packed_facts(config)
     txt = config.max_sequence_length
     cfg = 2 if config.cfg_scale != 1.0 else 1
     consts = _flux2_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]),
@@ -558,11 +560,7 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
 
 def zimage_memory_spec(config, lora_targets: list[str]):
     """:class:`flowrl.memory_plan.ModelMemory` of the ``zimage`` adapter, without weights."""
-    cfgs = pipeline_configs(config.path, config.revision)
-    t = cfgs["transformer"]
-    compute, storage = _storage(config)
-    scale, decode = _vae_facts(cfgs.get("vae", {}), config.height, config.width, compute)
-    img = (config.height // (2 * scale)) * (config.width // (2 * scale))
+    cfgs, t, compute, storage, scale, decode, img = _packed_facts(config)
     txt = config.max_sequence_length
     pad = lambda n: -(-n // 32) * 32  # noqa: E731  # the transformer pads both sequences to multiples of 32
     cfg = 2 if config.cfg_scale > 0 else 1

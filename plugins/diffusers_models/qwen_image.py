@@ -35,9 +35,8 @@ from typing import Literal
 import torch
 
 from flowrl.config import param
-from flowrl.errors import FlowrlError
 
-from .common import ATTENTION, DiffusersAdapter
+from .common import ATTENTION, DiffusersAdapter, pack_2x2, unpack_2x2
 from .memory import qwen_image_memory_spec
 from .quantize import QUANTIZE_HELP
 
@@ -114,21 +113,8 @@ class QwenImageModel(DiffusersAdapter):
         super().__init__(config, where)
         vae_cfg = self.pipe.vae.config
         # The pipeline's own rule: the Wan-style VAE halves H and W once per temporal stage entry.
-        step = self._check_image_size(2, "2x2 packing", vae_scale=2 ** len(vae_cfg.temperal_downsample))
-        self.grid = (config.height // step, config.width // step)
-        channels = self.denoiser.config.in_channels
-        if channels != 4 * vae_cfg.z_dim:
-            raise FlowrlError(
-                f"transformer in_channels ({channels}) != 4 x VAE z_dim ({vae_cfg.z_dim})",
-                where=f"{where}.path", hint="the pipeline's transformer and VAE do not belong together",
-            )
-        self.latent_shape = (self.grid[0] * self.grid[1], channels)
-        self.image_seq_len = self.latent_shape[0]
+        self._packed_grid("2x2 packing", vae_cfg.z_dim, "z_dim", vae_scale=2 ** len(vae_cfg.temperal_downsample))
         self.uses_cfg = config.cfg_scale != 1.0
-
-    def _frozen_modules(self):
-        p = self.pipe
-        return [m for m in (p.text_encoder, p.vae) if m is not None]
 
     def _lora_preset(self, preset):
         return qwen_lora_targets(preset)
@@ -187,8 +173,7 @@ class QwenImageModel(DiffusersAdapter):
             )[0]
         out = out[:, : latents.shape[1]].to(torch.float32)  # the generated image's tokens
         if self.uses_cfg:
-            v_u, v_c = out.chunk(2)
-            combined = v_u + self.config.cfg_scale * (v_c - v_u)
+            combined, v_c = self._cfg_combined(out)
             out = combined * (v_c.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
         return out
 
@@ -201,32 +186,20 @@ class QwenImageModel(DiffusersAdapter):
 
     def unpack(self, latents: torch.Tensor) -> torch.Tensor:
         """Packed tokens ``[B, seq, 4C]`` -> VAE latents ``[B, C, 1, H/8, W/8]`` (one frame)."""
-        b, _, c4 = latents.shape
-        h, w = self.grid
-        x = latents.reshape(b, h, w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c4 // 4, 1, 2 * h, 2 * w)
+        return unpack_2x2(latents, self.grid).unsqueeze(2)
 
     def pack(self, vae_latents: torch.Tensor) -> torch.Tensor:
         """VAE latents ``[B, C, 1, H/8, W/8]`` (or ``[B, C, H/8, W/8]``) -> packed tokens ``[B, seq, 4C]``."""
         if vae_latents.ndim == 5:
             vae_latents = vae_latents[:, :, 0]
-        b, c, hh, ww = vae_latents.shape
-        x = vae_latents.reshape(b, c, hh // 2, 2, ww // 2, 2).permute(0, 2, 4, 1, 3, 5)
-        return x.reshape(b, (hh // 2) * (ww // 2), 4 * c)
+        return pack_2x2(vae_latents)
 
-    @torch.no_grad()
-    def decode(self, latents):
-        vae = self.pipe.vae
+    def _decoder(self, vae):
         cfg = vae.config
-        out = []
-        with self._visiting(vae):
-            mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1, 1)
-            std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1, 1)
-            for chunk in latents.split(self.config.vae_batch_size):
-                z = self.unpack(chunk.to(self.device, torch.float32)) * std + mean
-                img = vae.decode(z.to(vae.dtype), return_dict=False)[0][:, :, 0]
-                out.append((img.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(out)
+        mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1, 1)
+        # per channel de-normalised, one frame of the Wan-style 3-D VAE
+        return lambda z: vae.decode((self.unpack(z) * std + mean).to(vae.dtype), return_dict=False)[0][:, :, 0]
 
     def sigmas(self, num_steps):
         return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=True)

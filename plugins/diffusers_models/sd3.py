@@ -61,6 +61,7 @@ class SD3Model(DiffusersAdapter):
 
     Config = SD3Config
     pipeline_class_name = "StableDiffusion3Pipeline"
+    frozen_names = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")
 
     def __init__(self, config: SD3Config, where: str = "[model] (model 'sd3')"):
         super().__init__(config, where)
@@ -75,10 +76,6 @@ class SD3Model(DiffusersAdapter):
         if self.config.use_t5:
             return {}
         return {"text_encoder_3": None, "tokenizer_3": None}
-
-    def _frozen_modules(self):
-        p = self.pipe
-        return [m for m in (p.text_encoder, p.text_encoder_2, p.text_encoder_3, p.vae) if m is not None]
 
     @torch.no_grad()
     def encode_prompts(self, prompts):
@@ -115,21 +112,7 @@ class SD3Model(DiffusersAdapter):
                 pooled_projections=pooled.to(self.device, compute), return_dict=False,
             )[0]
         out = out.to(torch.float32)
-        if self.uses_cfg:
-            v_u, v_c = out.chunk(2)
-            out = v_u + self.config.cfg_scale * (v_c - v_u)
-        return out
-
-    @torch.no_grad()
-    def decode(self, latents):
-        vae = self.pipe.vae
-        out = []
-        with self._visiting(vae):
-            for chunk in latents.split(self.config.vae_batch_size):
-                z = chunk.to(self.device, torch.float32) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-                img = vae.decode(z.to(vae.dtype), return_dict=False)[0]
-                out.append((img.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(out)
+        return self._cfg_combined(out)[0] if self.uses_cfg else out
 
     def sigmas(self, num_steps):
         return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=False)

@@ -125,10 +125,6 @@ class ZImageModel(DiffusersAdapter):
         self.image_seq_len = (h // self.patch_size) * (w // self.patch_size)
         self.uses_cfg = config.cfg_scale > 0.0
 
-    def _frozen_modules(self):
-        p = self.pipe
-        return [m for m in (p.text_encoder, p.vae) if m is not None]
-
     def shardable_blocks(self):
         """Z-Image keeps its blocks in ``noise_refiner``, ``context_refiner``, ``siglip_refiner``
         (Omni only) and ``layers``: names flowrl's ``*blocks`` rule would not find."""
@@ -212,18 +208,7 @@ class ZImageModel(DiffusersAdapter):
         pred = torch.stack(rows)
         return -pred.squeeze(2)  # flowrl's v = eps - x0
 
-    # ---- images -----------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def decode(self, latents):
-        vae = self.pipe.vae
-        out = []
-        with self._visiting(vae):
-            for chunk in latents.split(self.config.vae_batch_size):
-                z = chunk.to(self.device, torch.float32) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-                img = vae.decode(z.to(vae.dtype), return_dict=False)[0]
-                out.append((img.float() / 2 + 0.5).clamp(0, 1))
-        return torch.cat(out)
+    # ---- images: the VAE's own latents, DiffusersAdapter.decode ------------------------------
 
     def sigmas(self, num_steps):
         return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=True)
