@@ -49,9 +49,8 @@ from .update import PolicyUpdate
 def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
           console: Console | None = None, registry: Registry | None = None) -> Path:
     """Run (or resume) training for a validated recipe; returns the run directory."""
-    console = console or Console()
+    console, cfg, train_cfg = console or Console(), recipe, recipe.train
     registry = registry or get_registry()  # the CLI passes its own (honours --disable-plugin)
-    cfg, train_cfg = recipe, recipe.train
 
     # ---- Setup: device, processes, batch geometry, run directory checks ----------------------
     device, ctx = distributed.start(recipe.run.device, recipe.distributed)  # checks the launcher agrees
@@ -63,8 +62,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
     with run_directory_held(recipe, run_dir, resume, registry, ctx), oom_explained(recipe, geometry, ctx, registry):
         check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
-        # ---- Build: components, prompts, chunk layout, trainable parameters, optimizer, EMA ------
-        # (fsdp2 places the denoiser itself, a block at a time as it shards it: no whole copy on the GPU)
+        # ---- Build: components (fsdp2 shards the denoiser onto the device), prompts, update, EMA -
         session = Session.open(recipe, registry, device=device, place_denoiser=not sharded_run(recipe, ctx))
         run = Run(session, geometry, ctx)
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
@@ -81,8 +79,8 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
         evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
-        saver = Checkpointer(run_dir, run, state, update, layout, ema)
         display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
+        saver = Checkpointer(run_dir, run, state, update, layout, ema, on_write=display.phase)
         interrupted = False
         try:
             with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
@@ -104,8 +102,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     if interrupted := distributed.any_rank(interrupt.requested, ctx):  # eval is redone on resume
                         break
 
-                    # ---- Collect: prompts and text embeddings, rollout, images, rewards ----------------
-                    # (each sub-batch decoded and scored while the next samples: [sampler].overlap_rewards)
+                    # ---- Collect: prompts, text embeddings, rollout, images, rewards (overlapped) -----
                     batch = collect(run, prompts, iteration, timer)
 
                     # ---- Advantages over whole groups (rewards gathered from every process) ---------
@@ -121,17 +118,14 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     record.update(update_record(outcome, batch, state, layout, update, ctx))
                     warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
-                    # ---- Log, then checkpoint: the metrics row is on disk before the checkpoint ------
-                    # (a checkpoint's seconds go into the next row written: metrics.jsonl is only appended to)
+                    # ---- Log, then checkpoint (its seconds go into the next row: append-only metrics) --
                     state.iteration = iteration + 1
                     last = state.iteration == train_cfg.iterations
-                    if cfg.log.image_every and (iteration % cfg.log.image_every == 0 or last):
-                        outputs.write_group_grid(batch, geometry.group_size)
+                    outputs.write_group_grid(batch, geometry.group_size, last)  # every [log].image_every
                     speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
                     if iteration % cfg.log.every == 0 or last or outcome.skipped:
                         outputs.write_iteration(record, {**timer.seconds, **saver.take_seconds()}, speed)
                     if saver.due(last):
-                        display.phase("checkpoint")
                         saver()
                     display.advance(record, speed)
                     check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)

@@ -51,6 +51,7 @@ class RunOutputs:
     def __init__(self, run_dir: Path, session, ctx, start_iteration: int, run_info: dict | None = None):
         self.run_dir = run_dir
         self.enabled = ctx.is_main
+        self.image_every = session.recipe.log.image_every
         self.trackers = session.components.trackers
         self.metrics: MetricsLog | None = None
         if not self.enabled:
@@ -114,10 +115,12 @@ class RunOutputs:
             for tracker in self.trackers:
                 tracker.log_metrics(record["iteration"], {k: v for k, v in record.items() if isinstance(v, float)})
 
-    def write_group_grid(self, batch, group_size: int) -> None:
-        """The first group of the batch: its prompt as the title, each sample captioned with its
-        rewards and advantage; a degenerate group (no reward spread) is marked as such."""
-        if not self.enabled:
+    def write_group_grid(self, batch, group_size: int, last: bool = False) -> None:
+        """Every ``[log].image_every`` iterations and at the last (``last``): the first group of
+        the batch, its prompt as the title, each sample captioned with its rewards and advantage;
+        a degenerate group (no reward spread) is marked as such."""
+        every = self.image_every
+        if not self.enabled or not every or not (batch.iteration % every == 0 or last):
             return
         n = min(group_size, len(batch.indices))
         finite = batch.advantages is not None

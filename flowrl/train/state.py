@@ -140,6 +140,7 @@ class Checkpointer:
     update: Any  # PolicyUpdate
     layout: Any  # ChunkLayout
     ema: Any = None  # WeightEMA, with [ema] enabled
+    on_write: Any = None  # called with "checkpoint" before each write (the progress display's phase)
     last_write: float = dataclasses.field(default_factory=time.monotonic)
     unreported: float | None = None  # seconds of checkpoints not yet in a metrics row
 
@@ -156,6 +157,8 @@ class Checkpointer:
         return due
 
     def __call__(self) -> Path | None:
+        if self.on_write is not None:
+            self.on_write("checkpoint")
         self.last_write, start = time.monotonic(), time.perf_counter()
         try:
             return save_training_checkpoint(self.run_dir, self.run, self.state, self.update, self.layout, self.ema)
