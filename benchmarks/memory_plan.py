@@ -446,7 +446,7 @@ def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None
         if ref is not None:
             # before the step; after a forward FSDP2's root keeps its own parameters gathered (bf16)
             result["reference_bytes"], result["reference_sharded"] = ref_bytes, ref_sharded
-    result.update(reference=reference, 
+    result.update(with_reference=reference, 
         world_size=world_size, depth=list(depth or family.depth()), batch=batch, tokens=img + txt,
         checkpointing=checkpointing, accumulate=accumulate, sync_each=sync_each, n_params=n_params,
         full_param_bytes=full_param_bytes, local_param_bytes=local_bytes, all_dtensor_shard0=sharded,
