@@ -39,6 +39,8 @@ from flowrl.interfaces import (
     PolicyLoss,
     ProfilingChunker,
     ReportsClipping,
+    NeedsReferenceCopy,
+    NeedsReferencePolicy,
     SamplesWithOwnWeights,
     ScalesFlowGRPOKL,
     Schedule,
@@ -189,6 +191,13 @@ def check_objective(objective) -> list[str]:
 
 def check_loss(loss, **_) -> list[str]:
     claimed = []
+    # what the engine and validation read of a loss's reference needs, before any model loads
+    if isinstance(loss, NeedsReferenceCopy):
+        claimed.append("NeedsReferenceCopy")
+        assert isinstance(loss.needs_reference_copy, bool), "needs_reference_copy must be a bool"
+    if isinstance(loss, NeedsReferencePolicy):
+        claimed.append("NeedsReferencePolicy")
+        assert isinstance(loss.needs_reference(), bool), "needs_reference() must return a bool"
     if isinstance(loss, Objective):
         claimed += check_objective(loss)
         if not loss.uses_units:

@@ -138,7 +138,9 @@ def test_fsdp2_diffusion_nft_with_evaluation_equals_one_process(tmp_path):
     train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
     rec2, rec1 = read_metrics(two), read_metrics(one)
     assert len(rec2) == len(rec1) == 3 and all(any(k.startswith("eval/") for k in r) for r in rec2)
-    assert all(r["nft/kl_ref"] > 0 for r in rec2[:2])  # the reference ran, and the policy moved off it
+    # the reference ran in both iterations (the first update is taken at the reference: KL 0), and
+    # after the first optimizer step the policy has moved off it
+    assert "nft/kl_ref" in rec2[0] and rec2[1]["nft/kl_ref"] > 0
     for a, b in zip(rec2, rec1):
         for record in (a, b):
             for key in [k for k in record if k.startswith("compute/") or k == "world_size"]:
