@@ -125,17 +125,28 @@ def spawned_children_ignore_sigint():
     start, whichever thread starts it: Ctrl-C reaches a terminal's whole process group, and a
     child that its parent ends must not die of its own KeyboardInterrupt, with a traceback,
     while it still imports its modules (seconds, for torch). A Python handler does not survive
-    the exec of ``spawn``, nor does a blocked signal mask; so the child is told by the first
-    thing it unpickles, its preparation data, before it re-imports the parent's main module."""
-    from multiprocessing import spawn
+    the exec of ``spawn``; so the child is told by the first thing it unpickles, its preparation
+    data, before it re-imports the parent's main module. Until then (the interpreter's own start,
+    ``site`` included) SIGINT is blocked: the spawning thread blocks it around the fork and exec,
+    and a child keeps the signal mask it is started with, so a Ctrl-C then stays pending and is
+    discarded when the child ignores it. The parent's own Ctrl-C is only delayed by the spawn."""
+    from multiprocessing import spawn, util
 
     get_preparation_data = spawn.get_preparation_data
+    spawnv_passfds = util.spawnv_passfds
 
     def with_sigint_ignored(name):
         return {"flowrl_ignore_sigint": _IgnoresSigint(), **get_preparation_data(name)}
 
-    spawn.get_preparation_data = with_sigint_ignored
+    def with_sigint_blocked(path, args, passfds):
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return spawnv_passfds(path, args, passfds)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    spawn.get_preparation_data, util.spawnv_passfds = with_sigint_ignored, with_sigint_blocked
     try:
         yield
     finally:
-        spawn.get_preparation_data = get_preparation_data
+        spawn.get_preparation_data, util.spawnv_passfds = get_preparation_data, spawnv_passfds
