@@ -15,18 +15,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "engine"))
 from engine_helpers import TINY_RECIPE  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_cli_recipe import train_in_process  # noqa: E402
 
-def _train(*args: str, capsys) -> tuple[int, str]:
-    """``flowrl train ARGS`` through flowrl.cli.main in this process: (exit code, stderr flattened)."""
-    from flowrl import cli
 
-    capsys.readouterr()
-    try:
-        cli.main(["train", *args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
+_train = train_in_process
 
 
 def _one_message(code: int, err: str) -> None:

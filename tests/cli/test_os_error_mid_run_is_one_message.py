@@ -19,19 +19,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_cli_recipe import tiny_recipe  # noqa: E402
+from tiny_cli_recipe import tiny_recipe, train_in_process  # noqa: E402
 
 
-def _train(*args: str, capsys) -> tuple[int, str]:
-    from flowrl import cli
-
-    capsys.readouterr()
-    try:
-        cli.main(["train", *args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
+_train = train_in_process
 
 
 def _fail_second(monkeypatch, name: str, matches, error) -> None:

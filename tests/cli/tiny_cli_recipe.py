@@ -42,3 +42,16 @@ image_every = 0
 every = 1
 
 {rewards}"""
+
+
+def train_in_process(*args: str, capsys) -> tuple[int, str]:
+    """``flowrl train ARGS`` through flowrl.cli.main in this process: (exit code, stderr)."""
+    from flowrl import cli
+
+    capsys.readouterr()
+    try:
+        cli.main(["train", *args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
