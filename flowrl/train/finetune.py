@@ -8,6 +8,10 @@ from ..compat import ensure_torchvision_importable
 from ..errors import FlowrlError
 from ..interfaces import DiffusersLoraModule, HasLoraTargets
 
+# Cheap, and whatever imports transformers or peft after flowrl.train (a plugin, a worker) needs it
+# first (flowrl.compat); peft itself is imported only where LoRA is attached.
+ensure_torchvision_importable()
+
 
 def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
     """Set requires_grad for ``train.finetune`` and return the trainable parameters.
@@ -34,7 +38,6 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
             )
         denoiser.requires_grad_(False)
         # peft (and the transformers it imports) costs seconds at start-up: only LoRA pays for it
-        ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
         from peft import LoraConfig, inject_adapter_in_model
 
         config = LoraConfig(
