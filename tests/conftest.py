@@ -190,26 +190,65 @@ def validate(flowrl_cli):
     return run
 
 
-#: The longest tests (20-120 s each, measured under pytest-xdist on the 2-core CI machine), started
-#: first: a worker that picked one up near the end would keep the run going alone for minutes.
-#: pytest-xdist's worksteal scheduler hands each worker a contiguous share and lets the idle one
-#: take from the other's tail, so the short tests fill in around these.
-LONG_FIRST = (
-    "tests/test_reference_metrics.py",
-    "tests/engine/test_engine_fsdp2.py",
-    "tests/engine/test_engine_distributed.py",
-    "tests/sweep/test_sweep.py",
-    "tests/test_readme_quickstart.py",
-    "tests/engine/test_engine_launcher.py",
-    "tests/distributed/test_parallel.py",
-    "tests/engine/test_engine_one_rank_idle.py",
-    "tests/engine/test_engine_run_lock.py",
-    "tests/test_quiet_output.py",
-    "tests/test_readme_plugin.py",
-    "tests/test_recipe_fuzz.py",
-)
+#: The modules that take longest, with their seconds on one worker of the 2-core CI machine (quiet;
+#: from ``pytest --durations``). A module stays whole on one worker: several share a module-scoped
+#: fixture (a 2-process launch) that a split module would pay for twice.
+LONG_MODULES = {
+    "tests/test_reference_metrics.py": 130,
+    "tests/engine/test_engine_fsdp2.py": 110,
+    "tests/test_quickstart.py": 40,
+    "tests/test_cli_ux.py": 40,
+    "tests/rewards/test_reward_fleet.py": 40,
+    "tests/sweep/test_sweep.py": 40,
+    "tests/engine/test_engine_distributed.py": 35,
+    "tests/engine/test_engine_launcher.py": 35,
+    "tests/engine/test_engine_one_rank_idle.py": 35,
+    "tests/distributed/test_parallel.py": 30,
+    "tests/test_readme_quickstart.py": 30,
+    "tests/engine/test_engine_signals.py": 25,
+    "tests/test_doctor_selftest.py": 25,
+    "tests/test_cli.py": 25,
+    "tests/engine/test_engine_objectives_resume.py": 20,
+    "tests/diffusers/test_quantized.py": 20,
+    "tests/test_quiet_output.py": 18,
+    "tests/rewards/test_http_reward.py": 18,
+    "tests/engine/test_engine_memory_knobs.py": 18,
+    "tests/rewards/test_serve_stops_quietly.py": 17,
+}
+
+
+def _first_shares(total: int, workers: int) -> list[int]:
+    """How many tests pytest-xdist's worksteal scheduler first sends each worker: contiguous
+    slices of the collection, in order (``xdist.scheduler.worksteal``, ``check_schedule``)."""
+    sizes = []
+    for k in range(workers):
+        sizes.append(total // (workers - k))
+        total -= sizes[-1]
+    return sizes
 
 
 def pytest_collection_modifyitems(config, items):
-    first = {path: rank for rank, path in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(LONG_FIRST)))  # stable otherwise
+    """The long modules start first, spread over the workers. Worksteal gives each worker a
+    contiguous slice and runs it in order; an idle worker takes from the end of another's queue.
+    So a long module that starts late keeps the run going alone, and long modules that share a
+    slice run one after another while the other workers run out of work. Each long module goes
+    to the head of the slice with the least long work so far (longest first), then the other
+    tests fill the slices in their collected order. Every worker computes the same order."""
+    by_module: dict[str, list] = {}
+    rest = []
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        (by_module.setdefault(path, []) if path in LONG_MODULES else rest).append(item)
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    heads: list[list] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for path in sorted(by_module, key=lambda p: -LONG_MODULES[p]):
+        k = min(range(workers), key=lambda k: load[k])
+        heads[k] += by_module[path]
+        load[k] += LONG_MODULES[path]
+    ordered = []
+    for head, share in zip(heads, _first_shares(len(items), workers)):
+        take = max(0, share - len(head))
+        ordered += head + rest[:take]
+        rest = rest[take:]
+    items[:] = ordered + rest
