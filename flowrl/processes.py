@@ -68,6 +68,9 @@ def pid_alive(pid: int) -> bool:
 
 
 _STOPPED: list[list[int]] = []  # the list of the stop_on_signals block in force, if any
+#: While the main thread hands a spawned child its preparation data, a stop is held back (see
+#: :func:`spawned_children_ignore_sigint`): ``[depth, deferred]``.
+_SPAWNING = [0, False]
 
 
 @contextlib.contextmanager
@@ -93,6 +96,9 @@ def stop_on_signals(signals=(signal.SIGINT, signal.SIGTERM)):
         if stopped:
             return
         stopped.append(signum)
+        if _SPAWNING[0]:  # raised once the child has its data (spawned_children_ignore_sigint)
+            _SPAWNING[1] = True
+            return
         raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, on_signal) for s in signals}
@@ -129,11 +135,17 @@ def spawned_children_ignore_sigint():
     data, before it re-imports the parent's main module. Until then (the interpreter's own start,
     ``site`` included) SIGINT is blocked: the spawning thread blocks it around the fork and exec,
     and a child keeps the signal mask it is started with, so a Ctrl-C then stays pending and is
-    discarded when the child ignores it. The parent's own Ctrl-C is only delayed by the spawn."""
-    from multiprocessing import spawn, util
+    discarded when the child ignores it. The parent's own Ctrl-C is only delayed by the spawn:
+    the child reads its preparation data from a pipe the parent writes after the exec, so a
+    KeyboardInterrupt between the two (a stop of :func:`stop_on_signals`, when the main thread
+    spawns) would leave the child reading an empty pipe, which it reports with a traceback; the
+    stop is raised once the child is started."""
+    import threading
+    from multiprocessing import process, spawn, util
 
     get_preparation_data = spawn.get_preparation_data
     spawnv_passfds = util.spawnv_passfds
+    start = process.BaseProcess.start
 
     def with_sigint_ignored(name):
         return {"flowrl_ignore_sigint": _IgnoresSigint(), **get_preparation_data(name)}
@@ -145,8 +157,22 @@ def spawned_children_ignore_sigint():
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
+    def start_whole(self):
+        if threading.current_thread() is not threading.main_thread():
+            return start(self)  # the main thread's KeyboardInterrupt cannot cut it short
+        _SPAWNING[0] += 1
+        try:
+            return start(self)
+        finally:
+            _SPAWNING[0] -= 1
+            if not _SPAWNING[0] and _SPAWNING[1]:
+                _SPAWNING[1] = False
+                raise KeyboardInterrupt
+
     spawn.get_preparation_data, util.spawnv_passfds = with_sigint_ignored, with_sigint_blocked
+    process.BaseProcess.start = start_whole
     try:
         yield
     finally:
         spawn.get_preparation_data, util.spawnv_passfds = get_preparation_data, spawnv_passfds
+        process.BaseProcess.start = start
