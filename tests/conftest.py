@@ -190,16 +190,19 @@ def validate(flowrl_cli):
     return run
 
 
-#: The modules that take longest, with their seconds on one worker of the 2-core CI machine (quiet;
-#: from ``pytest --durations``). A module stays whole on one worker: several share a module-scoped
-#: fixture (a 2-process launch) that a split module would pay for twice.
-LONG_MODULES = {
-    "tests/test_reference_metrics.py": 130,
-    "tests/engine/test_engine_fsdp2.py": 110,
+#: The tests that take longest, with their seconds on one worker of the 2-core CI machine (quiet;
+#: from ``pytest --durations``): a whole module where its tests share a module-scoped fixture (a
+#: 2-process launch) that a split module would pay for twice, else single tests (their
+#: parametrisations together).
+LONG = {
+    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 95,
+    "tests/engine/test_engine_fsdp2.py::test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports": 55,
+    "tests/engine/test_engine_fsdp2.py::test_fsdp2_two_processes_equal_one": 40,
     "tests/test_quickstart.py": 40,
     "tests/test_cli_ux.py": 40,
     "tests/rewards/test_reward_fleet.py": 40,
     "tests/sweep/test_sweep.py": 40,
+    "tests/test_reference_metrics.py::test_quickstart_metrics_equal_the_pre_redesign_reference": 35,
     "tests/engine/test_engine_distributed.py": 35,
     "tests/engine/test_engine_launcher.py": 35,
     "tests/engine/test_engine_one_rank_idle.py": 35,
@@ -208,6 +211,7 @@ LONG_MODULES = {
     "tests/engine/test_engine_signals.py": 25,
     "tests/test_doctor_selftest.py": 25,
     "tests/test_cli.py": 25,
+    "tests/engine/test_engine_fsdp2.py::test_fsdp2_diffusion_nft_with_evaluation_equals_one_process": 20,
     "tests/engine/test_engine_objectives_resume.py": 20,
     "tests/diffusers/test_quantized.py": 20,
     "tests/test_quiet_output.py": 18,
@@ -215,6 +219,11 @@ LONG_MODULES = {
     "tests/engine/test_engine_memory_knobs.py": 18,
     "tests/rewards/test_serve_stops_quietly.py": 17,
 }
+
+
+def _long_key(nodeid: str) -> str | None:
+    test = nodeid.split("[")[0]
+    return test if test in LONG else nodeid.split("::")[0] if nodeid.split("::")[0] in LONG else None
 
 
 def _first_shares(total: int, workers: int) -> list[int]:
@@ -228,24 +237,24 @@ def _first_shares(total: int, workers: int) -> list[int]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The long modules start first, spread over the workers. Worksteal gives each worker a
+    """The long tests start first, spread over the workers. Worksteal gives each worker a
     contiguous slice and runs it in order; an idle worker takes from the end of another's queue.
-    So a long module that starts late keeps the run going alone, and long modules that share a
-    slice run one after another while the other workers run out of work. Each long module goes
+    So a long test that starts late keeps the run going alone, and long tests that share a
+    slice run one after another while the other workers run out of work. Each long test goes
     to the head of the slice with the least long work so far (longest first), then the other
     tests fill the slices in their collected order. Every worker computes the same order."""
-    by_module: dict[str, list] = {}
+    long: dict[str, list] = {}
     rest = []
     for item in items:
-        path = item.nodeid.split("::")[0]
-        (by_module.setdefault(path, []) if path in LONG_MODULES else rest).append(item)
+        key = _long_key(item.nodeid)
+        (long.setdefault(key, []) if key else rest).append(item)
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     heads: list[list] = [[] for _ in range(workers)]
     load = [0] * workers
-    for path in sorted(by_module, key=lambda p: -LONG_MODULES[p]):
+    for key in sorted(long, key=lambda key: -LONG[key]):
         k = min(range(workers), key=lambda k: load[k])
-        heads[k] += by_module[path]
-        load[k] += LONG_MODULES[path]
+        heads[k] += long[key]
+        load[k] += LONG[key]
     ordered = []
     for head, share in zip(heads, _first_shares(len(items), workers)):
         take = max(0, share - len(head))
