@@ -63,7 +63,9 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
         # ---- Build: components (fsdp2 shards the denoiser onto the device), prompts, update, EMA -
-        session = Session.open(recipe, registry, device=device, place_denoiser=not sharded_run(recipe, ctx))
+        sharded = sharded_run(recipe, ctx)  # then only rank 0 loads the denoiser's weights; the others receive them
+        session = Session.open(recipe, registry, device=device, place_denoiser=not sharded,
+                               receive_weights=sharded and ctx.rank != 0)
         run = Run(session, geometry, ctx)
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
         update = PolicyUpdate(run)
