@@ -102,7 +102,8 @@ def _check_fsdp_launch(settings, env) -> None:
             raise _disagree(f"{key}={str(launcher).lower()}", f"{field} = {str(getattr(settings, field)).lower()}",
                             f"set [distributed].{field} = {str(launcher).lower()}, or change the accelerate config")
     # FSDP_SYNC_MODULE_STATES / FSDP_CPU_RAM_EFFICIENT_LOADING (accelerate's defaults: true) hold:
-    # every process loads the weights and rank 0's are broadcast before sharding
+    # rank 0 loads the weights and broadcasts them block by block before sharding; a model adapter
+    # that can builds the denoiser without weights on the other processes (weights_from_rank_zero)
     for key in ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",):
         if flag_setting(env, key):
             raise FlowrlError(f"the launcher asks for {key}=true, which flowrl does not implement",

@@ -410,9 +410,14 @@ def startup_peak(lines: list[Line], mm: ModelMemory) -> float:
 def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_nodes: int = 1) -> list[Line]:
     """Host (CPU) memory per node: what the processes on one node keep in CPU memory for the
     whole run (phase ``held``) and the start-up transient (``loading``), each the sum over the
-    node's ``world_size / num_nodes`` processes. Every process loads the whole model into CPU
-    memory before placing it (from_pretrained), and under fsdp2 also takes the KL reference's
-    copy there before sharding it onto the GPU."""
+    node's ``world_size / num_nodes`` processes (for the start-up, rank 0's node: the largest).
+
+    Loading: under fsdp2 with several processes only rank 0 loads the denoiser's weights into
+    CPU memory (and takes the KL reference's copy there before sharding it); every other process
+    builds the denoiser without weights and receives each block from rank 0 as it is sharded
+    (:mod:`flowrl.train.parallel`), so a node holds one copy, not one per process. Under ``none``
+    and ``ddp`` every process loads the whole model. Text encoders and VAE that stay on the GPU are
+    loaded by every process before they move there (offloaded ones are counted as held)."""
     per_node = world_size // max(num_nodes, 1)
     node = f" x {per_node} processes" if per_node > 1 else ""
     weights = mm.denoiser_weight_bytes if mm.denoiser_weight_bytes is not None else mm.denoiser_params * mm.denoiser_bytes
@@ -423,11 +428,21 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
     if held:
         out.append(Line("held", "offloaded state (shards, encoders, rewards, a CPU reference)", held * per_node,
                         f"per process {held / GB:.1f} GB{node}"))
-    loading = weights + (0.0 if mm.offload_frozen else frozen)  # offloaded encoders are counted as held
+    each = 0.0 if mm.offload_frozen else frozen  # every process loads its own encoders and VAE
     reference = any(l.item == "reference copy (KL)" for l in lines)
     sharded = "sharded over" in (mm.notes[0] if mm.notes else "") or any(l.item.startswith("FSDP2") for l in lines)
+    if sharded and world_size > 1:  # one copy of the denoiser, on rank 0's node
+        once = weights + (mm.denoiser_params * mm.denoiser_bytes if reference else 0.0)
+        what = (f"rank 0 alone loads the denoiser ({weights / GB:.1f} GB)"
+                + (" and takes the KL reference's copy" if reference else "")
+                + "; the other processes receive each block from it as it is sharded")
+        if each:
+            what += f"; encoders and VAE {each / GB:.1f} GB per process{node}"
+        out.append(Line("loading", "start-up transient", once + each * per_node, what))
+        return out
+    loading = weights + each
     what = "the whole model loaded into CPU memory before placing it"
-    if reference and sharded:
+    if reference and sharded:  # one process under fsdp2: the reference's copy is taken in CPU memory too
         loading += mm.denoiser_params * mm.denoiser_bytes
         what += ", and the KL reference's copy taken there before sharding"
     out.append(Line("loading", "start-up transient", loading * per_node, f"{what}: per process {loading / GB:.1f} GB{node}"))

@@ -116,8 +116,9 @@ def test_gradient_sync_per_backward_keeps_fsdp2_gradients_sharded():
 def test_start_up_and_host_memory_are_planned():
     """fsdp2 places the denoiser a block at a time as it shards it: the start-up peak per GPU
     is the shards plus one whole block, far below the whole float32 model; host memory per node
-    counts every process's CPU copy of the model while it loads (and, with a KL term under fsdp2,
-    the reference's copy), and the offloaded state held for the whole run."""
+    counts the CPU copies of the model while it loads (under fsdp2 rank 0's alone, and with a KL
+    term the reference's copy; under ddp every process's), and the offloaded state held for the
+    whole run."""
     from flowrl.memory_plan import host_lines, startup_peak
 
     registry = get_registry()
@@ -132,12 +133,24 @@ def test_start_up_and_host_memory_are_planned():
                 + by["CUDA context + allocator slack"].bytes)  # encoders and the reward are offloaded
     assert start == pytest.approx(expected) and start < whole / 2 < peak(lines)[0]
     host = {l.phase: l for l in host_lines(r, mm, lines, 8)}
-    assert host["loading"].bytes == pytest.approx(8 * 2 * whole)  # 8 processes x (the model + the reference's copy)
+    # only rank 0 loads the denoiser and takes the reference's copy: one of each on the node, not
+    # one per process (the others receive each block as it is sharded; encoders are offloaded)
+    assert host["loading"].bytes == pytest.approx(2 * whole)
+    assert "rank 0 alone loads the denoiser" in host["loading"].note
     frozen = sum(p * b for p, b in mm.frozen.values())
     assert host["held"].bytes == pytest.approx(8 * (frozen + by["reward 'hpsv3'"].bytes))
-    # two nodes: half the processes, half the host memory on each
-    assert {l.phase: l.bytes for l in host_lines(r, mm, lines, 8, 2)}["loading"] == pytest.approx(host["loading"].bytes / 2)
-    # without a KL term no reference copy; ddp places the whole model, so no start-up transient line
+    # two nodes: half the processes, half the held memory on each; rank 0's node still loads one copy
+    two_nodes = {l.phase: l.bytes for l in host_lines(r, mm, lines, 8, 2)}
+    assert two_nodes["held"] == pytest.approx(host["held"].bytes / 2) and two_nodes["loading"] == pytest.approx(2 * whole)
+    # encoders kept on the GPU: every process loads its own before placing them
+    r1 = load_recipe(flagship, ["loss.beta=0.01", "model.offload_encoders=false"], registry=registry)
+    _, mm1, lines1 = estimate(r1, registry, 8)
+    assert {l.phase: l.bytes for l in host_lines(r1, mm1, lines1, 8)}["loading"] == pytest.approx(2 * whole + 8 * frozen)
+    # one fsdp2 process loads the model and takes the reference's copy itself
+    _, mm2, lines2 = estimate(r, registry, 1)
+    assert {l.phase: l.bytes for l in host_lines(r, mm2, lines2, 1)}["loading"] == pytest.approx(2 * whole)
+    # without a KL term no reference copy; ddp places the whole model, so no start-up transient
+    # line, and every process loads the whole model
     r0 = load_recipe(flagship, ["distributed.strategy='ddp'"], registry=registry)
     _, mm0, lines0 = estimate(r0, registry, 8)
     assert not [l for l in lines0 if l.phase == "start-up"]
