@@ -33,8 +33,9 @@ import torch
 from flowrl.distributed import choose_strategy
 from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
-from flowrl.interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
+from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
 from flowrl.prompts import TABLE_SUFFIXES, read_prompts
+from flowrl.recipe import keeps_reference_copy
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -222,7 +223,8 @@ def estimate(recipe, registry, world_size: int, num_nodes: int = 1,
     against (:func:`choose_gradient_sync`); None plans ``"auto"`` as ``"step"``."""
     mm = model_memory(recipe, registry)
     sync, why = choose_gradient_sync(recipe, registry, world_size, num_nodes, gpu_memory, mm=mm)
-    geometry, lines = _estimate(recipe, dataclasses.replace(mm, notes=list(mm.notes)), world_size, num_nodes, sync)
+    geometry, lines = _estimate(recipe, dataclasses.replace(mm, notes=list(mm.notes)), world_size, num_nodes, sync,
+                                registry)
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, sync)
     mm.notes.insert(0, f"layout: {layout.describe()}" + (f" ({why})" if why else ""))
     return geometry, mm, lines
@@ -242,7 +244,7 @@ def choose_gradient_sync(recipe, registry, world_size: int, num_nodes: int = 1, 
         return "step", ""
     if gpu_memory is None:
         return "step", "gradient_sync 'auto': no GPU memory to plan against, so once per optimizer step"
-    step_peak, _ = peak(_estimate(recipe, dataclasses.replace(mm, notes=[]), world_size, num_nodes, "step")[1])
+    step_peak, _ = peak(_estimate(recipe, dataclasses.replace(mm, notes=[]), world_size, num_nodes, "step", registry)[1])
     if step_peak <= gpu_memory:
         return "step", (f"gradient_sync 'auto': once per optimizer step, whose {step_peak / GB:.1f} GB fits "
                         f"{gpu_memory / GB:.0f} GB")
@@ -250,10 +252,11 @@ def choose_gradient_sync(recipe, registry, world_size: int, num_nodes: int = 1, 
                            f"need {step_peak / GB:.1f} GB of {gpu_memory / GB:.0f} GB")
 
 
-def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient_sync: str) -> tuple[Any, list[Line]]:
+def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient_sync: str,
+              registry) -> tuple[Any, list[Line]]:
     geometry = resolve_geometry(recipe.train, world_size, recipe.source)
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, gradient_sync)
-    lines = _denoiser_state(recipe, mm, layout)
+    lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry))
     lines += _frozen_and_data(recipe, mm, geometry)
     lines += _reward_lines(recipe)
     lines += _transients(recipe, mm, layout, geometry)
@@ -271,9 +274,11 @@ def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
     return mm.denoiser_params, mm.denoiser_bytes, ""
 
 
-def _denoiser_state(recipe, mm: ModelMemory, layout: Layout) -> list[Line]:
-    """Weights, gradients, AdamW state, the optimizer step's temporary, a frozen KL reference:
-    divided by the shard degree under fsdp2, and off the GPU with its CPU offload."""
+def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) -> list[Line]:
+    """Weights, gradients, AdamW state, the optimizer step's temporary, a frozen KL reference
+    (``reference``: the run keeps one, :func:`flowrl.recipe.keeps_reference_copy`; a KL term of the
+    ``[loss]`` or an objective's own, DiffusionNFT's velocity KL): divided by the shard degree
+    under fsdp2, and off the GPU with its CPU offload."""
     n = layout.shard_degree
     where = "persistent" if not layout.cpu_offload else "cpu"
     per = f" / {n} shards" if n > 1 else ""
@@ -306,9 +311,7 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout) -> list[Line]:
         lines.append(Line("persistent", "gradients", grads))
     if not layout.cpu_offload:  # foreach AdamW: a temporary the size of one moment (sqrt of v)
         lines.append(Line("step", "AdamW step temporary", trainable * tbytes / n, "foreach AdamW's sqrt(v)"))
-    loss = recipe.components["loss"].params
-    beta = float(loss.beta or 0.0) if isinstance(loss, KLRegularised) else 0.0
-    if beta > 0 and recipe.train.finetune == "full":
+    if reference:
         ref_where = "cpu" if recipe.train.reference_on_cpu else "persistent"
         lines.append(Line(ref_where, "reference copy (KL)", mm.denoiser_params * mm.denoiser_bytes / n,
                           "a frozen copy of the denoiser" + (", sharded like it" if n > 1 else "")))

@@ -78,6 +78,25 @@ def test_the_kl_reference_is_sharded_like_the_denoiser_or_kept_on_the_cpu():
     assert cpu["reference copy (KL)"].phase == "cpu"
 
 
+def test_nfts_velocity_kl_reference_is_counted_like_the_kl_terms():
+    """DiffusionNFT with ``beta_kl > 0`` runs the engine's frozen reference (NeedsReferencePolicy),
+    which the plan did not count: it is a copy of the denoiser like a KL term's, sharded under
+    fsdp2, in CPU memory with [train].reference_on_cpu, and absent without a velocity KL or with
+    LoRA (the base with the adapter off). A reference that keeps no copy (kl = 'old_policy_k3')
+    is not counted either."""
+    nft = Path(__file__).resolve().parents[2] / "recipes" / "quickstart_nft.toml"
+    mm, by, _ = _plan(["loss.beta_kl=0.01"], 1, recipe=nft)
+    assert by["reference copy (KL)"].bytes == pytest.approx(mm.denoiser_params * mm.denoiser_bytes)
+    assert by["reference copy (KL)"].phase == "persistent"
+    _, sharded, _ = _plan(["loss.beta_kl=0.01", "distributed.strategy=fsdp2"], 2, recipe=nft)
+    assert sharded["reference copy (KL)"].bytes == pytest.approx(by["reference copy (KL)"].bytes / 2)
+    _, cpu, _ = _plan(["loss.beta_kl=0.01", "train.reference_on_cpu=true"], 1, recipe=nft)
+    assert cpu["reference copy (KL)"].phase == "cpu"
+    for overrides in ([], ["loss.beta_kl=0.01", "train.finetune=lora"]):
+        assert "reference copy (KL)" not in _plan(overrides, 1, recipe=nft)[1]
+    assert "reference copy (KL)" not in _plan(["loss.beta=0.01", "loss.kl=old_policy_k3"], 8)[1]
+
+
 def test_strategy_none_on_several_processes_is_refused():
     with pytest.raises(FlowrlError, match="one process"):
         _plan(["distributed.strategy=none"], 8)
