@@ -460,14 +460,16 @@ def track_startup(family: Family, world_size: int, *, depth: tuple[int, ...] | N
                   reference: bool = False) -> dict[str, Any]:
     """The device memory of FSDP2's start-up as flowrl places the denoiser (shard before moving,
     ``flowrl.train.parallel.Strategy._fully_shard``): each block arrives whole on the device
-    (here: materialised from ``meta``) and is sharded, then the root's own parameters; with
+    (materialised from ``meta`` by flowrl's own :func:`flowrl.train.parallel.materialise_meta`, as on
+    a process that receives rank 0's weights) and is sharded, then the root's own parameters; with
     ``reference``, the KL reference's copy after it, the same way. torch's ``MemTracker`` counts
     every byte allocated on the (fake) device; the peak is the start-up transient the plan's
     ``start-up`` line and :func:`flowrl.memory_plan.startup_peak` estimate."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
+
+    from flowrl.train.parallel import materialise_meta
 
     _quiet()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -478,16 +480,9 @@ def track_startup(family: Family, world_size: int, *, depth: tuple[int, ...] | N
         with _no_cyclic_gc(), tracker:
             for model in models:
                 for b in family.blocks(model):
-                    b.to_empty(device="cpu")  # the block arrives on the device, whole
+                    materialise_meta(b, torch.device("cpu"))  # the block arrives on the device, whole
                     fully_shard(b, mesh=mesh, mp_policy=mp)
-                for module in model.modules():  # the root's own parameters and buffers arrive
-                    for name, t in list(module._parameters.items()):
-                        if t is not None and not isinstance(t, DTensor) and t.is_meta:
-                            module._parameters[name] = torch.nn.Parameter(torch.empty_like(t, device="cpu"),
-                                                                          requires_grad=t.requires_grad)
-                    for name, t in list(module._buffers.items()):
-                        if t is not None and t.is_meta:
-                            module._buffers[name] = torch.empty_like(t, device="cpu")
+                materialise_meta(model, torch.device("cpu"))  # the root's own parameters and buffers arrive
                 fully_shard(model, mesh=mesh, mp_policy=mp)
             peak_snap = {_category_name(k): v for snap in tracker.get_tracker_snapshot("peak").values()
                          for k, v in snap.items()}
