@@ -90,15 +90,9 @@ SETS = [*TINY_MODEL, "train.iterations=2", "train.prompts_per_iteration=2", "tra
 
 
 @pytest.fixture(scope="module")
-def plugin_path(tmp_path_factory):
+def plugin_path(plugin_site):
     """A directory holding a one-module distribution with a ``flowrl`` entry point."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "load_record_plugin.py").write_text(PLUGIN)
-    info = site / "load_record_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: load-record-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[flowrl]\nload_record = load_record_plugin\n")
-    return site
+    return plugin_site("load_record_plugin", PLUGIN)
 
 
 def test_only_rank_0_loads_the_denoiser_and_the_shards_are_its_weights(tiny_flux, tmp_path, plugin_path):
