@@ -137,3 +137,42 @@ def test_only_rank_0_loads_the_denoiser_and_the_shards_are_its_weights(tiny_flux
             whole = torch.cat([shards[0][name], shards[1][name]]) if weight.dim() else shards[0][name]
             assert shards[1][name].numel() < weight.numel() or weight.numel() < 2  # a shard, not a copy
             assert torch.equal(whole, weight), (what, name)
+
+
+# every diffusers adapter: (module, adapter, config, tiny pipeline builder, max_sequence_length)
+ADAPTERS = [
+    ("flux", "FluxModel", "FluxConfig", "build_tiny_flux", 16),
+    ("sd3", "SD3Model", "SD3Config", "build_tiny_sd3", 16),
+    ("editing", "FluxKontextModel", "FluxKontextConfig", "build_tiny_flux_kontext", 16),
+    ("qwen_image", "QwenImageModel", "QwenImageConfig", "build_tiny_qwen_image", 64),
+    ("editing", "QwenImageEditModel", "QwenImageEditConfig", "build_tiny_qwen_image_edit", 64),
+    ("flux2", "Flux2KleinModel", "Flux2KleinConfig", "build_tiny_flux2_klein", 48),
+    ("zimage", "ZImageModel", "ZImageConfig", "build_tiny_zimage", 64),
+]
+
+
+@pytest.mark.parametrize("module, adapter, config, builder, seq", ADAPTERS, ids=[a[1] for a in ADAPTERS])
+def test_every_diffusers_adapter_builds_its_denoiser_empty_where_it_receives_weights(tiny_dir, module, adapter, config,
+                                                                                       builder, seq):
+    """Inside flowrl.distributed.weights_from_rank_zero (an fsdp2 process other than rank 0) each
+    adapter's transformer is built from its configuration on the meta device, in the dtypes and
+    shapes the loaded one has, while the text encoders and the VAE load as usual."""
+    import importlib
+
+    from flowrl.distributed import weights_from_rank_zero
+    from flowrl.testing import tiny_pipelines
+
+    path = tiny_dir / builder
+    if not path.exists():
+        getattr(tiny_pipelines, builder)(path)
+    plugin = importlib.import_module(f"flowrl_plugins.diffusers_models.{module}")
+    cfg = getattr(plugin, config)(path=str(path), dtype="fp32", denoiser_dtype="fp32", height=32, width=32,
+                                  max_sequence_length=seq)
+    loaded = getattr(plugin, adapter)(cfg)
+    with weights_from_rank_zero():
+        empty = getattr(plugin, adapter)(cfg)
+    shapes = {n: (p.shape, p.dtype) for n, p in loaded.denoiser.named_parameters()}
+    assert {n: (p.shape, p.dtype) for n, p in empty.denoiser.named_parameters()} == shapes
+    assert all(p.is_meta for p in empty.denoiser.parameters())
+    frozen = [m for m in (getattr(empty.pipe, n, None) for n in empty.frozen_names) if m is not None]
+    assert frozen and not any(p.is_meta for m in frozen for p in m.parameters())
