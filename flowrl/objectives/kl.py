@@ -13,23 +13,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import sys
 
 import torch
 
 from flowrl.chunking import chunk_index
-from flowrl.compat import ensure_torchvision_importable
 from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import HasReferencePolicy, KLRegularised, NeedsReferencePolicy, ScalesFlowGRPOKL
 from flowrl.objectives.losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
 from flowrl.objectives.chunk_gradient import pad_rows
 
-ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
 
-from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: E402
-
-
-def _lora_layers(module: torch.nn.Module) -> list[BaseTunerLayer]:
-    return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
+def _lora_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """peft's adapter layers in ``module``. A process that never imported peft attached no
+    adapter, and importing it here would cost seconds (it imports transformers)."""
+    peft_layers = sys.modules.get("peft.tuners.tuners_utils")
+    if peft_layers is None:
+        return []
+    return [m for m in module.modules() if isinstance(m, peft_layers.BaseTunerLayer)]
 
 
 @contextlib.contextmanager

@@ -8,10 +8,6 @@ from ..compat import ensure_torchvision_importable
 from ..errors import FlowrlError
 from ..interfaces import DiffusersLoraModule, HasLoraTargets
 
-ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
-
-from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
-
 
 def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
     """Set requires_grad for ``train.finetune`` and return the trainable parameters.
@@ -37,6 +33,10 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
                 hint='list module names, e.g. ["to_q", "to_k", "to_v", "to_out.0"]',
             )
         denoiser.requires_grad_(False)
+        # peft (and the transformers it imports) costs seconds at start-up: only LoRA pays for it
+        ensure_torchvision_importable()  # before peft imports transformers (flowrl.compat)
+        from peft import LoraConfig, inject_adapter_in_model
+
         config = LoraConfig(
             r=train.lora_rank,
             lora_alpha=train.lora_alpha,

@@ -65,29 +65,13 @@ def test_fsdp2_two_processes_equal_one(tmp_path, reference_run, sets):
     assert_weights_close(weights(two), weights(one), atol=1e-6)
 
 
-def test_fsdp2_run_resumes_exactly(tmp_path, reference_run):
+def test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports(tmp_path, reference_run):
     """Stopped after iteration 1 and resumed (2 processes, sharded checkpoint): the same metrics
-    and, bit for bit, the same weights as the uninterrupted 2-process run."""
-    recipe_path, _, _ = reference_run
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    run_two(recipe_path, whole)
-    run_two(recipe_path, parts, "train.iterations=1")
-    args = [a for s in (*TWO_STEPS, "distributed.strategy='fsdp2'") for a in ("--set", s)]
-    proc = run_cli(["train", str(parts / "recipe.toml"), *args, "--resume", str(parts), "--num-processes", "2"],
-                   timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    a, b = read_metrics(whole), read_metrics(parts)
-    assert [r["iteration"] for r in b] == [0, 1]
-    for x, y in zip(a, b):
-        assert_records_close(x, y, rtol=0, atol=0)
-    wa, wb = weights(whole), weights(parts)
-    assert sorted(wa) == sorted(wb) and all(bool((wa[k] == wb[k]).all()) for k in wa)
-
-
-def test_fsdp2_ema_is_sharded_resumes_exactly_and_exports(tmp_path, reference_run):
-    """[ema] under FSDP2: each process keeps the EMA of its shards, saved into the sharded
-    checkpoint; stopped and resumed it equals the uninterrupted 2-process run bit for bit, its
-    full weights read offline equal a 1-process run's EMA, and `flowrl export --ema` reads it."""
+    and, bit for bit, the same weights as the uninterrupted 2-process run. With [ema] on, as here,
+    each process keeps the EMA of its shards, saved into the sharded checkpoint: resumed it equals
+    the uninterrupted run's bit for bit, its full weights read offline equal a 1-process run's
+    EMA, and `flowrl export --ema` reads it. (One run covers both: the EMA adds state to what must
+    resume exactly and takes nothing away.)"""
     from flowrl.train.checkpoint import SHARDED, load_checkpoint, read_sharded_model_weights
 
     recipe_path, _, _ = reference_run
@@ -101,6 +85,12 @@ def test_fsdp2_ema_is_sharded_resumes_exactly_and_exports(tmp_path, reference_ru
     proc = run_cli(["train", str(parts / "recipe.toml"), *args, "--resume", str(parts), "--num-processes", "2"],
                    timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    a, b = read_metrics(whole), read_metrics(parts)
+    assert [r["iteration"] for r in b] == [0, 1, 2] and b[-1]["final"]
+    for x, y in zip(a, b):
+        assert_records_close(x, y, rtol=0, atol=0)
+    wa, wb = weights(whole), weights(parts)
+    assert sorted(wa) == sorted(wb) and all(bool((wa[k] == wb[k]).all()) for k in wa)
     ea = read_sharded_model_weights(latest_checkpoint(whole) / SHARDED, key="ema")
     eb = read_sharded_model_weights(latest_checkpoint(parts) / SHARDED, key="ema")
     assert ea and sorted(ea) == sorted(eb) and all(bool((ea[k] == eb[k]).all()) for k in ea)
