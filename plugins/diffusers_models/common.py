@@ -329,10 +329,11 @@ class DiffusersAdapter:
         if has_lora(self.denoiser):
             self._reference, self._reference_mode = None, "lora_disabled"
         else:
-            ref = copy.deepcopy(self.denoiser)
-            if self.denoiser_dtype != self.dtype:  # the reference never trains: compute dtype suffices
-                ref.to(dtype=self.dtype)
-            ref.requires_grad_(False).eval()
+            # the reference never trains: the compute dtype suffices, made tensor by tensor (no
+            # whole float32 copy first); memory.py's specs declare it (ModelMemory.reference_bytes)
+            from flowrl.objectives.kl import frozen_copy
+
+            ref = frozen_copy(self.denoiser, self.dtype if self.denoiser_dtype != self.dtype else None)
             self._reference, self._reference_mode = ref, "frozen_copy"
         return self._reference_mode
 
