@@ -87,7 +87,17 @@ class ModelMemory:
     #: outside the blocks (the root, which FSDP2 keeps gathered); 0 when unknown
     largest_block_params: int = 0
     outside_block_params: int = 0
+    #: bytes per parameter of the KL reference's frozen copy (full fine-tuning with a KL term),
+    #: as the model keeps it: the diffusers adapters in the compute dtype
+    #: (``DiffusersAdapter.snapshot_reference``); None: as the denoiser is stored
+    #: (``denoiser_bytes``; the engine's own copy, :class:`flowrl.objectives.kl.ReferencePolicy`)
+    reference_bytes: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def reference_copy_bytes(mm: ModelMemory) -> float:
+    """Bytes of the KL reference's whole frozen copy (before any sharding)."""
+    return mm.denoiser_params * (mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes)
 
 
 @dataclasses.dataclass
@@ -313,8 +323,9 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) ->
         lines.append(Line("step", "AdamW step temporary", trainable * tbytes / n, "foreach AdamW's sqrt(v)"))
     if reference:
         ref_where = "cpu" if recipe.train.reference_on_cpu else "persistent"
-        lines.append(Line(ref_where, "reference copy (KL)", mm.denoiser_params * mm.denoiser_bytes / n,
-                          "a frozen copy of the denoiser" + (", sharded like it" if n > 1 else "")))
+        ref_bytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes
+        lines.append(Line(ref_where, "reference copy (KL)", reference_copy_bytes(mm) / n,
+                          f"a frozen copy of the denoiser, {ref_bytes} B per param" + (", sharded like it" if n > 1 else "")))
     return lines
 
 
@@ -435,7 +446,7 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
     reference = any(l.item == "reference copy (KL)" for l in lines)
     sharded = "sharded over" in (mm.notes[0] if mm.notes else "") or any(l.item.startswith("FSDP2") for l in lines)
     if sharded and world_size > 1:  # one copy of the denoiser, on rank 0's node
-        once = weights + (mm.denoiser_params * mm.denoiser_bytes if reference else 0.0)
+        once = weights + (reference_copy_bytes(mm) if reference else 0.0)
         what = (f"rank 0 alone loads the denoiser ({weights / GB:.1f} GB)"
                 + (" and takes the KL reference's copy" if reference else "")
                 + "; the other processes receive each block from it as it is sharded")
@@ -446,7 +457,7 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
     loading = weights + each
     what = "the whole model loaded into CPU memory before placing it"
     if reference and sharded:  # one process under fsdp2: the reference's copy is taken in CPU memory too
-        loading += mm.denoiser_params * mm.denoiser_bytes
+        loading += reference_copy_bytes(mm)
         what += ", and the KL reference's copy taken there before sharding"
     out.append(Line("loading", "start-up transient", loading * per_node, f"{what}: per process {loading / GB:.1f} GB{node}"))
     return out
