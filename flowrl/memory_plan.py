@@ -269,7 +269,7 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
     lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry))
     lines += _frozen_and_data(recipe, mm, geometry)
     lines += _reward_lines(recipe)
-    lines += _transients(recipe, mm, layout, geometry)
+    lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None))
     lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
     return geometry, lines
 
@@ -363,8 +363,9 @@ def _reward_lines(recipe) -> list[Line]:
     return lines
 
 
-def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]:
-    """The largest transient of each phase: encode, rollout, decode and the update's forward with grad."""
+def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Line | None = None) -> list[Line]:
+    """The largest transient of each phase: encode, rollout, decode and the update's forward with
+    grad; under fsdp2 the start-up's (``reference``: the KL reference copy's line, if any)."""
     compute = 2 if layout.bf16 else mm.compute_bytes
     tw = mm.tokens * mm.width * compute * mm.forwards_per_velocity
     lines = []
@@ -395,9 +396,18 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]
         # shard before moving: one block (or the root's own parameters) whole on the device at a
         # time, in the storage dtype, on top of the shards placed so far
         largest = max(mm.largest_block_params, mm.outside_block_params) or mm.denoiser_params
-        lines.append(Line("start-up", "one block placed whole while sharding", largest * mm.denoiser_bytes,
-                          f"{largest / 1e6:.0f}e6 params x {mm.denoiser_bytes} B; the rest stays in CPU memory until "
-                          "its turn" + ("" if mm.largest_block_params else " (blocks unknown: the whole denoiser)")))
+        block, how = largest * mm.denoiser_bytes, f"{largest / 1e6:.0f}e6 params x {mm.denoiser_bytes} B"
+        if reference is not None:
+            # the reference is placed after the denoiser, its blocks in its own dtype: its shards
+            # (when they stay on the GPU) do not exist yet while the denoiser's blocks visit
+            rbytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes
+            shards = reference.bytes if reference.phase == "persistent" else 0.0
+            block = max(block - shards, largest * rbytes)
+            how = (f"the larger of a denoiser block ({how}) before the reference's shards exist and a reference "
+                   f"block ({rbytes} B per param) on top of them") if rbytes != mm.denoiser_bytes or shards else how
+        lines.append(Line("start-up", "one block placed whole while sharding", block,
+                          how + "; the rest stays in CPU memory until its turn"
+                          + ("" if mm.largest_block_params else " (blocks unknown: the whole denoiser)")))
     if layout.strategy == "fsdp2" and mm.largest_block_params:
         b, r = mm.largest_block_params, mm.outside_block_params
         lines.append(Line("update", "FSDP2 gathered parameters", compute * (r + 3 * b),
