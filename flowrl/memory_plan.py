@@ -408,6 +408,11 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
         lines.append(Line("start-up", "one block placed whole while sharding", block,
                           how + "; the rest stays in CPU memory until its turn"
                           + ("" if mm.largest_block_params else " (blocks unknown: the whole denoiser)")))
+    elif reference is not None and reference.phase == "cpu":
+        # none / ddp: the copy is taken from the denoiser already placed on the GPU, then moved to
+        # CPU memory (Strategy.prepare_frozen): whole on the GPU for a moment at start-up
+        lines.append(Line("start-up", "reference copy taken on the GPU", reference_copy_bytes(mm),
+                          "taken from the placed denoiser, then moved to CPU memory ([train].reference_on_cpu)"))
     if layout.strategy == "fsdp2" and mm.largest_block_params:
         b, r = mm.largest_block_params, mm.outside_block_params
         lines.append(Line("update", "FSDP2 gathered parameters", compute * (r + 3 * b),

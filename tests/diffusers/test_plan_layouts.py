@@ -79,6 +79,17 @@ def test_the_kl_reference_is_sharded_like_the_denoiser_or_kept_on_the_cpu():
     assert by["reference copy (KL)"].phase == "persistent"
     _, cpu, _ = _plan(kl + ["train.reference_on_cpu=true"], 8)
     assert cpu["reference copy (KL)"].phase == "cpu"
+    # under ddp the copy is taken from the denoiser already on the GPU, then moved to CPU memory:
+    # whole on the GPU at start-up (sharded under fsdp2, each block visits alone instead)
+    from flowrl.memory_plan import startup_peak
+
+    ddp_mm, ddp, ddp_lines = _plan(kl + ["train.reference_on_cpu=true", "distributed.strategy=ddp"], 8)
+    assert ddp["reference copy taken on the GPU"].bytes == pytest.approx(2 * mm.denoiser_params)
+    assert ddp["reference copy taken on the GPU"].phase == "start-up"
+    assert startup_peak(ddp_lines, ddp_mm) == pytest.approx(
+        ddp["denoiser weights"].bytes + 2 * mm.denoiser_params + ddp["CUDA context + allocator slack"].bytes)
+    assert "reference copy taken on the GPU" not in cpu and "reference copy taken on the GPU" not in _plan(
+        kl + ["distributed.strategy=ddp"], 8)[1]  # on the GPU for good: counted as held
 
 
 def test_nfts_velocity_kl_reference_is_counted_like_the_kl_terms():
