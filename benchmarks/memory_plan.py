@@ -401,11 +401,15 @@ def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None
     """Full fine-tuning under FSDP2 at ``world_size`` (a fake process group): fp32 master weights,
     bf16 compute, ``fully_shard`` per block and at the root, AdamW. Bytes per rank by category,
     the peak, and proof of sharding (every parameter a ``DTensor`` with ``Shard(0)``).
-    ``reference``: a KL term's frozen float32 copy, sharded like the model (as flowrl's
-    ``Strategy.prepare_frozen`` does) and run without grad before each forward."""
+    ``reference``: a KL term's frozen copy as the diffusers adapters take it (flowrl's own
+    :func:`flowrl.objectives.kl.frozen_copy` of the float32 model into the bf16 compute dtype,
+    ``DiffusersAdapter.snapshot_reference``), before the model is sharded, then sharded like the
+    model (as flowrl's ``Strategy.prepare_frozen`` does) and run without grad before each forward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
+
+    from flowrl.objectives.kl import frozen_copy
 
     _quiet()
     model = family.build(depth, torch.float32)  # cast outside the fake mode (inside, .to() fails)
@@ -416,7 +420,7 @@ def track_fsdp(family: Family, world_size: int, *, depth: tuple[int, ...] | None
     if checkpointing:
         model.enable_gradient_checkpointing()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ref = family.build(depth, torch.float32).requires_grad_(False).eval() if reference else None
+    ref = frozen_copy(model, torch.bfloat16) if reference else None  # taken before sharding, as flowrl does
     t0 = time.process_time()
     with fake_process_group(world_size) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
         for b in blocks:
@@ -460,43 +464,45 @@ def track_startup(family: Family, world_size: int, *, depth: tuple[int, ...] | N
                   reference: bool = False) -> dict[str, Any]:
     """The device memory of FSDP2's start-up as flowrl places the denoiser (shard before moving,
     ``flowrl.train.parallel.Strategy._fully_shard``): each block arrives whole on the device
-    (here: materialised from ``meta``) and is sharded, then the root's own parameters; with
-    ``reference``, the KL reference's copy after it, the same way. torch's ``MemTracker`` counts
+    (materialised from ``meta`` by flowrl's own :func:`flowrl.train.parallel.materialise_meta`, as on
+    a process that receives rank 0's weights) and is sharded, then the root's own parameters; with
+    ``reference``, the KL reference's copy after it, the same way (taken before any sharding
+    by :func:`flowrl.objectives.kl.frozen_copy` in the bf16 compute dtype, as the diffusers
+    adapters keep it). torch's ``MemTracker`` counts
     every byte allocated on the (fake) device; the peak is the start-up transient the plan's
     ``start-up`` line and :func:`flowrl.memory_plan.startup_peak` estimate."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import DTensor
+
+    from flowrl.objectives.kl import frozen_copy
+    from flowrl.train.parallel import materialise_meta
 
     _quiet()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    models = [family.build(depth, torch.float32) for _ in range(2 if reference else 1)]
+    models = [family.build(depth, torch.float32)]
+    if reference:  # the reference's copy, taken before the denoiser is placed
+        models.append(frozen_copy(models[0], torch.bfloat16))
     t0 = time.process_time()
     with fake_process_group(world_size) as mesh, FakeTensorMode(allow_non_fake_inputs=True):
         tracker = MemTracker()
         with _no_cyclic_gc(), tracker:
             for model in models:
                 for b in family.blocks(model):
-                    b.to_empty(device="cpu")  # the block arrives on the device, whole
+                    materialise_meta(b, torch.device("cpu"))  # the block arrives on the device, whole
                     fully_shard(b, mesh=mesh, mp_policy=mp)
-                for module in model.modules():  # the root's own parameters and buffers arrive
-                    for name, t in list(module._parameters.items()):
-                        if t is not None and not isinstance(t, DTensor) and t.is_meta:
-                            module._parameters[name] = torch.nn.Parameter(torch.empty_like(t, device="cpu"),
-                                                                          requires_grad=t.requires_grad)
-                    for name, t in list(module._buffers.items()):
-                        if t is not None and t.is_meta:
-                            module._buffers[name] = torch.empty_like(t, device="cpu")
+                materialise_meta(model, torch.device("cpu"))  # the root's own parameters and buffers arrive
                 fully_shard(model, mesh=mesh, mp_policy=mp)
             peak_snap = {_category_name(k): v for snap in tracker.get_tracker_snapshot("peak").values()
                          for k, v in snap.items()}
             now = {_category_name(k): v for snap in tracker.get_tracker_snapshot("current").values()
                    for k, v in snap.items()}
+        # the reference's shards on this rank, as placed (every parameter a DTensor by now)
+        ref_bytes = sum(p.to_local().numel() * p.element_size() for p in models[1].parameters()) if reference else None
     blocks = family.blocks(models[0])
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     return {"peak": peak_snap.get("Total", 0), "after": now.get("Total", 0), "reference": reference,
-            "largest_block_params": max(block_params), "world_size": world_size,
+            "reference_bytes": ref_bytes, "largest_block_params": max(block_params), "world_size": world_size,
             "cpu_seconds": round(time.process_time() - t0, 1)}
 
 
@@ -939,7 +945,7 @@ FLAGSHIP_TOKENS = (2025, 512)
 
 def run_kl_items(keys=KL_ITEMS) -> dict[str, Any]:
     """The flagship with ``loss.beta > 0`` at full size: one optimizer step with the sharded
-    float32 reference run before each forward (steady state), and the start-up that places the
+    bf16 reference (the compute dtype, as the diffusers adapters keep it) run before each forward (steady state), and the start-up that places the
     denoiser and then the reference a block at a time (flowrl's shard-before-moving); and the
     flagship's geometry with ``gradient_sync = "micro_batch"``."""
     items: dict[str, Any] = {}
@@ -960,8 +966,8 @@ def run_kl_items(keys=KL_ITEMS) -> dict[str, Any]:
         small = {d: track_fsdp(FLUX1, 8, depth=d, batch=mb, checkpointing=True) for d in reduced_depths(FLUX1)}
         full = track_fsdp(FLUX1, 8, batch=mb, checkpointing=True, reference=True)
         full["reference"] = full["reference_bytes"]
-        title = (f"FLUX.1-dev full fine-tuning with a KL term (loss.beta > 0): FSDP2 x 8, the float32 reference "
-                 f"sharded like the model and run before each forward, micro-batch {mb}, checkpointing on")
+        title = (f"FLUX.1-dev full fine-tuning with a KL term (loss.beta > 0): FSDP2 x 8, the bf16 reference (the "
+                 f"compute dtype, as the adapter keeps it) sharded like the model and run before each forward, micro-batch {mb}, checkpointing on")
         item = _fsdp_item("flux_full_fsdp8_ac_kl", title, small, full, plan_for("flux_full_fsdp8_ac_kl", {}), width)
         item["notes"].insert(0, f"reference sharded (every parameter a DTensor before the step): "
                                 f"{full['reference_sharded']}; its shards {full['reference_bytes'] / GiB:.3f} GiB")
@@ -969,9 +975,9 @@ def run_kl_items(keys=KL_ITEMS) -> dict[str, Any]:
         print_item("flux_full_fsdp8_ac_kl", item)
     if "flux_full_fsdp8_startup_kl" in keys:
         r = track_startup(FLUX1, 8, reference=True)
-        tracker = {"peak": r["peak"], "after": r["after"]}
+        tracker = {"peak": r["peak"], "after": r["after"], "reference": r["reference_bytes"]}
         item = {"title": "FLUX.1-dev start-up with a KL term, FSDP2 x 8: each block of the model, then of the "
-                         "reference, placed whole and sharded (flowrl's shard before moving)",
+                         "bf16 reference, placed whole and sharded (flowrl's shard before moving)",
                 "plan": plan_for("flux_full_fsdp8_startup_kl", {}), "tracker": tracker, "raw": r,
                 "notes": [f"held after start-up (all shards of the model and the reference): {r['after'] / GiB:.2f} GiB; "
                           f"largest block {r['largest_block_params'] / 1e6:.1f}e6 parameters; tracker CPU time "

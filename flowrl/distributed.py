@@ -9,6 +9,8 @@ gradients are reduced, is :mod:`flowrl.train.parallel`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
@@ -100,7 +102,8 @@ def _check_fsdp_launch(settings, env) -> None:
             raise _disagree(f"{key}={str(launcher).lower()}", f"{field} = {str(getattr(settings, field)).lower()}",
                             f"set [distributed].{field} = {str(launcher).lower()}, or change the accelerate config")
     # FSDP_SYNC_MODULE_STATES / FSDP_CPU_RAM_EFFICIENT_LOADING (accelerate's defaults: true) hold:
-    # every process loads the weights and rank 0's are broadcast before sharding
+    # rank 0 loads the weights and broadcasts them block by block before sharding; a model adapter
+    # that can builds the denoiser without weights on the other processes (weights_from_rank_zero)
     for key in ("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",):
         if flag_setting(env, key):
             raise FlowrlError(f"the launcher asks for {key}=true, which flowrl does not implement",
@@ -141,6 +144,31 @@ def check_launch_environment(settings=None, env=None) -> None:
                         f"--mixed_precision {settings.mixed_precision}")
     if fsdp:
         _check_fsdp_launch(settings, env)
+
+
+_WEIGHTS_FROM_RANK_ZERO = contextvars.ContextVar("flowrl_weights_from_rank_zero", default=False)
+
+
+@contextlib.contextmanager
+def weights_from_rank_zero(active: bool = True):
+    """Inside the block, a model adapter that can builds its denoiser without weights (on the
+    ``meta`` device: shapes and dtypes, no storage, nothing read from disk): this process will
+    receive rank 0's weights block by block while FSDP2 shards the denoiser
+    (:meth:`flowrl.train.parallel.Strategy.prepare`). The training loop opens it on every process
+    but rank 0 of an fsdp2 run, so that a node's host memory holds one loaded copy of the denoiser
+    instead of one per process. An adapter that ignores it loads real weights, which are then
+    overwritten by rank 0's: correct, only costlier. Query it with :func:`receives_weights`."""
+    token = _WEIGHTS_FROM_RANK_ZERO.set(bool(active))
+    try:
+        yield
+    finally:
+        _WEIGHTS_FROM_RANK_ZERO.reset(token)
+
+
+def receives_weights() -> bool:
+    """True inside :func:`weights_from_rank_zero`: a model adapter may build its denoiser on the
+    ``meta`` device instead of loading its weights (every other component loads as usual)."""
+    return _WEIGHTS_FROM_RANK_ZERO.get()
 
 
 def choose_strategy(requested: str, world_size: int, launcher_fsdp: bool = False, *, hint: str | None = None) -> str:

@@ -33,8 +33,9 @@ import torch
 from flowrl.distributed import choose_strategy
 from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
-from flowrl.interfaces import HasLoraTargets, KLRegularised, PlansMemory, PlansRewardMemory, RewardPlacement
+from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
 from flowrl.prompts import TABLE_SUFFIXES, read_prompts
+from flowrl.recipe import keeps_reference_copy
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -86,7 +87,17 @@ class ModelMemory:
     #: outside the blocks (the root, which FSDP2 keeps gathered); 0 when unknown
     largest_block_params: int = 0
     outside_block_params: int = 0
+    #: bytes per parameter of the KL reference's frozen copy (full fine-tuning with a KL term),
+    #: as the model keeps it: the diffusers adapters in the compute dtype
+    #: (``DiffusersAdapter.snapshot_reference``); None: as the denoiser is stored
+    #: (``denoiser_bytes``; the engine's own copy, :class:`flowrl.objectives.kl.ReferencePolicy`)
+    reference_bytes: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def reference_copy_bytes(mm: ModelMemory) -> float:
+    """Bytes of the KL reference's whole frozen copy (before any sharding)."""
+    return mm.denoiser_params * (mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes)
 
 
 @dataclasses.dataclass
@@ -222,7 +233,8 @@ def estimate(recipe, registry, world_size: int, num_nodes: int = 1,
     against (:func:`choose_gradient_sync`); None plans ``"auto"`` as ``"step"``."""
     mm = model_memory(recipe, registry)
     sync, why = choose_gradient_sync(recipe, registry, world_size, num_nodes, gpu_memory, mm=mm)
-    geometry, lines = _estimate(recipe, dataclasses.replace(mm, notes=list(mm.notes)), world_size, num_nodes, sync)
+    geometry, lines = _estimate(recipe, dataclasses.replace(mm, notes=list(mm.notes)), world_size, num_nodes, sync,
+                                registry)
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, sync)
     mm.notes.insert(0, f"layout: {layout.describe()}" + (f" ({why})" if why else ""))
     return geometry, mm, lines
@@ -242,7 +254,7 @@ def choose_gradient_sync(recipe, registry, world_size: int, num_nodes: int = 1, 
         return "step", ""
     if gpu_memory is None:
         return "step", "gradient_sync 'auto': no GPU memory to plan against, so once per optimizer step"
-    step_peak, _ = peak(_estimate(recipe, dataclasses.replace(mm, notes=[]), world_size, num_nodes, "step")[1])
+    step_peak, _ = peak(_estimate(recipe, dataclasses.replace(mm, notes=[]), world_size, num_nodes, "step", registry)[1])
     if step_peak <= gpu_memory:
         return "step", (f"gradient_sync 'auto': once per optimizer step, whose {step_peak / GB:.1f} GB fits "
                         f"{gpu_memory / GB:.0f} GB")
@@ -250,13 +262,14 @@ def choose_gradient_sync(recipe, registry, world_size: int, num_nodes: int = 1, 
                            f"need {step_peak / GB:.1f} GB of {gpu_memory / GB:.0f} GB")
 
 
-def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient_sync: str) -> tuple[Any, list[Line]]:
+def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient_sync: str,
+              registry) -> tuple[Any, list[Line]]:
     geometry = resolve_geometry(recipe.train, world_size, recipe.source)
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, gradient_sync)
-    lines = _denoiser_state(recipe, mm, layout)
+    lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry))
     lines += _frozen_and_data(recipe, mm, geometry)
     lines += _reward_lines(recipe)
-    lines += _transients(recipe, mm, layout, geometry)
+    lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None))
     lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
     return geometry, lines
 
@@ -271,9 +284,11 @@ def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
     return mm.denoiser_params, mm.denoiser_bytes, ""
 
 
-def _denoiser_state(recipe, mm: ModelMemory, layout: Layout) -> list[Line]:
-    """Weights, gradients, AdamW state, the optimizer step's temporary, a frozen KL reference:
-    divided by the shard degree under fsdp2, and off the GPU with its CPU offload."""
+def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) -> list[Line]:
+    """Weights, gradients, AdamW state, the optimizer step's temporary, a frozen KL reference
+    (``reference``: the run keeps one, :func:`flowrl.recipe.keeps_reference_copy`; a KL term of the
+    ``[loss]`` or an objective's own, DiffusionNFT's velocity KL): divided by the shard degree
+    under fsdp2, and off the GPU with its CPU offload."""
     n = layout.shard_degree
     where = "persistent" if not layout.cpu_offload else "cpu"
     per = f" / {n} shards" if n > 1 else ""
@@ -306,12 +321,11 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout) -> list[Line]:
         lines.append(Line("persistent", "gradients", grads))
     if not layout.cpu_offload:  # foreach AdamW: a temporary the size of one moment (sqrt of v)
         lines.append(Line("step", "AdamW step temporary", trainable * tbytes / n, "foreach AdamW's sqrt(v)"))
-    loss = recipe.components["loss"].params
-    beta = float(loss.beta or 0.0) if isinstance(loss, KLRegularised) else 0.0
-    if beta > 0 and recipe.train.finetune == "full":
+    if reference:
         ref_where = "cpu" if recipe.train.reference_on_cpu else "persistent"
-        lines.append(Line(ref_where, "reference copy (KL)", mm.denoiser_params * mm.denoiser_bytes / n,
-                          "a frozen copy of the denoiser" + (", sharded like it" if n > 1 else "")))
+        ref_bytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes
+        lines.append(Line(ref_where, "reference copy (KL)", reference_copy_bytes(mm) / n,
+                          f"a frozen copy of the denoiser, {ref_bytes} B per param" + (", sharded like it" if n > 1 else "")))
     return lines
 
 
@@ -349,8 +363,9 @@ def _reward_lines(recipe) -> list[Line]:
     return lines
 
 
-def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]:
-    """The largest transient of each phase: encode, rollout, decode and the update's forward with grad."""
+def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Line | None = None) -> list[Line]:
+    """The largest transient of each phase: encode, rollout, decode and the update's forward with
+    grad; under fsdp2 the start-up's (``reference``: the KL reference copy's line, if any)."""
     compute = 2 if layout.bf16 else mm.compute_bytes
     tw = mm.tokens * mm.width * compute * mm.forwards_per_velocity
     lines = []
@@ -381,9 +396,23 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry) -> list[Line]
         # shard before moving: one block (or the root's own parameters) whole on the device at a
         # time, in the storage dtype, on top of the shards placed so far
         largest = max(mm.largest_block_params, mm.outside_block_params) or mm.denoiser_params
-        lines.append(Line("start-up", "one block placed whole while sharding", largest * mm.denoiser_bytes,
-                          f"{largest / 1e6:.0f}e6 params x {mm.denoiser_bytes} B; the rest stays in CPU memory until "
-                          "its turn" + ("" if mm.largest_block_params else " (blocks unknown: the whole denoiser)")))
+        block, how = largest * mm.denoiser_bytes, f"{largest / 1e6:.0f}e6 params x {mm.denoiser_bytes} B"
+        if reference is not None:
+            # the reference is placed after the denoiser, its blocks in its own dtype: its shards
+            # (when they stay on the GPU) do not exist yet while the denoiser's blocks visit
+            rbytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes
+            shards = reference.bytes if reference.phase == "persistent" else 0.0
+            block = max(block - shards, largest * rbytes)
+            how = (f"the larger of a denoiser block ({how}) before the reference's shards exist and a reference "
+                   f"block ({rbytes} B per param) on top of them") if rbytes != mm.denoiser_bytes or shards else how
+        lines.append(Line("start-up", "one block placed whole while sharding", block,
+                          how + "; the rest stays in CPU memory until its turn"
+                          + ("" if mm.largest_block_params else " (blocks unknown: the whole denoiser)")))
+    elif reference is not None and reference.phase == "cpu":
+        # none / ddp: the copy is taken from the denoiser already placed on the GPU, then moved to
+        # CPU memory (Strategy.prepare_frozen): whole on the GPU for a moment at start-up
+        lines.append(Line("start-up", "reference copy taken on the GPU", reference_copy_bytes(mm),
+                          "taken from the placed denoiser, then moved to CPU memory ([train].reference_on_cpu)"))
     if layout.strategy == "fsdp2" and mm.largest_block_params:
         b, r = mm.largest_block_params, mm.outside_block_params
         lines.append(Line("update", "FSDP2 gathered parameters", compute * (r + 3 * b),
@@ -410,9 +439,14 @@ def startup_peak(lines: list[Line], mm: ModelMemory) -> float:
 def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_nodes: int = 1) -> list[Line]:
     """Host (CPU) memory per node: what the processes on one node keep in CPU memory for the
     whole run (phase ``held``) and the start-up transient (``loading``), each the sum over the
-    node's ``world_size / num_nodes`` processes. Every process loads the whole model into CPU
-    memory before placing it (from_pretrained), and under fsdp2 also takes the KL reference's
-    copy there before sharding it onto the GPU."""
+    node's ``world_size / num_nodes`` processes (for the start-up, rank 0's node: the largest).
+
+    Loading: under fsdp2 with several processes only rank 0 loads the denoiser's weights into
+    CPU memory (and takes the KL reference's copy there before sharding it); every other process
+    builds the denoiser without weights and receives each block from rank 0 as it is sharded
+    (:mod:`flowrl.train.parallel`), so a node holds one copy, not one per process. Under ``none``
+    and ``ddp`` every process loads the whole model. Text encoders and VAE that stay on the GPU are
+    loaded by every process before they move there (offloaded ones are counted as held)."""
     per_node = world_size // max(num_nodes, 1)
     node = f" x {per_node} processes" if per_node > 1 else ""
     weights = mm.denoiser_weight_bytes if mm.denoiser_weight_bytes is not None else mm.denoiser_params * mm.denoiser_bytes
@@ -423,12 +457,22 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
     if held:
         out.append(Line("held", "offloaded state (shards, encoders, rewards, a CPU reference)", held * per_node,
                         f"per process {held / GB:.1f} GB{node}"))
-    loading = weights + (0.0 if mm.offload_frozen else frozen)  # offloaded encoders are counted as held
+    each = 0.0 if mm.offload_frozen else frozen  # every process loads its own encoders and VAE
     reference = any(l.item == "reference copy (KL)" for l in lines)
     sharded = "sharded over" in (mm.notes[0] if mm.notes else "") or any(l.item.startswith("FSDP2") for l in lines)
+    if sharded and world_size > 1:  # one copy of the denoiser, on rank 0's node
+        once = weights + (reference_copy_bytes(mm) if reference else 0.0)
+        what = (f"rank 0 alone loads the denoiser ({weights / GB:.1f} GB)"
+                + (" and takes the KL reference's copy" if reference else "")
+                + "; the other processes receive each block from it as it is sharded")
+        if each:
+            what += f"; encoders and VAE {each / GB:.1f} GB per process{node}"
+        out.append(Line("loading", "start-up transient", once + each * per_node, what))
+        return out
+    loading = weights + each
     what = "the whole model loaded into CPU memory before placing it"
-    if reference and sharded:
-        loading += mm.denoiser_params * mm.denoiser_bytes
+    if reference and sharded:  # one process under fsdp2: the reference's copy is taken in CPU memory too
+        loading += reference_copy_bytes(mm)
         what += ", and the KL reference's copy taken there before sharding"
     out.append(Line("loading", "start-up transient", loading * per_node, f"{what}: per process {loading / GB:.1f} GB{node}"))
     return out

@@ -31,7 +31,7 @@ import torch
 
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
-from .interfaces import KLRegularised, NeedsReferenceCopy, Objective, ProfilingChunker
+from .interfaces import KLRegularised, NeedsReferenceCopy, NeedsReferencePolicy, Objective, ProfilingChunker
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
 from .sampling.plans import PlanContext
@@ -118,7 +118,8 @@ class TrainConfig:
     reference_on_cpu: bool = param(
         False,
         "Keep the KL reference (the frozen copy of the denoiser that full fine-tuning with a "
-        "reference KL keeps) in CPU memory; its blocks visit the GPU for each reference forward "
+        "reference KL keeps: [loss].beta > 0, or nft's beta_kl > 0) in CPU memory; its blocks visit "
+        "the GPU for each reference forward "
         "(fsdp2: its shards are CPU-offloaded). Saves the copy's GPU memory for host-to-device traffic.",
     )
     on_policy_tolerance: float = param(
@@ -721,6 +722,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     where = f"{recipe.source}: [chunker]"
     _check_sharding(recipe)
     _check_reference_copy_needed(recipe, registry)
+    _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
     if not _uses_units(recipe, registry):
         return
     if T < 1:
@@ -736,7 +738,6 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
             f"({recipe.train.prompts_per_iteration} x {recipe.train.group_size})",
             where=f"{recipe.source}: [train].micro_batch_size",
         )
-    _check_memory_knobs(recipe)
     chunker = build_component(recipe, registry, "chunker")
     if isinstance(chunker, ProfilingChunker) and chunker.needs_model:
         return  # boundaries come from profiling the model at start
@@ -758,24 +759,31 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
             )
 
 
-def no_reference_copy_because(recipe: Recipe) -> tuple[str, str, str] | None:
+def no_reference_copy_because(recipe: Recipe, registry: Registry | None = None) -> tuple[str, str, str] | None:
     """Why the run keeps no frozen copy of the denoiser as its KL reference, as ``(key, reason,
-    how to get one)``, or None when it keeps one: as :class:`flowrl.objectives.kl.ReferencePolicy`
-    decides it (a reference only with a loss of ``beta > 0`` and a reference KL kind; a copy only
-    without LoRA, whose reference is the base with the adapter off)."""
+    how to get one)``, or None when it keeps one: as :class:`flowrl.objectives.kl.KLSettings` and
+    :class:`~flowrl.objectives.kl.ReferencePolicy` decide it (a reference only with a loss of
+    ``beta > 0`` and a reference KL kind, or an objective that runs one itself and says so,
+    :class:`flowrl.interfaces.NeedsReferencePolicy`: DiffusionNFT with ``beta_kl > 0``; a copy
+    only without LoRA, whose reference is the base with the adapter off)."""
     loss = recipe.components["loss"].params
-    if not (isinstance(loss, KLRegularised) and float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"):
-        return ("[loss].beta", "the [loss] has no KL term to a reference model (beta = 0 or kl = 'old_policy_k3')",
-                "give the [loss] beta > 0 and kl = 'flow_grpo' or 'gaussian_exact'")
+    if isinstance(loss, KLRegularised):
+        wants = float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"
+    else:  # the built objective says whether it runs a reference of its own
+        built = build_component(recipe, registry or get_registry(), "loss")
+        wants = isinstance(built, NeedsReferencePolicy) and built.needs_reference()
+    if not wants:
+        return ("[loss].beta", "the [loss] has no KL term to a reference model (beta = 0 or kl = 'old_policy_k3'; "
+                "nft: beta_kl = 0)", "give the [loss] beta > 0 and kl = 'flow_grpo' or 'gaussian_exact' (nft: beta_kl > 0)")
     if recipe.train.finetune != "full":
         return ("[train].finetune", f"finetune = '{recipe.train.finetune}': the reference is the base with the "
                 "adapter off, not a copy of the weights", "use finetune = 'full'")
     return None
 
 
-def keeps_reference_copy(recipe: Recipe) -> bool:
+def keeps_reference_copy(recipe: Recipe, registry: Registry | None = None) -> bool:
     """True when training keeps a frozen copy of the denoiser as its KL reference."""
-    return no_reference_copy_because(recipe) is None
+    return no_reference_copy_because(recipe, registry) is None
 
 
 def _check_reference_copy_needed(recipe: Recipe, registry: Registry) -> None:
@@ -786,7 +794,7 @@ def _check_reference_copy_needed(recipe: Recipe, registry: Registry) -> None:
     loss = build_component(recipe, registry, "loss")
     if not (isinstance(loss, NeedsReferenceCopy) and loss.needs_reference_copy):
         return
-    why = no_reference_copy_because(recipe)
+    why = no_reference_copy_because(recipe, registry)
     if why is None:
         return
     key, reason, fix = why
@@ -798,14 +806,15 @@ def _check_reference_copy_needed(recipe: Recipe, registry: Registry) -> None:
     )
 
 
-def _check_memory_knobs(recipe: Recipe) -> None:
+def _check_memory_knobs(recipe: Recipe, registry: Registry) -> None:
     """[train].reference_on_cpu and .optimizer only where they apply (never silently ignored)."""
     t = recipe.train
     if t.reference_on_cpu:
-        if not keeps_reference_copy(recipe):
+        if not keeps_reference_copy(recipe, registry):
             raise RecipeError(
-                "reference_on_cpu = true, but this recipe keeps no reference copy (only full fine-tuning with "
-                "[loss].beta > 0 and a reference KL kind does; LoRA's reference is the base with the adapter off)",
+                "reference_on_cpu = true, but this recipe keeps no reference copy (only full fine-tuning with a "
+                "KL term to a reference does: [loss].beta > 0 and a reference KL kind, or nft's beta_kl > 0; "
+                "LoRA's reference is the base with the adapter off)",
                 where=f"{recipe.source}: [train].reference_on_cpu", hint="remove it",
             )
 

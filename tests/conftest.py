@@ -175,6 +175,24 @@ def flowrl_cli():
                            repo=REPO)
 
 
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory):
+    """``plugin_site(module, source) -> directory``: a one-module distribution with a ``flowrl``
+    entry point, installed the way a third party installs one (a ``.dist-info`` beside the module);
+    put the directory on ``PYTHONPATH`` of the processes that should load it."""
+
+    def make(module: str, source: str) -> Path:
+        site = tmp_path_factory.mktemp("site")
+        (site / f"{module}.py").write_text(source)
+        info = site / f"{module}-0.1.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n")
+        (info / "entry_points.txt").write_text(f"[flowrl]\n{module} = {module}\n")
+        return site
+
+    return make
+
+
 @pytest.fixture
 def validate(flowrl_cli):
     """``validate(recipe, *overrides) -> (exit code, stderr)``: ``flowrl validate RECIPE --set

@@ -61,6 +61,7 @@ def test_hardware_page_is_current(table):
     assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n(the test's command: `{table.COMMAND} --check`)"
     assert "docs/hardware.md is up to date" in proc.stdout
     assert "docs/models.md is up to date" in proc.stdout  # its block of plan figures (the same command)
+    assert "docs/distributed.md is up to date" in proc.stdout  # the flagship's figures it discusses
 
 
 def test_a_recipe_that_cannot_be_planned_is_listed_with_its_reason(table):
@@ -107,3 +108,62 @@ def test_every_memory_figure_of_the_models_page_comes_from_the_plan(table):
         outside = outside.replace(phrase, "")
     figures = re.findall(r"(\d+(?:\.\d+)?) ?GB(?! (?:GPU|card))", outside)
     assert not figures, f"memory figures in docs/models.md outside the generated block: {figures}"
+
+
+#: Figures in the docs that are not memory estimates of a run, each with what it is (the page,
+#: the phrase). Anything else "N GB" outside a generated block fails the test below.
+NOT_ESTIMATES = {
+    ("docs/install.md", "23.5 GB RAM"): "the machine's RAM in a sample of `flowrl doctor`'s output",
+    ("docs/reference.md", "saves ~9.5 GB"): "the T5 encoder's size, in a model field's help text (from its code)",
+    ("docs/reference.md", "downloads HPSv3.safetensors, 16.5 GB"): "a download's size",
+    ("docs/rewards.md", "downloads 16.5 GB"): "a download's size",
+    ("docs/rewards.md", "1.7 GB on disk"): "an environment's size on disk",
+}
+#: Pages the test leaves to others: generated whole, or dated measurements.
+OTHER_PAGES = {
+    "docs/hardware.md": "generated whole by the script (test_hardware_page_is_current)",
+    "docs/benchmarks.md": "measured results, each with its command, date and machine; a plan figure there is the "
+                          "plan's at that date, beside what the measurement found",
+}
+
+
+def _doc_pages() -> list[str]:
+    return ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", [p for p in _doc_pages() if p not in OTHER_PAGES])
+def test_every_memory_figure_in_the_docs_comes_from_the_plan(table, page):
+    """Issue 28: every memory figure in the docs is generated from the plan. A page quotes the
+    plan's figures only inside a block `scripts/hardware_table.py` writes (checked current by
+    test_hardware_page_is_current); outside one, "N GB" is a card's size ("a 40 GB card"), a
+    figure the plan computes here (the CUDA overhead, a default GPU size, the NF4 klein weights),
+    or one of NOT_ESTIMATES. docs/distributed.md quoted hand-written figures (13.9, ~200, 910,
+    550 GB, ...) that went stale when loading changed."""
+    import re
+
+    from flowrl.commands.base import DEFAULT_GPU_MEMORY_GB, load, registry
+    from flowrl.memory_plan import CUDA_OVERHEAD, GB, estimate
+
+    text = (REPO / page).read_text(encoding="utf-8")
+    while table.BEGIN in text:
+        head, rest = text.split(table.BEGIN, 1)
+        assert table.END in rest, f"{page}: a block of plan figures without its end marker"
+        text = head + rest.split(table.END, 1)[1]
+    outside = " ".join(text.split())
+    checked = {phrase: what for (where, phrase), what in NOT_ESTIMATES.items() if where == page}
+    if page == "docs/models.md":
+        def weights(*overrides: str) -> str:
+            recipe = load(table.RECIPES / "flux2_klein_nf4_24gb.toml", list(overrides))
+            _, _, lines = estimate(recipe, registry(), 1)
+            return f"{next(l.bytes for l in lines if l.item == 'denoiser weights') / GB:.2f}"
+
+        nf4, bf16 = weights(), weights('model.quantize="none"')
+        checked[f"= {nf4} GB ({bf16} GB in bf16)"] = "the NF4 klein denoiser's weights"
+        checked[f"{CUDA_OVERHEAD / GB:g} GB of CUDA context"] = "the plan's CUDA overhead"
+    if page == "docs/recipes.md":
+        checked[f"the plan's {DEFAULT_GPU_MEMORY_GB:g} GB"] = "the GPU size planned against when none is known"
+    for phrase, what in checked.items():
+        assert phrase in outside, (page, what, phrase)
+        outside = outside.replace(phrase, "")
+    figures = re.findall(r"\d+(?:\.\d+)? ?Gi?B(?! (?:GPU|card))", outside)
+    assert not figures, f"memory figures in {page} outside a generated block: {figures}"

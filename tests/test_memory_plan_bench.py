@@ -59,6 +59,21 @@ def test_fsdp_tracker_sees_half_the_parameters_at_world_size_2():
     assert not torch.distributed.is_initialized()
 
 
+def test_the_tracked_kl_reference_is_built_as_flowrl_builds_it():
+    """The KL items track the reference the diffusers adapters keep: flowrl's own frozen copy of
+    the float32 model in the bf16 compute dtype, sharded like the model (they tracked a float32
+    copy, twice what a run holds), in the steady state and at start-up."""
+    bench = _bench()
+    family = dataclasses.replace(bench.FLUX1, config=TINY_FLUX)
+    full = sum(p.numel() for p in family.build().parameters()) * 4
+    r = bench.track_fsdp(family, 2, img=16, txt=8, checkpointing=True, iterations=1, reference=True)
+    assert r["reference_sharded"] and r["reference_bytes"] * 2 * 2 == full  # bf16, halved by the shards
+    s = bench.track_startup(family, 2, reference=True)
+    assert s["reference_bytes"] * 2 * 2 == full
+    assert s["after"] == full // 2 + full // 4  # the model's fp32 shards and the reference's bf16 ones
+    assert not torch.distributed.is_initialized()
+
+
 def test_per_block_extrapolation_is_exact_on_a_linear_quantity():
     bench = _bench()
     family = bench.FLUX1

@@ -46,6 +46,26 @@ def adapters_disabled(module: torch.nn.Module):
             layer.enable_adapters(True)
 
 
+def frozen_copy(module: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A frozen copy of ``module`` (no grad, eval mode): the KL reference. ``dtype``: its
+    floating-point parameters and buffers are made directly in that dtype, one tensor at a time,
+    so that no whole copy in the module's own dtype ever exists (the diffusers adapters keep their
+    reference in the compute dtype while the denoiser holds float32 master weights); None copies
+    them as they are. A tensor shared by several submodules stays shared; a ``meta`` tensor (a
+    process that receives rank 0's weights) stays on ``meta``."""
+    memo: dict[int, object] = {}
+    if dtype is not None:
+        with torch.no_grad():
+            for sub in module.modules():
+                for store in (sub._parameters, sub._buffers):
+                    for t in store.values():
+                        if t is None or id(t) in memo or not t.is_floating_point() or t.dtype == dtype:
+                            continue
+                        made = t.detach().to(dtype)
+                        memo[id(t)] = torch.nn.Parameter(made, requires_grad=False) if isinstance(t, torch.nn.Parameter) else made
+    return copy.deepcopy(module, memo).requires_grad_(False).eval()
+
+
 class ReferencePolicy:
     """``velocity(x, sigma, text)`` of the reference model, without gradient."""
 
@@ -57,8 +77,8 @@ class ReferencePolicy:
         elif _lora_layers(model.denoiser):
             self.mode, self.copy = "lora_disabled", None
         else:
-            self.mode = "frozen_copy"
-            self.copy = copy.deepcopy(model.denoiser).requires_grad_(False).eval()
+            self.mode = "frozen_copy"  # as the denoiser is stored (the plan's ModelMemory.reference_bytes = None)
+            self.copy = frozen_copy(model.denoiser)
 
     @property
     def frozen(self) -> torch.nn.Module | None:

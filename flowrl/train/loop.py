@@ -63,7 +63,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
         # ---- Build: components (fsdp2 shards the denoiser onto the device), prompts, update, EMA -
-        session = Session.open(recipe, registry, device=device, place_denoiser=not sharded_run(recipe, ctx))
+        session = Session.open(recipe, registry, device=device, **denoiser_loading(recipe, ctx))
         run = Run(session, geometry, ctx)
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
         update = PolicyUpdate(run)
@@ -301,7 +301,10 @@ def planned_memory(recipe: Recipe, ctx, registry: Registry) -> str:
     return f"; `flowrl plan` expects a peak of ~{total / GB:.1f} GB per process (in the {phase} phase)"
 
 
-def sharded_run(recipe: Recipe, ctx) -> bool:
-    """Whether this run's denoiser is sharded with FSDP2 (the launcher may have asked for it)."""
-    return resolve_strategy(recipe.distributed, ctx.world_size) == "fsdp2"
+def denoiser_loading(recipe: Recipe, ctx) -> dict[str, bool]:
+    """How :meth:`Session.open` loads the denoiser: placed on the device, unless the run shards it
+    with FSDP2 (the launcher may have asked for it), which moves it there block by block; then
+    only rank 0 loads its weights and the other processes receive them as it is sharded."""
+    sharded = resolve_strategy(recipe.distributed, ctx.world_size) == "fsdp2"
+    return {"place_denoiser": not sharded, "receive_weights": sharded and ctx.rank != 0}
 

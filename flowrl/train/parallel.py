@@ -68,6 +68,8 @@ __all__ = [
     "transformer_blocks",
     "declared_blocks",
     "checkpoint_blocks",
+    "holds_meta_tensors",
+    "materialise_meta",
 ]
 
 #: Gradient bytes per all-reduce bucket under DDP (DDP's own default bucket size).
@@ -244,6 +246,11 @@ class Strategy:
     def _replicate(self, module: nn.Module) -> nn.Module:
         from accelerate import Accelerator
 
+        if holds_meta_tensors(module):
+            raise FlowrlError(f"the denoiser was built without weights, which only fsdp2 fills in (strategy {self.kind!r})",
+                              where="[distributed].strategy",
+                              hint="only an fsdp2 run builds it empty on the processes other than rank 0")
+
         self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=self.config.mixed_precision)
         if self.kind == "ddp" and self.topology.world_size > 1 and self.accelerator.num_processes != self.topology.world_size:
             raise FlowrlError(f"accelerate sees {self.accelerator.num_processes} processes, torch.distributed "
@@ -278,7 +285,10 @@ class Strategy:
         each block visits the device alone, gets rank 0's weights and is sharded, and the root's
         own parameters follow. At most one block's full weights are on the device at a time,
         instead of the whole model (47.6 GB for FLUX.1-dev in float32) before any sharding.
-        With ``cpu_offload`` FSDP2 then keeps each shard in CPU memory."""
+        With ``cpu_offload`` FSDP2 then keeps each shard in CPU memory. On a process other than
+        rank 0 the module may hold no weights at all (built on the ``meta`` device,
+        :func:`flowrl.distributed.receives_weights`): each block gets storage on the device just
+        before rank 0's weights arrive, so only rank 0 ever loaded the model into host memory."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         from torch.distributed.tensor import DTensor
 
@@ -290,11 +300,18 @@ class Strategy:
                 if bf16 else MixedPrecisionPolicy())
         offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cpu_offload else OffloadPolicy()
         world = self.topology.world_size
+        if (self.topology.rank == 0 or world == 1) and holds_meta_tensors(module):
+            raise FlowrlError("rank 0 must hold the denoiser's weights: the other processes receive them from it",
+                              where="[distributed].strategy = 'fsdp2'",
+                              hint="a model adapter builds its denoiser without weights only where "
+                                   "flowrl.distributed.receives_weights() says so")
         for block in blocks:
+            materialise_meta(block, self.device)  # a process that receives rank 0's weights built it empty
             block.to(self.device)
             _broadcast_module(block, world)  # every rank shards the same weights
             fully_shard(block, mesh=self.mesh, mp_policy=inner, offload_policy=offload, reshard_after_forward=True)
         with torch.no_grad():  # the root's own parameters and buffers (the blocks' are DTensor shards now)
+            materialise_meta(module, self.device)
             rest = [t for t in [*module.parameters(), *module.buffers()] if not isinstance(t, DTensor)]
             for t in rest:
                 t.data = t.data.to(self.device)
@@ -472,6 +489,28 @@ def _fsdp_reduce_accumulated(module: nn.Module) -> None:
         )
     ctx.is_last_backward = True
     finish()
+
+
+def holds_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the ``meta`` device (built without weights)."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def materialise_meta(module: nn.Module, device: torch.device) -> int:
+    """Give every ``meta`` parameter and buffer of ``module`` uninitialised storage on ``device``
+    (its values then come from rank 0 by broadcast); a tensor shared by several submodules stays
+    shared. Real tensors are left alone. Returns the bytes allocated."""
+    made: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for key, t in store.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty_like(t, device=device)
+                    made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                store[key] = made[id(t)]
+    return sum(t.numel() * t.element_size() for t in made.values())
 
 
 def _broadcast_module(module: nn.Module, world_size: int) -> None:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..distributed import resolve_device
+from ..distributed import resolve_device, weights_from_rank_zero
 from ..interfaces import TextEmbeddings, WarpsTime
 from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
@@ -169,15 +169,20 @@ class Session:
         rewards: bool = True,
         trackers: bool = True,
         place_denoiser: bool = True,
+        receive_weights: bool = False,
     ) -> Session:
         """Build the recipe's components and move the model to ``device`` (default: the recipe's
         ``[run].device``). ``place_denoiser=False`` leaves the denoiser where it was loaded (CPU
         memory) for FSDP2, which moves it to the device one block at a time as it shards it
-        (:meth:`flowrl.train.parallel.Strategy.prepare`)."""
+        (:meth:`flowrl.train.parallel.Strategy.prepare`). ``receive_weights=True`` (an FSDP2
+        process other than rank 0) lets the model adapter build the denoiser without weights, on
+        the ``meta`` device: FSDP2 gives each block rank 0's weights as it shards it
+        (:func:`flowrl.distributed.weights_from_rank_zero`)."""
         registry = registry or get_registry()
         if not isinstance(device, torch.device):
             device = resolve_device(device or recipe.run.device)
-        components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
+        with weights_from_rank_zero(receive_weights):
+            components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
         with contextlib.nullcontext() if place_denoiser else staying_in_place(components.model.denoiser):
             components.model.to(device)
         sampler = build_sampler(recipe, components, device)

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from flowrl.compat import ensure_torchvision_importable
+from flowrl.distributed import receives_weights
 from flowrl.errors import FlowrlError
 
 from .loading import dtype_kwarg, load_pipeline, resolve_dtype
@@ -180,9 +181,12 @@ class DiffusersAdapter:
         return {}
 
     def _load(self):
+        # a process that receives the denoiser's weights from rank 0 (fsdp2) builds it empty; a
+        # quantised base is made from loaded weights, so it loads them
+        empty = receives_weights() and getattr(self.config, "quantize", "none") == "none"
         return load_pipeline(
             self.pipeline_class, self.config.path, where=f"{self.where}.path", revision=self.config.revision,
-            **dtype_kwarg(self.dtype), **self._load_kwargs(),
+            empty="transformer" if empty else None, **dtype_kwarg(self.dtype), **self._load_kwargs(),
         )
 
     def _frozen_modules(self) -> list[torch.nn.Module]:
@@ -325,10 +329,11 @@ class DiffusersAdapter:
         if has_lora(self.denoiser):
             self._reference, self._reference_mode = None, "lora_disabled"
         else:
-            ref = copy.deepcopy(self.denoiser)
-            if self.denoiser_dtype != self.dtype:  # the reference never trains: compute dtype suffices
-                ref.to(dtype=self.dtype)
-            ref.requires_grad_(False).eval()
+            # the reference never trains: the compute dtype suffices, made tensor by tensor (no
+            # whole float32 copy first); memory.py's specs declare it (ModelMemory.reference_bytes)
+            from flowrl.objectives.kl import frozen_copy
+
+            ref = frozen_copy(self.denoiser, self.dtype if self.denoiser_dtype != self.dtype else None)
             self._reference, self._reference_mode = ref, "frozen_copy"
         return self._reference_mode
 

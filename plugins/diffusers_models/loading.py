@@ -64,8 +64,13 @@ def dtype_kwarg(dtype: torch.dtype) -> dict:
     return {"dtype" if new else "torch_dtype": dtype}
 
 
-def load_pipeline(pipeline_cls, path: str, *, where: str, revision: str = "", **kwargs):
-    """``pipeline_cls.from_pretrained(path, **kwargs)``, translating missing-weights errors."""
+def load_pipeline(pipeline_cls, path: str, *, where: str, revision: str = "", empty: str | None = None, **kwargs):
+    """``pipeline_cls.from_pretrained(path, **kwargs)``, translating missing-weights errors.
+
+    ``empty``: the name of a component (``"transformer"``) to build from its configuration on the
+    ``meta`` device instead of loading it: no weights are read or held, every other component
+    loads as usual (a process that receives the denoiser's weights from rank 0,
+    :func:`flowrl.distributed.receives_weights`)."""
     if looks_like_local_path(path):
         check_local_pipeline(path, where)
         path = str(Path(path).expanduser())
@@ -74,12 +79,29 @@ def load_pipeline(pipeline_cls, path: str, *, where: str, revision: str = "", **
         kwargs["revision"] = revision
     quiet_library_messages()  # diffusers is imported by now: filter its handlers (flowrl.compat)
     try:
+        if empty:
+            dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+            kwargs[empty] = empty_component(pipeline_cls, path, empty, dtype, revision=kwargs.get("revision"))
         return pipeline_cls.from_pretrained(path, **kwargs)
     except Exception as exc:  # translate the hub's many exception types below
         translated = _access_error(exc, path, where)
         if translated is exc:
             raise
         raise translated from exc
+
+
+def empty_component(pipeline_cls, path: str, name: str, dtype: torch.dtype | None, revision: str | None = None):
+    """The pipeline's component ``name`` (its class from ``model_index.json``) built from its own
+    configuration on the ``meta`` device, in ``dtype``: parameters and buffers with shapes and no
+    storage. Reads two small JSON files, no weights."""
+    import importlib
+
+    library, class_name = pipeline_cls.load_config(path, revision=revision)[name]
+    cls = getattr(importlib.import_module(library), class_name)
+    config = cls.load_config(path, subfolder=name, revision=revision)
+    with torch.device("meta"):
+        module = cls.from_config(config)
+    return module.to(dtype) if dtype is not None else module
 
 
 def _access_error(exc: Exception, repo: str, where: str) -> Exception:

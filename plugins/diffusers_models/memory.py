@@ -324,7 +324,7 @@ def flux_memory_spec(config):
     consts = _flux_constants(key)
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
     return with_quantization(t, config, ModelMemory(
-        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
         default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
@@ -359,7 +359,7 @@ def sd3_memory_spec(config):
     dual = len(t.get("dual_attention_layers") or [])
     cfg_factor = 2 if config.cfg_scale != 1.0 else 1
     return ModelMemory(
-        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
         default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
@@ -532,7 +532,7 @@ def qwen_image_memory_spec(config, lora_targets: list[str], *, condition_tokens:
     joint = int(t["joint_attention_dim"])
     condition_tokens = condition_tokens and (condition_tokens[0] // step) * (condition_tokens[1] // step)
     return with_quantization(t, config, ModelMemory(
-        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=img + (condition_tokens or 0) + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
@@ -564,7 +564,7 @@ def flux2_klein_memory_spec(config, lora_targets: list[str]):
     consts = _flux2_constants(int(t["attention_head_dim"]), tuple(t["axes_dims_rope"]), int(t["in_channels"]),
                               float(t.get("mlp_ratio", 3.0)))
     return with_quantization(t, config, ModelMemory(
-        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=img + txt, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
@@ -589,7 +589,7 @@ def zimage_memory_spec(config, lora_targets: list[str]):
     axes = tuple(int(a) for a in t["axes_dims"])
     consts = _zimage_constants(axes, int(t["in_channels"]))
     return with_quantization(t, config, ModelMemory(
-        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute,
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=pad(img) + pad(txt), width=int(t["dim"]),

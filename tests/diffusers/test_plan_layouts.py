@@ -72,10 +72,43 @@ def test_ddp_replicates_and_8bit_adamw_quarters_the_moments():
 def test_the_kl_reference_is_sharded_like_the_denoiser_or_kept_on_the_cpu():
     kl = ["loss.beta=0.01", "loss.kl=gaussian_exact"]
     mm, by, _ = _plan(kl, 8)
-    assert by["reference copy (KL)"].bytes == pytest.approx(4 * mm.denoiser_params / 8)
+    # in the bf16 compute dtype, as DiffusersAdapter.snapshot_reference keeps it (the fp32 master
+    # weights are the trained denoiser's alone; counted in fp32 before, twice what is held)
+    assert mm.reference_bytes == 2 and mm.denoiser_bytes == 4
+    assert by["reference copy (KL)"].bytes == pytest.approx(2 * mm.denoiser_params / 8)
     assert by["reference copy (KL)"].phase == "persistent"
     _, cpu, _ = _plan(kl + ["train.reference_on_cpu=true"], 8)
     assert cpu["reference copy (KL)"].phase == "cpu"
+    # under ddp the copy is taken from the denoiser already on the GPU, then moved to CPU memory:
+    # whole on the GPU at start-up (sharded under fsdp2, each block visits alone instead)
+    from flowrl.memory_plan import startup_peak
+
+    ddp_mm, ddp, ddp_lines = _plan(kl + ["train.reference_on_cpu=true", "distributed.strategy=ddp"], 8)
+    assert ddp["reference copy taken on the GPU"].bytes == pytest.approx(2 * mm.denoiser_params)
+    assert ddp["reference copy taken on the GPU"].phase == "start-up"
+    assert startup_peak(ddp_lines, ddp_mm) == pytest.approx(
+        ddp["denoiser weights"].bytes + 2 * mm.denoiser_params + ddp["CUDA context + allocator slack"].bytes)
+    assert "reference copy taken on the GPU" not in cpu and "reference copy taken on the GPU" not in _plan(
+        kl + ["distributed.strategy=ddp"], 8)[1]  # on the GPU for good: counted as held
+
+
+def test_nfts_velocity_kl_reference_is_counted_like_the_kl_terms():
+    """DiffusionNFT with ``beta_kl > 0`` runs the engine's frozen reference (NeedsReferencePolicy),
+    which the plan did not count: it is a copy of the denoiser like a KL term's, sharded under
+    fsdp2, in CPU memory with [train].reference_on_cpu, and absent without a velocity KL or with
+    LoRA (the base with the adapter off). A reference that keeps no copy (kl = 'old_policy_k3')
+    is not counted either."""
+    nft = Path(__file__).resolve().parents[2] / "recipes" / "quickstart_nft.toml"
+    mm, by, _ = _plan(["loss.beta_kl=0.01"], 1, recipe=nft)
+    assert by["reference copy (KL)"].bytes == pytest.approx(mm.denoiser_params * mm.denoiser_bytes)
+    assert by["reference copy (KL)"].phase == "persistent"
+    _, sharded, _ = _plan(["loss.beta_kl=0.01", "distributed.strategy=fsdp2"], 2, recipe=nft)
+    assert sharded["reference copy (KL)"].bytes == pytest.approx(by["reference copy (KL)"].bytes / 2)
+    _, cpu, _ = _plan(["loss.beta_kl=0.01", "train.reference_on_cpu=true"], 1, recipe=nft)
+    assert cpu["reference copy (KL)"].phase == "cpu"
+    for overrides in ([], ["loss.beta_kl=0.01", "train.finetune=lora"]):
+        assert "reference copy (KL)" not in _plan(overrides, 1, recipe=nft)[1]
+    assert "reference copy (KL)" not in _plan(["loss.beta=0.01", "loss.kl=old_policy_k3"], 8)[1]
 
 
 def test_strategy_none_on_several_processes_is_refused():
@@ -116,8 +149,9 @@ def test_gradient_sync_per_backward_keeps_fsdp2_gradients_sharded():
 def test_start_up_and_host_memory_are_planned():
     """fsdp2 places the denoiser a block at a time as it shards it: the start-up peak per GPU
     is the shards plus one whole block, far below the whole float32 model; host memory per node
-    counts every process's CPU copy of the model while it loads (and, with a KL term under fsdp2,
-    the reference's copy), and the offloaded state held for the whole run."""
+    counts the CPU copies of the model while it loads (under fsdp2 rank 0's alone, and with a KL
+    term the reference's copy; under ddp every process's), and the offloaded state held for the
+    whole run."""
     from flowrl.memory_plan import host_lines, startup_peak
 
     registry = get_registry()
@@ -126,18 +160,39 @@ def test_start_up_and_host_memory_are_planned():
     _, mm, lines = estimate(r, registry, 8)
     by = {l.item: l for l in lines}
     whole = mm.denoiser_params * 4
-    assert by["one block placed whole while sharding"].bytes == mm.largest_block_params * 4
+    # the denoiser's float32 blocks visit before the reference's shards exist; the reference's
+    # blocks (bf16, the compute dtype) visit on top of them: the larger of the two
+    ref_shards = by["reference copy (KL)"].bytes
+    assert by["one block placed whole while sharding"].bytes == max(mm.largest_block_params * 4 - ref_shards,
+                                                                    mm.largest_block_params * 2)
+    for overrides in ([], ["loss.beta=0.01", "train.reference_on_cpu=true"]):  # no reference shards on the GPU
+        _, _, other = estimate(load_recipe(flagship, overrides, registry=registry), registry, 8)
+        assert {l.item: l.bytes for l in other}["one block placed whole while sharding"] == mm.largest_block_params * 4
     start = startup_peak(lines, mm)
     expected = (by["denoiser weights"].bytes + by["reference copy (KL)"].bytes + by["one block placed whole while sharding"].bytes
                 + by["CUDA context + allocator slack"].bytes)  # encoders and the reward are offloaded
     assert start == pytest.approx(expected) and start < whole / 2 < peak(lines)[0]
     host = {l.phase: l for l in host_lines(r, mm, lines, 8)}
-    assert host["loading"].bytes == pytest.approx(8 * 2 * whole)  # 8 processes x (the model + the reference's copy)
+    # only rank 0 loads the denoiser and takes the reference's copy: one of each on the node, not
+    # one per process (the others receive each block as it is sharded; encoders are offloaded);
+    # the copy is made in the bf16 compute dtype, tensor by tensor (flowrl.objectives.kl.frozen_copy)
+    ref = mm.denoiser_params * 2
+    assert host["loading"].bytes == pytest.approx(whole + ref)
+    assert "rank 0 alone loads the denoiser" in host["loading"].note
     frozen = sum(p * b for p, b in mm.frozen.values())
     assert host["held"].bytes == pytest.approx(8 * (frozen + by["reward 'hpsv3'"].bytes))
-    # two nodes: half the processes, half the host memory on each
-    assert {l.phase: l.bytes for l in host_lines(r, mm, lines, 8, 2)}["loading"] == pytest.approx(host["loading"].bytes / 2)
-    # without a KL term no reference copy; ddp places the whole model, so no start-up transient line
+    # two nodes: half the processes, half the held memory on each; rank 0's node still loads one copy
+    two_nodes = {l.phase: l.bytes for l in host_lines(r, mm, lines, 8, 2)}
+    assert two_nodes["held"] == pytest.approx(host["held"].bytes / 2) and two_nodes["loading"] == pytest.approx(whole + ref)
+    # encoders kept on the GPU: every process loads its own before placing them
+    r1 = load_recipe(flagship, ["loss.beta=0.01", "model.offload_encoders=false"], registry=registry)
+    _, mm1, lines1 = estimate(r1, registry, 8)
+    assert {l.phase: l.bytes for l in host_lines(r1, mm1, lines1, 8)}["loading"] == pytest.approx(whole + ref + 8 * frozen)
+    # one fsdp2 process loads the model and takes the reference's copy itself
+    _, mm2, lines2 = estimate(r, registry, 1)
+    assert {l.phase: l.bytes for l in host_lines(r, mm2, lines2, 1)}["loading"] == pytest.approx(whole + ref)
+    # without a KL term no reference copy; ddp places the whole model, so no start-up transient
+    # line, and every process loads the whole model
     r0 = load_recipe(flagship, ["distributed.strategy='ddp'"], registry=registry)
     _, mm0, lines0 = estimate(r0, registry, 8)
     assert not [l for l in lines0 if l.phase == "start-up"]

@@ -311,6 +311,37 @@ def scenario_placement(name, results):
                      "whole": sum(p.numel() for p in net.parameters()), "blocks": len(net.blocks)}
 
 
+def scenario_received(name, results, lora=False):
+    """A process other than rank 0 builds the model on the meta device (no weights, as the diffusers
+    adapters do under fsdp2): FSDP2's preparation gives it rank 0's weights block by block, for
+    the trained model and for a frozen copy of it (the KL reference)."""
+    import copy
+
+    from flowrl.train.parallel import holds_meta_tensors
+
+    reset_accelerate()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    strategy = Strategy(DistributedConfig(strategy="fsdp2"), "fsdp2", torch.device("cpu"),
+                        Topology(rank=rank, world_size=world, local_world_size=world))
+    if rank == 0:
+        net = make_net(lora)
+    else:
+        with torch.device("meta"):
+            net = make_net(lora)
+    frozen = copy.deepcopy(net)
+    held = {"net": sum(p.numel() for p in net.parameters() if not p.is_meta), "meta": holds_meta_tensors(net)}
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR)
+    strategy.prepare(net, opt)
+    placed = strategy.prepare_frozen(frozen)
+    full = strategy.full_state_dict(trainable_only=False)
+    frozen_full = {n: p.full_tensor() for n, p in placed.named_parameters()}
+    want = make_net(lora).state_dict()
+    results[name] = {"held_before": held, "meta_after": holds_meta_tensors(strategy.module) or holds_meta_tensors(placed),
+                     "frozen_equal": all(torch.equal(frozen_full[n], want[n]) for n in want) and sorted(frozen_full) == sorted(want)}
+    if rank == 0:
+        results[name]["equal"] = sorted(full) == sorted(want) and all(torch.equal(full[n], want[n]) for n in want)
+
+
 def mode_train(out: Path) -> tuple[dict, dict]:
     results, tensors = {}, {}
     t0 = time.perf_counter()
@@ -328,6 +359,8 @@ def mode_train(out: Path) -> tuple[dict, dict]:
     scenario_counts("counts_fsdp2_sync_each", "fsdp2", results, gradient_sync="micro_batch")
     scenario_empty_rank("empty_rank", results)
     scenario_placement("placement", results)
+    scenario_received("received", results)
+    scenario_received("received_lora", results, lora=True)
     results["seconds_tiny"] = time.perf_counter() - t0
     embedded_on_policy("ddp", results)
     embedded_on_policy("fsdp2", results)

@@ -356,6 +356,18 @@ def test_fsdp2_moves_one_block_at_a_time_to_the_device(runs):
     assert max(placement["moved"]) <= placement["largest_block"] < placement["whole"]
 
 
+@pytest.mark.parametrize("name", ["received", "received_lora"])
+def test_fsdp2_gives_a_process_built_without_weights_rank_0s(runs, name):
+    """Only rank 0 loads the weights: process 1 builds the model (and the frozen KL copy of it) on
+    the meta device, holding no parameter storage, and FSDP2's preparation fills each block with
+    rank 0's weights as it shards it. Gathered, both equal the one-process model bit for bit."""
+    r0, r1 = (runs.train[r][name] for r in (0, 1))
+    assert r0["held_before"]["net"] > 0 and not r0["held_before"]["meta"]
+    assert r1["held_before"] == {"net": 0, "meta": True}
+    assert not r0["meta_after"] and not r1["meta_after"]
+    assert r0["equal"] and r0["frozen_equal"] and r1["frozen_equal"]
+
+
 def test_fsdp2_gradient_sync_per_micro_batch_reduce_scatters_every_backward(runs):
     """[distributed].gradient_sync = 'micro_batch': each of the 4, 8 or 16 backwards of a step
     reduce-scatters every FSDP group into sharded gradients (no full-size gradient is kept),

@@ -19,7 +19,7 @@ from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.sampling.kernels import FlowKernel
 from flowrl.train import train
 from flowrl.train.finetune import prepare_trainable
-from flowrl.objectives.kl import KLTerm, ReferencePolicy
+from flowrl.objectives.kl import KLTerm, ReferencePolicy, frozen_copy
 from flowrl.objectives.policy_gradient import TransitionScorer
 from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
 
@@ -125,3 +125,30 @@ def test_training_with_kl_logs_it_and_starts_at_zero(tmp_path):
     kls = [r["kl/gaussian_exact"] for r in records if "kl/gaussian_exact" in r]
     assert len(kls) == 2
     assert kls[0] < 1e-10 < kls[1]  # the policy starts at the reference, then moves away
+
+
+def test_frozen_copy_is_made_in_the_asked_dtype_and_keeps_the_module_as_it_was():
+    """The KL reference's copy (flowrl.objectives.kl.frozen_copy): floating-point parameters and
+    buffers in the asked dtype (the diffusers adapters' compute dtype), integer ones as they are,
+    shared tensors still shared, nothing trainable; the original untouched; a ``meta`` module
+    (a process that receives rank 0's weights) copied without storage."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4))
+    net.register_buffer("steps", torch.arange(3))
+    net.register_buffer("scale", torch.ones(2))
+    net[0].weight.requires_grad_(True)
+    ref = frozen_copy(net, torch.bfloat16)
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16} and ref.scale.dtype == torch.bfloat16
+    assert ref.steps.dtype == torch.int64 and torch.equal(ref.steps, net.steps)
+    assert torch.equal(ref[0].weight, net[0].weight.detach().to(torch.bfloat16))
+    assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+    assert {p.dtype for p in net.parameters()} == {torch.float32} and net[0].weight.requires_grad
+    shared = torch.nn.Linear(3, 3)
+    tied = torch.nn.ModuleList([shared, shared])
+    copied = frozen_copy(tied, torch.bfloat16)
+    assert copied[0].weight is copied[1].weight and copied[0].weight is not shared.weight
+    same = frozen_copy(net)  # no dtype: as stored (the engine's own copy)
+    assert {p.dtype for p in same.parameters()} == {torch.float32}
+    with torch.device("meta"):
+        empty = torch.nn.Linear(4, 4)
+    assert frozen_copy(empty, torch.bfloat16).weight.is_meta

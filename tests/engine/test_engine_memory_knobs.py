@@ -62,6 +62,37 @@ def test_reference_on_cpu_gives_the_same_run(tmp_path):
     assert a == b and kls and any(k > 0 for k in kls)
 
 
+def test_nfts_reference_on_cpu_is_placed_there_and_gives_the_same_run(tmp_path):
+    """DiffusionNFT's velocity KL (``beta_kl > 0``, flowrl.interfaces.NeedsReferencePolicy) runs the
+    engine's frozen reference: [train].reference_on_cpu now validates for it and keeps that copy in
+    CPU memory (Strategy.prepare_frozen with on_cpu), as for the ratio family's KL term; on this
+    CPU the run is the same. Without a velocity KL it is refused like any recipe without a copy."""
+    from unittest import mock
+
+    from engine_helpers import REPO
+
+    from flowrl.train.parallel import Strategy
+
+    recipe = REPO / "recipes" / "quickstart_nft.toml"
+    sets = ("train.iterations=2", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=8",
+            "prompts.num_eval=2", "log.image_every=0", "checkpoint.every=1", "loss.beta_kl=0.01")
+    placed, original = [], Strategy.prepare_frozen
+
+    def recording(self, module, on_cpu=False):
+        placed.append(on_cpu)
+        return original(self, module, on_cpu=on_cpu)
+
+    on_device = train(load(recipe, *sets, f"run.output_dir={str(tmp_path / 'a')!r}"), console=quiet_console())
+    with mock.patch.object(Strategy, "prepare_frozen", recording):
+        on_cpu = train(load(recipe, *sets, "train.reference_on_cpu=true", f"run.output_dir={str(tmp_path / 'b')!r}"),
+                       console=quiet_console())
+    assert placed == [True]
+    a, b = _metrics(on_device), _metrics(on_cpu)
+    assert a == b and any(r.get("nft/kl_ref", 0) > 0 for r in a)
+    with pytest.raises(FlowrlError, match="keeps no reference copy"):
+        load(recipe, *sets[:-1], "train.reference_on_cpu=true")  # beta_kl = 0: no reference at all
+
+
 @pytest.mark.parametrize("overrides, match", [
     (("train.reference_on_cpu=true",), "keeps no reference copy"),                        # beta = 0
     (("train.reference_on_cpu=true", *KL, "train.finetune='lora'"), "keeps no reference copy"),

@@ -50,15 +50,9 @@ SETS = [
 
 
 @pytest.fixture(scope="module")
-def plugin_path(tmp_path_factory):
+def plugin_path(plugin_site):
     """A directory holding a one-module distribution with a ``flowrl`` entry point."""
-    site = tmp_path_factory.mktemp("site")
-    (site / "idle_rank_plugin.py").write_text(PLUGIN)
-    info = site / "idle_rank_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: idle-rank-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[flowrl]\nidle_rank = idle_rank_plugin\n")
-    return site
+    return plugin_site("idle_rank_plugin", PLUGIN)
 
 
 @pytest.mark.parametrize("sets", [
