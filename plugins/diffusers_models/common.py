@@ -23,6 +23,7 @@ import torch
 from flowrl.compat import ensure_torchvision_importable
 from flowrl.distributed import receives_weights
 from flowrl.errors import FlowrlError
+from flowrl.objectives.kl import frozen_copy
 
 from .loading import dtype_kwarg, load_pipeline, resolve_dtype
 from .quantize import is_quantized, quantize_blocks
@@ -331,8 +332,6 @@ class DiffusersAdapter:
         else:
             # the reference never trains: the compute dtype suffices, made tensor by tensor (no
             # whole float32 copy first); memory.py's specs declare it (ModelMemory.reference_bytes)
-            from flowrl.objectives.kl import frozen_copy
-
             ref = frozen_copy(self.denoiser, self.dtype if self.denoiser_dtype != self.dtype else None)
             self._reference, self._reference_mode = ref, "frozen_copy"
         return self._reference_mode
