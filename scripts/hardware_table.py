@@ -253,7 +253,7 @@ def render_distributed_figures(registry) -> str:
         ("peak per GPU, gradients reduce-scattered after every backward (`gradient_sync = \"micro_batch\"`)",
          peak(each)[0]),
         (f"start-up peak per GPU with a KL term (`--set {KL_ON}`)", startup_peak(kl, mm)),
-        ("the whole float32 denoiser, were it moved to the GPU before sharding (twice with the KL copy)", whole),
+        ("the whole float32 denoiser, were it moved to the GPU before sharding (what sharding block by block avoids)", whole),
         ("host memory per node, held for the whole run (with the KL term)", kl_host.get("held", 0.0)),
         ("host memory per node at start-up, held + loading (with the KL term)", kl_host.get("held", 0.0) + kl_host["loading"]),
         ("host memory per node at start-up without the KL term", host.get("held", 0.0) + host["loading"]),
