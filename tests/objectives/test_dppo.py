@@ -18,6 +18,7 @@ from flowrl.sampling.rollout import make_kernels, make_step_log_prob_fn, rollout
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.sampling.kernels import FlowKernel
 from flowrl.selection import select_uniform
+from test_chunk_gradient import SHAPE, B, TinyVelocity  # the tiny velocity field of the chunk-update tests
 
 
 def test_step_kl_is_the_exact_gaussian_kl():
@@ -84,29 +85,12 @@ def test_surrogate_without_update_is_on_policy():
     assert obj(z, A)[0].tolist() == pytest.approx([0.0, -math.exp(-0.2)])
 
 
-class TinyVelocity(torch.nn.Module):
-    def __init__(self, B):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(8 + 1 + 4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
-        self.emb = torch.randn(B, 4)
-
-    def fn_for(self, batch_idx):
-        emb = self.emb[batch_idx]
-
-        def velocity(x, sigma):
-            return self.net(torch.cat([x.flatten(1), sigma[:, None], emb], 1)).view_as(x)
-
-        return velocity
-
-
 @pytest.mark.parametrize("sizes", [(2, 3, 3), step_chunks(8)])
 def test_lean_update_equals_full_graph_with_the_kl_mask(sizes):
     """The KL-masked unit objective is elementwise in the units, so the memory-lean chunk update
     gives the full graph's gradient, at step and chunk level, with some units dropped."""
-    B = 6
-    model = TinyVelocity(B)
-    noise = torch.randn(B, 2, 2, 2, generator=torch.Generator().manual_seed(1))
+    model = TinyVelocity()
+    noise = torch.randn(B, *SHAPE, generator=torch.Generator().manual_seed(1))
     gens = [torch.Generator().manual_seed(10 + b) for b in range(B)]
     tr = rollout(model.fn_for(torch.arange(B)), noise, shifted_sigmas(9, 3.0), make_kernels(9, FlowKernel(0.7)),
                  generators=gens)
