@@ -137,7 +137,7 @@ class AdvantageWeightedMatching:
             scaled.backward()
         z = (lp.detach() - old).reshape(-1)
         metrics = {"awm/fm_loss": float(-lp.detach().mean()), "awm/ratio_mean": float(torch.exp(z).mean()),
-                   "awm/ratio_max_abs_log": float(z.abs().max())}
+                   "awm/log_ratio_abs_max": float(z.abs().max())}
         if v_ref is not None:
             metrics["awm/kl_ref"] = float(velocity_kl(v.detach(), v_ref).mean())
         return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
