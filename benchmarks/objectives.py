@@ -2,16 +2,22 @@
 and how much reward hacking do the anti-hacking regularisers prevent?
 
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn              # every recipe, seed 42
+    OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --recipes quickstart_awm quickstart_dppo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py hacking --seeds 3  # quickstart vs gardo vs diversity
     python benchmarks/objectives.py learn --smoke --out /tmp/smoke        # 2-iteration rehearsal
 
 Run from the repository root. Finished runs are reused (delete ``--out`` to start over).
 
-``learn``: each recipe trains its 30 iterations; the evaluation reward (``eval/area/mean``: the
-fixed evaluation prompts and seeds, ODE sampling) before training (iteration 0) and after the
-last iteration (the final evaluation) are compared. The rise is reported in standard errors,
+``learn``: each recipe trains its iterations; the evaluation of the reward it optimises (the
+first ``[[rewards]]`` entry with a positive weight in the recipe: ``eval/<label>/mean``, the fixed
+evaluation prompts and seeds, ODE sampling) before training (iteration 0) and after the last
+iteration (the final evaluation) are compared. The rise is reported in standard errors,
 ``(final - initial) / sqrt(sem_initial^2 + sem_final^2)`` (the two evaluations use the same
-prompts and noise, so this independent-samples SE is conservative); the bar is >= 3.
+prompts and noise, so this independent-samples SE is conservative); the bar is >= 3. The second
+judge (``embedded_clip`` where the recipe logs it, else the verifier) is reported beside it, its
+change in the same standard errors. ``--seeds N`` runs seeds 42 .. 42 + N - 1 (default 1 for
+``learn``) and adds the mean ± standard error over seeds; ``--images`` keeps each recipe's
+``log.image_every`` (evaluation grids), which the benchmark otherwise turns off.
 
 ``hacking``: the quickstart (Chunk-GRPO on the area reward), the same with GARDO's gated KL and
 reference reset (``quickstart_gardo``), and with the group-diversity advantage
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 import math
 import statistics
 import subprocess
@@ -37,18 +44,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LEARN = ["quickstart", "quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast",
-         "quickstart_nft", "quickstart_gardo", "quickstart_diversity"]
+         "quickstart_nft", "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo"]
 HACKING = ["quickstart", "quickstart_gardo", "quickstart_diversity"]
 
 
-def run(recipe: str, seed: int, out: Path, smoke: bool) -> Path:
+def run(recipe: str, seed: int, out: Path, smoke: bool, images: bool = False) -> Path:
     run_dir = out / f"{recipe}_s{seed}"
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and any(json.loads(line).get("final") for line in metrics.read_text().splitlines() if line):
         return run_dir
     cmd = [sys.executable, "-m", "flowrl", "train", f"recipes/{recipe}.toml", "--overwrite",
            "--set", f"run.output_dir={run_dir}", "--set", f"run.seed={seed}", "--set", "log.eval_every=10",
-           "--set", "log.image_every=0", "--set", "log.progress=false"]
+           "--set", "log.progress=false"]
+    if not images:
+        cmd += ["--set", "log.image_every=0"]
     if smoke:
         cmd += ["--set", "train.iterations=2", "--set", "prompts.num_eval=4"]
     t0 = time.time()
@@ -59,9 +68,19 @@ def run(recipe: str, seed: int, out: Path, smoke: bool) -> Path:
     return run_dir
 
 
+def judges(recipe: str) -> tuple[str, str]:
+    """(the reward the recipe optimises, the second judge): the label of its first [[rewards]]
+    entry with a positive weight; ``embedded_clip`` if the recipe logs it (else the verifier)."""
+    entries = tomllib.loads((REPO / "recipes" / f"{recipe}.toml").read_text()).get("rewards", [])
+    labels = [e.get("label", e["use"]) for e in entries]
+    main = next(e.get("label", e["use"]) for e in entries if e.get("weight", 1.0) > 0)
+    second = "embedded_clip" if "embedded_clip" in labels and main != "embedded_clip" else "verifier"
+    return main, second
+
+
 def evals(run_dir: Path) -> tuple[dict, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    first = next(r for r in rows if "eval/area/mean" in r)
+    first = next(r for r in rows if any(k.startswith("eval/") for k in r))
     final = next(r for r in rows if r.get("final"))
     return first, final
 
@@ -78,24 +97,41 @@ def map_runs(jobs: int, tasks):
 
 
 def learn(args) -> dict:
-    dirs = map_runs(args.jobs, [(r, 42, args.out, args.smoke) for r in args.recipes])
+    seeds = [42 + k for k in range(args.seeds or 1)]
+    dirs = map_runs(args.jobs, [(r, s, args.out, args.smoke, args.images) for r in args.recipes for s in seeds])
     table = {}
-    print(f"\n{'recipe':28s} {'area before':>12s} {'area after':>11s} {'rise':>8s} {'rise/SE':>8s} {'bar':>5s}"
-          f" {'verifier before':>16s} {'after':>7s}")
-    for recipe, d in zip(args.recipes, dirs):
-        first, final = evals(d)
-        delta, z = rise(first, final, "area")
-        table[recipe] = {"area_before": first["eval/area/mean"], "area_after": final["eval/area/mean"],
-                         "area_sem_before": first["eval/area/sem"], "area_sem_after": final["eval/area/sem"],
-                         "rise": delta, "rise_se": z, "verifier_before": first["eval/verifier/mean"],
-                         "verifier_after": final["eval/verifier/mean"]}
-        print(f"{recipe:28s} {first['eval/area/mean']:12.4f} {final['eval/area/mean']:11.4f} {delta:8.4f} {z:8.1f}"
-              f" {'ok' if z >= 3 else 'FAIL':>5s} {first['eval/verifier/mean']:16.4f} {final['eval/verifier/mean']:7.4f}")
+    print(f"\n{'recipe':24s} {'seed':>4s} {'reward':>10s} {'before':>14s} {'after':>14s} {'rise':>7s} {'rise/SE':>7s}"
+          f" {'bar':>4s} {'2nd judge':>13s} {'before':>7s} {'after':>7s} {'change/SE':>9s}")
+    for recipe in args.recipes:
+        main, second = judges(recipe)
+        runs = []
+        for s in seeds:
+            first, final = evals(args.out / f"{recipe}_s{s}")
+            delta, z = rise(first, final, main)
+            d2, z2 = rise(first, final, second)
+            runs.append({"seed": s, "reward": main, "before": first[f"eval/{main}/mean"],
+                         "after": final[f"eval/{main}/mean"], "sem_before": first[f"eval/{main}/sem"],
+                         "sem_after": final[f"eval/{main}/sem"], "rise": delta, "rise_se": z, "second": second,
+                         "second_before": first[f"eval/{second}/mean"], "second_after": final[f"eval/{second}/mean"],
+                         "second_change": d2, "second_change_se": z2})
+            r = runs[-1]
+            print(f"{recipe:24s} {s:4d} {main:>10s} {r['before']:7.4f}±{r['sem_before']:.4f} "
+                  f"{r['after']:7.4f}±{r['sem_after']:.4f} {delta:7.4f} {z:7.1f} {'ok' if z >= 3 else 'FAIL':>4s}"
+                  f" {second:>13s} {r['second_before']:7.4f} {r['second_after']:7.4f} {z2:9.1f}")
+        table[recipe] = {"runs": runs}
+        if len(runs) > 1:
+            for key in ("rise", "rise_se", "second_change", "second_change_se"):
+                xs = [r[key] for r in runs]
+                table[recipe][key] = (statistics.fmean(xs), statistics.stdev(xs) / math.sqrt(len(xs)))
+            m = table[recipe]
+            print(f"{recipe:24s} mean ± SE over {len(runs)} seeds: rise {m['rise'][0]:.4f} ± {m['rise'][1]:.4f} "
+                  f"({m['rise_se'][0]:.1f} ± {m['rise_se'][1]:.1f} SE); {second} change {m['second_change'][0]:.4f} "
+                  f"± {m['second_change'][1]:.4f}")
     return table
 
 
 def hacking(args) -> dict:
-    seeds = [42 + k for k in range(args.seeds)]
+    seeds = [42 + k for k in range(args.seeds or 3)]
     tasks = [(r, s, args.out, args.smoke) for r in HACKING for s in seeds]
     map_runs(args.jobs, tasks)
     per = {r: [] for r in HACKING}
@@ -132,7 +168,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["learn", "hacking"])
     p.add_argument("--out", type=Path, default=REPO / "runs" / "objectives")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=None, help="seeds 42 .. (default: 1 for learn, 3 for hacking)")
+    p.add_argument("--images", action="store_true", help="keep each recipe's evaluation image grids")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--recipes", nargs="*", default=LEARN)
     p.add_argument("--smoke", action="store_true", help="2 iterations, 4 evaluation prompts")

@@ -9,6 +9,12 @@
   that is reset to the current weights periodically.
 - ``nft``: DiffusionNFT, likelihood-free: an :class:`flowrl.interfaces.Objective` that owns the
   backward (no trajectory log-probs, no chunks; any sampler, e.g. ``[window] use = "ode"``).
+- ``awm``: AWM (Advantage Weighted Matching), likelihood-free: the flow-matching loss on the
+  rollout's clean samples at fresh noise, weighted by their advantages (through a ratio to each
+  point's anchor, clipped as PPO).
+- ``dppo``: Flow-DPPO: the unclipped ratio surrogate, with a unit's gradient dropped where the
+  exact Gaussian KL of its steps to the rollout policy exceeds a threshold and the ratio moves
+  further in the advantage's direction (step or chunk units).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Literal
 
 from flowrl import hookimpl
 from flowrl.config import param
+from flowrl.objectives.awm import WEIGHTINGS, AdvantageWeightedMatching
+from flowrl.objectives.dppo import KLMaskedPolicyGradient, KLMaskedSurrogate
 from flowrl.objectives.gardo import GatedKLPolicyGradient
 from flowrl.objectives.guard import guard_step_ratio
 from flowrl.objectives.losses import ClippedObjective
@@ -157,12 +165,70 @@ def build_nft(config: NftConfig):
                                    decay_type=config.decay_type, beta_kl=config.beta_kl)
 
 
+# ----------------------------------------------------------------------------- AWM
+
+
+@dataclasses.dataclass(frozen=True)
+class AwmConfig:
+    timesteps: int = param(6, "Sigmas trained per sample (a random subset of the sampling schedule's; AWM: 6).", min=1)
+    weighting: Literal["uniform", "sigma", "ghuber"] = param(
+        "uniform", "Weight of each point's flow-matching error: 'uniform' (AWM's 'Uniform'), 'sigma' (its 't'), "
+        "'ghuber' (sigma ((mse + 1e-10)^p - 1e-10^p) / p, its 'ghuber').")
+    power: float = param(1.0, "Power p of the 'ghuber' weighting.", min=0.0, exclusive_min=True)
+    clip_range: float = param(
+        0.5, "PPO clip of the per-point ratio exp(l - l_anchor) (acts only off-policy; AWM's configs use 1).",
+        min=0.0, max=0.99)
+    adv_clip: float = param(5.0, "Advantages are clipped to [-adv_clip, adv_clip] (AWM: 5).", min=0.0,
+                            exclusive_min=True)
+    beta_kl: float = param(0.0, "Weight of mean((v - v_ref)^2) to the reference model (AWM's 'Uniform' KL; "
+                           "its configs: 1e-4 to 3e-3).", min=0.0)
+
+    def __post_init__(self):
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+
+
+def build_awm(config: AwmConfig):
+    """AWM: advantage-weighted flow matching on the rollout's clean samples."""
+    return AdvantageWeightedMatching(timesteps=config.timesteps, weighting=config.weighting, power=config.power,
+                                     clip_range=config.clip_range, adv_clip=config.adv_clip, beta_kl=config.beta_kl)
+
+
+# ----------------------------------------------------------------------------- Flow-DPPO
+
+
+@dataclasses.dataclass(frozen=True)
+class DppoConfig:
+    kl_threshold: float = param(
+        1e-5, "Trust region delta: a unit whose exact Gaussian KL to the rollout policy (per element, mean over "
+        "its steps) is >= delta and whose ratio moves further in the advantage's direction is dropped "
+        "(UniRL's kl_mask_threshold: 1e-5).", min=0.0)
+    beta: float = param(0.0, "Weight of the KL term to the reference (0 = none, Flow-DPPO's default).", min=0.0)
+    kl: Literal["gaussian_exact", "flow_grpo", "old_policy_k3"] = param(
+        "gaussian_exact", "KL kind of the beta term, as for the 'clipped' loss.")
+
+
+class _KLMasked:
+    keep_means = True
+
+    def __init__(self, config: DppoConfig):
+        self.objective = KLMaskedSurrogate(config.kl_threshold)
+        self.beta, self.kl = config.beta, config.kl
+
+
+def build_dppo(config: DppoConfig):
+    """Flow-DPPO: the unclipped surrogate inside an exact per-step Gaussian-KL trust region."""
+    return KLMaskedPolicyGradient(_KLMasked(config))
+
+
 @hookimpl(trylast=True)
 def register_losses(register):
     register("clipped", ClippedSurrogate)
     register("guard", GuardSurrogate)
     register("gardo", build_gardo, params=GardoConfig)
     register("nft", build_nft, params=NftConfig)
+    register("awm", build_awm, params=AwmConfig)
+    register("dppo", build_dppo, params=DppoConfig)
 
 
 @hookimpl(trylast=True)

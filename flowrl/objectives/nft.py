@@ -35,7 +35,7 @@ import torch
 from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
-from flowrl.seeding import generator
+from flowrl.objectives.forward_process import forward_process_points, velocity_kl
 
 __all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
            "ForwardProcessObjective"]
@@ -86,12 +86,6 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x: torch.Tensor, x0: torch.Te
         losses.append(loss)
     total = clip * (rr * losses[0] + (1.0 - rr) * losses[1]) / beta
     return total, parts
-
-
-def velocity_kl(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
-    """NFT's KL surrogate to the reference: ``mean((v - v_ref)^2)`` per sample ``[B]``."""
-    d = v.to(torch.float32) - v_ref.detach().to(torch.float32)
-    return (d**2).reshape(d.shape[0], -1).mean(dim=1)
 
 
 def old_policy_decay(step: int, flat: int, uprate: float, uphold: float) -> float:
@@ -162,31 +156,12 @@ class ForwardProcessObjective:
     def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
         """Nothing to prepare: the rollout was drawn with the old weights."""
 
-    def _points(self, seed: int, batch, idx, sigmas):
-        """``(x0, x, sigma, rows, K)`` for every (row, k), rows repeated K times (row-major): the
-        sigmas and noises are drawn from one generator per (seed, "nft", iteration, sample), so
-        every pass over the rollout trains the same points."""
-        x0 = batch.trajectory.image_latents[idx].to(torch.float32)
-        grid = sigmas[:-1]  # no sigma = 0
-        K = min(self.K, grid.numel())
-        xs, ss, x0s, rows = [], [], [], []
-        for j, r in enumerate(idx.tolist()):
-            g = generator(seed, "nft", batch.iteration, batch.indices[r])
-            pick = torch.randperm(grid.numel(), generator=g)[:K]
-            for k in range(K):
-                s = grid[int(pick[k])]
-                eps = torch.randn(tuple(x0.shape[1:]), generator=g).to(x0.device)
-                xs.append((1 - s) * x0[j] + s * eps)
-                ss.append(s)
-                x0s.append(x0[j])
-                rows.append(r)
-        return (torch.stack(x0s), torch.stack(xs), torch.stack(ss).to(x0.device), torch.tensor(rows), K)
-
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
         batch, device = micro.batch, ctx.device
         idx = micro.rows
         sigmas = batch.trajectory.sigmas.to(device)
-        x0, x, s, rows, K = self._points(ctx.seed, batch, idx, sigmas)
+        pts = forward_process_points(ctx.seed, "nft", batch, idx, sigmas, self.K)
+        x0, x, s, rows, K = pts.x0, pts.x, pts.sigma, pts.rows, pts.K
         text = select_embeddings(batch.text, rows.to(device))
         r = optimality_probability(batch.advantages[rows.to(device)].reshape(len(rows), -1)[:, 0], self.clip)
         model = ctx.model

@@ -23,7 +23,7 @@ from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 NEW = ["quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast", "quickstart_nft",
-       "quickstart_gardo", "quickstart_diversity"]
+       "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo"]
 SMALL = ["train.iterations=2", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=4",
          "prompts.num_eval=2", "log.eval_every=1", "log.image_every=0", "log.progress=false", "sampler.steps=9"]
 
@@ -49,6 +49,9 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
         overrides.append("window.every=1")
     if name == "quickstart_guard":
         overrides.append("train.micro_batch_size=4")
+    if name == "quickstart_dppo":
+        # 8 trainable transitions at 9 steps; threshold 1e-8: the second pass drops the units that move with A
+        overrides += ["sampler.sde_window=[0, 8]", "loss.kl_threshold=1e-8"]
     run_dir = train(load(REPO / "recipes" / f"{name}.toml", *overrides), console=quiet_console())
     rows = _rows(run_dir)
     assert len(rows) == 2 and all("loss" in r and r["nonfinite_steps"] == 0 for r in rows)
@@ -56,9 +59,16 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
     if name == "quickstart_nft":
         assert rows[0]["nft/old_deviation"] >= 0 and "on_policy/max_abs_log_ratio" not in rows[0]
         assert rows[0]["trained_units"] == [[] for _ in range(8)]
+    elif name == "quickstart_awm":
+        assert rows[0]["awm/fm_loss"] > 0 and rows[0]["awm/ratio_mean"] == 1.0  # one on-policy step
+        assert "on_policy/max_abs_log_ratio" not in rows[0] and rows[0]["trained_units"] == [[] for _ in range(8)]
+        # 8 samples x 6 sigmas, each once forward and once backward
+        assert rows[0]["compute/update/forward"] == rows[0]["compute/update/backward"] == 48
     else:
         assert rows[0]["on_policy/max_abs_log_ratio"] <= 1e-6
         assert len(rows[0]["diag/step_log_ratio_std"]) == (4 if "mixgrpo" in name else 2 if "fast" in name else 8)
+    if name == "quickstart_dppo":  # the second pass is off-policy: some units leave the region and are dropped
+        assert rows[0]["dppo/kl_max"] > 0 and 0 < rows[0]["clip_fraction"] < 1
     if name == "quickstart_gardo":
         assert rows[0]["gardo/reset"] is False and rows[1]["gardo/reset"] is True
         assert 0 < rows[0]["gardo/gate_fraction"] <= 0.25 and rows[0]["kl/flow_grpo"] > 0
@@ -69,7 +79,8 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
 def test_engine_has_no_branch_on_an_objective_name():
     """The loop and the update never name an objective, window or estimator: they call the
     components' methods whatever the recipe names."""
-    names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random"]
+    names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random", "awm",
+             "dppo"]
     for rel in ("flowrl/train/loop.py", "flowrl/train/update.py", "flowrl/train/collect.py"):
         code = "\n".join(line.split("#")[0] for line in (REPO / rel).read_text().splitlines())
         strings = re.findall(r"[\"']([a-z_]+)[\"']", code)
