@@ -107,8 +107,10 @@ class FlashConfig:
 
 
 class FlashSelector:
-    """Flash-GRPO: one unit per sample per iteration, the same for every sample of a prompt group
-    (iso-temporal grouping), drawn per (seed, iteration, group)."""
+    """Flash-GRPO: one unit per sample and iteration, shared by the samples of its prompt group.
+
+    Iso-temporal grouping: the group's samples train the same unit, drawn per (seed, iteration,
+    group)."""
 
     Config = FlashConfig
 
@@ -142,8 +144,9 @@ class EntropyConfig:
 
 
 class EntropySelector:
-    """E-GRPO: train the units whose SDE step has the highest entropy (the largest kernel std),
-    read off the current rollout's sigmas, so per-sample windows are honoured."""
+    """E-GRPO: train the units whose Gaussian step has the highest entropy (the largest std).
+
+    The kernel's std is read off the current rollout's sigmas, so per-sample windows are honoured."""
 
     Config = EntropyConfig
 
