@@ -85,7 +85,7 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
 def test_engine_has_no_branch_on_an_objective_name():
     """The loop and the update never name an objective, window or estimator: they call the
     components' methods whatever the recipe names."""
-    names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random"]
+    names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random", "entropy"]
     for rel in ("flowrl/train/loop.py", "flowrl/train/update.py", "flowrl/train/collect.py"):
         code = "\n".join(line.split("#")[0] for line in (REPO / rel).read_text().splitlines())
         strings = re.findall(r"[\"']([a-z_]+)[\"']", code)
