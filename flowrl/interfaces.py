@@ -348,6 +348,29 @@ class SelectsFromRollout(Protocol):
 
 
 @runtime_checkable
+class SelectsPerGroup(Protocol):
+    """A selector whose draw the samples of one prompt group share (Flash-GRPO's iso-temporal
+    grouping): ``select_per_group(B, sizes, generators, group_ids [B])``. The engine seeds row
+    ``b``'s generator by (seed, iteration, ``group_ids[b]``), the same in every pass over the
+    rollout, so a group split over micro-batches or processes draws the same units in each part
+    and a sample trains the same units in every pass."""
+
+    def select_per_group(self, num_samples: int, sizes: Sequence[int], generators: Any,
+                         group_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SelectsByStepStd(Protocol):
+    """A selector that ranks units by the entropy of the policy's Gaussian step (E-GRPO):
+    ``select_from_std(B, sizes, generators, std [B, T])`` with the kernel's std at every
+    trainable transition of each sample of the current rollout
+    (:meth:`flowrl.sampling.trajectory.Trajectory.position_std`)."""
+
+    def select_from_std(self, num_samples: int, sizes: Sequence[int], generators: Any,
+                        std: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class AdvantageEstimator(Protocol):
     """Rewards of a batch of groups to one advantage per sample.
 

@@ -26,6 +26,9 @@ __all__ = [
     "select_weighted",
     "rollout_l1rel",
     "rollout_chunk_weights",
+    "select_one_per_group",
+    "unit_entropy",
+    "select_top_entropy",
 ]
 
 
@@ -155,3 +158,71 @@ def rollout_chunk_weights(l1rel: torch.Tensor, sizes: Sequence[int]) -> torch.Te
     if not bool(torch.isfinite(l1).all()) or bool((l1 < 0).any()):
         raise ValueError("l1rel must be finite and >= 0")
     return torch.stack([chunk_mean(row, s) for row in l1]) + 1e-8
+
+
+def select_one_per_group(
+    group_ids: torch.Tensor, K: int, span: float = 1.0, generators: GeneratorArg = None
+) -> torch.Tensor:
+    """Exactly one unit per sample, the same for every sample of a prompt group (Flash-GRPO's
+    iso-temporal grouping): the unit is uniform on the first ``selection_count(K, span)`` units.
+
+    ``group_ids [B]`` names each row's group. Each group draws once, from the generator of its
+    first row in the call (``generators`` as in the module docstring); the engine seeds every
+    row's generator by (seed, iteration, group), so a group split over micro-batches or
+    processes draws the same unit in each part."""
+    g = torch.as_tensor(group_ids).reshape(-1).cpu()
+    B = int(g.numel())
+    _check_bk(B, K)
+    hi = selection_count(K, span)
+    gens = _gens(generators, B)
+    drawn: dict[int, int] = {}
+    mask = torch.zeros(B, K, dtype=torch.bool)
+    for b in range(B):
+        key = int(g[b])
+        if key not in drawn:
+            drawn[key] = int(torch.randint(hi, (1,), generator=_cpu_gen(gens[b])))
+        mask[b, drawn[key]] = True
+    return mask
+
+
+def unit_entropy(std: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Per-element differential entropy of each unit's Gaussian kernel, ``0.5 log(2 pi e s^2)``
+    per step, averaged over the unit's steps: ``std [B, T]`` (the kernel's std at every trainable
+    transition of each sample, > 0) -> float64 ``[B, K]``. A D-element step's entropy is D times
+    this; the order of units is that of their (geometric mean) std."""
+    s = validate_chunks(sizes)
+    sd = torch.as_tensor(std, dtype=torch.float64).cpu()
+    if sd.ndim != 2 or sd.shape[1] != sum(s):
+        raise ValueError(f"std must be [B, T] with T = sum(sizes) = {sum(s)}, got shape {tuple(sd.shape)}")
+    if not bool(torch.isfinite(sd).all()) or bool((sd <= 0).any()):
+        raise ValueError("std must be finite and > 0 at every trainable transition")
+    h = 0.5 * math.log(2 * math.pi * math.e) + torch.log(sd)
+    return chunk_mean(h, s)
+
+
+def select_top_entropy(
+    entropy: torch.Tensor, count: int | None = None, threshold: float | None = None
+) -> torch.Tensor:
+    """E-GRPO's rule on ``entropy [B, K]`` (:func:`unit_entropy`): per sample, the ``count``
+    units of highest entropy (ties to the earlier unit), or, with ``threshold``, every unit whose
+    entropy is at least ``threshold`` (at least the highest one). Exactly one of the two."""
+    h = torch.as_tensor(entropy, dtype=torch.float64).cpu()
+    if h.ndim != 2:
+        raise ValueError(f"entropy must be [B, K], got shape {tuple(h.shape)}")
+    B, K = int(h.shape[0]), int(h.shape[1])
+    _check_bk(B, K)
+    if (count is None) == (threshold is None):
+        raise ValueError("give exactly one of count and threshold")
+    if threshold is not None:
+        if not math.isfinite(threshold):
+            raise ValueError(f"threshold must be finite, got {threshold!r}")
+        mask = h >= threshold
+        mask[torch.arange(B), torch.argmax(h, dim=1)] = True
+        return mask
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= K:
+        raise ValueError(f"count must be an integer in [1, K = {K}], got {count!r}")
+    # stable descending sort: equal entropies keep index order, so the earlier unit wins
+    order = torch.sort(h, dim=1, descending=True, stable=True).indices[:, :count]
+    mask = torch.zeros(B, K, dtype=torch.bool)
+    mask.scatter_(1, order, True)
+    return mask

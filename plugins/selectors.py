@@ -1,9 +1,13 @@
-"""Built-in chunk selectors: all, uniform fraction, L1rel-weighted (docs/api.md §4, §6)."""
+"""Built-in chunk selectors: all, uniform fraction, L1rel-weighted (docs/api.md §4, §6), and two
+that train fewer steps: Flash-GRPO's one step per sample shared by its prompt group (``flash``)
+and E-GRPO's highest-entropy steps (``entropy``); docs/objectives.md."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
+
+import torch
 
 from flowrl import hookimpl
 from flowrl.config import param
@@ -12,8 +16,12 @@ from flowrl.selection import (
     chunk_weights_from_l1rel,
     rollout_chunk_weights,
     select_all,
+    select_one_per_group,
+    select_top_entropy,
     select_uniform,
     select_weighted,
+    selection_count,
+    unit_entropy,
 )
 
 
@@ -88,11 +96,83 @@ class WeightedSelector:
         return select_weighted(num_samples, rollout_chunk_weights(l1rel, sizes), count, generator)
 
 
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    span: float = param(
+        0.5,
+        "The trained unit is drawn uniformly from the first max(1, int(K * span)) units, the high-noise "
+        "end (Flash-GRPO's code: the first 10 of 20 steps, 0.5; 1 = any unit).",
+        min=0.0, max=1.0, exclusive_min=True,
+    )
+
+
+class FlashSelector:
+    """Flash-GRPO: one unit per sample and iteration, shared by the samples of its prompt group.
+
+    Iso-temporal grouping: the group's samples train the same unit, drawn per (seed, iteration,
+    group)."""
+
+    Config = FlashConfig
+
+    def __init__(self, config: FlashConfig):
+        self.config = config
+
+    def select(self, num_samples, sizes, generator):
+        """Without group ids every row is its own group (the engine calls select_per_group)."""
+        return select_one_per_group(torch.arange(num_samples), len(sizes), self.config.span, generator)
+
+    def select_per_group(self, num_samples, sizes, generators, group_ids):
+        if len(group_ids) != num_samples:
+            raise ValueError(f"group_ids must have one entry per sample ({num_samples}), got {len(group_ids)}")
+        return select_one_per_group(group_ids, len(sizes), self.config.span, generators)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyConfig:
+    rule: Literal["top", "threshold"] = param(
+        "top",
+        "'top': per sample the max(1, int(K * fraction)) units whose Gaussian step has the highest entropy "
+        "(E-GRPO trains the high-entropy first half of the steps); 'threshold': every unit whose per-element "
+        "entropy 0.5 log(2 pi e std^2) is >= threshold (at least the highest).",
+    )
+    fraction: float = param(0.5, "Rule 'top': fraction of units trained, max(1, int(K * fraction)).",
+                            min=0.0, max=1.0, exclusive_min=True)
+    threshold: float = param(
+        -2.0, "Rule 'threshold': the least per-element entropy in nats of a trained unit (std 0.1 gives "
+        "-0.88, std 0.03 gives -2.09).",
+    )
+
+
+class EntropySelector:
+    """E-GRPO: train the units whose Gaussian step has the highest entropy (the largest std).
+
+    The kernel's std is read off the current rollout's sigmas, so per-sample windows are honoured."""
+
+    Config = EntropyConfig
+
+    def __init__(self, config: EntropyConfig):
+        self.config = config
+
+    def select(self, num_samples, sizes, generator):
+        raise ValueError("the 'entropy' selector needs the kernel's std at each step: use it with an objective that "
+                         "hands it over (flowrl.interfaces.SelectsByStepStd; the ratio-based losses do)")
+
+    def select_from_std(self, num_samples, sizes, generators, std):
+        h = unit_entropy(std, sizes)
+        if h.shape[0] != num_samples:
+            raise ValueError(f"std must have one row per sample ({num_samples}), got {h.shape[0]}")
+        if self.config.rule == "threshold":
+            return select_top_entropy(h, threshold=self.config.threshold)
+        return select_top_entropy(h, count=selection_count(len(sizes), self.config.fraction))
+
+
 @hookimpl(trylast=True)
 def register_selectors(register):
     register("all", AllSelector)
     register("uniform", UniformSelector)
     register("weighted", WeightedSelector)
+    register("flash", FlashSelector)
+    register("entropy", EntropySelector)
 
 
 @hookimpl(trylast=True)

@@ -41,7 +41,9 @@ from flowrl.interfaces import (
     KeepsRolloutMeans,
     NormalisesStepRatio,
     Objective,
+    SelectsByStepStd,
     SelectsFromRollout,
+    SelectsPerGroup,
     TextEmbeddings,
     select_embeddings,
 )
@@ -252,14 +254,7 @@ class PolicyGradient:
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
         batch, idx = micro.batch, micro.rows
-        gens = [generator(ctx.seed, "select", batch.iteration, micro.epoch, batch.indices[int(i)]) for i in idx]
-        if isinstance(ctx.selector, SelectsFromRollout):  # GCPO: each sample's L1rel over its own rollout
-            traj = batch.trajectory
-            l1rel = torch.stack([rollout_l1rel(p.sample, p.next_sample) for p in
-                                 (traj.position(t, idx) for t in range(traj.num_trainable))], dim=1)
-            mask = ctx.selector.select_from_rollout(len(idx), micro.sizes, gens, l1rel.cpu()).cpu()
-        else:
-            mask = ctx.selector.select(len(idx), micro.sizes, gens).cpu()
+        mask = select_units(ctx.selector, ctx.seed, batch, idx, micro.sizes, micro.epoch)
         idx_d, mask_d = idx.to(ctx.device), mask.to(ctx.device)
         _expect_work(ctx, batch.advantages[idx_d], mask_d, micro.sizes)
         self.recorder.start(len(idx))
@@ -305,6 +300,26 @@ class PolicyGradient:
             loss, m = chunk_graph_backward(*args, normaliser=normaliser, forward_with_extra=forward,
                                            many=many, lockstep=lockstep)
         return loss, m, (kl.result() if kl is not None else None)
+
+
+def select_units(selector, seed: int, batch, idx: torch.Tensor, sizes, epoch: int) -> torch.Tensor:
+    """The selector's bool mask ``[len(idx), K]`` (CPU) for the rows ``idx`` of ``batch``, with
+    what the selector declares it needs. Every draw is seeded by global quantities only (the
+    sample's global index, or its prompt group for a :class:`SelectsPerGroup`), so the selection
+    does not depend on how samples are split over micro-batches or processes."""
+    traj = batch.trajectory
+    if isinstance(selector, SelectsPerGroup):  # Flash-GRPO: one draw per group and iteration
+        groups = batch.group_ids.cpu()[idx.cpu()]
+        gens = [generator(seed, "select_group", batch.iteration, int(g)) for g in groups]
+        return selector.select_per_group(len(idx), sizes, gens, groups).cpu()
+    gens = [generator(seed, "select", batch.iteration, epoch, batch.indices[int(i)]) for i in idx]
+    if isinstance(selector, SelectsByStepStd):  # E-GRPO: the entropy of each step's Gaussian
+        return selector.select_from_std(len(idx), sizes, gens, traj.position_std(idx.cpu())).cpu()
+    if isinstance(selector, SelectsFromRollout):  # GCPO: each sample's L1rel over its own rollout
+        l1rel = torch.stack([rollout_l1rel(p.sample, p.next_sample) for p in
+                             (traj.position(t, idx) for t in range(traj.num_trainable))], dim=1)
+        return selector.select_from_rollout(len(idx), sizes, gens, l1rel.cpu()).cpu()
+    return selector.select(len(idx), sizes, gens).cpu()
 
 
 def _expect_work(ctx: UpdateContext, advantages: torch.Tensor, mask: torch.Tensor, sizes) -> None:

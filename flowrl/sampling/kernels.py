@@ -49,6 +49,7 @@ __all__ = [
     "dance_step",
     "ode_step",
     "cps_step",
+    "kernel_std",
     "FlowKernel",
     "DanceKernel",
     "ODEKernel",
@@ -80,6 +81,17 @@ class StepOutput:
 
 # --------------------------------------------------------------------------------------------
 # helpers
+
+
+def kernel_std(kernel, sigma, sigma_next) -> torch.Tensor:
+    """float32 ``[n]``: the std of ``kernel``'s Gaussian step from ``sigma`` to ``sigma_next``
+    (``[n]`` each). The std depends on the sigmas only (:class:`StepOutput`), so it is read off a
+    step on a one-element zero state, with no model call."""
+    sig = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1).cpu()
+    zero = torch.zeros(sig.numel(), 1)
+    out = kernel.step(zero, zero, sig, torch.as_tensor(sigma_next, dtype=torch.float32).reshape(-1).cpu(),
+                      next_sample=zero)
+    return torch.as_tensor(out.std, dtype=torch.float32).reshape(-1)
 
 
 def _check_reduction(reduction: str) -> None:

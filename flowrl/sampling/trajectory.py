@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from flowrl.interfaces import Kernel
+from flowrl.sampling.kernels import kernel_std
 
 __all__ = ["Trajectory", "Transition", "Position"]
 
@@ -205,6 +206,18 @@ class Trajectory:
             mean=None if self.means is None else self.means[idx.to(self.means.device), t],
             kernel=kernel,
         )
+
+    def position_std(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, T]`` (CPU): the kernel's std at every trainable position of ``rows``
+        (per-row sigmas, so per-sample windows are honoured)."""
+        if self.positions is None and not self.kernels:
+            raise ValueError("the trajectory holds no kernels: the step std is unknown")
+        sigmas, cols = self.sigmas.detach().cpu(), []
+        for t in range(self.num_trainable):
+            steps = self.position_index(t, rows)
+            kernel = self.position_kernel if self.positions is not None else self.kernels[int(steps[0])]
+            cols.append(kernel_std(kernel, sigmas[steps], sigmas[steps + 1]))
+        return torch.stack(cols, dim=1)
 
     # ---------------------------------------------------------------- access
     def transition(self, i: int) -> Transition:

@@ -44,7 +44,9 @@ from flowrl.interfaces import (
     SamplesWithOwnWeights,
     ScalesFlowGRPOKL,
     Schedule,
+    SelectsByStepStd,
     SelectsFromRollout,
+    SelectsPerGroup,
     Tracker,
     UsesImageFeatures,
     WarpsTime,
@@ -138,10 +140,26 @@ def check_selector(selector, sizes=(2, 3, 4, 7), **_) -> list[str]:
         assert isinstance(selector.has_own_profile, bool)
         if selector.l1rel is None and not selector.has_own_profile:
             selector.l1rel = torch.linspace(0.5, 0.1, sum(sizes))  # what the engine hands over
-    mask = selector.select(6, sizes, _gens(6))
+    if isinstance(selector, SelectsByStepStd):
+        claimed.append("SelectsByStepStd")
+        std = torch.rand(6, sum(sizes), generator=torch.Generator().manual_seed(4)) + 0.05
+
+        def select(gens):
+            return selector.select_from_std(6, sizes, gens, std)
+    else:
+        def select(gens):
+            return selector.select(6, sizes, gens)
+    mask = select(_gens(6))
     assert mask.dtype == torch.bool and tuple(mask.shape) == (6, len(sizes)), f"select returns bool [B, K], got {mask.shape}"
     assert bool(mask.any(dim=1).all()), "every sample selects at least one chunk"
-    assert torch.equal(mask, selector.select(6, sizes, _gens(6))), "the same generators give the same selection"
+    assert torch.equal(mask, select(_gens(6))), "the same generators give the same selection"
+    if isinstance(selector, SelectsPerGroup):
+        claimed.append("SelectsPerGroup")
+        groups = torch.tensor([0, 0, 0, 1, 1, 1])
+        m = selector.select_per_group(6, sizes, _gens(6), groups)
+        assert m.dtype == torch.bool and tuple(m.shape) == (6, len(sizes)) and bool(m.any(dim=1).all())
+        assert torch.equal(m[:3], m[:1].expand(3, -1)) and torch.equal(m[3:], m[3:4].expand(3, -1)), \
+            "the samples of one group share their selection"
     if isinstance(selector, SelectsFromRollout):
         claimed.append("SelectsFromRollout")
         l1rel = torch.rand(6, sum(sizes), generator=torch.Generator().manual_seed(3))

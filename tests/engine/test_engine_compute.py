@@ -54,3 +54,17 @@ def test_the_counter_sees_the_lean_paths_recomputation(tmp_path):
 def test_the_chunk_graph_update_computes_nothing_twice_off_policy(tmp_path):
     row = _run(tmp_path, "quickstart_hacking.toml", "train.fast_path=false", "train.update_mode='chunk_graph'")
     assert row["compute/update/forward"] == row["compute/update/backward"]
+
+
+def test_flash_and_egrpo_train_fewer_transitions_at_the_minimum(tmp_path):
+    """Flash-GRPO trains one of the 16 transitions per sample, E-GRPO the 8 highest-entropy ones,
+    step GRPO (uniform 0.5) 8: the update's forwards follow, each at the minimum, the rollout unchanged."""
+    rows = {name: _run(tmp_path / name, f"quickstart_{name}.toml") for name in ("step", "flash", "egrpo")}
+    for row in rows.values():
+        assert row["compute/rollout/forward"] == 17 * 8 and row["compute/ratio"] == 1.0, row
+    assert all(len(u) == 1 for u in rows["flash"]["trained_units"])
+    assert all(len(u) == 8 for name in ("step", "egrpo") for u in rows[name]["trained_units"])
+    # the same samples carry a gradient in all three (same rollout, same rewards): 1 forward each for
+    # Flash-GRPO against 8 for the others
+    flash = rows["flash"]["compute/update/forward"]
+    assert 0 < flash <= 8 and rows["egrpo"]["compute/update/forward"] == rows["step"]["compute/update/forward"] == 8 * flash

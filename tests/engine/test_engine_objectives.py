@@ -8,6 +8,7 @@ benchmarks/objectives.py, not here.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -23,9 +24,17 @@ from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[2]
 NEW = ["quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast", "quickstart_nft",
-       "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo"]
+       "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo", "quickstart_flash",
+       "quickstart_egrpo"]
 SMALL = ["train.iterations=2", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=4",
          "prompts.num_eval=2", "log.eval_every=1", "log.image_every=0", "log.progress=false", "sampler.steps=9"]
+
+
+def _pairs(steps: int, shift: float):
+    """(sigma, sigma_next) of the first steps - 1 transitions of the shifted linear schedule."""
+    t = [1 - i / steps for i in range(steps + 1)]
+    s = [shift * x / (1 + (shift - 1) * x) for x in t]
+    return list(zip(s[:-2], s[1:-1]))
 
 
 def _rows(run_dir):
@@ -72,6 +81,14 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
     if name == "quickstart_gardo":
         assert rows[0]["gardo/reset"] is False and rows[1]["gardo/reset"] is True
         assert 0 < rows[0]["gardo/gate_fraction"] <= 0.25 and rows[0]["kl/flow_grpo"] > 0
+    if name == "quickstart_flash":  # one transition per sample, the same in a group (2 groups of 4)
+        units = rows[0]["trained_units"]
+        assert all(len(u) == 1 and u[0] < 4 for u in units)  # span 0.5 of the 8 transitions
+        assert units[:4] == [units[0]] * 4 and units[4:] == [units[4]] * 4
+    if name == "quickstart_egrpo":  # the 4 of 8 transitions with the largest kernel std, for every sample
+        std = [0.7 * math.sqrt(s / (1 - s if s < 1 else 1 - n)) * math.sqrt(s - n) for s, n in _pairs(9, 3.0)]
+        top = sorted(sorted(range(8), key=lambda i: -std[i])[:4])
+        assert rows[0]["trained_units"] == [top] * 8
     if name == "quickstart_guard":  # two optimizer steps: the second re-scores off-policy
         assert any(s and s > 0 for s in rows[1]["diag/step_log_ratio_std"])
 
@@ -80,7 +97,7 @@ def test_engine_has_no_branch_on_an_objective_name():
     """The loop and the update never name an objective, window or estimator: they call the
     components' methods whatever the recipe names."""
     names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random", "awm",
-             "dppo"]
+             "dppo", "entropy"]
     for rel in ("flowrl/train/loop.py", "flowrl/train/update.py", "flowrl/train/collect.py"):
         code = "\n".join(line.split("#")[0] for line in (REPO / rel).read_text().splitlines())
         strings = re.findall(r"[\"']([a-z_]+)[\"']", code)
