@@ -38,8 +38,13 @@ def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     run_dir = train(recipe, console=Console(file=open(os.devnull, "w")))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = records[0]
-    if recipe.components["loss"].use == "nft":  # no trajectory log-probs: its old policy starts as the policy
-        assert "on_policy/max_abs_log_ratio" not in first and first["nft/old_deviation"] == 0.0
+    loss = recipe.components["loss"].use
+    if loss in ("nft", "awm"):  # likelihood-free: no trajectory log-probs, so no on-policy log-ratio
+        assert "on_policy/max_abs_log_ratio" not in first
+        if loss == "nft":  # its old policy starts as the policy
+            assert first["nft/old_deviation"] == 0.0
+        else:  # one step per rollout, at the rollout's own weights
+            assert first["awm/ratio_mean"] == 1.0
     else:
         assert first["on_policy/max_abs_log_ratio"] < 1e-6
     assert 0.0 <= first["reward/area/mean"] <= 1.0
