@@ -59,12 +59,19 @@ def test_the_chunk_graph_update_computes_nothing_twice_off_policy(tmp_path):
 def test_flash_and_egrpo_train_fewer_transitions_at_the_minimum(tmp_path):
     """Flash-GRPO trains one of the 16 transitions per sample, E-GRPO the 8 highest-entropy ones,
     step GRPO (uniform 0.5) 8: the update's forwards follow, each at the minimum, the rollout unchanged."""
-    rows = {name: _run(tmp_path / name, f"quickstart_{name}.toml") for name in ("step", "flash", "egrpo")}
+    # the step recipe's geometry and one pass (the selector recipes run the study's regime: 33 steps,
+    # SDE in the first 16, two passes)
+    like_step = ["sampler.steps=17", "sampler.sde_window=[0, 16]", "train.updates_per_rollout=1"]
+    rows = {name: _run(tmp_path / name, f"quickstart_{name}.toml", *(like_step if name != "step" else []))
+            for name in ("step", "flash", "egrpo")}
     for row in rows.values():
         assert row["compute/rollout/forward"] == 17 * 8 and row["compute/ratio"] == 1.0, row
     assert all(len(u) == 1 for u in rows["flash"]["trained_units"])
     assert all(len(u) == 8 for name in ("step", "egrpo") for u in rows[name]["trained_units"])
-    # the same samples carry a gradient in all three (same rollout, same rewards): 1 forward each for
-    # Flash-GRPO against 8 for the others
+    # a sample with a zero advantage carries no gradient and costs no forward; each trained
+    # transition of every other sample costs one. Flash-GRPO and E-GRPO differ only in the selector
+    # (same rollout, same rewards, so the same samples carry a gradient): 1 forward each against 8.
+    # The step recipe optimises another reward (the area), so only its unit count is compared.
     flash = rows["flash"]["compute/update/forward"]
-    assert 0 < flash <= 8 and rows["egrpo"]["compute/update/forward"] == rows["step"]["compute/update/forward"] == 8 * flash
+    assert 0 < flash <= 8 and rows["egrpo"]["compute/update/forward"] == 8 * flash
+    assert rows["step"]["compute/update/forward"] > 0 and rows["step"]["compute/update/forward"] % 8 == 0

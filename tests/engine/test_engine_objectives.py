@@ -56,6 +56,8 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
         overrides.append("window.hi=6")
     if name.startswith("quickstart_mixgrpo"):
         overrides.append("window.every=1")
+    if name in ("quickstart_flash", "quickstart_egrpo"):  # the study's regime: SDE in the first 16 of 32
+        overrides.append("sampler.sde_window=[0, 8]")  # all 8 transitions at 9 steps
     if name == "quickstart_guard":
         overrides.append("train.micro_batch_size=4")
     if name == "quickstart_dppo":

@@ -14,7 +14,8 @@ from flowrl.train import train
 REPO = Path(__file__).resolve().parents[2]
 # 3 prompts x 4 samples over 2 processes: 6 each, so prompt 1's group is split
 SMALL = ["train.iterations=1", "train.prompts_per_iteration=3", "train.group_size=4", "train.micro_batch_size=2",
-         "prompts.num_eval=0", "log.image_every=0", "log.progress=false", "sampler.steps=9", "model.random_init=true"]
+         "prompts.num_eval=0", "log.image_every=0", "log.progress=false", "sampler.steps=9", "model.random_init=true",
+         "sampler.sde_window=[0, 8]"]  # the recipes' SDE window [0, 16] at 9 steps: all 8 transitions
 
 
 @pytest.mark.parametrize("name", ["quickstart_flash", "quickstart_egrpo"])
