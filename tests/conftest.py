@@ -213,13 +213,13 @@ def validate(flowrl_cli):
 #: 2-process launch) that a split module would pay for twice, else single tests (their
 #: parametrisations together).
 LONG = {
-    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 95,
     "tests/engine/test_engine_fsdp2.py::test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports": 55,
     "tests/engine/test_engine_fsdp2.py::test_fsdp2_two_processes_equal_one": 40,
     "tests/test_quickstart.py": 40,
     "tests/test_cli_ux.py": 40,
     "tests/rewards/test_reward_fleet.py": 40,
     "tests/sweep/test_sweep.py": 40,
+    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 35,
     "tests/test_reference_metrics.py::test_quickstart_metrics_equal_the_pre_redesign_reference": 35,
     "tests/engine/test_engine_distributed.py": 35,
     "tests/engine/test_engine_launcher.py": 35,
