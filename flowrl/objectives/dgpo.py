@@ -1,5 +1,5 @@
 """DGPO, Direct Group Preference Optimization (Luo, Hu, Tang; arXiv 2510.08425;
-Luo-Yihong/DGPO ``scripts/train_sd3_dgpo.py``; docs/objectives.md).
+Luo-Yihong/DGPO ``train_sd3_dgpo.py``; docs/objectives.md).
 
 DPO between two GROUPS instead of two samples: a prompt's rollout splits into the samples with a
 positive advantage ``G+`` and those with a negative one ``G-``, and the policy maximises
