@@ -44,7 +44,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LEARN = ["quickstart", "quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast",
-         "quickstart_nft", "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo"]
+         "quickstart_nft", "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo",
+         "quickstart_dpo", "quickstart_dgpo"]
 HACKING = ["quickstart", "quickstart_gardo", "quickstart_diversity"]
 
 

@@ -15,6 +15,11 @@
 - ``dppo``: Flow-DPPO: the unclipped ratio surrogate, with a unit's gradient dropped where the
   exact Gaussian KL of its steps to the rollout policy exceeds a threshold and the ratio moves
   further in the advantage's direction (step or chunk units).
+- ``dpo``: online Diffusion-DPO, likelihood-free: per prompt group the best and the worst sample
+  form a pair, and the DPO loss is taken on their flow-matching errors against the frozen
+  reference's at shared noise and sigma.
+- ``dgpo``: DGPO, likelihood-free: DPO between the group's positive and negative samples, the
+  advantage-weighted flow-matching loss weighted by the sigmoid of the group's preference margin.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Literal
 from flowrl import hookimpl
 from flowrl.config import param
 from flowrl.objectives.awm import WEIGHTINGS, AdvantageWeightedMatching
+from flowrl.objectives.dgpo import GroupPreference
+from flowrl.objectives.dpo import OnlineDPO
 from flowrl.objectives.dppo import KLMaskedPolicyGradient, KLMaskedSurrogate
 from flowrl.objectives.gardo import GatedKLPolicyGradient
 from flowrl.objectives.guard import guard_step_ratio
@@ -221,6 +228,55 @@ def build_dppo(config: DppoConfig):
     return KLMaskedPolicyGradient(_KLMasked(config))
 
 
+# ----------------------------------------------------------------------------- online DPO
+
+
+@dataclasses.dataclass(frozen=True)
+class DpoConfig:
+    beta: float = param(
+        5000.0, "DPO temperature on the flow-matching errors: loss = softplus(beta / 2 * ((e_w - r_w) - (e_l - r_l))) "
+        "(Diffusion-DPO: 5000 for SD 1.5, 2500 for SDXL).", min=0.0, exclusive_min=True)
+    timesteps: int = param(
+        1, "Points (sigma and noise, shared by the pair) trained per pair, from the sampling schedule's sigmas "
+        "(Diffusion-DPO: 1 per step).", min=1)
+    leading_steps: int = param(
+        0, "Draw the sigmas from the first this many of the sampling schedule (the high-noise end); 0 = all "
+        "but the final 0.", min=0)
+
+
+def build_dpo(config: DpoConfig):
+    """Online DPO: the best and the worst sample of each group as a pair, on flow-matching errors."""
+    return OnlineDPO(beta=config.beta, timesteps=config.timesteps, leading_steps=config.leading_steps)
+
+
+# ----------------------------------------------------------------------------- DGPO
+
+
+@dataclasses.dataclass(frozen=True)
+class DgpoConfig:
+    beta: float = param(100.0, "DPO temperature of the group preference, in sigmoid(sum_i A_i beta (e_i - r_i) / G) "
+                        "(DGPO's beta_dpo: 100; its README: 10 to 100 with a frozen reference).",
+                        min=0.0, exclusive_min=True)
+    timesteps: int = param(4, "Points (sigma and noise, shared by the group) trained per sample (DGPO's "
+                           "num_train_timesteps: 4).", min=1)
+    leading_steps: int = param(
+        0, "Draw the sigmas from the first this many of the sampling schedule (DGPO: trunc_steps + 1 = 5 to 7 of "
+        "10 steps, the high-noise end); 0 = all but the final 0.", min=0)
+    clip_range: float = param(
+        1e-2, "PPO-style clip: a point's gradient stops once exp(e_anchor - e) leaves [1 - c, 1 + c] on its "
+        "advantage's side (DGPO's clip_range: 1e-2 GenEval and OCR; acts only off-policy).", min=0.0, max=0.99)
+    adv_clip: float = param(5.0, "Advantages are clipped to [-adv_clip, adv_clip] (DGPO's adv_clip_max: 5).",
+                            min=0.0, exclusive_min=True)
+    beta_kl: float = param(0.0, "Weight of mean((v - v_ref)^2) to the reference (DGPO's train.beta: 1e-3 in its "
+                           "README, 0.02 GenEval and OCR; 0 = none).", min=0.0)
+
+
+def build_dgpo(config: DgpoConfig):
+    """DGPO: group-level DPO on the rollout's clean samples."""
+    return GroupPreference(beta=config.beta, timesteps=config.timesteps, leading_steps=config.leading_steps,
+                           clip_range=config.clip_range, adv_clip=config.adv_clip, beta_kl=config.beta_kl)
+
+
 @hookimpl(trylast=True)
 def register_losses(register):
     register("clipped", ClippedSurrogate)
@@ -229,6 +285,8 @@ def register_losses(register):
     register("nft", build_nft, params=NftConfig)
     register("awm", build_awm, params=AwmConfig)
     register("dppo", build_dppo, params=DppoConfig)
+    register("dpo", build_dpo, params=DpoConfig)
+    register("dgpo", build_dgpo, params=DgpoConfig)
 
 
 @hookimpl(trylast=True)

@@ -39,12 +39,17 @@ def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first = records[0]
     loss = recipe.components["loss"].use
-    if loss in ("nft", "awm"):  # likelihood-free: no trajectory log-probs, so no on-policy log-ratio
+    if loss in ("nft", "awm", "dpo", "dgpo"):  # likelihood-free: no trajectory log-probs, so no on-policy log-ratio
         assert "on_policy/max_abs_log_ratio" not in first
         if loss == "nft":  # its old policy starts as the policy
             assert first["nft/old_deviation"] == 0.0
-        else:  # one step per rollout, at the rollout's own weights
+        elif loss == "awm":  # one step per rollout, at the rollout's own weights
             assert first["awm/ratio_mean"] == 1.0
+        elif loss == "dgpo":  # one step, on-policy: the anchors are the current errors (to rounding:
+            # the measuring pass batches the points otherwise)
+            assert first["dgpo/log_ratio_abs_max"] < 1e-5 and first["dgpo/clip_fraction"] == 0.0
+        else:  # the first step is at the reference itself: no margin yet, to rounding
+            assert abs(first["dpo/margin"]) < 1e-6
     else:
         assert first["on_policy/max_abs_log_ratio"] < 1e-6
     assert 0.0 <= first["reward/area/mean"] <= 1.0

@@ -25,7 +25,7 @@ from flowrl.train import train
 REPO = Path(__file__).resolve().parents[2]
 NEW = ["quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast", "quickstart_nft",
        "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo", "quickstart_flash",
-       "quickstart_egrpo"]
+       "quickstart_egrpo", "quickstart_dpo", "quickstart_dgpo"]
 SMALL = ["train.iterations=2", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=4",
          "prompts.num_eval=2", "log.eval_every=1", "log.image_every=0", "log.progress=false", "sampler.steps=9"]
 
@@ -63,6 +63,8 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
     if name == "quickstart_dppo":
         # 8 trainable transitions at 9 steps; threshold 1e-8: the second pass drops the units that move with A
         overrides += ["sampler.sde_window=[0, 8]", "loss.kl_threshold=1e-8"]
+    if name in ("quickstart_dpo", "quickstart_dgpo"):  # a second, off-policy pass: the mates' anchors lag
+        overrides.append("train.updates_per_rollout=2")
     run_dir = train(load(REPO / "recipes" / f"{name}.toml", *overrides), console=quiet_console())
     rows = _rows(run_dir)
     assert len(rows) == 2 and all("loss" in r and r["nonfinite_steps"] == 0 for r in rows)
@@ -75,6 +77,22 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
         assert "on_policy/max_abs_log_ratio" not in rows[0] and rows[0]["trained_units"] == [[] for _ in range(8)]
         # 8 samples x 6 sigmas, each once forward and once backward
         assert rows[0]["compute/update/forward"] == rows[0]["compute/update/backward"] == 48
+    elif name == "quickstart_dpo":
+        # 2 groups, one pair each: 4 samples x 4 points, measured once without gradient (and by the
+        # reference), then forward and backward in each of the 2 passes; the winners lead by the end
+        assert rows[0]["dpo/pairs"] == 2 and "on_policy/max_abs_log_ratio" not in rows[0]
+        assert rows[0]["compute/update/forward"] == 16 + 2 * 16 and rows[0]["compute/update/backward"] == 2 * 16
+        # the minimum: the rollout (8 x 9), the reference and each pass's forward and backward; the
+        # pre-pass's 16 policy forwards are the work above it
+        assert rows[0]["compute/reference/forward"] == 16 and rows[0]["compute/minimum"] == 72 + 16 + 2 * (16 + 16)
+        assert rows[0]["compute/ratio"] == pytest.approx((72 + 16 + 48 + 32) / (72 + 16 + 64))
+        assert rows[0]["dpo/margin"] < 0 and 0 < rows[0]["dpo/loss"] < math.log(2)
+    elif name == "quickstart_dgpo":
+        # 8 samples x 4 points: the pre-pass (policy and reference), then 2 passes; sigmoid(S) near 1/2
+        assert rows[0]["compute/update/forward"] == 32 + 2 * 32 and rows[0]["compute/update/backward"] == 2 * 32
+        assert rows[0]["compute/reference/forward"] == 32 and "on_policy/max_abs_log_ratio" not in rows[0]
+        assert rows[0]["compute/minimum"] == 72 + 32 + 2 * (32 + 32)
+        assert 0.4 < rows[0]["dgpo/weight_mean"] < 0.6 and rows[0]["dgpo/log_ratio_abs_max"] > 0
     else:
         assert rows[0]["on_policy/max_abs_log_ratio"] <= 1e-6
         assert len(rows[0]["diag/step_log_ratio_std"]) == (4 if "mixgrpo" in name else 2 if "fast" in name else 8)
@@ -99,7 +117,7 @@ def test_engine_has_no_branch_on_an_objective_name():
     """The loop and the update never name an objective, window or estimator: they call the
     components' methods whatever the recipe names."""
     names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random", "awm",
-             "dppo", "entropy"]
+             "dppo", "dpo", "dgpo", "entropy"]
     for rel in ("flowrl/train/loop.py", "flowrl/train/update.py", "flowrl/train/collect.py"):
         code = "\n".join(line.split("#")[0] for line in (REPO / rel).read_text().splitlines())
         strings = re.findall(r"[\"']([a-z_]+)[\"']", code)

@@ -1,4 +1,4 @@
-"""AWM and Flow-DPPO in 2 gloo processes (torchrun) equal 1 process on the same global batch,
+"""AWM, Flow-DPPO, online DPO and DGPO in 2 gloo processes (torchrun) equal 1 process on the same global batch,
 under ddp and under fsdp2: the same metrics and the same weights after one iteration of two
 passes (the second pass off-policy: AWM's ratio to its anchors, Flow-DPPO's KL mask, with
 threshold 1e-8 so that it drops units off-policy but none on-policy, where the KL is rounding
@@ -30,6 +30,10 @@ COMMON = ["train.iterations=1", "train.prompts_per_iteration=2", "train.group_si
 CASES = {
     "awm": ("quickstart_awm.toml", ["loss.timesteps=3"]),
     "dppo": ("quickstart_dppo.toml", ["sampler.steps=17", "sampler.sde_window=[0, 4]", "loss.kl_threshold=1e-8"]),
+    # one group of 8 split over the 2 processes: the pair's two samples, and a group's mates, are on
+    # different processes, so each reads the other's rollout errors through the gathered anchors
+    "dpo": ("quickstart_dpo.toml", ["loss.timesteps=2", "train.prompts_per_iteration=1", "train.group_size=8"]),
+    "dgpo": ("quickstart_dgpo.toml", ["loss.timesteps=2", "train.prompts_per_iteration=1", "train.group_size=8"]),
 }
 
 
@@ -48,6 +52,10 @@ def test_two_processes_equal_one(tmp_path, name, strategy):
     assert len(rec2) == len(rec1) == 2  # iteration 0 and the final evaluation
     if name == "dppo":  # the mask acted off-policy, in both layouts alike
         assert rec1[0]["clip_fraction"] > 0 and rec1[0]["dppo/kl_max"] > 0
+    elif name == "dpo":
+        assert rec1[0]["dpo/pairs"] == 1 and rec1[0]["dpo/margin"] != 0  # the second pass is off the reference
+    elif name == "dgpo":
+        assert rec1[0]["dgpo/log_ratio_abs_max"] > 0
     else:
         assert rec1[0]["awm/log_ratio_abs_max"] > 0  # the second pass is off its anchors
     for a, b in zip(rec2, rec1):

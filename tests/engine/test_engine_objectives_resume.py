@@ -1,7 +1,8 @@
 """Objectives with state of their own (DiffusionNFT's old policy; GARDO's reset reference, gate
 share and reset counter) resume exactly: interrupted after iteration 1 and resumed, the metrics
-and the weights equal the uninterrupted run's bit for bit. AWM and Flow-DPPO keep nothing across
-iterations (AWM's anchors and Flow-DPPO's step KLs live for one rollout): their checkpoints hold
+and the weights equal the uninterrupted run's bit for bit. AWM, Flow-DPPO, online DPO and DGPO keep
+nothing across iterations (AWM's anchors, Flow-DPPO's step KLs and the preference objectives'
+rollout errors live for one rollout): their checkpoints hold
 no objective state, and they resume exactly too (two passes per rollout, so the anchors and the
 KL mask take part)."""
 
@@ -29,8 +30,10 @@ CASES = {
     "awm": ("quickstart_awm.toml", [*SHAPES, "train.updates_per_rollout=2", "loss.timesteps=3"]),
     "dppo": ("quickstart_dppo.toml", [*SHAPES, "sampler.steps=17", "sampler.sde_window=[0, 4]",
                                       "loss.kl_threshold=1e-8"]),
+    "dpo": ("quickstart_dpo.toml", [*SHAPES, "train.updates_per_rollout=2", "loss.timesteps=2"]),
+    "dgpo": ("quickstart_dgpo.toml", [*SHAPES, "train.updates_per_rollout=2", "loss.timesteps=2"]),
 }
-STATELESS = {"awm", "dppo"}
+STATELESS = {"awm", "dppo", "dpo", "dgpo"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
