@@ -31,9 +31,10 @@ DEFAULTS = dict(steps=1200, batch=48, lr=1e-3, warmup=100, weight_decay=0.01, em
 
 
 @torch.no_grad()
-def evaluate_clips(model: EmbeddedT2V, seeds=(0,), steps: int = 16, shift: float = 3.0) -> dict:
-    """Every prompt x ``seeds``, Euler ODE from fixed noise, scored by the verifier: accuracies."""
-    prompts = all_prompts()
+def evaluate_clips(model: EmbeddedT2V, seeds=(0,), steps: int = 16, shift: float = 3.0, prompts=None) -> dict:
+    """``prompts`` (default every prompt of the grammar) x ``seeds``, Euler ODE from fixed noise,
+    scored by the verifier: accuracies."""
+    prompts = list(prompts) if prompts is not None else all_prompts()
     t = torch.linspace(1, 0, steps + 1)
     sig = shift * t / (1 + (shift - 1) * t)
     rows = []
