@@ -26,9 +26,13 @@ def high_frequency_share(images: torch.Tensor, cutoff: float = HF_CUTOFF) -> tor
     """``[B]`` share in [0, 1] of each image's non-constant spectral energy above ``cutoff``
     cycles per pixel (radially), summed over channels; 0 for a constant image.
 
-    ``images [B, C, H, W]`` (any range; the measure is scale-free). Computed in float32."""
+    ``images [B, C, H, W]`` (any range; the measure is scale-free), or clips ``[B, F, C, H, W]``
+    (the mean of the frames' shares). Computed in float32."""
+    if images.ndim == 5:
+        b, f = images.shape[:2]
+        return high_frequency_share(images.flatten(0, 1), cutoff).view(b, f).mean(dim=1)
     if images.ndim != 4:
-        raise ValueError(f"images must be [B, C, H, W], got shape {tuple(images.shape)}")
+        raise ValueError(f"images must be [B, C, H, W] or clips [B, F, C, H, W], got shape {tuple(images.shape)}")
     x = images.detach().to(torch.float32)
     x = x - x.mean(dim=(-2, -1), keepdim=True)
     power = torch.fft.fft2(x).abs().square()  # [B, C, H, W]

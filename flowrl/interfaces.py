@@ -55,7 +55,9 @@ class ModelAdapter(Protocol):
         """
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in [0, 1] (float32) from clean latents ``[B, *L]``."""
+        """Images ``[B, 3, H, W]`` in [0, 1] (float32) from clean latents ``[B, *L]``; a video
+        model returns clips ``[B, F, 3, H, W]`` (F frames) and its ``*L`` usually carries the
+        frames axis too (the engine never looks inside ``*L``). docs/video.md."""
 
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
         """The parameters the optimizer updates (all, or only LoRA)."""
@@ -562,7 +564,9 @@ class RewardOutput:
 class Reward(Protocol):
     """Scores images against prompts.
 
-    ``__call__(images [B, 3, H, W] float in [0, 1], prompts list[str], metadata=None)``
+    ``__call__(images [B, 3, H, W] float in [0, 1], prompts list[str], metadata=None)``; from
+    a video model the engine hands it one frame per row (a clip's prompt repeated), unless it
+    declares :class:`ScoresClips` and gets clips ``[B, F, 3, H, W]``.
     returns a :class:`RewardOutput` (or a ``[B]`` tensor). Runs batched under no_grad.
     A reward that cannot score raises: it never returns a sentinel value.
     """
@@ -572,6 +576,16 @@ class Reward(Protocol):
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Mapping[str, Any] | None = None
     ) -> RewardOutput | torch.Tensor: ...
+
+
+@runtime_checkable
+class ScoresClips(Protocol):
+    """A reward that scores whole clips ``[B, F, 3, H, W]`` (motion, temporal consistency):
+    ``scores_clips = True``. Any other reward is an image reward, and a video run scores it frame
+    by frame, then aggregates (the ``[[rewards]]`` key ``frames``: ``mean``, ``first``, ``last``,
+    ``min``); docs/video.md. A plain function declares it with ``fn.scores_clips = True``."""
+
+    scores_clips: bool
 
 
 @runtime_checkable

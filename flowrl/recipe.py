@@ -278,6 +278,11 @@ class RewardEntryConfig:
         [], "One weight per chunk, in sampling order (high noise first), replacing `weight` chunk by chunk; "
             "empty = `weight` for every chunk."
     )
+    frames: Literal["mean", "first", "last", "min"] = param(
+        "mean", "Video models: how an image reward's per-frame scores become one score per clip (the mean over "
+                "frames, the first or last frame's, or the worst frame's). A reward that scores whole clips "
+                "(motion, temporal consistency) ignores it; image models ignore it. docs/video.md."
+    )
 
 
 @dataclasses.dataclass
@@ -370,6 +375,8 @@ class ComponentChoice:
     label: str = ""
     #: rewards only: one weight per chunk, replacing ``weight`` chunk by chunk (empty = none).
     chunk_weights: list[float] = dataclasses.field(default_factory=list)
+    #: rewards only: how a video run aggregates an image reward's per-frame scores.
+    frames: str = "mean"
 
     def as_table(self) -> dict[str, Any]:
         table: dict[str, Any] = {"use": self.use}
@@ -377,6 +384,8 @@ class ComponentChoice:
             table["name"] = self.label
         if self.chunk_weights:
             table["chunk_weights"] = list(self.chunk_weights)
+        if self.frames != "mean":
+            table["frames"] = self.frames
         if self.params is not None:
             table.update(to_dict(self.params))
         return table
@@ -662,6 +671,7 @@ def component_choice(
             raise RecipeError("key 'name' must be a non-empty string, got ''", where=where,
                               hint=RewardEntryConfig.__dataclass_fields__["name"].metadata["help"])
         choice.weight, choice.label, choice.chunk_weights = entry.weight, entry.name or name, list(entry.chunk_weights)
+        choice.frames = entry.frames
     return choice
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from .errors import FlowrlError
-from .interfaces import Reward, RewardOutput
+from .interfaces import Reward, RewardOutput, ScoresClips
+from .video import aggregate_frames, is_clip
 
-__all__ = ["FunctionReward", "RewardOutputError", "score"]
+__all__ = ["FunctionReward", "PerFrameReward", "RewardOutputError", "for_clips", "score"]
 
 
 class FunctionReward:
@@ -27,6 +28,11 @@ class FunctionReward:
         self.fn = fn
         self.name = name
         self.kwargs = dict(kwargs or {})
+
+        # a function may declare that it scores whole clips (``fn.scores_clips = True``), as a
+        # class declares it with an attribute (flowrl.interfaces.ScoresClips)
+        if getattr(fn, "scores_clips", False):
+            self.scores_clips = True
 
     def __call__(self, images, prompts, metadata=None):
         """A tensor result as a :class:`RewardOutput`, unchanged (no reshaping or conversion);
@@ -76,3 +82,46 @@ def score(reward: Reward, images: torch.Tensor, prompts: Sequence[str], metadata
                                     where=f"reward '{label}'", hint=f"every extra holds one number per image: shape [{b}]")
         extras[key] = v.detach().float().reshape(-1).cpu()
     return RewardOutput(scores=scores.detach().to(torch.float32).cpu(), extras=extras)
+
+
+class PerFrameReward:
+    """An image reward scoring clips ``[B, F, 3, H, W]``: every frame is scored as an image (the
+    clip's prompt with each), and the per-frame scores, and each extra, become one number per
+    clip by ``aggregation`` (:data:`flowrl.video.FRAME_AGGREGATIONS`). Images ``[B, 3, H, W]``
+    go to the reward unchanged, so an image run scores exactly as before."""
+
+    def __init__(self, reward: Reward, aggregation: str = "mean"):
+        self.reward = reward
+        self.aggregation = aggregation
+        self.name = getattr(reward, "name", type(reward).__name__)
+
+    def __call__(self, images, prompts, metadata=None):
+        if not is_clip(images):
+            return self.reward(images, prompts, metadata)
+        b, f = images.shape[:2]
+        frame_prompts = [p for p in prompts for _ in range(f)]  # clip-major, as flatten(0, 1) orders the frames
+        out = score(self.reward, images.flatten(0, 1), frame_prompts, _per_frame_metadata(metadata, f), name=self.name)
+        return RewardOutput(scores=aggregate_frames(out.scores.view(b, f), self.aggregation),
+                            extras={k: aggregate_frames(v.view(b, f), self.aggregation) for k, v in out.extras.items()})
+
+
+def _per_frame_metadata(metadata, frames: int):
+    """Each clip's metadata repeated for its frames (per-item lists and tensors; other values as they are)."""
+    if not metadata:
+        return metadata
+    out = {}
+    for k, v in metadata.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.repeat_interleave(frames, dim=0)
+        elif isinstance(v, (list, tuple)):
+            out[k] = [x for x in v for _ in range(frames)]
+        else:
+            out[k] = v
+    return out
+
+
+def for_clips(reward: Reward, aggregation: str = "mean") -> Reward:
+    """``reward`` as a recipe's ``[[rewards]]`` entry uses it: a reward that declares
+    :class:`~flowrl.interfaces.ScoresClips` as it is, any other wrapped in :class:`PerFrameReward`
+    (which hands images through untouched)."""
+    return reward if isinstance(reward, ScoresClips) and reward.scores_clips else PerFrameReward(reward, aggregation)

@@ -28,7 +28,10 @@ PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dyna
 CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))},
            # an editing reward reads the prompts' condition images from the metadata the engine passes
            ("reward", "condition_fidelity"): {"metadata": {"condition_images": torch.rand(
-               3, 3, 32, 32, generator=torch.Generator().manual_seed(1))}}}
+               3, 3, 32, 32, generator=torch.Generator().manual_seed(1))}},
+           # the embedded video model's rewards read its grammar
+           ("reward", "video_verifier"): {"prompts": ["a red circle moving left on a blue background"] * 3},
+           ("reward", "video_motion"): {"prompts": ["a red circle moving left on a blue background"] * 3}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")
 
 

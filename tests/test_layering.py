@@ -36,6 +36,7 @@ LAYERS: list[set[str]] = [
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
+     "flowrl.video",
      "flowrl.serving", "flowrl.serving.protocol", "flowrl.serving.simple", "flowrl.serving.fleet",
      "flowrl.serving._litserve_api"},
     {"flowrl.recipe", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",

@@ -17,7 +17,8 @@ from flowrl.recipe import load_recipe
 from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[1]
-QUICKSTARTS = sorted(p.name for p in (REPO / "recipes").glob("quickstart*.toml"))
+# the image quickstarts (the video quickstarts' rewards differ: tests/test_quickstart_video.py)
+QUICKSTARTS = sorted(p.name for p in (REPO / "recipes").glob("quickstart*.toml") if not p.name.startswith("quickstart_video"))
 
 
 def test_there_are_quickstart_variants():

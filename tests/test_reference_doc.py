@@ -27,8 +27,8 @@ def test_reference_documents_every_key_of_every_table_and_builtin_component():
     sections = {title: rows for title, _, rows in reference_sections(reg, distribution="flowrl-diffusion")}
     for name, cls in SECTIONS.items():
         assert {r[0] for r in sections[f"[{name}]"]} == {f.name for f in dataclasses.fields(cls)}
-    assert {r[0] for r in sections["[[rewards]] (every entry)"]} == {"weight", "name", "chunk_weights"}
-    assert {f.name for f in dataclasses.fields(RewardEntryConfig)} == {"weight", "name", "chunk_weights"}
+    assert {r[0] for r in sections["[[rewards]] (every entry)"]} == {"weight", "name", "chunk_weights", "frames"}
+    assert {f.name for f in dataclasses.fields(RewardEntryConfig)} == {"weight", "name", "chunk_weights", "frames"}
     for section, kind in {**COMPONENT_SECTIONS, **LIST_SECTIONS}.items():
         brackets = f"[[{section}]]" if section in LIST_SECTIONS else f"[{section}]"
         for comp_name in reg.names(kind):

@@ -56,14 +56,17 @@ from .base import (
 
 
 def build_rewards(src, names: list[str]):
-    """``[(label, reward)]``: the named rewards with default params, else the recipe's rewards."""
+    """``[(label, reward)]``: the named rewards with default params, else the recipe's rewards
+    (an image reward scores a video model's clips frame by frame: :func:`flowrl.rewards.for_clips`)."""
+    from ..rewards import for_clips
+
     reg = registry()
     if names:
-        return [(n, reg.get("reward", n, where="--reward").build(None)) for n in names]
+        return [(n, for_clips(reg.get("reward", n, where="--reward").build(None))) for n in names]
     if not src.from_recipe:
         raise FlowrlError("no rewards to evaluate with", where="--reward",
                           hint="pass --reward NAME (repeatable; see `flowrl plugins`), or a run/recipe with [[rewards]]")
-    return [(c.label, reg.get("reward", c.use).build(c.params)) for c in src.recipe.rewards]
+    return [(c.label, for_clips(reg.get("reward", c.use).build(c.params), c.frames)) for c in src.recipe.rewards]
 
 
 def summarize(values: list[float]) -> dict[str, float]:

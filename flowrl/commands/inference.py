@@ -257,8 +257,27 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
 
 
 def save_png(img, path: Path) -> None:
+    """An image ``[3, H, W]`` as a PNG; a clip ``[F, 3, H, W]`` as its filmstrip (frames left to
+    right), so grids drawn from the PNGs show clips too."""
     import torch
     from PIL import Image
 
+    from ..video import filmstrip
+
+    if img.ndim == 4:
+        img = filmstrip(img.unsqueeze(0))[0]
     arr = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     Image.fromarray(arr).save(path)
+
+
+def save_clip(clip, stem: Path) -> list[Path]:
+    """A clip ``[F, 3, H, W]`` as ``stem.gif`` (always) and ``stem.mp4`` (with the ``video``
+    extra), each frame enlarged to at least 128 pixels; the files written."""
+    from ..video import mp4_available, write_gif, write_mp4
+
+    scale = max(1, -(-128 // clip.shape[-1]))
+    big = [f.repeat_interleave(scale, dim=-1).repeat_interleave(scale, dim=-2) for f in clip.float().clamp(0, 1)]
+    files = [write_gif(big, stem.with_suffix(".gif"))]
+    if mp4_available():
+        files.append(write_mp4(list(clip.float().clamp(0, 1)), stem.with_suffix(".mp4"), scale=scale))
+    return files

@@ -63,6 +63,7 @@ from .inference import (
     prepare,
     read_prompt_list,
     resolve_sigmas,
+    save_clip,
     save_png,
     shard,
 )
@@ -139,15 +140,21 @@ def sample(
 
 
 def write_images(batches, out: Path, folder: str) -> list[dict]:
-    """Save every generated image as ``folder/PPPPP_KK.png``; the manifest records."""
+    """Save every generated image as ``folder/PPPPP_KK.png``; the manifest records. A video
+    model's clip is saved as its filmstrip PNG (what the grids show) and as ``PPPPP_KK.gif``
+    (and ``.mp4`` with the ``video`` extra), named in the record's ``video``."""
     (out / folder).mkdir(parents=True, exist_ok=True)
     records = []
     for batch, images in batches:
         for it, img in zip(batch, images):
             name = f"{folder}/{it.prompt_index:05d}_{it.seed_index:02d}.png"
             save_png(img, out / name)
+            videos = {}
+            if img.ndim == 4:  # a clip [F, 3, H, W]
+                files = save_clip(img, (out / name).with_suffix(""))
+                videos = {"video": [str(f.relative_to(out)) for f in files]}
             records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
-                            "seed_index": it.seed_index, "file": name, **condition_record(it.prompt)})
+                            "seed_index": it.seed_index, "file": name, **videos, **condition_record(it.prompt)})
     return records
 
 
@@ -185,8 +192,9 @@ def remove_earlier_sample(out: Path) -> None:
     for part in out.glob("samples.rank*.jsonl"):
         part.unlink()
     for folder in SAMPLE_FOLDERS:
-        for png in (out / folder).glob("*.png"):
-            png.unlink()
+        for suffix in ("png", "gif", "mp4"):  # a video model's clips too
+            for old in (out / folder).glob(f"*.{suffix}"):
+                old.unlink()
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

@@ -43,6 +43,7 @@ from flowrl.interfaces import (
     NeedsReferencePolicy,
     SamplesWithOwnWeights,
     ScalesFlowGRPOKL,
+    ScoresClips,
     Schedule,
     SelectsByStepStd,
     SelectsFromRollout,
@@ -293,13 +294,16 @@ def check_window(planner, **_) -> list[str]:
 
 
 def check_reward(reward, images=None, prompts=None, metadata=None, **_) -> list[str]:
-    """``metadata``: what the engine would pass (e.g. ``condition_images`` for editing rewards)."""
+    """``metadata``: what the engine would pass (e.g. ``condition_images`` for editing rewards).
+    A reward that declares :class:`ScoresClips` is called with clips ``[3, 4, 3, 16, 16]``."""
     g = torch.Generator().manual_seed(0)
-    images = torch.rand(3, 3, 32, 32, generator=g) if images is None else images
+    clips = isinstance(reward, ScoresClips) and bool(reward.scores_clips)
+    if images is None:
+        images = torch.rand(3, 4, 3, 16, 16, generator=g) if clips else torch.rand(3, 3, 32, 32, generator=g)
     prompts = ["a red circle on a blue background"] * images.shape[0] if prompts is None else prompts
-    out = score(reward, images, prompts, metadata)  # checks one score per image
+    out = score(reward, images, prompts, metadata)  # checks one score per image (per clip)
     assert bool(torch.isfinite(out.scores).all()), f"scores must be finite, got {out.scores}"
-    return ["Reward"]
+    return ["Reward", "ScoresClips"] if clips else ["Reward"]
 
 
 def check_tracker(tracker, **_) -> list[str]:

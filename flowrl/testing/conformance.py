@@ -29,7 +29,8 @@ The checks (each documented on its function):
   proportion (FLUX: t = sigma, SD3: t = 1000 sigma), or is exactly the adapter's declared
   ``timestep_from_sigma(sigma)`` for a model whose time runs the other way (Z-Image:
   t = 1 - sigma); the model's own schedule runs 1 -> 0.
-- ``decode``: ``decode`` returns float32 ``[B, 3, H, W]`` in [0, 1].
+- ``decode``: ``decode`` returns float32 ``[B, 3, H, W]`` in [0, 1] (a video model: clips
+  ``[B, F, 3, H, W]``).
 - ``lora_noop``: attaching LoRA (the engine's own code path) leaves the velocity unchanged,
   trains only LoRA matrices, and a non-zero LoRA does change the velocity.
 - ``reference_model``: when the adapter offers ``reference_velocity``, it is the base model's
@@ -399,16 +400,18 @@ def check_sigma_direction(adapter, opts: ConformanceOptions) -> str:
 
 @torch.no_grad()
 def check_decode(adapter, opts: ConformanceOptions) -> str:
-    """``decode`` maps ``[B, *L]`` to float32 images ``[B, 3, H, W]`` in [0, 1], finite."""
+    """``decode`` maps ``[B, *L]`` to float32 images ``[B, 3, H, W]`` (or clips ``[B, F, 3, H,
+    W]``) in [0, 1], finite."""
     x = _noise(adapter, 2, opts.seed)
     img = adapter.decode(x)
-    assert torch.is_tensor(img) and img.ndim == 4, f"decode must return [B, 3, H, W], got {getattr(img, 'shape', img)}"
-    assert img.shape[0] == 2 and img.shape[1] == 3, f"decode returned shape {tuple(img.shape)} for 2 latents"
+    assert torch.is_tensor(img) and img.ndim in (4, 5), (
+        f"decode must return images [B, 3, H, W] or clips [B, F, 3, H, W], got {getattr(img, 'shape', img)}")
+    assert img.shape[0] == 2 and img.shape[-3] == 3, f"decode returned shape {tuple(img.shape)} for 2 latents"
     assert img.dtype == torch.float32, f"decode must return float32, got {img.dtype}"
     assert torch.isfinite(img).all(), "decode returned non-finite values"
     lo, hi = img.min().item(), img.max().item()
     assert lo >= 0.0 and hi <= 1.0, f"decode range [{lo:.3g}, {hi:.3g}] is outside [0, 1]"
-    return f"images {tuple(img.shape[1:])}, range [{lo:.2f}, {hi:.2f}]"
+    return f"{'clips' if img.ndim == 5 else 'images'} {tuple(img.shape[1:])}, range [{lo:.2f}, {hi:.2f}]"
 
 
 def _attach_lora(adapter, opts: ConformanceOptions):

@@ -15,6 +15,10 @@ Pictures (``RUN_DIR/images``)::
                                  (columns, at most 8, evenly spaced): the same noise, watched
                                  while the policy trains. Redrawn at each evaluation.
     eval/strips/iter_*.png,json  what evolution.png is drawn from (those prompts' images, scores).
+
+A video model's clips are drawn as filmstrips (frames left to right) in every PNG, and each
+evaluation grid is also written as a looping animation of the same grid, frame by frame:
+``eval/iter_000010.gif`` and, with the ``video`` extra, ``eval/iter_000010.mp4``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
+from ..video import filmstrip, is_clip, mp4_available, write_gif, write_mp4
 from .run_dir import LOCK_NAME
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
@@ -131,7 +136,7 @@ class RunOutputs:
             caps.append("\n".join(lines))
         title = f'iteration {batch.iteration}, one group of {n}: "{batch.prompts[0]}"'
         note = degenerate_note(batch.images[:n], {k: v[:n] for k, v in batch.rewards.items()})
-        images, caps = with_condition(batch.images[:n], caps, batch.prompts[0])  # editing: the condition first
+        images, caps = with_condition(filmstrip(batch.images[:n]), caps, batch.prompts[0])  # editing: the condition first
         grid = image_grid(images, caps, title=title + (f"\nNOTE: {note}" if note else ""))
         grid.save(self.run_dir / "images" / f"iter_{batch.iteration:06d}.png")
         for tracker in self.trackers:
@@ -140,7 +145,7 @@ class RunOutputs:
     def write_eval_grids(self, iteration: int, prompts: list[str], images: torch.Tensor,
                          scores: dict[str, torch.Tensor], final: bool = False) -> None:
         """The evaluation set's images after ``iteration`` completed iterations (``images [P * S,
-        3, H, W]`` in the order of :func:`flowrl.train.evaluate.evaluation_items`), and the
+        3, H, W]``, or clips ``[P * S, F, 3, H, W]``, in the order of :func:`flowrl.train.evaluate.evaluation_items`), and the
         evolution picture of the first prompts over all evaluations so far."""
         if not self.enabled:
             return
@@ -153,12 +158,18 @@ class RunOutputs:
         when = "final evaluation" if final else f"evaluation before iteration {iteration}"
         title = (f"{when} ({iteration} iterations trained): fixed prompts and starting noise; mean "
                  + ", ".join(f"{k} {scores[k].mean():.3f}" for k in rewards))
-        grid = image_grid(images[:shown], caps, columns=min(n, 8), title=title)
+        grid = image_grid(filmstrip(images[:shown]), caps, columns=min(n, 8), title=title)
         grid.save(eval_dir / f"iter_{iteration:06d}.png")
+        if is_clip(images):  # the same grid as an animation, one frame of every clip at a time
+            frames = [image_grid(images[:shown, f], caps, columns=min(n, 8), title=f"{title} (frame {f + 1})")
+                      for f in range(images.shape[1])]
+            write_gif(frames, eval_dir / f"iter_{iteration:06d}.gif")
+            if mp4_available():
+                write_mp4(frames, eval_dir / f"iter_{iteration:06d}.mp4")
         for tracker in self.trackers:
             tracker.log_image(iteration, "eval", grid)
         k = min(EVOLUTION_PROMPTS, n)
-        save_strip(images[:k], eval_dir / "strips" / f"iter_{iteration:06d}.png")
+        save_strip(filmstrip(images[:k]), eval_dir / "strips" / f"iter_{iteration:06d}.png")
         meta = {"iteration": iteration, "prompts": prompts[:k], "label": label,
                 "scores": [float(x) for x in scores[label][:k]]}
         write_text_atomic(eval_dir / "strips" / f"iter_{iteration:06d}.json", json.dumps(meta))

@@ -23,6 +23,7 @@ from ..interfaces import TextEmbeddings, WarpsTime
 from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
 from ..recipe import Recipe
+from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
 from .checkpoint import read_model_weights
 from .finetune import load_trainable_state_dict, prepare_trainable
@@ -70,7 +71,8 @@ def build_components(recipe: Recipe, registry: Registry, *, rewards: bool = True
         loss=build("loss"),
         window=build("window"),
         rewards=[
-            RewardEntry(c.label, c.weight, registry.get("reward", c.use).build(c.params)) for c in recipe.rewards
+            RewardEntry(c.label, c.weight, for_clips(registry.get("reward", c.use).build(c.params), c.frames))
+            for c in recipe.rewards
         ] if rewards else [],
         trackers=[registry.get("tracker", t.use).build(t.params) for t in recipe.trackers] if trackers else [],
     )

@@ -16,9 +16,10 @@ from flowrl import hookimpl
 from flowrl.config import param
 from flowrl.sampling.schedules import conditioning_timestep
 
-from . import rewards
+from . import rewards, video_rewards
 from .dataset import all_prompts
 from .network import EmbeddedT2I, decode, load_pretrained, unpack
+from .video_model import EmbeddedVideoModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,7 @@ class EmbeddedModel:
 @hookimpl(trylast=True)
 def register_models(register):
     register("embedded", EmbeddedModel)
+    register("embedded_video", EmbeddedVideoModel)
 
 
 @hookimpl(trylast=True)
@@ -94,6 +96,10 @@ def register_rewards(register):
     register("verifier", rewards.verifier_score, help="Soft prompt-correctness (background, foreground colour, shape) in [0, 1].")
     register("area", rewards.foreground_area, help="Fraction of pixels not of the background colour (trades off against correctness).")
     register("brightness", rewards.brightness, help="Mean pixel brightness in [0, 1].")
+    register("video_verifier", video_rewards.video_verifier,
+             help="Video: soft correctness of the clip's colours, shape and motion direction in [0, 1] (embedded_video).")
+    register("video_motion", video_rewards.video_motion,
+             help="Video: how far the clip moves in the prompt's direction, in [0, 1] (embedded_video).")
 
 
 @hookimpl(trylast=True)

@@ -7,6 +7,7 @@
 - ``hpsv3_upstream``: the upstream ``hpsv3`` package, for its own environment behind ``http``.
 - ``http``: any reward served by ``flowrl reward serve`` in another process or environment.
 - ``condition_fidelity``: image editing, how close the result stays to its condition image.
+- ``temporal_consistency``: video, how steady a clip is from frame to frame (no weights).
 
 Every module here imports its heavy dependencies (transformers, open_clip) only when a reward
 is built, so listing the plugins (``flowrl plugins``) stays fast and needs none of the extras. Docs: docs/rewards.md.
@@ -22,6 +23,7 @@ from .embedded_clip import EmbeddedClip
 from .hpsv3 import HPSv3
 from .hpsv3_upstream import HPSv3Upstream
 from .http import HttpReward
+from .temporal import TemporalConsistency
 
 
 @hookimpl(trylast=True)
@@ -38,5 +40,7 @@ def register_rewards(register):
              help="The upstream hpsv3 package (its own transformers 4.45 env): serve it over HTTP.")
     register("condition_fidelity", ConditionFidelity,
              help="Image editing: 1 - mean |image - condition image| at low resolution (reads rewards' metadata).")
+    register("temporal_consistency", TemporalConsistency,
+             help="Video: frame-to-frame consistency of a clip in [0, 1] (colour histograms, blind to motion; or pixels).")
     register("http", HttpReward,
              help="A reward served over HTTP by `flowrl reward serve` (own env/GPU); errors, never defaults.")
