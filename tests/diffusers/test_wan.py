@@ -152,7 +152,7 @@ _TINY_SETS = ["model.height=32", "model.width=32", "model.num_frames=5", "model.
               "model.dtype=fp32", "model.vae_batch_size=8", "model.gradient_checkpointing=false"]
 _GEOMETRY = ["train.iterations=2", "train.prompts_per_iteration=1", "train.group_size=2", "train.micro_batch_size=2",
              "train.optimizer_steps_per_update=1", "rewards.0.use=brightness", "log.progress=false",
-             "log.image_every=1", "log.eval_every=0", "run.device=cpu"]
+             "log.image_every=1", "run.device=cpu"]
 # Large steps, so that two updates visibly move the policy (these runs test plumbing, not learning).
 _LORA = ["train.lora_rank=4", "train.lora_alpha=8.0", "train.lr=0.05", "train.max_grad_norm=0"]
 _FULL = ["train.finetune=full", "train.lr=0.002", "train.max_grad_norm=0"]
