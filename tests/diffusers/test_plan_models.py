@@ -22,6 +22,7 @@ def _flat(text: str) -> str:
     ("kontext_edit_lora", "11.901e9 params x 2 B"),        # FLUX.1 Kontext [dev] = FLUX.1's 12B
     ("flux2_klein_nf4_24gb", "3.876e9 params, 0.591 B each on average (quantised)"),
     ("wan21_1p3b_lora", "1.419e9 params x 2 B"),           # Wan 2.1 T2V 1.3B
+    ("wan21_14b_lora", "14.289e9 params x 2 B"),           # Wan 2.1 T2V 14B
 ])
 def test_plan_needs_no_weights(cli, recipe, params):
     code, out, err = cli("plan", f"recipes/{recipe}.toml", "--num-processes", "8")
