@@ -708,6 +708,7 @@ def wan_memory_spec(config, lora_targets: list[str]):
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=video, width=width, blocks={"block": int(t["num_layers"])},
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
+        checkpoint_outside=46.8,  # measured: torch's MemTracker, full-size Wan 2.1 1.3B, one 14040-token clip
         latent_elements=int(t["in_channels"]) * f_lat * (config.height // spatial) * (config.width // spatial),
         text_bytes_per_prompt=cfg * txt * int(t["text_dim"]) * compute,
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
