@@ -700,11 +700,13 @@ def wan_memory_spec(config, lora_targets: list[str]):
     consts = _wan_constants(int(t["attention_head_dim"]), int(t["ffn_dim"]) / width, int(t["in_channels"]))
     # The Wan VAE decodes one latent frame (4 frames) at a time with a cache of the causal
     # convolutions: about six full-resolution maps of base_dim channels for 4 frames, plus the clip.
+    vae_bytes = 4 if config.vae_dtype == "fp32" else compute
     hw = config.height * config.width
-    decode = 6 * 4 * hw * int(vae.get("base_dim", 96)) * compute + config.num_frames * 3 * hw * 4
+    decode = 6 * 4 * hw * int(vae.get("base_dim", 96)) * vae_bytes + config.num_frames * 3 * hw * 4
     return ModelMemory(
         **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
-        frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
+        frozen={**_frozen(cfgs, ("text_encoder",), compute), **_frozen(cfgs, ("vae",), vae_bytes)},
+        offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=video, width=width, blocks={"block": int(t["num_layers"])},
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,

@@ -22,6 +22,7 @@ components (WanTransformer3DModel, AutoencoderKLWan, a UMT5-XXL text encoder).
   exactly as the pipeline does.
 - Decode: ``z * latents_std + latents_mean`` per channel (the VAE config's statistics), the Wan
   VAE decodes ``[B, 3, F, H, W]`` in [-1, 1]; flowrl returns clips ``[B, F, 3, H, W]`` in [0, 1].
+  The VAE is kept in float32 by default (``vae_dtype``), as Wan's diffusers examples load it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ class WanConfig:
         "ffn.net.2.",
     )
     vae_batch_size: int = param(1, "Clips decoded per VAE call (bounds decode memory; a 480p clip is large).", min=1)
+    vae_dtype: Literal["auto", "fp32"] = param(
+        "fp32", "Storage and compute dtype of the VAE: 'fp32' (as Wan's diffusers examples load it) or 'auto' = dtype."
+    )
 
     def __post_init__(self):
         if (self.num_frames - 1) % 4:
@@ -108,6 +112,8 @@ class WanModel(DiffusersAdapter):
 
     def __init__(self, config: WanConfig, where: str = "[model] (model 'wan')"):
         super().__init__(config, where)
+        if config.vae_dtype == "fp32":
+            self.pipe.vae.to(torch.float32)  # frozen and small (0.13e9 parameters): decode at full precision
         vae = self.pipe.vae.config
         # the pipeline's own factors: 2 per down-sampling stage in space, 2 per temporal one in time
         self.vae_scale_temporal = 2 ** sum(vae.temperal_downsample)

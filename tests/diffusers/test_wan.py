@@ -115,6 +115,14 @@ def test_decode_denormalises_and_puts_frames_before_channels(guided):
     torch.testing.assert_close(guided.decode(z), expected)
 
 
+def test_the_vae_stays_float32_under_a_bf16_model(make):
+    m = make(dtype="bf16")
+    assert m.denoiser.dtype == torch.bfloat16 and m.pipe.vae.dtype == torch.float32
+    clips = m.decode(torch.randn(1, *LATENT, generator=torch.Generator().manual_seed(3)))
+    assert clips.shape == (1, 5, 3, 32, 32) and clips.dtype == torch.float32
+    assert make(dtype="bf16", vae_dtype="auto").pipe.vae.dtype == torch.bfloat16
+
+
 def test_cfg_is_the_true_cfg_combination(guided, plain):
     text = guided.encode_prompts(PROMPTS)
     x = torch.randn(2, *LATENT, generator=torch.Generator().manual_seed(2))
