@@ -29,6 +29,10 @@ GPU's default) twice and measures the second step (the first creates the optimiz
    ``quantize_4bit`` returns (packed 4-bit weights, absmax per block of 64, quantisation map).
    The tracked runs use bitsandbytes' ``Linear4bit`` layers (as diffusers' ``BitsAndBytesConfig``
    loads them) with fake packed weights (bitsandbytes registers fake kernels for its ops).
+6. ``wan_lora_*`` (``--items``, added to a saved result): Wan 2.1 T2V 1.3B (30 blocks), LoRA rank
+   64 on the attention projections, a bf16 base, micro-batch 1, one clip of the shipped recipe
+   (``recipes/wan21_1p3b_lora.toml``: 832 x 480, 33 frames = 9 x 30 x 52 = 14040 video tokens,
+   512 text tokens as cross-attention keys), one forward (no CFG pair), the same way as 2-3.
 5. ``*_rollout_*``: a no-grad bf16 forward (the rollout), with LoRA attached and (FLUX.1) without:
    the peak of live activations, against the plan's constant of 12 widths per token.
 
@@ -108,6 +112,16 @@ FLUX2_KLEIN_4B = {
     "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "eps": 1e-6, "guidance_embeds": False,
 }
 
+#: Wan-AI/Wan2.1-T2V-1.3B-Diffusers (1.42e9 parameters)
+WAN21_1P3B = {
+    "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}
+#: Wan latents of one clip of recipes/wan21_1p3b_lora.toml: 33 frames -> 9 latent frames, 480 x 832 / 8
+WAN_LATENT = (9, 60, 104)
+WAN_TOKENS = WAN_LATENT[0] * (WAN_LATENT[1] // 2) * (WAN_LATENT[2] // 2)  # patch (1, 2, 2): 14040
+
 IMAGE_TOKENS = 1024  # 512 x 512: VAE factor 8, then 2 x 2 patches
 TEXT_TOKENS = 512  # max_sequence_length of all three pipelines (an upper bound for Qwen-Image)
 LORA_RANK = 64
@@ -152,6 +166,12 @@ class Family:
     def inputs(self, batch: int, img: int, txt: int, dtype: torch.dtype) -> dict[str, Any]:
         """Call inside the fake mode: keyword arguments of one forward."""
         c = self.config
+        if self.name == "wan21":  # video latents [B, C, F_lat, H/8, W/8]; the text is cross-attention only
+            f, h, w = WAN_LATENT
+            assert img == f * (h // 2) * (w // 2), f"Wan runs its recipe's clip ({WAN_TOKENS} tokens), not {img}"
+            return {"hidden_states": torch.randn(batch, c["in_channels"], f, h, w, dtype=dtype),
+                    "encoder_hidden_states": torch.randn(batch, txt, c["text_dim"], dtype=dtype),
+                    "timestep": torch.full((batch,), 500.0, dtype=dtype), "return_dict": False}
         kw: dict[str, Any] = {
             "hidden_states": torch.randn(batch, img, c["in_channels"], dtype=dtype),
             "encoder_hidden_states": torch.randn(batch, txt, c["joint_attention_dim"], dtype=dtype),
@@ -177,6 +197,7 @@ QWEN = Family("qwen_image", "QwenImageTransformer2DModel", QWEN_IMAGE, ("num_lay
               ("block",))
 KLEIN = Family("flux2_klein", "Flux2Transformer2DModel", FLUX2_KLEIN_4B, ("num_layers", "num_single_layers"),
                ("transformer_blocks", "single_transformer_blocks"), ("double", "single"))
+WAN = Family("wan21", "WanTransformer3DModel", WAN21_1P3B, ("num_layers",), ("blocks",), ("block",))
 
 
 def lora_targets(family: Family) -> list[str]:
@@ -184,7 +205,10 @@ def lora_targets(family: Family) -> list[str]:
     ``to_qkv_mlp_proj`` and name their output ``attn.to_out`` (no ``.0``), which the preset does
     not match, so they are added for klein."""
     from flowrl_plugins.diffusers_models.common import ATTENTION
+    from flowrl_plugins.diffusers_models.wan import WAN_ATTENTION
 
+    if family.name == "wan21":
+        return list(WAN_ATTENTION)
     targets = list(ATTENTION)
     if family.name == "flux2_klein":
         targets += ["to_qkv_mlp_proj", r"single_transformer_blocks.\d+.attn.to_out"]
@@ -629,23 +653,27 @@ def extrapolate(family: Family, runs: dict[tuple[int, ...], dict[str, Any]], key
 _WARM: set[tuple[str, str | None]] = set()
 
 
-def warm_up(family: Family, quant: str | None = None) -> None:
+def warm_up(family: Family, quant: str | None = None, tokens: tuple[int, int] = (IMAGE_TOKENS, TEXT_TOKENS)) -> None:
     """One throwaway run per model class: the first one in a process also counts tensors that
     process-wide caches keep (e.g. rotary tables), a few MB that would skew a per-block fit."""
     if (family.name, quant) not in _WARM:
-        track_lora(family, depth=reduced_depths(family)[0], checkpointing=False, iterations=1, quant=quant)
+        track_lora(family, depth=reduced_depths(family)[0], checkpointing=False, iterations=1, quant=quant,
+                   img=tokens[0], txt=tokens[1])
         _WARM.add((family.name, quant))
 
 
 def lora_item(family: Family, checkpointing: bool, validate_at: tuple[int, ...] | None,
-              quant: str | None = None) -> dict[str, Any]:
-    """Reduced-depth runs, the per-block fit, its check at a deeper model, and exact counts."""
-    warm_up(family, quant)
-    runs = {d: track_lora(family, depth=d, checkpointing=checkpointing, quant=quant) for d in reduced_depths(family)}
+              quant: str | None = None, tokens: tuple[int, int] = (IMAGE_TOKENS, TEXT_TOKENS)) -> dict[str, Any]:
+    """Reduced-depth runs, the per-block fit, its check at a deeper model, and exact counts
+    (``tokens``: image or video tokens, and text tokens, of one sample)."""
+    warm_up(family, quant, tokens)
+    img, txt = tokens
+    runs = {d: track_lora(family, depth=d, checkpointing=checkpointing, quant=quant, img=img, txt=txt)
+            for d in reduced_depths(family)}
     ext = extrapolate(family, runs)
     check = None
     if validate_at:
-        measured = track_lora(family, depth=validate_at, checkpointing=checkpointing, quant=quant)
+        measured = track_lora(family, depth=validate_at, checkpointing=checkpointing, quant=quant, img=img, txt=txt)
         predicted = extrapolate(family, runs, at=validate_at)["value"]
         check = {"depth": list(validate_at), "measured": {k: measured[k] for k in KEYS}, "predicted": predicted,
                  "cpu_seconds": measured["cpu_seconds"]}
@@ -941,6 +969,46 @@ def _fsdp_item(key: str, title: str, small: dict, full: dict, plan: dict | None,
 KL_ITEMS = ("flux_full_fsdp8_ac_kl", "flux_full_fsdp8_startup_kl", "flux_full_fsdp8_720_ac_accum2_sync")
 #: tokens of one 720 x 720 FLUX sample (45 x 45 latent patches) and its text
 FLAGSHIP_TOKENS = (2025, 512)
+#: Wan 2.1 1.3B LoRA items (``--items``): checkpointing on (the recipe's) and off
+WAN_ITEMS = ("wan_lora_ac", "wan_lora_noac")
+ADDED_ITEMS = KL_ITEMS + WAN_ITEMS
+
+
+def run_wan_items(keys=WAN_ITEMS) -> dict[str, Any]:
+    """Wan 2.1 T2V 1.3B, LoRA r64 on a bf16 base, one clip of the shipped recipe, one process: the
+    reduced-depth runs (2 and 3 blocks) fitted per block and checked at 5, as the other LoRA items."""
+    items: dict[str, Any] = {}
+    width = WAN.config["num_attention_heads"] * WAN.config["attention_head_dim"]
+    tw = WAN_TOKENS * width * 2  # per video token: the text enters only as cross-attention keys
+    for key in keys:
+        ac = key == "wan_lora_ac"
+        item = lora_item(WAN, ac, (5,), tokens=(WAN_TOKENS, TEXT_TOKENS))
+        ext = item["extrapolation"]
+        ext["max_temporaries"] = max(r["temporaries"] for r in item["runs"].values())
+        consts = constants(ext, tw, temp_fit=False)
+        item["tracker"]["temporaries"] = ext["max_temporaries"]
+        v = item["validation"]
+        item["should"] = should_lora(item["base_params"], 2.0, item["trainable_params"], tw=tw,
+                                     depth={"block": WAN.depth()[0]}, consts=consts, checkpointing=ac)
+        item["plan"] = plan_for(key, item)
+        item["constants"] = consts
+        item["title"] = (f"Wan 2.1 T2V 1.3B LoRA r64 (attention) on a bf16 base, one clip of {WAN_TOKENS} video + "
+                         f"{TEXT_TOKENS} text tokens, one process, checkpointing {'on' if ac else 'off'}")
+        item["notes"] = [
+            "activation constants (bf16 elements per video token per width): "
+            + ", ".join(f"{k} {x:.2f}" for k, x in consts["widths"].items())
+            + f", outside {consts['outside']:.2f}; temporaries {consts['temp_outside']:.2f} widths"
+            + (("; the plan's: " + ", ".join(f"{k} {x:.1f}" for k, x in item["plan"]["per_block_widths"].items()))
+               if item["plan"] else ""),
+            f"trainable {item['trainable_params'] / 1e6:.1f}e6 (LoRA), base {item['base_params'] / 1e9:.3f}e9",
+            f"check of the per-block fit at depth {'x'.join(map(str, v['depth']))}: " + ", ".join(
+                f"{k} measured {v['measured'][k] / GiB:.3f} vs fit {v['predicted'][k] / GiB:.3f} GiB"
+                for k in ("activations", "temporaries", "peak")),
+            f"tracker CPU time {item['cpu_seconds']} s at reduced depth",
+        ]
+        items[key] = item
+        print_item(key, item)
+    return items
 
 
 def run_kl_items(keys=KL_ITEMS) -> dict[str, Any]:
@@ -1174,6 +1242,11 @@ def plan_for(key: str, item: dict[str, Any]) -> dict[str, Any] | None:
         return plan_numbers(other, 1, "qwen_image_lora.toml")
     if key.startswith("klein_qlora"):
         return plan_numbers(other + ["model.quantize=nf4"], 1, "flux2_klein_nf4_24gb.toml")
+    if key.startswith("wan_lora"):  # the recipe's own clip (832 x 480, 33 frames), one forward
+        return plan_numbers(ac + ["model.max_sequence_length=512", "model.lora_preset=attention", "model.cfg_scale=1.0",
+                                  "train.micro_batch_size=1", f"train.lora_rank={LORA_RANK}",
+                                  f"train.lora_alpha={LORA_ALPHA}", "distributed.strategy=none"], 1,
+                            "wan21_1p3b_lora.toml")
     return None
 
 
@@ -1196,19 +1269,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every number to this JSON file")
     parser.add_argument("--markdown", type=Path, help="write the tables as Markdown to this file")
     parser.add_argument("--replan", type=Path, help="recompute only the plan columns of this saved --json result")
-    parser.add_argument("--items", help="comma-separated: run only these of " + ", ".join(KL_ITEMS)
+    parser.add_argument("--items", help="comma-separated: run only these of " + ", ".join(ADDED_ITEMS)
                         + " and add them to the --json file's saved result")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.items:
         keys = [k.strip() for k in args.items.split(",")]
-        if unknown := [k for k in keys if k not in KL_ITEMS]:
-            parser.error(f"unknown item(s) {unknown}; choose from {', '.join(KL_ITEMS)}")
+        if unknown := [k for k in keys if k not in ADDED_ITEMS]:
+            parser.error(f"unknown item(s) {unknown}; choose from {', '.join(ADDED_ITEMS)}")
         if not (args.json and args.json.exists()):
             parser.error("--items adds to a saved result: give --json PATH of an earlier full run")
         result = json.loads(args.json.read_text())
         started = time.time()
-        result["items"].update(run_kl_items(keys))
+        if kl := [k for k in keys if k in KL_ITEMS]:
+            result["items"].update(run_kl_items(kl))
+        if wan := [k for k in keys if k in WAN_ITEMS]:
+            result["items"].update(run_wan_items(wan))
         result.setdefault("added", {})[",".join(keys)] = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "wall_seconds": round(time.time() - started, 1)}

@@ -34,6 +34,14 @@ switch). Their rules:
   the VAE's batch-norm statistics are set to non-trivial values so that decoding tests them.
 - Z-Image: transformer ``in_channels`` = the VAE's ``latent_channels``; ``dim / n_heads`` =
   ``sum(axes_dims)``; ``cap_feat_dim`` = the Qwen3 width (its second-to-last hidden state is used).
+
+:func:`build_tiny_wan` writes a Wan 2.1 text-to-video pipeline: a UMT5 encoder behind the T5
+tokenizer above, a Wan VAE and a WanTransformer3DModel. Its rules: transformer ``in_channels`` =
+``out_channels`` = the VAE's ``z_dim``; ``text_dim`` = the UMT5 ``d_model``; the VAE's spatial
+factor is ``2 ** len(temperal_downsample)`` and its temporal factor ``2 ** sum(temperal_downsample)``
+(here both 4, like the real VAE's time axis: 5 frames of 32 x 32 are latents ``[4, 2, 8, 8]``);
+``latents_mean`` / ``latents_std`` have ``z_dim`` entries (non-trivial here, so that decoding tests
+the de-normalisation).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ ensure_torchvision_importable()
 
 __all__ = [
     "build_tiny_flux", "build_tiny_sd3", "build_tiny_qwen_image", "build_tiny_flux2_klein", "build_tiny_zimage",
-    "build_tiny_flux_kontext", "build_tiny_qwen_image_edit",
+    "build_tiny_flux_kontext", "build_tiny_qwen_image_edit", "build_tiny_wan",
     "clip_tokenizer", "t5_tokenizer", "qwen_tokenizer", "TINY_PROMPTS",
 ]
 
@@ -420,4 +428,35 @@ def build_tiny_zimage(path: str | Path, *, seed: int = 0) -> Path:
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
                           transformer=transformer)
     pipe.save_pretrained(path)
+    return path
+
+
+def build_tiny_wan(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.1 text-to-video pipeline to ``path`` (UMT5 text encoder, Wan VAE with 4x
+    temporal compression, the published UniPC flow scheduler with shift 3). Returns ``path``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    tok = t5_tokenizer()
+    width = 32
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tok), d_model=width, d_ff=2 * width, d_kv=width // 2, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    ))
+    z_dim = 4
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[True, True], latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim, out_channels=z_dim,
+        text_dim=width, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+                                        num_train_timesteps=1000)
+    WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                scheduler=scheduler).save_pretrained(path)
     return path

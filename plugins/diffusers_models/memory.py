@@ -629,3 +629,92 @@ def with_quantization(t: dict[str, Any], config, spec: ModelMemory) -> ModelMemo
                       f"{qbytes / qparams:.4f} B each, {(spec.denoiser_params - qparams) / 1e6:.1f}e6 others at "
                       f"{spec.compute_bytes} B")
     return spec
+
+
+# ---------------------------------------------------------------------------- Wan 2.1 (video)
+# The published configs of Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers (transformer/, text_encoder/ and
+# vae/config.json on the hub).
+
+_UMT5_XXL = {
+    "_class": "UMT5EncoderModel", "vocab_size": 256384, "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64,
+    "num_layers": 24, "feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 32,
+}
+_WAN_VAE = {
+    "_class": "AutoencoderKLWan", "base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+    "attn_scales": [], "temperal_downsample": [False, True, True],
+}
+_WAN21_1P3B = {
+    "_class": "WanTransformer3DModel", "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128,
+    "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
+    "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "rope_max_seq_len": 1024,
+}
+_WAN21_14B = dict(_WAN21_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+KNOWN.update({
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": _WAN21_1P3B, "text_encoder": _UMT5_XXL, "vae": _WAN_VAE},
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": {"transformer": _WAN21_14B, "text_encoder": _UMT5_XXL, "vae": _WAN_VAE},
+})
+
+
+@functools.lru_cache(maxsize=8)
+def _wan_constants(head: int, ffn_ratio: float, in_channels: int) -> BlockConstants:
+    """Per video token: the text enters each block only as cross-attention keys and values (64
+    rows here, ``max_sequence_length`` in the real model, small beside the video tokens)."""
+    from diffusers import WanTransformer3DModel
+
+    frames, side, txt, text_dim = 2, 16, 64, 32
+    width = 2 * head
+
+    def run(counts):
+        torch.manual_seed(0)
+        m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head,
+                                  in_channels=in_channels, out_channels=in_channels, text_dim=text_dim, freq_dim=32,
+                                  ffn_dim=int(round(ffn_ratio * width)), num_layers=counts["block"], rope_max_seq_len=64)
+        x = torch.randn(1, in_channels, frames, 2 * side, 2 * side)
+        return _saved_elements(m, lambda: m(hidden_states=x, timestep=torch.tensor([500.0]),
+                                            encoder_hidden_states=torch.randn(1, txt, text_dim), return_dict=False)[0])
+
+    return _replica_constants(run, ("block",), frames * side * side, width)
+
+
+def wan_video_tokens(config, t: dict[str, Any], vae: dict[str, Any]) -> tuple[int, int]:
+    """``(latent frames, video tokens)`` of a Wan clip: ``F_lat = (F - 1) / 4 + 1`` and
+    ``F_lat * (H / 16) * (W / 16)`` for patch (1, 2, 2) and the VAE's factor 8."""
+    down = list(vae.get("temperal_downsample", [False, True, True]))
+    temporal, spatial = 2 ** sum(down), 2 ** len(down)
+    pt, ph, pw = (int(p) for p in t.get("patch_size", (1, 2, 2)))
+    f_lat = (config.num_frames - 1) // temporal + 1
+    return f_lat, (f_lat // pt) * (config.height // spatial // ph) * (config.width // spatial // pw)
+
+
+def wan_memory_spec(config, lora_targets: list[str]):
+    """:class:`flowrl.memory_plan.ModelMemory` of the ``wan`` adapter, without weights. A "sample" is
+    a clip: its latents, its decode and its tokens cover all its frames."""
+    cfgs = pipeline_configs(config.path, config.revision)
+    t, vae = cfgs["transformer"], cfgs.get("vae", _WAN_VAE)
+    compute, storage = _storage(config)
+    f_lat, video = wan_video_tokens(config, t, vae)
+    spatial = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
+    txt = config.max_sequence_length
+    cfg = 2 if config.cfg_scale != 1.0 else 1
+    width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
+    consts = _wan_constants(int(t["attention_head_dim"]), int(t["ffn_dim"]) / width, int(t["in_channels"]))
+    # The Wan VAE decodes one latent frame (4 frames) at a time with a cache of the causal
+    # convolutions: about six full-resolution maps of base_dim channels for 4 frames, plus the clip.
+    vae_bytes = 4 if config.vae_dtype == "fp32" else compute
+    hw = config.height * config.width
+    decode = 6 * 4 * hw * int(vae.get("base_dim", 96)) * vae_bytes + config.num_frames * 3 * hw * 4
+    return ModelMemory(
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
+        frozen={**_frozen(cfgs, ("text_encoder",), compute), **_frozen(cfgs, ("vae",), vae_bytes)},
+        offload_frozen=config.offload_encoders,
+        lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
+        tokens=video, width=width, blocks={"block": int(t["num_layers"])},
+        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
+        checkpoint_outside=46.8,  # measured: torch's MemTracker, full-size Wan 2.1 1.3B, one 14040-token clip
+        latent_elements=int(t["in_channels"]) * f_lat * (config.height // spatial) * (config.width // spatial),
+        text_bytes_per_prompt=cfg * txt * int(t["text_dim"]) * compute,
+        decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
+        gradient_checkpointing=config.gradient_checkpointing,
+        notes=[_measured_note(f"{video} video tokens ({f_lat} latent frames) with {txt} text tokens as cross-attention "
+                              f"keys, x{cfg} for true CFG", consts)],
+    )

@@ -1,5 +1,5 @@
 """Built-in plugin: real text-to-image models through diffusers: ``flux``, ``sd3``,
-``qwen_image``, ``flux2_klein`` and ``zimage``; image editing with ``flux_kontext`` and
+``qwen_image``, ``flux2_klein`` and ``zimage``; text-to-video with ``wan`` (Wan 2.1); image editing with ``flux_kontext`` and
 ``qwen_image_edit``.
 
 The adapters import diffusers and load weights only when a recipe builds them, so listing
@@ -15,6 +15,7 @@ from .flux import FluxModel
 from .flux2 import Flux2KleinModel
 from .qwen_image import QwenImageModel
 from .sd3 import SD3Model
+from .wan import WanModel
 from .zimage import ZImageModel
 
 
@@ -33,3 +34,5 @@ def register_models(register):
                   "as appended tokens, true CFG.")
     register("zimage", ZImageModel,
              help="Z-Image / Z-Image-Turbo (diffusers ZImagePipeline): reversed time t = 1 - sigma, negated output.")
+    register("wan", WanModel,
+             help="Wan 2.1 text-to-video (diffusers WanPipeline): clips [B, F, 3, H, W], true CFG, timestep = 1000 sigma.")

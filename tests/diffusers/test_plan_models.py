@@ -1,4 +1,4 @@
-"""``flowrl plan`` for Qwen-Image, FLUX.2 [klein], Z-Image and the editing models: offline from the
+"""``flowrl plan`` for Qwen-Image, FLUX.2 [klein], Z-Image, the editing models and Wan 2.1: offline from the
 built-in copies of the published configs, exact parameter counts against the loaded tiny
 pipelines, and the update's activation estimate against what autograd really saves."""
 
@@ -21,6 +21,8 @@ def _flat(text: str) -> str:
     ("zimage_lora", "6.155e9 params x 2 B"),               # Z-Image-Turbo's 6B single-stream DiT
     ("kontext_edit_lora", "11.901e9 params x 2 B"),        # FLUX.1 Kontext [dev] = FLUX.1's 12B
     ("flux2_klein_nf4_24gb", "3.876e9 params, 0.591 B each on average (quantised)"),
+    ("wan21_1p3b_lora", "1.419e9 params x 2 B"),           # Wan 2.1 T2V 1.3B
+    ("wan21_14b_lora", "14.289e9 params x 2 B"),           # Wan 2.1 T2V 14B
 ])
 def test_plan_needs_no_weights(cli, recipe, params):
     code, out, err = cli("plan", f"recipes/{recipe}.toml", "--num-processes", "8")
@@ -38,6 +40,7 @@ CASES = {
     "qwen_image": ("recipes/qwen_image_lora.toml", ["model.max_sequence_length=64"]),
     "flux2_klein": ("recipes/flux2_klein_lora.toml", ["model.max_sequence_length=16"]),
     "zimage": ("recipes/zimage_lora.toml", ["model.max_sequence_length=16"]),
+    "wan": ("recipes/wan21_1p3b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5"]),
 }
 
 

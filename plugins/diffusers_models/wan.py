@@ -1,0 +1,187 @@
+"""Wan 2.1 text-to-video (1.3B and 14B) as a flowrl model adapter, on diffusers' WanPipeline
+components (WanTransformer3DModel, AutoencoderKLWan, a UMT5-XXL text encoder).
+
+- Latents are the Wan VAE's ``[C, F_lat, H/8, W/8]`` (C = 16) for ``num_frames = F`` frames,
+  ``F_lat = (F - 1) / 4 + 1``: the VAE compresses time 4x causally (the first frame alone, then
+  4 frames per latent frame), so ``F`` must be ``4k + 1``. The transformer cuts ``(1, 2, 2)``
+  patches itself: ``F_lat * (H/16) * (W/16)`` video tokens (480p, 33 frames: 9 x 30 x 52 = 14040).
+- Timestep convention: the transformer takes ``timestep = 1000 * sigma`` (WanPipeline passes its
+  scheduler's timesteps, which are ``1000 * sigma``). The published scheduler (UniPC) rounds them
+  to integers; flowrl feeds the exact ``1000 * sigma``, as diffusers' FlowMatchEuler pipelines do.
+- Schedule: ``sigma_i = s u / (1 + (s - 1) u)`` over ``u = linspace(1, 0, N + 1)`` with the flow
+  shift ``s = flow_shift`` (Wan's recommendation: 3.0 at 480p, 5.0 at 720p); the same sigmas as
+  diffusers' FlowMatchEulerDiscreteScheduler(shift=s). The published UniPC scheduler starts its
+  grid at ``u = 0.999`` instead of 1 and solves the ODE with a multistep method, so a
+  pipeline's video matches flowrl's only with an Euler scheduler swapped in.
+- True classifier-free guidance: ``v = v_u + w (v_c - v_u)``, ``w = cfg_scale`` (Wan's 5.0), the
+  unconditional branch on ``negative_prompt`` (the pipeline's default ''; Wan's own sampling
+  scripts use a long list of unwanted qualities). The combined velocity is the policy; both
+  branches run as one batch ``[uncond; cond]``. ``cfg_scale = 1`` runs the conditional branch alone.
+- Text: UMT5's last hidden state over at most ``max_sequence_length`` tokens, each prompt's padding
+  positions set to zero and kept (the transformer attends over all ``max_sequence_length`` rows),
+  exactly as the pipeline does.
+- Decode: ``z * latents_std + latents_mean`` per channel (the VAE config's statistics), the Wan
+  VAE decodes ``[B, 3, F, H, W]`` in [-1, 1]; flowrl returns clips ``[B, F, 3, H, W]`` in [0, 1].
+  The VAE is kept in float32 by default (``vae_dtype``), as Wan's diffusers examples load it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from flowrl.config import param
+from flowrl.errors import FlowrlError
+from flowrl.sampling.schedules import shifted_sigmas
+
+from .common import DiffusersAdapter
+from .memory import wan_memory_spec
+
+#: every Wan block's self-attention (attn1) and cross-attention to the text (attn2)
+WAN_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+WAN_FEED_FORWARD = ["ffn.net.0.proj", "ffn.net.2"]
+
+
+def wan_lora_targets(preset: str) -> list[str]:
+    """The LoRA targets of a preset: attention (self and cross), plus the feed-forwards."""
+    return list(WAN_ATTENTION) + (list(WAN_FEED_FORWARD) if preset == "attention_ff" else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class WanConfig:
+    path: str = param(
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "Hub id or local pipeline directory (model_index.json): Wan-AI/Wan2.1-T2V-1.3B-Diffusers or "
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers. Apache-2.0, not gated.", path="hub",
+    )
+    revision: str = param("", "Hub revision (branch, tag or commit); empty = default branch.")
+    dtype: Literal["bf16", "fp16", "fp32"] = param("bf16", "Compute dtype, and storage of the text encoder and VAE.")
+    denoiser_dtype: Literal["auto", "bf16", "fp16", "fp32"] = param(
+        "auto", "Storage dtype of the transformer's weights; 'auto' = dtype ('fp32' for full fine-tuning)."
+    )
+    height: int = param(480, "Frame height in pixels (a multiple of 16: VAE factor 8 x patch 2). Wan 2.1: 480 or 720.",
+                        min=16)
+    width: int = param(832, "Frame width in pixels (a multiple of 16). Wan 2.1: 832 (480p) or 1280 (720p).", min=16)
+    num_frames: int = param(
+        33, "Frames per clip, 4k + 1 (the VAE compresses time 4x after the first frame; Wan 2.1 was trained at 81).",
+        min=1,
+    )
+    cfg_scale: float = param(
+        5.0, "True CFG weight w: v = v_u + w (v_c - v_u) (Wan 2.1: 5.0). 1 = no CFG, one forward per step.", min=0.0
+    )
+    negative_prompt: str = param("", "Prompt of the unconditional branch (the pipeline's default '').")
+    flow_shift: float = param(
+        3.0, "Time shift s of the sigma schedule, sigma = s u / (1 + (s - 1) u) (Wan: 3.0 at 480p, 5.0 at 720p).",
+        min=0.01,
+    )
+    max_sequence_length: int = param(512, "UMT5 prompt tokens (the pipeline's 512), zero-padded.", min=1)
+    gradient_checkpointing: bool = param(False, "Recompute transformer blocks in backward (saves activation memory).")
+    offload_encoders: bool = param(
+        True, "Keep the text encoder and VAE on the CPU; move them to the GPU only to encode / decode."
+    )
+    lora_preset: Literal["attention", "attention_ff"] = param(
+        "attention",
+        "Default LoRA targets when train.lora_targets is empty: 'attention' (to_q, to_k, to_v, to_out.0 of the "
+        "self- and cross-attention of every block) or 'attention_ff' = attention + the feed-forward ffn.net.0.proj, "
+        "ffn.net.2.",
+    )
+    vae_batch_size: int = param(1, "Clips decoded per VAE call (bounds decode memory; a 480p clip is large).", min=1)
+    vae_dtype: Literal["auto", "fp32"] = param(
+        "fp32", "Storage and compute dtype of the VAE: 'fp32' (as Wan's diffusers examples load it) or 'auto' = dtype."
+    )
+
+    def __post_init__(self):
+        if (self.num_frames - 1) % 4:
+            k = (self.num_frames - 1) // 4 * 4 + 1
+            raise ValueError(f"num_frames must be 4k + 1 (the Wan VAE's temporal factor is 4), got {self.num_frames}; "
+                             f"use {k} or {k + 4}")
+
+    def memory_spec(self):
+        """What ``flowrl plan`` needs, from the published configuration (no weights)."""
+        return wan_memory_spec(self, wan_lora_targets(self.lora_preset))
+
+
+class WanModel(DiffusersAdapter):
+    """Wan 2.1 T2V through diffusers: video latents [C, F_lat, H/8, W/8], timestep = 1000 sigma,
+    true CFG as the policy, clips [B, F, 3, H, W] out of decode."""
+
+    Config = WanConfig
+    pipeline_class_name = "WanPipeline"
+
+    def __init__(self, config: WanConfig, where: str = "[model] (model 'wan')"):
+        super().__init__(config, where)
+        if config.vae_dtype == "fp32":
+            self.pipe.vae.to(torch.float32)  # frozen and small (0.13e9 parameters): decode at full precision
+        vae = self.pipe.vae.config
+        # the pipeline's own factors: 2 per down-sampling stage in space, 2 per temporal one in time
+        self.vae_scale_temporal = 2 ** sum(vae.temperal_downsample)
+        patch = tuple(self.denoiser.config.patch_size)
+        self._check_image_size(patch[1], f"patch {patch[1]}", vae_scale=2 ** len(vae.temperal_downsample))
+        if (config.num_frames - 1) % self.vae_scale_temporal:
+            raise FlowrlError(
+                f"num_frames = {config.num_frames} is not a multiple of the VAE's temporal factor "
+                f"{self.vae_scale_temporal} plus 1", where=f"{where}.num_frames",
+                hint=f"use {(config.num_frames - 1) // self.vae_scale_temporal * self.vae_scale_temporal + 1}",
+            )
+        channels = self.denoiser.config.in_channels
+        if channels != vae.z_dim:
+            raise FlowrlError(
+                f"transformer in_channels ({channels}) != VAE z_dim ({vae.z_dim})",
+                where=f"{where}.path", hint="the pipeline's transformer and VAE do not belong together",
+            )
+        f_lat = (config.num_frames - 1) // self.vae_scale_temporal + 1
+        h, w = config.height // self.vae_scale, config.width // self.vae_scale
+        self.latent_shape = (channels, f_lat, h, w)
+        self.image_seq_len = (f_lat // patch[0]) * (h // patch[1]) * (w // patch[2])
+        self.uses_cfg = config.cfg_scale != 1.0
+
+    def _lora_preset(self, preset):
+        return wan_lora_targets(preset)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        prompts = list(prompts)
+        with self._visiting(self.pipe.text_encoder):
+            embeds, neg = self.pipe.encode_prompt(
+                prompt=prompts, do_classifier_free_guidance=self.uses_cfg,
+                negative_prompt=[self.config.negative_prompt] * len(prompts) if self.uses_cfg else None,
+                max_sequence_length=self.config.max_sequence_length, device=self.device,
+            )
+        out = {"prompt_embeds": embeds}
+        if self.uses_cfg:
+            out["negative_prompt_embeds"] = neg
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def _velocity(self, module, latents, sigma, text):
+        compute = self.dtype
+        x = latents.to(self.device, compute)
+        t = sigma.to(self.device, torch.float32) * 1000.0  # Wan: timestep = 1000 sigma
+        embeds = text["prompt_embeds"]
+        if self.uses_cfg:
+            # One batch [uncond; cond]; the CFG combination below is the policy's velocity.
+            x, t = torch.cat([x, x]), torch.cat([t, t])
+            embeds = torch.cat([text["negative_prompt_embeds"], embeds])
+        with self._autocast():
+            out = module(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, compute),
+                         return_dict=False)[0]
+        out = out.to(torch.float32)
+        return self._cfg_combined(out)[0] if self.uses_cfg else out
+
+    def _decoder(self, vae):
+        """Wan latents -> clips ``[B, F, 3, H, W]`` in [-1, 1]: ``z * std + mean`` per channel (the VAE
+        config's statistics, as WanPipeline applies them), then the VAE's ``[B, 3, F, H, W]``."""
+        cfg = vae.config
+        shape = (1, cfg.z_dim, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=self.device).view(shape)
+        std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=self.device).view(shape)
+
+        def to_clips(z):
+            video = vae.decode((z * std + mean).to(vae.dtype), return_dict=False)[0]
+            return video.permute(0, 2, 1, 3, 4)
+
+        return to_clips
+
+    def sigmas(self, num_steps):
+        return shifted_sigmas(num_steps, self.config.flow_shift)
