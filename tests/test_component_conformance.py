@@ -28,7 +28,9 @@ PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dyna
 CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))},
            # an editing reward reads the prompts' condition images from the metadata the engine passes
            ("reward", "condition_fidelity"): {"metadata": {"condition_images": torch.rand(
-               3, 3, 32, 32, generator=torch.Generator().manual_seed(1))}}}
+               3, 3, 32, 32, generator=torch.Generator().manual_seed(1))}},
+           # a reward that scores latents reads its model's (the embedded model's packed [64, 48])
+           ("reward", "latent_verifier"): {"latents": torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(2))}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")
 
 

@@ -18,6 +18,7 @@ from flowrl.sampling.schedules import conditioning_timestep
 
 from . import rewards
 from .dataset import all_prompts
+from .latent_verifier import LatentVerifier
 from .network import EmbeddedT2I, decode, load_pretrained, unpack
 
 
@@ -94,6 +95,8 @@ def register_rewards(register):
     register("verifier", rewards.verifier_score, help="Soft prompt-correctness (background, foreground colour, shape) in [0, 1].")
     register("area", rewards.foreground_area, help="Fraction of pixels not of the background colour (trades off against correctness).")
     register("brightness", rewards.brightness, help="Mean pixel brightness in [0, 1].")
+    register("latent_verifier", LatentVerifier,
+             help="The verifier's score estimated from the embedded model's latents (no decode; a head trained offline).")
 
 
 @hookimpl(trylast=True)
