@@ -589,6 +589,24 @@ class ScoresClips(Protocol):
 
 
 @runtime_checkable
+class ScoresLatents(Protocol):
+    """A reward that scores the model's clean latents ``[B, *L]`` (sigma 0, the rollout's last
+    state, the tensor ``decode`` would take) instead of decoded images: ``scores_latents = True``.
+    It is called as ``reward(latents, prompts, metadata)``; when every reward of a run scores
+    latents (and no advantage needs image features), training never decodes: no ``decode`` phase,
+    ``compute/decoded`` 0. Evaluation still decodes, for its grids. A plain function declares it
+    with ``fn.scores_latents = True``. Such a reward is tied to its model's latent space, so it
+    cannot be served over HTTP (the server receives images)."""
+
+    scores_latents: bool
+
+
+def scores_latents(reward) -> bool:
+    """Whether ``reward`` declares :class:`ScoresLatents`."""
+    return isinstance(reward, ScoresLatents) and bool(reward.scores_latents)
+
+
+@runtime_checkable
 class RewardPlacement(Protocol):
     """A reward's params that say where its model lives: ``device``, the weights' ``dtype``
     (``auto``, ``float32``, ``float16``, ``bfloat16``) and ``offload`` (kept on the CPU between

@@ -114,15 +114,16 @@ def condition_images(prompts: Sequence[str], height: int, width: int) -> torch.T
     return torch.stack(out)
 
 
-def reward_metadata(prompts: Sequence[str], images: torch.Tensor) -> dict[str, Any] | None:
+def reward_metadata(prompts: Sequence[str], images: torch.Tensor | None) -> dict[str, Any] | None:
     """What rewards get in ``metadata`` for these prompts: None without condition images, else
-    ``conditions`` (each prompt's image path or None) and, when every prompt has one,
-    ``condition_images`` (float32 ``[B, 3, H, W]`` in [0, 1], at the generated images' size)."""
+    ``conditions`` (each prompt's image path or None) and, when every prompt has one and there are
+    generated ``images`` to size them by, ``condition_images`` (float32 ``[B, 3, H, W]`` in [0, 1],
+    at the generated images' size)."""
     paths = [condition_of(p) for p in prompts]
     if all(p is None for p in paths):
         return None
     meta: dict[str, Any] = {"conditions": paths}
-    if all(p is not None for p in paths):
+    if images is not None and all(p is not None for p in paths):
         meta["condition_images"] = condition_images(prompts, images.shape[-2], images.shape[-1])
     return meta
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from .errors import FlowrlError
-from .interfaces import Reward, RewardOutput, ScoresClips
+from .interfaces import Reward, RewardOutput, ScoresClips, scores_latents
 from .video import aggregate_frames, is_clip
 
-__all__ = ["FunctionReward", "PerFrameReward", "RewardOutputError", "for_clips", "score"]
+__all__ = ["FunctionReward", "PerFrameReward", "RewardOutputError", "for_clips", "needs_images", "score"]
 
 
 class FunctionReward:
@@ -33,6 +33,9 @@ class FunctionReward:
         # class declares it with an attribute (flowrl.interfaces.ScoresClips)
         if getattr(fn, "scores_clips", False):
             self.scores_clips = True
+        # ... or that it scores the model's latents (flowrl.interfaces.ScoresLatents)
+        if getattr(fn, "scores_latents", False):
+            self.scores_latents = True
 
     def __call__(self, images, prompts, metadata=None):
         """A tensor result as a :class:`RewardOutput`, unchanged (no reshaping or conversion);
@@ -123,5 +126,14 @@ def _per_frame_metadata(metadata, frames: int):
 def for_clips(reward: Reward, aggregation: str = "mean") -> Reward:
     """``reward`` as a recipe's ``[[rewards]]`` entry uses it: a reward that declares
     :class:`~flowrl.interfaces.ScoresClips` as it is, any other wrapped in :class:`PerFrameReward`
-    (which hands images through untouched)."""
-    return reward if isinstance(reward, ScoresClips) and reward.scores_clips else PerFrameReward(reward, aggregation)
+    (which hands images through untouched). A reward that scores latents is never wrapped: it
+    never sees frames."""
+    if scores_latents(reward) or (isinstance(reward, ScoresClips) and reward.scores_clips):
+        return reward
+    return PerFrameReward(reward, aggregation)
+
+
+def needs_images(rewards) -> bool:
+    """Whether any of ``rewards`` (``(label, weight, reward)`` entries) scores decoded images,
+    i.e. whether scoring them needs a decode."""
+    return any(not scores_latents(reward) for _, _, reward in rewards)

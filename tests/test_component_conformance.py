@@ -31,7 +31,9 @@ CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shi
                3, 3, 32, 32, generator=torch.Generator().manual_seed(1))}},
            # the embedded video model's rewards read its grammar
            ("reward", "video_verifier"): {"prompts": ["a red circle moving left on a blue background"] * 3},
-           ("reward", "video_motion"): {"prompts": ["a red circle moving left on a blue background"] * 3}}
+           ("reward", "video_motion"): {"prompts": ["a red circle moving left on a blue background"] * 3},
+           # a reward that scores latents reads its model's (the embedded model's packed [64, 48])
+           ("reward", "latent_verifier"): {"latents": torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(2))}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")
 
 

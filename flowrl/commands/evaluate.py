@@ -249,17 +249,19 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
     """Sample this process's share of the items, score them with every reward; all records on
     the main process, in item order."""
     from ..artefacts import ARTEFACT_MEASURES
+    from ..interfaces import scores_latents
     from ..rewards import score
     from .inference import generate, save_png, shard
 
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)
     records = []
-    for batch, images in generate(policy, shard(plan.items, ctx.rank, ctx.world_size), sigmas, seed=seed,
+    for batch, images, latents in generate(policy, shard(plan.items, ctx.rank, ctx.world_size), sigmas, seed=seed,
                                   batch_size=plan.batch_size, hybrid_steps=hybrid_steps, base=base,
-                                  noise_of=plan.noise_of):
+                                  noise_of=plan.noise_of, with_latents=True):
         batch_prompts = [it.prompt for it in batch]
-        scores = {label: score(r, images, batch_prompts, name=label).scores.tolist() for label, r in rewards}
+        scores = {label: score(r, latents if scores_latents(r) else images, batch_prompts, name=label).scores.tolist()
+                  for label, r in rewards}
         scores.update({label: measure(images).tolist() for label, measure in ARTEFACT_MEASURES.items()})
         for j, it in enumerate(batch):
             records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,

@@ -183,8 +183,9 @@ class Item:
 
 
 def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hybrid_steps: int = 0, base=None,
-             noise_of=None):
-    """Yield ``(batch_items, images [b, 3, H, W])`` for ``items`` in batches of ``batch_size``:
+             noise_of=None, with_latents: bool = False):
+    """Yield ``(batch_items, images [b, 3, H, W])`` (with ``with_latents``, ``(batch_items, images,
+    latents [b, *L])``: the clean latents, for rewards that score them) for ``items`` in batches of ``batch_size``:
     the first ``hybrid_steps`` steps (all, when 0) with ``model``, the rest with ``base`` (or,
     when ``base`` is None, with ``model.reference_velocity``). ``noise_of(item)`` gives an
     item's starting noise (default: :func:`noise_for`, keyed by seed, prompt and seed index)."""
@@ -206,7 +207,9 @@ def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hy
         def velocity_at(i, x, s, text=text):
             return (late if hybrid_steps and i >= hybrid_steps else model.velocity)(x, s, text)
 
-        yield batch, model.decode(ode_sample(velocity_at, noise, sigmas)).float().cpu()
+        latents = ode_sample(velocity_at, noise, sigmas)
+        images = model.decode(latents).float().cpu()
+        yield (batch, images, latents) if with_latents else (batch, images)
 
 
 def make_items(prompts: list[str], seeds: int) -> list[Item]:

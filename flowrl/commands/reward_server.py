@@ -43,7 +43,15 @@ def build_reward(name: str, settings: list[str]):
             value = raw  # bare words are strings, as in `flowrl train --set`
         table[key] = value
     choice = component_choice(registry(), "reward", table, "flowrl reward serve")
-    return registry().get("reward", name).build(choice.params)
+    reward = registry().get("reward", name).build(choice.params)
+    from ..errors import FlowrlError
+    from ..interfaces import scores_latents
+
+    if scores_latents(reward):
+        raise FlowrlError(f"reward '{name}' scores a model's latents, and a reward server receives images",
+                          where="flowrl reward serve NAME",
+                          hint="name it in the recipe's [[rewards]] instead: it runs beside the model it reads")
+    return reward
 
 
 @reward_app.command("serve")

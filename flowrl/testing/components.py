@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from flowrl.interfaces import (
+    scores_latents,
     AdaptiveChunker,
     AdvantageEstimator,
     CheckpointsState,
@@ -293,17 +294,23 @@ def check_window(planner, **_) -> list[str]:
     return ["WindowPlanner"]
 
 
-def check_reward(reward, images=None, prompts=None, metadata=None, **_) -> list[str]:
+def check_reward(reward, images=None, prompts=None, metadata=None, latents=None, **_) -> list[str]:
     """``metadata``: what the engine would pass (e.g. ``condition_images`` for editing rewards).
-    A reward that declares :class:`ScoresClips` is called with clips ``[3, 4, 3, 16, 16]``."""
+    A reward that declares :class:`ScoresClips` is called with clips ``[3, 4, 3, 16, 16]``; one
+    that declares :class:`ScoresLatents` with ``latents``, its model's clean latents ``[B, *L]``
+    (the engine passes them instead of images)."""
     g = torch.Generator().manual_seed(0)
     clips = isinstance(reward, ScoresClips) and bool(reward.scores_clips)
+    claimed = ["Reward", "ScoresClips"] if clips else ["Reward"]
+    if scores_latents(reward):
+        assert latents is not None, "a reward that scores latents is checked on its model's latents: pass latents="
+        images, claimed = latents, ["Reward", "ScoresLatents"]
     if images is None:
         images = torch.rand(3, 4, 3, 16, 16, generator=g) if clips else torch.rand(3, 3, 32, 32, generator=g)
     prompts = ["a red circle on a blue background"] * images.shape[0] if prompts is None else prompts
     out = score(reward, images, prompts, metadata)  # checks one score per image (per clip)
     assert bool(torch.isfinite(out.scores).all()), f"scores must be finite, got {out.scores}"
-    return ["Reward", "ScoresClips"] if clips else ["Reward"]
+    return claimed
 
 
 def check_tracker(tracker, **_) -> list[str]:

@@ -26,6 +26,7 @@ from ..interfaces import (
 )
 from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
+from ..rewards import needs_images
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
@@ -75,19 +76,36 @@ def collect(run: Run, prompts: list[str], iteration: int, timer) -> Batch:
     with timer("encode"):
         batch = encode(run, prompts, iteration)
     if session.recipe.sampler.overlap_rewards:
-        with OverlappedScoring(session.model, rewards, iteration=iteration) as scoring:
+        with OverlappedScoring(session.model, rewards, iteration=iteration, decode=decodes_in_training(session)) as scoring:
             with timer("rollout"):
                 sample(session, batch, geometry.group_size, on_part=scoring.submit)
             with timer("reward"):
                 batch.images, batch.rewards, batch.reward_extras = scoring.gather()
+        if batch.images is not None:
+            count_decoded(timer, len(batch.images))
         return batch
     with timer("rollout"):
         sample(session, batch, geometry.group_size)
-    with timer("decode"):
-        batch.images = session.model.decode(batch.trajectory.image_latents)
+    if decodes_in_training(session):  # rewards that all score latents need no images
+        with timer("decode"):
+            batch.images = session.model.decode(batch.trajectory.image_latents)
+        count_decoded(timer, len(batch.images))
     with timer("reward"):
         score_rewards(batch, rewards)
     return batch
+
+
+def count_decoded(timer, samples: int) -> None:
+    """Tell the compute accounting (the phase timer's counter, when it has one) what was decoded."""
+    counter = getattr(timer, "counter", None)
+    if counter is not None:
+        counter.decoded(samples)
+
+
+def decodes_in_training(session) -> bool:
+    """Whether an iteration decodes its samples: a reward scores images, or the advantage
+    estimator needs image features (:class:`~flowrl.interfaces.UsesImageFeatures`)."""
+    return needs_images(session.components.rewards) or isinstance(session.components.advantage, UsesImageFeatures)
 
 
 def encode(run: Run, prompts: list[str], iteration: int) -> Batch:
@@ -139,7 +157,8 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
 def score_rewards(batch: Batch, rewards) -> None:
     """Score the decoded images with every reward; fills ``batch.rewards`` and ``reward_extras``.
     A reward that raises stops the run naming it (:class:`flowrl.train.overlap.RewardFailedError`)."""
-    scores, extras = score_part(rewards, batch.images, batch.prompts, f"iteration {batch.iteration}")
+    scores, extras = score_part(rewards, batch.images, batch.prompts, f"iteration {batch.iteration}",
+                                latents=batch.trajectory.image_latents)
     batch.rewards.update(scores)
     batch.reward_extras.update(extras)
 

@@ -11,6 +11,10 @@ reference policy's forwards count as ``reference``). The minimum of an iteration
 
 ``compute/ratio`` is the work counted in those phases over their minimum: 1.00 means nothing was
 computed twice. Evaluation and profiling are counted but not part of the ratio.
+
+``compute/decoded`` counts the samples the iteration's training phases decoded to images (the
+VAE, or the model's own decoder): the samples, or 0 when every reward scores latents
+(:class:`~flowrl.interfaces.ScoresLatents`). Evaluation's decodes are not counted.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class ComputeCounter:
         self.forward: dict[str, int] = defaultdict(int)
         self.backward: dict[str, int] = defaultdict(int)
         self.minimum: dict[str, int] = defaultdict(int)
+        self.decodes = 0
         self._handles = []
         for module in modules:
             self.watch(module)
@@ -80,6 +85,10 @@ class ComputeCounter:
     def _on_backward(self, phase: str, rows: int) -> None:
         self.backward[phase] += rows
 
+    def decoded(self, samples: int) -> None:
+        """Count ``samples`` decoded to images for training (not for evaluation)."""
+        self.decodes += int(samples)
+
     def expect(self, phase: str, rows: int) -> None:
         """Add to the minimum of ``phase`` (forward rows; the update's backward equals its forward)."""
         self.minimum[phase] += rows
@@ -90,9 +99,11 @@ class ComputeCounter:
         phases = sorted(set(self.forward) | set(self.backward) | set(self.minimum))
         counts = {f"{phase}/{kind}": float(table[phase]) for phase in phases
                   for kind, table in (("forward", self.forward), ("backward", self.backward), ("minimum", self.minimum))}
+        counts["decoded"] = float(self.decodes)
         if ctx is not None and ctx.enabled:  # a phase only some processes ran (ddp's evaluation) counts once
             counts = distributed.reduce_metrics(counts, {k: "sum" for k in counts}, ctx)
-            phases = sorted({key.rsplit("/", 1)[0] for key in counts})
+        decoded = counts.pop("decoded")
+        phases = sorted({key.rsplit("/", 1)[0] for key in counts})
         out: dict[str, float] = {}
         for phase in phases:
             if counts[f"{phase}/forward"]:
@@ -103,6 +114,8 @@ class ComputeCounter:
         minimum = sum(counts.get(f"{p}/minimum", 0.0) for p in ACCOUNTED) + counts.get("update/minimum", 0.0)
         out["compute/minimum"] = minimum
         out["compute/ratio"] = done / minimum if minimum else 1.0
+        out["compute/decoded"] = decoded
+        self.decodes = 0
         self.forward.clear()
         self.backward.clear()
         self.minimum.clear()

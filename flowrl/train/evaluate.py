@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 
 from ..artefacts import ARTEFACT_MEASURES
+from ..interfaces import scores_latents
 from ..rewards import score
 from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sampling.rollout import ode_sample
@@ -62,12 +63,13 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
         ps = [p for p, _ in part]
         text = cache.get(ps, sigmas.device)
         noise = evaluation_noise(model.latent_shape, seed, range(start, start + len(part))).to(sigmas.device)
-        images = model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, sigmas))
+        latents = ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, sigmas)
+        images = model.decode(latents)  # for the grids and the artefact measures, whatever the rewards score
         metadata = reward_metadata(ps, images)
         if on_images is not None:
             on_images(images)
         for label, _, reward in rewards:
-            scores[label].append(score(reward, images, ps, metadata).scores)
+            scores[label].append(score(reward, latents if scores_latents(reward) else images, ps, metadata).scores)
         if rewards:  # (no rewards: a process that samples in lockstep only)
             for label, measure in ARTEFACT_MEASURES.items():
                 scores[label].append(measure(images).cpu())

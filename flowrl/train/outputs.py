@@ -58,6 +58,7 @@ class RunOutputs:
         self.enabled = ctx.is_main
         self.image_every = session.recipe.log.image_every
         self.trackers = session.components.trackers
+        self.decode = session.model.decode  # the group grid's pictures when training decoded nothing
         self.metrics: MetricsLog | None = None
         if not self.enabled:
             return
@@ -135,12 +136,19 @@ class RunOutputs:
             lines.append(f"A {batch.advantages[i].mean():+.2f}" if finite else "non-finite reward")
             caps.append("\n".join(lines))
         title = f'iteration {batch.iteration}, one group of {n}: "{batch.prompts[0]}"'
-        note = degenerate_note(batch.images[:n], {k: v[:n] for k, v in batch.rewards.items()})
-        images, caps = with_condition(filmstrip(batch.images[:n]), caps, batch.prompts[0])  # editing: the condition first
+        shown = batch.images[:n] if batch.images is not None else self._decoded(batch.trajectory.image_latents[:n])
+        note = degenerate_note(shown, {k: v[:n] for k, v in batch.rewards.items()})
+        images, caps = with_condition(filmstrip(shown), caps, batch.prompts[0])  # editing: the condition first
         grid = image_grid(images, caps, title=title + (f"\nNOTE: {note}" if note else ""))
         grid.save(self.run_dir / "images" / f"iter_{batch.iteration:06d}.png")
         for tracker in self.trackers:
             tracker.log_image(batch.iteration, "group", grid)
+
+    def _decoded(self, latents: torch.Tensor) -> torch.Tensor:
+        """The group's images for its grid when training decoded nothing (every reward scores
+        latents): only the samples shown, and not counted as training's decode."""
+        with torch.no_grad():
+            return self.decode(latents)
 
     def write_eval_grids(self, iteration: int, prompts: list[str], images: torch.Tensor,
                          scores: dict[str, torch.Tensor], final: bool = False) -> None:

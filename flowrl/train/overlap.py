@@ -31,7 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..errors import FlowrlError
-from ..rewards import score
+from ..interfaces import scores_latents
+from ..rewards import needs_images, score
 from ..prompts import reward_metadata
 
 
@@ -39,16 +40,22 @@ class RewardFailedError(FlowrlError):
     """A reward raised while scoring an iteration's images."""
 
 
-def score_part(rewards, images: torch.Tensor, prompts: Sequence[str], samples: str = "") -> tuple[dict, dict]:
-    """Every reward of ``rewards`` (``(label, weight, reward)`` entries) on ``images``, in recipe
-    order: ``({label: scores [n]}, {"label/extra": [n]})``. A reward that raises is reported as a
+def score_part(rewards, images: torch.Tensor | None, prompts: Sequence[str], samples: str = "", *,
+               latents: torch.Tensor | None = None) -> tuple[dict, dict]:
+    """Every reward of ``rewards`` (``(label, weight, reward)`` entries) in recipe order: a
+    reward that scores latents (:class:`~flowrl.interfaces.ScoresLatents`) on ``latents``, any
+    other on ``images`` (None when no reward needs them: nothing was decoded).
+    ``({label: scores [n]}, {"label/extra": [n]})``. A reward that raises is reported as a
     :class:`RewardFailedError` naming it (``samples`` says which samples, for the message)."""
     metadata = reward_metadata(prompts, images)  # condition images, when the prompts carry them
     scores: dict[str, torch.Tensor] = {}
     extras: dict[str, torch.Tensor] = {}
     for label, _, reward in rewards:
+        seen = latents if scores_latents(reward) else images
         try:
-            out = score(reward, images, prompts, metadata, name=label)
+            if seen is None:
+                raise ValueError(f"no {'latents' if scores_latents(reward) else 'images'} were given to score")
+            out = score(reward, seen, prompts, metadata, name=label)
         except Exception as exc:  # re-raised below, naming the reward
             failure = reward_failed(label, exc, samples)
             if failure is exc:
@@ -84,9 +91,11 @@ class OverlappedScoring:
     the way out, sub-batches not yet started are cancelled and the thread is joined.
     """
 
-    def __init__(self, model, rewards, *, iteration: int | None = None):
+    def __init__(self, model, rewards, *, iteration: int | None = None, decode: bool | None = None):
         self.model = model
         self.rewards = list(rewards)
+        #: decode each sub-batch (default: when a reward scores images); False hands latents only
+        self.decode = needs_images(self.rewards) if decode is None else decode
         self.iteration = iteration
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-rewards")
         self._futures: list[Future] = []
@@ -115,9 +124,11 @@ class OverlappedScoring:
                 raise f.exception()
 
     def _decode_and_score(self, image_latents, prompts, what):
-        with torch.no_grad():
-            images = self.model.decode(image_latents)
-        scores, extras = score_part(self.rewards, images, prompts, what)
+        images = None
+        if self.decode:  # rewards that all score latents need no decode
+            with torch.no_grad():
+                images = self.model.decode(image_latents)
+        scores, extras = score_part(self.rewards, images, prompts, what, latents=image_latents)
         return images, scores, extras
 
     def gather(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -125,7 +136,7 @@ class OverlappedScoring:
         parts = [f.result() for f in self._futures]  # the first failure, in order, raises here
         if not parts:
             raise ValueError("gather() before any submit(): nothing was sampled")
-        images = torch.cat([p[0] for p in parts])
+        images = None if parts[0][0] is None else torch.cat([p[0] for p in parts])
         scores = {k: torch.cat([p[1][k] for p in parts]) for k in parts[0][1]}
         extras = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
         return images, scores, extras

@@ -18,6 +18,7 @@ from flowrl.sampling.schedules import conditioning_timestep
 
 from . import rewards, video_rewards
 from .dataset import all_prompts
+from .latent_verifier import LatentVerifier
 from .network import EmbeddedT2I, decode, load_pretrained, unpack
 from .video_model import EmbeddedVideoModel
 
@@ -100,6 +101,8 @@ def register_rewards(register):
              help="Video: soft correctness of the clip's colours, shape and motion direction in [0, 1] (embedded_video).")
     register("video_motion", video_rewards.video_motion,
              help="Video: how far the clip moves in the prompt's direction, in [0, 1] (embedded_video).")
+    register("latent_verifier", LatentVerifier,
+             help="The verifier's score estimated from the embedded model's latents (no decode; a head trained offline).")
 
 
 @hookimpl(trylast=True)
