@@ -295,6 +295,11 @@ class ReplayConfig:
         "0 = all).", min=0)
     truncate: float = param(2.0, "Truncation c of the importance weights: w = min(w, c).", min=1e-6)
 
+    def __post_init__(self):
+        if self.weight_steps and self.weight_level != "sequence":
+            raise ValueError(f"weight_steps = {self.weight_steps} applies to weight_level = 'sequence' only "
+                             f"(weight_level is {self.weight_level!r})")
+
     @property
     def enabled(self) -> bool:
         return self.size > 0 and self.max_staleness > 0
