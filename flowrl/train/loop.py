@@ -113,13 +113,9 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
                         break
 
-                    # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA) ---
-                    with timer("update"):
-                        outcome = update.run(batch, layout.sizes)
-                    state.nonfinite_steps += outcome.skipped
-                    # ---- Replay: recent kept rollouts, re-scored and importance-weighted, then this one kept
-                    replayed, skipped = replay(update, batch, layout.sizes, timer) if replay else ({}, 0)
-                    state.nonfinite_steps += skipped
+                    # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA); replay ---
+                    outcome, replayed, replay_skipped = update_and_replay(update, replay, batch, layout.sizes, timer)
+                    state.nonfinite_steps += outcome.skipped + replay_skipped
                     record.update(update_record(outcome, batch, state, layout, update, ctx) | replayed)
                     warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
@@ -181,6 +177,15 @@ def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path
                       f"evaluation (raise train.iterations with --set to train further)")
     distributed.teardown()
     return run_dir
+
+
+def update_and_replay(update: PolicyUpdate, replay: Replay | None, batch, sizes, timer) -> tuple:
+    """The iteration's update, then (with ``[replay]`` on) the replayed rollouts' updates and the
+    rollout kept for later: ``(outcome, replay metrics, replayed updates skipped)``."""
+    with timer("update"):
+        outcome = update.run(batch, sizes)
+    replayed, skipped = replay(update, batch, sizes, timer) if replay is not None else ({}, 0)
+    return outcome, replayed, skipped
 
 
 def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update: PolicyUpdate, ctx) -> dict:
