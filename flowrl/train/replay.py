@@ -105,7 +105,7 @@ class ReplayBuffer:
     # ---------------------------------------------------------------------- checkpointed state
 
     def state_dict(self) -> dict[str, Any]:
-        """``state.json``'s ``replay`` entry: the iterations kept and the advantages' shape."""
+        """``state.json``'s ``replay`` entry: the iterations kept and their text embeddings' keys."""
         return {REPLAY: {"iterations": [k.iteration for k in self.kept],
                          "text_keys": [sorted(k.batch.text) for k in self.kept]}}
 
@@ -172,8 +172,10 @@ class Replay:
                 # its passes follow the ones it had: on collection (0 .. passes - 1) and at each earlier replay
                 outcome = update.run(replayed, sizes, first_epoch=passes * staleness)
             skipped += outcome.skipped
-            if outcome.on_policy is not None:
-                record["replay/on_policy/max_abs_log_ratio"] = outcome.on_policy
+            if outcome.on_policy is not None:  # the largest over the replayed rollouts
+                key = "replay/on_policy/max_abs_log_ratio"
+                record[key] = max(record.get(key, 0.0), outcome.on_policy)
+            # with per_iteration > 1: the last replayed update's own metrics (the weights' cover all)
             record.update({f"replay/{k}": v for k, v in outcome.metrics.items()})
         record.update(stats.metrics(self.run.ctx))
         self.buffer.add(batch)
