@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 import time
@@ -60,7 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from objectives import rise  # noqa: E402  (the held-out SE as benchmarks/objectives.py computes it)
 
-from flowrl.stats import mean, paired_interval, t_interval  # noqa: E402
+from flowrl.stats import paired_interval, t_interval  # noqa: E402
 
 RECIPE = "recipes/study_embedded.toml"
 STEP = ["chunker.use='step'"]
