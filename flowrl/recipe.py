@@ -1,7 +1,7 @@
 """TOML recipes: the schema, loading, ``--set`` overrides and validation.
 
 A recipe is a TOML file. Plain tables (``[run]``, ``[train]``, ``[sampler]``, ``[prompts]``,
-``[log]``, ``[checkpoint]``, ``[ema]``, ``[distributed]``) configure the engine and are documented field by field below.
+``[log]``, ``[checkpoint]``, ``[ema]``, ``[distributed]``, ``[replay]``) configure the engine and are documented field by field below.
 Component tables name a registered component and give its parameters::
 
     [chunker]
@@ -31,7 +31,14 @@ import torch
 
 from .config import fields_of, from_dict, param, to_dict
 from .errors import FlowrlError, RecipeError, printable, suggest
-from .interfaces import KLRegularised, NeedsReferenceCopy, NeedsReferencePolicy, Objective, ProfilingChunker
+from .interfaces import (
+    KeepsRolloutMeans,
+    KLRegularised,
+    NeedsReferenceCopy,
+    NeedsReferencePolicy,
+    Objective,
+    ProfilingChunker,
+)
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
 from .sampling.plans import PlanContext
@@ -268,6 +275,37 @@ class EmaConfig:
 
 
 @dataclasses.dataclass
+class ReplayConfig:
+    """Bounded off-policy reuse (docs/objectives.md, "Replay"): rollouts of recent iterations
+    trained on again, re-scored first and importance-weighted against the policy that sampled
+    them."""
+
+    size: int = param(0, "Rollouts (whole iterations' samples) kept for replay; 0 = off (on-policy).", min=0)
+    max_staleness: int = param(
+        1, "Replay a kept rollout only up to this many iterations after it was collected; 0 = off.", min=0)
+    per_iteration: int = param(1, "Kept rollouts trained on per iteration, after the iteration's own rollout.", min=1)
+    sample: Literal["newest", "uniform"] = param(
+        "newest", "Which kept rollouts an iteration replays: the newest, or a uniform draw (seeded by run.seed "
+        "and the iteration) among those within max_staleness.")
+    weight_level: Literal["unit", "sequence"] = param(
+        "unit", "Importance weight per unit (step or chunk: exp of the mean log-ratio over the unit, the "
+        "objective's own ratio) or per sample (over its first weight_steps positions).")
+    weight_steps: int = param(
+        0, "weight_level = 'sequence': the first trainable positions the weight uses (late-step truncation; "
+        "0 = all).", min=0)
+    truncate: float = param(2.0, "Truncation c of the importance weights: w = min(w, c).", min=1e-6)
+
+    def __post_init__(self):
+        if self.weight_steps and self.weight_level != "sequence":
+            raise ValueError(f"weight_steps = {self.weight_steps} applies to weight_level = 'sequence' only "
+                             f"(weight_level is {self.weight_level!r})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 0 and self.max_staleness > 0
+
+
+@dataclasses.dataclass
 class RewardEntryConfig:
     """The keys every ``[[rewards]]`` entry takes besides ``use`` and the reward's own parameters."""
 
@@ -345,6 +383,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "ema": EmaConfig,
     "distributed": DistributedConfig,
+    "replay": ReplayConfig,
 }
 #: Component tables (one component each) and their kinds.
 COMPONENT_SECTIONS: dict[str, str] = {
@@ -406,6 +445,7 @@ class Recipe:
     rewards: list[ComponentChoice]
     trackers: list[ComponentChoice]
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
     source: str = "<recipe>"
     #: T, the number of trainable transitions of the sampler (set by validation).
     num_trainable: int = 0
@@ -733,6 +773,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_sharding(recipe)
     _check_reference_copy_needed(recipe, registry)
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
+    _check_replay(recipe, registry, T)
     if not _uses_units(recipe, registry):
         return
     if T < 1:
@@ -827,6 +868,32 @@ def _check_memory_knobs(recipe: Recipe, registry: Registry) -> None:
                 "LoRA's reference is the base with the adapter off)",
                 where=f"{recipe.source}: [train].reference_on_cpu", hint="remove it",
             )
+
+
+def _check_replay(recipe: Recipe, registry: Registry, T: int) -> None:
+    """``[replay]`` only where a replayed rollout can be re-weighted exactly: a ratio-based
+    ``[loss]`` (a plain policy loss, which trains through the chunk ratio) whose only memory of
+    the rollout is its log-probs (not GRPO-Guard's proposal means); an unsharded run (its
+    checkpoint keeps the buffer); a sequence weight no longer than the sampler's T."""
+    r, where = recipe.replay, f"{recipe.source}: [replay]"
+    if not r.enabled:
+        return
+    loss = build_component(recipe, registry, "loss")
+    name = recipe.components["loss"].use
+    if isinstance(loss, Objective):
+        raise RecipeError(f"[replay] needs a ratio-based policy loss; loss '{name}' owns its update "
+                          "(its own old policy or anchors, not the rollout's log-probs)", where=f"{where}.size",
+                          hint="use loss 'clipped' with replay, or set size = 0")
+    if isinstance(loss, KeepsRolloutMeans) and loss.keep_means:
+        raise RecipeError(f"[replay] cannot re-weight loss '{name}': its step ratio uses the rollout's proposal "
+                          "means, which a replay would have to re-sample", where=f"{where}.size",
+                          hint="use loss 'clipped' with replay, or set size = 0")
+    if recipe.distributed.strategy == "fsdp2":
+        raise RecipeError("[replay] is not supported with strategy = 'fsdp2' (its sharded checkpoint cannot hold "
+                          "the replay buffer yet)", where=f"{where}.size", hint="use strategy 'ddp' or 'none'")
+    if r.weight_steps > T > 0:
+        raise RecipeError(f"weight_steps = {r.weight_steps} exceeds the sampler's T = {T} trainable transitions",
+                          where=f"{where}.weight_steps", hint=f"at most {T}; 0 = all")
 
 
 def _check_sharding(recipe: Recipe) -> None:

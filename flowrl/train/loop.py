@@ -1,6 +1,6 @@
 """The training loop, top to bottom: one engine for the whole GRPO family.
 
-    collect (prompts, rollout, images) -> rewards -> advantages -> update -> log, checkpoint
+    collect (prompts, rollout, images) -> rewards -> advantages -> update (-> replay) -> log, checkpoint
 
 Step-level GRPO, GSPO, fixed chunks and Chunk-GRPO differ only in the components the recipe
 names (chunker, selector, loss); nothing below branches on the algorithm. docs/architecture.md
@@ -38,6 +38,7 @@ from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .parallel import resolve_strategy
 from .progress import Aborted, GracefulInterrupt, RunDisplay
+from .replay import Replay
 from .run import Run
 from .run_dir import check_run_directory, hold_run_directory, resume_hint, run_is_complete
 from .session import Session
@@ -70,17 +71,18 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the placed model first
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
+        replay = Replay.attach(run, prompts)  # None unless [replay] keeps rollouts
         eval_set = evaluation_set(cfg, session.model)
 
         # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
-        state = restore_training_state(run_dir, run, update, layout, console, ema) if resume else TrainState()
+        state = restore_training_state(run_dir, run, update, layout, console, ema, replay) if resume else TrainState()
         if resume and run_is_complete(run_dir, state.iteration, recipe, bool(eval_set)):
             return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
         throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
         evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
         display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
-        saver = Checkpointer(run_dir, run, state, update, layout, ema, on_write=display.phase)
+        saver = Checkpointer(run_dir, run, state, update, layout, ema, replay, on_write=display.phase)
         interrupted = False
         try:
             with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
@@ -111,11 +113,10 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
                         break
 
-                    # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA) ---
-                    with timer("update"):
-                        outcome = update.run(batch, layout.sizes)
-                    state.nonfinite_steps += outcome.skipped
-                    record.update(update_record(outcome, batch, state, layout, update, ctx))
+                    # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA); replay ---
+                    outcome, replayed, replay_skipped = update_and_replay(update, replay, batch, layout.sizes, timer)
+                    state.nonfinite_steps += outcome.skipped + replay_skipped
+                    record.update(update_record(outcome, batch, state, layout, update, ctx) | replayed)
                     warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
                     # ---- Log, then checkpoint (its seconds go into the next row: append-only metrics) --
@@ -176,6 +177,15 @@ def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path
                       f"evaluation (raise train.iterations with --set to train further)")
     distributed.teardown()
     return run_dir
+
+
+def update_and_replay(update: PolicyUpdate, replay: Replay | None, batch, sizes, timer) -> tuple:
+    """The iteration's update, then (with ``[replay]`` on) the replayed rollouts' updates and the
+    rollout kept for later: ``(outcome, replay metrics, replayed updates skipped)``."""
+    with timer("update"):
+        outcome = update.run(batch, sizes)
+    replayed, skipped = replay(update, batch, sizes, timer) if replay is not None else ({}, 0)
+    return outcome, replayed, skipped
 
 
 def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update: PolicyUpdate, ctx) -> dict:

@@ -83,8 +83,10 @@ def lr_lambda(train, total_steps: int) -> Callable[[int], float]:
     return f
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, train, geometry) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(optimizer: torch.optim.Optimizer, train, geometry, extra_steps: int = 0
+                   ) -> torch.optim.lr_scheduler.LambdaLR:
     """The LR schedule over every optimizer step of the run: ``iterations x updates_per_rollout x
-    optimizer_steps_per_update`` (:func:`lr_lambda`)."""
-    total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update
+    optimizer_steps_per_update``, plus ``extra_steps`` (the steps on replayed rollouts,
+    :func:`flowrl.train.replay.replay_optimizer_steps`) (:func:`lr_lambda`)."""
+    total = train.iterations * geometry.updates_per_rollout * geometry.optimizer_steps_per_update + extra_steps
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train, total))

@@ -17,6 +17,8 @@ state, the RNG states and ``state.json``::
                       null
     ema               EMA updates and optimizer steps counted (only    WeightEMA
                       with [ema] enabled)
+    replay            the iterations of the kept rollouts (only with   Replay
+                      [replay] on; their tensors: replay.safetensors)
 
 Each part (right) writes and reads its own entries, ``state_dict()`` and ``load_state_dict()``;
 the EMA weights (``ema.safetensors``) and the objective's tensors are that part's named tensors
@@ -60,13 +62,14 @@ class TrainState:
         self.iteration, self.nonfinite_steps = state["iteration"], state["nonfinite_steps"]
 
 
-def save_training_checkpoint(run_dir: Path, run: Run, state: TrainState, update, layout, ema=None) -> Path | None:
+def save_training_checkpoint(run_dir: Path, run: Run, state: TrainState, update, layout, ema=None,
+                             replay=None) -> Path | None:
     """Write a checkpoint of the whole training state, atomically (see the module docstring):
     every stateful part's ``state_dict()`` composed into ``state.json``, its named tensors beside
     it, the weights and AdamW through the strategy (:func:`~flowrl.train.checkpoint.write_checkpoint`:
     the main process writes safetensors, or under FSDP2 every process writes its shards). Returns
     its path on the main process, None on the others."""
-    recipe, parts = run.session.recipe, stateful_parts(update, layout, ema)
+    recipe, parts = run.session.recipe, stateful_parts(update, layout, ema, replay)
     info = {
         **state.state_dict(),
         "data_position": state.iteration * run.geometry.prompts_per_iteration,
@@ -78,12 +81,12 @@ def save_training_checkpoint(run_dir: Path, run: Run, state: TrainState, update,
                             extra=named_tensors(parts))
 
 
-def stateful_parts(update, layout, ema=None) -> list:
+def stateful_parts(update, layout, ema=None, replay=None) -> list:
     """What a checkpoint keeps besides the counters (:class:`TrainState`) and the weights and
     AdamW (the strategy's): each has ``state_dict()`` (its entries of ``state.json``) and
     ``load_state_dict(state)``, or ``load_state_dict(state, tensors)`` with
     ``checkpoint_tensors()`` (``{name: tensors}``; a name is also the part's ``state.json`` key)."""
-    return [update, layout] + ([ema] if ema is not None else [])
+    return [update, layout] + [part for part in (ema, replay) if part is not None]
 
 
 def named_tensors(parts: list) -> dict:
@@ -91,7 +94,8 @@ def named_tensors(parts: list) -> dict:
     return {k: v for part in parts if hasattr(part, "checkpoint_tensors") for k, v in part.checkpoint_tensors().items()}
 
 
-def restore_training_state(run_dir: Path, run: Run, update, layout, console: Console, ema=None) -> TrainState:
+def restore_training_state(run_dir: Path, run: Run, update, layout, console: Console, ema=None,
+                           replay=None) -> TrainState:
     """Load the latest checkpoint into the model, AdamW and the RNG (the strategy's), and into
     every stateful part (the LR schedule, the update mode, the objective, the chunk layout, the
     EMA); a run directory without a checkpoint starts at iteration 0. A sharded checkpoint loads
@@ -102,7 +106,7 @@ def restore_training_state(run_dir: Path, run: Run, update, layout, console: Con
         if ctx.is_main:
             console.print(f"[yellow]note:[/yellow] {run_dir} has no checkpoint yet; starting at iteration 0")
         return TrainState()
-    parts = stateful_parts(update, layout, ema)
+    parts = stateful_parts(update, layout, ema, replay)
     state, tensors = read_checkpoint(ckpt, update.strategy, named_tensors(parts))  # sharded: read into these
     if ema is not None and (EMA_KEY not in tensors or EMA_KEY not in state):
         raise FlowrlError(
@@ -140,6 +144,7 @@ class Checkpointer:
     update: Any  # PolicyUpdate
     layout: Any  # ChunkLayout
     ema: Any = None  # WeightEMA, with [ema] enabled
+    replay: Any = None  # Replay, with [replay] on
     on_write: Any = None  # called with "checkpoint" before each write (the progress display's phase)
     last_write: float = dataclasses.field(default_factory=time.monotonic)
     unreported: float | None = None  # seconds of checkpoints not yet in a metrics row
@@ -161,7 +166,8 @@ class Checkpointer:
             self.on_write("checkpoint")
         self.last_write, start = time.monotonic(), time.perf_counter()
         try:
-            return save_training_checkpoint(self.run_dir, self.run, self.state, self.update, self.layout, self.ema)
+            return save_training_checkpoint(self.run_dir, self.run, self.state, self.update, self.layout, self.ema,
+                                            self.replay)
         finally:
             self.unreported = (self.unreported or 0.0) + time.perf_counter() - start
 

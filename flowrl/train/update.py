@@ -36,6 +36,7 @@ from .finetune import prepare_trainable
 from .checkpoint import OBJECTIVE
 from .optimizer import make_optimizer, make_scheduler
 from .parallel import Strategy, Topology, declared_blocks, resolve_strategy
+from .replay import replay_optimizer_steps
 from .run import Run
 
 
@@ -91,7 +92,8 @@ class PolicyUpdate:
             # the engine's copy or the adapter's own (else a whole copy on every GPU that the plan never counted)
             kl.reference.frozen = self.strategy.prepare_frozen(kl.reference.frozen, on_cpu=train.reference_on_cpu)
         self.params = self.strategy.params
-        self.scheduler = make_scheduler(self.optimizer, train, geometry)
+        self.scheduler = make_scheduler(self.optimizer, train, geometry,
+                                        replay_optimizer_steps(session.recipe.replay, train.iterations, geometry))
         self.counter = ComputeCounter(session.model.denoiser)
         if kl.reference is not None and kl.reference.frozen is not None:
             self.counter.watch(kl.reference.frozen)
@@ -114,24 +116,29 @@ class PolicyUpdate:
     def auto_mode(self, mode: str | None) -> None:
         self.context.update_mode.decided = mode
 
-    def run(self, batch, sizes: tuple[int, ...]) -> UpdateOutcome:
+    def run(self, batch, sizes: tuple[int, ...], first_epoch: int = 0) -> UpdateOutcome:
         """Every pass and optimizer step of this rollout (none when the rewards were not finite:
-        then there is nothing to train, and the update counts as skipped)."""
+        then there is nothing to train, and the update counts as skipped). ``first_epoch``: the
+        number of the first pass; a replayed rollout (:mod:`flowrl.train.replay`) starts past the
+        passes it was already trained with, so that its chunk selections and orders are new
+        draws. Its log-probs were re-scored with the current weights just before, so its first
+        optimizer step is on-policy too (checked)."""
         g, seed = self.geometry, self.session.recipe.run.seed
         out = UpdateOutcome(lr=self.scheduler.get_last_lr()[0],  # the LR this iteration's first step uses
                             trained=torch.zeros(len(batch.indices), len(sizes), dtype=torch.bool),
                             skipped=batch.advantages is None)
-        self.counter.expect("rollout", batch.trajectory.num_steps * len(batch.indices) * self.context.rows_per_sample)
+        if first_epoch == 0:  # a replayed rollout was sampled (and counted) when it was collected
+            self.counter.expect("rollout", batch.trajectory.num_steps * len(batch.indices) * self.context.rows_per_sample)
         if not out.skipped:
             self.objective.start_rollout(self.context, batch, sizes)
         metrics: dict[str, list[float]] = defaultdict(list)
         per_step = g.micro_batch_size * g.grad_accumulation  # samples per optimizer step, per process
-        for epoch in range(0 if out.skipped else g.updates_per_rollout):
+        for epoch in range(first_epoch, first_epoch + (0 if out.skipped else g.updates_per_rollout)):
             order = torch.randperm(len(batch.indices), generator=generator(seed, "order", batch.iteration, epoch, self.ctx.rank))
             for opt_step in range(g.optimizer_steps_per_update):
                 rows = order[opt_step * per_step : (opt_step + 1) * per_step]
-                first = epoch == 0 and opt_step == 0  # exactly on-policy: checked
-                if not self._optimizer_step(batch, rows, sizes, epoch, out, metrics, first):
+                first = epoch == first_epoch and opt_step == 0  # exactly on-policy: checked
+                if not self._optimizer_step(batch, rows, sizes, epoch, out, metrics, first, epoch == first_epoch):
                     out.skipped = True
         local = {k: {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
                  for k, v in metrics.items()}
@@ -140,7 +147,7 @@ class PolicyUpdate:
             out.metrics.update(self.objective.end_rollout(self.context, batch))
         return out
 
-    def _optimizer_step(self, batch, rows, sizes, epoch, out, metrics, check_on_policy) -> bool:
+    def _optimizer_step(self, batch, rows, sizes, epoch, out, metrics, check_on_policy, first_pass) -> bool:
         """One AdamW step over ``rows`` (this process's samples of the step, in micro-batches).
         Returns False when it was skipped for a non-finite loss or gradient."""
         g, train = self.geometry, self.session.recipe.train
@@ -154,7 +161,7 @@ class PolicyUpdate:
                 # the objective owns the micro-batch's forward and backward (flowrl.objectives)
                 res = self.objective.backward(self.context, MicroBatch(batch, idx, tuple(sizes), epoch, per_step,
                                                                        check_on_policy, probe))
-                if epoch == 0:
+                if first_pass:
                     out.trained[idx] = res.trained.cpu()
                 for term in res.losses:  # in order, as the terms were always summed
                     step_loss += term

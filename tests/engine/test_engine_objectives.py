@@ -118,7 +118,7 @@ def test_engine_has_no_branch_on_an_objective_name():
     components' methods whatever the recipe names."""
     names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random", "awm",
              "dppo", "dpo", "dgpo", "entropy"]
-    for rel in ("flowrl/train/loop.py", "flowrl/train/update.py", "flowrl/train/collect.py"):
+    for rel in ("flowrl/train/loop.py", "flowrl/train/update.py", "flowrl/train/collect.py", "flowrl/train/replay.py"):
         code = "\n".join(line.split("#")[0] for line in (REPO / rel).read_text().splitlines())
         strings = re.findall(r"[\"']([a-z_]+)[\"']", code)
         assert not set(strings) & set(names), (rel, set(strings) & set(names))
