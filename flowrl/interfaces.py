@@ -81,6 +81,16 @@ class ModelAdapter(Protocol):
 
 
 @runtime_checkable
+class EncodesImages(Protocol):
+    """An adapter that turns images back into its clean latents (the "VAE" encoder): what
+    training from an offline dataset of images needs (:mod:`flowrl.offline`). Optional: only the
+    embedded model implements it so far (its pixel "VAE" is exact: decode(encode(x)) = x up to float rounding)."""
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Clean latents ``[B, *L]`` (``L = latent_shape``) of images ``[B, 3, H, W]`` in [0, 1]."""
+
+
+@runtime_checkable
 class HasReferencePolicy(Protocol):
     """An adapter that runs the model before RL itself (e.g. its LoRA disabled), for KL terms
     and hybrid inference, instead of the engine keeping a frozen copy of the denoiser."""

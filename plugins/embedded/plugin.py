@@ -19,7 +19,7 @@ from flowrl.sampling.schedules import conditioning_timestep
 from . import rewards, video_rewards
 from .dataset import all_prompts
 from .latent_verifier import LatentVerifier
-from .network import EmbeddedT2I, decode, load_pretrained, unpack
+from .network import EmbeddedT2I, decode, encode_images, load_pretrained, pack, unpack
 from .video_model import EmbeddedVideoModel
 
 
@@ -75,6 +75,10 @@ class EmbeddedModel:
 
     def decode(self, latents):
         return decode(unpack(latents.float())).clamp(0, 1)
+
+    def encode_images(self, images):
+        # EncodesImages: the pixel "VAE" is exact, the inverse of decode on [0, 1] images
+        return pack(encode_images(images.float()))
 
     def trainable_parameters(self):
         return [p for p in self.denoiser.parameters() if p.requires_grad]

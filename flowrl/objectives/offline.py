@@ -1,0 +1,85 @@
+"""Offline objectives on a dataset's clean latents (:mod:`flowrl.offline`; docs/objectives.md):
+no rollout, no reward model.
+
+- **SFT**: the flow-matching (pretraining) loss on the dataset's images: per row and each of
+  ``K`` sigmas, ``x = (1 - sigma) x0 + sigma eps`` and the error ``mean((v(x, sigma) - (eps - x0))^2)``
+  (:func:`flowrl.objectives.preference.flow_error`), averaged.
+- **DPO** (Diffusion-DPO): per pair, the chosen and the rejected latent are noised AT THE SAME
+  ``K`` sigmas and noises (as the online objective, :mod:`flowrl.objectives.dpo`), and each point
+  contributes :func:`flowrl.objectives.dpo.dpo_point_loss` of the policy's errors against the
+  frozen reference's. Here both sides of a pair are in one forward, so the loss is the exact
+  Diffusion-DPO loss (no anchors of the rollout are needed).
+
+The points of row ``r`` of iteration ``i`` are drawn from the generator of (seed, tag, i, r): the
+same after a resume.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.objectives.dpo import dpo_point_loss
+from flowrl.objectives.forward_process import ForwardPoints
+from flowrl.objectives.preference import flow_error
+from flowrl.seeding import generator
+
+__all__ = ["offline_points", "sft_loss", "offline_dpo_loss"]
+
+
+def offline_points(seed: int, tag: str, iteration: int, rows: list[int], x0: torch.Tensor, sigmas: torch.Tensor,
+                   timesteps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sigma [n K], eps [n K, *L], point rows [n K])`` for the latents ``x0 [n, *L]`` of table
+    rows ``rows``: ``K = min(timesteps, len(sigmas) - 1)`` sigmas drawn without replacement from
+    ``sigmas[:-1]`` (the schedule without its final 0), each with its own noise."""
+    grid = sigmas[:-1].to(torch.float32).cpu()
+    K = min(int(timesteps), grid.numel())
+    ss, es, idx = [], [], []
+    for j, r in enumerate(rows):
+        g = generator(seed, tag, iteration, int(r))
+        pick = torch.randperm(grid.numel(), generator=g)[:K]
+        for k in range(K):
+            ss.append(grid[int(pick[k])])
+            es.append(torch.randn(tuple(x0.shape[1:]), generator=g))
+            idx.append(j)
+    return torch.stack(ss), torch.stack(es), torch.tensor(idx, dtype=torch.long)
+
+
+def points_of(x0: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor, idx: torch.Tensor) -> ForwardPoints:
+    """The noisy points ``x = (1 - sigma) x0 + sigma eps`` on ``x0``'s device."""
+    d = x0.device
+    s, e, base = sigma.to(d), eps.to(d), x0[idx.to(d)].to(torch.float32)
+    shape = (-1,) + (1,) * (base.ndim - 1)
+    return ForwardPoints(base, e, (1 - s.reshape(shape)) * base + s.reshape(shape) * e, s, idx, 0)
+
+
+def sft_loss(model, x0: torch.Tensor, text, sigma: torch.Tensor, eps: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The mean flow-matching error over all points (scalar; the gradient flows through
+    ``model.velocity``). ``text`` holds one embedding row per point."""
+    pts = points_of(x0, sigma, eps, idx)
+    return flow_error(model.velocity(pts.x, pts.sigma, text), pts.x0, pts.eps).mean()
+
+
+def offline_dpo_loss(model, reference, chosen: torch.Tensor, rejected: torch.Tensor, text, sigma: torch.Tensor,
+                     eps: torch.Tensor, idx: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Diffusion-DPO on ``n`` pairs, ``K`` shared points each (module docstring): the mean over
+    pairs and points of ``softplus(beta / 2 ((e_w - e_w_ref) - (e_l - e_l_ref)))``, and its metrics
+    (``loss``, ``margin``, ``accuracy``: the fraction of points where the policy already prefers
+    the chosen image more than the reference does). ``reference(x, sigma, text)`` is the frozen
+    model's velocity; ``text`` holds one embedding row per point."""
+    n = chosen.shape[0]
+    w, lo = points_of(chosen, sigma, eps, idx), points_of(rejected, sigma, eps, idx)
+    x = torch.cat([w.x, lo.x])
+    s = torch.cat([w.sigma, lo.sigma])
+    t = {k: torch.cat([v, v]) for k, v in text.items()}
+    x0, e = torch.cat([w.x0, lo.x0]), torch.cat([w.eps, lo.eps])
+    with torch.no_grad():
+        e_ref = flow_error(reference(x, s, t), x0, e).reshape(2, n, -1)
+    err = flow_error(model.velocity(x, s, t), x0, e).reshape(2, n, -1)
+    # dpo_point_loss differentiates its own side only (the partner's error is detached): written
+    # once from each side, the two terms have the same value and their gradients add up to the
+    # exact gradient of the pair's loss; subtracting one value (detached) keeps the value right
+    wins = dpo_point_loss(err[0], e_ref[0], err[1], e_ref[1], torch.ones(n, dtype=torch.bool), beta).mean()
+    loses = dpo_point_loss(err[1], e_ref[1], err[0], e_ref[0], torch.zeros(n, dtype=torch.bool), beta).mean()
+    loss = wins + loses - wins.detach()
+    m = ((err[0] - e_ref[0]) - (err[1] - e_ref[1])).detach()
+    return loss, {"loss": float(wins.detach()), "margin": float(m.mean()), "accuracy": float((m < 0).float().mean())}

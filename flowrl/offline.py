@@ -1,0 +1,155 @@
+"""Offline training data: a table of prompts with images, or with preference pairs of images.
+
+One schema, two kinds (decided by the columns present):
+
+- ``images``: columns ``prompt`` and ``image`` (a path) -- supervised fine-tuning data;
+- ``pairs``: columns ``prompt``, ``chosen`` and ``rejected`` (two image paths of one prompt,
+  the first preferred) -- preference (DPO) data.
+
+Other columns (e.g. ``score``, ``chosen_score``) are kept but not used. The table is JSONL,
+CSV or Parquet; relative image paths are read against the table's folder. Images are encoded
+into clean latents by the model adapter (:class:`flowrl.interfaces.EncodesImages`), so an
+offline run needs no rollout and no reward model.
+
+Which rows an iteration trains is drawn from a generator seeded by (seed, "offline", iteration):
+the same on a resume.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import FlowrlError
+from .interfaces import EncodesImages
+from .seeding import generator
+
+__all__ = ["KINDS", "OfflineRows", "OfflineBatch", "read_offline_rows", "load_image", "offline_batch", "best_worst_rows"]
+
+#: the dataset kinds and the image columns each needs
+KINDS = {"images": ("image",), "pairs": ("chosen", "rejected")}
+
+
+@dataclasses.dataclass
+class OfflineRows:
+    """The rows of an offline table: ``kind`` (``images`` or ``pairs``), the prompts and, per image
+    column of the kind, the resolved image paths."""
+
+    kind: str
+    prompts: list[str]
+    images: dict[str, list[Path]]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+@dataclasses.dataclass
+class OfflineBatch:
+    """One iteration's rows: their indices in the table, prompts, and per image column the clean
+    latents ``[B, *L]``."""
+
+    rows: list[int]
+    prompts: list[str]
+    latents: dict[str, torch.Tensor]
+
+
+def read_table(path: Path, where: str) -> list[dict]:
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        try:
+            return [json.loads(ln) for ln in lines]
+        except json.JSONDecodeError as exc:
+            raise FlowrlError(f"{path}: not JSON Lines ({exc})", where=where) from exc
+    if suffix in (".csv", ".tsv"):
+        with path.open(newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f, delimiter="\t" if suffix == ".tsv" else ","))
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise FlowrlError("reading Parquet needs pyarrow", where=where, hint="pip install pyarrow") from exc
+        return pq.read_table(path).to_pylist()
+    raise FlowrlError(f"{path}: offline data must be .jsonl, .csv, .tsv or .parquet", where=where)
+
+
+def read_offline_rows(source: str | Path, where: str = "offline data") -> OfflineRows:
+    """Read and check an offline table (module docstring). One clear error for a missing file,
+    an empty table, a table with neither ``image`` nor ``chosen``/``rejected`` (or both), or a row
+    with an empty prompt or path."""
+    path = Path(source)
+    if not path.is_file():
+        raise FlowrlError(f"offline data not found: {path}", where=where)
+    rows = read_table(path, where)
+    if not rows:
+        raise FlowrlError(f"{path} holds no rows", where=where)
+    columns = set(rows[0])
+    kinds = [k for k, need in KINDS.items() if any(c in columns for c in need)]
+    if len(kinds) != 1 or "prompt" not in columns or not set(KINDS[kinds[0]]) <= columns:
+        raise FlowrlError(
+            f"{path}: columns {sorted(columns)} are neither an image table nor a preference table",
+            where=where, hint="give `prompt` and `image` (SFT), or `prompt`, `chosen` and `rejected` (DPO)")
+    kind = kinds[0]
+    prompts, images = [], {c: [] for c in KINDS[kind]}
+    for i, row in enumerate(rows):
+        values = [row.get("prompt")] + [row.get(c) for c in KINDS[kind]]
+        if any(not isinstance(v, str) or not v.strip() for v in values):
+            raise FlowrlError(f"{path}: row {i + 1} has an empty or missing prompt or image path", where=where)
+        prompts.append(row["prompt"])
+        for c in KINDS[kind]:
+            p = Path(row[c])
+            images[c].append(p if p.is_absolute() else path.parent / p)
+    return OfflineRows(kind, prompts, images)
+
+
+def load_image(path: Path) -> torch.Tensor:
+    """An image file as float32 ``[3, H, W]`` in [0, 1]."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        data = torch.frombuffer(bytearray(im.convert("RGB").tobytes()), dtype=torch.uint8)
+        w, h = im.size
+    return data.reshape(h, w, 3).permute(2, 0, 1).to(torch.float32) / 255.0
+
+
+def offline_batch(data: OfflineRows, model, *, seed: int, iteration: int, count: int,
+                  device: torch.device | str = "cpu") -> OfflineBatch:
+    """The iteration's ``count`` rows (drawn without replacement, seeded by (seed, "offline",
+    iteration)), their images loaded and encoded by ``model`` (:class:`EncodesImages`)."""
+    if not isinstance(model, EncodesImages):
+        raise FlowrlError(f"{type(model).__name__} cannot encode images, so it cannot train on offline data",
+                          hint="the adapter needs encode_images (flowrl.interfaces.EncodesImages)")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    g = generator(seed, "offline", iteration)
+    rows = torch.randperm(len(data), generator=g)[: min(count, len(data))].tolist()
+    latents = {}
+    for column, paths in data.images.items():
+        images = torch.stack([load_image(paths[r]) for r in rows]).to(device)
+        with torch.no_grad():
+            latents[column] = model.encode_images(images).to(torch.float32)
+    return OfflineBatch(rows, [data.prompts[r] for r in rows], latents)
+
+
+def best_worst_rows(records: list[dict], scores) -> list[dict]:
+    """Preference rows from scored samples (e.g. ``flowrl sample``'s ``samples.jsonl`` records,
+    each with ``prompt`` and ``file``, and one score each): per prompt the best image is
+    ``chosen`` and the worst ``rejected`` (the first of equal scores); a prompt whose images all
+    score the same teaches nothing and gives no row."""
+    if len(records) != len(scores):
+        raise ValueError(f"one score per record: {len(records)} records, {len(scores)} scores")
+    by_prompt: dict[str, list[tuple[float, dict]]] = {}
+    for rec, sc in zip(records, scores):
+        by_prompt.setdefault(rec["prompt"], []).append((float(sc), rec))
+    rows = []
+    for prompt, items in by_prompt.items():
+        best = max(items, key=lambda t: t[0])
+        worst = min(items, key=lambda t: t[0])
+        if best[0] > worst[0]:
+            rows.append({"prompt": prompt, "chosen": best[1]["file"], "rejected": worst[1]["file"],
+                         "chosen_score": best[0], "rejected_score": worst[0]})
+    return rows

@@ -1,0 +1,75 @@
+"""Offline data tables (flowrl.offline): the schema, its errors, image loading and encoding."""
+
+import json
+
+import pytest
+import torch
+
+from flowrl.errors import FlowrlError
+from flowrl.offline import load_image, offline_batch, read_offline_rows
+
+
+def png(path, colour):
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), colour).save(path)
+    return path.name
+
+
+def test_a_jsonl_pair_table_and_a_csv_image_table_are_read_with_paths_beside_them(tmp_path):
+    a, b = png(tmp_path / "a.png", (255, 0, 0)), png(tmp_path / "b.png", (0, 0, 255))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x", "chosen": a, "rejected": b, "score": 1}) + "\n")
+    rows = read_offline_rows(tmp_path / "p.jsonl")
+    assert rows.kind == "pairs" and rows.prompts == ["x"] and rows.images["chosen"] == [tmp_path / a]
+    (tmp_path / "s.csv").write_text(f"prompt,image\ny,{b}\n")
+    rows = read_offline_rows(tmp_path / "s.csv")
+    assert rows.kind == "images" and rows.images["image"] == [tmp_path / b]
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"prompt": "x"}, "neither an image table nor a preference table"),
+    ({"prompt": "x", "chosen": "a.png"}, "neither an image table nor a preference table"),
+    ({"prompt": "x", "image": "a.png", "chosen": "a.png", "rejected": "b.png"}, "neither"),
+    ({"prompt": "", "image": "a.png"}, "row 1 has an empty or missing prompt"),
+])
+def test_a_table_of_no_kind_or_with_an_empty_cell_is_one_message(tmp_path, row, says):
+    (tmp_path / "t.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(FlowrlError, match=says):
+        read_offline_rows(tmp_path / "t.jsonl")
+
+
+def test_a_missing_or_unknown_file_is_refused(tmp_path):
+    with pytest.raises(FlowrlError, match="not found"):
+        read_offline_rows(tmp_path / "none.jsonl")
+    (tmp_path / "t.txt").write_text("x")
+    with pytest.raises(FlowrlError, match="must be .jsonl"):
+        read_offline_rows(tmp_path / "t.txt")
+
+
+def test_the_embedded_model_encodes_images_exactly_and_batches_are_seeded(tmp_path):
+    from plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
+
+    model = EmbeddedModel(EmbeddedConfig(random_init=True))
+    lines = [{"prompt": f"p{i}", "image": png(tmp_path / f"{i}.png", (40 * i, 255 - 30 * i, 7))} for i in range(5)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    rows = read_offline_rows(tmp_path / "t.jsonl")
+    b = offline_batch(rows, model, seed=0, iteration=3, count=2)
+    again = offline_batch(rows, model, seed=0, iteration=3, count=2)
+    assert b.rows == again.rows and len(set(b.rows)) == 2
+    assert b.latents["image"].shape == (2, *model.latent_shape)
+    images = torch.stack([load_image(rows.images["image"][r]) for r in b.rows])
+    assert torch.allclose(model.decode(b.latents["image"]), images, atol=1e-6, rtol=0)  # the pixel "VAE" is exact
+
+
+def test_a_model_that_cannot_encode_images_is_refused(tmp_path):
+    (tmp_path / "t.jsonl").write_text(json.dumps({"prompt": "p", "image": png(tmp_path / "a.png", (1, 2, 3))}) + "\n")
+    with pytest.raises(FlowrlError, match="cannot encode images"):
+        offline_batch(read_offline_rows(tmp_path / "t.jsonl"), object(), seed=0, iteration=0, count=1)
+
+
+def test_best_worst_rows_pair_each_prompts_extremes_and_skip_ties():
+    from flowrl.offline import best_worst_rows
+
+    recs = [{"prompt": p, "file": f"{p}{k}"} for p in "ab" for k in range(3)]
+    rows = best_worst_rows(recs, [0.2, 0.9, 0.1, 0.5, 0.5, 0.5])
+    assert rows == [{"prompt": "a", "chosen": "a1", "rejected": "a2", "chosen_score": 0.9, "rejected_score": 0.1}]
