@@ -71,7 +71,8 @@ def test_every_optional_protocol_is_exercised_by_a_builtin():
     claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard and wandb trackers (checked above when installed)
     model_protocols = {"ModelAdapter", "HasReferencePolicy", "CountsForwards", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
                        "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory", "HasShardableBlocks",
-                       "RewardPlacement", "Reward", "TakesConditionImage"}  # checked by flowrl.testing.conformance and the plan tests
+                       "RewardPlacement", "Reward", "TakesConditionImage",
+                           "EncodesImages"}  # checked by flowrl.testing.conformance and the plan tests
     protocols = {name for name, obj in vars(interfaces).items()
                  if inspect.isclass(obj) and obj is not Protocol and getattr(obj, "_is_protocol", False)}
     missing = protocols - claimed - model_protocols

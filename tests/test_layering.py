@@ -34,6 +34,7 @@ LAYERS: list[set[str]] = [
     {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
      "flowrl.compat", "flowrl.checks", "flowrl.processes"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
+     "flowrl.offline",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
      "flowrl.video",

@@ -73,3 +73,11 @@ def test_best_worst_rows_pair_each_prompts_extremes_and_skip_ties():
     recs = [{"prompt": p, "file": f"{p}{k}"} for p in "ab" for k in range(3)]
     rows = best_worst_rows(recs, [0.2, 0.9, 0.1, 0.5, 0.5, 0.5])
     assert rows == [{"prompt": "a", "chosen": "a1", "rejected": "a2", "chosen_score": 0.9, "rejected_score": 0.1}]
+
+
+def test_the_embedded_model_passes_the_encode_images_conformance_check():
+    from flowrl.testing.conformance import check_adapter
+    from plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
+
+    report = check_adapter(EmbeddedModel(EmbeddedConfig(random_init=True)), checks=["encode_images"])
+    assert report.results[0].message.startswith("decode(encode(images)) differs from the images by at most")

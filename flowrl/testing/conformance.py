@@ -62,6 +62,7 @@ import torch
 from flowrl.errors import FlowrlError
 from flowrl.interfaces import (
     DeclaresTimestep,
+    EncodesImages,
     HasLoraTargets,
     HasReferencePolicy,
     HasShardableBlocks,
@@ -521,6 +522,23 @@ def check_shardable_blocks(adapter, opts: ConformanceOptions) -> str:
     return f"{len(blocks)} blocks from {source} hold {inside / max(total, 1):.0%} of the parameters"
 
 
+@torch.no_grad()
+def check_encode_images(adapter, opts: ConformanceOptions) -> str:
+    """An adapter that encodes images (:class:`flowrl.interfaces.EncodesImages`, what offline data
+    needs) gives latents of ``latent_shape`` that decode back to the images it was given (a
+    learned VAE loses detail: the note gives the round trip's largest pixel error, and only a
+    non-finite latent or one of the wrong shape fails)."""
+    if not isinstance(adapter, EncodesImages):
+        return "skipped: the adapter encodes no images (EncodesImages)"
+    images = adapter.decode(_noise(adapter, 2, opts.seed)).float()
+    z = adapter.encode_images(images)
+    assert tuple(z.shape) == (2, *adapter.latent_shape), (
+        f"encode_images gave {tuple(z.shape)}, expected {(2, *adapter.latent_shape)}")
+    assert bool(torch.isfinite(z).all()), "encode_images gave non-finite latents"
+    err = float((adapter.decode(z).float() - images).abs().max())
+    return f"decode(encode(images)) differs from the images by at most {err:.2g}"
+
+
 CHECKS: dict[str, Callable[..., str]] = {
     "interface": check_interface,
     "velocity_calls_denoiser": check_velocity_calls_denoiser,
@@ -533,6 +551,7 @@ CHECKS: dict[str, Callable[..., str]] = {
     "reference_model": check_reference_model,
     "shardable_blocks": check_shardable_blocks,
     "condition": check_condition,
+    "encode_images": check_encode_images,
 }
 CHECK_NAMES = tuple(CHECKS)
 
