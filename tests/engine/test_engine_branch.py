@@ -1,0 +1,43 @@
+"""Branch rollouts end to end on the embedded model (flowrl/sampling/branching.py): training runs,
+the rollout runs fewer forwards than one full trajectory per sample, and the accounting says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import quiet_console
+
+from flowrl.errors import RecipeError
+from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
+from flowrl.sampling.branching import branch_forward_rows
+from flowrl.train import train
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=4",
+         "prompts.num_eval=0", "log.progress=false", "log.image_every=0", "model.random_init=true"]
+BRANCH = ["sampler.branch_steps=[2, 6]", "sampler.branch_factors=[2, 2]"]
+
+
+def test_branch_rollouts_train_two_iterations_with_fewer_rollout_forwards(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
+                         [*SMALL, *BRANCH, "train.iterations=2", f"run.output_dir={str(tmp_path / 'run')!r}"])
+    rows = read_metrics(train(recipe, console=quiet_console()))
+    assert len(rows) == 2
+    steps = recipe.sampler.steps
+    run = 2 * branch_forward_rows(steps, 4, [2, 6], [2, 2])  # 2 groups of 4
+    for row in rows:
+        assert row["compute/rollout/forward"] == run < steps * 8
+        assert row["compute/rollout/saved"] == steps * 8 - run
+        assert row["compute/ratio"] == 1.0, row
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["sampler.branch_factors=[2, 4]"], "must divide group_size"),
+    (["sampler.batch_size=6"], "multiple of group_size"),
+    (["sampler.branch_steps=[2, 99]"], "strictly increasing"),
+])
+def test_branch_recipes_are_checked_before_anything_loads(extra, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, *extra])
