@@ -42,6 +42,7 @@ from .interfaces import (
 )
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
+from .sampling.branching import check_branches
 from .sampling.plans import PlanContext
 from .sampling.rollout import make_kernels, trainable_mask
 
@@ -211,9 +212,7 @@ class SamplerConfig:
     )
 
     def __post_init__(self):
-        if self.branch_steps or self.branch_factors:
-            from .sampling.branching import check_branches
-
+        if self.branch_steps or self.branch_factors:  # the group-size rule: _check_branches
             check_branches(self.branch_steps, self.branch_factors, self.steps, math.prod(self.branch_factors))
         if self.overlap_rewards and self.batch_size == 0:
             raise ValueError(

@@ -83,11 +83,9 @@ def branch_rollout(
     builds the velocity closure for the live rows ``rows`` (indices into the batch, ascending;
     the text embeddings of those samples), called once per distinct set of live rows. Other
     arguments as :func:`~flowrl.sampling.rollout.rollout`."""
-    tkernels = tuple(kernels)
-    device = initial_noise.device
+    tkernels, device, b = tuple(kernels), initial_noise.device, initial_noise.shape[0]
     sig = validate_sigmas(sigmas).to(device)
     n = sig.numel() - 1
-    b = initial_noise.shape[0]
     if b % group_size:
         raise ValueError(f"a branch rollout needs whole groups: {b} samples, group size {group_size}")
     check_branches(branch_steps, branch_factors, n, group_size)
@@ -96,14 +94,12 @@ def branch_rollout(
     trainable = trainable_mask(tkernels, sig.cpu(), image_from)
     prompts, gids = prompts_and_groups(prompts, group_ids, b, device)
     split = dict(zip(branch_steps, branch_factors))
-
     # block: how many final samples each live row stands for; rows are the blocks' first samples
     block = math.prod(branch_factors)
     rows = torch.arange(0, b, block, device=device)
     x = initial_noise.to(torch.float32)[rows]
     states, log_probs, means, owners = [x], [], [], [torch.arange(b, device=device) // block]
-    x0_hat = None
-    velocity_fn = velocity_for(rows)
+    x0_hat, velocity_fn = None, velocity_for(rows)
     for i in range(n):
         s_i = sig[i].repeat(len(rows))
         v = velocity_fn(x, s_i)

@@ -41,3 +41,18 @@ def test_branch_rollouts_train_two_iterations_with_fewer_rollout_forwards(tmp_pa
 def test_branch_recipes_are_checked_before_anything_loads(extra, match):
     with pytest.raises(RecipeError, match=match):
         load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, *extra])
+
+
+def test_branch_rollouts_refuse_groups_split_across_processes():
+    from types import SimpleNamespace
+
+    from flowrl.geometry import resolve_geometry
+    from flowrl.train.loop import refuse_split_trees
+
+    recipe = load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
+                         [*SMALL, *BRANCH, "train.prompts_per_iteration=1", "train.micro_batch_size=2"])
+    ctx = SimpleNamespace(world_size=2)
+    with pytest.raises(RecipeError, match="whole groups on each process"):
+        refuse_split_trees(recipe, resolve_geometry(recipe.train, 2, recipe.source), ctx)
+    whole = resolve_geometry(recipe.train, 1, recipe.source)
+    assert refuse_split_trees(recipe, whole, SimpleNamespace(world_size=1)) is whole
