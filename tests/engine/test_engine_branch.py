@@ -56,3 +56,27 @@ def test_branch_rollouts_refuse_groups_split_across_processes():
         refuse_split_trees(recipe, resolve_geometry(recipe.train, 2, recipe.source), ctx)
     whole = resolve_geometry(recipe.train, 1, recipe.source)
     assert refuse_split_trees(recipe, whole, SimpleNamespace(world_size=1)) is whole
+
+
+def test_a_branch_run_resumes_exactly(tmp_path):
+    """The tree's noise is keyed by (seed, iteration, global sample index): nothing to checkpoint."""
+    from engine_helpers import TINY_RECIPE, InterruptAt, assert_records_close, assert_weights_close, final_weights, load, write_recipe
+
+    from flowrl.plugins import temporary_plugin
+
+    text = TINY_RECIPE.replace("steps = 5\n", "steps = 5\nbranch_steps = [1, 3]\nbranch_factors = [2, 2]\n")
+    (tmp_path / "ref").mkdir()
+    recipe_path = write_recipe(tmp_path / "ref", text)
+    ref_dir = train(load(recipe_path, f"run.output_dir={str(tmp_path / 'ref' / 'run')!r}"), console=quiet_console())
+    run_dir = tmp_path / "run"
+    with_tracker = write_recipe(tmp_path, text + '\n[[trackers]]\nuse = "interrupt_at"\n')
+    with temporary_plugin(InterruptAt(1), name="interrupt-at-1"):
+        with pytest.raises(KeyboardInterrupt):
+            train(load(with_tracker, f"run.output_dir={str(run_dir)!r}"), console=quiet_console())
+    train(load(recipe_path, f"run.output_dir={str(run_dir)!r}"), resume=run_dir, console=quiet_console())
+    got, want = read_metrics(run_dir), read_metrics(ref_dir)
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want] == [0, 1, 2, 3]
+    assert all(r["compute/rollout/saved"] > 0 for r in got)
+    for a, b in zip(got, want):
+        assert_records_close(a, b)
+    assert_weights_close(final_weights(run_dir), final_weights(ref_dir))
