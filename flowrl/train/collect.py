@@ -149,7 +149,7 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
             if branches[0]:  # [sampler].branch_steps: one tree per group, prefixes computed once
                 if plan is not None:
                     raise RecipeError("branch rollouts sample with [sampler].sde_window; this [window] component "
-                                      "plans per-sample windows", where=f"{recipe.source}: [window]")
+                                      "plans its own windows (a RolloutPlan)", where=f"{recipe.source}: [window]")
                 parts.append(branch_rollout(
                     lambda rows, text=text, n_all=len(b): velocity_for_rows(model, text, rows, n_all),
                     noise[lo : lo + len(b)], sampler.sigmas, sampler.kernels, group_size=group_size,

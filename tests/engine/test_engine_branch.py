@@ -80,3 +80,10 @@ def test_a_branch_run_resumes_exactly(tmp_path):
     for a, b in zip(got, want):
         assert_records_close(a, b)
     assert_weights_close(final_weights(run_dir), final_weights(ref_dir))
+
+
+def test_branch_rollouts_refuse_a_window_plan_at_the_first_rollout(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "quickstart_mixgrpo.toml",
+                         [*SMALL, *BRANCH, "train.iterations=1", f"run.output_dir={str(tmp_path / 'run')!r}"])
+    with pytest.raises(RecipeError, match="plans its own windows"):
+        train(recipe, console=quiet_console())
