@@ -116,12 +116,13 @@ def branch_rollout(
             x0_hat = x - s_i.reshape(-1, *([1] * (x.ndim - 1))) * v.to(torch.float32)
         gens = [generators[int(r)] for r in rows]
         out = tkernels[i].step(v, x, s_i, s_n, generator=gens, reduction=reduction)
+        owner = torch.arange(b, device=device) // block  # the rows of transition i (after its split)
         if keep_means and bool(trainable[i]):
-            means.append((out.mean, owners[-1]))
+            means.append((out.mean, owner))
         x = out.next_sample
         states.append(x)
-        owners.append(torch.arange(b, device=device) // block)
-        log_probs.append((out.log_prob, owners[-1]))
+        owners.append(owner)
+        log_probs.append((out.log_prob, owner))
     # expand to B full trajectories: sample j's state at step i is its owner's (shared prefix copied)
     latents = torch.stack([s[o] for s, o in zip(states, owners)], dim=1)
     final = owners[-1]

@@ -59,8 +59,8 @@ def test_factor_one_equals_the_plain_rollout_bit_for_bit():
 
 def test_two_level_branch_shares_prefixes_and_differs_after():
     model = GroupVelocity()
-    tree = _branch(model, [1, 3], [2, 2])  # 1 root per group; 2 live rows from step 1, 4 from step 3
-    lat, lp = tree.latents, tree.log_probs
+    tree = _branch(model, [1, 3], [2, 2], keep_means=True)  # 1 root per group; 2 live rows from step 1, 4 from 3
+    lat, lp, mu = tree.latents, tree.log_probs, tree.means
     for g0 in (0, G):
         grp = lat[g0 : g0 + G]
         # x_0, x_1 shared by the whole group; the transition 1 -> 2 is the first that differs
@@ -69,6 +69,9 @@ def test_two_level_branch_shares_prefixes_and_differs_after():
         # x_2, x_3 shared within each pair of siblings, different across pairs
         assert torch.equal(grp[0, 2:4], grp[1, 2:4]) and torch.equal(grp[2, 2:4], grp[3, 2:4])
         assert not torch.equal(grp[0, 2], grp[2, 2])
+        # the proposal means follow their states: transition 1 from the shared x_1, 3 from each pair's x_3
+        assert all(torch.equal(mu[g0, 1], mu[g0 + j, 1]) for j in range(G))
+        assert torch.equal(mu[g0, 3], mu[g0 + 1, 3]) and not torch.equal(mu[g0, 3], mu[g0 + 2, 3])
         # after step 3 every sample is its own
         assert not torch.equal(grp[0, 4], grp[1, 4]) and not torch.equal(grp[2, 4], grp[3, 4])
         assert not torch.equal(tree.image_latents[g0], tree.image_latents[g0 + 1])
