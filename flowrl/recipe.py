@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -41,6 +42,7 @@ from .interfaces import (
 )
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
+from .sampling.branching import check_branches
 from .sampling.plans import PlanContext
 from .sampling.rollout import make_kernels, trainable_mask
 
@@ -196,8 +198,22 @@ class SamplerConfig:
         "reward on the sampler's own device or cores competes with it, and the VAE decode then shares device "
         "memory with sampling.",
     )
+    branch_steps: list[int] = param(
+        [],
+        "Branch (tree) rollouts, BranchGRPO-style: the steps at which every live trajectory of a group splits "
+        "into branch_factors copies, each drawing its own SDE noise from there on (docs/objectives.md, \"Branch "
+        "rollouts\"). A group starts from group_size / prod(branch_factors) roots and the shared prefixes are "
+        "computed once. Strictly increasing, in [0, steps). Empty = no branching.",
+        min=0, max=10_000,
+    )
+    branch_factors: list[int] = param(
+        [], "Copies made at each of branch_steps (one factor each, >= 1); their product must divide group_size.",
+        min=1, max=10_000,
+    )
 
     def __post_init__(self):
+        if self.branch_steps or self.branch_factors:  # the group-size rule: _check_branches
+            check_branches(self.branch_steps, self.branch_factors, self.steps, math.prod(self.branch_factors))
         if self.overlap_rewards and self.batch_size == 0:
             raise ValueError(
                 "overlap_rewards = true needs batch_size > 0: the rollout is then run in sub-batches of "
@@ -774,6 +790,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_reference_copy_needed(recipe, registry)
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
     _check_replay(recipe, registry, T)
+    _check_branches(recipe, registry)
     if not _uses_units(recipe, registry):
         return
     if T < 1:
@@ -894,6 +911,23 @@ def _check_replay(recipe: Recipe, registry: Registry, T: int) -> None:
     if r.weight_steps > T > 0:
         raise RecipeError(f"weight_steps = {r.weight_steps} exceeds the sampler's T = {T} trainable transitions",
                           where=f"{where}.weight_steps", hint=f"at most {T}; 0 = all")
+
+
+def _check_branches(recipe: Recipe, registry: Registry) -> None:
+    """Branch rollouts split whole groups on one process, sampled in whole-group sub-batches
+    (a [window] plan with per-sample windows is refused when the first rollout asks for one)."""
+    s, G = recipe.sampler, recipe.train.group_size
+    if not s.branch_steps:
+        return
+    where = f"{recipe.source}: [sampler].branch_factors"
+    if G % math.prod(s.branch_factors):
+        raise RecipeError(
+            f"the product of branch_factors ({math.prod(s.branch_factors)}) must divide group_size ({G}): "
+            "a group starts from group_size / product roots", where=where)
+    if s.batch_size % G:
+        raise RecipeError(f"batch_size ({s.batch_size}) must be 0 or a multiple of group_size ({G}) with "
+                          "branch rollouts: a group's tree is sampled in one sub-batch",
+                          where=f"{recipe.source}: [sampler].batch_size")
 
 
 def _check_sharding(recipe: Recipe) -> None:

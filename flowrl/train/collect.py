@@ -27,6 +27,8 @@ from ..interfaces import (
 from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
+from ..errors import RecipeError
+from ..sampling.branching import branch_rollout
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
@@ -135,6 +137,7 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
     # the [window] component's plan for this iteration (None: one kernel per step, [sampler].sde_window)
     plan = session.components.window.plan(batch.iteration, list(batch.indices), session.plan_context)
     parts = []
+    branches = (list(recipe.sampler.branch_steps), list(recipe.sampler.branch_factors))
     with weights:
         for lo in range(0, n, size):
             b = torch.arange(lo, min(lo + size, n))
@@ -143,7 +146,15 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
                           prompts=batch.prompts[lo : lo + len(b)], group_ids=batch.group_ids[lo : lo + len(b)],
                           keep_means=keep_means)
             velocity = lambda x, s, text=text: model.velocity(x, s, text)  # noqa: E731
-            if plan is None:
+            if branches[0]:  # [sampler].branch_steps: one tree per group, prefixes computed once
+                if plan is not None:
+                    raise RecipeError("branch rollouts sample with [sampler].sde_window; this [window] component "
+                                      "plans its own windows (a RolloutPlan)", where=f"{recipe.source}: [window]")
+                parts.append(branch_rollout(
+                    lambda rows, text=text, n_all=len(b): velocity_for_rows(model, text, rows, n_all),
+                    noise[lo : lo + len(b)], sampler.sigmas, sampler.kernels, group_size=group_size,
+                    branch_steps=branches[0], branch_factors=branches[1], **common))
+            elif plan is None:
                 parts.append(rollout(velocity, noise[lo : lo + len(b)], sampler.sigmas, sampler.kernels, **common))
             else:
                 part_plan = dataclasses.replace(plan, windows=plan.windows[lo : lo + len(b)])
@@ -152,6 +163,14 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
             if on_part is not None:  # [sampler].overlap_rewards: decode and score this part meanwhile
                 on_part(parts[-1].image_latents, parts[-1].prompts)
     batch.trajectory = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
+
+
+def velocity_for_rows(model, text: TextEmbeddings, rows: torch.Tensor, n_all: int):
+    """The velocity closure over the text embeddings of ``rows`` of a sub-batch of ``n_all``
+    (a branch rollout's live rows); all rows use the sub-batch's embeddings as they are."""
+    if len(rows) != n_all:
+        text = select_embeddings(text, rows.cpu())
+    return lambda x, s: model.velocity(x, s, text)
 
 
 def score_rewards(batch: Batch, rewards) -> None:

@@ -5,6 +5,8 @@ backward, by phase (the phase timer sets the phase: ``rollout``, ``update``, ``e
 reference policy's forwards count as ``reference``). The minimum of an iteration (per process):
 
 - rollout: sampling steps x samples x the adapter's network rows per sample (2 with true CFG);
+  a branch rollout's shared prefixes count once (``compute/rollout/saved``: the forward rows they
+  spared against one full trajectory per sample, :mod:`flowrl.sampling.branching`);
 - update: every selected transition whose gradient is not zero (a sample with a non-zero
   advantage, or any trained sample when there is a KL term) once forward and once backward;
 - reference: one reference forward per trained transition for the reference KL kinds.
@@ -46,6 +48,7 @@ class ComputeCounter:
         self.forward: dict[str, int] = defaultdict(int)
         self.backward: dict[str, int] = defaultdict(int)
         self.minimum: dict[str, int] = defaultdict(int)
+        self.saving: dict[str, int] = defaultdict(int)
         self.decodes = 0
         self._handles = []
         for module in modules:
@@ -93,12 +96,17 @@ class ComputeCounter:
         """Add to the minimum of ``phase`` (forward rows; the update's backward equals its forward)."""
         self.minimum[phase] += rows
 
+    def saved(self, phase: str, rows: int) -> None:
+        """Record forward rows ``phase`` did not need to run (a branch rollout's shared prefixes)."""
+        self.saving[phase] += int(rows)
+
     def take(self, ctx=None) -> dict[str, float]:
         """This iteration's counts over all processes, as metrics (``compute/<phase>/forward`` ...),
         then reset. Every process must call it (the counts are summed with one collective)."""
-        phases = sorted(set(self.forward) | set(self.backward) | set(self.minimum))
+        phases = sorted(set(self.forward) | set(self.backward) | set(self.minimum) | set(self.saving))
         counts = {f"{phase}/{kind}": float(table[phase]) for phase in phases
-                  for kind, table in (("forward", self.forward), ("backward", self.backward), ("minimum", self.minimum))}
+                  for kind, table in (("forward", self.forward), ("backward", self.backward), ("minimum", self.minimum),
+                                      ("saved", self.saving))}
         counts["decoded"] = float(self.decodes)
         if ctx is not None and ctx.enabled:  # a phase only some processes ran (ddp's evaluation) counts once
             counts = distributed.reduce_metrics(counts, {k: "sum" for k in counts}, ctx)
@@ -110,6 +118,8 @@ class ComputeCounter:
                 out[f"compute/{phase}/forward"] = counts[f"{phase}/forward"]
             if counts[f"{phase}/backward"]:
                 out[f"compute/{phase}/backward"] = counts[f"{phase}/backward"]
+            if counts[f"{phase}/saved"]:
+                out[f"compute/{phase}/saved"] = counts[f"{phase}/saved"]
         done = sum(counts.get(f"{p}/forward", 0.0) for p in ACCOUNTED) + counts.get("update/backward", 0.0)
         minimum = sum(counts.get(f"{p}/minimum", 0.0) for p in ACCOUNTED) + counts.get("update/minimum", 0.0)
         out["compute/minimum"] = minimum
@@ -119,6 +129,7 @@ class ComputeCounter:
         self.forward.clear()
         self.backward.clear()
         self.minimum.clear()
+        self.saving.clear()
         return out
 
     def close(self) -> None:

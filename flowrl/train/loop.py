@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 
 from .. import distributed
-from ..errors import FlowrlError
+from ..errors import FlowrlError, RecipeError
 from ..geometry import resolve_geometry
 from ..interfaces import PlansMemory
 from ..memory_plan import GB, estimate, peak
@@ -55,7 +55,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
     # ---- Setup: device, processes, batch geometry, run directory checks ----------------------
     device, ctx = distributed.start(recipe.run.device, recipe.distributed)  # checks the launcher agrees
-    geometry = resolve_geometry(train_cfg, ctx.world_size, cfg.source)
+    geometry = refuse_split_trees(cfg, resolve_geometry(train_cfg, ctx.world_size, cfg.source), ctx)
     run_dir = Path(resume) if resume is not None else cfg.output_dir
     announce(console, ctx, cfg, geometry, run_dir)
     if dry_run:
@@ -150,6 +150,17 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
 
 # ------------------------------------------------------------------------------ the phases' helpers
+
+
+def refuse_split_trees(recipe: Recipe, geometry, ctx):
+    """``geometry``, unless branch rollouts meet groups split across processes: a branch rollout
+    shares a group's prefixes inside one process's rollout, a split group could not share them."""
+    if recipe.sampler.branch_steps and geometry.groups_split_across_processes:
+        raise RecipeError(
+            f"branch rollouts need whole groups on each process: {geometry.prompts_per_iteration} prompts over "
+            f"{ctx.world_size} processes split groups", where=f"{recipe.source}: [sampler].branch_steps",
+            hint=f"make prompts_per_iteration a multiple of {ctx.world_size}, or drop branch_steps")
+    return geometry
 
 
 def announce(console: Console, ctx, recipe: Recipe, geometry, run_dir: Path) -> None:

@@ -30,6 +30,7 @@ from ..memory_plan import choose_gradient_sync
 from ..objectives.base import MicroBatch, OnPolicyProbe, UpdateContext, UpdateMode
 from ..objectives.kl import KLSettings
 from ..objectives.policy_gradient import objective_for
+from ..sampling.branching import branch_forward_rows
 from ..seeding import generator
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
@@ -128,7 +129,12 @@ class PolicyUpdate:
                             trained=torch.zeros(len(batch.indices), len(sizes), dtype=torch.bool),
                             skipped=batch.advantages is None)
         if first_epoch == 0:  # a replayed rollout was sampled (and counted) when it was collected
-            self.counter.expect("rollout", batch.trajectory.num_steps * len(batch.indices) * self.context.rows_per_sample)
+            full = batch.trajectory.num_steps * len(batch.indices)
+            s = self.session.recipe.sampler
+            run = full if not s.branch_steps else len(batch.indices) // g.group_size * branch_forward_rows(
+                batch.trajectory.num_steps, g.group_size, s.branch_steps, s.branch_factors)
+            self.counter.expect("rollout", run * self.context.rows_per_sample)
+            self.counter.saved("rollout", (full - run) * self.context.rows_per_sample)
         if not out.skipped:
             self.objective.start_rollout(self.context, batch, sizes)
         metrics: dict[str, list[float]] = defaultdict(list)

@@ -1,0 +1,142 @@
+"""Branch (tree) rollouts in the manner of BranchGRPO: the samples of a prompt group share a
+prefix and split at chosen steps.
+
+A group of ``G`` samples starts from ``G / prod(factors)`` roots; at branch step ``s_k`` every
+live trajectory is copied ``factors[k]`` times and each copy draws its own SDE noise from then
+on. The velocity of a step is computed once per LIVE row (the distinct states), then expanded, so
+a shared prefix costs one forward per step instead of one per sample. The returned
+:class:`~flowrl.sampling.trajectory.Trajectory` holds ``G`` full trajectories per group (the
+shared prefixes duplicated in storage): every objective reads it unchanged.
+
+Randomness: a live row stands for a contiguous block of the group's final samples and draws
+from the generator of the block's FIRST sample (a global sample index, :mod:`flowrl.seeding`),
+so the tree is the same on any process layout. With every factor 1 each live row is one sample
+and the rollout is exactly :func:`~flowrl.sampling.rollout.rollout`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from flowrl.interfaces import Kernel
+from flowrl.sampling.kernels import GeneratorArg
+from flowrl.sampling.rollout import VelocityFn, prompts_and_groups, trainable_mask
+from flowrl.sampling.schedules import validate_sigmas
+from flowrl.sampling.trajectory import Trajectory
+
+__all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout"]
+
+
+def check_branches(steps: Sequence[int], factors: Sequence[int], num_steps: int, group_size: int) -> None:
+    """Raise ``ValueError`` (one message) unless ``steps`` are strictly increasing step indices
+    in ``[0, num_steps)``, one factor >= 1 per step, and ``prod(factors)`` divides ``group_size``."""
+    steps, factors = list(steps), list(factors)
+    if len(steps) != len(factors):
+        raise ValueError(f"branch_steps and branch_factors need one entry each per branch, got "
+                         f"{len(steps)} steps and {len(factors)} factors")
+    if any(f < 1 for f in factors):
+        raise ValueError(f"branch_factors must be >= 1, got {factors}")
+    if any(not 0 <= s < num_steps for s in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"branch_steps must be strictly increasing step indices in [0, {num_steps}), got {steps}")
+    if group_size % math.prod(factors):
+        raise ValueError(f"the product of branch_factors ({math.prod(factors)}) must divide the group size "
+                         f"({group_size}): a group starts from group_size / product roots")
+
+
+def live_rows_per_step(num_steps: int, group_size: int, steps: Sequence[int], factors: Sequence[int]) -> list[int]:
+    """Distinct rows of one group whose velocity step ``i`` computes (before that step's split)."""
+    live, out, split = group_size // math.prod(factors), [], dict(zip(steps, factors))
+    for i in range(num_steps):
+        out.append(live)
+        live *= split.get(i, 1)
+    return out
+
+
+def branch_forward_rows(num_steps: int, group_size: int, steps: Sequence[int], factors: Sequence[int]) -> int:
+    """Velocity rows one group's branch rollout runs (``num_steps * group_size`` without branches)."""
+    return sum(live_rows_per_step(num_steps, group_size, steps, factors))
+
+
+@torch.no_grad()
+def branch_rollout(
+    velocity_for: Callable[[torch.Tensor], VelocityFn],
+    initial_noise: torch.Tensor,
+    sigmas,
+    kernels: Sequence[Kernel],
+    *,
+    group_size: int,
+    branch_steps: Sequence[int],
+    branch_factors: Sequence[int],
+    generators: Sequence[torch.Generator],
+    image_from: str = "x0_hat",
+    reduction: str = "mean",
+    prompts: Sequence[str] | None = None,
+    group_ids: torch.Tensor | Sequence[int] | None = None,
+    keep_means: bool = False,
+) -> Trajectory:
+    """Sample ``B`` trajectories (``B`` a multiple of ``group_size``, whole groups in order) as
+    trees. ``initial_noise [B, ...]`` and ``generators`` (one per sample) are the plain rollout's;
+    a root takes the noise and generator of its block's first sample. ``velocity_for(rows)``
+    builds the velocity closure for the live rows ``rows`` (indices into the batch, ascending;
+    the text embeddings of those samples), called once per distinct set of live rows. Other
+    arguments as :func:`~flowrl.sampling.rollout.rollout`."""
+    tkernels, device, b = tuple(kernels), initial_noise.device, initial_noise.shape[0]
+    sig = validate_sigmas(sigmas).to(device)
+    n = sig.numel() - 1
+    if b % group_size:
+        raise ValueError(f"a branch rollout needs whole groups: {b} samples, group size {group_size}")
+    check_branches(branch_steps, branch_factors, n, group_size)
+    if len(generators) != b:
+        raise ValueError(f"need one generator per sample: {len(generators)} for {b}")
+    trainable = trainable_mask(tkernels, sig.cpu(), image_from)
+    prompts, gids = prompts_and_groups(prompts, group_ids, b, device)
+    split = dict(zip(branch_steps, branch_factors))
+    # block: how many final samples each live row stands for; rows are the blocks' first samples
+    block = math.prod(branch_factors)
+    rows = torch.arange(0, b, block, device=device)
+    x = initial_noise.to(torch.float32)[rows]
+    states, log_probs, means, owners = [x], [], [], [torch.arange(b, device=device) // block]
+    x0_hat, velocity_fn = None, velocity_for(rows)
+    for i in range(n):
+        s_i = sig[i].repeat(len(rows))
+        v = velocity_fn(x, s_i)
+        if v.shape != x.shape:
+            raise ValueError(f"velocity_fn returned shape {tuple(v.shape)}, expected {tuple(x.shape)}")
+        f = split.get(i, 1)
+        if f > 1:  # the split: copies of the state AND of its velocity (no forward is repeated)
+            block //= f
+            rows = torch.arange(0, b, block, device=device)
+            x, v = x.repeat_interleave(f, dim=0), v.repeat_interleave(f, dim=0)
+            velocity_fn = velocity_for(rows)
+        s_i, s_n = sig[i].repeat(len(rows)), sig[i + 1].repeat(len(rows))
+        if i == n - 1 and image_from == "x0_hat":
+            x0_hat = x - s_i.reshape(-1, *([1] * (x.ndim - 1))) * v.to(torch.float32)
+        gens = [generators[int(r)] for r in rows]
+        out = tkernels[i].step(v, x, s_i, s_n, generator=gens, reduction=reduction)
+        owner = torch.arange(b, device=device) // block  # the rows of transition i (after its split)
+        if keep_means and bool(trainable[i]):
+            means.append((out.mean, owner))
+        x = out.next_sample
+        states.append(x)
+        owners.append(owner)
+        log_probs.append((out.log_prob, owner))
+    # expand to B full trajectories: sample j's state at step i is its owner's (shared prefix copied)
+    latents = torch.stack([s[o] for s, o in zip(states, owners)], dim=1)
+    final = owners[-1]
+    image = x0_hat[final] if image_from == "x0_hat" else x[final]
+    return Trajectory(
+        latents=latents,
+        log_probs=torch.stack([lp[o] for lp, o in log_probs], dim=1),
+        sigmas=sig,
+        trainable=trainable.to(device),
+        prompts=prompts,
+        group_ids=gids,
+        image_latents=image,
+        kernels=tkernels,
+        reduction=reduction,
+        image_from=image_from,
+        means=torch.stack([m[o] for m, o in means], dim=1) if keep_means else None,
+    )

@@ -1,0 +1,89 @@
+"""Branch rollouts end to end on the embedded model (flowrl/sampling/branching.py): training runs,
+the rollout runs fewer forwards than one full trajectory per sample, and the accounting says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from engine_helpers import quiet_console
+
+from flowrl.errors import RecipeError
+from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
+from flowrl.sampling.branching import branch_forward_rows
+from flowrl.train import train
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=4",
+         "prompts.num_eval=0", "log.progress=false", "log.image_every=0", "model.random_init=true"]
+BRANCH = ["sampler.branch_steps=[2, 6]", "sampler.branch_factors=[2, 2]"]
+
+
+def test_branch_rollouts_train_two_iterations_with_fewer_rollout_forwards(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
+                         [*SMALL, *BRANCH, "train.iterations=2", f"run.output_dir={str(tmp_path / 'run')!r}"])
+    rows = read_metrics(train(recipe, console=quiet_console()))
+    assert len(rows) == 2
+    steps = recipe.sampler.steps
+    run = 2 * branch_forward_rows(steps, 4, [2, 6], [2, 2])  # 2 groups of 4
+    for row in rows:
+        assert row["compute/rollout/forward"] == run < steps * 8
+        assert row["compute/rollout/saved"] == steps * 8 - run
+        assert row["compute/ratio"] == 1.0, row
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["sampler.branch_factors=[2, 4]"], "must divide group_size"),
+    (["sampler.batch_size=6"], "multiple of group_size"),
+    (["sampler.branch_steps=[2, 99]"], "strictly increasing"),
+])
+def test_branch_recipes_are_checked_before_anything_loads(extra, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, *extra])
+
+
+def test_branch_rollouts_refuse_groups_split_across_processes():
+    from types import SimpleNamespace
+
+    from flowrl.geometry import resolve_geometry
+    from flowrl.train.loop import refuse_split_trees
+
+    recipe = load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
+                         [*SMALL, *BRANCH, "train.prompts_per_iteration=1", "train.micro_batch_size=2"])
+    ctx = SimpleNamespace(world_size=2)
+    with pytest.raises(RecipeError, match="whole groups on each process"):
+        refuse_split_trees(recipe, resolve_geometry(recipe.train, 2, recipe.source), ctx)
+    whole = resolve_geometry(recipe.train, 1, recipe.source)
+    assert refuse_split_trees(recipe, whole, SimpleNamespace(world_size=1)) is whole
+
+
+def test_a_branch_run_resumes_exactly(tmp_path):
+    """The tree's noise is keyed by (seed, iteration, global sample index): nothing to checkpoint."""
+    from engine_helpers import TINY_RECIPE, InterruptAt, assert_records_close, assert_weights_close, final_weights, load, write_recipe
+
+    from flowrl.plugins import temporary_plugin
+
+    text = TINY_RECIPE.replace("steps = 5\n", "steps = 5\nbranch_steps = [1, 3]\nbranch_factors = [2, 2]\n")
+    (tmp_path / "ref").mkdir()
+    recipe_path = write_recipe(tmp_path / "ref", text)
+    ref_dir = train(load(recipe_path, f"run.output_dir={str(tmp_path / 'ref' / 'run')!r}"), console=quiet_console())
+    run_dir = tmp_path / "run"
+    with_tracker = write_recipe(tmp_path, text + '\n[[trackers]]\nuse = "interrupt_at"\n')
+    with temporary_plugin(InterruptAt(1), name="interrupt-at-1"):
+        with pytest.raises(KeyboardInterrupt):
+            train(load(with_tracker, f"run.output_dir={str(run_dir)!r}"), console=quiet_console())
+    train(load(recipe_path, f"run.output_dir={str(run_dir)!r}"), resume=run_dir, console=quiet_console())
+    got, want = read_metrics(run_dir), read_metrics(ref_dir)
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want] == [0, 1, 2, 3]
+    assert all(r["compute/rollout/saved"] > 0 for r in got)
+    for a, b in zip(got, want):
+        assert_records_close(a, b)
+    assert_weights_close(final_weights(run_dir), final_weights(ref_dir))
+
+
+def test_branch_rollouts_refuse_a_window_plan_at_the_first_rollout(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "quickstart_mixgrpo.toml",
+                         [*SMALL, *BRANCH, "train.iterations=1", f"run.output_dir={str(tmp_path / 'run')!r}"])
+    with pytest.raises(RecipeError, match="plans its own windows"):
+        train(recipe, console=quiet_console())

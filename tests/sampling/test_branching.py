@@ -1,0 +1,115 @@
+"""Branch (tree) rollouts: flowrl/sampling/branching.py."""
+
+import pytest
+import torch
+
+from flowrl.sampling.branching import branch_forward_rows, branch_rollout, check_branches, live_rows_per_step
+from flowrl.sampling.kernels import FlowKernel
+from flowrl.sampling.rollout import make_kernels, rescore_transition, rollout
+from flowrl.sampling.schedules import shifted_sigmas
+
+SHAPE = (2, 3, 3)
+G = 4
+
+
+class GroupVelocity(torch.nn.Module):
+    """Row-wise MLP velocity conditioned on sigma and the prompt (group) embedding; counts rows."""
+
+    def __init__(self, d=18, e=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(d + 1 + e, 32), torch.nn.Tanh(), torch.nn.Linear(32, d))
+        self.emb = torch.randn(8, e)
+        self.rows = 0
+
+    def fn_for(self, batch_idx, offset=0):
+        emb = self.emb[(torch.as_tensor(batch_idx) + offset) // G]
+
+        def velocity(x, sigma):
+            self.rows += x.shape[0]
+            return self.net(torch.cat([x.flatten(1), sigma[:, None], emb], dim=1)).view_as(x)
+
+        return velocity
+
+
+def _setup(b=2 * G, offset=0):
+    sig = shifted_sigmas(6, 3.0)
+    kernels = make_kernels(6, FlowKernel(0.7))
+    noise = torch.randn(b + offset, *SHAPE, generator=torch.Generator().manual_seed(1))[offset:]
+    gens = [torch.Generator().manual_seed(100 + offset + j) for j in range(b)]
+    gids = [(offset + j) // G for j in range(b)]
+    return sig, kernels, noise, gens, gids
+
+
+def _branch(model, steps, factors, b=2 * G, offset=0, **kw):
+    sig, kernels, noise, gens, gids = _setup(b, offset)
+    return branch_rollout(lambda rows: model.fn_for(rows, offset), noise, sig, kernels, group_size=G,
+                          branch_steps=steps, branch_factors=factors, generators=gens, group_ids=gids, **kw)
+
+
+def test_factor_one_equals_the_plain_rollout_bit_for_bit():
+    model = GroupVelocity()
+    sig, kernels, noise, gens, gids = _setup()
+    plain = rollout(model.fn_for(torch.arange(2 * G)), noise, sig, kernels, generators=gens, group_ids=gids,
+                    keep_means=True)
+    tree = _branch(model, [1, 3], [1, 1], keep_means=True)
+    for field in ("latents", "log_probs", "image_latents", "means", "trainable", "group_ids"):
+        assert torch.equal(getattr(plain, field), getattr(tree, field)), field
+
+
+def test_two_level_branch_shares_prefixes_and_differs_after():
+    model = GroupVelocity()
+    tree = _branch(model, [1, 3], [2, 2], keep_means=True)  # 1 root per group; 2 live rows from step 1, 4 from 3
+    lat, lp, mu = tree.latents, tree.log_probs, tree.means
+    for g0 in (0, G):
+        grp = lat[g0 : g0 + G]
+        # x_0, x_1 shared by the whole group; the transition 1 -> 2 is the first that differs
+        assert all(torch.equal(grp[0, :2], grp[j, :2]) for j in range(G))
+        assert torch.equal(lp[g0, :1].expand(G, 1), lp[g0 : g0 + G, :1])
+        # x_2, x_3 shared within each pair of siblings, different across pairs
+        assert torch.equal(grp[0, 2:4], grp[1, 2:4]) and torch.equal(grp[2, 2:4], grp[3, 2:4])
+        assert not torch.equal(grp[0, 2], grp[2, 2])
+        # the proposal means follow their states: transition 1 from the shared x_1, 3 from each pair's x_3
+        assert all(torch.equal(mu[g0, 1], mu[g0 + j, 1]) for j in range(G))
+        assert torch.equal(mu[g0, 3], mu[g0 + 1, 3]) and not torch.equal(mu[g0, 3], mu[g0 + 2, 3])
+        # after step 3 every sample is its own
+        assert not torch.equal(grp[0, 4], grp[1, 4]) and not torch.equal(grp[2, 4], grp[3, 4])
+        assert not torch.equal(tree.image_latents[g0], tree.image_latents[g0 + 1])
+    assert not torch.equal(lat[0, 1], lat[G, 1])  # groups differ (their roots' noise and prompts)
+
+
+def test_the_shared_prefix_is_computed_once():
+    model = GroupVelocity()
+    _branch(model, [1, 3], [2, 2])
+    per_group = live_rows_per_step(6, G, [1, 3], [2, 2])
+    assert per_group == [1, 1, 2, 2, 4, 4]
+    assert model.rows == 2 * sum(per_group) == 2 * branch_forward_rows(6, G, [1, 3], [2, 2]) == 28  # 48 plain
+
+
+def test_rescoring_a_tree_is_on_policy():
+    model = GroupVelocity()
+    tree = _branch(model, [1, 3], [2, 2])
+    for i in range(6):
+        lp = rescore_transition(model.fn_for(torch.arange(2 * G)), tree, i).log_prob
+        assert torch.allclose(lp, tree.log_probs[:, i], atol=1e-5), i
+
+
+def test_a_group_draws_the_same_tree_alone_or_beside_another():
+    """Keyed by global sample index: the second group rolled out alone (another process) is the same."""
+    model = GroupVelocity()
+    both = _branch(model, [1, 3], [2, 2])
+    alone = _branch(model, [1, 3], [2, 2], b=G, offset=G)
+    assert torch.allclose(both.latents[G:], alone.latents, atol=1e-6)
+    assert torch.allclose(both.log_probs[G:], alone.log_probs, atol=1e-6)
+
+
+@pytest.mark.parametrize("steps,factors,match", [
+    ([1, 3], [2], "one entry each"),
+    ([3, 1], [2, 2], "strictly increasing"),
+    ([6], [2], "strictly increasing"),
+    ([1], [0], ">= 1"),
+    ([1, 3], [2, 4], "must divide the group size"),
+])
+def test_bad_branches_are_refused_with_one_message(steps, factors, match):
+    with pytest.raises(ValueError, match=match):
+        check_branches(steps, factors, 6, G)
