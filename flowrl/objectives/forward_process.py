@@ -34,16 +34,21 @@ class ForwardPoints:
 
 
 def forward_process_points(seed: int, tag: str, batch, idx: torch.Tensor, sigmas: torch.Tensor,
-                           timesteps: int) -> ForwardPoints:
+                           timesteps: int, *, leading: int = 0, by_group: bool = False) -> ForwardPoints:
     """The forward-process points of the batch rows ``idx`` (module docstring): ``K = min(timesteps,
-    len(sigmas) - 1)`` sigmas per sample, drawn without replacement from ``sigmas[:-1]`` (the
-    sampling schedule without its final 0), each with its own noise."""
+    n)`` sigmas per sample, drawn without replacement from the first ``n`` sigmas of the sampling
+    schedule (``n = leading``, or all but the final 0 when ``leading`` is 0), each with its own
+    noise, from the generator of (seed, tag, iteration, the sample's global index), or of its
+    prompt group with ``by_group`` (every sample of a group noised alike: the preference
+    objectives)."""
     x0 = batch.trajectory.image_latents[idx].to(torch.float32)
     grid = sigmas[:-1]  # no sigma = 0
+    if leading:
+        grid = grid[: int(leading)]
     K = min(int(timesteps), grid.numel())
     xs, es, ss, x0s, rows = [], [], [], [], []
     for j, r in enumerate(idx.tolist()):
-        g = generator(seed, tag, batch.iteration, batch.indices[r])
+        g = generator(seed, tag, batch.iteration, int(batch.group_ids[r]) if by_group else batch.indices[r])
         pick = torch.randperm(grid.numel(), generator=g)[:K]
         for k in range(K):
             s = grid[int(pick[k])]

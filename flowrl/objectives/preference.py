@@ -30,8 +30,7 @@ import torch
 from flowrl import distributed
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.chunk_gradient import pad_rows
-from flowrl.objectives.forward_process import ForwardPoints
-from flowrl.seeding import generator
+from flowrl.objectives.forward_process import ForwardPoints, forward_process_points
 
 __all__ = ["group_points", "flow_error", "RolloutErrors"]
 
@@ -42,25 +41,7 @@ def group_points(seed: int, tag: str, batch, idx: torch.Tensor, sigmas: torch.Te
     min(timesteps, n)`` sigmas drawn without replacement from the first ``n`` sigmas of the
     sampling schedule (``n = leading``, or all but the final 0 when ``leading`` is 0), each with
     its own noise, all from the generator of (seed, tag, iteration, the row's group)."""
-    x0 = batch.trajectory.image_latents[idx].to(torch.float32)
-    grid = sigmas[:-1]  # no sigma = 0
-    if leading:
-        grid = grid[: int(leading)]
-    K = min(int(timesteps), grid.numel())
-    xs, es, ss, x0s, rows = [], [], [], [], []
-    for j, r in enumerate(idx.tolist()):
-        g = generator(seed, tag, batch.iteration, int(batch.group_ids[r]))
-        pick = torch.randperm(grid.numel(), generator=g)[:K]
-        for k in range(K):
-            s = grid[int(pick[k])]
-            eps = torch.randn(tuple(x0.shape[1:]), generator=g).to(x0.device)
-            xs.append((1 - s) * x0[j] + s * eps)
-            es.append(eps)
-            ss.append(s)
-            x0s.append(x0[j])
-            rows.append(r)
-    return ForwardPoints(torch.stack(x0s), torch.stack(es), torch.stack(xs), torch.stack(ss).to(x0.device),
-                         torch.tensor(rows, dtype=torch.long), K)
+    return forward_process_points(seed, tag, batch, idx, sigmas, timesteps, leading=leading, by_group=True)
 
 
 def flow_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
