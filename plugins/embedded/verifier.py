@@ -68,8 +68,9 @@ def border_mask(h: int, w: int, width: int = BORDER) -> torch.Tensor:
     return m
 
 
-def _template_ious(mask: torch.Tensor) -> torch.Tensor:
-    """Best IoU [B, 3] of a binary mask [B, H, W] with each shape template."""
+def template_ious(mask: torch.Tensor, offsets=_OFFSETS) -> torch.Tensor:
+    """Best IoU [B, 3] of a binary mask [B, H, W] with each shape template (area- and
+    centroid-matched, over the scales and the pixel ``offsets`` in x and y)."""
     b, h, w = mask.shape
     area = mask.sum((1, 2)).clamp_min(1.0)
     ys = torch.arange(h, dtype=torch.float32).view(1, h, 1)
@@ -83,8 +84,8 @@ def _template_ious(mask: torch.Tensor) -> torch.Tensor:
         for sc in _SCALES:
             r = r0 * sc
             cy0 = my - _CENTROID_DY[s] * r
-            for oy in _OFFSETS:
-                for ox in _OFFSETS:
+            for oy in offsets:
+                for ox in offsets:
                     t = shape_masks(torch.full((b,), s), mx + ox, cy0 + oy, r, size=h)
                     inter = (t * mask).sum((1, 2))
                     union = (t + mask).clamp_max(1.0).sum((1, 2)).clamp_min(1.0)
@@ -122,7 +123,7 @@ def verify(images: torch.Tensor, prompts: list[str]) -> VerifierResult:
     fg_soft = counts_fg.gather(1, tgt_fg.view(-1, 1)).squeeze(1) / n_nonbg.clamp_min(1.0) * presence
 
     fg_mask = (labels == fg_pred.clamp_min(0).view(-1, 1, 1)) & nonbg & present.view(-1, 1, 1)
-    ious = _template_ious(fg_mask.float())
+    ious = template_ious(fg_mask.float())
     shape_pred = torch.where(present, ious.argmax(1), torch.full_like(bg_pred, -1))
     shape_soft = torch.softmax(TEMP * ious, 1).gather(1, tgt_sh.view(-1, 1)).squeeze(1) * presence
 

@@ -29,16 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .dataset import PALETTE, SHAPES, shape_masks
-from .verifier import classify_pixels
+from .dataset import PALETTE
+from .verifier import classify_pixels, template_ious
 from .video_dataset import DIRECTION_VECTORS, parse_prompt
 
 MIN_FG_PIXELS = 8
 TEMP = 20.0
-_SCALES = (0.9, 1.0, 1.1)
+#: the shape templates' pixel offsets (the image verifier's templates; finer steps on 16x16 frames)
 _OFFSETS = (-0.5, 0.0, 0.5)
-_AREA_COEF = torch.tensor([torch.pi, 4.0, 2.0])  # template area / r^2: circle, square, triangle
-_CENTROID_DY = torch.tensor([0.0, 0.0, 1.0 / 3.0])  # centroid below the bbox centre, in r (triangle)
 
 
 @dataclass
@@ -51,30 +49,6 @@ class ClipVerdict:
     all_correct: torch.Tensor
     motion_soft: torch.Tensor  # [B] the motion term of the score
     displacement: torch.Tensor  # [B, 2] (dx, dy) pixels, first frame to last
-
-
-def template_ious(mask: torch.Tensor) -> torch.Tensor:
-    """Best IoU ``[N, 3]`` of binary masks ``[N, H, W]`` with area- and centroid-matched templates."""
-    n, h, w = mask.shape
-    area = mask.sum((1, 2)).clamp_min(1.0)
-    ys = torch.arange(h, dtype=torch.float32).view(1, h, 1)
-    xs = torch.arange(w, dtype=torch.float32).view(1, 1, w)
-    my = (mask * ys).sum((1, 2)) / area
-    mx = (mask * xs).sum((1, 2)) / area
-    out = torch.zeros(n, len(SHAPES))
-    for s in range(len(SHAPES)):
-        r0 = torch.sqrt(area / _AREA_COEF[s])
-        best = torch.zeros(n)
-        for sc in _SCALES:
-            r = r0 * sc
-            for oy in _OFFSETS:
-                for ox in _OFFSETS:
-                    t = shape_masks(torch.full((n,), s), mx + ox, my - _CENTROID_DY[s] * r + oy, r, size=h)
-                    inter = (t * mask).sum((1, 2))
-                    union = (t + mask).clamp_max(1.0).sum((1, 2)).clamp_min(1.0)
-                    best = torch.maximum(best, inter / union)
-        out[:, s] = best
-    return out
 
 
 @torch.no_grad()
@@ -105,7 +79,7 @@ def verify_clips(clips: torch.Tensor, prompts: list[str]) -> ClipVerdict:
     fg_soft = counts_fg.gather(1, tgt_fg.view(-1, 1)).squeeze(1) / counts_fg.sum(1).clamp_min(1.0) * presence
 
     fg_mask = (labels == counts_fg.argmax(1).view(-1, 1, 1, 1)) & nonbg  # [B, F, H, W]
-    ious = template_ious(fg_mask.flatten(0, 1).float()).view(b, f, -1).mean(1)  # [B, 3]
+    ious = template_ious(fg_mask.flatten(0, 1).float(), offsets=_OFFSETS).view(b, f, -1).mean(1)  # [B, 3]
     shape_pred = torch.where(present, ious.argmax(1), torch.full_like(bg_pred, -1))
     shape_soft = torch.softmax(TEMP * ious, 1).gather(1, tgt_sh.view(-1, 1)).squeeze(1) * presence
 
