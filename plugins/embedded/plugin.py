@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import torch
 
 from flowrl import hookimpl
 from flowrl.config import param
-from flowrl.sampling.schedules import conditioning_timestep
 
 from . import rewards, video_rewards
+from .adapter import EmbeddedAdapter
 from .dataset import all_prompts
 from .latent_verifier import LatentVerifier
 from .network import EmbeddedT2I, decode, encode_images, load_pretrained, pack, unpack
@@ -33,45 +32,17 @@ class EmbeddedConfig:
         "DanceGRPO and MixGRPO feed FLUX (for reproducing their numbers; the kernel keeps the exact sigma).")
 
 
-class EmbeddedModel:
+class EmbeddedModel(EmbeddedAdapter):
     """The embedded tiny text-to-image model: 32x32 RGB, 16x16x12 latent packed to [64, 48] tokens."""
 
     Config = EmbeddedConfig
-    ships_prompts = True  # prompt_source(): every prompt of its grammar
     latent_shape = (64, 48)
     image_seq_len = 64
-    lora_targets = ["to_q", "to_k", "to_v", "to_out.0"]
-
-    def __init__(self, config: EmbeddedConfig):
-        self.timestep_conditioning = config.timestep_conditioning
-        if config.random_init:
-            torch.manual_seed(config.seed)
-            self.network = EmbeddedT2I().eval()
-        else:
-            self.network = load_pretrained(config.weights or None)
-        self.network.requires_grad_(False)
-        self.denoiser = self.network.transformer
-
-    def to(self, device):
-        self.network.to(device)
-        return self
-
-    def encode_prompts(self, prompts):
-        with torch.no_grad():
-            embeds, pooled = self.network.encode_prompts(list(prompts))
-        return {"prompt_embeds": embeds, "pooled": pooled}
+    network_class = EmbeddedT2I
+    load = staticmethod(load_pretrained)
 
     def velocity(self, latents, sigma, text):
-        net = self.network
-        return self.denoiser(
-            hidden_states=latents,
-            encoder_hidden_states=text["prompt_embeds"],
-            pooled_projections=text["pooled"],
-            timestep=conditioning_timestep(sigma, self.timestep_conditioning).to(latents.dtype),
-            img_ids=net.img_ids,
-            txt_ids=net.txt_ids[: text["prompt_embeds"].shape[1]],
-            return_dict=False,
-        )[0]
+        return self._transformer(latents, sigma, text)
 
     def decode(self, latents):
         return decode(unpack(latents.float())).clamp(0, 1)
@@ -79,12 +50,6 @@ class EmbeddedModel:
     def encode_images(self, images):
         # EncodesImages: the pixel "VAE" is exact, the inverse of decode on [0, 1] images
         return pack(encode_images(images.float()))
-
-    def trainable_parameters(self):
-        return [p for p in self.denoiser.parameters() if p.requires_grad]
-
-    def sigmas(self, num_steps):
-        return None
 
     def prompt_source(self):
         return all_prompts()
