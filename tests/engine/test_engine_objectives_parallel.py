@@ -11,6 +11,9 @@ its reward, every advantage and everything after differ (measured with AWM: iter
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
 from engine_helpers import REPO, assert_records_close, assert_weights_close, load, quiet_console, run_cli
 
@@ -37,17 +40,27 @@ CASES = {
 }
 
 
+@functools.cache
+def one_process_run(name: str, root: Path) -> Path:
+    """The 1-process run both strategies compare with (the same recipe: the strategy is no option
+    of one process), trained once per test process."""
+    recipe_name, extra = CASES[name]
+    one = root / name
+    train(load(REPO / "recipes" / recipe_name, *COMMON, *extra, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    return one
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_processes_equal_one(tmp_path, name, strategy):
+def test_two_processes_equal_one(tmp_path, tmp_path_factory, name, strategy):
     recipe_name, extra = CASES[name]
     recipe = REPO / "recipes" / recipe_name
     sets = [*COMMON, *extra]
-    two, one = tmp_path / "two", tmp_path / "one"
+    two = tmp_path / "two"
     args = [a for s in (*sets, f"distributed.strategy='{strategy}'") for a in ("--set", s)]
     proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    one = one_process_run(name, tmp_path_factory.getbasetemp() / "objectives_one_process")
     rec2, rec1 = read_metrics(two), read_metrics(one)
     assert len(rec2) == len(rec1) == 2  # iteration 0 and the final evaluation
     if name == "dppo":  # the mask acted off-policy, in both layouts alike
