@@ -186,9 +186,11 @@ def test_merging_peft_state_by_hand():
         merge_peft_state({"m.lora_embedding_A.default": a}, 1.0)
 
 
-def test_registered_and_clear_errors(reward, tiny_va, tmp_path):
+def test_registered_conformant_and_clear_errors(reward, tiny_va, tmp_path):
+    from flowrl.testing.components import check_component
+
     assert get_registry().get("reward", "video_align").params is VideoAlignConfig
-    assert reward.scores_clips is True
+    assert check_component("reward", reward) == ["Reward", "ScoresClips"]
     with pytest.raises(FlowrlError, match="scores clips"):
         reward(torch.rand(2, 3, 56, 56), PROMPTS[:2])
     with pytest.raises(FlowrlError, match="holds a reward token"):
@@ -210,3 +212,36 @@ def test_without_transformers_the_message_names_the_extra(monkeypatch, tiny_va):
     with pytest.raises(MissingDependencyError) as err:
         build(tiny_va)
     assert 'pip install "flowrl-diffusion[rewards]"' in err.value.format()
+
+
+def test_a_video_run_trains_on_it(tiny_va, tmp_path):
+    """One iteration of the embedded video model (the video quickstart, shrunk) with the tiny
+    VideoReward as its reward: clips reach it whole, through the rollout, the update and the
+    evaluation."""
+    import os
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from flowrl.recipe import load_recipe
+    from flowrl.train import train
+
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "recipes" / "quickstart_video.toml").read_text()
+    text = text[: text.index("[[rewards]]")].replace(
+        'source = "prompts/video_shapes.csv"', f"source = {json.dumps(str(repo / 'recipes' / 'prompts' / 'video_shapes.csv'))}")
+    text += (f'[[rewards]]\nuse = "video_align"\ncheckpoint = {json.dumps(str(tiny_va))}\nmin_pixels = {PIXELS}\n'
+             f'device = "cpu"\n\n[[rewards]]\nuse = "video_verifier"\nweight = 0.0\n')
+    (tmp_path / "tiny_video_align.toml").write_text(text)
+    recipe = load_recipe(tmp_path / "tiny_video_align.toml", [
+        f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "train.iterations=1", "train.prompts_per_iteration=1",
+        "train.group_size=4", "train.micro_batch_size=4", "sampler.steps=5", "sampler.sde_window=[0,2]", "chunker.size=2",
+        "prompts.num_eval=1", "prompts.eval_seeds=2", "log.progress=false", "log.eval_every=1", "log.image_every=1"])
+    run_dir = train(recipe, console=Console(file=open(os.devnull, "w")))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if "reward/video_align/mean" in r)
+    assert row["on_policy/max_abs_log_ratio"] < 1e-6
+    assert row["reward/video_align/std"] > 0  # four clips of a group, four scores
+    for key in ("vq", "mq", "ta", "overall"):
+        assert f"reward/video_align/{key}/mean" in row
+    assert any("eval/video_align/mean" in r and "eval/video_verifier/mean" in r for r in rows)
