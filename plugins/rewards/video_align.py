@@ -282,6 +282,8 @@ class VideoAlign(ModelReward):
                               hint="pass a local directory with config.json and the tokenizer files") from exc
         if not own.is_dir():
             tokenizer.add_special_tokens({"additional_special_tokens": list(REWARD_TOKENS)})
+        elif not getattr(tokenizer, "chat_template", None):  # saved without it: the base model's
+            tokenizer.chat_template = transformers.AutoTokenizer.from_pretrained(base).chat_template
         tokenizer.padding_side = "right"
         return model_config, tokenizer
 

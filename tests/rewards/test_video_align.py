@@ -58,7 +58,7 @@ def reward(tiny_va):
     return build(tiny_va, fps=8.0, batch_size=4)
 
 
-def reference(checkpoint, videos: torch.Tensor, prompts: list[str], indices: list[int]) -> torch.Tensor:
+def reference(checkpoint, videos: torch.Tensor, prompts: list[str], indices: list[int], size: list[int]) -> torch.Tensor:
     """Upstream's route, on other code: [B, 3] raw VQ, MQ, TA."""
     import torchvision.transforms.functional as TF
     from peft import LoraConfig, get_peft_model
@@ -72,8 +72,7 @@ def reference(checkpoint, videos: torch.Tensor, prompts: list[str], indices: lis
                                  video_processor=Qwen2VLVideoProcessor(min_pixels=PIXELS, max_pixels=PIXELS),
                                  chat_template=tok.chat_template)
     # qwen-vl-utils: 8-bit frames, resized as 8-bit tensors (bicubic, antialiased), then .float()
-    # 40 x 48 rounds to 28 x 56, under PIXELS: grown by sqrt(3136 / 1920) to 51.1 x 61.3, rounded up to 56 x 84
-    frames = [TF.resize((v[indices] * 255).round().to(torch.uint8), [56, 84], interpolation=TF.InterpolationMode.BICUBIC,
+    frames = [TF.resize((v[indices] * 255).round().to(torch.uint8), size, interpolation=TF.InterpolationMode.BICUBIC,
                         antialias=True).float() for v in videos]
     chats = [[{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": prompt_template().format(text_prompt=p)}]}]
              for p in prompts]
@@ -83,13 +82,14 @@ def reference(checkpoint, videos: torch.Tensor, prompts: list[str], indices: lis
     config = Qwen2VLConfig.from_pretrained(base)
     config.text_config.vocab_size = len(tok)
     model = Qwen2VLForConditionalGeneration(config).eval()
-    model.rm_head = torch.nn.Linear(config.text_config.hidden_size, 1, bias=False)
+    state = torch.load(checkpoint / "checkpoint-8" / "model.pth", weights_only=True)
+    outputs = state["base_model.model.rm_head.weight"].shape[0]
+    model.rm_head = torch.nn.Linear(config.text_config.hidden_size, outputs, bias=False)
     peft = settings["peft_lora_config"]
     targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                and not any(e in n for e in peft["lora_namespan_exclude"])]
     model = get_peft_model(model, LoraConfig(target_modules=targets, r=peft["lora_r"], lora_alpha=peft["lora_alpha"],
                                              task_type="CAUSAL_LM"))
-    state = torch.load(checkpoint / "checkpoint-8" / "model.pth", weights_only=True)
     renamed = {k.replace("base_model.model.model.", "base_model.model.model.language_model.", 1)
                .replace("base_model.model.visual.", "base_model.model.model.visual.", 1): v for k, v in state.items()}
     model.load_state_dict(renamed, strict=True)
@@ -101,24 +101,37 @@ def reference(checkpoint, videos: torch.Tensor, prompts: list[str], indices: lis
             input_ids=ids, attention_mask=batch["attention_mask"], pixel_values_videos=batch["pixel_values_videos"],
             video_grid_thw=batch["video_grid_thw"], position_ids=torch.arange(L).view(1, 1, L).expand(3, len(prompts), L),
         ).last_hidden_state
-        logits = model.base_model.model.rm_head(hidden)  # [B, L, 1]
+        logits = model.base_model.model.rm_head(hidden)  # [B, L, outputs]
     special = torch.zeros_like(ids, dtype=torch.bool)
     for token_id in tok.convert_tokens_to_ids(list(REWARD_TOKENS)):
         special |= ids == token_id
-    return logits[special].view(len(prompts), 3)
+    pooled = logits[special].view(len(prompts), 3, outputs)  # the tokens in the order they appear
+    return pooled[..., 0] if outputs == 1 else pooled.diagonal(dim1=1, dim2=2)
 
 
 def test_matches_an_independent_computation(reward, tiny_va):
     videos = clips(4, frames=6, size=(40, 48))
     out = score(reward, videos, PROMPTS)
     # 6 frames at 8 fps, 2 sampled per second: 1.5, raised to the minimum 4; linspace(0, 5, 4) = 0, 1.67, 3.33, 5
-    raw = reference(tiny_va, videos, PROMPTS, indices=[0, 2, 3, 5])
+    # 40 x 48 rounds to 28 x 56, under PIXELS: grown by sqrt(3136 / 1920) to 51.1 x 61.3, rounded up to 56 x 84
+    raw = reference(tiny_va, videos, PROMPTS, indices=[0, 2, 3, 5], size=[56, 84])
     stats = json.loads((tiny_va / "model_config.json").read_text())["inference_config"]
     expected = {k: (raw[:, i] - stats[f"{k.upper()}_mean"]) / stats[f"{k.upper()}_std"] for i, k in enumerate(("vq", "mq", "ta"))}
     for key, value in expected.items():
         torch.testing.assert_close(out.extras[key], value, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.scores, expected["vq"] + expected["mq"] + expected["ta"], atol=1e-5, rtol=1e-5)
     assert (raw.max(0).values - raw.min(0).values).min() > 1e-3  # the check can tell clips apart
+
+
+def test_a_three_output_head_reads_output_k_at_token_k(tmp_path):
+    """Upstream's training script trains a head of 3 outputs (output_dim 3): token k's k-th."""
+    from flowrl.testing.tiny_models import build_tiny_video_align
+
+    checkpoint = build_tiny_video_align(tmp_path / "three", seed=1, pixels=PIXELS, output_dim=3)
+    videos = clips(2, frames=4, size=(56, 56), seed=6)
+    out = build(checkpoint, normalise=False)(videos, PROMPTS[:2])
+    raw = reference(checkpoint, videos, PROMPTS[:2], indices=[0, 1, 2, 3], size=[56, 56])
+    torch.testing.assert_close(torch.stack([out.extras[k] for k in ("vq", "mq", "ta")], 1), raw, atol=1e-5, rtol=1e-5)
 
 
 def test_batch_size_and_order_invariant(reward):
