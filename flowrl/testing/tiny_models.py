@@ -16,6 +16,7 @@ environment of the upstream ``hpsv3`` package.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -276,7 +277,9 @@ def build_tiny_video_align(
     model = Qwen2VLForConditionalGeneration.from_pretrained(base).eval()
     g = torch.Generator().manual_seed(seed + 1)
     old = model.get_input_embeddings().weight.shape[0]
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    # (transformers 4.46+ would fill the new rows from the old ones' statistics: they are overwritten below)
+    model.resize_token_embeddings(len(tokenizer), **({"mean_resizing": False} if "mean_resizing" in
+                                                     inspect.signature(model.resize_token_embeddings).parameters else {}))
     hidden = model.get_input_embeddings().weight.shape[1]
     with torch.no_grad():
         for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):

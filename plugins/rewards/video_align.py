@@ -242,6 +242,10 @@ class VideoAlign(ModelReward):
         settings, directory = checkpoint_files(config.checkpoint, config.checkpoint_step)
         model, data, peft = (settings.get(k) or {} for k in ("model_config", "data_config", "peft_lora_config"))
         self.stats = settings.get("inference_config") if config.normalise else None
+        missing = [f"{d.upper()}_{m}" for d in DIMENSIONS for m in ("mean", "std") if f"{d.upper()}_{m}" not in (self.stats or {})]
+        if self.stats and missing:
+            raise FlowrlError(f"model_config.json's inference_config lacks {missing}", where=f"reward '{WHO}': checkpoint",
+                              hint="normalise = false scores without it")
         if model.get("reward_token", "special") != "special" or data.get("prompt_template_type", "detailed_special") != "detailed_special":
             raise FlowrlError("only checkpoints that read the three reward tokens (reward_token 'special', prompt "
                               "template 'detailed_special') are supported", where=f"reward '{WHO}': checkpoint")
@@ -258,7 +262,7 @@ class VideoAlign(ModelReward):
                                hint="base_model must be the model VideoReward was trained from (Qwen2-VL-2B-Instruct)")
         self.head = RewardHead(head_state, WHO)
         rows = self.core.get_input_embeddings().weight.shape[0]
-        if len(set(self.token_ids)) != 3 or not all(0 <= i < rows for i in self.token_ids):
+        if len(set(self.token_ids)) != 3 or not all(isinstance(i, int) and 0 <= i < rows for i in self.token_ids):
             raise FlowrlError(f"the reward tokens have ids {self.token_ids}, not three distinct ids below the checkpoint's "
                               f"{rows} embeddings", where=f"reward '{WHO}'", hint="use the checkpoint's tokenizer/ directory")
         if self.head.layers[-1].out_features not in (1, 3):

@@ -6,8 +6,8 @@ at indices worked out by hand and resized by torchvision on 8-bit frames (what u
 qwen-vl-utils copy does), transformers' own Qwen2-VL processor for the video path (rescale,
 normalise, patches, placeholder expansion) called with upstream's arguments, the checkpoint loaded
 into a peft-wrapped ``Qwen2VLForConditionalGeneration`` (LoRA applied unmerged, as upstream runs
-it), transformers' forward, and upstream's pooling of the reward tokens. No parity check against
-the upstream package runs here (docs/video.md says how one could).
+it), transformers' forward, and upstream's pooling of the reward tokens. Parity with upstream's own
+code (transformers 4.45, its checkout) is scripts/video_align_parity.py (result in docs/video.md).
 """
 
 from __future__ import annotations
