@@ -184,7 +184,7 @@ class VideoAlignConfig(PlacementConfig):
         "VideoReward checkpoint: a local directory (model_config.json, checkpoint-<step>/model.pth) or a hub "
         "repo id (downloads model_config.json and checkpoint-*/model.pth and tokenizer/).", path="hub",
     )
-    checkpoint_step: int = param(0, "Which checkpoint-<step> directory to load; 0 = the highest step (as upstream).", min=0)
+    checkpoint_step: int = param(0, "Which checkpoint-<step> to load (its step number); 0 = the highest step (as upstream).", min=0)
     base_model: str = param(
         "", "Qwen2-VL config and preprocessor settings (hub id or directory); its weights are never loaded. "
         "Empty: model_config.json's model_name_or_path (Qwen/Qwen2-VL-2B-Instruct).", path="hub",
