@@ -9,9 +9,10 @@ merges, so every byte is a token) and the models are random. They exercise the r
 scoring code paths (``CLIPModel.from_pretrained``, ``AutoProcessor.from_pretrained``,
 ``open_clip.create_model_and_transforms``, Qwen2-VL) at a size that runs in milliseconds.
 
-This module (test support, not a plugin) imports only torch, transformers and tokenizers, and runs on transformers 4.45+
-as well as 5.x, because ``scripts/hpsv3_parity.py`` loads it by file path inside the separate
-environment of the upstream ``hpsv3`` package.
+This module (test support, not a plugin) imports only torch, transformers and tokenizers (and peft,
+for the VideoReward checkpoint), and runs on transformers 4.45+ as well as 5.x, because
+``scripts/hpsv3_parity.py`` and ``scripts/video_align_parity.py`` load it by file path inside the
+separate transformers 4.45 environment of the upstream code.
 """
 
 from __future__ import annotations
