@@ -46,6 +46,7 @@ INFERENCE_WIDTHS = 17.2  # FLUX.1-dev at full size under torch's MemTracker (ben
 #: Parameters of reward models known by name (approximate public sizes).
 REWARD_PARAMS = {
     "hpsv3": (8.29e9, "Qwen2-VL-7B"),
+    "video_align": (2.21e9, "Qwen2-VL-2B"),
     "pickscore": (0.986e9, "CLIP ViT-H-14"),
     "clip": (0.986e9, "CLIP ViT-H-14 (open_clip default; ViT-L-14 is 0.43e9)"),
 }

@@ -80,7 +80,8 @@ def test_building_flowrl_prints_no_setuptools_warning_and_ships_the_data(tmp_pat
     [meta] = [n for n in names if n.endswith(".dist-info/METADATA")]
     assert "\nName: flowrl-diffusion\n" in zipfile.ZipFile(wheel).read(meta).decode()
     for data in ("flowrl_plugins/embedded/weights/embedded.safetensors", "flowrl_plugins/embedded/weights/embedded.json",
-                 "flowrl_plugins/rewards/embedded_clip/model.safetensors", "flowrl_plugins/rewards/hpsv3_prompt.txt"):
+                 "flowrl_plugins/rewards/embedded_clip/model.safetensors", "flowrl_plugins/rewards/hpsv3_prompt.txt",
+                 "flowrl_plugins/rewards/video_align_prompt.txt"):
         assert data in names
 
 

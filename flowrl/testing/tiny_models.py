@@ -1,17 +1,23 @@
 """Tiny, randomly initialised reward models built offline, for tests and the HPSv3 parity check.
 
+Qwen2-VL-based: :func:`build_tiny_qwen2_vl` (the base model HPSv3 and VideoReward start from),
+:func:`tiny_hpsv3_head`, and :func:`build_tiny_video_align`, a VideoReward checkpoint directory in
+the released layout.
+
 Nothing here downloads anything: the tokenizers are written by hand (a byte-level BPE with no
 merges, so every byte is a token) and the models are random. They exercise the real loading and
 scoring code paths (``CLIPModel.from_pretrained``, ``AutoProcessor.from_pretrained``,
 ``open_clip.create_model_and_transforms``, Qwen2-VL) at a size that runs in milliseconds.
 
-This module (test support, not a plugin) imports only torch, transformers and tokenizers, and runs on transformers 4.45+
-as well as 5.x, because ``scripts/hpsv3_parity.py`` loads it by file path inside the separate
-environment of the upstream ``hpsv3`` package.
+This module (test support, not a plugin) imports only torch, transformers and tokenizers (and peft,
+for the VideoReward checkpoint), and runs on transformers 4.45+ as well as 5.x, because
+``scripts/hpsv3_parity.py`` and ``scripts/video_align_parity.py`` load it by file path inside the
+separate transformers 4.45 environment of the upstream code.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -125,7 +131,7 @@ QWEN_SPECIAL = [
     "<|image_pad|>", "<|video_pad|>",
 ]
 
-#: A minimal chat template in the Qwen2-VL format (system turn, image placeholder, text).
+#: A minimal chat template in the Qwen2-VL format (system turn, image or video placeholder, text).
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
@@ -133,6 +139,7 @@ QWEN_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
@@ -233,3 +240,98 @@ def tiny_hpsv3_head(hidden_size: int, *, seed: int = 1, output_dim: int = 2):
         out[f"rm_head.{idx}.weight"] = torch.randn(o, i, generator=g) / i**0.5
         out[f"rm_head.{idx}.bias"] = torch.randn(o, generator=g) * 0.1
     return out
+
+
+# ----------------------------------------------------------------------------- VideoReward (VideoAlign)
+
+#: VideoReward's reward tokens, added to Qwen2-VL's tokenizer by its training.
+VIDEO_ALIGN_TOKENS = ["<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>"]
+
+
+def build_tiny_video_align(
+    directory: str | Path, *, seed: int = 0, pixels: int = 56 * 56, lora_rank: int = 4, lora_alpha: float = 8.0,
+    output_dim: int = 1, step: int = 8, stats: dict[str, float] | None = None,
+) -> Path:
+    """Write a tiny random VideoReward checkpoint to ``directory`` in the released layout; returns it.
+
+    - ``qwen2-vl/``: the tiny base model (:func:`build_tiny_qwen2_vl`, frames of ``pixels`` area);
+    - ``model_config.json``: the training's ``data_config``, ``training_args``, ``model_config``
+      (``model_name_or_path`` = the tiny base), ``peft_lora_config`` and ``inference_config``
+      (``stats``: ``VQ_mean``, ``VQ_std``, ... ), with the released checkpoint's keys;
+    - ``checkpoint-<step>/model.pth``: the state dict of the PEFT-wrapped reward model as the
+      training saves it: ``base_model.model.`` prefix, pre-4.52 Qwen2-VL names (``model.layers.*``,
+      ``visual.*``), LoRA (``lora_rank``, ``lora_alpha``) on every Linear of the language model
+      unmerged (``base_layer``, ``lora_A.default``, ``lora_B.default``; B random, not zero, so
+      that merging matters), the embeddings grown by the three reward tokens, ``lm_head`` and a
+      bias-free ``rm_head`` ``Linear(hidden, output_dim)``;
+    - ``checkpoint-<step>/tokenizer/``: the tokenizer with the reward tokens.
+    """
+    _torchvision_shim()
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    directory = Path(directory)
+    base = build_tiny_qwen2_vl(directory / "qwen2-vl", seed=seed, min_pixels=pixels, max_pixels=pixels)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_special_tokens({"additional_special_tokens": VIDEO_ALIGN_TOKENS})
+    model = Qwen2VLForConditionalGeneration.from_pretrained(base).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    old = model.get_input_embeddings().weight.shape[0]
+    # (transformers 4.46+ would fill the new rows from the old ones' statistics: they are overwritten below)
+    model.resize_token_embeddings(len(tokenizer), **({"mean_resizing": False} if "mean_resizing" in
+                                                     inspect.signature(model.resize_token_embeddings).parameters else {}))
+    hidden = model.get_input_embeddings().weight.shape[1]
+    with torch.no_grad():
+        for weight in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            weight[old:] = 0.5 * torch.randn(weight.shape[0] - old, hidden, generator=g)
+        model.rm_head = torch.nn.Linear(hidden, output_dim, bias=False)
+        model.rm_head.weight.copy_(torch.randn(output_dim, hidden, generator=g) / hidden**0.5)
+    excluded = ["lm_head", "rm_head", "embed_tokens", "visual"]
+    targets = [name for name, module in model.named_modules()
+               if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and not any(e in name for e in excluded)]
+    peft_model = get_peft_model(model, LoraConfig(target_modules=targets, r=lora_rank, lora_alpha=lora_alpha,
+                                                  lora_dropout=0.05, task_type="CAUSAL_LM", bias="none"))
+    state = {}
+    for key, value in peft_model.state_dict().items():
+        if ".lora_B." in key:
+            value = 0.2 * torch.randn(value.shape, generator=g)
+        for new, legacy in (("base_model.model.model.language_model.", "base_model.model.model."),
+                            ("base_model.model.model.visual.", "base_model.model.visual.")):
+            if key.startswith(new):
+                key = legacy + key.removeprefix(new)
+        state[key] = value.detach().clone().contiguous()
+    checkpoint = directory / f"checkpoint-{step}"
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    torch.save(state, checkpoint / "model.pth")
+    tokenizer.save_pretrained(checkpoint / "tokenizer")
+    settings = _video_align_settings(str(base.resolve()), pixels, lora_rank, lora_alpha, output_dim, stats)
+    (directory / "model_config.json").write_text(json.dumps(settings, indent=4), encoding="utf-8")
+    return directory
+
+
+def _video_align_settings(base: str, pixels: int, rank: int, alpha: float, output_dim: int, stats) -> dict:
+    """``model_config.json`` with the sections and keys of the released VideoReward checkpoint."""
+    stats = stats or {"VQ_mean": 0.5, "VQ_std": 2.0, "MQ_mean": -0.25, "MQ_std": 0.5, "TA_mean": 1.0, "TA_std": 4.0}
+    return {
+        "data_config": {
+            "meta_data": "/path/to/dataset/meta_data.csv", "data_dir": "/path/to/dataset", "meta_data_test": None,
+            "max_frame_pixels": pixels, "num_frames": None, "fps": 2.0, "p_shuffle_frames": 0.0, "p_color_jitter": 0.0,
+            "eval_dim": ["VQ", "MQ", "TA"], "prompt_template_type": "detailed_special", "add_noise": False,
+            "sample_type": "uniform", "use_tied_data": True,
+        },
+        "training_args": {"output_dir": "rm_output", "bf16": True, "num_train_epochs": 3, "learning_rate": 2e-06,
+                          "per_device_train_batch_size": 1, "gradient_accumulation_steps": 4},
+        "model_config": {
+            "model_name_or_path": base, "model_revision": "main", "output_dim": output_dim, "use_special_tokens": True,
+            "freeze_vision_tower": False, "freeze_llm": False, "tune_merger": True, "torch_dtype": "bfloat16",
+            "trust_remote_code": False, "attn_implementation": None, "load_in_8bit": False, "load_in_4bit": False,
+            "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": False, "reward_token": "special", "loss_type": "btt",
+        },
+        "peft_lora_config": {
+            "lora_enable": True, "vision_lora": False, "lora_r": rank, "lora_alpha": alpha, "lora_dropout": 0.05,
+            "lora_target_modules": None, "lora_namespan_exclude": ["lm_head", "rm_head", "embed_tokens", "visual"],
+            "lora_modules_to_save": None, "lora_task_type": "CAUSAL_LM", "use_rslora": False, "num_lora_modules": -1,
+        },
+        "inference_config": stats,
+    }

@@ -75,7 +75,8 @@ class ModelReward:
     """Base class of the model-backed rewards: batching, no_grad, placement and offload.
 
     Subclasses set ``self.module`` (everything that moves between devices), call
-    :meth:`_setup_placement` once the module exists, and implement :meth:`_score_batch`.
+    :meth:`_setup_placement` once the module exists, and implement :meth:`_score_batch` (on
+    at most ``batch_size`` items: images, or clips for a reward that overrides :meth:`check_inputs`).
     """
 
     name = "model_reward"
@@ -112,9 +113,14 @@ class ModelReward:
     def prepare(self, prompts: list[str]) -> None:
         """Hook run once per call with all prompts (text caches); default: nothing."""
 
+    def check_inputs(self, images: torch.Tensor, prompts: list[str]) -> None:
+        """Raise for inputs the reward cannot score; default: images ``[B, 3, H, W]`` (a reward of
+        whole clips overrides it)."""
+        check_images(images, prompts, self.name)
+
     def __call__(self, images, prompts, metadata=None) -> RewardOutput:
         prompts = list(prompts)
-        check_images(images, prompts, self.name)
+        self.check_inputs(images, prompts)
         parts: dict[str, list[torch.Tensor]] = {}
         with torch.no_grad(), self._placed():
             self.prepare(prompts)

@@ -34,8 +34,6 @@ resizes 8-bit PIL images. For images already of the target size the inputs are i
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 from pathlib import Path
 
@@ -44,10 +42,23 @@ from torch import nn
 
 from flowrl.compat import ensure_torchvision_importable
 from flowrl.config import param
-from flowrl.errors import FlowrlError, MissingDependencyError, require
+from flowrl.errors import FlowrlError, require
 
 from .clip import OPENAI_MEAN, OPENAI_STD
 from .common import ModelReward, PlacementConfig, normalise, resize_to
+from .qwen2_vl import (
+    RewardHead,
+    build_core,
+    language_forward,
+    load_state_dict,
+    patchify,
+    read_preprocessor_config,
+    require_qwen2_vl,
+    smart_resize,
+    split_checkpoint,
+)
+
+__all__ = ["HPSv3", "HPSv3Config", "REWARD_TOKEN", "patchify", "prompt_template", "smart_resize"]
 
 REWARD_TOKEN = "<|Reward|>"
 PROMPT_TEMPLATE_FILE = Path(__file__).with_name("hpsv3_prompt.txt")
@@ -59,38 +70,6 @@ def prompt_template() -> str:
     It is the model's input format, reproduced verbatim (the checkpoint was trained on it).
     """
     return PROMPT_TEMPLATE_FILE.read_text(encoding="utf-8")
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's target size: sides are multiples of ``factor`` and the area lies within
-    ``[min_pixels, max_pixels]``, keeping the aspect ratio as closely as those allow."""
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        shrink = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / shrink / factor) * factor)
-        w = max(factor, math.floor(width / shrink / factor) * factor)
-    elif h * w < min_pixels:
-        grow = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * grow / factor) * factor
-        w = math.ceil(width * grow / factor) * factor
-    return h, w
-
-
-def patchify(pixels: torch.Tensor, patch: int, merge: int, temporal: int) -> tuple[torch.Tensor, list[int]]:
-    """One normalised image ``[3, H, W]`` to Qwen2-VL's flattened patches and its (t, h, w) grid.
-
-    A still image is repeated ``temporal`` times along time. Patches are ordered by merge window
-    (row-major over windows, then row-major inside each ``merge x merge`` window), and each patch
-    is flattened channel-major, then time, then its ``patch x patch`` pixels.
-    """
-    c, height, width = pixels.shape
-    gh, gw = height // patch, width // patch
-    frames = pixels.unsqueeze(0).expand(temporal, c, height, width)
-    x = frames.reshape(1, temporal, c, gh // merge, merge, patch, gw // merge, merge, patch)
-    # axes: grid_t, time, channel, window row, row in window, patch y, window col, col in window, patch x
-    x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return x.reshape(gh * gw, c * temporal * patch * patch), [1, gh, gw]
 
 
 def _checkpoint_file(checkpoint: str) -> str:
@@ -110,97 +89,6 @@ def _checkpoint_file(checkpoint: str) -> str:
             where="reward 'hpsv3': checkpoint",
             hint="pass a local file: checkpoint = '/path/HPSv3.safetensors' (from the MizzenAI/HPSv3 hub repo)",
         ) from exc
-
-
-def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path, device="cpu")
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(state, dict) and isinstance(state.get("model"), dict):
-            state = state["model"]  # training checkpoints wrap the weights
-    if not isinstance(state, dict) or not state:
-        raise FlowrlError(f"'{path}' holds no state dict", where="reward 'hpsv3': checkpoint")
-    return state
-
-
-def split_checkpoint(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Map checkpoint keys onto ``Qwen2VLModel`` names; return (backbone, reward head) dicts."""
-    backbone, head, unknown = {}, {}, []
-    for key, value in state.items():
-        if key.startswith("rm_head."):
-            head[key.removeprefix("rm_head.")] = value
-        elif key.startswith("model.language_model."):
-            backbone["language_model." + key.removeprefix("model.language_model.")] = value
-        elif key.startswith("model.visual."):
-            backbone["visual." + key.removeprefix("model.visual.")] = value
-        elif key.startswith("model."):
-            backbone["language_model." + key.removeprefix("model.")] = value
-        elif key.startswith("visual."):
-            backbone[key] = value
-        elif key.startswith("lm_head."):
-            continue  # next-token logits: not used to score
-        else:
-            unknown.append(key)
-    if unknown:
-        raise FlowrlError(
-            f"unexpected keys in the HPSv3 checkpoint: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}",
-            where="reward 'hpsv3': checkpoint",
-            hint="expected model.* / visual.* (or model.language_model.* / model.visual.*), lm_head.*, rm_head.*",
-        )
-    if not head:
-        raise FlowrlError("the checkpoint has no reward head (rm_head.*)", where="reward 'hpsv3': checkpoint")
-    return backbone, head
-
-
-def _module_order(name: str) -> list:
-    return [int(p) if p.isdigit() else p for p in name.split(".")]
-
-
-class RewardHead(nn.Module):
-    """HPSv3's reward head as stored: Linear layers with ReLU between them (dropout is a no-op
-    at inference). Built from the checkpoint's shapes, so the default ``hidden -> 1024 -> 16 ->
-    2`` head and a single ``Linear`` (``rm_head.weight``) both load."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        super().__init__()
-        names = sorted({k.rsplit(".", 1)[0] if "." in k else "" for k in state}, key=_module_order)
-        layers = []
-        for name in names:
-            prefix = f"{name}." if name else ""
-            weight = state[prefix + "weight"]
-            bias = state.get(prefix + "bias")
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-            with torch.no_grad():
-                linear.weight.copy_(weight)
-                if bias is not None:
-                    linear.bias.copy_(bias)
-            layers.append(linear)
-        for a, b in zip(layers, layers[1:]):
-            if a.out_features != b.in_features:
-                raise FlowrlError(f"reward head layers do not chain: {a} then {b}", where="reward 'hpsv3': checkpoint")
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.relu(x)
-        return x
-
-
-def _read_preprocessor_config(base: str) -> dict:
-    if os.path.isdir(base):
-        path = os.path.join(base, "preprocessor_config.json")
-        return json.loads(Path(path).read_text(encoding="utf-8")) if os.path.isfile(path) else {}
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return json.loads(Path(hf_hub_download(base, "preprocessor_config.json")).read_text(encoding="utf-8"))
-    except Exception:  # the defaults below are Qwen2-VL's own
-        return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,12 +114,7 @@ class HPSv3(ModelReward):
     def __init__(self, config: HPSv3Config):
         self.name = "hpsv3"
         ensure_torchvision_importable()  # a broken CUDA torchvision breaks transformers' imports
-        transformers = require("transformers", extra="rewards", purpose="the 'hpsv3' reward")
-        if not hasattr(transformers, "Qwen2VLModel") or not hasattr(transformers, "Qwen2VLTextModel"):
-            raise MissingDependencyError(
-                f"the 'hpsv3' reward needs transformers >= 4.52 (found {transformers.__version__})",
-                hint='pip install -U "transformers>=4.52", or serve the upstream package over HTTP (docs/rewards.md)',
-            )
+        transformers = require_qwen2_vl("hpsv3")
         base = config.base_model
         try:
             model_config = transformers.AutoConfig.from_pretrained(base)
@@ -246,36 +129,22 @@ class HPSv3(ModelReward):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.image_token_id = model_config.image_token_id
 
-        backbone_state, head_state = split_checkpoint(load_state_dict(_checkpoint_file(config.checkpoint)))
-        text_config = getattr(model_config, "text_config", model_config)
-        embed = backbone_state.get("language_model.embed_tokens.weight")
-        if embed is None:
-            raise FlowrlError("the checkpoint has no token embeddings (model.embed_tokens.weight)", where="reward 'hpsv3': checkpoint")
-        text_config.vocab_size = embed.shape[0]
-        if self.reward_token_id >= embed.shape[0]:
+        state = load_state_dict(_checkpoint_file(config.checkpoint), "hpsv3")
+        backbone_state, head_state = split_checkpoint(state, "hpsv3")
+        core = build_core(transformers, model_config, backbone_state, "hpsv3",
+                          hint="base_model must be the model HPSv3 was trained from")
+        rows = core.get_input_embeddings().weight.shape[0]
+        if self.reward_token_id >= rows:
             raise FlowrlError(
-                f"token {REWARD_TOKEN} has id {self.reward_token_id} but the checkpoint embeds only {embed.shape[0]} tokens",
+                f"token {REWARD_TOKEN} has id {self.reward_token_id} but the checkpoint embeds only {rows} tokens",
                 where="reward 'hpsv3'", hint="base_model must be the tokenizer HPSv3 was trained with (Qwen2-VL-7B-Instruct)",
             )
-        from accelerate import init_empty_weights
-
-        # Parameters on the meta device, buffers (rotary frequencies) real: the checkpoint
-        # provides every parameter, so a random init of 7B weights is skipped entirely.
-        with init_empty_weights(include_buffers=False):
-            core = transformers.Qwen2VLModel(model_config)
-        missing, unexpected = core.load_state_dict(backbone_state, strict=False, assign=True)
-        if missing or unexpected:
-            raise FlowrlError(
-                f"checkpoint does not match the Qwen2-VL architecture of '{base}': "
-                f"missing {missing[:4]}, unexpected {unexpected[:4]}",
-                where="reward 'hpsv3'", hint="base_model must be the model HPSv3 was trained from",
-            )
-        self.head = RewardHead(head_state)
+        self.head = RewardHead(head_state, "hpsv3")
         self.core = core
         self.module = nn.ModuleDict({"core": core, "head": self.head})
 
         vision = model_config.vision_config
-        pre = _read_preprocessor_config(base)
+        pre = read_preprocessor_config(base)
         self.patch = int(pre.get("patch_size", getattr(vision, "patch_size", 14)))
         self.merge = int(pre.get("merge_size", getattr(vision, "spatial_merge_size", 2)))
         self.temporal = int(pre.get("temporal_patch_size", getattr(vision, "temporal_patch_size", 2)))
@@ -324,17 +193,8 @@ class HPSv3(ModelReward):
         positions = torch.arange(ids.shape[1], device=self.device)
         reward_at = torch.where(is_reward, positions, -1).max(dim=1).values
 
-        core = self.core
-        dtype = next(core.visual.parameters()).dtype
         grid = torch.tensor(grids, device=self.device)
-        vis = core.visual(torch.cat(patches).to(dtype), grid_thw=grid)
-        image_embeds = vis if isinstance(vis, torch.Tensor) else vis.pooler_output
-        embeds = core.get_input_embeddings()(ids)
-        image_mask = (ids == self.image_token_id).unsqueeze(-1).expand_as(embeds)
-        embeds = embeds.masked_scatter(image_mask, image_embeds.to(embeds.dtype))
-        # Plain positions 0..L-1 on the temporal, height and width axes, as the package feeds.
-        pos = positions.view(1, 1, -1).expand(3, ids.shape[0], -1)
-        hidden = core.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).last_hidden_state
+        hidden = language_forward(self.core, ids, mask, torch.cat(patches), grid, self.image_token_id)
         picked = hidden[torch.arange(ids.shape[0], device=self.device), reward_at].float()
         out = self.head(picked)
         return {"scores": out[:, 0], "hpsv3_sigma": out[:, 1]} if out.shape[1] > 1 else {"scores": out[:, 0]}

@@ -8,6 +8,7 @@
 - ``http``: any reward served by ``flowrl reward serve`` in another process or environment.
 - ``condition_fidelity``: image editing, how close the result stays to its condition image.
 - ``temporal_consistency``: video, how steady a clip is from frame to frame (no weights).
+- ``video_align``: video, VideoReward (VideoAlign's Qwen2-VL-2B reward model) on whole clips.
 
 Every module here imports its heavy dependencies (transformers, open_clip) only when a reward
 is built, so listing the plugins (``flowrl plugins``) stays fast and needs none of the extras. Docs: docs/rewards.md.
@@ -24,6 +25,7 @@ from .hpsv3 import HPSv3
 from .hpsv3_upstream import HPSv3Upstream
 from .http import HttpReward
 from .temporal import TemporalConsistency
+from .video_align import VideoAlign
 
 
 @hookimpl(trylast=True)
@@ -42,5 +44,7 @@ def register_rewards(register):
              help="Image editing: 1 - mean |image - condition image| at low resolution (reads rewards' metadata).")
     register("temporal_consistency", TemporalConsistency,
              help="Video: frame-to-frame consistency of a clip in [0, 1] (colour histograms, blind to motion; or pixels).")
+    register("video_align", VideoAlign,
+             help="Video: VideoReward (VideoAlign, Qwen2-VL-2B) on whole clips: VQ, MQ, TA or overall; flowrl-diffusion[rewards].")
     register("http", HttpReward,
              help="A reward served over HTTP by `flowrl reward serve` (own env/GPU); errors, never defaults.")
