@@ -29,7 +29,10 @@ GPU's default) twice and measures the second step (the first creates the optimiz
    ``quantize_4bit`` returns (packed 4-bit weights, absmax per block of 64, quantisation map).
    The tracked runs use bitsandbytes' ``Linear4bit`` layers (as diffusers' ``BitsAndBytesConfig``
    loads them) with fake packed weights (bitsandbytes registers fake kernels for its ops).
-6. ``wan_lora_*`` (``--items``, added to a saved result): Wan 2.1 T2V 1.3B (30 blocks), LoRA rank
+6. ``wan_lora_*`` and ``wan22_lora_*`` (``--items``, added to a saved result): Wan 2.1 T2V 1.3B
+   and Wan 2.2 TI2V-5B (30 blocks each; the 5B with a timestep per video token, as its pipeline
+   passes them, and one clip of ``recipes/wan22_5b_lora.toml``: 1280 x 704, 49 frames =
+   13 x 22 x 40 = 11440 video tokens). Wan 2.1: LoRA rank
    64 on the attention projections, a bf16 base, micro-batch 1, one clip of the shipped recipe
    (``recipes/wan21_1p3b_lora.toml``: 832 x 480, 33 frames = 9 x 30 x 52 = 14040 video tokens,
    512 text tokens as cross-attention keys), one forward (no CFG pair), the same way as 2-3.
@@ -121,6 +124,11 @@ WAN21_1P3B = {
 #: Wan latents of one clip of recipes/wan21_1p3b_lora.toml: 33 frames -> 9 latent frames, 480 x 832 / 8
 WAN_LATENT = (9, 60, 104)
 WAN_TOKENS = WAN_LATENT[0] * (WAN_LATENT[1] // 2) * (WAN_LATENT[2] // 2)  # patch (1, 2, 2): 14040
+#: Wan-AI/Wan2.2-TI2V-5B-Diffusers (5.00e9 parameters; flowrl_plugins.diffusers_models.memory's copy)
+WAN22_5B = dict(WAN21_1P3B, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336)
+#: Wan 2.2 latents of one clip of recipes/wan22_5b_lora.toml: 49 frames -> 13 latent frames, 704 x 1280 / 16
+WAN22_LATENT = (13, 44, 80)
+WAN22_TOKENS = WAN22_LATENT[0] * (WAN22_LATENT[1] // 2) * (WAN22_LATENT[2] // 2)  # patch (1, 2, 2): 11440
 
 IMAGE_TOKENS = 1024  # 512 x 512: VAE factor 8, then 2 x 2 patches
 TEXT_TOKENS = 512  # max_sequence_length of all three pipelines (an upper bound for Qwen-Image)
@@ -138,6 +146,8 @@ class Family:
     depth_keys: tuple[str, ...]  # config keys of the block counts
     block_attrs: tuple[str, ...]  # module attributes holding the block lists, same order
     kinds: tuple[str, ...]  # a name per block kind, same order
+    latent: tuple[int, int, int] | None = None  # video latents (F_lat, H, W) of the tracked clip (Wan)
+    per_token_timesteps: bool = False  # Wan 2.2 TI2V: a timestep per video token, as its pipeline passes them
 
     def depth(self) -> tuple[int, ...]:
         return tuple(int(self.config[k]) for k in self.depth_keys)
@@ -166,12 +176,13 @@ class Family:
     def inputs(self, batch: int, img: int, txt: int, dtype: torch.dtype) -> dict[str, Any]:
         """Call inside the fake mode: keyword arguments of one forward."""
         c = self.config
-        if self.name == "wan21":  # video latents [B, C, F_lat, H/8, W/8]; the text is cross-attention only
-            f, h, w = WAN_LATENT
-            assert img == f * (h // 2) * (w // 2), f"Wan runs its recipe's clip ({WAN_TOKENS} tokens), not {img}"
+        if self.latent is not None:  # Wan video latents [B, C, F_lat, h, w]; the text is cross-attention only
+            f, h, w = self.latent
+            assert img == f * (h // 2) * (w // 2), f"Wan runs its recipe's clip ({f * (h // 2) * (w // 2)} tokens), not {img}"
+            shape = (batch, img) if self.per_token_timesteps else (batch,)
             return {"hidden_states": torch.randn(batch, c["in_channels"], f, h, w, dtype=dtype),
                     "encoder_hidden_states": torch.randn(batch, txt, c["text_dim"], dtype=dtype),
-                    "timestep": torch.full((batch,), 500.0, dtype=dtype), "return_dict": False}
+                    "timestep": torch.full(shape, 500.0, dtype=dtype), "return_dict": False}
         kw: dict[str, Any] = {
             "hidden_states": torch.randn(batch, img, c["in_channels"], dtype=dtype),
             "encoder_hidden_states": torch.randn(batch, txt, c["joint_attention_dim"], dtype=dtype),
@@ -197,7 +208,9 @@ QWEN = Family("qwen_image", "QwenImageTransformer2DModel", QWEN_IMAGE, ("num_lay
               ("block",))
 KLEIN = Family("flux2_klein", "Flux2Transformer2DModel", FLUX2_KLEIN_4B, ("num_layers", "num_single_layers"),
                ("transformer_blocks", "single_transformer_blocks"), ("double", "single"))
-WAN = Family("wan21", "WanTransformer3DModel", WAN21_1P3B, ("num_layers",), ("blocks",), ("block",))
+WAN = Family("wan21", "WanTransformer3DModel", WAN21_1P3B, ("num_layers",), ("blocks",), ("block",), WAN_LATENT)
+WAN22 = Family("wan22", "WanTransformer3DModel", WAN22_5B, ("num_layers",), ("blocks",), ("block",), WAN22_LATENT,
+               per_token_timesteps=True)
 
 
 def lora_targets(family: Family) -> list[str]:
@@ -207,7 +220,7 @@ def lora_targets(family: Family) -> list[str]:
     from flowrl_plugins.diffusers_models.common import ATTENTION
     from flowrl_plugins.diffusers_models.wan import WAN_ATTENTION
 
-    if family.name == "wan21":
+    if family.latent is not None:  # Wan
         return list(WAN_ATTENTION)
     targets = list(ATTENTION)
     if family.name == "flux2_klein":
@@ -969,30 +982,35 @@ def _fsdp_item(key: str, title: str, small: dict, full: dict, plan: dict | None,
 KL_ITEMS = ("flux_full_fsdp8_ac_kl", "flux_full_fsdp8_startup_kl", "flux_full_fsdp8_720_ac_accum2_sync")
 #: tokens of one 720 x 720 FLUX sample (45 x 45 latent patches) and its text
 FLAGSHIP_TOKENS = (2025, 512)
-#: Wan 2.1 1.3B LoRA items (``--items``): checkpointing on (the recipe's) and off
-WAN_ITEMS = ("wan_lora_ac", "wan_lora_noac")
+#: Wan LoRA items (``--items``): checkpointing on (the recipes') and off; Wan 2.1 1.3B and Wan 2.2 TI2V-5B
+WAN_ITEMS = ("wan_lora_ac", "wan_lora_noac", "wan22_lora_ac", "wan22_lora_noac")
 ADDED_ITEMS = KL_ITEMS + WAN_ITEMS
+#: item prefix -> (family, video tokens of its recipe's clip, title)
+_WAN_KINDS = {"wan_lora": (WAN, WAN_TOKENS, "Wan 2.1 T2V 1.3B"),
+              "wan22_lora": (WAN22, WAN22_TOKENS, "Wan 2.2 TI2V-5B (per-token timesteps)")}
 
 
 def run_wan_items(keys=WAN_ITEMS) -> dict[str, Any]:
-    """Wan 2.1 T2V 1.3B, LoRA r64 on a bf16 base, one clip of the shipped recipe, one process: the
-    reduced-depth runs (2 and 3 blocks) fitted per block and checked at 5, as the other LoRA items."""
+    """Wan 2.1 T2V 1.3B or Wan 2.2 TI2V-5B, LoRA r64 on a bf16 base, one clip of the shipped recipe,
+    one process: the reduced-depth runs (2 and 3 blocks) fitted per block and checked at 5, as the
+    other LoRA items."""
     items: dict[str, Any] = {}
-    width = WAN.config["num_attention_heads"] * WAN.config["attention_head_dim"]
-    tw = WAN_TOKENS * width * 2  # per video token: the text enters only as cross-attention keys
     for key in keys:
-        ac = key == "wan_lora_ac"
-        item = lora_item(WAN, ac, (5,), tokens=(WAN_TOKENS, TEXT_TOKENS))
+        family, tokens, name = _WAN_KINDS[key.rsplit("_", 1)[0]]
+        width = family.config["num_attention_heads"] * family.config["attention_head_dim"]
+        tw = tokens * width * 2  # per video token: the text enters only as cross-attention keys
+        ac = key.endswith("_ac")
+        item = lora_item(family, ac, (5,), tokens=(tokens, TEXT_TOKENS))
         ext = item["extrapolation"]
         ext["max_temporaries"] = max(r["temporaries"] for r in item["runs"].values())
         consts = constants(ext, tw, temp_fit=False)
         item["tracker"]["temporaries"] = ext["max_temporaries"]
         v = item["validation"]
         item["should"] = should_lora(item["base_params"], 2.0, item["trainable_params"], tw=tw,
-                                     depth={"block": WAN.depth()[0]}, consts=consts, checkpointing=ac)
+                                     depth={"block": family.depth()[0]}, consts=consts, checkpointing=ac)
         item["plan"] = plan_for(key, item)
         item["constants"] = consts
-        item["title"] = (f"Wan 2.1 T2V 1.3B LoRA r64 (attention) on a bf16 base, one clip of {WAN_TOKENS} video + "
+        item["title"] = (f"{name} LoRA r64 (attention) on a bf16 base, one clip of {tokens} video + "
                          f"{TEXT_TOKENS} text tokens, one process, checkpointing {'on' if ac else 'off'}")
         item["notes"] = [
             "activation constants (bf16 elements per video token per width): "
@@ -1242,11 +1260,11 @@ def plan_for(key: str, item: dict[str, Any]) -> dict[str, Any] | None:
         return plan_numbers(other, 1, "qwen_image_lora.toml")
     if key.startswith("klein_qlora"):
         return plan_numbers(other + ["model.quantize=nf4"], 1, "flux2_klein_nf4_24gb.toml")
-    if key.startswith("wan_lora"):  # the recipe's own clip (832 x 480, 33 frames), one forward
+    if key.startswith(("wan_lora", "wan22_lora")):  # the recipe's own clip, one forward
         return plan_numbers(ac + ["model.max_sequence_length=512", "model.lora_preset=attention", "model.cfg_scale=1.0",
                                   "train.micro_batch_size=1", f"train.lora_rank={LORA_RANK}",
                                   f"train.lora_alpha={LORA_ALPHA}", "distributed.strategy=none"], 1,
-                            "wan21_1p3b_lora.toml")
+                            "wan22_5b_lora.toml" if key.startswith("wan22") else "wan21_1p3b_lora.toml")
     return None
 
 

@@ -1,10 +1,20 @@
-"""Wan 2.1 text-to-video (1.3B and 14B) as a flowrl model adapter, on diffusers' WanPipeline
-components (WanTransformer3DModel, AutoencoderKLWan, a UMT5-XXL text encoder).
+"""Wan 2.1 text-to-video (1.3B and 14B, model ``wan``) and Wan 2.2 TI2V-5B (model ``wan22``) as
+flowrl model adapters, on diffusers' WanPipeline components (WanTransformer3DModel,
+AutoencoderKLWan, a UMT5-XXL text encoder). Both are one adapter: what differs is read off the
+pipeline's own configuration (the VAE's factors, the pipeline's ``expand_timesteps``); ``wan22``
+only changes the defaults (path, size, frames, shift).
 
 - Latents are the Wan VAE's ``[C, F_lat, H/8, W/8]`` (C = 16) for ``num_frames = F`` frames,
   ``F_lat = (F - 1) / 4 + 1``: the VAE compresses time 4x causally (the first frame alone, then
   4 frames per latent frame), so ``F`` must be ``4k + 1``. The transformer cuts ``(1, 2, 2)``
   patches itself: ``F_lat * (H/16) * (W/16)`` video tokens (480p, 33 frames: 9 x 30 x 52 = 14040).
+- Wan 2.2 TI2V-5B: a 48-channel VAE that first folds 2 x 2 pixels into channels (its
+  ``patch_size = 2``) and then compresses 8x, so latents are ``[48, F_lat, H/16, W/16]`` and the
+  transformer's ``(1, 2, 2)`` patches make ``F_lat * (H/32) * (W/32)`` tokens (704 x 1280, 121
+  frames: 31 x 22 x 40 = 27280). The pipeline sets ``expand_timesteps``: the transformer gets one
+  timestep per video token, ``[B, seq]`` (for text-to-video all equal to ``1000 sigma``; the
+  image-to-video pipeline sets the first latent frame's to 0, clean, and overwrites that frame with
+  the encoded image; flowrl does not condition on an image yet, see docs/video.md).
 - Timestep convention: the transformer takes ``timestep = 1000 * sigma`` (WanPipeline passes its
   scheduler's timesteps, which are ``1000 * sigma``). The published scheduler (UniPC) rounds them
   to integers; flowrl feeds the exact ``1000 * sigma``, as diffusers' FlowMatchEuler pipelines do.
@@ -28,7 +38,7 @@ components (WanTransformer3DModel, AutoencoderKLWan, a UMT5-XXL text encoder).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -115,10 +125,12 @@ class WanModel(DiffusersAdapter):
         if config.vae_dtype == "fp32":
             self.pipe.vae.to(torch.float32)  # frozen and small (0.13e9 parameters): decode at full precision
         vae = self.pipe.vae.config
-        # the pipeline's own factors: 2 per down-sampling stage in space, 2 per temporal one in time
+        # the VAE's own factors: 2 per down-sampling stage in space (times the pixel folding of
+        # Wan 2.2's VAE, patch_size 2), 2 per temporal stage in time
         self.vae_scale_temporal = 2 ** sum(vae.temperal_downsample)
         patch = tuple(self.denoiser.config.patch_size)
-        self._check_image_size(patch[1], f"patch {patch[1]}", vae_scale=2 ** len(vae.temperal_downsample))
+        self._check_image_size(patch[1], f"patch {patch[1]}",
+                               vae_scale=2 ** len(vae.temperal_downsample) * (vae.get("patch_size") or 1))
         if (config.num_frames - 1) % self.vae_scale_temporal:
             raise FlowrlError(
                 f"num_frames = {config.num_frames} is not a multiple of the VAE's temporal factor "
@@ -136,6 +148,8 @@ class WanModel(DiffusersAdapter):
         self.latent_shape = (channels, f_lat, h, w)
         self.image_seq_len = (f_lat // patch[0]) * (h // patch[1]) * (w // patch[2])
         self.uses_cfg = config.cfg_scale != 1.0
+        # Wan 2.2 TI2V: one timestep per video token (the pipeline's config says so)
+        self.expand_timesteps = bool(self.pipe.config.get("expand_timesteps", False))
 
     def _lora_preset(self, preset):
         return wan_lora_targets(preset)
@@ -158,6 +172,8 @@ class WanModel(DiffusersAdapter):
         compute = self.dtype
         x = latents.to(self.device, compute)
         t = sigma.to(self.device, torch.float32) * 1000.0  # Wan: timestep = 1000 sigma
+        if self.expand_timesteps:  # [B, seq], as WanPipeline passes it (all tokens at the same time)
+            t = t[:, None].expand(-1, self.image_seq_len)
         embeds = text["prompt_embeds"]
         if self.uses_cfg:
             # One batch [uncond; cond]; the CFG combination below is the policy's velocity.
@@ -185,3 +201,40 @@ class WanModel(DiffusersAdapter):
 
     def sigmas(self, num_steps):
         return shifted_sigmas(num_steps, self.config.flow_shift)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wan22Config(WanConfig):
+    """Wan 2.2 TI2V-5B: the ``wan`` adapter's keys, with that model's defaults."""
+
+    #: the published pipeline's expand_timesteps, for the memory plan (the adapter reads the pipeline's own)
+    per_token_timesteps: ClassVar[bool] = True
+
+    path: str = param(
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        "Hub id or local pipeline directory (model_index.json) of Wan 2.2 TI2V-5B. Apache-2.0, not gated.", path="hub",
+    )
+    height: int = param(704, "Frame height in pixels (a multiple of 32: VAE factor 16 x patch 2). Wan 2.2 5B: 704.",
+                        min=32)
+    width: int = param(1280, "Frame width in pixels (a multiple of 32). Wan 2.2 5B: 1280.", min=32)
+    num_frames: int = param(
+        121, "Frames per clip, 4k + 1 (the VAE compresses time 4x after the first frame; Wan 2.2 5B: 121 at 24 fps).",
+        min=1,
+    )
+    cfg_scale: float = param(
+        5.0, "True CFG weight w: v = v_u + w (v_c - v_u) (Wan 2.2 5B: 5.0). 1 = no CFG, one forward per step.", min=0.0
+    )
+    flow_shift: float = param(
+        5.0, "Time shift s of the sigma schedule, sigma = s u / (1 + (s - 1) u) (Wan 2.2 5B's scheduler: 5.0).",
+        min=0.01,
+    )
+
+
+class Wan22Model(WanModel):
+    """Wan 2.2 TI2V-5B text-to-video: the Wan adapter on a 48-channel, 16x VAE with per-token
+    timesteps (both read off the pipeline)."""
+
+    Config = Wan22Config
+
+    def __init__(self, config: Wan22Config, where: str = "[model] (model 'wan22')"):
+        super().__init__(config, where)
