@@ -14,7 +14,7 @@ only changes the defaults (path, size, frames, shift).
   frames: 31 x 22 x 40 = 27280). The pipeline sets ``expand_timesteps``: the transformer gets one
   timestep per video token, ``[B, seq]`` (for text-to-video all equal to ``1000 sigma``; the
   image-to-video pipeline sets the first latent frame's to 0, clean, and overwrites that frame with
-  the encoded image; flowrl does not condition on an image yet, see docs/video.md).
+  the encoded image: ``wan22``'s ``image_to_video``, see Wan22Model).
 - Timestep convention: the transformer takes ``timestep = 1000 * sigma`` (WanPipeline passes its
   scheduler's timesteps, which are ``1000 * sigma``). The published scheduler (UniPC) rounds them
   to integers; flowrl feeds the exact ``1000 * sigma``, as diffusers' FlowMatchEuler pipelines do.
@@ -168,12 +168,17 @@ class WanModel(DiffusersAdapter):
             out["negative_prompt_embeds"] = neg
         return {k: v.to(self.device) for k, v in out.items()}
 
-    def _velocity(self, module, latents, sigma, text):
-        compute = self.dtype
-        x = latents.to(self.device, compute)
-        t = sigma.to(self.device, torch.float32) * 1000.0  # Wan: timestep = 1000 sigma
+    def _inputs(self, latents, t, text):
+        """The transformer's ``hidden_states`` and ``timestep`` for latents at ``t = 1000 sigma``."""
         if self.expand_timesteps:  # [B, seq], as WanPipeline passes it (all tokens at the same time)
             t = t[:, None].expand(-1, self.image_seq_len)
+        return latents, t
+
+    def _velocity(self, module, latents, sigma, text):
+        compute = self.dtype
+        t = sigma.to(self.device, torch.float32) * 1000.0  # Wan: timestep = 1000 sigma
+        x, t = self._inputs(latents.to(self.device, torch.float32), t, text)
+        x = x.to(compute)
         embeds = text["prompt_embeds"]
         if self.uses_cfg:
             # One batch [uncond; cond]; the CFG combination below is the policy's velocity.
@@ -183,7 +188,11 @@ class WanModel(DiffusersAdapter):
             out = module(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, compute),
                          return_dict=False)[0]
         out = out.to(torch.float32)
-        return self._cfg_combined(out)[0] if self.uses_cfg else out
+        return self._conditioned(self._cfg_combined(out)[0] if self.uses_cfg else out, latents, sigma, text)
+
+    def _conditioned(self, velocity, latents, sigma, text):
+        """The velocity with what conditioning fixes (nothing here: text-to-video)."""
+        return velocity
 
     def _decoder(self, vae):
         """Wan latents -> clips ``[B, F, 3, H, W]`` in [-1, 1]: ``z * std + mean`` per channel (the VAE
@@ -228,13 +237,75 @@ class Wan22Config(WanConfig):
         5.0, "Time shift s of the sigma schedule, sigma = s u / (1 + (s - 1) u) (Wan 2.2 5B's scheduler: 5.0).",
         min=0.01,
     )
+    image_to_video: bool = param(
+        False, "Image-to-video: the first frame is each prompt's condition image ([prompts].condition_column), "
+        "as WanImageToVideoPipeline does for this model (the image's latent frame kept clean, at timestep 0).",
+    )
 
 
 class Wan22Model(WanModel):
-    """Wan 2.2 TI2V-5B text-to-video: the Wan adapter on a 48-channel, 16x VAE with per-token
-    timesteps (both read off the pipeline)."""
+    """Wan 2.2 TI2V-5B: the Wan adapter on a 48-channel, 16x VAE with per-token timesteps (both read
+    off the pipeline); with ``image_to_video``, the first frame is each prompt's condition image.
+
+    Image-to-video follows WanImageToVideoPipeline with ``expand_timesteps``: the image, resized to
+    the clip's size, is encoded by the VAE (its mode) as one latent frame and normalised
+    ``(z - mean) / std``; every transformer call sees it in place of the first latent frame, whose
+    tokens get timestep 0 (clean). The pipeline lets its solver move the first frame anyway and
+    overwrites it before decoding; flowrl's velocity on that frame is instead the exact flow
+    velocity towards the image, ``(x - c) / sigma``, so the frame ends at the image itself (the ODE
+    lands on ``c`` at sigma = 0) and decode needs nothing else. That frame's velocity has no
+    parameters in it: it adds nothing to a policy ratio."""
 
     Config = Wan22Config
 
     def __init__(self, config: Wan22Config, where: str = "[model] (model 'wan22')"):
         super().__init__(config, where)
+        if config.image_to_video:
+            if not self.expand_timesteps:
+                raise FlowrlError("image_to_video needs a pipeline with expand_timesteps (Wan 2.2 TI2V-5B)",
+                                  where=f"{where}.image_to_video", hint="set model.image_to_video = false")
+            self.condition_size = (config.height, config.width)  # flowrl.interfaces.TakesConditionImage
+            patch = tuple(self.denoiser.config.patch_size)
+            f, h, w = self.latent_shape[1:]
+            mask = torch.ones(f // patch[0], h // patch[1], w // patch[2])
+            mask[0] = 0.0  # the first latent frame's tokens are clean
+            self._token_mask = mask.flatten()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        prompts = list(prompts)
+        out = super().encode_prompts(prompts)
+        if self.config.image_to_video:
+            out["condition_latents"] = self.encode_conditions(prompts)
+        return out
+
+    @torch.no_grad()
+    def encode_conditions(self, prompts) -> torch.Tensor:
+        """``[B, C, 1, H/16, W/16]`` float32: each prompt's image as WanImageToVideoPipeline encodes it."""
+        from .editing import condition_pictures
+
+        h, w = self.condition_size
+        processor = self.pipe.video_processor
+        pixels = processor.preprocess(condition_pictures(self, prompts, processor), height=h, width=w)
+        vae = self.pipe.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(shape)
+        std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(shape)
+        with self._visiting(vae):
+            z = vae.encode(pixels.unsqueeze(2).to(self.device, vae.dtype), return_dict=False)[0].mode()
+        return ((z.float().cpu() - mean) / std).to(self.device)
+
+    def _inputs(self, latents, t, text):
+        if not self.config.image_to_video:
+            return super()._inputs(latents, t, text)
+        cond = text["condition_latents"].to(self.device, torch.float32)
+        x = torch.cat([cond, latents[:, :, 1:]], dim=2)
+        return x, t[:, None] * self._device_constant("token_mask", lambda: self._token_mask.to(self.device))[None]
+
+    def _conditioned(self, velocity, latents, sigma, text):
+        if not self.config.image_to_video:
+            return velocity
+        x0 = latents[:, :, :1].to(self.device, torch.float32)
+        cond = text["condition_latents"].to(self.device, torch.float32)
+        s = sigma.to(self.device, torch.float32).view(-1, 1, 1, 1, 1)
+        return torch.cat([(x0 - cond) / s, velocity[:, :, 1:]], dim=2)

@@ -134,6 +134,74 @@ def test_defaults_are_the_5b_models(guided):
     torch.testing.assert_close(guided.sigmas(4), (5 * u / (1 + 4 * u)).float(), atol=2e-7, rtol=0)
 
 
+# ---- image-to-video -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def i2v(make):
+    """Image-to-video, true CFG 5. Do not modify it."""
+    return make(image_to_video=True)
+
+
+def _image_prompts(prompts, seed=0):
+    """Prompt rows that all carry one seeded random 32 x 32 image (WanImageToVideoPipeline encodes
+    one image for a whole batch)."""
+    from flowrl.prompts import PromptRow
+    from flowrl.testing.conformance import condition_image_paths
+
+    path = condition_image_paths((32, 32), seed + 1)[seed]
+    return [PromptRow(p, path) for p in prompts], path
+
+
+def test_image_to_video_conforms(i2v):
+    report = check_adapter(i2v)
+    notes = {r.name: r.message for r in report.results}
+    assert notes["condition"].startswith("condition (32, 32)")
+
+
+def test_image_to_video_equals_the_wan_i2v_pipeline(i2v):
+    # WanImageToVideoPipeline with expand_timesteps on the same components: the image's latent
+    # frame in place of the first, its tokens at timestep 0, overwritten before decoding
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    rows, path = _image_prompts(PROMPTS)
+    p = i2v.pipe
+    pipe = _euler_on_flowrl_grid(WanImageToVideoPipeline(
+        tokenizer=p.tokenizer, text_encoder=p.text_encoder, vae=p.vae, transformer=p.transformer,
+        scheduler=p.scheduler, expand_timesteps=True))
+    noise = torch.randn(2, *LATENT, generator=torch.Generator().manual_seed(4))
+    ref = pipe(image=Image.open(path).convert("RGB"), prompt=list(PROMPTS), negative_prompt="", height=32, width=32,
+               num_frames=5, num_inference_steps=4, guidance_scale=5.0, latents=noise, output_type="pt",
+               max_sequence_length=16).frames
+    ours = _ode_frames(i2v, rows, noise)
+    assert ((ref > 0) & (ref < 1)).float().mean() > 0.3, "the comparison needs unclamped pixels"
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_image_to_video_keeps_the_first_frame_clean(i2v):
+    from flowrl.sampling.rollout import ode_sample
+
+    rows, _ = _image_prompts(PROMPTS[:1])
+    text = i2v.encode_prompts(rows)
+    seen = []
+    hook = i2v.denoiser.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    try:
+        x = torch.randn(1, *LATENT, generator=torch.Generator().manual_seed(6))
+        out = ode_sample(lambda i, x, s: i2v.velocity(x, s, text), x, i2v.sigmas(3))
+    finally:
+        hook.remove()
+    t = seen[0]["timestep"]  # CFG: [uncond; cond], 2 x 2 x 2 tokens, the first frame's 4 at 0
+    assert t.shape == (2, 8) and (t[:, :4] == 0).all() and (t[:, 4:] == 1000.0).all()
+    torch.testing.assert_close(seen[0]["hidden_states"][:, :, :1], text["condition_latents"].repeat(2, 1, 1, 1, 1))
+    torch.testing.assert_close(out[:, :, :1], text["condition_latents"], atol=1e-6, rtol=0)
+
+
+def test_image_to_video_needs_a_condition_image(i2v):
+    with pytest.raises(FlowrlError, match="condition image"):
+        i2v.encode_prompts(["a red cat"])
+
+
 # ---- training the recipe, and the LoRA export ------------------------------------------------
 
 _SETS = ["model.height=32", "model.width=32", "model.num_frames=5", "model.max_sequence_length=16",
