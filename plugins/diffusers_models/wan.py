@@ -47,6 +47,7 @@ from flowrl.errors import FlowrlError
 from flowrl.sampling.schedules import shifted_sigmas
 
 from .common import DiffusersAdapter
+from .editing import condition_pictures
 from .memory import wan_memory_spec
 
 #: every Wan block's self-attention (attn1) and cross-attention to the text (attn2)
@@ -282,8 +283,6 @@ class Wan22Model(WanModel):
     @torch.no_grad()
     def encode_conditions(self, prompts) -> torch.Tensor:
         """``[B, C, 1, H/16, W/16]`` float32: each prompt's image as WanImageToVideoPipeline encodes it."""
-        from .editing import condition_pictures
-
         h, w = self.condition_size
         processor = self.pipe.video_processor
         pixels = processor.preprocess(condition_pictures(self, prompts, processor), height=h, width=w)
