@@ -495,11 +495,14 @@ def build_tiny_wan22(path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
-def build_tiny_ltx(path: str | Path, *, seed: int = 0) -> Path:
+def build_tiny_ltx(path: str | Path, *, timestep_conditioning: bool = False, seed: int = 0) -> Path:
     """Write a tiny LTX-Video pipeline to ``path``: a T5 encoder, an LTX VAE with the published
     layout (4 x 4 pixels folded into channels, causal encoder, non-trivial latent statistics) but
     two down-sampling stages (spatial factor 16, temporal 4), an LTXVideoTransformer3DModel, and
-    FlowMatchEuler with the published dynamic shift and shift_terminal. Returns ``path``."""
+    FlowMatchEuler with the published dynamic shift and shift_terminal. ``timestep_conditioning``:
+    a VAE whose decoder takes a timestep (LTX-Video 0.9.1+), with three stages (the published
+    factors 32 and 8; diffusers' timestep-conditioned decoder wants equal decoder widths).
+    Returns ``path``."""
     from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
 
     path = Path(path)
@@ -507,14 +510,23 @@ def build_tiny_ltx(path: str | Path, *, seed: int = 0) -> Path:
     tok = t5_tokenizer()
     width = 32
     channels = 8
-    vae = AutoencoderKLLTXVideo(
-        latent_channels=channels, block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16, 16),
-        layers_per_block=(1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
-        spatio_temporal_scaling=(True, True, False), decoder_spatio_temporal_scaling=(True, True, False),
-        decoder_inject_noise=(False, False, False, False), down_block_types=("LTXVideoDownBlock3D",) * 3,
-        downsample_type=("conv",) * 3, upsample_residual=(False,) * 3, upsample_factor=(1,) * 3,
-        patch_size=4, patch_size_t=1,
-    )
+    if timestep_conditioning:
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=channels, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(16, 16, 16),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, True, False), decoder_spatio_temporal_scaling=(True, True, True),
+            decoder_inject_noise=(False,) * 4, upsample_residual=(False,) * 3, upsample_factor=(1,) * 3,
+            timestep_conditioning=True,
+        )
+    else:
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=channels, block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16, 16),
+            layers_per_block=(1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, False), decoder_spatio_temporal_scaling=(True, True, False),
+            decoder_inject_noise=(False, False, False, False), down_block_types=("LTXVideoDownBlock3D",) * 3,
+            downsample_type=("conv",) * 3, upsample_residual=(False,) * 3, upsample_factor=(1,) * 3,
+            patch_size=4, patch_size_t=1,
+        )
     with torch.no_grad():
         vae.latents_mean.copy_(torch.linspace(-0.3, 0.3, channels))
         vae.latents_std.copy_(torch.linspace(0.6, 1.8, channels))

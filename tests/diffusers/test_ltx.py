@@ -5,6 +5,7 @@ computation, and a 2-iteration LoRA run whose export LTXPipeline loads and repro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -102,6 +103,27 @@ def test_token_packing_and_decode(guided):
     expected = (video.transpose(1, 2) / 2 + 0.5).clamp(0, 1)
     torch.testing.assert_close(guided.decode(tokens), expected)
     assert guided.latent_shape == LATENT and guided.grid == GRID and guided.rope_scale == (4 / 25, 16, 16)
+
+
+def test_a_timestep_conditioned_vae_decodes_at_decode_timestep(tiny_dir):
+    # LTX-Video 0.9.1+: the VAE's decoder takes a timestep; the pipeline with decode_noise_scale = 0
+    # (no noise mixed in) is what flowrl's deterministic decode does
+    from flowrl.testing.tiny_pipelines import build_tiny_ltx
+    from flowrl_plugins.diffusers_models.ltx import LTXConfig, LTXModel
+
+    path = build_tiny_ltx(tiny_dir / "ltx_tc", timestep_conditioning=True)
+    m = LTXModel(LTXConfig(path=str(path), **{**TINY, "num_frames": 17}, cfg_scale=1.0, decode_timestep=0.05))
+    assert m.pipe.vae.config.timestep_conditioning and m.latent_shape == (3 * 1 * 2, 8)  # factors 32 and 8
+    noise = torch.randn(1, *m.latent_shape, generator=torch.Generator().manual_seed(8))
+    ours = _ode_frames(m, PROMPTS[:1], noise)
+    ref = m.pipe(prompt=list(PROMPTS[:1]), negative_prompt="", height=32, width=64, num_frames=17, frame_rate=25,
+                 num_inference_steps=4, guidance_scale=1.0, latents=noise, output_type="pt", max_sequence_length=16,
+                 decode_timestep=0.05, decode_noise_scale=0.0).frames
+    assert ours.shape == (1, 17, 3, 32, 64)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    before = m.decode(noise)
+    m.config = dataclasses.replace(m.config, decode_timestep=0.0)  # the adapter reads it at each decode
+    assert (before - m.decode(noise)).abs().max() > 1e-4, "decode_timestep does not reach the VAE"
 
 
 def test_frames_and_size_must_fit_the_vae(make):
