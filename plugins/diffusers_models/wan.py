@@ -124,7 +124,8 @@ class WanModel(DiffusersAdapter):
     def __init__(self, config: WanConfig, where: str = "[model] (model 'wan')"):
         super().__init__(config, where)
         if config.vae_dtype == "fp32":
-            self.pipe.vae.to(torch.float32)  # frozen and small (0.13e9 parameters): decode at full precision
+            # frozen and small (2.1: 0.13e9 parameters, 2.2: 0.70e9): decode at full precision
+            self.pipe.vae.to(torch.float32)
         vae = self.pipe.vae.config
         # the VAE's own factors: 2 per down-sampling stage in space (times the pixel folding of
         # Wan 2.2's VAE, patch_size 2), 2 per temporal stage in time
