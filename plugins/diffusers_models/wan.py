@@ -2,7 +2,7 @@
 flowrl model adapters, on diffusers' WanPipeline components (WanTransformer3DModel,
 AutoencoderKLWan, a UMT5-XXL text encoder). Both are one adapter: what differs is read off the
 pipeline's own configuration (the VAE's factors, the pipeline's ``expand_timesteps``); ``wan22``
-only changes the defaults (path, size, frames, shift).
+only changes the defaults (path, the 5B's 720p size 1280 x 704 and 121 frames, shift 5 for 720p).
 
 - Latents are the Wan VAE's ``[C, F_lat, H/8, W/8]`` (C = 16) for ``num_frames = F`` frames,
   ``F_lat = (F - 1) / 4 + 1``: the VAE compresses time 4x causally (the first frame alone, then
@@ -225,8 +225,9 @@ class Wan22Config(WanConfig):
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
         "Hub id or local pipeline directory (model_index.json) of Wan 2.2 TI2V-5B. Apache-2.0, not gated.", path="hub",
     )
-    height: int = param(704, "Frame height in pixels (a multiple of 32: VAE factor 16 x patch 2). Wan 2.2 5B: 704.",
-                        min=32)
+    height: int = param(
+        704, "Frame height in pixels (a multiple of 32: VAE factor 16 x patch 2). Wan 2.2 5B's 720p: 704.", min=32
+    )
     width: int = param(1280, "Frame width in pixels (a multiple of 32). Wan 2.2 5B: 1280.", min=32)
     num_frames: int = param(
         121, "Frames per clip, 4k + 1 (the VAE compresses time 4x after the first frame; Wan 2.2 5B: 121 at 24 fps).",
@@ -236,8 +237,8 @@ class Wan22Config(WanConfig):
         5.0, "True CFG weight w: v = v_u + w (v_c - v_u) (Wan 2.2 5B: 5.0). 1 = no CFG, one forward per step.", min=0.0
     )
     flow_shift: float = param(
-        5.0, "Time shift s of the sigma schedule, sigma = s u / (1 + (s - 1) u) (Wan 2.2 5B's scheduler: 5.0).",
-        min=0.01,
+        5.0, "Time shift s of the sigma schedule, sigma = s u / (1 + (s - 1) u) (5.0 at 720p, as diffusers' Wan "
+        "example sets it).", min=0.01,
     )
     image_to_video: bool = param(
         False, "Image-to-video: the first frame is each prompt's condition image ([prompts].condition_column), "
