@@ -29,7 +29,12 @@ GPU's default) twice and measures the second step (the first creates the optimiz
    ``quantize_4bit`` returns (packed 4-bit weights, absmax per block of 64, quantisation map).
    The tracked runs use bitsandbytes' ``Linear4bit`` layers (as diffusers' ``BitsAndBytesConfig``
    loads them) with fake packed weights (bitsandbytes registers fake kernels for its ops).
-6. ``wan_lora_*`` (``--items``, added to a saved result): Wan 2.1 T2V 1.3B (30 blocks), LoRA rank
+6. ``wan_lora_*`` and ``wan22_lora_*`` (``--items``, added to a saved result): Wan 2.1 T2V 1.3B
+   and Wan 2.2 TI2V-5B (30 blocks each; the 5B with a timestep per video token, as its pipeline
+   passes them, and one clip of ``recipes/wan22_5b_lora.toml``: 1280 x 704, 49 frames =
+   13 x 22 x 40 = 11440 video tokens); ``ltx_lora_*``: LTX-Video 2B (28 blocks), one clip of
+   ``recipes/ltx_lora.toml`` (704 x 480, 121 frames = 16 x 15 x 22 = 5280 packed tokens, 128 text
+   tokens with their mask). Wan 2.1: LoRA rank
    64 on the attention projections, a bf16 base, micro-batch 1, one clip of the shipped recipe
    (``recipes/wan21_1p3b_lora.toml``: 832 x 480, 33 frames = 9 x 30 x 52 = 14040 video tokens,
    512 text tokens as cross-attention keys), one forward (no CFG pair), the same way as 2-3.
@@ -121,6 +126,22 @@ WAN21_1P3B = {
 #: Wan latents of one clip of recipes/wan21_1p3b_lora.toml: 33 frames -> 9 latent frames, 480 x 832 / 8
 WAN_LATENT = (9, 60, 104)
 WAN_TOKENS = WAN_LATENT[0] * (WAN_LATENT[1] // 2) * (WAN_LATENT[2] // 2)  # patch (1, 2, 2): 14040
+#: Wan-AI/Wan2.2-TI2V-5B-Diffusers (5.00e9 parameters; flowrl_plugins.diffusers_models.memory's copy)
+WAN22_5B = dict(WAN21_1P3B, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336)
+#: Wan 2.2 latents of one clip of recipes/wan22_5b_lora.toml: 49 frames -> 13 latent frames, 704 x 1280 / 16
+WAN22_LATENT = (13, 44, 80)
+WAN22_TOKENS = WAN22_LATENT[0] * (WAN22_LATENT[1] // 2) * (WAN22_LATENT[2] // 2)  # patch (1, 2, 2): 11440
+#: Lightricks/LTX-Video (0.9.x, 2B; diffusers' LTXVideoTransformer3DModel defaults, 1.923e9 parameters)
+LTX_2B = {
+    "in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "num_attention_heads": 32,
+    "attention_head_dim": 64, "cross_attention_dim": 2048, "num_layers": 28, "activation_fn": "gelu-approximate",
+    "qk_norm": "rms_norm_across_heads", "norm_elementwise_affine": False, "norm_eps": 1e-6, "caption_channels": 4096,
+    "attention_bias": True, "attention_out_bias": True,
+}
+#: LTX token grid of one clip of recipes/ltx_lora.toml: 121 frames -> 16 latent frames, 480 x 704 / 32
+LTX_GRID = (16, 15, 22)
+LTX_TOKENS = LTX_GRID[0] * LTX_GRID[1] * LTX_GRID[2]  # 5280
+LTX_TEXT_TOKENS = 128  # the recipe's (and LTXPipeline's) max_sequence_length
 
 IMAGE_TOKENS = 1024  # 512 x 512: VAE factor 8, then 2 x 2 patches
 TEXT_TOKENS = 512  # max_sequence_length of all three pipelines (an upper bound for Qwen-Image)
@@ -138,6 +159,8 @@ class Family:
     depth_keys: tuple[str, ...]  # config keys of the block counts
     block_attrs: tuple[str, ...]  # module attributes holding the block lists, same order
     kinds: tuple[str, ...]  # a name per block kind, same order
+    latent: tuple[int, int, int] | None = None  # video latents (F_lat, H, W) of the tracked clip (Wan)
+    per_token_timesteps: bool = False  # Wan 2.2 TI2V: a timestep per video token, as its pipeline passes them
 
     def depth(self) -> tuple[int, ...]:
         return tuple(int(self.config[k]) for k in self.depth_keys)
@@ -166,12 +189,21 @@ class Family:
     def inputs(self, batch: int, img: int, txt: int, dtype: torch.dtype) -> dict[str, Any]:
         """Call inside the fake mode: keyword arguments of one forward."""
         c = self.config
-        if self.name == "wan21":  # video latents [B, C, F_lat, H/8, W/8]; the text is cross-attention only
-            f, h, w = WAN_LATENT
-            assert img == f * (h // 2) * (w // 2), f"Wan runs its recipe's clip ({WAN_TOKENS} tokens), not {img}"
+        if self.latent is not None:  # Wan video latents [B, C, F_lat, h, w]; the text is cross-attention only
+            f, h, w = self.latent
+            assert img == f * (h // 2) * (w // 2), f"Wan runs its recipe's clip ({f * (h // 2) * (w // 2)} tokens), not {img}"
+            shape = (batch, img) if self.per_token_timesteps else (batch,)
             return {"hidden_states": torch.randn(batch, c["in_channels"], f, h, w, dtype=dtype),
                     "encoder_hidden_states": torch.randn(batch, txt, c["text_dim"], dtype=dtype),
-                    "timestep": torch.full((batch,), 500.0, dtype=dtype), "return_dict": False}
+                    "timestep": torch.full(shape, 500.0, dtype=dtype), "return_dict": False}
+        if self.name == "ltx":  # packed video tokens; the text is cross-attention only, with its mask
+            f, h, w = LTX_GRID
+            assert img == f * h * w, f"LTX runs its recipe's clip ({LTX_TOKENS} tokens), not {img}"
+            return {"hidden_states": torch.randn(batch, img, c["in_channels"], dtype=dtype),
+                    "encoder_hidden_states": torch.randn(batch, txt, c["caption_channels"], dtype=dtype),
+                    "encoder_attention_mask": torch.ones(batch, txt, dtype=torch.bool),
+                    "timestep": torch.full((batch,), 500.0, dtype=dtype), "num_frames": f, "height": h, "width": w,
+                    "rope_interpolation_scale": (8 / 25, 32, 32), "return_dict": False}
         kw: dict[str, Any] = {
             "hidden_states": torch.randn(batch, img, c["in_channels"], dtype=dtype),
             "encoder_hidden_states": torch.randn(batch, txt, c["joint_attention_dim"], dtype=dtype),
@@ -197,7 +229,10 @@ QWEN = Family("qwen_image", "QwenImageTransformer2DModel", QWEN_IMAGE, ("num_lay
               ("block",))
 KLEIN = Family("flux2_klein", "Flux2Transformer2DModel", FLUX2_KLEIN_4B, ("num_layers", "num_single_layers"),
                ("transformer_blocks", "single_transformer_blocks"), ("double", "single"))
-WAN = Family("wan21", "WanTransformer3DModel", WAN21_1P3B, ("num_layers",), ("blocks",), ("block",))
+WAN = Family("wan21", "WanTransformer3DModel", WAN21_1P3B, ("num_layers",), ("blocks",), ("block",), WAN_LATENT)
+LTX = Family("ltx", "LTXVideoTransformer3DModel", LTX_2B, ("num_layers",), ("transformer_blocks",), ("block",))
+WAN22 = Family("wan22", "WanTransformer3DModel", WAN22_5B, ("num_layers",), ("blocks",), ("block",), WAN22_LATENT,
+               per_token_timesteps=True)
 
 
 def lora_targets(family: Family) -> list[str]:
@@ -207,7 +242,7 @@ def lora_targets(family: Family) -> list[str]:
     from flowrl_plugins.diffusers_models.common import ATTENTION
     from flowrl_plugins.diffusers_models.wan import WAN_ATTENTION
 
-    if family.name == "wan21":
+    if family.latent is not None or family.name == "ltx":  # Wan, LTX: to_q, to_k, to_v, to_out.0 of attn1 / attn2
         return list(WAN_ATTENTION)
     targets = list(ATTENTION)
     if family.name == "flux2_klein":
@@ -969,31 +1004,37 @@ def _fsdp_item(key: str, title: str, small: dict, full: dict, plan: dict | None,
 KL_ITEMS = ("flux_full_fsdp8_ac_kl", "flux_full_fsdp8_startup_kl", "flux_full_fsdp8_720_ac_accum2_sync")
 #: tokens of one 720 x 720 FLUX sample (45 x 45 latent patches) and its text
 FLAGSHIP_TOKENS = (2025, 512)
-#: Wan 2.1 1.3B LoRA items (``--items``): checkpointing on (the recipe's) and off
-WAN_ITEMS = ("wan_lora_ac", "wan_lora_noac")
+#: Wan LoRA items (``--items``): checkpointing on (the recipes') and off; Wan 2.1 1.3B and Wan 2.2 TI2V-5B
+WAN_ITEMS = ("wan_lora_ac", "wan_lora_noac", "wan22_lora_ac", "wan22_lora_noac", "ltx_lora_ac", "ltx_lora_noac")
 ADDED_ITEMS = KL_ITEMS + WAN_ITEMS
+#: item prefix -> (family, video and text tokens of its recipe's clip, title)
+_WAN_KINDS = {"wan_lora": (WAN, (WAN_TOKENS, TEXT_TOKENS), "Wan 2.1 T2V 1.3B"),
+              "wan22_lora": (WAN22, (WAN22_TOKENS, TEXT_TOKENS), "Wan 2.2 TI2V-5B (per-token timesteps)"),
+              "ltx_lora": (LTX, (LTX_TOKENS, LTX_TEXT_TOKENS), "LTX-Video 2B")}
 
 
 def run_wan_items(keys=WAN_ITEMS) -> dict[str, Any]:
-    """Wan 2.1 T2V 1.3B, LoRA r64 on a bf16 base, one clip of the shipped recipe, one process: the
-    reduced-depth runs (2 and 3 blocks) fitted per block and checked at 5, as the other LoRA items."""
+    """Wan 2.1 T2V 1.3B or Wan 2.2 TI2V-5B, LoRA r64 on a bf16 base, one clip of the shipped recipe,
+    one process: the reduced-depth runs (2 and 3 blocks) fitted per block and checked at 5, as the
+    other LoRA items."""
     items: dict[str, Any] = {}
-    width = WAN.config["num_attention_heads"] * WAN.config["attention_head_dim"]
-    tw = WAN_TOKENS * width * 2  # per video token: the text enters only as cross-attention keys
     for key in keys:
-        ac = key == "wan_lora_ac"
-        item = lora_item(WAN, ac, (5,), tokens=(WAN_TOKENS, TEXT_TOKENS))
+        family, (tokens, text), name = _WAN_KINDS[key.rsplit("_", 1)[0]]
+        width = family.config["num_attention_heads"] * family.config["attention_head_dim"]
+        tw = tokens * width * 2  # per video token: the text enters only as cross-attention keys
+        ac = key.endswith("_ac")
+        item = lora_item(family, ac, (5,), tokens=(tokens, text))
         ext = item["extrapolation"]
         ext["max_temporaries"] = max(r["temporaries"] for r in item["runs"].values())
         consts = constants(ext, tw, temp_fit=False)
         item["tracker"]["temporaries"] = ext["max_temporaries"]
         v = item["validation"]
         item["should"] = should_lora(item["base_params"], 2.0, item["trainable_params"], tw=tw,
-                                     depth={"block": WAN.depth()[0]}, consts=consts, checkpointing=ac)
+                                     depth={"block": family.depth()[0]}, consts=consts, checkpointing=ac)
         item["plan"] = plan_for(key, item)
         item["constants"] = consts
-        item["title"] = (f"Wan 2.1 T2V 1.3B LoRA r64 (attention) on a bf16 base, one clip of {WAN_TOKENS} video + "
-                         f"{TEXT_TOKENS} text tokens, one process, checkpointing {'on' if ac else 'off'}")
+        item["title"] = (f"{name} LoRA r64 (attention) on a bf16 base, one clip of {tokens} video + "
+                         f"{text} text tokens, one process, checkpointing {'on' if ac else 'off'}")
         item["notes"] = [
             "activation constants (bf16 elements per video token per width): "
             + ", ".join(f"{k} {x:.2f}" for k, x in consts["widths"].items())
@@ -1242,11 +1283,15 @@ def plan_for(key: str, item: dict[str, Any]) -> dict[str, Any] | None:
         return plan_numbers(other, 1, "qwen_image_lora.toml")
     if key.startswith("klein_qlora"):
         return plan_numbers(other + ["model.quantize=nf4"], 1, "flux2_klein_nf4_24gb.toml")
-    if key.startswith("wan_lora"):  # the recipe's own clip (832 x 480, 33 frames), one forward
+    if key.startswith(("wan_lora", "wan22_lora")):  # the recipe's own clip, one forward
         return plan_numbers(ac + ["model.max_sequence_length=512", "model.lora_preset=attention", "model.cfg_scale=1.0",
                                   "train.micro_batch_size=1", f"train.lora_rank={LORA_RANK}",
                                   f"train.lora_alpha={LORA_ALPHA}", "distributed.strategy=none"], 1,
-                            "wan21_1p3b_lora.toml")
+                            "wan22_5b_lora.toml" if key.startswith("wan22") else "wan21_1p3b_lora.toml")
+    if key.startswith("ltx_lora"):  # the recipe's own clip (704 x 480, 121 frames, 128 text tokens), one forward
+        return plan_numbers(ac + ["model.lora_preset=attention", "model.cfg_scale=1.0", "train.micro_batch_size=1",
+                                  f"train.lora_rank={LORA_RANK}", f"train.lora_alpha={LORA_ALPHA}",
+                                  "distributed.strategy=none"], 1, "ltx_lora.toml")
     return None
 
 

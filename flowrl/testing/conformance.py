@@ -341,7 +341,8 @@ def check_sigma_direction(adapter, opts: ConformanceOptions) -> str:
     def hook(module, args, kwargs):
         t = _timestep_of(args, kwargs)
         if t is not None:
-            seen.append(t.detach().float().reshape(-1)[0].cpu())
+            # the largest: a timestep per token (Wan 2.2) gives a clean conditioning frame's tokens 0
+            seen.append(t.detach().float().reshape(-1).max().cpu())
 
     handle = adapter.denoiser.register_forward_pre_hook(hook, with_kwargs=True)
     text, x = _inputs(adapter, opts, 1)

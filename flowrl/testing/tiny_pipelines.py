@@ -57,7 +57,7 @@ ensure_torchvision_importable()
 
 __all__ = [
     "build_tiny_flux", "build_tiny_sd3", "build_tiny_qwen_image", "build_tiny_flux2_klein", "build_tiny_zimage",
-    "build_tiny_flux_kontext", "build_tiny_qwen_image_edit", "build_tiny_wan",
+    "build_tiny_flux_kontext", "build_tiny_qwen_image_edit", "build_tiny_wan", "build_tiny_wan22", "build_tiny_ltx",
     "clip_tokenizer", "t5_tokenizer", "qwen_tokenizer", "TINY_PROMPTS",
 ]
 
@@ -431,21 +431,26 @@ def build_tiny_zimage(path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
+def _umt5(tok, width: int):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tok), d_model=width, d_ff=2 * width, d_kv=width // 2, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    ))
+
+
 def build_tiny_wan(path: str | Path, *, seed: int = 0) -> Path:
     """Write a tiny Wan 2.1 text-to-video pipeline to ``path`` (UMT5 text encoder, Wan VAE with 4x
     temporal compression, the published UniPC flow scheduler with shift 3). Returns ``path``."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
 
     path = Path(path)
     torch.manual_seed(seed)
     tok = t5_tokenizer()
     width = 32
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=len(tok), d_model=width, d_ff=2 * width, d_kv=width // 2, num_layers=1, num_heads=2,
-        relative_attention_num_buckets=8, decoder_start_token_id=0, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    ))
+    text_encoder = _umt5(tok, width)
     z_dim = 4
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
@@ -458,5 +463,82 @@ def build_tiny_wan(path: str | Path, *, seed: int = 0) -> Path:
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                         num_train_timesteps=1000)
     WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                scheduler=scheduler).save_pretrained(path)
+    return path
+
+
+def build_tiny_wan22(path: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny Wan 2.2 TI2V-5B-like pipeline to ``path``: the 2.2 VAE's architecture (residual
+    blocks, 2 x 2 pixels folded into 12 input channels, ``patch_size = 2``), the pipeline's
+    ``expand_timesteps``, UniPC with shift 5. Returns ``path``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    tok = t5_tokenizer()
+    width = 32
+    z_dim = 6
+    vae = AutoencoderKLWan(
+        base_dim=8, decoder_base_dim=12, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
+        temperal_downsample=[True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_spatial=8, scale_factor_temporal=4,
+        latents_mean=[0.1, -0.2, 0.3, 0.0, 0.05, -0.1], latents_std=[1.5, 0.8, 1.2, 2.0, 0.9, 1.1],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim, out_channels=z_dim,
+        text_dim=width, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
+    )
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0,
+                                        num_train_timesteps=1000)
+    WanPipeline(tokenizer=tok, text_encoder=_umt5(tok, width), vae=vae, transformer=transformer,
+                scheduler=scheduler, expand_timesteps=True).save_pretrained(path)
+    return path
+
+
+def build_tiny_ltx(path: str | Path, *, timestep_conditioning: bool = False, seed: int = 0) -> Path:
+    """Write a tiny LTX-Video pipeline to ``path``: a T5 encoder, an LTX VAE with the published
+    layout (4 x 4 pixels folded into channels, causal encoder, non-trivial latent statistics) but
+    two down-sampling stages (spatial factor 16, temporal 4), an LTXVideoTransformer3DModel, and
+    FlowMatchEuler with the published dynamic shift and shift_terminal. ``timestep_conditioning``:
+    a VAE whose decoder takes a timestep (LTX-Video 0.9.1+), with three stages (the published
+    factors 32 and 8; diffusers' timestep-conditioned decoder wants equal decoder widths).
+    Returns ``path``."""
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    path = Path(path)
+    torch.manual_seed(seed)
+    tok = t5_tokenizer()
+    width = 32
+    channels = 8
+    if timestep_conditioning:
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=channels, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(16, 16, 16),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, True, False), decoder_spatio_temporal_scaling=(True, True, True),
+            decoder_inject_noise=(False,) * 4, upsample_residual=(False,) * 3, upsample_factor=(1,) * 3,
+            timestep_conditioning=True,
+        )
+    else:
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=channels, block_out_channels=(8, 16, 16), decoder_block_out_channels=(8, 16, 16),
+            layers_per_block=(1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, False), decoder_spatio_temporal_scaling=(True, True, False),
+            decoder_inject_noise=(False, False, False, False), down_block_types=("LTXVideoDownBlock3D",) * 3,
+            downsample_type=("conv",) * 3, upsample_residual=(False,) * 3, upsample_factor=(1,) * 3,
+            patch_size=4, patch_size_t=1,
+        )
+    with torch.no_grad():
+        vae.latents_mean.copy_(torch.linspace(-0.3, 0.3, channels))
+        vae.latents_std.copy_(torch.linspace(0.6, 1.8, channels))
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=channels, out_channels=channels, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=1, caption_channels=width,
+    )
+    # Lightricks/LTX-Video's scheduler config (the dynamic shift's constants, shift_terminal 0.1)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05,
+        shift_terminal=0.1,
+    )
+    LTXPipeline(tokenizer=tok, text_encoder=_t5(tok, width), vae=vae, transformer=transformer,
                 scheduler=scheduler).save_pretrained(path)
     return path

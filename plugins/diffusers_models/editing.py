@@ -66,19 +66,21 @@ def set_condition_size(adapter, config) -> None:
     adapter.condition_grid = (adapter.condition_size[0] // step, adapter.condition_size[1] // step)
 
 
-def condition_pictures(adapter, prompts) -> list:
-    """Each prompt's condition image, RGB, resized by the pipeline's own image processor."""
+def condition_pictures(adapter, prompts, processor=None) -> list:
+    """Each prompt's condition image, RGB, resized by the pipeline's own image processor (or
+    ``processor``: a video pipeline's)."""
     h, w = adapter.condition_size
+    processor = processor or adapter.pipe.image_processor
     out = []
     for p in prompts:
         path = condition_of(p)
         if path is None:
             raise FlowrlError(
-                f"the editing model needs a condition image for every prompt; {str(p)!r} has none",
+                f"the model needs a condition image for every prompt; {str(p)!r} has none",
                 where=adapter.where,
                 hint="give a prompt table with a condition image column ([prompts].condition_column)",
             )
-        out.append(adapter.pipe.image_processor.resize(load_condition_image(path), h, w))
+        out.append(processor.resize(load_condition_image(path), h, w))
     return out
 
 

@@ -649,16 +649,34 @@ _WAN21_1P3B = {
     "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-06, "rope_max_seq_len": 1024,
 }
 _WAN21_14B = dict(_WAN21_1P3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers (transformer/ and vae/config.json, typed in: the hub is not
+# reachable from where flowrl is tested). Instantiated on the meta device with the installed
+# diffusers: transformer 4,999,787,712 parameters, VAE 704,688,668. The VAE's latents_mean /
+# latents_std (48 values each) do not change any count and are left out.
+_WAN22_VAE = {
+    "_class": "AutoencoderKLWan", "base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2, "attn_scales": [], "temperal_downsample": [False, True, True], "is_residual": True,
+    "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16, "scale_factor_temporal": 4,
+}
+_WAN22_5B = dict(_WAN21_1P3B, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336)
 KNOWN.update({
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": _WAN21_1P3B, "text_encoder": _UMT5_XXL, "vae": _WAN_VAE},
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": {"transformer": _WAN21_14B, "text_encoder": _UMT5_XXL, "vae": _WAN_VAE},
+    "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {"transformer": _WAN22_5B, "text_encoder": _UMT5_XXL, "vae": _WAN22_VAE},
 })
 
 
+def _wan_spatial(vae: dict[str, Any]) -> int:
+    """Pixels per latent of a Wan VAE: 2 per down-sampling stage, times Wan 2.2's pixel folding."""
+    return 2 ** len(vae.get("temperal_downsample", [False, True, True])) * int(vae.get("patch_size") or 1)
+
+
 @functools.lru_cache(maxsize=8)
-def _wan_constants(head: int, ffn_ratio: float, in_channels: int) -> BlockConstants:
+def _wan_constants(head: int, ffn_ratio: float, in_channels: int, per_token_timesteps: bool = False) -> BlockConstants:
     """Per video token: the text enters each block only as cross-attention keys and values (64
-    rows here, ``max_sequence_length`` in the real model, small beside the video tokens)."""
+    rows here, ``max_sequence_length`` in the real model, small beside the video tokens). With
+    ``per_token_timesteps`` (Wan 2.2 TI2V) the replica gets a timestep per token, as the adapter
+    passes them: every block's modulation is then per token too, not one row per sample."""
     from diffusers import WanTransformer3DModel
 
     frames, side, txt, text_dim = 2, 16, 64, 32
@@ -670,7 +688,8 @@ def _wan_constants(head: int, ffn_ratio: float, in_channels: int) -> BlockConsta
                                   in_channels=in_channels, out_channels=in_channels, text_dim=text_dim, freq_dim=32,
                                   ffn_dim=int(round(ffn_ratio * width)), num_layers=counts["block"], rope_max_seq_len=64)
         x = torch.randn(1, in_channels, frames, 2 * side, 2 * side)
-        return _saved_elements(m, lambda: m(hidden_states=x, timestep=torch.tensor([500.0]),
+        t = torch.full((1, frames * side * side) if per_token_timesteps else (1,), 500.0)
+        return _saved_elements(m, lambda: m(hidden_states=x, timestep=t,
                                             encoder_hidden_states=torch.randn(1, txt, text_dim), return_dict=False)[0])
 
     return _replica_constants(run, ("block",), frames * side * side, width)
@@ -678,9 +697,9 @@ def _wan_constants(head: int, ffn_ratio: float, in_channels: int) -> BlockConsta
 
 def wan_video_tokens(config, t: dict[str, Any], vae: dict[str, Any]) -> tuple[int, int]:
     """``(latent frames, video tokens)`` of a Wan clip: ``F_lat = (F - 1) / 4 + 1`` and
-    ``F_lat * (H / 16) * (W / 16)`` for patch (1, 2, 2) and the VAE's factor 8."""
+    ``F_lat * (H / 16) * (W / 16)`` for patch (1, 2, 2) and the VAE's factor 8 (Wan 2.2 5B: 32)."""
     down = list(vae.get("temperal_downsample", [False, True, True]))
-    temporal, spatial = 2 ** sum(down), 2 ** len(down)
+    temporal, spatial = 2 ** sum(down), _wan_spatial(vae)
     pt, ph, pw = (int(p) for p in t.get("patch_size", (1, 2, 2)))
     f_lat = (config.num_frames - 1) // temporal + 1
     return f_lat, (f_lat // pt) * (config.height // spatial // ph) * (config.width // spatial // pw)
@@ -693,26 +712,117 @@ def wan_memory_spec(config, lora_targets: list[str]):
     t, vae = cfgs["transformer"], cfgs.get("vae", _WAN_VAE)
     compute, storage = _storage(config)
     f_lat, video = wan_video_tokens(config, t, vae)
-    spatial = 2 ** len(vae.get("temperal_downsample", [False, True, True]))
+    spatial = _wan_spatial(vae)
     txt = config.max_sequence_length
     cfg = 2 if config.cfg_scale != 1.0 else 1
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
-    consts = _wan_constants(int(t["attention_head_dim"]), int(t["ffn_dim"]) / width, int(t["in_channels"]))
+    per_token = bool(getattr(config, "per_token_timesteps", False))
+    consts = _wan_constants(int(t["attention_head_dim"]), int(t["ffn_dim"]) / width, int(t["in_channels"]), per_token)
+    per_block, outside_ckpt = consts.per_block, 46.8  # measured: torch's MemTracker, full-size Wan 2.1 1.3B
+    if per_token:
+        # With a timestep per token every block's modulation (shift, scale, gate: six rows of the
+        # width) is per token and float32 in a bf16 model, twice the bytes the fp32 replica counts
+        # per element: measured instead with torch's MemTracker on fake tensors, full-size Wan 2.2
+        # TI2V-5B, one 11440-token clip (benchmarks/memory_plan.py --items wan22_lora_ac,wan22_lora_noac;
+        # the replica says 41.0 widths per block, the tracker 51.3)
+        per_block, outside_ckpt = {"block": 51.3}, 66.2
     # The Wan VAE decodes one latent frame (4 frames) at a time with a cache of the causal
-    # convolutions: about six full-resolution maps of base_dim channels for 4 frames, plus the clip.
+    # convolutions: about six maps of the decoder's width for 4 frames at its last stage's
+    # resolution (full; Wan 2.2's folds 2 x 2 pixels, so a quarter), plus the clip.
+    tokens_note = (f"{video} video tokens ({f_lat} latent frames) with {txt} text tokens as cross-attention keys, "
+                   f"x{cfg} for true CFG")
     vae_bytes = 4 if config.vae_dtype == "fp32" else compute
     hw = config.height * config.width
-    decode = 6 * 4 * hw * int(vae.get("base_dim", 96)) * vae_bytes + config.num_frames * 3 * hw * 4
+    fold = int(vae.get("patch_size") or 1) ** 2
+    dec_dim = int(vae.get("decoder_base_dim") or vae.get("base_dim", 96))
+    decode = 6 * 4 * hw // fold * dec_dim * vae_bytes + config.num_frames * 3 * hw * 4
     return ModelMemory(
         **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen={**_frozen(cfgs, ("text_encoder",), compute), **_frozen(cfgs, ("vae",), vae_bytes)},
         offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=video, width=width, blocks={"block": int(t["num_layers"])},
-        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
-        checkpoint_outside=46.8,  # measured: torch's MemTracker, full-size Wan 2.1 1.3B, one 14040-token clip
+        per_block=per_block, outside=consts.outside, forwards_per_velocity=cfg,
+        checkpoint_outside=outside_ckpt,
         latent_elements=int(t["in_channels"]) * f_lat * (config.height // spatial) * (config.width // spatial),
         text_bytes_per_prompt=cfg * txt * int(t["text_dim"]) * compute,
+        decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
+        gradient_checkpointing=config.gradient_checkpointing,
+        notes=[_measured_note(tokens_note, consts) if not per_token else
+               f"{tokens_note} per sample; a timestep per token: activation constants measured with torch's "
+               f"MemTracker on the full-size Wan 2.2 TI2V-5B, block 51.3 widths per token"],
+    )
+
+
+# ---------------------------------------------------------------------------- LTX-Video
+# Lightricks/LTX-Video (0.9.x, 2B): the transformer's published config is diffusers'
+# LTXVideoTransformer3DModel defaults (128 latent channels, 28 blocks of 32 x 64, T5-XXL captions);
+# the VAE here is AutoencoderKLLTXVideo's defaults, the 0.9.0 VAE (later 0.9.x VAEs differ in
+# their decoder, which only changes the frozen VAE's bytes). Typed in: no hub access offline.
+
+_LTX_2B = {
+    "_class": "LTXVideoTransformer3DModel", "in_channels": 128, "out_channels": 128, "patch_size": 1,
+    "patch_size_t": 1, "num_attention_heads": 32, "attention_head_dim": 64, "cross_attention_dim": 2048,
+    "num_layers": 28, "activation_fn": "gelu-approximate", "qk_norm": "rms_norm_across_heads",
+    "norm_elementwise_affine": False, "norm_eps": 1e-6, "caption_channels": 4096, "attention_bias": True,
+    "attention_out_bias": True,
+}
+_LTX_VAE = {"_class": "AutoencoderKLLTXVideo", "latent_channels": 128, "patch_size": 4, "patch_size_t": 1}
+KNOWN["Lightricks/LTX-Video"] = {"transformer": _LTX_2B, "text_encoder": _T5_XXL, "vae": _LTX_VAE}
+
+
+@functools.lru_cache(maxsize=8)
+def _ltx_constants(head: int, in_channels: int) -> BlockConstants:
+    """Per video token, as for Wan: the text enters each block only as cross-attention keys."""
+    from diffusers import LTXVideoTransformer3DModel
+
+    frames, side, txt, caption = 2, 16, 64, 32
+    width = 2 * head
+
+    def run(counts):
+        torch.manual_seed(0)
+        m = LTXVideoTransformer3DModel(in_channels=in_channels, out_channels=in_channels, num_attention_heads=2,
+                                       attention_head_dim=head, cross_attention_dim=width, num_layers=counts["block"],
+                                       caption_channels=caption)
+        x = torch.randn(1, frames * side * side, in_channels)
+        return _saved_elements(m, lambda: m(hidden_states=x, timestep=torch.tensor([500.0]),
+                                            encoder_hidden_states=torch.randn(1, txt, caption),
+                                            encoder_attention_mask=torch.ones(1, txt), num_frames=frames,
+                                            height=side, width=side, rope_interpolation_scale=(0.32, 32, 32),
+                                            return_dict=False)[0])
+
+    return _replica_constants(run, ("block",), frames * side * side, width)
+
+
+def ltx_memory_spec(config, lora_targets: list[str]):
+    """:class:`flowrl.memory_plan.ModelMemory` of the ``ltx`` adapter, without weights: a "sample" is a
+    clip of ``F_lat * (H/32) * (W/32)`` tokens."""
+    cfgs = pipeline_configs(config.path, config.revision)
+    t, vae = cfgs["transformer"], cfgs.get("vae", _LTX_VAE)
+    compute, storage = _storage(config)
+    blocks = vae.get("spatio_temporal_scaling", [True, True, True, False])
+    spatial = int(vae.get("patch_size", 4)) * 2 ** sum(blocks)
+    temporal = int(vae.get("patch_size_t", 1)) * 2 ** sum(blocks)
+    f_lat = (config.num_frames - 1) // temporal + 1
+    p, pt = int(t.get("patch_size", 1)), int(t.get("patch_size_t", 1))
+    video = (f_lat // pt) * (config.height // spatial // p) * (config.width // spatial // p)
+    txt = config.max_sequence_length
+    cfg = 2 if config.cfg_scale != 1.0 else 1
+    width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
+    consts = _ltx_constants(int(t["attention_head_dim"]), int(t["in_channels"]))
+    # The LTX VAE decodes the whole clip at once: about six maps of its first decoder width at a
+    # quarter of the pixels (4 x 4 folding) for every frame, plus the clip.
+    hw = config.height * config.width
+    dec = list(vae.get("decoder_block_out_channels", vae.get("block_out_channels", [128, 256, 512, 512])))
+    decode = 6 * config.num_frames * hw // 16 * int(dec[0]) * compute + config.num_frames * 3 * hw * 4
+    return ModelMemory(
+        **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
+        frozen=_frozen(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
+        lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
+        tokens=video, width=width, blocks={"block": int(t["num_layers"])},
+        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
+        latent_elements=video * int(t["in_channels"]),
+        text_bytes_per_prompt=cfg * txt * (int(t["caption_channels"]) * compute + 1),
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
         notes=[_measured_note(f"{video} video tokens ({f_lat} latent frames) with {txt} text tokens as cross-attention "

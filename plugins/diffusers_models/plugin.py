@@ -1,5 +1,6 @@
 """Built-in plugin: real text-to-image models through diffusers: ``flux``, ``sd3``,
-``qwen_image``, ``flux2_klein`` and ``zimage``; text-to-video with ``wan`` (Wan 2.1); image editing with ``flux_kontext`` and
+``qwen_image``, ``flux2_klein`` and ``zimage``; text-to-video with ``wan`` (Wan 2.1), ``wan22``
+(Wan 2.2 TI2V-5B) and ``ltx`` (LTX-Video); image editing with ``flux_kontext`` and
 ``qwen_image_edit``.
 
 The adapters import diffusers and load weights only when a recipe builds them, so listing
@@ -13,9 +14,10 @@ from flowrl import hookimpl
 from .editing import FluxKontextModel, QwenImageEditModel
 from .flux import FluxModel
 from .flux2 import Flux2KleinModel
+from .ltx import LTXModel
 from .qwen_image import QwenImageModel
 from .sd3 import SD3Model
-from .wan import WanModel
+from .wan import Wan22Model, WanModel
 from .zimage import ZImageModel
 
 
@@ -36,3 +38,9 @@ def register_models(register):
              help="Z-Image / Z-Image-Turbo (diffusers ZImagePipeline): reversed time t = 1 - sigma, negated output.")
     register("wan", WanModel,
              help="Wan 2.1 text-to-video (diffusers WanPipeline): clips [B, F, 3, H, W], true CFG, timestep = 1000 sigma.")
+    register("wan22", Wan22Model,
+             help="Wan 2.2 TI2V-5B text-to-video (diffusers WanPipeline): 48-channel latents at 1/16, per-token "
+                  "timesteps = 1000 sigma, true CFG.")
+    register("ltx", LTXModel,
+             help="LTX-Video text-to-video (diffusers LTXPipeline): packed video tokens, timestep = 1000 sigma, true CFG, "
+                  "the pipeline's dynamic-shift schedule.")

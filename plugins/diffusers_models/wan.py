@@ -1,10 +1,20 @@
-"""Wan 2.1 text-to-video (1.3B and 14B) as a flowrl model adapter, on diffusers' WanPipeline
-components (WanTransformer3DModel, AutoencoderKLWan, a UMT5-XXL text encoder).
+"""Wan 2.1 text-to-video (1.3B and 14B, model ``wan``) and Wan 2.2 TI2V-5B (model ``wan22``) as
+flowrl model adapters, on diffusers' WanPipeline components (WanTransformer3DModel,
+AutoencoderKLWan, a UMT5-XXL text encoder). Both are one adapter: what differs is read off the
+pipeline's own configuration (the VAE's factors, the pipeline's ``expand_timesteps``); ``wan22``
+only changes the defaults (path, the 5B's 720p size 1280 x 704 and 121 frames, shift 5 for 720p).
 
 - Latents are the Wan VAE's ``[C, F_lat, H/8, W/8]`` (C = 16) for ``num_frames = F`` frames,
   ``F_lat = (F - 1) / 4 + 1``: the VAE compresses time 4x causally (the first frame alone, then
   4 frames per latent frame), so ``F`` must be ``4k + 1``. The transformer cuts ``(1, 2, 2)``
   patches itself: ``F_lat * (H/16) * (W/16)`` video tokens (480p, 33 frames: 9 x 30 x 52 = 14040).
+- Wan 2.2 TI2V-5B: a 48-channel VAE that first folds 2 x 2 pixels into channels (its
+  ``patch_size = 2``) and then compresses 8x, so latents are ``[48, F_lat, H/16, W/16]`` and the
+  transformer's ``(1, 2, 2)`` patches make ``F_lat * (H/32) * (W/32)`` tokens (704 x 1280, 121
+  frames: 31 x 22 x 40 = 27280). The pipeline sets ``expand_timesteps``: the transformer gets one
+  timestep per video token, ``[B, seq]`` (for text-to-video all equal to ``1000 sigma``; the
+  image-to-video pipeline sets the first latent frame's to 0, clean, and overwrites that frame with
+  the encoded image: ``wan22``'s ``image_to_video``, see Wan22Model).
 - Timestep convention: the transformer takes ``timestep = 1000 * sigma`` (WanPipeline passes its
   scheduler's timesteps, which are ``1000 * sigma``). The published scheduler (UniPC) rounds them
   to integers; flowrl feeds the exact ``1000 * sigma``, as diffusers' FlowMatchEuler pipelines do.
@@ -28,7 +38,7 @@ components (WanTransformer3DModel, AutoencoderKLWan, a UMT5-XXL text encoder).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -37,6 +47,7 @@ from flowrl.errors import FlowrlError
 from flowrl.sampling.schedules import shifted_sigmas
 
 from .common import DiffusersAdapter
+from .editing import condition_pictures
 from .memory import wan_memory_spec
 
 #: every Wan block's self-attention (attn1) and cross-attention to the text (attn2)
@@ -113,12 +124,15 @@ class WanModel(DiffusersAdapter):
     def __init__(self, config: WanConfig, where: str = "[model] (model 'wan')"):
         super().__init__(config, where)
         if config.vae_dtype == "fp32":
-            self.pipe.vae.to(torch.float32)  # frozen and small (0.13e9 parameters): decode at full precision
+            # frozen and small (2.1: 0.13e9 parameters, 2.2: 0.70e9): decode at full precision
+            self.pipe.vae.to(torch.float32)
         vae = self.pipe.vae.config
-        # the pipeline's own factors: 2 per down-sampling stage in space, 2 per temporal one in time
+        # the VAE's own factors: 2 per down-sampling stage in space (times the pixel folding of
+        # Wan 2.2's VAE, patch_size 2), 2 per temporal stage in time
         self.vae_scale_temporal = 2 ** sum(vae.temperal_downsample)
         patch = tuple(self.denoiser.config.patch_size)
-        self._check_image_size(patch[1], f"patch {patch[1]}", vae_scale=2 ** len(vae.temperal_downsample))
+        self._check_image_size(patch[1], f"patch {patch[1]}",
+                               vae_scale=2 ** len(vae.temperal_downsample) * (vae.get("patch_size") or 1))
         if (config.num_frames - 1) % self.vae_scale_temporal:
             raise FlowrlError(
                 f"num_frames = {config.num_frames} is not a multiple of the VAE's temporal factor "
@@ -136,6 +150,8 @@ class WanModel(DiffusersAdapter):
         self.latent_shape = (channels, f_lat, h, w)
         self.image_seq_len = (f_lat // patch[0]) * (h // patch[1]) * (w // patch[2])
         self.uses_cfg = config.cfg_scale != 1.0
+        # Wan 2.2 TI2V: one timestep per video token (the pipeline's config says so)
+        self.expand_timesteps = bool(self.pipe.config.get("expand_timesteps", False))
 
     def _lora_preset(self, preset):
         return wan_lora_targets(preset)
@@ -154,10 +170,17 @@ class WanModel(DiffusersAdapter):
             out["negative_prompt_embeds"] = neg
         return {k: v.to(self.device) for k, v in out.items()}
 
+    def _inputs(self, latents, t, text):
+        """The transformer's ``hidden_states`` and ``timestep`` for latents at ``t = 1000 sigma``."""
+        if self.expand_timesteps:  # [B, seq], as WanPipeline passes it (all tokens at the same time)
+            t = t[:, None].expand(-1, self.image_seq_len)
+        return latents, t
+
     def _velocity(self, module, latents, sigma, text):
         compute = self.dtype
-        x = latents.to(self.device, compute)
         t = sigma.to(self.device, torch.float32) * 1000.0  # Wan: timestep = 1000 sigma
+        x, t = self._inputs(latents.to(self.device, torch.float32), t, text)
+        x = x.to(compute)
         embeds = text["prompt_embeds"]
         if self.uses_cfg:
             # One batch [uncond; cond]; the CFG combination below is the policy's velocity.
@@ -167,7 +190,11 @@ class WanModel(DiffusersAdapter):
             out = module(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, compute),
                          return_dict=False)[0]
         out = out.to(torch.float32)
-        return self._cfg_combined(out)[0] if self.uses_cfg else out
+        return self._conditioned(self._cfg_combined(out)[0] if self.uses_cfg else out, latents, sigma, text)
+
+    def _conditioned(self, velocity, latents, sigma, text):
+        """The velocity with what conditioning fixes (nothing here: text-to-video)."""
+        return velocity
 
     def _decoder(self, vae):
         """Wan latents -> clips ``[B, F, 3, H, W]`` in [-1, 1]: ``z * std + mean`` per channel (the VAE
@@ -185,3 +212,101 @@ class WanModel(DiffusersAdapter):
 
     def sigmas(self, num_steps):
         return shifted_sigmas(num_steps, self.config.flow_shift)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wan22Config(WanConfig):
+    """Wan 2.2 TI2V-5B: the ``wan`` adapter's keys, with that model's defaults."""
+
+    #: the published pipeline's expand_timesteps, for the memory plan (the adapter reads the pipeline's own)
+    per_token_timesteps: ClassVar[bool] = True
+
+    path: str = param(
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        "Hub id or local pipeline directory (model_index.json) of Wan 2.2 TI2V-5B. Apache-2.0, not gated.", path="hub",
+    )
+    height: int = param(
+        704, "Frame height in pixels (a multiple of 32: VAE factor 16 x patch 2). Wan 2.2 5B's 720p: 704.", min=32
+    )
+    width: int = param(1280, "Frame width in pixels (a multiple of 32). Wan 2.2 5B: 1280.", min=32)
+    num_frames: int = param(
+        121, "Frames per clip, 4k + 1 (the VAE compresses time 4x after the first frame; Wan 2.2 5B: 121 at 24 fps).",
+        min=1,
+    )
+    cfg_scale: float = param(
+        5.0, "True CFG weight w: v = v_u + w (v_c - v_u) (Wan 2.2 5B: 5.0). 1 = no CFG, one forward per step.", min=0.0
+    )
+    flow_shift: float = param(
+        5.0, "Time shift s of the sigma schedule, sigma = s u / (1 + (s - 1) u) (5.0 at 720p, as diffusers' Wan "
+        "example sets it).", min=0.01,
+    )
+    image_to_video: bool = param(
+        False, "Image-to-video: the first frame is each prompt's condition image ([prompts].condition_column), "
+        "as WanImageToVideoPipeline does for this model (the image's latent frame kept clean, at timestep 0).",
+    )
+
+
+class Wan22Model(WanModel):
+    """Wan 2.2 TI2V-5B: the Wan adapter on a 48-channel, 16x VAE with per-token timesteps (both read
+    off the pipeline); with ``image_to_video``, the first frame is each prompt's condition image.
+
+    Image-to-video follows WanImageToVideoPipeline with ``expand_timesteps``: the image, resized to
+    the clip's size, is encoded by the VAE (its mode) as one latent frame and normalised
+    ``(z - mean) / std``; every transformer call sees it in place of the first latent frame, whose
+    tokens get timestep 0 (clean). The pipeline lets its solver move the first frame anyway and
+    overwrites it before decoding; flowrl's velocity on that frame is instead the exact flow
+    velocity towards the image, ``(x - c) / sigma``, so the frame ends at the image itself (the ODE
+    lands on ``c`` at sigma = 0) and decode needs nothing else. That frame's velocity has no
+    parameters in it: it adds nothing to a policy ratio."""
+
+    Config = Wan22Config
+
+    def __init__(self, config: Wan22Config, where: str = "[model] (model 'wan22')"):
+        super().__init__(config, where)
+        if config.image_to_video:
+            if not self.expand_timesteps:
+                raise FlowrlError("image_to_video needs a pipeline with expand_timesteps (Wan 2.2 TI2V-5B)",
+                                  where=f"{where}.image_to_video", hint="set model.image_to_video = false")
+            self.condition_size = (config.height, config.width)  # flowrl.interfaces.TakesConditionImage
+            patch = tuple(self.denoiser.config.patch_size)
+            f, h, w = self.latent_shape[1:]
+            mask = torch.ones(f // patch[0], h // patch[1], w // patch[2])
+            mask[0] = 0.0  # the first latent frame's tokens are clean
+            self._token_mask = mask.flatten()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        prompts = list(prompts)
+        out = super().encode_prompts(prompts)
+        if self.config.image_to_video:
+            out["condition_latents"] = self.encode_conditions(prompts)
+        return out
+
+    @torch.no_grad()
+    def encode_conditions(self, prompts) -> torch.Tensor:
+        """``[B, C, 1, H/16, W/16]`` float32: each prompt's image as WanImageToVideoPipeline encodes it."""
+        h, w = self.condition_size
+        processor = self.pipe.video_processor
+        pixels = processor.preprocess(condition_pictures(self, prompts, processor), height=h, width=w)
+        vae = self.pipe.vae
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(shape)
+        std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(shape)
+        with self._visiting(vae):
+            z = vae.encode(pixels.unsqueeze(2).to(self.device, vae.dtype), return_dict=False)[0].mode()
+        return ((z.float().cpu() - mean) / std).to(self.device)
+
+    def _inputs(self, latents, t, text):
+        if not self.config.image_to_video:
+            return super()._inputs(latents, t, text)
+        cond = text["condition_latents"].to(self.device, torch.float32)
+        x = torch.cat([cond, latents[:, :, 1:]], dim=2)
+        return x, t[:, None] * self._device_constant("token_mask", lambda: self._token_mask.to(self.device))[None]
+
+    def _conditioned(self, velocity, latents, sigma, text):
+        if not self.config.image_to_video:
+            return velocity
+        x0 = latents[:, :, :1].to(self.device, torch.float32)
+        cond = text["condition_latents"].to(self.device, torch.float32)
+        s = sigma.to(self.device, torch.float32).view(-1, 1, 1, 1, 1)
+        return torch.cat([(x0 - cond) / s, velocity[:, :, 1:]], dim=2)

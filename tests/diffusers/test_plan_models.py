@@ -1,4 +1,4 @@
-"""``flowrl plan`` for Qwen-Image, FLUX.2 [klein], Z-Image, the editing models and Wan 2.1: offline from the
+"""``flowrl plan`` for Qwen-Image, FLUX.2 [klein], Z-Image, the editing models, Wan 2.1 / 2.2 and LTX-Video: offline from the
 built-in copies of the published configs, exact parameter counts against the loaded tiny
 pipelines, and the update's activation estimate against what autograd really saves."""
 
@@ -23,6 +23,8 @@ def _flat(text: str) -> str:
     ("flux2_klein_nf4_24gb", "3.876e9 params, 0.591 B each on average (quantised)"),
     ("wan21_1p3b_lora", "1.419e9 params x 2 B"),           # Wan 2.1 T2V 1.3B
     ("wan21_14b_lora", "14.289e9 params x 2 B"),           # Wan 2.1 T2V 14B
+    ("wan22_5b_lora", "5.000e9 params x 2 B"),             # Wan 2.2 TI2V-5B
+    ("ltx_lora", "1.923e9 params x 2 B"),                  # LTX-Video 2B
 ])
 def test_plan_needs_no_weights(cli, recipe, params):
     code, out, err = cli("plan", f"recipes/{recipe}.toml", "--num-processes", "8")
@@ -41,6 +43,8 @@ CASES = {
     "flux2_klein": ("recipes/flux2_klein_lora.toml", ["model.max_sequence_length=16"]),
     "zimage": ("recipes/zimage_lora.toml", ["model.max_sequence_length=16"]),
     "wan": ("recipes/wan21_1p3b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5"]),
+    "wan22": ("recipes/wan22_5b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5"]),
+    "ltx": ("recipes/ltx_lora.toml", ["model.max_sequence_length=16", "model.num_frames=9", "model.width=64"]),
 }
 
 
