@@ -333,7 +333,7 @@ def broadcast_object(obj, ctx: DistContext):
 
 
 #: The torchrun agent, started by :func:`launch` through this wrapper: it dies with the launcher.
-_AGENT = "import sys; from flowrl.processes import run_launch_agent; run_launch_agent(sys.argv[1:])"
+_AGENT = "import sys; from flowrl.launch_agent import run_launch_agent; run_launch_agent(sys.argv[1:])"
 
 
 def launch(num_processes: int, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -341,9 +341,12 @@ def launch(num_processes: int, argv: list[str], env: dict[str, str] | None = Non
     environment for them). Returns the exit status; 130 after a forwarded Ctrl-C or SIGTERM.
 
     The workers live exactly as long as this launcher. Linux's parent-death signal ties each link
-    of launcher -> torchrun agent -> worker: the agent is started through :data:`_AGENT` (:func:`flowrl.processes.run_launch_agent`), and
-    every worker asks for it at startup (``flowrl train`` under ``FLOWRL_AGENT_PID``), each
-    checking that its parent had not died before it asked. A per-link death signal was chosen over
+    of launcher -> torchrun agent -> fork server -> worker: the agent is started through
+    :data:`_AGENT` (:func:`flowrl.launch_agent.run_launch_agent`), the fork server that forks the
+    workers after importing the training stack once asks for it on import
+    (:mod:`flowrl.fork_server`), and so does every worker at startup
+    (:func:`flowrl.launch_agent.run_launched_worker`), each checking that its parent had not died
+    before it asked. A per-link death signal was chosen over
     workers watching the launcher's pid: it needs no polling thread, fires the moment the parent
     dies (SIGKILL and the OOM killer included, which no handler sees), cannot be fooled by a
     reused pid, and torchrun starts every worker in a session of its own, out of reach of a

@@ -34,24 +34,6 @@ def die_with_parent(parent_pid: int, signum: int = getattr(signal, "SIGKILL", si
         os._exit(128 + int(signum))
 
 
-def run_launch_agent(argv: list[str]) -> None:
-    """The torchrun agent of ``flowrl train --num-processes`` (:func:`flowrl.distributed.launch`):
-    it dies with the launcher, tells its workers its pid (they die with it), and runs torchrun
-    with ``argv``. A stop forwarded by the launcher ends without torchrun's traceback: by then
-    torchrun has passed the signal to its workers and waited for them."""
-    import runpy
-
-    die_with_parent(int(os.environ.pop("FLOWRL_LAUNCHER_PID")))
-    os.environ["FLOWRL_AGENT_PID"] = str(os.getpid())
-    sys.argv = ["torchrun", *argv]
-    try:
-        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
-    except Exception as exc:
-        if type(exc).__name__ != "SignalException":  # torch.distributed.elastic's: no torch import here
-            raise
-        sys.exit(128 + int(getattr(exc, "sigval", signal.SIGTERM)))
-
-
 def pid_alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as dead)."""
     try:

@@ -43,7 +43,8 @@ LAYERS: list[set[str]] = [
     {"flowrl.recipe", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
      "flowrl.dynamics.report", "flowrl.dynamics.profile_file", "flowrl.hub"},
     {"flowrl.train", "flowrl.train.*"},
-    {"flowrl.testing", "flowrl.testing.*", "flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__"},
+    {"flowrl.testing", "flowrl.testing.*", "flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__",
+     "flowrl.launch_agent", "flowrl.fork_server"},
 ]
 CLI_MODULES = ("flowrl.commands", "flowrl.cli")
 

@@ -45,10 +45,6 @@ def train(
         if resume is None:
             raise FlowrlError("train needs a RECIPE (or --resume RUN_DIR)", hint="flowrl train recipes/quickstart.toml")
         recipe = resume / "recipe.toml"
-    if "FLOWRL_AGENT_PID" in os.environ:  # a worker of `--num-processes`: it dies with the launcher's agent
-        from ..processes import die_with_parent
-
-        die_with_parent(int(os.environ.pop("FLOWRL_AGENT_PID")))
     overrides = list(set_ or [])
     if output_dir is not None:
         overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")

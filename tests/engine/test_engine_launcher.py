@@ -24,18 +24,23 @@ from flowrl.train.run_dir import LOCK_NAME, hold_run_directory
 pytestmark = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the run's processes in /proc")
 
 
-def run_processes(run_dir: Path) -> list[int]:
-    """Live (not zombie) processes whose command line names ``run_dir``: launcher, agent, workers."""
+def run_processes(run_dir: Path, launcher: subprocess.Popen) -> list[int]:
+    """Live (not zombie) processes of the run: the launcher (its command line names ``run_dir``)
+    and every process it started, at any depth, orphaned or not (each names the launcher in its
+    environment, flowrl.launch_agent.run_launch_agent): the torchrun agent, the fork server, the
+    workers."""
+    marker = f"FLOWRL_LAUNCHER_PID={launcher.pid}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
             state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
         except OSError:
             continue
-        if str(run_dir).encode() in cmdline and state != "Z":
+        if (str(run_dir).encode() in cmdline or marker in environ) and state != "Z":
             pids.append(int(entry.name))
     return pids
 
@@ -61,8 +66,8 @@ def start_two_process_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return launcher, run_dir
 
 
-def stop_everything(run_dir: Path) -> None:
-    for pid in run_processes(run_dir):
+def stop_everything(run_dir: Path, launcher: subprocess.Popen) -> None:
+    for pid in run_processes(run_dir, launcher):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -89,19 +94,19 @@ def test_a_second_writer_is_refused_then_killing_the_launchers_group_leaves_no_p
         still_running = launcher.poll() is None
 
         # ---- kill the launcher's process group: no flowrl process is left within 10 s
-        pids = run_processes(run_dir)
-        assert len(pids) >= 4, pids  # the launcher, the torchrun agent and two workers
+        pids = run_processes(run_dir, launcher)
+        assert len(pids) >= 5, pids  # the launcher, the torchrun agent, its fork server and two workers
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
         killed = time.monotonic()
-        while run_processes(run_dir) and time.monotonic() - killed < 10:
+        while run_processes(run_dir, launcher) and time.monotonic() - killed < 10:
             time.sleep(0.05)
-        assert run_processes(run_dir) == [], "workers outlived the killed launcher"
+        assert run_processes(run_dir, launcher) == [], "workers outlived the killed launcher"
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait(10)
-        stop_everything(run_dir)
+        stop_everything(run_dir, launcher)
     assert still_running
     for result in results:
         err = result.flat_err
@@ -126,11 +131,11 @@ def test_ctrl_c_or_sigterm_of_the_launcher_stops_the_workers_after_a_checkpoint(
         launcher.send_signal(signum)  # to the launcher alone: it forwards it to the workers
         out, err = launcher.communicate(timeout=120)
     finally:
-        stop_everything(run_dir)
+        stop_everything(run_dir, launcher)
     assert launcher.returncode == 130, (out, err)
     name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
     assert f"{name}: stopping after this iteration" in err and "Traceback" not in out + err, (out, err)
     assert "checkpoint written" in " ".join(out.split())
-    assert run_processes(run_dir) == []
+    assert run_processes(run_dir, launcher) == []
     done = load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"]
     assert 1 <= done < 500
