@@ -782,7 +782,7 @@ def nf4_weight_bytes(family: Family, double_quant: bool) -> dict[str, Any]:
 def plan_numbers(overrides: list[str], world_size: int, recipe_name: str = "chunk_grpo_flux.toml") -> dict[str, Any]:
     """What ``flowrl plan`` says for the flagship recipe with ``overrides`` (its Python API),
     in the tracker's categories."""
-    from flowrl.memory_plan import Line, estimate, peak
+    from flowrl.memory_plan import Line, estimate, peak, saved_widths
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
 
@@ -805,7 +805,8 @@ def plan_numbers(overrides: list[str], world_size: int, recipe_name: str = "chun
         "rollout_activations": by["activations, no grad"],
         "rollout_samples": geometry.samples_per_process,
         "micro_batch": recipe.train.micro_batch_size,
-        "tokens": mm.tokens, "width": mm.width, "per_block_widths": mm.per_block, "outside_widths": mm.outside,
+        "tokens": mm.tokens, "width": mm.width,
+        **dict(zip(("per_block_widths", "outside_widths"), saved_widths(recipe, mm))),  # the ones this plan used
         "overrides": overrides,
     }
     # The training step as the plan models it: the denoiser's state and the update and step
@@ -1304,6 +1305,10 @@ def replan(result: dict[str, Any]) -> dict[str, Any]:
             # notes written before flowrl offered [distributed].gradient_sync = "micro_batch"
             item["notes"] = [n for n in item.get("notes", []) if not n.startswith(("flowrl never runs this pattern",
                                                                                     "one backward per optimizer step"))]
+            if item["plan"] and item["plan"].get("per_block_widths"):  # the plan's constants as now recomputed
+                ours = "; the plan's: " + ", ".join(f"{k} {x:.1f}" for k, x in item["plan"]["per_block_widths"].items())
+                item["notes"] = [n.split("; the plan's: ")[0] + ours if "; the plan's: " in n else n
+                                 for n in item["notes"]]
             print_item(key, item)
     result["replanned"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return result

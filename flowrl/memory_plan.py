@@ -82,6 +82,11 @@ class ModelMemory:
     #: recompute of one block plus everything outside the blocks (None: the largest per-block
     #: constant plus ``outside``)
     checkpoint_outside: float | None = None
+    #: ``per_block`` and ``outside`` when the recipe trains a LoRA (None: the same): a frozen base
+    #: saves fewer tensors (no weight gradients), a float32 LoRA on a 16-bit base saves copies of
+    #: its inputs
+    lora_per_block: dict[str, float] | None = None
+    lora_outside: float | None = None
     #: the denoiser's storage in bytes when it is not params x denoiser_bytes (a quantised base)
     denoiser_weight_bytes: float | None = None
     #: parameters of the largest transformer block (FSDP2 gathers one block at a time) and
@@ -364,6 +369,14 @@ def _reward_lines(recipe) -> list[Line]:
     return lines
 
 
+def saved_widths(recipe, mm: ModelMemory) -> tuple[dict[str, float], float]:
+    """The per-block and outside constants of the recipe's fine-tuning (LoRA's where the model
+    declares them)."""
+    if recipe.train.finetune == "lora" and mm.lora_per_block is not None:
+        return mm.lora_per_block, mm.lora_outside if mm.lora_outside is not None else mm.outside
+    return mm.per_block, mm.outside
+
+
 def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Line | None = None) -> list[Line]:
     """The largest transient of each phase: encode, rollout, decode and the update's forward with
     grad; under fsdp2 the start-up's (``reference``: the KL reference copy's line, if any)."""
@@ -385,12 +398,13 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
     lines.append(Line("decode", "VAE + decode activations", decode, f"{mm.vae_batch} images per VAE call"))
     m = recipe.train.micro_batch_size
     total_blocks = sum(mm.blocks.values())
+    per_block, outside = saved_widths(recipe, mm)
     if layout.checkpointing:
-        rest = mm.checkpoint_outside if mm.checkpoint_outside is not None else max(mm.per_block.values()) + mm.outside
+        rest = mm.checkpoint_outside if mm.checkpoint_outside is not None else max(per_block.values()) + outside
         widths = total_blocks * 1.0 + rest
         how = f"checkpointed: {total_blocks} block inputs + 1 block"
     else:
-        widths = sum(mm.per_block[k] * c for k, c in mm.blocks.items()) + mm.outside
+        widths = sum(per_block[k] * c for k, c in mm.blocks.items()) + outside
         how = f"{widths:.0f} widths per token saved over {total_blocks} blocks" if mm.width > 1 else "measured per sample"
     lines.append(Line("update", "activations, forward with grad", m * tw * widths, f"micro-batch {m}; {how}"))
     if layout.strategy == "fsdp2":

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,41 @@ def _saved_elements(module: torch.nn.Module, fn) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return total[0]
+
+
+def _peak_forward_bytes(module: torch.nn.Module, fn) -> int:
+    """The most bytes that tensors created during ``fn()`` hold at once (each storage once; the
+    module's weights and buffers excluded): what torch's MemTracker files as activations in a
+    forward. Besides what autograd saves, that counts what the forward keeps alive for its whole
+    length without saving it (Wan 2.2's timestep projection: six rows of the width per token),
+    and the dtype each tensor really has."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    live: dict[int, int] = {}
+    now, peak = [0], [0]
+
+    def freed(ptr: int) -> None:
+        now[0] -= live.pop(ptr, 0)
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    ptr, n = storage.data_ptr(), storage.nbytes()
+                    if n and ptr not in own and ptr not in live:
+                        live[ptr] = n
+                        now[0] += n
+                        weakref.finalize(storage, freed, ptr)  # torch keeps one Python storage per live storage
+            peak[0] = max(peak[0], now[0])
+            return out
+
+    with Count():
+        fn()
+    return peak[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,13 +470,17 @@ KNOWN.update({
 })
 
 
-def _replica_constants(run, kinds: tuple[str, ...], tokens: int, width: int) -> BlockConstants:
+def _replica_constants(run, kinds: tuple[str, ...], tokens: int, width: int, base_depth: int = 0) -> BlockConstants:
     """Saved elements per token per width: ``run(counts)`` builds a replica with ``counts[kind]``
-    blocks of each kind and returns the elements autograd saves in one forward."""
-    zero = {k: 0 for k in kinds}
-    base = run(zero)
-    per = {k: (run({**zero, k: 1}) - base) / (tokens * width) for k in kinds}
-    return BlockConstants(per, max(base / (tokens * width), 0.0))
+    blocks of each kind and returns the elements one forward saves (Wan's: holds at its peak). Fitted from
+    ``base_depth`` blocks of each kind and one more: a LoRA replica's first block saves less than
+    the others (nothing before it needs a gradient), so its fit starts at 2 blocks, as the
+    benchmark's tracker fit does."""
+    start = {k: base_depth for k in kinds}
+    base = run(start)
+    per = {k: (run({**start, k: base_depth + 1}) - base) / (tokens * width) for k in kinds}
+    outside = base / (tokens * width) - base_depth * sum(per.values())
+    return BlockConstants(per, max(outside, 0.0))
 
 
 @functools.lru_cache(maxsize=8)
@@ -671,28 +711,72 @@ def _wan_spatial(vae: dict[str, Any]) -> int:
     return 2 ** len(vae.get("temperal_downsample", [False, True, True])) * int(vae.get("patch_size") or 1)
 
 
+#: LoRA rank of the Wan replica: its rank-r float32 intermediates cost 2 r / width bf16 widths per
+#: adapted layer, which a small rank keeps near the real model's (r 64 on width 1536: 0.08)
+_WAN_REPLICA_RANK = 4
+
+
 @functools.lru_cache(maxsize=8)
-def _wan_constants(head: int, ffn_ratio: float, in_channels: int, per_token_timesteps: bool = False) -> BlockConstants:
+def _wan_constants(head: int, ffn_ratio: float, in_channels: int, per_token_timesteps: bool = False,
+                   dtype: str = "bf16", lora_targets: tuple[str, ...] = ()) -> BlockConstants:
     """Per video token: the text enters each block only as cross-attention keys and values (64
     rows here, ``max_sequence_length`` in the real model, small beside the video tokens). With
     ``per_token_timesteps`` (Wan 2.2 TI2V) the replica gets a timestep per token, as the adapter
-    passes them: every block's modulation is then per token too, not one row per sample."""
+    passes them: every block's modulation is then per token too, not one row per sample.
+
+    The replica (2 and 3 blocks of width 256) is run as the model is trained, since what a forward
+    holds depends on it, and its bytes are measured (:func:`_peak_forward_bytes`) and counted in
+    elements of the compute dtype:
+
+    - in the compute dtype: Wan keeps its norms' inputs and its modulations (shift, scale, gate:
+      six rows of the width, per token with per-token timesteps) in float32 inside a bf16 model,
+      twice a bf16 element each, which an element count of a float32 replica cannot see;
+    - with ``lora_targets``: a frozen base with a float32 LoRA on them, as
+      ``flowrl.train.finetune.prepare_trainable`` makes it (a frozen Linear does not save its
+      input, each float32 LoRA saves a float32 copy of its own); without, every weight trainable;
+    - the peak of live bytes, not only what autograd saves: the top-level forward keeps its
+      timestep projection (six rows of the width, per token with per-token timesteps) and the
+      rotary tables alive until it returns."""
     from diffusers import WanTransformer3DModel
 
     frames, side, txt, text_dim = 2, 16, 64, 32
     width = 2 * head
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
     def run(counts):
+        from diffusers.utils import logging as diffusers_logging
+
         torch.manual_seed(0)
         m = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=head,
                                   in_channels=in_channels, out_channels=in_channels, text_dim=text_dim, freq_dim=32,
                                   ffn_dim=int(round(ffn_ratio * width)), num_layers=counts["block"], rope_max_seq_len=64)
-        x = torch.randn(1, in_channels, frames, 2 * side, 2 * side)
-        t = torch.full((1, frames * side * side) if per_token_timesteps else (1,), 500.0)
-        return _saved_elements(m, lambda: m(hidden_states=x, timestep=t,
-                                            encoder_hidden_states=torch.randn(1, txt, text_dim), return_dict=False)[0])
+        # Cast whole, as the benchmark's tracker casts the full-size model. diffusers warns that its
+        # float32 modules (norms, time embedder, modulation tables) become bf16; the blocks upcast
+        # their norms and modulations to float32 either way, and the time embedder's own float32
+        # intermediates, which from_pretrained would keep, are small and transient.
+        verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()
+        try:
+            m.to(torch_dtype)
+        finally:
+            diffusers_logging.set_verbosity(verbosity)
+        m.requires_grad_(not lora_targets)
+        if lora_targets:
+            from peft import LoraConfig
 
-    return _replica_constants(run, ("block",), frames * side * side, width)
+            m.add_adapter(LoraConfig(r=_WAN_REPLICA_RANK, lora_alpha=_WAN_REPLICA_RANK,
+                                     target_modules=list(lora_targets)))
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        x = torch.randn(1, in_channels, frames, 2 * side, 2 * side, dtype=torch_dtype)
+        t = torch.full((1, frames * side * side) if per_token_timesteps else (1,), 500.0)
+        text = torch.randn(1, txt, text_dim, dtype=torch_dtype)
+        peak = _peak_forward_bytes(m, lambda: m(hidden_states=x, timestep=t, encoder_hidden_states=text,
+                                                return_dict=False)[0])
+        return peak / _BYTES[dtype]
+
+    return _replica_constants(run, ("block",), frames * side * side, width, base_depth=2)
 
 
 def wan_video_tokens(config, t: dict[str, Any], vae: dict[str, Any]) -> tuple[int, int]:
@@ -717,15 +801,9 @@ def wan_memory_spec(config, lora_targets: list[str]):
     cfg = 2 if config.cfg_scale != 1.0 else 1
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
     per_token = bool(getattr(config, "per_token_timesteps", False))
-    consts = _wan_constants(int(t["attention_head_dim"]), int(t["ffn_dim"]) / width, int(t["in_channels"]), per_token)
-    per_block, outside_ckpt = consts.per_block, 46.8  # measured: torch's MemTracker, full-size Wan 2.1 1.3B
-    if per_token:
-        # With a timestep per token every block's modulation (shift, scale, gate: six rows of the
-        # width) is per token and float32 in a bf16 model, twice the bytes the fp32 replica counts
-        # per element: measured instead with torch's MemTracker on fake tensors, full-size Wan 2.2
-        # TI2V-5B, one 11440-token clip (benchmarks/memory_plan.py --items wan22_lora_ac,wan22_lora_noac;
-        # the replica says 41.0 widths per block, the tracker 51.3)
-        per_block, outside_ckpt = {"block": 51.3}, 66.2
+    args = (int(t["attention_head_dim"]), int(t["ffn_dim"]) / width, int(t["in_channels"]), per_token, config.dtype)
+    consts = _wan_constants(*args)  # full fine-tuning: every weight trainable
+    lora = _wan_constants(*args, tuple(lora_targets))  # LoRA, as every shipped Wan recipe trains
     # The Wan VAE decodes one latent frame (4 frames) at a time with a cache of the causal
     # convolutions: about six maps of the decoder's width for 4 frames at its last stage's
     # resolution (full; Wan 2.2's folds 2 x 2 pixels, so a quarter), plus the clip.
@@ -742,15 +820,19 @@ def wan_memory_spec(config, lora_targets: list[str]):
         offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
         tokens=video, width=width, blocks={"block": int(t["num_layers"])},
-        per_block=per_block, outside=consts.outside, forwards_per_velocity=cfg,
-        checkpoint_outside=outside_ckpt,
+        # With checkpointing the plan's default applies: one block's recompute plus the outside,
+        # both from the replica. The full-size tracker's figures are what benchmarks/memory_plan.py
+        # checks this plan against, so none of them is used here.
+        per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
+        lora_per_block=lora.per_block, lora_outside=lora.outside,
         latent_elements=int(t["in_channels"]) * f_lat * (config.height // spatial) * (config.width // spatial),
         text_bytes_per_prompt=cfg * txt * int(t["text_dim"]) * compute,
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
-        notes=[_measured_note(tokens_note, consts) if not per_token else
-               f"{tokens_note} per sample; a timestep per token: activation constants measured with torch's "
-               f"MemTracker on the full-size Wan 2.2 TI2V-5B, block 51.3 widths per token"],
+        notes=[f"{tokens_note} per sample{'; a timestep per token' if per_token else ''}; activation constants "
+               f"measured on a 2- and 3-block replica in {config.dtype} (bytes, in {config.dtype} elements): LoRA "
+               f"block {lora.per_block['block']:.1f}, outside {lora.outside:.1f}; full fine-tuning block "
+               f"{consts.per_block['block']:.1f}, outside {consts.outside:.1f} widths per token"],
     )
 
 

@@ -42,8 +42,11 @@ CASES = {
     "qwen_image": ("recipes/qwen_image_lora.toml", ["model.max_sequence_length=64"]),
     "flux2_klein": ("recipes/flux2_klein_lora.toml", ["model.max_sequence_length=16"]),
     "zimage": ("recipes/zimage_lora.toml", ["model.max_sequence_length=16"]),
-    "wan": ("recipes/wan21_1p3b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5"]),
-    "wan22": ("recipes/wan22_5b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5"]),
+    # Wan declares separate LoRA constants (a frozen base saves less); this measurement makes every
+    # weight trainable, so the plan is asked for full fine-tuning, like for like
+    "wan": ("recipes/wan21_1p3b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5", "train.finetune=full"]),
+    "wan22": ("recipes/wan22_5b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5",
+                                             "train.finetune=full"]),
     "ltx": ("recipes/ltx_lora.toml", ["model.max_sequence_length=16", "model.num_frames=9", "model.width=64"]),
 }
 
