@@ -504,6 +504,8 @@ class Recipe:
     def to_toml_dict(self) -> dict[str, Any]:
         """The resolved recipe, every default filled in (written into the run directory)."""
         out: dict[str, Any] = {name: to_dict(getattr(self, name)) for name in SECTIONS}
+        if self.data.enabled:  # an offline run has no groups (validation refuses the key)
+            del out["train"]["group_size"]
         for section, choice in self.components.items():
             out[section] = choice.as_table()
         out["rewards"] = [dict(r.as_table(), weight=r.weight) for r in self.rewards]
