@@ -685,10 +685,6 @@ def validate(
     plain = {
         name: from_dict(cls, data.get(name, {}), where=f"{source}: [{name}]") for name, cls in SECTIONS.items()
     }
-    if plain["data"].enabled and "group_size" in data.get("train", {}):
-        raise RecipeError("group_size does not apply to an offline run: a row of the [data] table is one sample",
-                          where=f"{source}: [train].group_size",
-                          hint="remove it; prompts_per_iteration is the number of rows each iteration trains")
     components = {}
     for section, kind in COMPONENT_SECTIONS.items():
         table = data.get(section)
@@ -729,6 +725,10 @@ def validate(
         **plain, components=components, rewards=rewards, trackers=trackers, source=source
     )
     _cross_check(recipe, registry)
+    if recipe.data.enabled and "group_size" in data.get("train", {}):  # after the [loss] agreed with [data]
+        raise RecipeError("group_size does not apply to an offline run: a row of the [data] table is one sample",
+                          where=f"{source}: [train].group_size",
+                          hint="remove it; prompts_per_iteration is the number of rows each iteration trains")
     return recipe
 
 
