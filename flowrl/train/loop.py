@@ -55,8 +55,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
     # ---- Setup: device, processes, batch geometry, run directory checks ----------------------
     device, ctx = distributed.start(recipe.run.device, recipe.distributed)  # checks the launcher agrees
-    geometry = resolve_geometry(train_cfg, ctx.world_size, cfg.source, group_size=cfg.group_size)  # offline: 1
-    geometry = refuse_split_trees(cfg, geometry, ctx)
+    geometry = refuse_split_trees(cfg, resolve_geometry(train_cfg, ctx.world_size, cfg.source, cfg.group_size), ctx)
     run_dir = Path(resume) if resume is not None else cfg.output_dir
     announce(console, ctx, cfg, geometry, run_dir)
     if dry_run:
