@@ -27,11 +27,11 @@ def png(path):
 
 @pytest.fixture
 def tables(tmp_path):
-    """An image table and a pair table of 8 rows each, beside their images."""
+    """An image table and a pair table of 16 rows each (an iteration of the SFT recipe), beside their images."""
     a, b = png(tmp_path / "a.png"), png(tmp_path / "b.png")
-    (tmp_path / "best.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "image": a}) + "\n" for i in range(8)))
+    (tmp_path / "best.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}", "image": a}) + "\n" for i in range(16)))
     (tmp_path / "pairs.jsonl").write_text(
-        "".join(json.dumps({"prompt": f"p{i}", "chosen": a, "rejected": b}) + "\n" for i in range(8)))
+        "".join(json.dumps({"prompt": f"p{i}", "chosen": a, "rejected": b}) + "\n" for i in range(16)))
     return tmp_path
 
 
@@ -55,8 +55,8 @@ def test_the_offline_recipes_validate_with_their_tables(validate, tables):
     (DPO, ["data.path=TABLE_best"], "[data].path", "is a table of images, but loss 'offline_dpo' trains on a table of pairs"),
     (SFT, ["data.path=TABLE_best", "data.kind='pairs'"], "[data].kind", "kind = 'pairs', but loss 'sft' trains"),
     (SFT, ["data.path=TABLE_best", "train.group_size=4"], "[train].group_size", "group_size does not apply"),
-    (SFT, ["data.path=TABLE_best", "train.prompts_per_iteration=16"], "[train].prompts_per_iteration",
-     "holds 8 rows, fewer than an iteration trains"),
+    (SFT, ["data.path=TABLE_best", "train.prompts_per_iteration=32"], "[train].prompts_per_iteration",
+     "holds 16 rows, fewer than an iteration trains"),
     (SFT, ["data.path=TABLE_noimage"], "[data].path", "row 1: image image not found"),
 ])
 def test_a_combination_that_cannot_train_is_one_message_naming_the_table(validate, tables, recipe, sets, where, says):
