@@ -905,10 +905,13 @@ def _check_data_table(recipe: Recipe, registry: Registry) -> None:
     if not data.enabled:
         return
     where, name = f"{recipe.source}: [data].path", recipe.components["loss"].use
+    if not Path(data.path).is_file():
+        raise RecipeError(f"offline data not found: {data.path}", where=where,
+                          hint=f"build it from the model's own samples of the TRAINING prompts: `flowrl sample {recipe.source} "
+                               "--prompts FILE --seeds 8 --tables -o DIR` writes DIR/best.jsonl and DIR/pairs.jsonl "
+                               "(docs/objectives.md, \"Offline SFT and DPO\")")
     try:
         table = read_offline_rows(data.path, where)
-    except RecipeError:
-        raise
     except FlowrlError as exc:
         raise RecipeError(exc.message, where=where, hint=exc.hint or DATA_HINT) from exc
     wants = data_kind(recipe, registry)
