@@ -41,8 +41,10 @@ class Geometry:
         )
 
 
-def resolve_geometry(train, world_size: int, source: str = "<recipe>") -> Geometry:
-    P, G, W = train.prompts_per_iteration, train.group_size, world_size
+def resolve_geometry(train, world_size: int, source: str = "<recipe>", group_size: int | None = None) -> Geometry:
+    """``group_size``: the recipe's samples per prompt when not ``train.group_size``
+    (:attr:`flowrl.recipe.Recipe.group_size`: 1 for an offline run)."""
+    P, G, W = train.prompts_per_iteration, group_size or train.group_size, world_size
     S = P * G
     where = f"{source}: [train]"
     if S % W:

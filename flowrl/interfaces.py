@@ -550,6 +550,16 @@ class NeedsReferenceCopy(Protocol):
 
 
 @runtime_checkable
+class TrainsOnData(Protocol):
+    """An objective that trains on an offline table (``[data]``, :mod:`flowrl.offline`) instead of
+    rollouts: ``data_kind`` is the kind of table it reads, ``"images"`` (SFT) or ``"pairs"``
+    (DPO). The iteration's batch then holds the table's rows (``Batch.data``), not a trajectory.
+    ``flowrl validate`` refuses such a loss without ``[data]``, and ``[data]`` with any other loss."""
+
+    data_kind: str
+
+
+@runtime_checkable
 class CheckpointsState(Protocol):
     """An objective with state that must survive a resume (an old policy, a reset reference, an
     adaptive gate): ``state_dict()`` (JSON-able) and ``tensors()`` are written into every

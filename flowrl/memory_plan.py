@@ -270,7 +270,7 @@ def choose_gradient_sync(recipe, registry, world_size: int, num_nodes: int = 1, 
 
 def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient_sync: str,
               registry) -> tuple[Any, list[Line]]:
-    geometry = resolve_geometry(recipe.train, world_size, recipe.source)
+    geometry = resolve_geometry(recipe.train, world_size, recipe.source, group_size=recipe.group_size)
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, gradient_sync)
     lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry))
     lines += _frozen_and_data(recipe, mm, geometry)

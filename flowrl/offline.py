@@ -28,7 +28,8 @@ from .errors import FlowrlError
 from .interfaces import EncodesImages
 from .seeding import generator
 
-__all__ = ["KINDS", "OfflineRows", "OfflineBatch", "read_offline_rows", "load_image", "offline_batch", "best_worst_rows"]
+__all__ = ["KINDS", "OfflineRows", "OfflineBatch", "read_offline_rows", "load_image", "iteration_rows", "encode_rows",
+           "offline_batch", "best_worst_rows", "best_rows"]
 
 #: the dataset kinds and the image columns each needs
 KINDS = {"images": ("image",), "pairs": ("chosen", "rejected")}
@@ -49,12 +50,14 @@ class OfflineRows:
 
 @dataclasses.dataclass
 class OfflineBatch:
-    """One iteration's rows: their indices in the table, prompts, and per image column the clean
-    latents ``[B, *L]``."""
+    """One iteration's rows: their indices in the table, prompts, per image column the clean
+    latents ``[B, *L]``, and the sigmas the objectives draw their points from (the training
+    sampler's schedule; None where the caller passes them itself)."""
 
     rows: list[int]
     prompts: list[str]
     latents: dict[str, torch.Tensor]
+    sigmas: torch.Tensor | None = None
 
 
 def read_table(path: Path, where: str) -> list[dict]:
@@ -116,23 +119,33 @@ def load_image(path: Path) -> torch.Tensor:
     return data.reshape(h, w, 3).permute(2, 0, 1).to(torch.float32) / 255.0
 
 
-def offline_batch(data: OfflineRows, model, *, seed: int, iteration: int, count: int,
-                  device: torch.device | str = "cpu") -> OfflineBatch:
-    """The iteration's ``count`` rows (drawn without replacement, seeded by (seed, "offline",
-    iteration)), their images loaded and encoded by ``model`` (:class:`EncodesImages`)."""
-    if not isinstance(model, EncodesImages):
-        raise FlowrlError(f"{type(model).__name__} cannot encode images, so it cannot train on offline data",
-                          hint="the adapter needs encode_images (flowrl.interfaces.EncodesImages)")
+def iteration_rows(num_rows: int, *, seed: int, iteration: int, count: int) -> list[int]:
+    """The table rows of an iteration: ``count`` drawn without replacement (all of them when the
+    table is smaller), from the generator seeded by (seed, "offline", iteration)."""
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     g = generator(seed, "offline", iteration)
-    rows = torch.randperm(len(data), generator=g)[: min(count, len(data))].tolist()
+    return torch.randperm(num_rows, generator=g)[: min(count, num_rows)].tolist()
+
+
+def encode_rows(data: OfflineRows, model, rows: list[int], device: torch.device | str = "cpu") -> OfflineBatch:
+    """These rows of the table, their images loaded and encoded by ``model`` (:class:`EncodesImages`)."""
+    if not isinstance(model, EncodesImages):
+        raise FlowrlError(f"{type(model).__name__} cannot encode images, so it cannot train on offline data",
+                          hint="the adapter needs encode_images (flowrl.interfaces.EncodesImages)")
     latents = {}
     for column, paths in data.images.items():
         images = torch.stack([load_image(paths[r]) for r in rows]).to(device)
         with torch.no_grad():
             latents[column] = model.encode_images(images).to(torch.float32)
-    return OfflineBatch(rows, [data.prompts[r] for r in rows], latents)
+    return OfflineBatch(list(rows), [data.prompts[r] for r in rows], latents)
+
+
+def offline_batch(data: OfflineRows, model, *, seed: int, iteration: int, count: int,
+                  device: torch.device | str = "cpu") -> OfflineBatch:
+    """The iteration's ``count`` rows (:func:`iteration_rows`), encoded (:func:`encode_rows`)."""
+    rows = iteration_rows(len(data), seed=seed, iteration=iteration, count=count)
+    return encode_rows(data, model, rows, device)
 
 
 def best_worst_rows(records: list[dict], scores) -> list[dict]:
@@ -153,3 +166,15 @@ def best_worst_rows(records: list[dict], scores) -> list[dict]:
             rows.append({"prompt": prompt, "chosen": best[1]["file"], "rejected": worst[1]["file"],
                          "chosen_score": best[0], "rejected_score": worst[0]})
     return rows
+
+
+def best_rows(records: list[dict], scores) -> list[dict]:
+    """Supervised rows from scored samples (as :func:`best_worst_rows`): per prompt its best image
+    (rejection sampling: SFT on the best of N), with its ``score``."""
+    if len(records) != len(scores):
+        raise ValueError(f"one score per record: {len(records)} records, {len(scores)} scores")
+    best: dict[str, tuple[float, dict]] = {}
+    for rec, sc in zip(records, scores):
+        if rec["prompt"] not in best or float(sc) > best[rec["prompt"]][0]:
+            best[rec["prompt"]] = (float(sc), rec)
+    return [{"prompt": p, "image": rec["file"], "score": sc} for p, (sc, rec) in best.items()]

@@ -1,7 +1,7 @@
 """TOML recipes: the schema, loading, ``--set`` overrides and validation.
 
 A recipe is a TOML file. Plain tables (``[run]``, ``[train]``, ``[sampler]``, ``[prompts]``,
-``[log]``, ``[checkpoint]``, ``[ema]``, ``[distributed]``, ``[replay]``) configure the engine and are documented field by field below.
+``[log]``, ``[checkpoint]``, ``[ema]``, ``[distributed]``, ``[replay]``, ``[data]``) configure the engine and are documented field by field below.
 Component tables name a registered component and give its parameters::
 
     [chunker]
@@ -39,7 +39,9 @@ from .interfaces import (
     NeedsReferencePolicy,
     Objective,
     ProfilingChunker,
+    TrainsOnData,
 )
+from .offline import read_offline_rows
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
 from .sampling.branching import check_branches
@@ -322,6 +324,27 @@ class ReplayConfig:
 
 
 @dataclasses.dataclass
+class DataConfig:
+    """Offline training (docs/objectives.md, "Offline SFT and DPO"): a table of images or of
+    preference pairs that the ``[loss]`` (``sft`` or ``offline_dpo``) trains on instead of rollouts.
+    Each iteration trains ``[train].prompts_per_iteration`` rows of it (a row is one sample:
+    ``group_size`` does not apply and may not be given); no rollout and no reward are computed for training (the evaluation still
+    scores its held-out prompts with the ``[[rewards]]``)."""
+
+    path: str = param(
+        "", "The offline table (.jsonl, .csv, .tsv or .parquet): columns prompt and image (SFT), or prompt, chosen "
+        "and rejected (DPO); relative image paths are read against the table's folder. Empty = an online run "
+        "(rollouts and rewards).", path=True)
+    kind: Literal["auto", "images", "pairs"] = param(
+        "auto", "The table's kind: 'images' (prompt, image), 'pairs' (prompt, chosen, rejected), or 'auto' (from "
+        "its columns). It must be the kind the [loss] trains on.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+
+@dataclasses.dataclass
 class RewardEntryConfig:
     """The keys every ``[[rewards]]`` entry takes besides ``use`` and the reward's own parameters."""
 
@@ -400,6 +423,7 @@ SECTIONS: dict[str, type] = {
     "ema": EmaConfig,
     "distributed": DistributedConfig,
     "replay": ReplayConfig,
+    "data": DataConfig,
 }
 #: Component tables (one component each) and their kinds.
 COMPONENT_SECTIONS: dict[str, str] = {
@@ -462,9 +486,16 @@ class Recipe:
     trackers: list[ComponentChoice]
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
     source: str = "<recipe>"
     #: T, the number of trainable transitions of the sampler (set by validation).
     num_trainable: int = 0
+
+    @property
+    def group_size(self) -> int:
+        """Samples per prompt in the batch geometry: ``[train].group_size``, or 1 for an offline
+        run (``[data]``), whose table row is one sample."""
+        return 1 if self.data.enabled else self.train.group_size
 
     @property
     def output_dir(self) -> Path:
@@ -473,6 +504,8 @@ class Recipe:
     def to_toml_dict(self) -> dict[str, Any]:
         """The resolved recipe, every default filled in (written into the run directory)."""
         out: dict[str, Any] = {name: to_dict(getattr(self, name)) for name in SECTIONS}
+        if self.data.enabled:  # an offline run has no groups (validation refuses the key)
+            del out["train"]["group_size"]
         for section, choice in self.components.items():
             out[section] = choice.as_table()
         out["rewards"] = [dict(r.as_table(), weight=r.weight) for r in self.rewards]
@@ -692,6 +725,10 @@ def validate(
         **plain, components=components, rewards=rewards, trackers=trackers, source=source
     )
     _cross_check(recipe, registry)
+    if recipe.data.enabled and "group_size" in data.get("train", {}):  # after the [loss] agreed with [data]
+        raise RecipeError("group_size does not apply to an offline run: a row of the [data] table is one sample",
+                          where=f"{source}: [train].group_size",
+                          hint="remove it; prompts_per_iteration is the number of rows each iteration trains")
     return recipe
 
 
@@ -787,6 +824,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     recipe.num_trainable = T
     where = f"{recipe.source}: [chunker]"
     _check_sharding(recipe)
+    _check_data(recipe, registry)
     _check_reference_copy_needed(recipe, registry)
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
     _check_replay(recipe, registry, T)
@@ -825,6 +863,72 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
                 where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
                 hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
             )
+
+
+def data_kind(recipe: Recipe, registry: Registry) -> str | None:
+    """The kind of offline table the ``[loss]`` trains on (:class:`flowrl.interfaces.TrainsOnData`:
+    ``"images"`` or ``"pairs"``), or None for a loss that trains on rollouts."""
+    loss = build_component(recipe, registry, "loss")
+    return loss.data_kind if isinstance(loss, TrainsOnData) else None
+
+
+#: how to fix a recipe whose [data] and [loss] disagree
+DATA_HINT = ("an offline run names its table in [data] path = \"TABLE.jsonl\" and trains it with [loss] use = 'sft' "
+             "(a table of prompt, image) or 'offline_dpo' (prompt, chosen, rejected); docs/objectives.md, "
+             "\"Offline SFT and DPO\"")
+
+
+def _check_data(recipe: Recipe, registry: Registry) -> None:
+    """``[data]`` and the ``[loss]`` go together: an offline loss needs a table, a table needs an
+    offline loss of its kind, and a row is one sample (``group_size = 1``). The table itself is
+    read by :func:`check_startable` (a run's recipe stays loadable after its table is gone)."""
+    data, name = recipe.data, recipe.components["loss"].use
+    wants = data_kind(recipe, registry)
+    if not data.enabled:
+        if wants is not None:
+            raise RecipeError(f"loss '{name}' trains on an offline table of {wants}, and the recipe names none "
+                              "(no [data] path)", where=f"{recipe.source}: [data].path", hint=DATA_HINT)
+        return
+    if wants is None:
+        raise RecipeError(f"[data] names an offline table, but loss '{name}' trains on rollouts and their rewards",
+                          where=f"{recipe.source}: [loss]",
+                          hint=f"use loss 'sft' or 'offline_dpo' with [data], or remove [data] for an online run")
+    if data.kind not in ("auto", wants):
+        raise RecipeError(f"kind = '{data.kind}', but loss '{name}' trains on a table of {wants}",
+                          where=f"{recipe.source}: [data].kind", hint=DATA_HINT)
+
+
+def _check_data_table(recipe: Recipe, registry: Registry) -> None:
+    """The ``[data]`` table exists, is of the kind the ``[loss]`` trains on (and ``kind`` states),
+    every image it names exists, and it holds at least an iteration's rows."""
+    data = recipe.data
+    if not data.enabled:
+        return
+    where, name = f"{recipe.source}: [data].path", recipe.components["loss"].use
+    if not Path(data.path).is_file():
+        raise RecipeError(f"offline data not found: {data.path}", where=where,
+                          hint=f"build it from the model's own samples of the TRAINING prompts: `flowrl sample {recipe.source} "
+                               "--prompts FILE --seeds 8 --tables -o DIR` writes DIR/best.jsonl and DIR/pairs.jsonl "
+                               "(docs/objectives.md, \"Offline SFT and DPO\")")
+    try:
+        table = read_offline_rows(data.path, where)
+    except FlowrlError as exc:
+        raise RecipeError(exc.message, where=where, hint=exc.hint or DATA_HINT) from exc
+    wants = data_kind(recipe, registry)
+    if table.kind != wants or data.kind not in ("auto", table.kind):
+        raise RecipeError(f"{data.path} is a table of {table.kind}, but loss '{name}' trains on a table of {wants}"
+                          + (f" (and [data].kind = '{data.kind}')" if data.kind != "auto" else ""),
+                          where=where, hint=DATA_HINT)
+    for column, paths in table.images.items():
+        for i, p in enumerate(paths):
+            if not p.is_file():
+                raise RecipeError(f"{data.path}: row {i + 1}: {column} image not found: {p}", where=where,
+                                  hint="relative image paths are read against the table's folder")
+    if len(table) < recipe.train.prompts_per_iteration:
+        raise RecipeError(f"{data.path} holds {len(table)} rows, fewer than an iteration trains "
+                          f"(prompts_per_iteration = {recipe.train.prompts_per_iteration})",
+                          where=f"{recipe.source}: [train].prompts_per_iteration",
+                          hint=f"at most {len(table)}, or a larger table")
 
 
 def no_reference_copy_because(recipe: Recipe, registry: Registry | None = None) -> tuple[str, str, str] | None:
@@ -974,6 +1078,7 @@ def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
         if not any(line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()):
             raise RecipeError(f"prompt file {path} holds no prompt", where=where)
     _check_rewards_accept_prompts(recipe, registry)
+    _check_data_table(recipe, registry)
     for i in range(len(recipe.trackers)):
         build_component(recipe, registry, "trackers", i)
 

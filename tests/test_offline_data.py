@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.errors import FlowrlError
-from flowrl.offline import load_image, offline_batch, read_offline_rows
+from flowrl.offline import best_rows, iteration_rows, load_image, offline_batch, read_offline_rows
 
 
 def png(path, colour):
@@ -81,3 +81,25 @@ def test_the_embedded_model_passes_the_encode_images_conformance_check():
 
     report = check_adapter(EmbeddedModel(EmbeddedConfig(random_init=True)), checks=["encode_images"])
     assert report.results[0].message.startswith("decode(encode(images)) differs from the images by at most")
+
+
+def test_best_rows_keep_each_prompts_best_image_and_its_score():
+    records = [{"prompt": p, "file": f} for p, f in (("a", "1"), ("a", "2"), ("b", "3"), ("a", "4"))]
+    assert best_rows(records, [0.1, 0.7, 0.2, 0.7]) == [{"prompt": "a", "image": "2", "score": 0.7},
+                                                        {"prompt": "b", "image": "3", "score": 0.2}]
+    with pytest.raises(ValueError, match="one score per record"):
+        best_rows(records, [1.0])
+
+
+def test_iteration_rows_are_a_seeded_draw_without_replacement():
+    rows = iteration_rows(10, seed=3, iteration=5, count=4)
+    assert rows == iteration_rows(10, seed=3, iteration=5, count=4) and len(set(rows)) == 4
+    assert rows != iteration_rows(10, seed=3, iteration=6, count=4)
+    assert sorted(iteration_rows(3, seed=3, iteration=5, count=8)) == [0, 1, 2]  # a smaller table: all of it
+
+
+def test_sample_tables_need_a_source_with_a_reward(flowrl_cli, tmp_path):
+    argv = ["sample", "--model", "embedded", "--prompt", "a red circle on a blue background", "--tables",
+            "--no-grid", "-o", str(tmp_path / "out")]
+    (r,) = flowrl_cli.in_process([argv], cwd=tmp_path)
+    assert r.returncode == 2 and "--tables scores the images with the recipe's [[rewards]]" in r.stderr, r.stderr

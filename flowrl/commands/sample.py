@@ -23,6 +23,13 @@ recipe or ``--model NAME``: under ``runs/``, which git ignores): ``images/PPPPP_
 refused, as ``flowrl train`` refuses an earlier run, unless ``--overwrite`` (which deletes that
 sample's files first); the command ends by naming every file it drew.
 
+``--tables`` (a recipe with ``[[rewards]]``) scores every image with the recipe's rewards (their
+weighted sum: the reward training would optimise; entries of weight 0 are left out), adds the
+``score`` to each line of ``samples.jsonl`` and writes the two offline tables of
+docs/objectives.md, "Offline SFT and DPO": ``best.jsonl`` (per prompt its best image: rejection
+sampling's SFT data) and ``pairs.jsonl`` (per prompt its best image as ``chosen`` and its worst as
+``rejected``; a prompt whose images all score the same gives no pair).
+
 ``--ema`` samples the checkpoint's EMA weights (``[ema]`` in the recipe). ``--compare-base``
 also samples the base model (no checkpoint) from the same noise into ``base/PPPPP_KK.png`` and
 draws ``compare.png``: one row per prompt, base and trained side by side for each seed. The two
@@ -94,6 +101,9 @@ def sample(
         "--compare-base", help="Also sample the base model from the same noise; compare.png shows base | trained.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an earlier sample in the output directory (its files are deleted first).")] = False,
+    tables: Annotated[bool, typer.Option(
+        "--tables", help="Score the images with the recipe's rewards and write the offline tables best.jsonl (SFT) "
+        "and pairs.jsonl (DPO).")] = False,
 ) -> None:
     """Sample images with fixed per-prompt seeds (ODE), optionally hybrid trained/base."""
     from ..runlog import image_grid
@@ -103,6 +113,9 @@ def sample(
 
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, ema, compare_base,
                                           before_load=refuse_earlier_sample)
+    if tables and not any(r.weight for r in (src.recipe.rewards if src.from_recipe else [])):
+        raise FlowrlError("--tables scores the images with the recipe's [[rewards]]; this source names no reward "
+                          "with a weight", where="--tables", hint="sample from a recipe with a [[rewards]] entry")
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
@@ -132,11 +145,51 @@ def sample(
                     "num_images": len(records), "ema": ema, "compare_base": compare_base}
         (out / "settings.json").write_text(json.dumps(settings, indent=1))
         drawn = []
+        if tables:
+            drawn.append(f"the offline tables: {', '.join(str(p) for p in write_tables(out, records, src.recipe, batch_size))}")
         if grid and records:
             drawn.append(f"the grid: {grid_png(out, records, seeds, image_grid)}")
         if compare_base and records:
             drawn.append(f"base | trained: {compare_png(out, records, seeds, src.label, image_grid)}")
         console.print(f"wrote {len(records)} images to {out / 'images'}" + "".join(f"; {d}" for d in drawn))
+
+
+def write_tables(out: Path, records: list[dict], recipe, batch_size: int) -> tuple[Path, Path]:
+    """``--tables``: each image scored with the recipe's rewards (the weighted sum of the entries
+    with a weight), the scores added to ``samples.jsonl``, and ``best.jsonl`` and ``pairs.jsonl``
+    written (:func:`flowrl.offline.best_rows`, :func:`flowrl.offline.best_worst_rows`)."""
+    import torch
+
+    from ..interfaces import scores_latents
+    from ..offline import best_rows, best_worst_rows, load_image
+    from ..plugins import get_registry
+    from ..prompts import reward_metadata
+    from ..recipe import build_component
+    from ..rewards import score
+
+    entries = [(i, r) for i, r in enumerate(recipe.rewards) if r.weight]
+    rewards = [(r.label, r.weight, build_component(recipe, get_registry(), "rewards", i)) for i, r in entries]
+    for label, _, reward in rewards:
+        if scores_latents(reward):
+            raise FlowrlError(f"--tables scores images; reward '{label}' scores latents", where="--tables",
+                              hint="give the recipe an image reward")
+    totals = []
+    for start in range(0, len(records), batch_size):
+        part = records[start : start + batch_size]
+        images = torch.stack([load_image(out / r["file"]) for r in part])  # scored where each reward places itself
+        prompts = [r["prompt"] for r in part]
+        total = torch.zeros(len(part))
+        with torch.no_grad():
+            for label, weight, reward in rewards:
+                total += weight * score(reward, images, prompts, reward_metadata(prompts, images), name=label).scores
+        totals += total.tolist()
+    for rec, value in zip(records, totals):
+        rec["score"] = value
+    write_jsonl(out / "samples.jsonl", records)
+    best, pairs = out / "best.jsonl", out / "pairs.jsonl"
+    write_jsonl(best, best_rows(records, totals))
+    write_jsonl(pairs, best_worst_rows(records, totals))
+    return best, pairs
 
 
 def write_images(batches, out: Path, folder: str) -> list[dict]:
@@ -167,7 +220,7 @@ def default_output(src: Source, kind: str) -> Path:
 
 
 #: What one sample writes in its directory (the image folders are emptied of PNGs only).
-SAMPLE_FILES = ("samples.jsonl", "settings.json", "grid.png", "compare.png")
+SAMPLE_FILES = ("samples.jsonl", "settings.json", "grid.png", "compare.png", "best.jsonl", "pairs.jsonl")
 SAMPLE_FOLDERS = ("images", "base")
 
 

@@ -11,19 +11,26 @@ no rollout, no reward model.
   Diffusion-DPO loss (no anchors of the rollout are needed).
 
 The points of row ``r`` of iteration ``i`` are drawn from the generator of (seed, tag, i, r): the
-same after a resume.
+same after a resume, whatever the micro-batching or the number of processes.
+
+:class:`OfflineSFT` and :class:`OfflineDPO` are the objectives the ``sft`` and ``offline_dpo``
+losses run as (:class:`flowrl.interfaces.Objective` and :class:`flowrl.interfaces.TrainsOnData`):
+the update hands them micro-batches of the iteration's table rows (``batch.data``,
+:class:`flowrl.offline.OfflineBatch`), as it hands the online objectives rollouts.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flowrl.interfaces import select_embeddings
+from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.dpo import dpo_point_loss
 from flowrl.objectives.forward_process import ForwardPoints
 from flowrl.objectives.preference import flow_error
 from flowrl.seeding import generator
 
-__all__ = ["offline_points", "sft_loss", "offline_dpo_loss"]
+__all__ = ["offline_points", "sft_loss", "offline_dpo_loss", "OfflineSFT", "OfflineDPO"]
 
 
 def offline_points(seed: int, tag: str, iteration: int, rows: list[int], x0: torch.Tensor, sigmas: torch.Tensor,
@@ -83,3 +90,87 @@ def offline_dpo_loss(model, reference, chosen: torch.Tensor, rejected: torch.Ten
     loss = wins + loses - wins.detach()
     m = ((err[0] - e_ref[0]) - (err[1] - e_ref[1])).detach()
     return loss, {"loss": float(wins.detach()), "margin": float(m.mean()), "accuracy": float((m < 0).float().mean())}
+
+
+class OfflineObjective:
+    """What the two offline objectives share: the micro-batch's table rows, their points (keyed
+    by table row, :func:`offline_points`) and text embeddings, and the loss normalised as the
+    online objectives' (the micro-batch's rows times their mean loss, over the step's rows). No
+    trajectory log-probs, no chunks, no state across iterations (the reference is fixed)."""
+
+    uses_units = False
+    keep_means = False
+    data_kind = ""
+    tag = ""
+
+    def __init__(self, *, timesteps: int):
+        self.K = timesteps
+
+    def needs_reference(self) -> bool:
+        return False
+
+    def prepare(self, ctx: UpdateContext) -> None:
+        pass
+
+    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+        if batch.data is None:
+            raise ValueError(f"loss {self.tag!r} trains on an offline table ([data]), not on rollouts")
+
+    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+        return {}
+
+    def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
+        data, device = micro.batch.data, ctx.device
+        rows = micro.rows
+        table_rows = [data.rows[int(r)] for r in rows]
+        latents = {k: v[rows.to(v.device)] for k, v in data.latents.items()}
+        first = next(iter(latents.values()))
+        sigma, eps, idx = offline_points(ctx.seed, self.tag, micro.batch.iteration, table_rows, first, data.sigmas,
+                                         self.K)
+        text = select_embeddings(micro.batch.text, rows[idx].to(device))
+        ctx.counter.expect("update", len(idx) * self.sides * ctx.rows_per_sample)
+        with torch.enable_grad():
+            loss, metrics = self.loss(ctx, latents, text, sigma, eps, idx)
+            scaled = loss * (len(rows) / micro.normaliser)  # the mean over the step's rows, summed over micro-batches
+            scaled.backward()
+        return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
+                                trained=torch.zeros(len(rows), len(micro.sizes), dtype=torch.bool))
+
+
+class OfflineSFT(OfflineObjective):
+    """Offline supervised fine-tuning: the flow-matching loss on a table of images (:func:`sft_loss`)."""
+
+    data_kind, tag, sides = "images", "offline_sft", 1
+
+    def loss(self, ctx, latents, text, sigma, eps, idx):
+        loss = sft_loss(ctx.model, latents["image"], text, sigma, eps, idx)
+        return loss, {"sft/fm_loss": float(loss.detach())}
+
+
+class OfflineDPO(OfflineObjective):
+    """Offline Diffusion-DPO on a table of preference pairs (:func:`offline_dpo_loss`), against
+    the engine's frozen reference (the model before training; the base with LoRA disabled)."""
+
+    data_kind, tag, sides = "pairs", "offline_dpo", 2
+
+    def __init__(self, *, beta: float, timesteps: int):
+        super().__init__(timesteps=timesteps)
+        self.beta = beta
+        self.reference = None
+
+    def needs_reference(self) -> bool:
+        return True
+
+    def prepare(self, ctx: UpdateContext) -> None:
+        self.reference = ctx.kl.reference
+
+    def loss(self, ctx, latents, text, sigma, eps, idx):
+        ctx.counter.expect("reference", len(idx) * 2 * ctx.rows_per_sample)
+
+        def reference(x, s, t):
+            with ctx.counter.phase("reference"):
+                return self.reference.velocity(x, s, t)
+
+        loss, parts = offline_dpo_loss(ctx.model, reference, latents["chosen"], latents["rejected"], text, sigma,
+                                       eps, idx, self.beta)
+        return loss, {f"dpo/{k}": v for k, v in parts.items()}

@@ -43,6 +43,7 @@ from flowrl.interfaces import (
     NeedsReferenceCopy,
     NeedsReferencePolicy,
     SamplesWithOwnWeights,
+    TrainsOnData,
     ScalesFlowGRPOKL,
     ScoresClips,
     Schedule,
@@ -200,6 +201,10 @@ def check_objective(objective) -> list[str]:
         claimed.append("SamplesWithOwnWeights")
         with objective.rollout_weights():  # before prepare: nothing to swap, must not fail
             pass
+    if isinstance(objective, TrainsOnData):
+        claimed.append("TrainsOnData")
+        assert objective.data_kind in ("images", "pairs"), "data_kind is 'images' (SFT) or 'pairs' (DPO)"
+        assert not objective.uses_units, "an objective on offline rows has no trajectory, so no units"
     if isinstance(objective, CheckpointsState):
         claimed.append("CheckpointsState")
         state, tensors = objective.state_dict(), objective.tensors()

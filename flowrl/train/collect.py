@@ -1,4 +1,5 @@
-"""Collecting one iteration's samples: prompts, rollout, images, rewards, advantages.
+"""Collecting one iteration's samples: prompts, rollout, images, rewards, advantages; or, for an
+offline run (``[data]``), the iteration's rows of the table, encoded (no rollout, no reward).
 
 With ``[sampler].overlap_rewards`` the images of each rollout sub-batch are decoded and scored
 while the next sub-batch samples (:mod:`flowrl.train.overlap`); otherwise after the rollout.
@@ -24,6 +25,7 @@ from ..interfaces import (
     UsesImageFeatures,
     select_embeddings,
 )
+from ..offline import OfflineBatch, encode_rows, iteration_rows
 from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
@@ -42,7 +44,9 @@ class Batch:
 
     ``indices`` are the samples' global indices; ``group_ids [B]`` their prompt groups;
     ``rewards`` and ``reward_extras`` the local scores (``[B]`` each); ``advantages`` ``[B]`` or
-    ``[B, K]``, or None when a reward was not finite (the update is then skipped).
+    ``[B, K]``, or None when a reward was not finite (the update is then skipped). An offline
+    run's batch holds the table's rows (``data``: their encoded images) and no trajectory,
+    rewards or advantages: the table is the training signal.
     """
 
     iteration: int
@@ -55,6 +59,12 @@ class Batch:
     rewards: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     reward_extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     advantages: torch.Tensor | None = None
+    data: OfflineBatch | None = None
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the update trains on it: a rollout with finite rewards, or offline rows."""
+        return self.advantages is not None or self.data is not None
 
 
 def initial_noise(seed: int, iteration: int, indices, group_size: int, shape, same_in_group: bool) -> torch.Tensor:
@@ -72,7 +82,10 @@ def collect(run: Run, prompts: list[str], iteration: int, timer) -> Batch:
     """This process's samples of the iteration: prompts and text embeddings (``encode``), the
     rollout (``rollout``), the decoded images (``decode``) and their rewards (``reward``), each
     phase timed by ``timer``. With ``[sampler].overlap_rewards`` decoding and scoring run beside
-    the rollout, and ``reward`` times only the wait for the last sub-batch's scores."""
+    the rollout, and ``reward`` times only the wait for the last sub-batch's scores. An offline
+    run (``[data]``) collects its table's rows instead (:func:`collect_rows`)."""
+    if run.data is not None:
+        return collect_rows(run, iteration, timer)
     session, geometry = run.session, run.geometry
     rewards = session.components.rewards
     with timer("encode"):
@@ -95,6 +108,23 @@ def collect(run: Run, prompts: list[str], iteration: int, timer) -> Batch:
     with timer("reward"):
         score_rewards(batch, rewards)
     return batch
+
+
+def collect_rows(run: Run, iteration: int, timer) -> Batch:
+    """This process's rows of an offline table for the iteration (``encode``): the iteration's
+    ``prompts_per_iteration`` rows drawn over the whole table (:func:`flowrl.offline.iteration_rows`,
+    seeded by (seed, iteration): the same on any process layout and after a resume), this
+    process's share of them, their text embeddings and their images encoded into clean latents."""
+    session, geometry, ctx = run.session, run.geometry, run.ctx
+    local = geometry.local_sample_range(ctx.rank)
+    with timer("encode"):
+        everyone = iteration_rows(len(run.data), seed=session.recipe.run.seed, iteration=iteration,
+                                  count=geometry.prompts_per_iteration)
+        rows = encode_rows(run.data, session.model, [everyone[j] for j in local], session.device)
+        rows.sigmas = session.sampler.sigmas
+        text = session.cache.get(rows.prompts, session.device)
+    return Batch(iteration=iteration, indices=local, prompts=rows.prompts, group_ids=torch.tensor(list(local)),
+                 text=text, data=rows)
 
 
 def count_decoded(timer, samples: int) -> None:
@@ -184,7 +214,10 @@ def score_rewards(batch: Batch, rewards) -> None:
 
 def assign_advantages(run: Run, batch: Batch, num_chunks: int, record: dict) -> None:
     """Advantages over whole groups, from the rewards of every process; logs reward and
-    advantage statistics. Leaves ``batch.advantages`` None when a reward is not finite."""
+    advantage statistics. Leaves ``batch.advantages`` None when a reward is not finite. Offline
+    rows have neither: nothing to do."""
+    if batch.data is not None:
+        return
     session, geometry, ctx = run.session, run.geometry, run.ctx
     all_rewards = {k: distributed.all_gather_cat(v, ctx) for k, v in batch.rewards.items()}
     all_groups = distributed.all_gather_cat(batch.group_ids, ctx)

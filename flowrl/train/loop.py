@@ -55,7 +55,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
     # ---- Setup: device, processes, batch geometry, run directory checks ----------------------
     device, ctx = distributed.start(recipe.run.device, recipe.distributed)  # checks the launcher agrees
-    geometry = refuse_split_trees(cfg, resolve_geometry(train_cfg, ctx.world_size, cfg.source), ctx)
+    geometry = refuse_split_trees(cfg, resolve_geometry(train_cfg, ctx.world_size, cfg.source, cfg.group_size), ctx)
     run_dir = Path(resume) if resume is not None else cfg.output_dir
     announce(console, ctx, cfg, geometry, run_dir)
     if dry_run:
@@ -64,7 +64,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         check_startable(recipe, registry)  # what `flowrl validate` checks: prompt files, trackers' extras
 
         # ---- Build: components (fsdp2 shards the denoiser onto the device), prompts, update, EMA -
-        session = Session.open(recipe, registry, device=device, **denoiser_loading(recipe, ctx))
+        session = Session.open(recipe, registry, device=device, **session_options(recipe, ctx))
         run = Run(session, geometry, ctx)
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
         update = PolicyUpdate(run)
@@ -218,7 +218,7 @@ def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update
 
 def warn_skipped(console: Console, ctx, iteration: int, batch, state: TrainState, train_cfg, skipped: bool) -> None:
     if skipped and ctx.is_main:
-        what = "reward" if batch.advantages is None else "loss or gradient"
+        what = "reward" if not batch.trainable else "loss or gradient"
         console.print(
             f"[yellow]warning:[/yellow] iteration {iteration}: non-finite {what}; update skipped "
             f"({state.nonfinite_steps} so far, at most {train_cfg.max_nonfinite_steps} tolerated)"
@@ -322,10 +322,13 @@ def planned_memory(recipe: Recipe, ctx, registry: Registry) -> str:
     return f"; `flowrl plan` expects a peak of ~{total / GB:.1f} GB per process (in the {phase} phase)"
 
 
-def denoiser_loading(recipe: Recipe, ctx) -> dict[str, bool]:
-    """How :meth:`Session.open` loads the denoiser: placed on the device, unless the run shards it
-    with FSDP2 (the launcher may have asked for it), which moves it there block by block; then
-    only rank 0 loads its weights and the other processes receive them as it is sharded."""
+def session_options(recipe: Recipe, ctx) -> dict[str, bool]:
+    """How :meth:`Session.open` builds the run. The denoiser is placed on the device, unless the
+    run shards it with FSDP2 (the launcher may have asked for it), which moves it there block by
+    block; then only rank 0 loads its weights and the other processes receive them as it is
+    sharded. The rewards are built unless nothing scores: an offline run (``[data]``) that
+    evaluates nothing (its training reads no reward)."""
     sharded = resolve_strategy(recipe.distributed, ctx.world_size) == "fsdp2"
-    return {"place_denoiser": not sharded, "receive_weights": sharded and ctx.rank != 0}
+    return {"place_denoiser": not sharded, "receive_weights": sharded and ctx.rank != 0,
+            "rewards": not recipe.data.enabled or bool(recipe.prompts.num_eval)}
 

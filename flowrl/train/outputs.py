@@ -124,9 +124,10 @@ class RunOutputs:
     def write_group_grid(self, batch, group_size: int, last: bool = False) -> None:
         """Every ``[log].image_every`` iterations and at the last (``last``): the first group of
         the batch, its prompt as the title, each sample captioned with its rewards and advantage;
-        a degenerate group (no reward spread) is marked as such."""
+        a degenerate group (no reward spread) is marked as such. An offline batch has no group
+        (its images are the table's): the evaluation grids show what the policy draws."""
         every = self.image_every
-        if not self.enabled or not every or not (batch.iteration % every == 0 or last):
+        if not self.enabled or not every or not (batch.iteration % every == 0 or last) or batch.data is not None:
             return
         n = min(group_size, len(batch.indices))
         finite = batch.advantages is not None

@@ -145,8 +145,11 @@ class RunDisplay:
         return PhaseTimer(device, counter, on_phase=self.phase)
 
     def advance(self, record: dict, speed: dict[str, float]) -> None:
-        """One more iteration done: its first reward's mean and its throughput."""
-        reward = f"{self.label}={record.get(f'reward/{self.label}/mean', float('nan')):.4f}"
+        """One more iteration done: its first reward's mean (an offline run scores none in training:
+        its loss) and its throughput."""
+        key = f"reward/{self.label}/mean"
+        reward = f"{self.label}={record.get(key, float('nan')):.4f}" if key in record or "loss" not in record \
+            else f"loss={record['loss']:.4f}"
         text = f"{speed['speed/images_per_second']:.3g} img/s"
         if "speed/mfu" in speed:
             text += f" MFU {100 * speed['speed/mfu']:.1f}%"

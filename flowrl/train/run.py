@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..distributed import DistContext
 from ..geometry import Geometry
+from ..offline import OfflineRows, read_offline_rows
 from .session import Session
 
 
@@ -18,3 +20,10 @@ class Run:
     session: Session
     geometry: Geometry
     ctx: DistContext
+
+    @functools.cached_property
+    def data(self) -> OfflineRows | None:
+        """The ``[data]`` table an offline run trains on (read once; validation checked it), or
+        None for an online run."""
+        recipe = self.session.recipe
+        return read_offline_rows(recipe.data.path, f"{recipe.source}: [data].path") if recipe.data.enabled else None

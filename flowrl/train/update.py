@@ -127,8 +127,9 @@ class PolicyUpdate:
         g, seed = self.geometry, self.session.recipe.run.seed
         out = UpdateOutcome(lr=self.scheduler.get_last_lr()[0],  # the LR this iteration's first step uses
                             trained=torch.zeros(len(batch.indices), len(sizes), dtype=torch.bool),
-                            skipped=batch.advantages is None)
-        if first_epoch == 0:  # a replayed rollout was sampled (and counted) when it was collected
+                            skipped=not batch.trainable)
+        if first_epoch == 0 and batch.trajectory is not None:  # a replayed rollout was counted when collected;
+            # offline rows were never sampled
             full = batch.trajectory.num_steps * len(batch.indices)
             s = self.session.recipe.sampler
             run = full if not s.branch_steps else len(batch.indices) // g.group_size * branch_forward_rows(
@@ -149,7 +150,7 @@ class PolicyUpdate:
         local = {k: {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
                  for k, v in metrics.items()}
         out.metrics = distributed.reduce_metrics(local, {k: update_aggregate(k) for k in local}, self.ctx)
-        if not (batch.advantages is None):
+        if batch.trainable:
             out.metrics.update(self.objective.end_rollout(self.context, batch))
         return out
 

@@ -1,71 +1,101 @@
-"""Offline SFT and DPO end to end: a preference table built offline with `flowrl sample` and the
-embedded verifier (best and worst image per prompt), then 2 iterations of each objective from it,
-and a resume that repeats the uninterrupted run bitwise."""
+"""Offline SFT and DPO end to end, selected by a recipe: the tables built offline with
+`flowrl sample --tables` (the embedded model's own samples scored by the recipe's verifier: best
+image per prompt, and best against worst), then `flowrl train` of each shipped offline recipe for 2
+iterations (no rollout, no reward scored for training; the held-out evaluation, its grids, the
+metrics, the resolved recipe and the checkpoints as an online run), and a run interrupted after
+iteration 1 and resumed that repeats the uninterrupted one bit for bit."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+from engine_helpers import REPO, InterruptAt, load, quiet_console
 
-from flowrl.offline import best_worst_rows, load_image, read_offline_rows
-from flowrl.train.offline import OfflineTrainer
+from flowrl.plugins import temporary_plugin
+from flowrl.runlog import read_metrics
+from flowrl.train import train
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
 
-PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
-SIGMAS = torch.linspace(1.0, 0.0, 5)
+PROMPTS = ["a red circle on a blue background", "a green square on a white background",
+           "a blue triangle on a green background"]
+RECIPES = {"sft": "offline_sft.toml", "offline_dpo": "offline_dpo.toml"}
+TABLES = {"sft": "best.jsonl", "offline_dpo": "pairs.jsonl"}
+SHAPES = str(REPO / "recipes" / "prompts" / "shapes.csv")
+# tiny: 4 sampling steps, 2 rows an iteration in micro-batches of 1 (gradients accumulate), 2 held-out prompts
+TINY = ["sampler.steps=4", "train.prompts_per_iteration=2", "train.micro_batch_size=1", "prompts.num_eval=2",
+        "prompts.eval_seeds=1", "log.eval_every=1", "log.image_every=1", "checkpoint.every=1", "log.progress=false",
+        f"prompts.source={SHAPES!r}"]
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory, flowrl_cli):
-    from plugins.embedded.rewards import verifier_score
-
+def sampled(tmp_path_factory, flowrl_cli):
+    """The tables `flowrl sample --tables` writes from 4 images of each of 3 prompts."""
     root = tmp_path_factory.mktemp("offline")
     out = root / "sampled"
-    argv = ["sample", "--model", "embedded", *[a for p in PROMPTS for a in ("--prompt", p)], "--seeds", "4",
-            "--steps", "4", "--no-grid", "-o", str(out)]
+    argv = ["sample", str(REPO / "recipes" / "offline_dpo.toml"), *[a for p in PROMPTS for a in ("--prompt", p)],
+            "--seeds", "4", "--steps", "4", "--no-grid", "--tables", "-o", str(out)]
     (r,) = flowrl_cli.in_process([argv], cwd=root)
     assert r.returncode == 0, r.stderr
-    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    images = torch.stack([load_image(out / rec["file"]) for rec in records])
-    scores = verifier_score(images, [rec["prompt"] for rec in records])
-    pairs = best_worst_rows(records, scores.tolist())
-    assert pairs, f"every prompt's 4 images scored alike: {scores.tolist()}"
-    (out / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in pairs))
-    (out / "sft.jsonl").write_text("".join(json.dumps({"prompt": row["prompt"], "image": row["chosen"]}) + "\n"
-                                          for row in pairs))
-    return out / "pairs.jsonl", out / "sft.jsonl"
+    return out
 
 
-def trainer(table, objective):
-    from plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
-
-    model = EmbeddedModel(EmbeddedConfig())
-    model.denoiser.requires_grad_(True)
-    return OfflineTrainer(model, read_offline_rows(table), objective=objective, sigmas=SIGMAS, batch_size=2,
-                          timesteps=2, lr=1e-4, seed=0)
-
-
-@pytest.mark.parametrize("objective, which", [("dpo", 0), ("sft", 1)])
-def test_offline_training_runs_two_iterations_and_resumes_bitwise(tables, objective, which):
-    table = tables[which]
-    full = trainer(table, objective)
-    before = [p.detach().clone() for p in full.params]
-    rows = [full.step() for _ in range(2)]
-    assert [r["iteration"] for r in rows] == [0, 1]
-    assert all(torch.isfinite(torch.tensor(v)) for r in rows for v in r.values())
-    assert any(not torch.equal(a, b) for a, b in zip(before, full.params))  # it trained
-    if objective == "dpo":  # the first step is at the reference: a zero margin, loss softplus(0)
-        assert abs(rows[0]["dpo/margin"]) < 1e-6 and abs(rows[0]["dpo/loss"] - 0.6931472) < 1e-5
-    first = trainer(table, objective)
-    first.step()
-    saved = first.state_dict()
-    resumed = trainer(table, objective)
-    resumed.load_state_dict(saved)
-    assert resumed.step()["iteration"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(full.params, resumed.params))
+def test_sample_tables_hold_the_best_image_and_the_best_against_the_worst_of_each_prompt(sampled):
+    records = [json.loads(line) for line in (sampled / "samples.jsonl").read_text().splitlines()]
+    best = [json.loads(line) for line in (sampled / "best.jsonl").read_text().splitlines()]
+    pairs = [json.loads(line) for line in (sampled / "pairs.jsonl").read_text().splitlines()]
+    assert [b["prompt"] for b in best] == PROMPTS and pairs, pairs
+    for row in best:
+        mine = [r for r in records if r["prompt"] == row["prompt"]]
+        top = max(mine, key=lambda r: r["score"])
+        assert row["image"] == top["file"] and row["score"] == top["score"]
+    for row in pairs:
+        mine = [r["score"] for r in records if r["prompt"] == row["prompt"]]
+        assert row["chosen_score"] == max(mine) > row["rejected_score"] == min(mine)
 
 
-def test_an_objective_refuses_the_other_kind_of_table(tables):
-    with pytest.raises(ValueError, match="offline sft trains on a table of images, got one of pairs"):
-        trainer(tables[0], "sft")
+@pytest.mark.parametrize("loss", list(RECIPES))
+def test_flowrl_train_runs_each_offline_recipe_without_rollout_or_reward(sampled, flowrl_cli, tmp_path, loss):
+    run_dir = tmp_path / "run"
+    argv = ["train", str(REPO / "recipes" / RECIPES[loss]), "--set", "train.iterations=2",
+            "--set", f"data.path={str(sampled / TABLES[loss])!r}", "--set", f"run.output_dir={str(run_dir)!r}"]
+    for s in TINY:
+        argv += ["--set", s]
+    (r,) = flowrl_cli.in_process([argv], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rows = read_metrics(run_dir)
+    trained = [row for row in rows if not row.get("final")]
+    assert [row["iteration"] for row in trained] == [0, 1] and rows[-1]["final"]
+    for row in trained:  # no rollout, no reward: the table is the signal
+        assert not any(k.startswith(("reward/", "advantage/", "time/rollout", "time/reward")) for k in row), row
+        assert "eval/verifier/mean" in row and "eval/embedded_clip/mean" in row  # held out, and the second judge
+        assert all(torch.isfinite(torch.tensor(float(row[k]))) for k in ("loss", "grad_norm"))
+    assert ("sft/fm_loss" if loss == "sft" else "dpo/margin") in trained[0]
+    if loss == "offline_dpo":  # the first step is at the reference: a zero margin, loss softplus(0)
+        assert abs(trained[0]["dpo/margin"]) < 1e-6 and abs(trained[0]["dpo/loss"] - 0.6931472) < 1e-5
+    assert (run_dir / "recipe.toml").is_file() and latest_checkpoint(run_dir).name == "iter_000002"
+    assert (run_dir / "images" / "eval" / "iter_000002.png").is_file()  # the final evaluation's grid
+
+
+@pytest.mark.parametrize("loss", list(RECIPES))
+def test_an_interrupted_offline_run_resumes_bitwise(sampled, tmp_path, loss):
+    recipe = tmp_path / RECIPES[loss]
+    shutil.copy(REPO / "recipes" / RECIPES[loss], recipe)
+    sets = [*TINY, "train.iterations=3", "log.eval_every=100", "log.image_every=0",
+            f"data.path={str(sampled / TABLES[loss])!r}"]
+    whole = train(load(recipe, *sets, f"run.output_dir={str(tmp_path / 'whole')!r}"), console=quiet_console())
+    parts = tmp_path / "parts"
+    tracked = tmp_path / f"tracked_{RECIPES[loss]}"
+    tracked.write_text(recipe.read_text() + '\n[[trackers]]\nuse = "interrupt_at"\n')
+    with temporary_plugin(InterruptAt(1), name="interrupt-at-1"):
+        with pytest.raises(KeyboardInterrupt):
+            train(load(tracked, *sets, f"run.output_dir={str(parts)!r}"), console=quiet_console())
+    assert latest_checkpoint(parts).name == "iter_000002"
+    train(load(recipe, *sets, f"run.output_dir={str(parts)!r}"), resume=parts, console=quiet_console())
+
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert strip(read_metrics(parts)) == strip(read_metrics(whole))
+    got, want = load_checkpoint(latest_checkpoint(parts))["model"], load_checkpoint(latest_checkpoint(whole))["model"]
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
