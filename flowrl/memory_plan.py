@@ -332,6 +332,9 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) ->
         ref_bytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes
         lines.append(Line(ref_where, "reference copy (KL)", reference_copy_bytes(mm) / n,
                           f"a frozen copy of the denoiser, {ref_bytes} B per param" + (", sharded like it" if n > 1 else "")))
+    if recipe.pipeline.enabled:  # the behaviour policy draws the rollouts (fsdp2 is refused with it)
+        lines.append(Line("persistent", "rollout copy (pipeline)", weights + trainable * tbytes * bool(lora),
+                          "a second copy of the denoiser that draws the next rollout"))
     return lines
 
 
@@ -345,6 +348,9 @@ def _frozen_and_data(recipe, mm: ModelMemory, geometry) -> list[Line]:
     n = recipe.sampler.steps
     lines.append(Line("persistent", "trajectories", s * (n + 1) * mm.latent_elements * 4,
                       f"{s} samples x {n + 1} fp32 latents"))
+    if recipe.pipeline.enabled:  # the next iteration's, drawn while this one trains
+        lines.append(Line("persistent", "pending rollout (pipeline)", s * (n + 1) * mm.latent_elements * 4,
+                          "the next iteration's trajectories"))
     in_file = count_prompts(recipe.prompts.source, recipe.prompts)
     seen = recipe.train.prompts_per_iteration * recipe.train.iterations
     cached = min(in_file, seen) if in_file else seen

@@ -1,7 +1,7 @@
 """TOML recipes: the schema, loading, ``--set`` overrides and validation.
 
 A recipe is a TOML file. Plain tables (``[run]``, ``[train]``, ``[sampler]``, ``[prompts]``,
-``[log]``, ``[checkpoint]``, ``[ema]``, ``[distributed]``, ``[replay]``, ``[data]``) configure the engine and are documented field by field below.
+``[log]``, ``[checkpoint]``, ``[ema]``, ``[distributed]``, ``[replay]``, ``[data]``, ``[pipeline]``) configure the engine and are documented field by field below.
 Component tables name a registered component and give its parameters::
 
     [chunker]
@@ -345,6 +345,31 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class PipelineConfig:
+    """One-step-off pipelining (docs/objectives.md, "Pipelining"): the rollout of iteration
+    i + 1 is drawn by a copy of the policy while iteration i's update runs, and the update
+    corrects for its older policy with importance weights."""
+
+    staleness: int = param(
+        0, "0: the synchronous loop (each rollout drawn by the current weights); 1: the rollout of iteration "
+        "i + 1 is drawn while update i runs, by weights from before update i.", min=0, max=1)
+    sync_every: int = param(
+        1, "Copy the trained weights to the rollout's policy every k updates (a rollout's policy is then 1 to "
+        "k updates old).", min=1)
+    overlap: bool = param(
+        True, "Draw the next rollout in a worker thread beside the update; false draws it first, in order "
+        "(the same result, bit for bit, without the overlap).")
+    weight_level: Literal["unit", "sequence"] = param(
+        "unit", "Importance weight per unit (step or chunk: exp of the mean log-ratio over the unit) or per "
+        "sample (over all its trainable positions).")
+    truncate: float = param(2.0, "Truncation c of the importance weights: w = min(w, c).", min=1e-6)
+
+    @property
+    def enabled(self) -> bool:
+        return self.staleness > 0
+
+
+@dataclasses.dataclass
 class RewardEntryConfig:
     """The keys every ``[[rewards]]`` entry takes besides ``use`` and the reward's own parameters."""
 
@@ -424,6 +449,7 @@ SECTIONS: dict[str, type] = {
     "distributed": DistributedConfig,
     "replay": ReplayConfig,
     "data": DataConfig,
+    "pipeline": PipelineConfig,
 }
 #: Component tables (one component each) and their kinds.
 COMPONENT_SECTIONS: dict[str, str] = {
@@ -487,6 +513,7 @@ class Recipe:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     source: str = "<recipe>"
     #: T, the number of trainable transitions of the sampler (set by validation).
     num_trainable: int = 0
@@ -828,6 +855,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_reference_copy_needed(recipe, registry)
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
     _check_replay(recipe, registry, T)
+    _check_pipeline(recipe, registry)
     _check_branches(recipe, registry)
     if not _uses_units(recipe, registry):
         return
@@ -992,29 +1020,50 @@ def _check_memory_knobs(recipe: Recipe, registry: Registry) -> None:
 
 
 def _check_replay(recipe: Recipe, registry: Registry, T: int) -> None:
-    """``[replay]`` only where a replayed rollout can be re-weighted exactly: a ratio-based
-    ``[loss]`` (a plain policy loss, which trains through the chunk ratio) whose only memory of
-    the rollout is its log-probs (not GRPO-Guard's proposal means); an unsharded run (its
-    checkpoint keeps the buffer); a sequence weight no longer than the sampler's T."""
+    """``[replay]`` only where a replayed rollout can be re-weighted exactly (:func:`_refuse_off_policy`);
+    a sequence weight no longer than the sampler's T."""
     r, where = recipe.replay, f"{recipe.source}: [replay]"
     if not r.enabled:
         return
-    loss = build_component(recipe, registry, "loss")
-    name = recipe.components["loss"].use
-    if isinstance(loss, Objective):
-        raise RecipeError(f"[replay] needs a ratio-based policy loss; loss '{name}' owns its update "
-                          "(its own old policy or anchors, not the rollout's log-probs)", where=f"{where}.size",
-                          hint="use loss 'clipped' with replay, or set size = 0")
-    if isinstance(loss, KeepsRolloutMeans) and loss.keep_means:
-        raise RecipeError(f"[replay] cannot re-weight loss '{name}': its step ratio uses the rollout's proposal "
-                          "means, which a replay would have to re-sample", where=f"{where}.size",
-                          hint="use loss 'clipped' with replay, or set size = 0")
-    if recipe.distributed.strategy == "fsdp2":
-        raise RecipeError("[replay] is not supported with strategy = 'fsdp2' (its sharded checkpoint cannot hold "
-                          "the replay buffer yet)", where=f"{where}.size", hint="use strategy 'ddp' or 'none'")
+    _refuse_off_policy(recipe, registry, "[replay]", f"{where}.size", "set size = 0", "the replay buffer")
     if r.weight_steps > T > 0:
         raise RecipeError(f"weight_steps = {r.weight_steps} exceeds the sampler's T = {T} trainable transitions",
                           where=f"{where}.weight_steps", hint=f"at most {T}; 0 = all")
+
+
+def _check_pipeline(recipe: Recipe, registry: Registry) -> None:
+    """``[pipeline]`` with staleness 1 trains on rollouts of an older policy, corrected like a
+    replayed one: refused where replay is refused; and not together with ``[replay]`` (a kept
+    rollout's staleness would count iterations, not the policy versions that drew it)."""
+    if not recipe.pipeline.enabled:
+        return
+    where = f"{recipe.source}: [pipeline].staleness"
+    _refuse_off_policy(recipe, registry, "[pipeline] staleness = 1", where, "set staleness = 0",
+                       "the rollout policy's weights")
+    if recipe.replay.enabled:
+        raise RecipeError("[pipeline] staleness = 1 and [replay] cannot be combined yet", where=where,
+                          hint="set pipeline.staleness = 0 or replay.size = 0")
+
+
+def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str, off: str, kept: str) -> None:
+    """Training on a rollout sampled by an older policy (``[replay]``, ``[pipeline]``) corrects it
+    by re-scoring and importance weights, which needs a ratio-based ``[loss]`` (a plain policy
+    loss, which trains through the chunk ratio) whose only memory of the rollout is its
+    log-probs (not GRPO-Guard's proposal means), and an unsharded run (its checkpoint keeps
+    ``kept``). One message each, naming ``what`` and how to turn it ``off``."""
+    loss = build_component(recipe, registry, "loss")
+    name = recipe.components["loss"].use
+    if isinstance(loss, Objective):
+        raise RecipeError(f"{what} needs a ratio-based policy loss; loss '{name}' owns its update "
+                          "(its own old policy or anchors, not the rollout's log-probs)", where=where,
+                          hint=f"use loss 'clipped', or {off}")
+    if isinstance(loss, KeepsRolloutMeans) and loss.keep_means:
+        raise RecipeError(f"{what} cannot re-weight loss '{name}': its step ratio uses the rollout's proposal "
+                          "means, which an off-policy update would have to re-sample", where=where,
+                          hint=f"use loss 'clipped', or {off}")
+    if recipe.distributed.strategy == "fsdp2":
+        raise RecipeError(f"{what} is not supported with strategy = 'fsdp2' (its sharded checkpoint cannot hold "
+                          f"{kept} yet)", where=where, hint="use strategy 'ddp' or 'none'")
 
 
 def _check_branches(recipe: Recipe, registry: Registry) -> None:

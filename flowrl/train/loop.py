@@ -2,6 +2,9 @@
 
     collect (prompts, rollout, images) -> rewards -> advantages -> update (-> replay) -> log, checkpoint
 
+(with ``[pipeline]`` staleness 1 the next iteration's collect runs beside the update:
+:mod:`flowrl.train.pipeline`)
+
 Step-level GRPO, GSPO, fixed chunks and Chunk-GRPO differ only in the components the recipe
 names (chunker, selector, loss); nothing below branches on the algorithm. docs/architecture.md
 maps each phase to the module that owns it.
@@ -36,6 +39,7 @@ from .ema import WeightEMA
 from .evaluate import RunEvaluator, evaluation_set
 from .layout import ChunkLayout
 from .outputs import RunOutputs
+from .pipeline import Pipeline
 from .parallel import resolve_strategy
 from .progress import Aborted, GracefulInterrupt, RunDisplay
 from .replay import Replay
@@ -71,21 +75,21 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the placed model first
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
-        replay = Replay.attach(run, prompts)  # None unless [replay] keeps rollouts
+        replay, pipeline = Replay.attach(run, prompts), Pipeline.attach(run, prompts, update.counter)  # None when off
         eval_set = evaluation_set(cfg, session.model)
 
         # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
-        state = restore_training_state(run_dir, run, update, layout, console, ema, replay) if resume else TrainState()
+        state = restore_training_state(run_dir, run, update, layout, console, ema, replay, pipeline) if resume else TrainState()
         if resume and run_is_complete(run_dir, state.iteration, recipe, bool(eval_set)):
             return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
         throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
         evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
         display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
-        saver = Checkpointer(run_dir, run, state, update, layout, ema, replay, on_write=display.phase)
+        saver = Checkpointer(run_dir, run, state, update, layout, ema, replay, pipeline, on_write=display.phase)
         interrupted = False
         try:
-            with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels:
+            with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels, pipeline or contextlib.nullcontext():
                 for iteration in range(state.iteration, train_cfg.iterations):
                     if interrupted := distributed.any_rank(interrupt.requested, ctx):  # e.g. while checkpointing
                         break
@@ -104,8 +108,8 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                     if interrupted := distributed.any_rank(interrupt.requested, ctx):  # eval is redone on resume
                         break
 
-                    # ---- Collect: prompts, text embeddings, rollout, images, rewards (overlapped) -----
-                    batch = collect(run, prompts, iteration, timer)
+                    # ---- Collect: prompts, text embeddings, rollout, images, rewards (pipelined: drawn earlier) --
+                    batch = pipeline.take(iteration, timer) if pipeline else collect(run, prompts, iteration, timer)
 
                     # ---- Advantages over whole groups (rewards gathered from every process) ---------
                     with timer("advantage"):
@@ -114,7 +118,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                         break
 
                     # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA); replay ---
-                    outcome, replayed, replay_skipped = update_and_replay(update, replay, batch, layout.sizes, timer)
+                    outcome, replayed, replay_skipped = update_and_replay(update, replay, pipeline, batch, layout.sizes, timer)
                     state.nonfinite_steps += outcome.skipped + replay_skipped
                     record.update(update_record(outcome, batch, state, layout, update, ctx) | replayed)
                     warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
@@ -190,13 +194,22 @@ def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path
     return run_dir
 
 
-def update_and_replay(update: PolicyUpdate, replay: Replay | None, batch, sizes, timer) -> tuple:
+def update_and_replay(update: PolicyUpdate, replay: Replay | None, pipeline: Pipeline | None, batch, sizes,
+                      timer) -> tuple:
     """The iteration's update, then (with ``[replay]`` on) the replayed rollouts' updates and the
-    rollout kept for later: ``(outcome, replay metrics, replayed updates skipped)``."""
+    rollout kept for later: ``(outcome, replay and pipeline metrics, replayed updates skipped)``.
+    Pipelined, the next rollout is drawn meanwhile (waited for at the end), and a rollout an
+    older policy drew is importance-weighted first."""
+    corrected = {}
+    if pipeline is not None:
+        pipeline.start_next(batch)
+        batch, corrected = pipeline.corrected(batch, sizes, timer)
     with timer("update"):
         outcome = update.run(batch, sizes)
     replayed, skipped = replay(update, batch, sizes, timer) if replay is not None else ({}, 0)
-    return outcome, replayed, skipped
+    if pipeline is not None:
+        pipeline.settle(timer)
+    return outcome, corrected | replayed, skipped
 
 
 def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update: PolicyUpdate, ctx) -> dict:

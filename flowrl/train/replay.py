@@ -182,22 +182,10 @@ class Replay:
         return record, skipped
 
     def reweighted(self, kept: Batch, sizes, update) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-        """The kept rollout re-scored with the current weights (its new "old" log-probs) and its
-        advantages multiplied by the truncated importance weights; the weights and where the
-        truncation acted."""
-        traj, model = kept.trajectory, self.run.session.model
-        current = rescored_log_probs(model, traj, kept.text, self.run.session.recipe.train.micro_batch_size)
+        """The kept rollout re-scored and importance-weighted (:func:`importance_corrected`)."""
         c = self.config
-        log_w = log_weights(current, traj.trainable_log_probs, sizes, c.weight_level, c.weight_steps)
-        w, truncated = truncate_weights(log_w, c.truncate)
-        log_probs = traj.log_probs.clone()
-        if traj.positions is not None:
-            log_probs.scatter_(1, traj.positions.to(log_probs.device), current.to(log_probs.device))
-        else:
-            log_probs[:, traj.trainable_indices.to(log_probs.device)] = current.to(log_probs.device)
-        replayed = dataclasses.replace(kept, trajectory=dataclasses.replace(traj, log_probs=log_probs),
-                                       advantages=weighted_advantages(kept.advantages, w.to(kept.advantages.device)))
-        return replayed, w, truncated
+        return importance_corrected(kept, sizes, self.run.session.model, self.run.session.recipe.train.micro_batch_size,
+                                    c.weight_level, c.weight_steps, c.truncate)
 
     # ---------------------------------------------------------------------- checkpointed state
 
@@ -235,6 +223,27 @@ class Replay:
                      advantages=saved["advantages"][rows].to(device))
 
 
+def importance_corrected(kept: Batch, sizes, model, batch_size: int, level: str, steps: int,
+                         cap: float) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """A rollout sampled by an older policy, made ready for an update with the current weights
+    (``[replay]``, ``[pipeline]``): re-scored with them (its new "old" log-probs, so the update's
+    first step is on-policy) and its advantages multiplied by the truncated importance weights
+    against the policy that sampled it (its recorded log-probs); the weights and where the
+    truncation acted."""
+    traj = kept.trajectory
+    current = rescored_log_probs(model, traj, kept.text, batch_size)
+    log_w = log_weights(current, traj.trainable_log_probs, sizes, level, steps)
+    w, truncated = truncate_weights(log_w, cap)
+    log_probs = traj.log_probs.clone()
+    if traj.positions is not None:
+        log_probs.scatter_(1, traj.positions.to(log_probs.device), current.to(log_probs.device))
+    else:
+        log_probs[:, traj.trainable_indices.to(log_probs.device)] = current.to(log_probs.device)
+    corrected = dataclasses.replace(kept, trajectory=dataclasses.replace(traj, log_probs=log_probs),
+                                    advantages=weighted_advantages(kept.advantages, w.to(kept.advantages.device)))
+    return corrected, w, truncated
+
+
 def rescored_log_probs(model, traj: Trajectory, text: TextEmbeddings, batch_size: int) -> torch.Tensor:
     """``[B, T]`` log-probs of every trainable transition under the current weights, without
     gradient, ``batch_size`` samples at a time (the re-scoring an update's step makes, so the
@@ -252,10 +261,12 @@ def rescored_log_probs(model, traj: Trajectory, text: TextEmbeddings, batch_size
 
 
 class WeightStats:
-    """The replay's diagnostics over an iteration: the importance weights (count, sums, extremes,
-    truncations) and the staleness of the replayed rollouts, reduced over processes."""
+    """The diagnostics of off-policy updates over an iteration: the importance weights (count,
+    sums, extremes, truncations) and the staleness of the rollouts, reduced over processes,
+    logged as ``<prefix>/*`` (``replay/*``, ``pipeline/*``)."""
 
-    def __init__(self):
+    def __init__(self, prefix: str = REPLAY):
+        self.prefix = prefix
         self.n = self.sum = self.sq = self.truncated = 0.0
         self.min, self.max = float("inf"), float("-inf")
         self.staleness: list[int] = []
@@ -280,19 +291,20 @@ class WeightStats:
         n = max(g["n"], 1.0)
         mean = g["sum"] / n
         ess = g["sum"] ** 2 / g["sq"] if g["sq"] > 0 else 0.0
-        return {
-            "replay/weights": g["n"],
-            "replay/ess": ess,
-            "replay/ess_fraction": ess / n,
-            "replay/weight_mean": mean,
-            "replay/weight_std": max(g["sq"] / n - mean * mean, 0.0) ** 0.5,
-            "replay/weight_min": g["min"],
-            "replay/weight_max": g["max"],
-            "replay/truncated_fraction": g["truncated"] / n,
-            "replay/staleness_mean": sum(self.staleness) / len(self.staleness),
-            "replay/staleness_max": float(max(self.staleness)),
+        out = {
+            "weights": g["n"],
+            "ess": ess,
+            "ess_fraction": ess / n,
+            "weight_mean": mean,
+            "weight_std": max(g["sq"] / n - mean * mean, 0.0) ** 0.5,
+            "weight_min": g["min"],
+            "weight_max": g["max"],
+            "truncated_fraction": g["truncated"] / n,
+            "staleness_mean": sum(self.staleness) / len(self.staleness),
+            "staleness_max": float(max(self.staleness)),
         }
+        return {f"{self.prefix}/{k}": v for k, v in out.items()}
 
 
 __all__ = ["REPLAY", "Replay", "ReplayBuffer", "Kept", "WeightStats", "replayed_rollouts", "replay_optimizer_steps",
-           "rescored_log_probs"]
+           "importance_corrected", "rescored_log_probs"]

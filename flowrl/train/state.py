@@ -63,13 +63,13 @@ class TrainState:
 
 
 def save_training_checkpoint(run_dir: Path, run: Run, state: TrainState, update, layout, ema=None,
-                             replay=None) -> Path | None:
+                             replay=None, pipeline=None) -> Path | None:
     """Write a checkpoint of the whole training state, atomically (see the module docstring):
     every stateful part's ``state_dict()`` composed into ``state.json``, its named tensors beside
     it, the weights and AdamW through the strategy (:func:`~flowrl.train.checkpoint.write_checkpoint`:
     the main process writes safetensors, or under FSDP2 every process writes its shards). Returns
     its path on the main process, None on the others."""
-    recipe, parts = run.session.recipe, stateful_parts(update, layout, ema, replay)
+    recipe, parts = run.session.recipe, stateful_parts(update, layout, ema, replay, pipeline)
     info = {
         **state.state_dict(),
         "data_position": state.iteration * run.geometry.prompts_per_iteration,
@@ -81,12 +81,12 @@ def save_training_checkpoint(run_dir: Path, run: Run, state: TrainState, update,
                             extra=named_tensors(parts))
 
 
-def stateful_parts(update, layout, ema=None, replay=None) -> list:
+def stateful_parts(update, layout, ema=None, replay=None, pipeline=None) -> list:
     """What a checkpoint keeps besides the counters (:class:`TrainState`) and the weights and
     AdamW (the strategy's): each has ``state_dict()`` (its entries of ``state.json``) and
     ``load_state_dict(state)``, or ``load_state_dict(state, tensors)`` with
     ``checkpoint_tensors()`` (``{name: tensors}``; a name is also the part's ``state.json`` key)."""
-    return [update, layout] + [part for part in (ema, replay) if part is not None]
+    return [update, layout] + [part for part in (ema, replay, pipeline) if part is not None]
 
 
 def named_tensors(parts: list) -> dict:
@@ -95,7 +95,7 @@ def named_tensors(parts: list) -> dict:
 
 
 def restore_training_state(run_dir: Path, run: Run, update, layout, console: Console, ema=None,
-                           replay=None) -> TrainState:
+                           replay=None, pipeline=None) -> TrainState:
     """Load the latest checkpoint into the model, AdamW and the RNG (the strategy's), and into
     every stateful part (the LR schedule, the update mode, the objective, the chunk layout, the
     EMA); a run directory without a checkpoint starts at iteration 0. A sharded checkpoint loads
@@ -106,7 +106,7 @@ def restore_training_state(run_dir: Path, run: Run, update, layout, console: Con
         if ctx.is_main:
             console.print(f"[yellow]note:[/yellow] {run_dir} has no checkpoint yet; starting at iteration 0")
         return TrainState()
-    parts = stateful_parts(update, layout, ema, replay)
+    parts = stateful_parts(update, layout, ema, replay, pipeline)
     state, tensors = read_checkpoint(ckpt, update.strategy, named_tensors(parts))  # sharded: read into these
     if ema is not None and (EMA_KEY not in tensors or EMA_KEY not in state):
         raise FlowrlError(
@@ -145,6 +145,7 @@ class Checkpointer:
     layout: Any  # ChunkLayout
     ema: Any = None  # WeightEMA, with [ema] enabled
     replay: Any = None  # Replay, with [replay] on
+    pipeline: Any = None  # Pipeline, with [pipeline] staleness 1
     on_write: Any = None  # called with "checkpoint" before each write (the progress display's phase)
     last_write: float = dataclasses.field(default_factory=time.monotonic)
     unreported: float | None = None  # seconds of checkpoints not yet in a metrics row
@@ -167,7 +168,7 @@ class Checkpointer:
         self.last_write, start = time.monotonic(), time.perf_counter()
         try:
             return save_training_checkpoint(self.run_dir, self.run, self.state, self.update, self.layout, self.ema,
-                                            self.replay)
+                                            self.replay, self.pipeline)
         finally:
             self.unreported = (self.unreported or 0.0) + time.perf_counter() - start
 

@@ -161,3 +161,14 @@ def test_plan_falls_back_to_measuring_small_models(cli):
     code, out, err = cli("plan", "recipes/quickstart_hacking.toml", "--set", "model.random_init=true")
     assert code == 0, err
     assert "measured by building the model" in _flat(out)
+
+
+def test_a_pipelined_run_plans_its_rollout_copy_and_its_pending_rollout(cli):
+    """[pipeline] staleness 1 keeps a second copy of the denoiser (with its LoRA) and the next
+    iteration's trajectories beside this one's."""
+    code, out, err = cli("plan", "recipes/chunk_grpo_flux_lora.toml", "--set", "pipeline.staleness=1")
+    assert code == 0, err
+    text = _flat(out)
+    assert "rollout copy (pipeline) │ 22.84" in text and "pending rollout (pipeline) │ 1.67" in text
+    code, out, _ = cli("plan", "recipes/chunk_grpo_flux_lora.toml")
+    assert code == 0 and "(pipeline)" not in out

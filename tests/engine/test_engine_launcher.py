@@ -45,13 +45,13 @@ def run_processes(run_dir: Path, launcher: subprocess.Popen) -> list[int]:
     return pids
 
 
-def start_two_process_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def start_two_process_run(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     launcher = subprocess.Popen(
         [sys.executable, "-m", "flowrl", "train", str(recipe), "-o", str(run_dir), "--num-processes", "2",
-         "--set", "train.iterations=500"],
+         "--set", "train.iterations=500", *(a for s in sets for a in ("--set", s))],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # its own process group, as a shell gives a job
     )
@@ -139,3 +139,19 @@ def test_ctrl_c_or_sigterm_of_the_launcher_stops_the_workers_after_a_checkpoint(
     assert run_processes(run_dir, launcher) == []
     done = load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"]
     assert 1 <= done < 500
+
+
+def test_sigterm_of_a_pipelined_launcher_leaves_no_worker_and_a_resumable_checkpoint(tmp_path):
+    """[pipeline] staleness 1: each worker draws the next rollout in a thread of its own; a stop
+    waits for it, checkpoints the behaviour weights, and no process of the run is left."""
+    launcher, run_dir = start_two_process_run(tmp_path, "pipeline.staleness=1")
+    try:
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        stop_everything(run_dir, launcher)
+    assert launcher.returncode == 130 and "Traceback" not in out + err, (out, err)
+    assert run_processes(run_dir, launcher) == []
+    ckpt = latest_checkpoint(run_dir)
+    done = load_checkpoint(ckpt)["state"]["iteration"]
+    assert 1 <= done < 500 and (ckpt / "pipeline.safetensors").is_file()

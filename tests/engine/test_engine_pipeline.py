@@ -1,0 +1,174 @@
+"""[pipeline]: one-step-off pipelining in the engine.
+
+- staleness 0 is the synchronous run bit for bit (metrics, weights), whatever the other keys;
+- staleness 1: rollout 0 is drawn by the initial weights (trained on as it is, as in the
+  synchronous run), every later rollout by the weights from before the previous update; the
+  update re-scores it (its first step on-policy, checked) and weights its advantages; the
+  weights' diagnostics and the staleness are logged; sync_every = 2 makes every second rollout
+  two updates old;
+- the worker thread and the in-order draw give the same run, bit for bit;
+- interrupted and resumed, the run continues bit for bit (the behaviour weights are in the
+  checkpoint, the pending rollout is redrawn with them);
+- 2 processes equal 1, with evaluation, image grids and checkpoints on;
+- refused where replay is refused, and together with [replay].
+
+The tiny recipe (engine_helpers) over 3 iterations.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_helpers import (
+    TINY_RECIPE,
+    InterruptAt,
+    assert_records_close,
+    assert_weights_close,
+    comparable,
+    final_weights,
+    load,
+    quiet_console,
+    run_cli,
+    write_recipe,
+)
+from safetensors.torch import load_file
+
+from flowrl.errors import RecipeError
+from flowrl.plugins import temporary_plugin
+from flowrl.runlog import read_metrics
+from flowrl.train import train
+from flowrl.train.checkpoint import latest_checkpoint
+from flowrl.train.pipeline import behaviour_iteration
+
+SHORT = ["train.iterations=3", "checkpoint.every=1", "log.eval_every=100"]
+ON = ["pipeline.staleness=1"]
+
+
+def run(recipe, out, *sets):
+    return train(load(recipe, *SHORT, *sets, f"run.output_dir={str(out)!r}"), console=quiet_console())
+
+
+def trained_rows(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "lr" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    recipe = write_recipe(root)
+    return recipe, run(recipe, root / "synchronous"), run(recipe, root / "pipelined", *ON)
+
+
+def test_behaviour_iteration_is_the_last_sync_before_the_previous_update():
+    assert [behaviour_iteration(j, 1) for j in range(5)] == [0, 0, 1, 2, 3]
+    assert [behaviour_iteration(j, 2) for j in range(6)] == [0, 0, 0, 2, 2, 4]
+    assert [j - behaviour_iteration(j, 3) for j in range(1, 8)] == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path, runs):
+    recipe, synchronous, _ = runs
+    got = run(recipe, tmp_path / "off", "pipeline.staleness=0", "pipeline.sync_every=3", "pipeline.overlap=false")
+    assert [comparable(r) for r in read_metrics(got)] == [comparable(r) for r in read_metrics(synchronous)]
+    a, b = final_weights(got), final_weights(synchronous)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (latest_checkpoint(got) / "pipeline.safetensors").exists()
+
+
+def test_staleness_1_trains_on_the_previous_weights_rollouts_importance_weighted(runs):
+    _, synchronous, pipelined = runs
+    rows, sync_rows = trained_rows(pipelined), trained_rows(synchronous)
+    assert [r["pipeline/staleness"] for r in rows] == [0, 1, 1]
+    # rollout 0 is drawn by the initial weights in both runs, and trained on as it is
+    assert rows[0]["reward/area/mean"] == sync_rows[0]["reward/area/mean"]
+    assert rows[0]["loss"] == sync_rows[0]["loss"] and "pipeline/ess" not in rows[0]
+    # rollout 1 is drawn by the initial weights too (the synchronous run's by the updated ones)
+    assert rows[1]["reward/area/mean"] != sync_rows[1]["reward/area/mean"]
+    for r in rows[1:]:
+        assert r["on_policy/max_abs_log_ratio"] <= 1e-4  # re-scored: the first step is on-policy
+        assert r["pipeline/staleness_max"] == 1 and r["pipeline/weights"] == 16  # 8 samples x 2 chunks
+        assert r["pipeline/weight_min"] < r["pipeline/weight_max"] <= 2.0
+        assert 0 < r["pipeline/ess"] <= r["pipeline/weights"] and 0 < r["pipeline/ess_fraction"] <= 1
+        assert r["compute/pipeline/forward"] > 0 and r["compute/rollout/forward"] > 0
+        assert r["time/pipeline/rollout"] > 0
+    a, b = final_weights(pipelined), final_weights(synchronous)
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    ckpt = latest_checkpoint(pipelined)
+    assert json.loads((ckpt / "state.json").read_text())["pipeline"] == {"behaviour_iteration": 2}
+    assert sorted(load_file(str(ckpt / "pipeline.safetensors"))) == sorted(a)  # the trainable parameters
+
+
+def test_the_worker_thread_and_the_in_order_draw_are_the_same_run(tmp_path, runs):
+    recipe, _, pipelined = runs
+    got = run(recipe, tmp_path / "in_order", *ON, "pipeline.overlap=false")
+    assert [comparable(r) for r in read_metrics(got)] == [comparable(r) for r in read_metrics(pipelined)]
+    a, b = final_weights(got), final_weights(pipelined)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_sync_every_2_draws_every_second_rollout_two_updates_old(tmp_path, runs):
+    recipe, _, pipelined = runs
+    got = run(recipe, tmp_path / "k2", *ON, "pipeline.sync_every=2")
+    rows = trained_rows(got)
+    assert [r["pipeline/staleness"] for r in rows] == [0, 1, 2]
+    # rollouts 0 and 1 are drawn by the initial weights whatever k
+    assert [comparable(r) for r in rows[:2]] == [comparable(r) for r in trained_rows(pipelined)[:2]]
+    # synced before update 2: the weights that would draw rollout 3 (if the run were extended)
+    assert json.loads((latest_checkpoint(got) / "state.json").read_text())["pipeline"] == {"behaviour_iteration": 2}
+
+
+def test_resumes_bit_for_bit_with_the_behaviour_weights(tmp_path, runs):
+    recipe, _, whole = runs
+    parts = tmp_path / "parts"
+    tracked = tmp_path / "tracked.toml"
+    tracked.write_text(recipe.read_text() + '\n[[trackers]]\nuse = "interrupt_at"\n')
+    with temporary_plugin(InterruptAt(1), name="interrupt-at-1"):
+        with pytest.raises(KeyboardInterrupt):
+            run(tracked, parts, *ON)
+    ckpt = latest_checkpoint(parts)
+    assert ckpt.name == "iter_000002"
+    # rollout 2 was pending, drawn by the weights from before update 1: those are kept
+    assert json.loads((ckpt / "state.json").read_text())["pipeline"] == {"behaviour_iteration": 1}
+    train(load(recipe, *SHORT, *ON, f"run.output_dir={str(parts)!r}"), resume=parts, console=quiet_console())
+    assert [comparable(r) for r in read_metrics(parts)] == [comparable(r) for r in read_metrics(whole)]
+    a, b = final_weights(parts), final_weights(whole)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    got, want = (load_file(str(latest_checkpoint(d) / "pipeline.safetensors")) for d in (parts, whole))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_two_processes_equal_one(tmp_path):
+    recipe = write_recipe(tmp_path, TINY_RECIPE.replace('use = "area"', 'use = "brightness"'))
+    # one optimizer step per pass (loop.py); evaluation, grids and checkpoints on, as in the other 2-process tests
+    sets = [*SHORT, *ON, "train.iterations=2", "train.optimizer_steps_per_update=1", "log.eval_every=1",
+            "prompts.num_eval=2", "log.image_every=1"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = [a for s in (*sets, "distributed.strategy='ddp'") for a in ("--set", s)]
+    proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    rec2, rec1 = read_metrics(two), read_metrics(one)
+    assert [r["pipeline/staleness"] for r in rec1 if "lr" in r] == [0, 1]
+    assert len(rec2) == len(rec1) and sum("eval/brightness/mean" in r for r in rec1) == 3  # 0, 1 and the final
+    for a, b in zip(rec2, rec1):
+        a.pop("world_size", None), b.pop("world_size", None)
+        assert_records_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_weights_close(final_weights(two), final_weights(one), atol=1e-6)
+    got, want = (load_file(str(latest_checkpoint(d) / "pipeline.safetensors")) for d in (two, one))
+    assert sorted(got) == sorted(want) and all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    assert list(two.rglob("*.png"))  # the grids
+
+
+def test_refused_where_an_older_policy_cannot_be_corrected(tmp_path):
+    recipe = write_recipe(tmp_path)
+    with pytest.raises(RecipeError, match=r"\[pipeline\] staleness = 1 cannot re-weight loss 'guard'"):
+        load(recipe, *ON, "loss.use='guard'")
+    with pytest.raises(RecipeError, match=r"\[pipeline\] staleness = 1 is not supported with strategy = 'fsdp2'"):
+        load(recipe, *ON, "distributed.strategy='fsdp2'")
+    with pytest.raises(RecipeError, match=r"\[pipeline\] staleness = 1 and \[replay\] cannot be combined"):
+        load(recipe, *ON, "replay.size=1")
+    with pytest.raises(RecipeError, match="staleness"):
+        load(recipe, "pipeline.staleness=2")
+    with pytest.raises(RecipeError, match="sync_every"):
+        load(recipe, "pipeline.sync_every=0")
