@@ -9,7 +9,7 @@ import signal
 import sys
 
 from .cli import main
-from .processes import die_with_parent, pid_alive
+from .processes import die_with_parent, pid_alive, signal_on_parent_death
 
 
 def run_launch_agent(argv: list[str]) -> None:
@@ -22,9 +22,9 @@ def run_launch_agent(argv: list[str]) -> None:
     The workers are started from a fork server that imported the training stack once
     (:data:`WORKER_PRELOAD`), not as fresh interpreters that each import it again: importing torch,
     diffusers and flowrl costs several CPU-seconds a process, paid once per launch this way instead
-    of once per worker. The fork server is a child of this agent, started single-threaded before
-    torchrun's own threads; it dies with this agent (:mod:`flowrl.fork_server`), and each
-    worker dies with the fork server (:func:`run_launched_worker`)."""
+    of once per worker. The fork server is a child of this agent, started by fork and exec, so it
+    carries none of torchrun's threads; it dies with this agent (:mod:`flowrl.fork_server`), and
+    each worker dies with the fork server (:func:`run_launched_worker`)."""
     import multiprocessing
     import uuid
 
@@ -61,7 +61,7 @@ def run_launched_worker(*argv: str) -> None:
     server that forked it (whose parent is the agent, whose parent is the launcher), and exiting at
     once if the agent is already gone (a worker forked as the agent died gets no death signal)."""
     agent = int(os.environ.pop("FLOWRL_AGENT_PID"))
-    die_with_parent(os.getppid())
+    signal_on_parent_death(signal.SIGKILL)  # the parent is the fork server
     if not pid_alive(agent):
         os._exit(128 + int(signal.SIGKILL))
     sys.argv = ["flowrl", *argv]
