@@ -123,11 +123,7 @@ def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name:
             finally:
                 stop.set()
                 watcher.join(5)
-                for process in getattr(server, "inference_workers", []) or []:
-                    if process.is_alive():
-                        process.terminate()
-                for process in getattr(server, "inference_workers", []) or []:
-                    process.join(10)
+                end_replicas(server)
     finally:
         managers.BaseManager.start = start_manager
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -138,6 +134,24 @@ def serve_fleet(build: Callable[[list[str]], Any], settings: list[str], *, name:
                           where="flowrl reward serve --backend litserve",
                           hint="fix the reward's settings (--set) or its installation; try the simple backend to debug")
     return None
+
+
+def end_replicas(server) -> None:
+    """End every replica this process started (SIGTERM, then wait): those in LitServe's list and
+    those a stop kept out of it. A Ctrl-C while LitServe starts its replicas interrupts it after a
+    replica's process has started and before LitServe has listed it; such a replica, left
+    running, would build its reward and then, at this process's exit, find LitServe's queue
+    manager gone and die with a traceback."""
+    import multiprocessing
+
+    replicas = {process.pid: process for process in getattr(server, "inference_workers", None) or []}
+    replicas.update({process.pid: process for process in multiprocessing.active_children()
+                     if process.name == "inference-worker"})  # LitServe's name for them
+    for process in replicas.values():
+        if process.is_alive():
+            process.terminate()
+    for process in replicas.values():
+        process.join(10)
 
 
 def _quiet_shutdown_after_a_stop(server, stopped: list[int]) -> None:

@@ -123,3 +123,29 @@ def test_ctrl_c_while_the_replicas_start_stops_the_fleet_quietly(flowrl_cli):
     code, out, err = server.finish()
     assert "serving reward" not in out
     assert_quiet_stop(server, code, err, signal.SIGINT, 130)
+
+
+@linux
+def test_a_stop_ends_the_replicas_litserve_had_not_listed_yet():
+    """The race behind the test above: a Ctrl-C lands after a replica's process has started and
+    before LitServe has put it in its list. The fleet must end that replica too (it used to
+    outlive the stop, then die with a traceback once LitServe's queue manager had gone)."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    from flowrl.serving.fleet import end_replicas
+
+    unlisted = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), name="inference-worker")
+    other = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), name="not-a-replica")
+    unlisted.start()
+    other.start()
+    try:
+        started = time.monotonic()
+        end_replicas(SimpleNamespace(inference_workers=[]))
+        assert not unlisted.is_alive() and unlisted.exitcode == -signal.SIGTERM
+        assert time.monotonic() - started < 10
+        assert other.is_alive()  # only LitServe's replicas are the fleet's to end
+    finally:
+        for process in (unlisted, other):
+            process.kill()
+            process.join()
