@@ -24,21 +24,23 @@ forwards instead, which can differ in the last bits where rollout and re-scoring
 So the bitwise comparison runs the exact lean path (``fast_path = false``, ``update_mode = "lean"``), and a second
 test holds the default run to the reference within float tolerance.
 
-The tests run the pinned recipe for the first ``ITERATIONS`` (11) of the reference's 30
-iterations (about 35 s each on one CPU thread instead of 95 s) and compares with the reference's first
-rows. Eleven is the fewest that still passes through every phase of the recipe: evaluation (every
-iteration), the group image grid at iteration 0 with training going on after it, the checkpoint
-after 10 iterations with iteration 10 trained after it (a phase that disturbed the RNG or the
-optimizer would show in row 10), the image at iteration 10, the last iteration's checkpoint and
-the final evaluation. A shorter run is the longer run's prefix, at 06b93d1 as today: the only use
+The tests run the pinned recipe for the first ``ITERATIONS`` (3) of the reference's 30
+iterations (about 10 s each on one CPU thread instead of 95 s), with the checkpoint and the image
+grid every ``EVERY`` (2) iterations instead of 10, and compare with the reference's first rows.
+That passes through every phase of the recipe: evaluation (every iteration), the group image grid
+at iteration 0 with training going on after it, a checkpoint after 2 iterations with iteration 2
+trained after it (a phase that disturbed the RNG or the optimizer would show in row 2), the image
+at iteration 2, the last iteration's checkpoint and the final evaluation. Moving the checkpoint and
+the image changes no logged bit: neither touches the RNG or the weights, and the rows (past the
+``time/*`` fields) record neither. A shorter run is the longer run's prefix, at 06b93d1 as today: the only use
 of the total iteration count besides the loop's bound and the ``last`` flag (images, checkpoint,
 final evaluation; none of them touches the RNG or the weights) is the LR schedule's length, and the
 recipe's schedule is constant (``lr`` is in every row). The final evaluation is the same call on
 the same fixed prompts and noises as the per-iteration one, so the 11-iteration run's final row is
-the reference's row 11 evaluation (``iteration``, ``final`` and the ``eval/*`` values, in the
+the reference's row 3 evaluation (``iteration``, ``final`` and the ``eval/*`` values, in the
 reference final row's key order), compared bit for bit too.
 
-The fast-path test runs the same 11 iterations with the default update and holds every value of
+The fast-path test runs the same 3 iterations with the default update and holds every value of
 every row to the reference: within float tolerance where the reference's machine is this one,
 and on another machine (whose last bits differ from the first row and grow with training) the
 learning curve within its noise. Measured here (2026-11-26, 12 iterations): every reward and
@@ -66,8 +68,9 @@ from flowrl.train import train
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "tests" / "fixtures" / "reference" / "quickstart_metrics.jsonl"
 ENVIRONMENT = REFERENCE.parent / "environment.json"
-#: How many of the reference's iterations the bitwise test runs (the module docstring says why 11).
-ITERATIONS = 11
+#: How many of the reference's iterations the tests run, and how often they checkpoint and draw the
+#: image grid meanwhile (the module docstring says why 3 and 2).
+ITERATIONS, EVERY = 3, 2
 
 
 def machine() -> dict:
@@ -108,8 +111,13 @@ REFERENCE_KEYS = {k for line in REFERENCE.read_text().splitlines() for k in json
 
 def _quickstart(tmp_path, *overrides: str) -> list[dict]:
     recipe = load_recipe(REFERENCE.parent / "quickstart.toml",
-                         [f"run.output_dir={str(tmp_path / 'run')!r}", "log.progress=false", *overrides])
-    return _records(train(recipe, console=Console(quiet=True)) / "metrics.jsonl")
+                         [f"run.output_dir={str(tmp_path / 'run')!r}", "log.progress=false", f"train.iterations={ITERATIONS}",
+                          f"checkpoint.every={EVERY}", f"log.image_every={EVERY}", *overrides])
+    run = train(recipe, console=Console(quiet=True))
+    # every phase the module docstring lists took place mid-run, not only at the end
+    assert (run / "checkpoints" / f"iter_{EVERY:06d}" / "model.safetensors").is_file()
+    assert (run / "images" / "iter_000000.png").is_file() and (run / "images" / f"iter_{EVERY:06d}.png").is_file()
+    return _records(run / "metrics.jsonl")
 
 
 def _reference_prefix() -> list[dict]:
@@ -118,7 +126,7 @@ def _reference_prefix() -> list[dict]:
     ``ITERATIONS`` iterations, which the full run logged at the start of that iteration."""
     rows = _records(REFERENCE)
     assert len(rows) == 31 and rows[-1]["final"] and rows[-1]["iteration"] == 30
-    assert 10 < ITERATIONS < 30  # past the checkpoint and image at 10, and a prefix
+    assert EVERY < ITERATIONS < 30  # past a checkpoint and an image, and a prefix
     after = rows[ITERATIONS]
     final = {k: ITERATIONS if k == "iteration" else True if k == "final" else after[k] for k in rows[-1]}
     return rows[:ITERATIONS] + [final]
@@ -130,7 +138,7 @@ def test_quickstart_metrics_equal_the_pre_redesign_reference(tmp_path):
         import pytest
 
         pytest.skip(f"the reference's bits were made on another machine: {recorded} here {here}")
-    got = _quickstart(tmp_path, f"train.iterations={ITERATIONS}", "train.fast_path=false", "train.update_mode='lean'")
+    got = _quickstart(tmp_path, "train.fast_path=false", "train.update_mode='lean'")
     want = _reference_prefix()
     assert len(got) == len(want) == ITERATIONS + 1
     for i, (g, w) in enumerate(zip(got, want)):
@@ -147,7 +155,7 @@ def test_quickstart_with_the_fast_path_stays_on_the_reference(tmp_path):
     recipe = load_recipe(REFERENCE.parent / "quickstart.toml")
     samples = recipe.train.prompts_per_iteration * recipe.train.group_size
     same_machine = json.loads(ENVIRONMENT.read_text()) == machine()
-    got, want = _quickstart(tmp_path, f"train.iterations={ITERATIONS}"), _reference_prefix()
+    got, want = _quickstart(tmp_path), _reference_prefix()
     assert len(got) == len(want) == ITERATIONS + 1
     for i, (g, w) in enumerate(zip(got, want)):
         assert list(g) == list(w), f"row {i}: keys differ"
