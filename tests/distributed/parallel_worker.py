@@ -1,5 +1,6 @@
-"""Worker for tests/distributed/test_parallel.py, started by torchrun (never mp.spawn: see
-docs/distributed.md, "Testing"). ``python -m torch.distributed.run ... parallel_worker.py MODE OUT``.
+"""Worker for tests/distributed/test_parallel.py, which forks it as torchrun would start it (never
+mp.spawn: see docs/distributed.md, "Testing"); it also runs as
+``python -m torch.distributed.run --standalone --nproc_per_node 2 parallel_worker.py MODE OUT``.
 
 MODE ``train``: every strategy against one process on the same global batch, gradient
 collectives counted, bf16 on-policy deviations, sharded checkpoints written after step 1.

@@ -1,8 +1,9 @@
 """flowrl.train.parallel: strategies, gradient reduction, sharded checkpoints, bf16.
 
-The multi-process checks run ``parallel_worker.py`` under torchrun with 2 gloo processes (never
-mp.spawn, whose gloo + FSDP2 teardown aborts in a few percent of runs), each launch bounded in
-time, and read what the workers wrote. One process on the same global batch is the reference;
+The multi-process checks run ``parallel_worker.py`` in 2 gloo processes forked from the test
+process and set up as torchrun sets up its workers (tests/forked_workers.py; never mp.spawn, whose
+gloo + FSDP2 teardown aborts in a few percent of runs: the workers end with ``os._exit``), each
+launch bounded in time, and read what the workers wrote. One process on the same global batch is the reference;
 across process counts gradients are summed in another order, which AdamW amplifies on
 near-zero gradients: the weights agree to TOL (measured here: under 1e-7).
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -253,35 +253,34 @@ def test_the_bf16_tolerance_bounds_the_exact_log_prob_change(kernel):
 # ----------------------------------------------------------------------------- 2 processes
 
 
-def _run(argv: list[str], out: Path, timeout: float) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for key in list(env):
-        if key.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
-            env.pop(key)
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def _run(mode: str, out: Path, num_processes: int, timeout: float = 240) -> None:
+    """``parallel_worker.py MODE OUT`` in ``num_processes`` processes forked from this one, set up
+    as torchrun sets up its workers (tests/forked_workers.py); they share this process's imports."""
+    from forked_workers import fork_workers
+
+    import parallel_worker
+
+    def work() -> int:
+        for key in list(os.environ):  # what an accelerate launch would have told the strategies
+            if key.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")):
+                os.environ.pop(key)
+        return parallel_worker.main()
+
     try:
-        log, _ = proc.communicate(timeout=timeout)
+        proc = fork_workers(work, num_processes, timeout=timeout, cwd=REPO, argv=[str(WORKER), mode, str(out)])
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: the group this test started
-        log, _ = proc.communicate()
-        pytest.fail(f"{argv[-2]} did not finish in {timeout} s:\n{log[-4000:]}")
+        pytest.fail(f"{mode} did not finish in {timeout} s")
     if proc.returncode != 0:
-        reports = [p.read_text() for p in sorted(out.glob(f"{argv[-2]}-rank*.json"))]
-        pytest.fail(f"{argv[-2]} exited {proc.returncode}:\n{log[-4000:]}\n{''.join(reports)[-4000:]}")
-
-
-def _torchrun(mode: str, out: Path) -> None:
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          str(WORKER), mode, str(out)], out, timeout=240)
+        reports = [p.read_text() for p in sorted(out.glob(f"{mode}-rank*.json"))]
+        pytest.fail(f"{mode} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}\n{''.join(reports)[-4000:]}")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel")
-    _torchrun("train", out)
-    _torchrun("resume", out)
-    _run([sys.executable, str(WORKER), "single", str(out)], out, timeout=120)
+    _run("train", out, 2)
+    _run("resume", out, 2)
+    _run("single", out, 1, timeout=120)
     ranks = {mode: [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(2 if mode != "single" else 1)]
              for mode in ("train", "resume", "single")}
     return SimpleNamespace(out=out, train=ranks["train"], resume=ranks["resume"],
@@ -291,7 +290,7 @@ def runs(tmp_path_factory):
 def test_metric_reductions_agree_when_processes_hold_different_metrics(tmp_path):
     """A key only one process has (its evaluation, its phase) is combined over the processes that
     have it, identically on each, instead of handing the backend tensors of different lengths."""
-    _torchrun("collectives", tmp_path)
+    _run("collectives", tmp_path, 2)
     r0, r1 = (json.loads((tmp_path / f"collectives-rank{r}.json").read_text()) for r in range(2))
     assert r0["ok"] and r1["ok"], (r0.get("error"), r1.get("error"))
     assert r0["reduced"] == r1["reduced"] == {"both": 1.5, "low": 2.0, "high": 3.0, "only_rank0": 5.0}

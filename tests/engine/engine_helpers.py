@@ -174,13 +174,50 @@ class InterruptAt:
         register("interrupt_at", lambda: Tracker())
 
 
-def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    """``python -m flowrl ARGS`` from the repository, one thread, wide output; ``env`` adds variables."""
+def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, launcher: bool = False,
+            **kwargs) -> subprocess.CompletedProcess:
+    """``python -m flowrl ARGS`` from the repository, one thread, wide output; ``env`` adds variables.
+
+    A ``train ... --num-processes N`` runs its N workers as processes forked from this one
+    (:func:`run_forked_workers`) unless ``launcher`` is true or ``env`` sets an import path:
+    the same workers, without the launcher's interpreters (the launcher's own tests start it)."""
+    if "--num-processes" in args and not launcher and "PYTHONPATH" not in (env or {}) and not kwargs:
+        at = args.index("--num-processes")
+        return run_forked_workers(args[:at] + args[at + 2:], int(args[at + 1]), timeout=timeout, env=env)
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "flowrl", *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout, **kwargs,
     )
+
+
+def run_forked_workers(args: list[str], num_processes: int, timeout: float = 120,
+                       env: dict | None = None) -> subprocess.CompletedProcess:
+    """``flowrl ARGS`` in ``num_processes`` worker processes forked from this test process
+    (:func:`forked_workers.fork_workers`: set up as torchrun sets up its workers, sharing this
+    process's imports). Returns what :func:`subprocess.run` would, stdout and stderr of every
+    worker in rank order.
+
+    Why: a 2-process test through ``flowrl train --num-processes`` starts three interpreters (the
+    launcher, torchrun's agent, the fork server) that import torch and diffusers again, about 11
+    CPU-seconds a launch, more than the tiny runs themselves. The workers run flowrl's own code
+    path for an external launcher; the launcher itself is tested by the tests that start it
+    (tests/engine/test_engine_launcher.py and those passing ``launcher=True``)."""
+    from forked_workers import fork_workers
+
+    def flowrl_main() -> int:
+        from flowrl import cli
+        from flowrl.commands.base import console, err_console
+
+        console.width = err_console.width = 200  # what COLUMNS gives a fresh process
+        try:
+            cli.main([str(a) for a in args])
+        except SystemExit as exc:
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return 0
+
+    return fork_workers(flowrl_main, num_processes, timeout=timeout, env=dict(COLUMNS="200", **(env or {})),
+                        cwd=REPO, argv=["flowrl", *map(str, args)])
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

@@ -32,7 +32,10 @@ def two_process_iteration(tmp_path_factory, reference_run):
     recipe_path, _, _ = reference_run
     two = tmp_path_factory.mktemp("ddp") / "two"
     sets = [a for s in ONE_STEP_CHECKPOINTED for a in ("--set", s)]
-    proc = run_cli(["train", str(recipe_path), *sets, "-o", str(two), "--num-processes", "2"], timeout=300)
+    # through flowrl's own launcher (torchrun), as users launch: the other 2-process runs of the
+    # engine tests fork their workers from the test process (engine_helpers.run_forked_workers)
+    proc = run_cli(["train", str(recipe_path), *sets, "-o", str(two), "--num-processes", "2"], timeout=300,
+                   launcher=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return two, proc
 
