@@ -28,7 +28,8 @@ components (LTXVideoTransformer3DModel, AutoencoderKLLTXVideo, a T5-XXL text enc
   is what the pipeline does with ``decode_noise_scale = 0``.
 - Image-to-video (``image_to_video``, as LTXImageToVideoPipeline does): each prompt's condition
   image, resized to the clip's size, is encoded by the VAE as one latent frame, normalised
-  ``(z - mean) * scaling_factor / std`` and packed into that frame's tokens; every transformer call
+  ``(z - mean) / std`` (the pipeline leaves the VAE's ``scaling_factor``, 1.0 in the published VAE,
+  out of this one normalisation) and packed into that frame's tokens; every transformer call
   sees them in place of the first latent frame's tokens, which get timestep 0 (clean), and the
   pipeline's scheduler step leaves that frame unchanged. flowrl's velocity on those tokens is the
   exact flow velocity towards the image, ``(x - c) / sigma``, as ``wan22``'s image-to-video, so the
@@ -128,7 +129,7 @@ class LTXModel(DiffusersAdapter):
 
     Image-to-video follows LTXImageToVideoPipeline: the image, resized to the clip's size by the
     pipeline's video processor, is encoded by the VAE (its mode) as one latent frame, normalised
-    ``(z - mean) * scaling_factor / std`` and packed like the video, ``h * w`` tokens; every
+    ``(z - mean) / std`` as the pipeline does it and packed like the video, ``h * w`` tokens; every
     transformer call sees them in place of the first latent frame's tokens, and those tokens get
     timestep 0 (clean), the others ``1000 sigma``: one timestep per token, ``[B, seq]``, as the
     pipeline's conditioning mask makes it. The pipeline starts that frame on the image and its
@@ -212,7 +213,8 @@ class LTXModel(DiffusersAdapter):
         std = vae.latents_std.to(torch.float32).cpu().view(1, -1, 1, 1, 1)
         with self._visiting(vae):
             z = vae.encode(pixels.unsqueeze(2).to(self.device, vae.dtype), return_dict=False)[0].mode()
-        z = (z.float().cpu() - mean) * vae.config.scaling_factor / std  # [B, C, 1, h, w]
+        # [B, C, 1, h, w]; the pipeline's _normalize_latents here, without the VAE's scaling_factor
+        z = (z.float().cpu() - mean) / std
         b, c, _, hh, ww = z.shape
         p = self.patch
         tokens = z.reshape(b, c, 1, hh // p, p, ww // p, p).permute(0, 2, 3, 5, 1, 4, 6).reshape(b, -1, c * p * p)

@@ -169,17 +169,22 @@ def test_image_to_video_conforms(i2v):
     assert notes["condition"].startswith("condition (32, 64)")
 
 
-@pytest.mark.parametrize("cfg", [3.0, 1.0])
-def test_image_to_video_equals_the_ltx_i2v_pipeline(i2v, i2v_plain, cfg, monkeypatch):
+@pytest.mark.parametrize("cfg, scaling", [(3.0, None), (1.0, None), (1.0, 0.7)])
+def test_image_to_video_equals_the_ltx_i2v_pipeline(i2v, i2v_plain, make, cfg, scaling, monkeypatch):
     # LTXImageToVideoPipeline on the same components, from its own image preprocessing, encoding and
     # noise: the image's latent frame first, its tokens at timestep 0, the scheduler stepping the
     # other frames only. The pipeline samples the image's latent from the VAE's posterior; flowrl
     # takes its mode, so the pipeline is given the mode here (the one difference, docs/video.md).
+    # A VAE scaling_factor other than the published 1.0: the pipeline normalises the image without it
+    # and decodes with it, and so does flowrl.
     import diffusers.pipelines.ltx.pipeline_ltx_image2video as i2v_module
     from diffusers import LTXImageToVideoPipeline
     from PIL import Image
 
     m = i2v if cfg != 1.0 else i2v_plain
+    if scaling is not None:
+        m = make(image_to_video=True, cfg_scale=cfg)  # its own VAE, whose config this test changes
+        m.pipe.vae.register_to_config(scaling_factor=scaling)
     monkeypatch.setattr(i2v_module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
                         out.latent_dist.mode())
     rows, paths = _image_prompts(PROMPTS)
@@ -218,8 +223,9 @@ def test_image_to_video_keeps_the_first_frame_clean(i2v):
 
 
 def test_image_to_video_condition_is_the_normalised_encoded_image(i2v):
-    # Independent route: the VAE's mode of the resized image, (z - mean) / std per channel (scaling
-    # factor 1 here), frame-major tokens with channels last
+    # Independent route: the VAE's mode of the resized image, (z - mean) / std per channel (the
+    # pipeline's normalisation of the image, which leaves the VAE's scaling_factor out), tokens
+    # frame-major with channels last
     from PIL import Image
 
     rows, paths = _image_prompts(PROMPTS[:1])
