@@ -313,11 +313,15 @@ def clip_conditions(tmp_path_factory):
     return root
 
 
-def test_image_to_video_trains_and_its_rollouts_start_on_the_image(tiny_ltx, clip_conditions, tmp_path, request,
-                                                                   monkeypatch):
+def test_image_to_video_trains_and_its_rollouts_start_on_the_image(module_cli, tiny_ltx, clip_conditions, tmp_path,
+                                                                   request, monkeypatch):
+    import diffusers.pipelines.ltx.pipeline_ltx_image2video as i2v_module
+    from diffusers import LTXImageToVideoPipeline
+    from PIL import Image
     from rich.console import Console
     from safetensors.torch import load_file
 
+    from flowrl.commands.inference import load_policy, resolve_source
     from flowrl.prompts import PromptRow
     from flowrl.recipe import load_recipe
     from flowrl.train import train
@@ -345,6 +349,28 @@ def test_image_to_video_trains_and_its_rollouts_start_on_the_image(tiny_ltx, cli
     gaps = (clips[:, None, :8] - images[None]).abs().flatten(2).amax(-1)  # [clips, images]
     assert (gaps.amin(1) <= 1e-5).all(), gaps
     assert (clips[:, 8:] - clips[:1, 8:]).abs().max() > 1e-3  # the later frames are generated
+    # the exported LoRA, loaded into LTXImageToVideoPipeline, gives the trained policy's clip
+    monkeypatch.setattr(LTXModel, "decode", decode)
+    code, text = module_cli.merged("export", run, "-o", tmp_path / "lora")
+    assert code == 0, text
+    monkeypatch.setattr(i2v_module, "retrieve_latents", lambda out, generator=None, sample_mode="sample":
+                        out.latent_dist.mode())
+    pipe = LTXImageToVideoPipeline.from_pretrained(tiny_ltx)
+    image = Image.open(clip_conditions / "img" / "0.png").convert("RGB")
+
+    def pipe_frames():
+        return pipe(image=image, prompt=PROMPTS[0], negative_prompt="", height=32, width=64, num_frames=9,
+                    frame_rate=25, num_inference_steps=4, guidance_scale=3.0, generator=torch.Generator().manual_seed(5),
+                    output_type="pt", max_sequence_length=16).frames
+
+    base = pipe_frames()
+    pipe.load_lora_weights(tmp_path / "lora")
+    tuned = pipe_frames()
+    assert (tuned - base).abs().max() > 1e-3, "the exported LoRA does not change the pipeline's output"
+    noise = pipe._pack_latents(torch.randn(1, 8, *GRID, generator=torch.Generator().manual_seed(5)))
+    policy = load_policy(resolve_source(run, None, [], None), "cpu")
+    ours = _ode_frames(policy, [PromptRow(PROMPTS[0], str(clip_conditions / "img" / "0.png"))], noise)
+    torch.testing.assert_close(ours, tuned, atol=1e-5, rtol=0)
 
 
 _SETS = ["model.height=32", "model.width=64", "model.num_frames=9", "model.max_sequence_length=16",
