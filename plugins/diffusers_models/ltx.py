@@ -26,8 +26,15 @@ components (LTXVideoTransformer3DModel, AutoencoderKLLTXVideo, a T5-XXL text enc
   0.9.1 and later) decodes at ``decode_timestep``; the pipeline's ``decode_noise_scale`` (noise
   mixed into the latents before decoding) is not applied: flowrl's decode is deterministic, which
   is what the pipeline does with ``decode_noise_scale = 0``.
-- Image-to-video (LTXImageToVideoPipeline: the first latent frame replaced by the encoded image,
-  its tokens at timestep 0) is not supported yet.
+- Image-to-video (``image_to_video``, as LTXImageToVideoPipeline does): each prompt's condition
+  image, resized to the clip's size, is encoded by the VAE as one latent frame, normalised
+  ``(z - mean) / std`` (the pipeline leaves the VAE's ``scaling_factor``, 1.0 in the published VAE,
+  out of this one normalisation) and packed into that frame's tokens; every transformer call
+  sees them in place of the first latent frame's tokens, which get timestep 0 (clean), and the
+  pipeline's scheduler step leaves that frame unchanged. flowrl's velocity on those tokens is the
+  exact flow velocity towards the image, ``(x - c) / sigma``, as ``wan22``'s image-to-video, so the
+  ODE lands on the image; see LTXModel. The pipeline samples the image's latent from the VAE's
+  posterior (with its generator); flowrl takes its mode, so a prompt's condition is one tensor.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
+from .editing import condition_pictures
 from .memory import ltx_memory_spec
 
 LTX_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -92,12 +100,22 @@ class LTXConfig:
         "self- and cross-attention of every block) or 'attention_ff' = attention + ff.net.0.proj, ff.net.2.",
     )
     vae_batch_size: int = param(1, "Clips decoded per VAE call (bounds decode memory).", min=1)
+    image_to_video: bool = param(
+        False, "Image-to-video: the first frame is each prompt's condition image ([prompts].condition_column), "
+        "as LTXImageToVideoPipeline does (the image's latent frame kept clean, at timestep 0).",
+    )
 
     def __post_init__(self):
         if (self.num_frames - 1) % 8:
             k = (self.num_frames - 1) // 8 * 8 + 1
             raise ValueError(f"num_frames must be 8k + 1 (the LTX VAE's temporal factor is 8), got {self.num_frames}; "
                              f"use {k} or {k + 8}")
+        if self.image_to_video and self.num_frames == 1:
+            raise FlowrlError(
+                "image_to_video = true with num_frames = 1: the clip's one latent frame would be the condition "
+                "image itself, with nothing left to generate", where="[model] (model 'ltx').image_to_video",
+                hint="set model.num_frames = 9 or more (8k + 1), or model.image_to_video = false",
+            )
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""
@@ -105,8 +123,21 @@ class LTXConfig:
 
 
 class LTXModel(DiffusersAdapter):
-    """LTX-Video T2V through diffusers: packed video tokens [F_lat * h * w, C], timestep = 1000 sigma,
-    true CFG as the policy, the pipeline's dynamic-shift schedule, clips [B, F, 3, H, W] out of decode."""
+    """LTX-Video through diffusers: packed video tokens [F_lat * h * w, C], timestep = 1000 sigma,
+    true CFG as the policy, the pipeline's dynamic-shift schedule, clips [B, F, 3, H, W] out of decode;
+    with ``image_to_video``, the first frame is each prompt's condition image.
+
+    Image-to-video follows LTXImageToVideoPipeline: the image, resized to the clip's size by the
+    pipeline's video processor, is encoded by the VAE (its mode) as one latent frame, normalised
+    ``(z - mean) / std`` as the pipeline does it and packed like the video, ``h * w`` tokens; every
+    transformer call sees them in place of the first latent frame's tokens, and those tokens get
+    timestep 0 (clean), the others ``1000 sigma``: one timestep per token, ``[B, seq]``, as the
+    pipeline's conditioning mask makes it. The pipeline starts that frame on the image and its
+    scheduler step leaves it there; flowrl's rollout starts from noise everywhere, so its velocity
+    on that frame is instead the exact flow velocity towards the image, ``(x - c) / sigma`` (as
+    ``wan22``'s image-to-video), and the ODE lands on ``c`` at sigma = 0: decode needs nothing
+    else. That frame's velocity has no parameters in it: it adds nothing to a policy ratio or a
+    gradient."""
 
     Config = LTXConfig
     pipeline_class_name = "LTXPipeline"
@@ -138,6 +169,18 @@ class LTXModel(DiffusersAdapter):
         self.latent_shape = (self.image_seq_len, channels)
         self.uses_cfg = config.cfg_scale != 1.0
         self.rope_scale = (self.vae_scale_temporal / config.frame_rate, self.vae_scale, self.vae_scale)
+        if config.image_to_video:
+            if self.patch_t != 1:
+                raise FlowrlError(
+                    f"image_to_video needs a transformer with patch_size_t = 1 (this one's is {self.patch_t}): the "
+                    "condition image is one latent frame", where=f"{where}.image_to_video",
+                    hint="set model.image_to_video = false",
+                )
+            self.condition_size = (config.height, config.width)  # flowrl.interfaces.TakesConditionImage
+            self.condition_tokens = self.grid[1] * self.grid[2]  # the first latent frame's, first in the packing
+            mask = torch.ones(self.image_seq_len)
+            mask[: self.condition_tokens] = 0.0  # the first latent frame's tokens are clean
+            self._token_mask = mask
 
     def _lora_preset(self, preset):
         return ltx_lora_targets(preset)
@@ -154,12 +197,43 @@ class LTXModel(DiffusersAdapter):
         out = {"prompt_embeds": embeds, "prompt_mask": mask.bool()}
         if self.uses_cfg:
             out.update(negative_prompt_embeds=neg, negative_prompt_mask=neg_mask.bool())
+        if self.config.image_to_video:
+            out["condition_latents"] = self.encode_conditions(prompts)
         return {k: v.to(self.device) for k, v in out.items()}
+
+    @torch.no_grad()
+    def encode_conditions(self, prompts) -> torch.Tensor:
+        """``[B, h * w, C]`` float32: each prompt's image as LTXImageToVideoPipeline encodes it (the
+        VAE's mode where the pipeline samples), normalised and packed as the first latent frame."""
+        h, w = self.condition_size
+        processor = self.pipe.video_processor
+        pixels = processor.preprocess(condition_pictures(self, prompts, processor), height=h, width=w)
+        vae = self.pipe.vae
+        mean = vae.latents_mean.to(torch.float32).cpu().view(1, -1, 1, 1, 1)
+        std = vae.latents_std.to(torch.float32).cpu().view(1, -1, 1, 1, 1)
+        with self._visiting(vae):
+            z = vae.encode(pixels.unsqueeze(2).to(self.device, vae.dtype), return_dict=False)[0].mode()
+        # [B, C, 1, h, w]; the pipeline's _normalize_latents here, without the VAE's scaling_factor
+        z = (z.float().cpu() - mean) / std
+        b, c, _, hh, ww = z.shape
+        p = self.patch
+        tokens = z.reshape(b, c, 1, hh // p, p, ww // p, p).permute(0, 2, 3, 5, 1, 4, 6).reshape(b, -1, c * p * p)
+        return tokens.to(self.device)
+
+    def _inputs(self, latents, t, text):
+        """The transformer's ``hidden_states`` and ``timestep`` for latents at ``t = 1000 sigma``:
+        with ``image_to_video`` the condition's tokens first, at timestep 0 (one timestep per token)."""
+        if not self.config.image_to_video:
+            return latents, t
+        cond = text["condition_latents"].to(self.device, torch.float32)
+        x = torch.cat([cond, latents[:, self.condition_tokens:]], dim=1)
+        return x, t[:, None] * self._device_constant("token_mask", lambda: self._token_mask.to(self.device))[None]
 
     def _velocity(self, module, latents, sigma, text):
         compute = self.dtype
-        x = latents.to(self.device, compute)
         t = sigma.to(self.device, torch.float32) * 1000.0  # LTX: timestep = 1000 sigma
+        x, t = self._inputs(latents.to(self.device, torch.float32), t, text)
+        x = x.to(compute)
         embeds, mask = text["prompt_embeds"], text["prompt_mask"]
         if self.uses_cfg:
             # One batch [uncond; cond]; the CFG combination below is the policy's velocity.
@@ -172,7 +246,18 @@ class LTXModel(DiffusersAdapter):
                          encoder_attention_mask=mask.to(self.device), num_frames=f, height=h, width=w,
                          rope_interpolation_scale=self.rope_scale, return_dict=False)[0]
         out = out.to(torch.float32)
-        return self._cfg_combined(out)[0] if self.uses_cfg else out
+        return self._conditioned(self._cfg_combined(out)[0] if self.uses_cfg else out, latents, sigma, text)
+
+    def _conditioned(self, velocity, latents, sigma, text):
+        """The velocity with what conditioning fixes: with ``image_to_video``, the first latent
+        frame's tokens flow to the condition image, ``(x - c) / sigma``."""
+        if not self.config.image_to_video:
+            return velocity
+        n = self.condition_tokens
+        x0 = latents[:, :n].to(self.device, torch.float32)
+        cond = text["condition_latents"].to(self.device, torch.float32)
+        s = sigma.to(self.device, torch.float32).view(-1, 1, 1)
+        return torch.cat([(x0 - cond) / s, velocity[:, n:]], dim=1)
 
     def _decoder(self, vae):
         """Tokens -> clips ``[B, F, 3, H, W]`` in [-1, 1]: unpacked as LTXPipeline unpacks them, then

@@ -854,8 +854,10 @@ KNOWN["Lightricks/LTX-Video"] = {"transformer": _LTX_2B, "text_encoder": _T5_XXL
 
 
 @functools.lru_cache(maxsize=8)
-def _ltx_constants(head: int, in_channels: int) -> BlockConstants:
-    """Per video token, as for Wan: the text enters each block only as cross-attention keys."""
+def _ltx_constants(head: int, in_channels: int, per_token_timesteps: bool = False) -> BlockConstants:
+    """Per video token, as for Wan: the text enters each block only as cross-attention keys. With
+    ``per_token_timesteps`` (image-to-video: the condition's tokens at timestep 0) the replica gets
+    a timestep per token, as the adapter passes them: every block's modulation is then per token."""
     from diffusers import LTXVideoTransformer3DModel
 
     frames, side, txt, caption = 2, 16, 64, 32
@@ -867,7 +869,8 @@ def _ltx_constants(head: int, in_channels: int) -> BlockConstants:
                                        attention_head_dim=head, cross_attention_dim=width, num_layers=counts["block"],
                                        caption_channels=caption)
         x = torch.randn(1, frames * side * side, in_channels)
-        return _saved_elements(m, lambda: m(hidden_states=x, timestep=torch.tensor([500.0]),
+        t = torch.full((1, frames * side * side) if per_token_timesteps else (1,), 500.0)
+        return _saved_elements(m, lambda: m(hidden_states=x, timestep=t,
                                             encoder_hidden_states=torch.randn(1, txt, caption),
                                             encoder_attention_mask=torch.ones(1, txt), num_frames=frames,
                                             height=side, width=side, rope_interpolation_scale=(0.32, 32, 32),
@@ -891,7 +894,8 @@ def ltx_memory_spec(config, lora_targets: list[str]):
     txt = config.max_sequence_length
     cfg = 2 if config.cfg_scale != 1.0 else 1
     width = int(t["num_attention_heads"]) * int(t["attention_head_dim"])
-    consts = _ltx_constants(int(t["attention_head_dim"]), int(t["in_channels"]))
+    per_token = bool(getattr(config, "image_to_video", False))  # the adapter's one timestep per token
+    consts = _ltx_constants(int(t["attention_head_dim"]), int(t["in_channels"]), per_token)
     # The LTX VAE decodes the whole clip at once: about six maps of its first decoder width at a
     # quarter of the pixels (4 x 4 folding) for every frame, plus the clip.
     hw = config.height * config.width
@@ -907,6 +911,6 @@ def ltx_memory_spec(config, lora_targets: list[str]):
         text_bytes_per_prompt=cfg * txt * (int(t["caption_channels"]) * compute + 1),
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
-        notes=[_measured_note(f"{video} video tokens ({f_lat} latent frames) with {txt} text tokens as cross-attention "
-                              f"keys, x{cfg} for true CFG", consts)],
+        notes=[_measured_note(f"{video} video tokens ({f_lat} latent frames{', a timestep per token' if per_token else ''})"
+                              f" with {txt} text tokens as cross-attention keys, x{cfg} for true CFG", consts)],
     )

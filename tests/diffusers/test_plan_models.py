@@ -78,3 +78,20 @@ def test_counts_and_update_activations_match_the_tiny_model(name, tiny_dir, monk
     den.requires_grad_(False)
     print(f"{name}: update activations estimated {estimated} B, measured {measured} B")
     assert 0.7 < estimated / measured < 1.3, (estimated, measured)
+
+
+def test_ltx_image_to_video_plans_a_timestep_per_token(request, monkeypatch):
+    # the adapter passes one timestep per token (the condition's at 0): every block's modulation is
+    # per token, which the replica measures with per-token timesteps too
+    from flowrl.memory_plan import estimate
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+
+    monkeypatch.chdir(request.config.rootpath)
+    plans = {}
+    for i2v in (False, True):
+        _, mm, lines = estimate(load_recipe("recipes/ltx_lora.toml", [f"model.image_to_video={str(i2v).lower()}"]),
+                                get_registry(), 1)
+        plans[i2v] = (next(line for line in lines if line.phase == "update").bytes, " ".join(mm.notes))
+    assert plans[True][0] > plans[False][0]
+    assert "a timestep per token" in plans[True][1] and "a timestep per token" not in plans[False][1]
