@@ -179,9 +179,9 @@ def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, laun
     """``python -m flowrl ARGS`` from the repository, one thread, wide output; ``env`` adds variables.
 
     A ``train ... --num-processes N`` runs its N workers as processes forked from this one
-    (:func:`run_forked_workers`) unless ``launcher`` is true or ``env`` sets an import path:
-    the same workers, without the launcher's interpreters (the launcher's own tests start it)."""
-    if "--num-processes" in args and not launcher and "PYTHONPATH" not in (env or {}) and not kwargs:
+    (:func:`run_forked_workers`) unless ``launcher`` is true: the same workers, without the
+    launcher's interpreters (the launcher's own tests start it)."""
+    if "--num-processes" in args and not launcher and not kwargs:
         at = args.index("--num-processes")
         return run_forked_workers(args[:at] + args[at + 2:], int(args[at + 1]), timeout=timeout, env=env)
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", **(env or {}))
@@ -206,8 +206,15 @@ def run_forked_workers(args: list[str], num_processes: int, timeout: float = 120
     from forked_workers import fork_workers
 
     def flowrl_main() -> int:
-        from flowrl import cli
+        import importlib
+
+        from flowrl import cli, plugins
         from flowrl.commands.base import console, err_console
+
+        if (env or {}).get("PYTHONPATH"):  # a plugin put on the path: found as a fresh process would find it
+            sys.path[:0] = [p for p in env["PYTHONPATH"].split(os.pathsep) if p]
+            importlib.invalidate_caches()
+            plugins.reset()
 
         console.width = err_console.width = 200  # what COLUMNS gives a fresh process
         try:
