@@ -2,8 +2,9 @@
 `flowrl sample --tables` (the embedded model's own samples scored by the recipe's verifier: best
 image per prompt, and best against worst), then `flowrl train` of each shipped offline recipe for 2
 iterations (no rollout, no reward scored for training; the held-out evaluation, its grids, the
-metrics, the resolved recipe and the checkpoints as an online run), and a run interrupted after
-iteration 1 and resumed that repeats the uninterrupted one bit for bit."""
+metrics, the resolved recipe and the checkpoints as an online run), a run interrupted after
+iteration 1 and resumed that repeats the uninterrupted one bit for bit, and 2 processes that equal
+1 under ddp and fsdp2."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import shutil
 
 import pytest
 import torch
-from engine_helpers import REPO, InterruptAt, load, quiet_console
+from engine_helpers import REPO, InterruptAt, assert_records_close, assert_weights_close, load, quiet_console, run_cli
 
 from flowrl.plugins import temporary_plugin
 from flowrl.runlog import read_metrics
 from flowrl.train import train
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, read_model_weights
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background",
            "a blue triangle on a green background"]
@@ -99,3 +100,30 @@ def test_an_interrupted_offline_run_resumes_bitwise(sampled, tmp_path, loss):
     assert strip(read_metrics(parts)) == strip(read_metrics(whole))
     got, want = load_checkpoint(latest_checkpoint(parts))["model"], load_checkpoint(latest_checkpoint(whole))["model"]
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("loss", list(RECIPES))
+def test_two_processes_equal_one(sampled, tmp_path, loss, strategy):
+    """Two rows an iteration over 2 processes (one each) give the metrics and the weights of 1
+    process training both, with the held-out evaluation, its grids and a checkpoint on. AdamW's
+    eps is 1e-4 for a well-conditioned comparison (engine_helpers' docstring)."""
+    recipe = REPO / "recipes" / RECIPES[loss]
+    sets = [*TINY, "train.iterations=2", "train.lr=1e-3", "train.adam_eps=1e-4", "run.device='cpu'",
+            f"data.path={str(sampled / TABLES[loss])!r}"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = [a for s in (*sets, f"distributed.strategy='{strategy}'") for a in ("--set", s)]
+    proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    rec2, rec1 = read_metrics(two), read_metrics(one)
+    assert len(rec2) == len(rec1) == 3 and [r["world_size"] for r in rec2[:-1]] == [2, 2]  # and the final row
+    for a, b in zip(rec2, rec1):
+        # the rows are split, not repeated: the backwards summed over the processes are 1 process's
+        assert a.get("compute/update/backward") == b.get("compute/update/backward")
+        for record in (a, b):
+            for key in [k for k in record if k.startswith(("compute/", "time/")) or k == "world_size"]:
+                record.pop(key)
+        assert_records_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_weights_close(read_model_weights(latest_checkpoint(two)), read_model_weights(latest_checkpoint(one)),
+                         atol=5e-6)
