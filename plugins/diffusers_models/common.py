@@ -152,6 +152,16 @@ class DiffusersAdapter:
                 )
         return step
 
+    def _check_frame_count(self) -> None:
+        """Check ``num_frames`` is ``k * vae_scale_temporal + 1`` (the video VAE compresses time after
+        the first frame); ``vae_scale_temporal`` is set by the video adapter first."""
+        num_frames, factor = self.config.num_frames, self.vae_scale_temporal
+        if (num_frames - 1) % factor:
+            raise FlowrlError(
+                f"num_frames = {num_frames} is not a multiple of the VAE's temporal factor {factor} plus 1",
+                where=f"{self.where}.num_frames", hint=f"use {(num_frames - 1) // factor * factor + 1}",
+            )
+
     def _packed_grid(self, why: str, latent_channels: int, channels_name: str, vae_scale: int | None = None) -> int:
         """For the adapters whose latents are 2x2-packed tokens ``[(H/16) * (W/16), 4 C]`` (FLUX.1,
         FLUX.2, Qwen-Image): check the image size (``why`` as in :meth:`_check_image_size`) and that
@@ -218,6 +228,11 @@ class DiffusersAdapter:
         if key not in self._on_device:
             self._on_device[key] = make()
         return self._on_device[key]
+
+    def _token_timesteps(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, seq]``: each sample's timestep ``t [B]`` on every token, 0 on the tokens a video
+        adapter's ``_token_mask`` marks clean (an image-to-video condition frame's)."""
+        return t[:, None] * self._device_constant("token_mask", lambda: self._token_mask.to(self.device))[None]
 
     @property
     def _offloading(self) -> bool:

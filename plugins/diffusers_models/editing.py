@@ -84,6 +84,19 @@ def condition_pictures(adapter, prompts, processor=None) -> list:
     return out
 
 
+def encode_condition_frame(adapter, prompts) -> torch.Tensor:
+    """``[B, C, 1, h, w]`` float32 on the CPU, not normalised: each prompt's condition image resized
+    to ``condition_size`` by the video pipeline's processor and encoded by the VAE as one latent
+    frame (its mode, where the image-to-video pipelines sample): ``wan22`` and ``ltx``."""
+    h, w = adapter.condition_size
+    processor = adapter.pipe.video_processor
+    pixels = processor.preprocess(condition_pictures(adapter, prompts, processor), height=h, width=w)
+    vae = adapter.pipe.vae
+    with adapter._visiting(vae):
+        z = vae.encode(pixels.unsqueeze(2).to(adapter.device, vae.dtype), return_dict=False)[0].mode()
+    return z.float().cpu()
+
+
 # ----------------------------------------------------------------------------- FLUX.1 Kontext
 
 

@@ -48,7 +48,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter
-from .editing import condition_pictures
+from .editing import encode_condition_frame
 from .memory import ltx_memory_spec
 
 LTX_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -149,12 +149,7 @@ class LTXModel(DiffusersAdapter):
         self.patch = int(self.denoiser.config.patch_size)
         self.patch_t = int(self.denoiser.config.patch_size_t)
         self._check_image_size(self.patch, f"patch {self.patch}", vae_scale=int(vae.spatial_compression_ratio))
-        if (config.num_frames - 1) % self.vae_scale_temporal:
-            raise FlowrlError(
-                f"num_frames = {config.num_frames} is not a multiple of the VAE's temporal factor "
-                f"{self.vae_scale_temporal} plus 1", where=f"{where}.num_frames",
-                hint=f"use {(config.num_frames - 1) // self.vae_scale_temporal * self.vae_scale_temporal + 1}",
-            )
+        self._check_frame_count()
         channels = self.denoiser.config.in_channels
         if channels != vae.config.latent_channels * self.patch * self.patch * self.patch_t:
             raise FlowrlError(
@@ -205,16 +200,11 @@ class LTXModel(DiffusersAdapter):
     def encode_conditions(self, prompts) -> torch.Tensor:
         """``[B, h * w, C]`` float32: each prompt's image as LTXImageToVideoPipeline encodes it (the
         VAE's mode where the pipeline samples), normalised and packed as the first latent frame."""
-        h, w = self.condition_size
-        processor = self.pipe.video_processor
-        pixels = processor.preprocess(condition_pictures(self, prompts, processor), height=h, width=w)
         vae = self.pipe.vae
         mean = vae.latents_mean.to(torch.float32).cpu().view(1, -1, 1, 1, 1)
         std = vae.latents_std.to(torch.float32).cpu().view(1, -1, 1, 1, 1)
-        with self._visiting(vae):
-            z = vae.encode(pixels.unsqueeze(2).to(self.device, vae.dtype), return_dict=False)[0].mode()
         # [B, C, 1, h, w]; the pipeline's _normalize_latents here, without the VAE's scaling_factor
-        z = (z.float().cpu() - mean) / std
+        z = (encode_condition_frame(self, prompts) - mean) / std
         b, c, _, hh, ww = z.shape
         p = self.patch
         tokens = z.reshape(b, c, 1, hh // p, p, ww // p, p).permute(0, 2, 3, 5, 1, 4, 6).reshape(b, -1, c * p * p)
@@ -227,7 +217,7 @@ class LTXModel(DiffusersAdapter):
             return latents, t
         cond = text["condition_latents"].to(self.device, torch.float32)
         x = torch.cat([cond, latents[:, self.condition_tokens:]], dim=1)
-        return x, t[:, None] * self._device_constant("token_mask", lambda: self._token_mask.to(self.device))[None]
+        return x, self._token_timesteps(t)
 
     def _velocity(self, module, latents, sigma, text):
         compute = self.dtype

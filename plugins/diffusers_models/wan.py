@@ -47,7 +47,7 @@ from flowrl.errors import FlowrlError
 from flowrl.sampling.schedules import shifted_sigmas
 
 from .common import DiffusersAdapter
-from .editing import condition_pictures
+from .editing import encode_condition_frame
 from .memory import wan_memory_spec
 
 #: every Wan block's self-attention (attn1) and cross-attention to the text (attn2)
@@ -133,12 +133,7 @@ class WanModel(DiffusersAdapter):
         patch = tuple(self.denoiser.config.patch_size)
         self._check_image_size(patch[1], f"patch {patch[1]}",
                                vae_scale=2 ** len(vae.temperal_downsample) * (vae.get("patch_size") or 1))
-        if (config.num_frames - 1) % self.vae_scale_temporal:
-            raise FlowrlError(
-                f"num_frames = {config.num_frames} is not a multiple of the VAE's temporal factor "
-                f"{self.vae_scale_temporal} plus 1", where=f"{where}.num_frames",
-                hint=f"use {(config.num_frames - 1) // self.vae_scale_temporal * self.vae_scale_temporal + 1}",
-            )
+        self._check_frame_count()
         channels = self.denoiser.config.in_channels
         if channels != vae.z_dim:
             raise FlowrlError(
@@ -285,23 +280,18 @@ class Wan22Model(WanModel):
     @torch.no_grad()
     def encode_conditions(self, prompts) -> torch.Tensor:
         """``[B, C, 1, H/16, W/16]`` float32: each prompt's image as WanImageToVideoPipeline encodes it."""
-        h, w = self.condition_size
-        processor = self.pipe.video_processor
-        pixels = processor.preprocess(condition_pictures(self, prompts, processor), height=h, width=w)
         vae = self.pipe.vae
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(shape)
         std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(shape)
-        with self._visiting(vae):
-            z = vae.encode(pixels.unsqueeze(2).to(self.device, vae.dtype), return_dict=False)[0].mode()
-        return ((z.float().cpu() - mean) / std).to(self.device)
+        return ((encode_condition_frame(self, prompts) - mean) / std).to(self.device)
 
     def _inputs(self, latents, t, text):
         if not self.config.image_to_video:
             return super()._inputs(latents, t, text)
         cond = text["condition_latents"].to(self.device, torch.float32)
         x = torch.cat([cond, latents[:, :, 1:]], dim=2)
-        return x, t[:, None] * self._device_constant("token_mask", lambda: self._token_mask.to(self.device))[None]
+        return x, self._token_timesteps(t)
 
     def _conditioned(self, velocity, latents, sigma, text):
         if not self.config.image_to_video:
