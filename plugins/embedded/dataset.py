@@ -46,8 +46,10 @@ CENTRE = (IMAGE_SIZE - 1) / 2.0
 TEMPLATE = "a {fg} {shape} on a {bg} background"
 
 
-@dataclass(frozen=True)
-class Attributes:
+class ColourShapeIndices:
+    """The palette and shape indices of a parsed prompt's ``fg``, ``bg`` and ``shape`` (the image
+    and the clip grammars share them)."""
+
     fg: str
     shape: str
     bg: str
@@ -63,6 +65,13 @@ class Attributes:
     @property
     def shape_index(self) -> int:
         return SHAPES.index(self.shape)
+
+
+@dataclass(frozen=True)
+class Attributes(ColourShapeIndices):
+    fg: str
+    shape: str
+    bg: str
 
 
 def make_prompt(fg: str, shape: str, bg: str) -> str:

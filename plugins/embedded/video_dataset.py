@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dataset import COLOUR_NAMES, COLOURS, PALETTE, SHAPES, shape_masks
+from .dataset import COLOUR_NAMES, COLOURS, PALETTE, SHAPES, ColourShapeIndices, shape_masks
 
 FRAME_SIZE = 16
 FRAMES = 4
@@ -38,23 +38,11 @@ TEMPLATE = "a {fg} {shape} moving {direction} on a {bg} background"
 
 
 @dataclass(frozen=True)
-class ClipAttributes:
+class ClipAttributes(ColourShapeIndices):
     fg: str
     shape: str
     direction: str
     bg: str
-
-    @property
-    def fg_index(self) -> int:
-        return COLOUR_NAMES.index(self.fg)
-
-    @property
-    def bg_index(self) -> int:
-        return COLOUR_NAMES.index(self.bg)
-
-    @property
-    def shape_index(self) -> int:
-        return SHAPES.index(self.shape)
 
     @property
     def direction_index(self) -> int:
