@@ -187,29 +187,41 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def save_weights(model: EmbeddedT2I, out_dir: str | os.PathLike, extra: dict | None = None) -> Path:
+def save_model(model: nn.Module, out_dir: str | os.PathLike, filename: str, extra: dict | None = None) -> Path:
+    """Write ``filename`` (the weights in float32, safetensors) and beside it its ``.json``
+    (``model.config_dict()``, the parameter count, then ``extra``) in ``out_dir``; return the weights' path."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().float() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "embedded.safetensors"))
+    save_file(state, str(out / filename))
     cfg = model.config_dict()
     cfg["num_parameters"] = num_parameters(model)
     if extra:
         cfg.update(extra)
-    (out / "embedded.json").write_text(json.dumps(cfg, indent=2))
-    return out / "embedded.safetensors"
+    (out / filename).with_suffix(".json").write_text(json.dumps(cfg, indent=2))
+    return out / filename
+
+
+def load_model(model_class, path: str | os.PathLike | None, default: Path, device: str | torch.device):
+    """A ``model_class`` built from the ``.json`` beside the weights ``path`` (a safetensors file, or
+    the folder that holds one named as ``default``; ``None``: ``default``) and loaded from them."""
+    from safetensors.torch import load_file
+
+    p = Path(path) if path is not None else default
+    if p.is_dir():
+        p = p / default.name
+    cfg = json.loads(p.with_suffix(".json").read_text())
+    model = model_class(cfg["transformer"], cfg["text"], cfg["vocab"])
+    model.load_state_dict(load_file(str(p)))
+    return model.to(device).eval()
+
+
+def save_weights(model: EmbeddedT2I, out_dir: str | os.PathLike, extra: dict | None = None) -> Path:
+    return save_model(model, out_dir, WEIGHTS_PATH.name, extra)
 
 
 def load_pretrained(path: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> EmbeddedT2I:
     """Load the committed weights (offline). ``path`` is the safetensors file or its folder."""
-    from safetensors.torch import load_file
-
-    p = Path(path) if path is not None else WEIGHTS_PATH
-    if p.is_dir():
-        p = p / "embedded.safetensors"
-    cfg = json.loads(p.with_suffix(".json").read_text())
-    model = EmbeddedT2I(cfg["transformer"], cfg["text"], cfg["vocab"])
-    model.load_state_dict(load_file(str(p)))
-    return model.to(device).eval()
+    return load_model(EmbeddedT2I, path, WEIGHTS_PATH, device)

@@ -13,7 +13,6 @@ space-time tokens.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from torch import nn
 from flowrl.compat import ensure_torchvision_importable
 
 from .dataset import COLOUR_NAMES, SHAPES
-from .network import TextEncoder, WordTokenizer, decode, encode_images, pack, unpack
+from .network import TextEncoder, WordTokenizer, decode, encode_images, load_model, pack, save_model, unpack
 from .video_dataset import DIRECTION_NAMES, FRAME_SIZE, FRAMES
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
@@ -109,24 +108,9 @@ class EmbeddedT2V(nn.Module):
 
 
 def save_video_weights(model: EmbeddedT2V, out_dir: str | os.PathLike, extra: dict | None = None) -> Path:
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().float() for k, v in model.state_dict().items()}, str(out / "embedded_video.safetensors"))
-    cfg = model.config_dict() | {"num_parameters": sum(p.numel() for p in model.parameters())} | (extra or {})
-    (out / "embedded_video.json").write_text(json.dumps(cfg, indent=2))
-    return out / "embedded_video.safetensors"
+    return save_model(model, out_dir, WEIGHTS_PATH.name, extra)
 
 
 def load_video_pretrained(path: str | os.PathLike | None = None, device: str | torch.device = "cpu") -> EmbeddedT2V:
     """Load the shipped video weights (offline). ``path`` is the safetensors file or its folder."""
-    from safetensors.torch import load_file
-
-    p = Path(path) if path is not None else WEIGHTS_PATH
-    if p.is_dir():
-        p = p / "embedded_video.safetensors"
-    cfg = json.loads(p.with_suffix(".json").read_text())
-    model = EmbeddedT2V(cfg["transformer"], cfg["text"], cfg["vocab"])
-    model.load_state_dict(load_file(str(p)))
-    return model.to(device).eval()
+    return load_model(EmbeddedT2V, path, WEIGHTS_PATH, device)
