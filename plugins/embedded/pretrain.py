@@ -60,6 +60,38 @@ def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
 
 
+def flow_matching_step(model, opt, params, ema_params, x0: torch.Tensor, prompts, g: torch.Generator, args,
+                       step: int) -> torch.Tensor:
+    """One pretraining step of ``model`` (the image or the video one) on clean latents ``x0`` and
+    their prompts: the learning rate of ``step``, the flow-matching loss at a sampled sigma, clipped
+    AdamW, then the EMA weights. Returns the loss."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+    eps = torch.randn(x0.shape, generator=g)
+    sigma = sample_sigma(args.batch, g, args.t_mean, args.t_std, args.train_shift)
+    s = sigma.view(-1, *[1] * (x0.ndim - 1))
+    emb, pooled = model.encode_prompts(prompts)
+    loss = torch.nn.functional.mse_loss(model.velocity((1 - s) * x0 + s * eps, sigma, emb, pooled), eps - x0)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    with torch.no_grad():
+        torch._foreach_lerp_(ema_params, params, 1.0 - min(args.ema, (1 + step) / (10 + step)))
+    return loss
+
+
+def pretrain_parser(description: str, defaults: dict) -> argparse.ArgumentParser:
+    """``--out``, one option per key of ``defaults`` (its type and default), ``--threads``, ``--eval-every``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", required=True)
+    for k, v in defaults.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eval-every", type=int, default=0)
+    return ap
+
+
 def train(args) -> EmbeddedT2I:
     torch.manual_seed(args.seed)
     tcfg = dict(DEFAULT_TRANSFORMER_CONFIG, num_layers=args.num_layers, num_single_layers=args.num_single_layers)
@@ -76,24 +108,9 @@ def train(args) -> EmbeddedT2I:
     run_loss = None
     history = []
     for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         images, prompts = sample_batch(args.batch, g)
         x0 = model.pack(model.encode_images(images))
-        eps = torch.randn(x0.shape, generator=g)
-        sigma = sample_sigma(args.batch, g, args.t_mean, args.t_std, args.train_shift)
-        s = sigma.view(-1, 1, 1)
-        xt = (1 - s) * x0 + s * eps
-        emb, pooled = model.encode_prompts(prompts)
-        v = model.velocity(xt, sigma, emb, pooled)
-        loss = torch.nn.functional.mse_loss(v, eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        d = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, params, 1.0 - d)
+        loss = flow_matching_step(model, opt, params, ema_params, x0, prompts, g, args, step)
         run_loss = loss.item() if run_loss is None else 0.98 * run_loss + 0.02 * loss.item()
         if (step + 1) % 100 == 0:
             print(f"step {step + 1} loss {run_loss:.4f} lr {opt.param_groups[0]['lr']:.2e} t {time.time() - t0:.0f}s", flush=True)
@@ -113,13 +130,7 @@ def train(args) -> EmbeddedT2I:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Pretrain the embedded flowrl model.")
-    ap.add_argument("--out", required=True)
-    for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--eval-every", type=int, default=0)
-    args = ap.parse_args(argv)
+    args = pretrain_parser("Pretrain the embedded flowrl model.", DEFAULTS).parse_args(argv)
     torch.set_num_threads(args.threads)
     train(args)
 

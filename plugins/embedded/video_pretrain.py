@@ -14,14 +14,13 @@ Run (from the repository root; the numbers it printed are in MODEL_CARD.md):
 
 from __future__ import annotations
 
-import argparse
 import copy
 import time
 
 import torch
 
 from .network import load_pretrained
-from .pretrain import lr_at, sample_sigma
+from .pretrain import flow_matching_step, pretrain_parser
 from .video_dataset import all_prompts, sample_batch
 from .video_network import EmbeddedT2V, save_video_weights
 from .video_verifier import verify_clips
@@ -63,21 +62,8 @@ def train(args) -> EmbeddedT2V:
     g = torch.Generator().manual_seed(args.seed)
     t0, run_loss = time.time(), None
     for step in range(args.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         clips, prompts = sample_batch(args.batch, g)
-        x0 = model.encode_clips(clips)
-        eps = torch.randn(x0.shape, generator=g)
-        sigma = sample_sigma(args.batch, g, args.t_mean, args.t_std, args.train_shift)
-        s = sigma.view(-1, 1, 1, 1)
-        emb, pooled = model.encode_prompts(prompts)
-        loss = torch.nn.functional.mse_loss(model.velocity((1 - s) * x0 + s * eps, sigma, emb, pooled), eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, params, 1.0 - min(args.ema, (1 + step) / (10 + step)))
+        loss = flow_matching_step(model, opt, params, ema_params, model.encode_clips(clips), prompts, g, args, step)
         run_loss = loss.item() if run_loss is None else 0.98 * run_loss + 0.02 * loss.item()
         if (step + 1) % 50 == 0:
             print(f"step {step + 1} loss {run_loss:.4f} t {time.time() - t0:.0f}s", flush=True)
@@ -95,12 +81,7 @@ def train(args) -> EmbeddedT2V:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Pretrain the embedded video model.")
-    ap.add_argument("--out", required=True)
-    for k, v in DEFAULTS.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=v)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--eval-every", type=int, default=0)
+    ap = pretrain_parser("Pretrain the embedded video model.", DEFAULTS)
     ap.add_argument("--from-scratch", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
