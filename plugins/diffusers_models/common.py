@@ -84,6 +84,11 @@ def unpack_2x2(latents: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     return x.reshape(b, c4 // 4, 2 * h, 2 * w)
 
 
+def preset_targets(preset: str, attention, feed_forward) -> list[str]:
+    """The LoRA targets of a ``lora_preset``: ``attention``, plus ``feed_forward`` for ``attention_ff``."""
+    return list(attention) + (list(feed_forward) if preset == "attention_ff" else [])
+
+
 class DiffusersAdapter:
     """Base class of the diffusers-backed adapters (see :mod:`flowrl.interfaces`)."""
 
@@ -206,7 +211,7 @@ class DiffusersAdapter:
         return [m for m in (getattr(self.pipe, name) for name in self.frozen_names) if m is not None]
 
     def _lora_preset(self, preset: str) -> list[str]:
-        return list(ATTENTION) + (list(FEED_FORWARD) if preset == "attention_ff" else [])
+        return preset_targets(preset, ATTENTION, FEED_FORWARD)
 
     # ---- devices ------------------------------------------------------------------------------
 

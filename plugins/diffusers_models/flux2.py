@@ -33,7 +33,7 @@ import torch
 from flowrl.config import param
 from flowrl.errors import FlowrlError
 
-from .common import ATTENTION, DiffusersAdapter, grid_ids
+from .common import ATTENTION, DiffusersAdapter, grid_ids, preset_targets
 from .memory import flux2_klein_memory_spec, pipeline_configs
 from .quantize import QUANTIZE_HELP
 
@@ -105,7 +105,7 @@ def flux2_lora_targets(preset: str, single_blocks: int) -> list[str]:
     and output projections, plus the double blocks' feed-forwards for ``attention_ff``."""
     singles = [f"single_transformer_blocks.{i}.attn.to_out" for i in range(single_blocks)]
     targets = list(ATTENTION) + ["to_qkv_mlp_proj"] + singles
-    return targets + (list(FLUX2_FEED_FORWARD) if preset == "attention_ff" else [])
+    return preset_targets(preset, targets, FLUX2_FEED_FORWARD)
 
 
 class Flux2KleinModel(DiffusersAdapter):

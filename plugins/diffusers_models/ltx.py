@@ -47,7 +47,7 @@ import torch
 from flowrl.config import param
 from flowrl.errors import FlowrlError
 
-from .common import DiffusersAdapter
+from .common import DiffusersAdapter, preset_targets
 from .editing import encode_condition_frame
 from .memory import ltx_memory_spec
 
@@ -57,7 +57,7 @@ LTX_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2"]
 
 def ltx_lora_targets(preset: str) -> list[str]:
     """The LoRA targets of a preset: attention (self and cross), plus the feed-forwards."""
-    return list(LTX_ATTENTION) + (list(LTX_FEED_FORWARD) if preset == "attention_ff" else [])
+    return preset_targets(preset, LTX_ATTENTION, LTX_FEED_FORWARD)
 
 
 @dataclasses.dataclass(frozen=True)

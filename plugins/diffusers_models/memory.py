@@ -26,7 +26,7 @@ from flowrl.compat import ensure_torchvision_importable
 from flowrl.errors import FlowrlError
 from flowrl.memory_plan import ModelMemory
 
-from .common import ATTENTION, FEED_FORWARD
+from .common import ATTENTION, FEED_FORWARD, preset_targets
 from .loading import check_local_pipeline, looks_like_local_path
 from .quantize import quantized_weight_bytes
 
@@ -363,7 +363,7 @@ def flux_memory_spec(config):
         **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
-        default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
+        default_lora_targets=preset_targets(config.lora_preset, ATTENTION, FEED_FORWARD),
         tokens=img_tokens + config.max_sequence_length, width=width,
         blocks={"double": int(t["num_layers"]), "single": int(t["num_single_layers"])},
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=1,
@@ -398,7 +398,7 @@ def sd3_memory_spec(config):
         **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=_frozen(cfgs, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
-        default_lora_targets=list(ATTENTION) + (list(FEED_FORWARD) if config.lora_preset == "attention_ff" else []),
+        default_lora_targets=preset_targets(config.lora_preset, ATTENTION, FEED_FORWARD),
         tokens=img_tokens + txt_tokens, width=int(t["num_attention_heads"]) * int(t["attention_head_dim"]),
         blocks={"dual": dual, "joint": int(t["num_layers"]) - dual},
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg_factor,

@@ -36,7 +36,7 @@ import torch
 
 from flowrl.config import param
 
-from .common import ATTENTION, DiffusersAdapter, pack_2x2, unpack_2x2
+from .common import ATTENTION, DiffusersAdapter, pack_2x2, preset_targets, unpack_2x2
 from .memory import qwen_image_memory_spec
 from .quantize import QUANTIZE_HELP
 
@@ -99,7 +99,7 @@ class QwenImageConfig:
 
 def qwen_lora_targets(preset: str) -> list[str]:
     """The LoRA targets of a preset: attention (image and text streams), plus both MLPs."""
-    return list(ATTENTION) + (list(QWEN_FEED_FORWARD) if preset == "attention_ff" else [])
+    return preset_targets(preset, ATTENTION, QWEN_FEED_FORWARD)
 
 
 class QwenImageModel(DiffusersAdapter):

@@ -46,7 +46,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 from flowrl.sampling.schedules import shifted_sigmas
 
-from .common import DiffusersAdapter
+from .common import DiffusersAdapter, preset_targets
 from .editing import encode_condition_frame
 from .memory import wan_memory_spec
 
@@ -57,7 +57,7 @@ WAN_FEED_FORWARD = ["ffn.net.0.proj", "ffn.net.2"]
 
 def wan_lora_targets(preset: str) -> list[str]:
     """The LoRA targets of a preset: attention (self and cross), plus the feed-forwards."""
-    return list(WAN_ATTENTION) + (list(WAN_FEED_FORWARD) if preset == "attention_ff" else [])
+    return preset_targets(preset, WAN_ATTENTION, WAN_FEED_FORWARD)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 from flowrl.config import param
 from flowrl.errors import FlowrlError
 
-from .common import DiffusersAdapter
+from .common import DiffusersAdapter, preset_targets
 from .memory import zimage_memory_spec
 from .quantize import QUANTIZE_HELP
 
@@ -99,7 +99,7 @@ class ZImageConfig:
 
 def zimage_lora_targets(preset: str) -> list[str]:
     """The LoRA targets of a preset: attention (refiners included), plus the feed-forwards."""
-    return list(ZIMAGE_ATTENTION) + (list(ZIMAGE_FEED_FORWARD) if preset == "attention_ff" else [])
+    return preset_targets(preset, ZIMAGE_ATTENTION, ZIMAGE_FEED_FORWARD)
 
 
 class ZImageModel(DiffusersAdapter):
