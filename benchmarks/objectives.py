@@ -3,6 +3,7 @@ and how much reward hacking do the anti-hacking regularisers prevent?
 
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn              # every recipe, seed 42
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --recipes quickstart_awm quickstart_dppo
+    OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --images --recipes offline_sft offline_dpo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py hacking --seeds 3  # quickstart vs gardo vs diversity
     python benchmarks/objectives.py learn --smoke --out /tmp/smoke        # 2-iteration rehearsal
 
@@ -17,7 +18,9 @@ prompts and noise, so this independent-samples SE is conservative); the bar is >
 judge (``embedded_clip`` where the recipe logs it, else the verifier) is reported beside it, its
 change in the same standard errors. ``--seeds N`` runs seeds 42 .. 42 + N - 1 (default 1 for
 ``learn``) and adds the mean ± standard error over seeds; ``--images`` keeps each recipe's
-``log.image_every`` (evaluation grids), which the benchmark otherwise turns off.
+``log.image_every`` (evaluation grids), which the benchmark otherwise turns off. The offline
+recipes (``offline_sft``, ``offline_dpo``) train on tables of the base model's samples, written
+first by ``flowrl sample --tables`` where they are missing (``OFFLINE_TABLES``).
 
 ``hacking``: the quickstart (Chunk-GRPO on the area reward), the same with GARDO's gated KL and
 reference reset (``quickstart_gardo``), and with the group-diversity advantage
@@ -45,7 +48,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LEARN = ["quickstart", "quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast",
          "quickstart_nft", "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo",
-         "quickstart_dpo", "quickstart_dgpo"]
+         "quickstart_dpo", "quickstart_dgpo", "offline_sft", "offline_dpo"]
+#: The tables the offline recipes read (their [data].path), and the command that writes each
+#: (docs/objectives.md, "Offline SFT and DPO"): the base model's own samples of the training prompts.
+OFFLINE_TABLES = {
+    "offline_sft": ("runs/offline_data16/best.jsonl", ["--seeds", "16", "-o", "runs/offline_data16"]),
+    "offline_dpo": ("runs/offline_data/pairs.jsonl", ["--seeds", "8", "-o", "runs/offline_data"]),
+}
+
+
+def offline_table(recipe: str) -> None:
+    """Write the table an offline recipe trains on, unless it is there."""
+    table, options = OFFLINE_TABLES[recipe]
+    if (REPO / table).is_file():
+        return
+    cmd = [sys.executable, "-m", "flowrl", "sample", f"recipes/{recipe}.toml", "--prompts", "recipes/prompts/shapes.csv",
+           "--set", "prompts.eval_split=train", "--tables", *options]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the table for {recipe} could not be written:\n{done.stderr[-4000:]}")
 HACKING = ["quickstart", "quickstart_gardo", "quickstart_diversity"]
 
 
@@ -99,6 +120,9 @@ def map_runs(jobs: int, tasks):
 
 def learn(args) -> dict:
     seeds = [42 + k for k in range(args.seeds or 1)]
+    for recipe in args.recipes:
+        if recipe in OFFLINE_TABLES:
+            offline_table(recipe)
     dirs = map_runs(args.jobs, [(r, s, args.out, args.smoke, args.images) for r in args.recipes for s in seeds])
     table = {}
     print(f"\n{'recipe':24s} {'seed':>4s} {'reward':>10s} {'before':>14s} {'after':>14s} {'rise':>7s} {'rise/SE':>7s}"
