@@ -208,34 +208,35 @@ def validate(flowrl_cli):
     return run
 
 
-#: The tests that take longest, with their seconds on one worker of the 2-core CI machine (quiet;
-#: from ``pytest --durations``): a whole module where its tests share a module-scoped fixture (a
-#: 2-process launch) that a split module would pay for twice, else single tests (their
-#: parametrisations together).
+#: The tests that take longest, with their seconds on one worker of the 2-core CI machine (from
+#: ``pytest --durations`` of a clean-clone ``.ci/run``, 2026-11-26): a whole module where its tests
+#: share a module-scoped fixture (a 2-process launch, a served fleet) that a split module would
+#: pay for twice, else single tests (their parametrisations together).
 LONG = {
+    "tests/test_quickstart.py::test_quickstart_variant_trains": 70,
     "tests/engine/test_engine_fsdp2.py::test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports": 55,
-    "tests/engine/test_engine_fsdp2.py::test_fsdp2_two_processes_equal_one": 40,
-    "tests/test_quickstart.py": 40,
-    "tests/test_cli_ux.py": 40,
-    "tests/rewards/test_reward_fleet.py": 40,
-    "tests/sweep/test_sweep.py": 40,
-    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 35,
-    "tests/test_reference_metrics.py::test_quickstart_metrics_equal_the_pre_redesign_reference": 35,
-    "tests/engine/test_engine_distributed.py": 35,
-    "tests/engine/test_engine_launcher.py": 35,
-    "tests/engine/test_engine_one_rank_idle.py": 35,
-    "tests/distributed/test_parallel.py": 30,
-    "tests/test_readme_quickstart.py": 30,
-    "tests/engine/test_engine_signals.py": 25,
-    "tests/test_doctor_selftest.py": 25,
-    "tests/test_cli.py": 25,
-    "tests/engine/test_engine_fsdp2.py::test_fsdp2_diffusion_nft_with_evaluation_equals_one_process": 20,
-    "tests/engine/test_engine_objectives_resume.py": 20,
-    "tests/diffusers/test_quantized.py": 20,
-    "tests/test_quiet_output.py": 18,
-    "tests/rewards/test_http_reward.py": 18,
-    "tests/engine/test_engine_memory_knobs.py": 18,
-    "tests/rewards/test_serve_stops_quietly.py": 17,
+    "tests/rewards/test_reward_fleet.py": 54,
+    "tests/test_readme_quickstart.py": 44,
+    "tests/test_cli_ux.py": 41,
+    "tests/sweep/test_sweep.py::test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs": 38,
+    "tests/sweep/test_sweep.py::test_two_by_two_sweep_runs_every_combination_and_compares": 38,
+    "tests/engine/test_engine_memory_knobs.py": 37,
+    "tests/engine/test_engine_objectives_parallel.py": 33,
+    "tests/test_doctor_selftest.py": 32,
+    "tests/engine/test_engine_fsdp2.py::test_fsdp2_two_processes_equal_one": 26,
+    "tests/test_quiet_output.py": 27,
+    "tests/engine/test_engine_objectives_resume.py::test_objective_state_resumes_bitwise": 65,
+    "tests/test_reference_metrics.py::test_quickstart_metrics_equal_the_pre_redesign_reference": 23,
+    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 19,
+    "tests/engine/test_engine_signals.py::test_first_ctrl_c_is_announced_at_once_and_checkpoints": 20,
+    "tests/engine/test_engine_signals.py::test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly": 14,
+    "tests/engine/test_engine_launcher.py": 50,
+    "tests/test_hardware_doc.py": 20,
+    "tests/rewards/test_serve_stops_quietly.py": 20,
+    "tests/sweep/test_sweep.py::test_a_failed_run_is_recorded_and_sigterm_stops_the_sweep_cleanly": 17,
+    "tests/engine/test_engine_distributed.py": 15,
+    "tests/engine/test_engine_fsdp2.py::test_fsdp2_diffusion_nft_with_evaluation_equals_one_process": 15,
+    "tests/diffusers/test_fsdp2_loading.py": 14,
 }
 
 
