@@ -158,6 +158,21 @@ class InProcessCli:
         buf = io.StringIO()
         return self._call(argv, buf, buf), buf.getvalue()
 
+    def train_two_iterations_and_export(self, recipe, settings: list[str], out: Path) -> Path:
+        """``flowrl train RECIPE --set ...`` into ``out / "run"`` (2 iterations, checked in its
+        metrics), then ``flowrl export`` of it into ``out / "lora"``, which is returned."""
+        import json
+
+        sets = [a for item in settings for a in ("--set", item)]
+        run = out / "run"
+        code, text = self.merged("train", recipe, *sets, "-o", run)
+        assert code == 0, text
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["iteration"] for r in records] == [0, 1]
+        code, text = self.merged("export", run, "-o", out / "lora")
+        assert code == 0, text
+        return out / "lora"
+
 
 @pytest.fixture(scope="module")
 def module_cli(request) -> InProcessCli:

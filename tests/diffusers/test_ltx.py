@@ -386,18 +386,8 @@ def test_lora_export_loads_into_ltx_pipeline_and_reproduces_the_policy(module_cl
 
     from flowrl.commands.inference import load_policy, resolve_source
 
-    cli = module_cli.merged
-    sets = []
-    for item in [f"model.path={tiny_ltx}", *_SETS]:
-        sets += ["--set", item]
+    out = module_cli.train_two_iterations_and_export(RECIPE, [f"model.path={tiny_ltx}", *_SETS], tmp_path)
     run = tmp_path / "run"
-    code, text = cli("train", RECIPE, *sets, "-o", run)
-    assert code == 0, text
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in records] == [0, 1]
-    out = tmp_path / "lora"
-    code, text = cli("export", run, "-o", out)
-    assert code == 0, text
     noise = torch.randn(1, *LATENT, generator=torch.Generator().manual_seed(5))
     pipe = LTXPipeline.from_pretrained(tiny_ltx)
     base = _pipe_frames(pipe, PROMPTS[:1], noise, 3.0)
