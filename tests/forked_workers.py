@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -107,8 +108,6 @@ def fork_workers(work: Callable[[], int], num_processes: int, *, timeout: float,
 
         out = "".join(read(f"{rank}.out") for rank in range(num_processes))
         err = "".join(read(f"{rank}.err") for rank in range(num_processes))
-        import shutil
-
         shutil.rmtree(logs, ignore_errors=True)
     failed = [codes[pid] for pid in pids if codes[pid]]
     return subprocess.CompletedProcess(argv or ["workers"], failed[0] if failed else 0, out, err)

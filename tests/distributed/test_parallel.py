@@ -3,8 +3,8 @@
 The multi-process checks run ``parallel_worker.py`` in 2 gloo processes forked from the test
 process and set up as torchrun sets up its workers (tests/forked_workers.py; never mp.spawn, whose
 gloo + FSDP2 teardown aborts in a few percent of runs: the workers end with ``os._exit``), each
-launch bounded in time, and read what the workers wrote. One process on the same global batch is the reference;
-across process counts gradients are summed in another order, which AdamW amplifies on
+launch bounded in time, and read what the workers wrote. One process on the same global batch is
+the reference; across process counts gradients are summed in another order, which AdamW amplifies on
 near-zero gradients: the weights agree to TOL (measured here: under 1e-7).
 """
 
@@ -272,7 +272,8 @@ def _run(mode: str, out: Path, num_processes: int, timeout: float = 240) -> None
         pytest.fail(f"{mode} did not finish in {timeout} s")
     if proc.returncode != 0:
         reports = [p.read_text() for p in sorted(out.glob(f"{mode}-rank*.json"))]
-        pytest.fail(f"{mode} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}\n{''.join(reports)[-4000:]}")
+        log = (proc.stdout + proc.stderr)[-4000:]
+        pytest.fail(f"{mode} exited {proc.returncode}:\n{log}\n{''.join(reports)[-4000:]}")
 
 
 @pytest.fixture(scope="module")
