@@ -214,8 +214,10 @@ def validate(flowrl_cli):
 #: pay for twice, else single tests (their parametrisations together).
 LONG = {
     "tests/test_quickstart.py::test_quickstart_variant_trains": 70,
+    "tests/engine/test_engine_objectives_resume.py::test_objective_state_resumes_bitwise": 65,
     "tests/engine/test_engine_fsdp2.py::test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports": 55,
     "tests/rewards/test_reward_fleet.py": 54,
+    "tests/engine/test_engine_launcher.py": 50,
     "tests/test_readme_quickstart.py": 44,
     "tests/test_cli_ux.py": 41,
     "tests/sweep/test_sweep.py::test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs": 38,
@@ -223,19 +225,17 @@ LONG = {
     "tests/engine/test_engine_memory_knobs.py": 37,
     "tests/engine/test_engine_objectives_parallel.py": 33,
     "tests/test_doctor_selftest.py": 32,
-    "tests/engine/test_engine_fsdp2.py::test_fsdp2_two_processes_equal_one": 26,
     "tests/test_quiet_output.py": 27,
-    "tests/engine/test_engine_objectives_resume.py::test_objective_state_resumes_bitwise": 65,
+    "tests/engine/test_engine_fsdp2.py::test_fsdp2_two_processes_equal_one": 26,
     "tests/test_reference_metrics.py::test_quickstart_metrics_equal_the_pre_redesign_reference": 23,
-    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 19,
     "tests/engine/test_engine_signals.py::test_first_ctrl_c_is_announced_at_once_and_checkpoints": 20,
-    "tests/engine/test_engine_signals.py::test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly": 14,
-    "tests/engine/test_engine_launcher.py": 50,
     "tests/test_hardware_doc.py": 20,
     "tests/rewards/test_serve_stops_quietly.py": 20,
+    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 19,
     "tests/sweep/test_sweep.py::test_a_failed_run_is_recorded_and_sigterm_stops_the_sweep_cleanly": 17,
     "tests/engine/test_engine_distributed.py": 15,
     "tests/engine/test_engine_fsdp2.py::test_fsdp2_diffusion_nft_with_evaluation_equals_one_process": 15,
+    "tests/engine/test_engine_signals.py::test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly": 14,
     "tests/diffusers/test_fsdp2_loading.py": 14,
 }
 
