@@ -153,7 +153,8 @@ class TrainConfig:
     attention_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = param(
         "auto",
         "The only scaled-dot-product attention backend torch may use (torch.nn.attention.sdpa_kernel) "
-        "during rollout, update and evaluation; 'auto' lets torch choose. CPU: math, flash. CUDA: "
+        "during rollout, update and evaluation; 'auto' lets torch choose (on CUDA among flash, efficient and "
+        "math: cudnn faulted on FLUX.1-dev's attention on an H100 and runs only when named). CPU: math, flash. CUDA: "
         "math, flash, efficient, cudnn (flash and cudnn need fp16/bf16 and a recent GPU).",
     )
     adamw_impl: Literal["auto", "for-loop", "foreach", "fused"] = param(

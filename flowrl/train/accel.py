@@ -7,7 +7,11 @@ speed switch, ``adamw_impl``, is the optimizer's: :func:`flowrl.train.optimizer.
   built the KL reference (an uncompiled copy) and the strategy has placed or sharded the
   denoiser (FSDP2 wants ``fully_shard`` before ``compile``);
 - :func:`attention_backend`: a context manager that restricts scaled-dot-product attention to
-  one backend (``torch.nn.attention.sdpa_kernel``) for the training loop.
+  one backend (``torch.nn.attention.sdpa_kernel``) for the training loop. ``auto`` lets torch
+  choose, on CUDA among flash, memory-efficient and math only: cuDNN attention runs only when
+  named, because with torch 2.11 (CUDA 13.0) on an H100 it faulted on FLUX.1-dev's attention
+  (24 heads of 128, bf16; an illegal memory access, then every later kernel failed), where the
+  other three ran (``benchmarks/sdpa_backends.py``, docs/benchmarks.md).
 
 Each checks the device first and raises a :class:`~flowrl.errors.FlowrlError` naming the recipe
 field when the switch cannot work there (an attention backend the device lacks, compile without a
@@ -37,6 +41,8 @@ SDPA_BACKENDS = {
 }
 _SDPA_NAMES = {"math": "MATH", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                "cudnn": "CUDNN_ATTENTION"}
+#: what ``auto`` allows per device type (torch chooses among them); None: everything torch has
+AUTO_BACKENDS = {"cuda": ("flash", "efficient", "math")}
 
 
 def _where(source: str, field: str) -> str:
@@ -59,14 +65,15 @@ def check_attention_backend(name: str, device: torch.device, source: str = "<rec
 @contextlib.contextmanager
 def attention_backend(name: str, device: torch.device, source: str = "<recipe>") -> Iterator[None]:
     """Within the block, scaled-dot-product attention may only use backend ``name`` (``auto``:
-    torch chooses, nothing changes)."""
+    torch chooses among :data:`AUTO_BACKENDS` of the device type, or among all it has)."""
     check_attention_backend(name, device, source)
-    if name == "auto":
+    allowed = AUTO_BACKENDS.get(device.type) if name == "auto" else (name,)
+    if allowed is None:
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([getattr(SDPBackend, _SDPA_NAMES[name])]):
+    with sdpa_kernel([getattr(SDPBackend, _SDPA_NAMES[a]) for a in allowed]):
         yield
 
 

@@ -31,6 +31,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from .accel import attention_backend
 from .run import Run
 
 #: Dense bf16 tensor-core peaks in TFLOP/s (vendor data sheets), by a substring of the device name.
@@ -80,7 +81,9 @@ class Throughput:
         self.samples = geometry.samples_per_process
         self.steps = recipe.sampler.steps
         self.passes = geometry.updates_per_rollout
-        with counter.paused() if counter is not None else contextlib.nullcontext():  # measuring, not training
+        # measuring, not training; on the loop's attention kernels (what torch would pick otherwise may fault)
+        with counter.paused() if counter is not None else contextlib.nullcontext(), \
+                attention_backend(recipe.train.attention_backend, session.device, recipe.source):
             self.forward, self.forward_backward = velocity_flops(session, prompt)
         self.peak = peak_tflops(session.device)
         self.total = recipe.train.iterations

@@ -82,6 +82,17 @@ def test_attention_backend_restricts_sdpa_and_gives_the_same_values(name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_auto_attention_on_cuda_leaves_out_cudnn_and_on_the_cpu_changes_nothing():
+    # cuDNN attention faulted on FLUX.1-dev's attention on an H100 (torch 2.11): 'auto' never picks it
+    with attention_backend("auto", torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored
+    with attention_backend("auto", CPU):
+        assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+
+
 def test_compile_off_leaves_the_denoiser_alone():
     class M:
         denoiser = torch.nn.Linear(2, 2)
