@@ -208,13 +208,6 @@ def validate(flowrl_cli):
     return run
 
 
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker more than the CPUs this process may use. Many tests spend part of
-    their time waiting on processes they started (launchers, signal handling, reward servers,
-    sweeps): on the 2-core CI machine the suite kept the cores about 90% busy with 2 workers."""
-    return len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
-
-
 #: The tests that take longest, with their seconds on one worker of the 2-core CI machine (from
 #: ``pytest --durations`` of a clean-clone ``.ci/run``, 2026-11-26): a whole module where its tests
 #: share a module-scoped fixture (a 2-process launch, a served fleet) that a split module would
