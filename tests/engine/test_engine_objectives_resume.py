@@ -24,14 +24,14 @@ SHORT = ["train.iterations=3", "train.prompts_per_iteration=2", "train.group_siz
 # the recipe is copied away from its prompt file (recipes/prompts/shapes.csv)
 SHAPES = [f"prompts.source={str(REPO / 'recipes' / 'prompts' / 'shapes.csv')!r}"]
 CASES = {
-    "nft": ("quickstart_nft.toml", []),
+    "nft": ("quickstart_nft.toml", ["sampler.steps=9", "loss.timesteps=4"]),
     # a reset of the reference before the interrupt, so the reset reference must be restored
-    "gardo": ("quickstart_gardo.toml", ["loss.reset_every=1"]),
-    "awm": ("quickstart_awm.toml", [*SHAPES, "train.updates_per_rollout=2", "loss.timesteps=3"]),
+    "gardo": ("quickstart_gardo.toml", ["loss.reset_every=1", "sampler.steps=9", "chunker.sizes=[2, 2, 4]"]),
+    "awm": ("quickstart_awm.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "loss.timesteps=3"]),
     "dppo": ("quickstart_dppo.toml", [*SHAPES, "sampler.steps=17", "sampler.sde_window=[0, 4]",
                                       "loss.kl_threshold=1e-8"]),
-    "dpo": ("quickstart_dpo.toml", [*SHAPES, "train.updates_per_rollout=2", "loss.timesteps=2"]),
-    "dgpo": ("quickstart_dgpo.toml", [*SHAPES, "train.updates_per_rollout=2", "loss.timesteps=2"]),
+    "dpo": ("quickstart_dpo.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "loss.timesteps=2"]),
+    "dgpo": ("quickstart_dgpo.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "loss.timesteps=2"]),
 }
 STATELESS = {"awm", "dppo", "dpo", "dgpo"}
 
