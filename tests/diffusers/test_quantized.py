@@ -9,13 +9,16 @@ import json
 import subprocess
 import sys
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 
 from flowrl.errors import FlowrlError
 from flowrl.testing.conformance import ConformanceOptions, check_adapter, check_on_policy_ratio
 
-pytest.importorskip("bitsandbytes")
+# found, not imported: importing it costs every collecting worker its import time
+pytestmark = pytest.mark.skipif(find_spec("bitsandbytes") is None, reason="needs bitsandbytes (the 'quant' extra)")
 
 RECIPE = "recipes/flux2_klein_nf4_24gb.toml"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from importlib.util import find_spec
+
 import pytest
 import torch
 from engine_helpers import TINY_RECIPE, InterruptAt, load, quiet_console, write_recipe
@@ -14,7 +16,8 @@ from flowrl.plugins import temporary_plugin
 from flowrl.train import train
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
 
-pytest.importorskip("bitsandbytes")
+# found, not imported: importing it costs every collecting worker its import time
+pytestmark = pytest.mark.skipif(find_spec("bitsandbytes") is None, reason="needs bitsandbytes (the 'quant' extra)")
 
 EIGHT_BIT = "train.optimizer='adamw_8bit'"
 KL = ("loss.beta=0.05", "loss.kl='gaussian_exact'")

@@ -12,12 +12,15 @@ import json
 import time
 from pathlib import Path
 
+from importlib.util import find_spec
+
 import pytest
 from engine_helpers import TINY_RECIPE, load, quiet_console, write_recipe
 
 from flowrl.train import train
 
-pytest.importorskip("wandb")
+# found, not imported: importing it costs every collecting worker its import time
+pytestmark = pytest.mark.skipif(find_spec("wandb") is None, reason="needs wandb (the 'wandb' extra)")
 
 # offline by the recipe, not only by WANDB_MODE: wandb's settings are process-wide and an earlier
 # test in the same process (another order under pytest-xdist) may have set them up without it
