@@ -156,7 +156,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="the killed runs stop through PR_SET_PDEATHSIG (Linux)")
 def test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs(tiny, flowrl_cli):
     # one run at a time: the short run is done before the long one starts
-    args = ["tiny.toml", "--variant", "short:", "--variant", "long:train.iterations=20", "-o", "sw"]
+    args = ["tiny.toml", "--variant", "short:", "--variant", "long:train.iterations=10", "-o", "sw"]
     sweep = subprocess.Popen([str(flowrl_cli.script), "sweep", *args], cwd=tiny, env=flowrl_cli.env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     long_dir = tiny / "sw" / "runs" / "long_seed7"
@@ -181,7 +181,7 @@ def test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs(tiny, f
     out = (tiny / "sw" / "logs" / "long_seed7.out").read_text()
     assert "interrupted after" in out and "resumed from" in out
     # one uninterrupted-looking log: every iteration once, then the final evaluation
-    assert _iterations(long_dir) == [(i, False) for i in range(20)] + [(20, True)]
+    assert _iterations(long_dir) == [(i, False) for i in range(10)] + [(10, True)]
     assert "resume at iteration" in proc.stdout
 
 
