@@ -211,6 +211,9 @@ def main() -> None:
         log(f"  done in {build_venv(args.venv, log, args.uv):.0f} s")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
+    # the environment was just built without bytecode: the first of its two interpreters writes it,
+    # the second (the reward server) reads it instead of compiling torch and transformers again
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     log("running the upstream package on the tiny model ...")
     proc = subprocess.run([str(args.venv / "bin" / "python"), __file__, "--worker", "upstream", "--work", str(args.work)],
                           env=env, capture_output=True, text=True)
