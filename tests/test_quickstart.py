@@ -32,7 +32,9 @@ def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     recipe = load_recipe(
         REPO / "recipes" / name,
         [f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "train.iterations=1", "train.prompts_per_iteration=2",
-         "prompts.num_eval=2", "log.progress=false", "log.image_every=1"],
+         "prompts.num_eval=2", "prompts.eval_seeds=1", "train.group_size=4", "train.micro_batch_size=4",
+         "log.progress=false",
+         "log.image_every=1"],
     )
     from rich.console import Console
 
