@@ -21,7 +21,9 @@ as the reward, 33 steps with the SDE in the first 16, lr 5e-5, 2 passes per roll
 - flowrl's fast configurations: ``replay`` (flow_grpo with ``[replay]``: the previous rollout
   trained on again, unit weights), ``egrpo`` (the entropy selector, the 8 highest-entropy steps),
   ``egrpo_replay`` (both), ``flash`` (one step per group), ``chunk8_replay`` (chunks [8, 8], one
-  trained, with replay), ``window`` (a sliding SDE window of 8 steps).
+  trained, with replay), ``window`` (a sliding SDE window of 8 steps), ``branch`` (flow_grpo
+  sampled as trees: one root per group of 8, split in 2 at steps 2, 6 and 10 of the SDE window)
+  and ``branch_egrpo`` (trees and the entropy selector).
 
 Measured per run, from its ``metrics.jsonl``: the held-out verifier at every evaluation
 (``--eval-every`` iterations; 18 held-out prompts x 4 noises, ODE sampling), the train time up to
@@ -63,6 +65,7 @@ from flowrl.stats import paired_interval, t_interval  # noqa: E402
 
 RECIPE = "recipes/study_embedded.toml"
 STEP = ["chunker.use='step'"]
+BRANCH = ["sampler.branch_steps=[2, 6, 10]", "sampler.branch_factors=[2, 2, 2]"]
 REPLAY = ["replay.size=1", "replay.max_staleness=1", "replay.weight_level='unit'"]
 #: config -> (what it is, the --set overrides of the study recipe)
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -85,6 +88,10 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                        *REPLAY]),
     "window": ("sliding SDE window of 8 steps (fewer trained transitions per rollout)",
                [*STEP, "selector.use='all'", "window.use='sliding'", "window.size=8"]),
+    "branch": ("flow_grpo with branch rollouts: one root per group, split in 2 at steps 2, 6 and 10",
+               [*STEP, "selector.use='all'", "loss.eps_low=1e-4", "loss.eps_high=1e-4", *BRANCH]),
+    "branch_egrpo": ("branch rollouts + the E-GRPO selector (the 8 highest-entropy steps)",
+                     [*STEP, "selector.use='entropy'", "selector.rule='top'", "selector.fraction=0.5", *BRANCH]),
 }
 BASELINE = "flow_grpo"
 MAIN, SECOND = "verifier", "embedded_clip"
