@@ -240,6 +240,7 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
     and the base for hybrid inference). ``before_load(src)``: a check that refuses before any
     model loads (and before any process is started)."""
     from .. import distributed
+    from ..train.accel import default_attention
 
     src = resolve_source(source, model_name, list(set_ or []), checkpoint)
     if before_load is not None:
@@ -247,6 +248,7 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
     dev = distributed.resolve_device(device or src.recipe.run.device)
     ctx = dist_context(dev)
     dev = distributed.process_device(dev, ctx)
+    default_attention(dev)  # [train].attention_backend's 'auto' (no cuDNN attention on CUDA)
     for flag, wanted in (("--hybrid-steps", hybrid_steps), ("--ema", ema), ("--compare-base", compare_base)):
         if wanted and src.checkpoint is None:
             raise FlowrlError(f"{flag} needs a trained checkpoint (a run or checkpoint directory)", where=flag)

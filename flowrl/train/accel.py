@@ -11,7 +11,9 @@ speed switch, ``adamw_impl``, is the optimizer's: :func:`flowrl.train.optimizer.
   choose, on CUDA among flash, memory-efficient and math only: cuDNN attention runs only when
   named, because with torch 2.11 (CUDA 13.0) on an H100 it faulted on FLUX.1-dev's attention
   (24 heads of 128, bf16; an illegal memory access, then every later kernel failed), where the
-  other three ran (``benchmarks/sdpa_backends.py``, docs/benchmarks.md).
+  other three ran (``benchmarks/sdpa_backends.py``, docs/benchmarks.md);
+- :func:`default_attention`: the same ``auto`` as the process's default, for what runs outside
+  the loop's context (the session and the inference commands call it when they place a model).
 
 Each checks the device first and raises a :class:`~flowrl.errors.FlowrlError` naming the recipe
 field when the switch cannot work there (an attention backend the device lacks, compile without a
@@ -75,6 +77,23 @@ def attention_backend(name: str, device: torch.device, source: str = "<recipe>")
 
     with sdpa_kernel([getattr(SDPBackend, _SDPA_NAMES[a]) for a in allowed]):
         yield
+
+
+_SDPA_SWITCHES = {"math": "enable_math_sdp", "flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp",
+                  "cudnn": "enable_cudnn_sdp"}
+
+
+def default_attention(device: torch.device) -> None:
+    """Make ``auto``'s choice this process's default on ``device`` outside the training loop's
+    context too (sampling, evaluation, export, the dynamics profile before the loop): on CUDA the
+    backends :data:`AUTO_BACKENDS` leaves out (cuDNN) are switched off. A backend a recipe names
+    still runs inside :func:`attention_backend`, which enables it for its block."""
+    allowed = AUTO_BACKENDS.get(device.type)
+    if allowed is None:
+        return
+    for name, switch in _SDPA_SWITCHES.items():
+        if name not in allowed:
+            getattr(torch.backends.cuda, switch)(False)
 
 
 def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>"):

@@ -25,6 +25,7 @@ from ..plugins import Registry, get_registry
 from ..recipe import Recipe
 from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
+from .accel import default_attention
 from .checkpoint import read_model_weights
 from .finetune import load_trainable_state_dict, prepare_trainable
 
@@ -183,6 +184,7 @@ class Session:
         registry = registry or get_registry()
         if not isinstance(device, torch.device):
             device = resolve_device(device or recipe.run.device)
+        default_attention(device)  # no faulting attention kernel before the loop's own context
         with weights_from_rank_zero(receive_weights):
             components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
         with contextlib.nullcontext() if place_denoiser else staying_in_place(components.model.denoiser):

@@ -93,6 +93,24 @@ def test_auto_attention_on_cuda_leaves_out_cudnn_and_on_the_cpu_changes_nothing(
         assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
 
 
+def test_commands_default_to_auto_attention_outside_the_loop_and_a_named_backend_still_runs():
+    # sampling, evaluation and the dynamics profile run outside the loop's context: the process
+    # default on CUDA leaves cuDNN attention out too, and `cudnn` named by a recipe is enabled back
+    from flowrl.train.accel import default_attention
+
+    try:
+        default_attention(CPU)
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # the CPU: nothing changes
+        default_attention(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        with attention_backend("cudnn", torch.device("cuda")):
+            assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def test_compile_off_leaves_the_denoiser_alone():
     class M:
         denoiser = torch.nn.Linear(2, 2)
