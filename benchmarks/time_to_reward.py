@@ -23,7 +23,7 @@ as the reward, 33 steps with the SDE in the first 16, lr 5e-5, 2 passes per roll
   ``egrpo_replay`` (both), ``flash`` (one step per group), ``chunk8_replay`` (chunks [8, 8], one
   trained, with replay), ``window`` (a sliding SDE window of 8 steps), ``branch`` (flow_grpo
   sampled as trees: one root per group of 8, split in 2 at steps 2, 6 and 10 of the SDE window)
-  and ``branch_egrpo`` (trees and the entropy selector).
+  and ``branch_egrpo`` / ``branch_egrpo4`` (trees and the entropy selector, 8 or 4 steps).
 
 Measured per run, from its ``metrics.jsonl``: the held-out verifier at every evaluation
 (``--eval-every`` iterations; 18 held-out prompts x 4 noises, ODE sampling), the train time up to
@@ -92,6 +92,8 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                [*STEP, "selector.use='all'", "loss.eps_low=1e-4", "loss.eps_high=1e-4", *BRANCH]),
     "branch_egrpo": ("branch rollouts + the E-GRPO selector (the 8 highest-entropy steps)",
                      [*STEP, "selector.use='entropy'", "selector.rule='top'", "selector.fraction=0.5", *BRANCH]),
+    "branch_egrpo4": ("branch rollouts + the E-GRPO selector, the 4 highest-entropy steps",
+                      [*STEP, "selector.use='entropy'", "selector.rule='top'", "selector.fraction=0.25", *BRANCH]),
 }
 BASELINE = "flow_grpo"
 MAIN, SECOND = "verifier", "embedded_clip"
