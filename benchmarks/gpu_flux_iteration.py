@@ -52,12 +52,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-#: FLUX.1-dev's transformer configuration (its transformer/config.json).
-FLUX_DEV = dict(
-    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-    axes_dims_rope=[16, 56, 56],
-)
 #: FLUX.1's VAE configuration (its vae/config.json).
 FLUX_VAE = dict(
     in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
@@ -76,14 +70,18 @@ VARIANTS = {
 def flux_dev_random(device: str, layers: tuple[int, int] | None):
     """A FluxPipeline with FLUX.1-dev's transformer and VAE shapes (random weights, bf16, built on
     ``device``) and tiny text encoders of FLUX's output widths."""
+    from flowrl.compat import ensure_torchvision_importable
+
+    ensure_torchvision_importable()  # before diffusers' models, as the model adapters do
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
     from transformers import CLIPTextConfig
 
     from flowrl.testing.tiny_pipelines import clip_tokenizer, t5_tokenizer
+    from memory_plan import FLUX1_DEV  # FLUX.1-dev's transformer/config.json
 
-    config = dict(FLUX_DEV)
+    config = dict(FLUX1_DEV)
     if layers is not None:
         config["num_layers"], config["num_single_layers"] = layers
     tok, tok2 = clip_tokenizer(), t5_tokenizer()

@@ -40,13 +40,12 @@ def check(name: str) -> dict:
                 torch.cuda.synchronize()
                 done.append(f"sdpa b{batch} s{seq}")
         from diffusers import FluxTransformer2DModel
+        from memory_plan import FLUX1_DEV  # FLUX.1-dev's transformer/config.json
 
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         with torch.device("cuda"):
-            model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
-                                           attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
-                                           pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56])
+            model = FluxTransformer2DModel(**{**FLUX1_DEV, "num_layers": 1, "num_single_layers": 1})
         torch.set_default_dtype(previous)
         model.enable_gradient_checkpointing()
         model.train()
