@@ -158,7 +158,10 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "args": vars(args), "variants": {},
     }
     recipe_text = (REPO / "recipes" / "chunk_grpo_flux_lora.toml").read_text()
-    recipe_text = recipe_text.replace('use = "hpsv3"\noffload = true', 'use = "brightness"')
+    hpsv3 = 'use = "hpsv3"\noffload = true'
+    if hpsv3 not in recipe_text:  # the reward to swap for a free one must be found, not silently kept
+        raise SystemExit("recipes/chunk_grpo_flux_lora.toml no longer names the hpsv3 reward as expected")
+    recipe_text = recipe_text.replace(hpsv3, 'use = "brightness"')
     recipe_text += '\n[[trackers]]\nuse = "row_clock"\n'
     recipe_path = REPO / "recipes" / f".gpu_flux_bench_{os.getpid()}.toml"
     recipe_path.write_text(recipe_text)
