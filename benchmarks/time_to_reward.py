@@ -23,7 +23,13 @@ as the reward, 33 steps with the SDE in the first 16, lr 5e-5, 2 passes per roll
   ``egrpo_replay`` (both), ``flash`` (one step per group), ``chunk8_replay`` (chunks [8, 8], one
   trained, with replay), ``window`` (a sliding SDE window of 8 steps), ``branch`` (flow_grpo
   sampled as trees: one root per group of 8, split in 2 at steps 2, 6 and 10 of the SDE window)
-  and ``branch_egrpo`` / ``branch_egrpo4`` (trees and the entropy selector, 8 or 4 steps).
+  and ``branch_egrpo`` / ``branch_egrpo4`` (trees and the entropy selector, 8 or 4 steps), and
+  ``branch_tree`` (the trees with BranchGRPO's tree advantage, ``sampler.branch_advantage =
+  "tree"``: each transition gets its node's advantage, and a shared transition is trained once);
+- another objective: ``nft`` (DiffusionNFT as ``recipes/quickstart.toml`` runs it: ODE rollouts by
+  the second-order ``dpm2m`` solver, the flow-matching loss at 8 timesteps, beta 1, one pass per
+  rollout, each sample of a group from its own starting noise, since an ODE rollout adds none) on
+  the study's 33-step schedule, so its held-out evaluation is the others' own.
 
 Measured per run, from its ``metrics.jsonl``: the held-out verifier at every evaluation
 (``--eval-every`` iterations; 18 held-out prompts x 4 noises, ODE sampling), the train time up to
@@ -66,6 +72,10 @@ from flowrl.stats import paired_interval, t_interval  # noqa: E402
 RECIPE = "recipes/study_embedded.toml"
 STEP = ["chunker.use='step'"]
 BRANCH = ["sampler.branch_steps=[2, 6, 10]", "sampler.branch_factors=[2, 2, 2]"]
+#: the quickstart's objective on the study's sampler (the same 33 steps, so the same evaluation)
+NFT = [*STEP, "selector.use='all'", "loss.use='nft'", "loss.beta=1.0", "loss.timesteps=8", "window.use='ode'",
+       "window.solver='dpm2m'", "sampler.image_from='final'", "train.updates_per_rollout=1",
+       "train.same_noise_in_group=false"]  # deterministic rollouts: a group differs by its starting noise alone
 REPLAY = ["replay.size=1", "replay.max_staleness=1", "replay.weight_level='unit'"]
 #: config -> (what it is, the --set overrides of the study recipe)
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -94,6 +104,11 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                      [*STEP, "selector.use='entropy'", "selector.rule='top'", "selector.fraction=0.5", *BRANCH]),
     "branch_egrpo4": ("branch rollouts + the E-GRPO selector, the 4 highest-entropy steps",
                       [*STEP, "selector.use='entropy'", "selector.rule='top'", "selector.fraction=0.25", *BRANCH]),
+    "branch_tree": ("branch rollouts with BranchGRPO's tree advantage: each distinct transition trained once",
+                    [*STEP, "selector.use='all'", "loss.eps_low=1e-4", "loss.eps_high=1e-4", *BRANCH,
+                     "sampler.branch_advantage='tree'"]),
+    "nft": ("DiffusionNFT as the quickstart runs it: ODE rollouts (dpm2m), 8 timesteps, beta 1, one pass",
+            [*NFT]),
 }
 BASELINE = "flow_grpo"
 MAIN, SECOND = "verifier", "embedded_clip"

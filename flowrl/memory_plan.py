@@ -332,9 +332,14 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) ->
         ref_bytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes
         lines.append(Line(ref_where, "reference copy (KL)", reference_copy_bytes(mm) / n,
                           f"a frozen copy of the denoiser, {ref_bytes} B per param" + (", sharded like it" if n > 1 else "")))
-    if recipe.pipeline.enabled:  # the behaviour policy draws the rollouts (fsdp2 is refused with it)
-        lines.append(Line("persistent", "rollout copy (pipeline)", weights + trainable * tbytes * bool(lora),
-                          "a second copy of the denoiser that draws the next rollout"))
+    pipe = recipe.pipeline
+    # the behaviour policy draws the rollouts (fsdp2 is refused with it); a rollout process on a
+    # device of its own holds it there, not on this one
+    if pipe.enabled and not (pipe.worker == "process" and pipe.device.startswith("cuda")):
+        lines.append(Line("cpu" if pipe.device == "cpu" else "persistent", "rollout copy (pipeline)",
+                          weights + trainable * tbytes * bool(lora),
+                          "a second copy of the denoiser that draws the next rollout"
+                          + (" (in the rollout process)" if pipe.worker == "process" else "")))
     return lines
 
 

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -213,10 +214,21 @@ class SamplerConfig:
         [], "Copies made at each of branch_steps (one factor each, >= 1); their product must divide group_size.",
         min=1, max=10_000,
     )
+    branch_advantage: Literal["leaf", "tree"] = param(
+        "leaf", "With branch rollouts: 'leaf' trains every sample's transitions with the sample's own advantage "
+        "(a shared prefix once per sample sharing it); 'tree' is BranchGRPO's tree advantage: each transition "
+        "gets the advantage of the node it leads into (the leaves below it fused by branch_fusion, standardised "
+        "among the group's nodes at that depth) and each distinct transition is trained once (step units).")
+    branch_fusion: Literal["mean", "probability"] = param(
+        "mean", "branch_advantage = 'tree': a node's value is the mean of its leaves ('mean'), or at each split "
+        "the children weighted by the softmax of their transitions' rollout log-probs ('probability').")
 
     def __post_init__(self):
         if self.branch_steps or self.branch_factors:  # the group-size rule: _check_branches
             check_branches(self.branch_steps, self.branch_factors, self.steps, math.prod(self.branch_factors))
+        if self.branch_advantage == "tree" and not self.branch_steps:
+            raise ValueError("branch_advantage = 'tree' needs branch rollouts: set branch_steps and branch_factors, "
+                             "or branch_advantage = 'leaf'")
         if self.overlap_rewards and self.batch_size == 0:
             raise ValueError(
                 "overlap_rewards = true needs batch_size > 0: the rollout is then run in sub-batches of "
@@ -360,10 +372,23 @@ class PipelineConfig:
     overlap: bool = param(
         True, "Draw the next rollout in a worker thread beside the update; false draws it first, in order "
         "(the same result, bit for bit, without the overlap).")
+    worker: Literal["thread", "process"] = param(
+        "thread", "Where the rollout's policy lives: 'thread', a copy in each training process, drawing in a "
+        "thread beside the update; 'process', a rollout process per training process, on `device`, sent the "
+        "trained weights at every sync (the same run, bit for bit, on the same kind of device).")
+    device: str = param(
+        "", "The rollout process's device (worker = 'process'): '' = the training process's, 'cpu', or "
+        "'cuda:N', offset by the local rank (learners on GPUs 0..P-1 with 'cuda:P' draw on GPUs P..2P-1).")
     weight_level: Literal["unit", "sequence"] = param(
         "unit", "Importance weight per unit (step or chunk: exp of the mean log-ratio over the unit) or per "
         "sample (over all its trainable positions).")
     truncate: float = param(2.0, "Truncation c of the importance weights: w = min(w, c).", min=1e-6)
+
+    def __post_init__(self):
+        if self.device and self.worker != "process":
+            raise ValueError("device is the rollout process's: set worker = 'process' too, or leave device empty")
+        if self.device and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be '', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     @property
     def enabled(self) -> bool:
@@ -1082,6 +1107,15 @@ def _check_branches(recipe: Recipe, registry: Registry) -> None:
         raise RecipeError(f"batch_size ({s.batch_size}) must be 0 or a multiple of group_size ({G}) with "
                           "branch rollouts: a group's tree is sampled in one sub-batch",
                           where=f"{recipe.source}: [sampler].batch_size")
+    if s.branch_advantage == "tree":
+        where = f"{recipe.source}: [sampler].branch_advantage"
+        if recipe.components["chunker"].use != "step":
+            raise RecipeError("branch_advantage = 'tree' gives each transition its own advantage: it needs step "
+                              f"units, not chunker '{recipe.components['chunker'].use}'", where=where,
+                              hint="set chunker.use = 'step', or branch_advantage = 'leaf'")
+        if any(any(r.chunk_weights) for r in recipe.rewards):
+            raise RecipeError("branch_advantage = 'tree' fuses one reward per leaf; a reward with chunk_weights "
+                              "gives one per chunk", where=where, hint="drop chunk_weights, or branch_advantage = 'leaf'")
 
 
 def _check_sharding(recipe: Recipe) -> None:

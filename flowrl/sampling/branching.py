@@ -27,7 +27,11 @@ from flowrl.sampling.rollout import VelocityFn, prompts_and_groups, trainable_ma
 from flowrl.sampling.schedules import validate_sigmas
 from flowrl.sampling.trajectory import Trajectory
 
-__all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout"]
+__all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout", "node_blocks",
+           "first_of_block", "tree_advantages", "FUSIONS"]
+
+#: How the rewards of a node's leaves fuse into the node's value (:func:`tree_advantages`).
+FUSIONS = ("mean", "probability")
 
 
 def check_branches(steps: Sequence[int], factors: Sequence[int], num_steps: int, group_size: int) -> None:
@@ -140,3 +144,80 @@ def branch_rollout(
         image_from=image_from,
         means=torch.stack([m[o] for m, o in means], dim=1) if keep_means else None,
     )
+
+
+# ----------------------------------------------------------------------------- tree advantages
+
+
+def node_blocks(num_steps: int, steps: Sequence[int], factors: Sequence[int]) -> list[int]:
+    """For each state ``x_0 .. x_N`` of a tree (``N + 1`` entries), how many consecutive samples
+    of a group share it: ``prod(factors)`` for a root, 1 for a leaf. A split at step ``i`` happens
+    before that step's noise, so the state after transition ``i`` (``x_{i+1}``) is already split."""
+    block, out, split = math.prod(factors), [], dict(zip(steps, factors))
+    out.append(block)
+    for i in range(num_steps):
+        block //= split.get(i, 1)
+        out.append(block)
+    return out
+
+
+def first_of_block(group_size: int, blocks: Sequence[int], device=None) -> torch.Tensor:
+    """``[group_size, N]`` bool: True where sample ``j`` is the first of the block that owns
+    transition ``i`` (the block of the state it leads into, ``blocks[i + 1]``): each distinct
+    transition of a tree is marked once."""
+    j = torch.arange(group_size, device=device)[:, None]
+    return (j % torch.tensor(list(blocks[1:]), device=device)[None, :]) == 0
+
+
+def tree_advantages(leaf: torch.Tensor, blocks: Sequence[int], *, fusion: str = "mean",
+                    log_probs: torch.Tensor | None = None, min_std: float = 1e-6) -> torch.Tensor:
+    """BranchGRPO's tree advantage for one group: ``[G, N]`` float32, for each sample and
+    transition ``i``, the advantage of the node (the state ``x_{i+1}``) the transition leads into.
+
+    ``leaf [G]`` are the leaves' values (rewards, or their group advantages: the result is the
+    same, since every step below is invariant to an affine map of them with a positive scale);
+    ``blocks`` (``N + 1`` entries) come from :func:`node_blocks`. A node's value fuses the
+    leaves below it:
+
+    - ``"mean"``: the mean of its leaves (its block of samples);
+    - ``"probability"``: bottom up, at each split the children weighted by the softmax of the
+      log-probs of the transitions into them (``log_probs [G, N]``, the rollout's); a node with
+      one child takes the child's value.
+
+    At each depth the group's nodes (``G / blocks[i + 1]`` of them) are standardised, ``(v -
+    mean) / std`` with the unbiased std; a depth with one node, or whose nodes' std is at most
+    ``min_std``, gets 0 (a transition every sample shares teaches nothing). Computed in float64."""
+    g, n = leaf.shape[0], len(blocks) - 1
+    if fusion not in FUSIONS:
+        raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
+    if n < 1 or any(g % b for b in blocks) or list(blocks) != sorted(blocks, reverse=True) or blocks[-1] != 1:
+        raise ValueError(f"blocks must be non-increasing divisors of the group size {g} ending in 1, got {list(blocks)}")
+    values = torch.empty(g, n, dtype=torch.float64)  # values[:, i]: the node after transition i
+    v = leaf.detach().to(torch.float64).cpu()
+    if fusion == "probability":
+        if log_probs is None or tuple(log_probs.shape) != (g, n):
+            raise ValueError(f"probability fusion needs the rollout's log-probs [{g}, {n}]")
+        lp = log_probs.detach().to(torch.float64).cpu()
+        node = v.clone()  # each sample's node value at the current depth, from the leaves up
+        for i in reversed(range(n)):
+            values[:, i] = node
+            parent, child = blocks[i], blocks[i + 1]
+            if parent != child:  # transition i splits: each parent fuses its parent // child children
+                k = parent // child
+                child_v = node.reshape(g // parent, k, child)[:, :, 0]
+                child_lp = lp[:, i].reshape(g // parent, k, child)[:, :, 0]
+                node = (torch.softmax(child_lp, dim=1) * child_v).sum(dim=1).repeat_interleave(parent)
+    else:
+        for i in range(n):
+            b = blocks[i + 1]
+            values[:, i] = v.reshape(g // b, b).mean(dim=1).repeat_interleave(b)
+    out = torch.zeros(g, n, dtype=torch.float64)
+    for i in range(n):
+        b = blocks[i + 1]
+        nodes = values[::b, i]
+        if nodes.numel() < 2:
+            continue
+        std = nodes.std(unbiased=True)
+        if std > min_std:
+            out[:, i] = ((nodes - nodes.mean()) / std).repeat_interleave(b)
+    return out.to(torch.float32)

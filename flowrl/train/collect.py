@@ -30,7 +30,7 @@ from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
 from ..errors import RecipeError
-from ..sampling.branching import branch_rollout
+from ..sampling.branching import branch_rollout, first_of_block, node_blocks, tree_advantages
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
@@ -240,6 +240,31 @@ def assign_advantages(run: Run, batch: Batch, num_chunks: int, record: dict) -> 
     offset = ctx.rank * geometry.samples_per_process
     batch.advantages = everyone[offset : offset + geometry.samples_per_process].to(session.device)
     record.update({f"advantage/{k}": x for k, x in summary_stats(everyone).items()})
+    if session.recipe.sampler.branch_advantage == "tree":
+        batch.advantages, distinct = tree_unit_advantages(session.recipe.sampler, batch, geometry.group_size)
+        record.update({f"advantage/tree/{k}": x for k, x in summary_stats(batch.advantages[distinct]).items()})
+
+
+def tree_unit_advantages(sampler, batch: Batch, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """BranchGRPO's tree advantage of every trainable transition of this process's samples (whole
+    groups, as branch rollouts sample them), from the samples' own group advantages: ``[B, T]``
+    advantages, and the ``[B, T]`` mask of the distinct transitions. A transition several samples
+    share is trained once, by the first sample of its block: its copies in the other samples get
+    advantage 0, which the update skips (no forward on-policy) and which keeps every sample's
+    mean over its units, so each distinct transition weighs the same (:mod:`flowrl.sampling.branching`)."""
+    traj = batch.trajectory
+    blocks = node_blocks(traj.num_steps, sampler.branch_steps, sampler.branch_factors)
+    positions = torch.nonzero(traj.trainable.cpu(), as_tuple=False).flatten()
+    advantages, masks = [], []
+    for start in range(0, len(batch.indices), group_size):
+        rows = slice(start, start + group_size)
+        tree = tree_advantages(batch.advantages[rows], blocks, fusion=sampler.branch_fusion,
+                               log_probs=traj.log_probs[rows])
+        first = first_of_block(group_size, blocks)[:, positions]
+        advantages.append(torch.where(first, tree[:, positions], torch.zeros(())))
+        masks.append(first)
+    device = batch.advantages.device
+    return torch.cat(advantages).to(device), torch.cat(masks).to(device)
 
 
 def all_equal_fraction(rewards: dict[str, torch.Tensor], choices, group_ids: torch.Tensor) -> float:

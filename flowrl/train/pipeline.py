@@ -44,6 +44,7 @@ from .compute import ComputeCounter
 from .parallel import unwrap_module
 from .progress import PhaseTimer
 from .replay import WeightStats, importance_corrected
+from .rollout_worker import RolloutProcess, rollout_device
 from .run import Run
 
 #: The name the behaviour weights are checkpointed under (``pipeline.safetensors``, ``state.json``).
@@ -75,19 +76,27 @@ class Pipeline:
         self.counter = ComputeCounter()  # the copy's forwards, added to the iteration's own when taken
         self.live = unwrap_module(run.session.model.denoiser)
         self.trainable = [name for name, p in self.live.named_parameters() if p.requires_grad]
-        # the engine's counter hook (if the live module has it) is copied onto the new counter
-        memo = {id(counter): self.counter} if counter is not None else {}
-        denoiser = copy.deepcopy(self.live, memo).requires_grad_(False)
-        if not any(getattr(h, "__self__", None) is self.counter for h in denoiser._forward_hooks.values()):
-            self.counter.watch(denoiser)
-        model = copy.copy(run.session.model)  # the adapter, sharing everything but the denoiser
-        model.denoiser = denoiser
-        session = dataclasses.replace(run.session, components=dataclasses.replace(run.session.components, model=model))
-        self.behaviour = dataclasses.replace(run, session=session)
-        self.copy = denoiser
         self.version = 0  # the iteration whose starting weights the copy holds
         self.pending: Pending | None = None
         self.taken: tuple[int, int, dict[str, float]] = (-1, 0, {})  # (iteration, staleness, draw seconds)
+        self.copy = self.worker = None
+        if self.config.worker == "process":  # the copy lives in a rollout process (rollout_worker.py)
+            session = run.session
+            device = rollout_device(self.config.device, session.device, run.ctx.local_rank)
+            self.worker = RolloutProcess(session.recipe, run.geometry, run.ctx, prompts, device, session.device)
+            self.sent = self._trained_weights()
+            self.worker.load(self.sent)
+        else:
+            # the engine's counter hook (if the live module has it) is copied onto the new counter
+            memo = {id(counter): self.counter} if counter is not None else {}
+            denoiser = copy.deepcopy(self.live, memo).requires_grad_(False)
+            if not any(getattr(h, "__self__", None) is self.counter for h in denoiser._forward_hooks.values()):
+                self.counter.watch(denoiser)
+            model = copy.copy(run.session.model)  # the adapter, sharing everything but the denoiser
+            model.denoiser = denoiser
+            session = dataclasses.replace(run.session, components=dataclasses.replace(run.session.components, model=model))
+            self.behaviour = dataclasses.replace(run, session=session)
+            self.copy = denoiser
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowrl-rollout") if self.config.overlap else None
 
     @classmethod
@@ -99,8 +108,12 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.pool is not None:  # a rollout being drawn is finished (a thread cannot be stopped)
-            self.pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            if self.pool is not None:  # a rollout being drawn is finished (a thread cannot be stopped)
+                self.pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            if self.worker is not None:
+                self.worker.close()
 
     # ---------------------------------------------------------------------- the loop's calls
 
@@ -160,6 +173,13 @@ class Pipeline:
 
     def _draw(self, iteration: int) -> tuple[Batch, dict[str, float]]:
         """Collect the iteration's rollout with the behaviour copy; its own phase timer."""
+        if self.worker is not None:
+            batch, seconds, counts = self.worker.draw(iteration)
+            for table in ("forward", "backward", "minimum", "saving"):
+                for phase, rows in counts[table].items():
+                    getattr(self.counter, table)[phase] += rows
+            self.counter.decodes += counts["decodes"]
+            return batch, seconds
         timer = PhaseTimer(self.run.session.device, counter=self.counter)
         start = time.perf_counter()
         with torch.no_grad():
@@ -174,7 +194,17 @@ class Pipeline:
             future.set_exception(exc)
         return future
 
+    def _trained_weights(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the trained parameters, by name."""
+        live = dict(self.live.named_parameters())
+        return {name: live[name].detach().cpu().clone() for name in self.trainable}
+
     def _sync(self, iteration: int) -> None:
+        if self.worker is not None:
+            self.sent = self._trained_weights()
+            self.worker.load(self.sent)
+            self.version = iteration
+            return
         live = dict(self.live.named_parameters())
         mine = dict(self.copy.named_parameters())
         with torch.no_grad():
@@ -201,6 +231,8 @@ class Pipeline:
 
     def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         """The copy's trainable parameters (the others are the base model's), as on every process."""
+        if self.worker is not None:
+            return {PIPELINE: {name: t.clone() for name, t in self.sent.items()}}
         params = dict(self.copy.named_parameters())
         return {PIPELINE: {name: params[name].detach().cpu().clone() for name in self.trainable}}
 
@@ -210,11 +242,15 @@ class Pipeline:
         if saved is None or missing:
             raise ValueError(f"the checkpoint holds no behaviour weights for [pipeline] staleness = 1 "
                              f"({len(missing)} of {len(self.trainable)} missing)")
+        self.version = int(saved["behaviour_iteration"])
+        if self.worker is not None:
+            self.sent = {name: weights[name].detach().cpu().clone() for name in self.trainable}
+            self.worker.load(self.sent)
+            return
         params = dict(self.copy.named_parameters())
         with torch.no_grad():
             for name in self.trainable:
                 params[name].copy_(weights[name].to(params[name].device))
-        self.version = int(saved["behaviour_iteration"])
 
 
 __all__ = ["PIPELINE", "Pipeline", "behaviour_iteration"]

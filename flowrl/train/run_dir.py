@@ -276,9 +276,15 @@ def check_run_directory(recipe: Recipe, run_dir: Path, resume: Path | None, regi
     check_resumable_recipe(recipe, run_dir, registry)
 
 
+#: ``[pipeline]`` keys that place the rollout (a thread or a process, which device) without
+#: changing a draw: a resumed run may change them.
+RESUMABLE_PIPELINE_KEYS = ("overlap", "worker", "device")
+
+
 def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) -> None:
     """A resumed run must use the recipe that wrote it; only iterations, [log], [checkpoint]
-    and [[trackers]] (what is recorded, never what is trained) may change. A difference names
+    and [[trackers]] (what is recorded, never what is trained) and where ``[pipeline]`` draws
+    (:data:`RESUMABLE_PIPELINE_KEYS`) may change. A difference names
     every differing key with the run's value and the new one."""
     saved = run_dir / "recipe.toml"
     if not saved.is_file():
@@ -293,6 +299,8 @@ def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) ->
     for d in (old, new):
         d["train"].pop("iterations", None)
         d["run"].pop("output_dir", None)
+        for key in RESUMABLE_PIPELINE_KEYS:
+            d.get("pipeline", {}).pop(key, None)
     if old != new:
         diff = recipe_differences(old, new)
         shown = [f"{key}: {a} in the run, {b} now" for key, a, b in diff[:6]]
@@ -300,7 +308,8 @@ def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) ->
         raise FlowrlError(
             f"the recipe differs from the one that started {run_dir} in {len(diff)} key(s): " + "; ".join(shown) + more,
             where="--resume",
-            hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log], [checkpoint] and [[trackers]] may change)",
+            hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log], [checkpoint], "
+                     "[[trackers]] and where [pipeline] draws may change)",
         )
 
 

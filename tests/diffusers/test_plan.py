@@ -172,3 +172,9 @@ def test_a_pipelined_run_plans_its_rollout_copy_and_its_pending_rollout(cli):
     assert "rollout copy (pipeline) │ 22.84" in text and "pending rollout (pipeline) │ 1.67" in text
     code, out, _ = cli("plan", "recipes/chunk_grpo_flux_lora.toml")
     assert code == 0 and "(pipeline)" not in out
+    # a rollout process on a GPU of its own holds the copy there, not on the learner's
+    process = ("--set", "pipeline.staleness=1", "--set", "pipeline.worker='process'")
+    code, out, err = cli("plan", "recipes/chunk_grpo_flux_lora.toml", *process, "--set", "pipeline.device='cuda:1'")
+    assert code == 0, err
+    text = _flat(out)
+    assert "rollout copy" not in text and "pending rollout (pipeline) │ 1.67" in text

@@ -11,7 +11,7 @@ from engine_helpers import quiet_console
 from flowrl.errors import RecipeError
 from flowrl.recipe import load_recipe
 from flowrl.runlog import read_metrics
-from flowrl.sampling.branching import branch_forward_rows
+from flowrl.sampling.branching import branch_forward_rows, node_blocks
 from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +31,28 @@ def test_branch_rollouts_train_two_iterations_with_fewer_rollout_forwards(tmp_pa
         assert row["compute/rollout/forward"] == run < steps * 8
         assert row["compute/rollout/saved"] == steps * 8 - run
         assert row["compute/ratio"] == 1.0, row
+
+
+def test_a_tree_advantage_trains_each_distinct_transition_once(tmp_path):
+    """branch_advantage = 'tree': transition i of a group is trained once per node it leads into,
+    and not at all where the group has one node (a transition every sample shares); the update's
+    forwards are exactly those (the on-policy fast path: one forward and one backward each)."""
+    step = ["chunker.use='step'", "selector.use='all'", "train.iterations=2"]
+    recipe = load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
+                         [*SMALL, *BRANCH, *step, "sampler.branch_advantage='tree'",
+                          f"run.output_dir={str(tmp_path / 'tree')!r}"])
+    rows = read_metrics(train(recipe, console=quiet_console()))
+    blocks = node_blocks(recipe.sampler.steps, [2, 6], [2, 2])  # G = 4: one root per group
+    trained = blocks[1:-1]  # the last transition is not trainable (the image is x0_hat)
+    distinct = 2 * sum(4 // b for b in trained if 4 // b > 1)  # 2 groups; a lone node's advantage is 0
+    assert distinct < 2 * 4 * len(trained)
+    for row in rows:
+        assert row["compute/update/forward"] == row["compute/update/backward"] == distinct, row
+        assert row["compute/ratio"] == 1.0 and row["advantage/tree/std"] > 0
+    with pytest.raises(RecipeError, match="needs step units"):
+        load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, "sampler.branch_advantage='tree'"])
+    with pytest.raises(RecipeError, match="needs branch rollouts"):
+        load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *step, "sampler.branch_advantage='tree'"])
 
 
 @pytest.mark.parametrize("extra,match", [

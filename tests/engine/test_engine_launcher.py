@@ -142,10 +142,13 @@ def test_ctrl_c_or_sigterm_of_the_launcher_stops_the_workers_after_a_checkpoint(
 
 
 def test_sigterm_of_a_pipelined_launcher_leaves_no_worker_and_a_resumable_checkpoint(tmp_path):
-    """[pipeline] staleness 1: each worker draws the next rollout in a thread of its own; a stop
-    waits for it, checkpoints the behaviour weights, and no process of the run is left."""
-    launcher, run_dir = start_two_process_run(tmp_path, "pipeline.staleness=1")
+    """[pipeline] staleness 1, worker = "process": each worker draws the next rollout in a rollout
+    process of its own; a stop waits for it, checkpoints the behaviour weights, and no process of
+    the run (rollout processes included) is left."""
+    launcher, run_dir = start_two_process_run(tmp_path, "pipeline.staleness=1", "pipeline.worker='process'")
     try:
+        # the launcher, the torchrun agent, its fork server, two workers and their rollout processes
+        assert len(run_processes(run_dir, launcher)) >= 7
         launcher.send_signal(signal.SIGTERM)
         out, err = launcher.communicate(timeout=120)
     finally:

@@ -8,8 +8,10 @@
   two updates old;
 - the worker thread and the in-order draw give the same run, bit for bit;
 - interrupted and resumed, the run continues bit for bit (the behaviour weights are in the
-  checkpoint, the pending rollout is redrawn with them);
-- 2 processes equal 1, with evaluation, image grids and checkpoints on;
+  checkpoint, the pending rollout is redrawn with them), also when a rollout process
+  (``worker = "process"``) takes over from the thread, and no rollout process outlives the run;
+- 2 processes, each drawing in a rollout process of its own, equal 1 drawing in a thread, with
+  evaluation, image grids and checkpoints on;
 - refused where replay is refused, and together with [replay].
 
 The tiny recipe (engine_helpers) over 3 iterations.
@@ -44,6 +46,7 @@ from flowrl.train.pipeline import behaviour_iteration
 
 SHORT = ["train.iterations=3", "checkpoint.every=1", "log.eval_every=100"]
 ON = ["pipeline.staleness=1"]
+PROCESS = ["pipeline.worker='process'"]
 
 
 def run(recipe, out, *sets):
@@ -118,7 +121,12 @@ def test_sync_every_2_draws_every_second_rollout_two_updates_old(tmp_path, runs)
     assert json.loads((latest_checkpoint(got) / "state.json").read_text())["pipeline"] == {"behaviour_iteration": 2}
 
 
-def test_resumes_bit_for_bit_with_the_behaviour_weights(tmp_path, runs):
+def test_resumes_bit_for_bit_with_the_behaviour_weights_in_a_rollout_process(tmp_path, runs):
+    """Interrupted with the worker thread, resumed with a rollout process (the placement may
+    change on resume): the process takes the checkpoint's behaviour weights, redraws the pending
+    rollout and draws the rest exactly as the thread did, and ends with the run."""
+    import multiprocessing
+
     recipe, _, whole = runs
     parts = tmp_path / "parts"
     tracked = tmp_path / "tracked.toml"
@@ -130,8 +138,11 @@ def test_resumes_bit_for_bit_with_the_behaviour_weights(tmp_path, runs):
     assert ckpt.name == "iter_000002"
     # rollout 2 was pending, drawn by the weights from before update 1: those are kept
     assert json.loads((ckpt / "state.json").read_text())["pipeline"] == {"behaviour_iteration": 1}
-    train(load(recipe, *SHORT, *ON, f"run.output_dir={str(parts)!r}"), resume=parts, console=quiet_console())
+    train(load(recipe, *SHORT, *ON, *PROCESS, "pipeline.device='cpu'", f"run.output_dir={str(parts)!r}"),
+          resume=parts, console=quiet_console())
+    assert multiprocessing.active_children() == []  # the rollout process ended with the run
     assert [comparable(r) for r in read_metrics(parts)] == [comparable(r) for r in read_metrics(whole)]
+    assert trained_rows(parts)[-1]["time/pipeline/rollout"] > 0  # drawn (redrawn) in the rollout process
     a, b = final_weights(parts), final_weights(whole)
     assert all(torch.equal(a[k], b[k]) for k in b)
     got, want = (load_file(str(latest_checkpoint(d) / "pipeline.safetensors")) for d in (parts, whole))
@@ -144,7 +155,8 @@ def test_two_processes_equal_one(tmp_path):
     sets = [*SHORT, *ON, "train.iterations=2", "train.optimizer_steps_per_update=1", "log.eval_every=1",
             "prompts.num_eval=2", "log.image_every=1"]
     two, one = tmp_path / "two", tmp_path / "one"
-    args = [a for s in (*sets, "distributed.strategy='ddp'") for a in ("--set", s)]
+    # each of the 2 training processes draws in a rollout process of its own; the 1 process in a thread
+    args = [a for s in (*sets, *PROCESS, "distributed.strategy='ddp'") for a in ("--set", s)]
     proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
@@ -172,3 +184,7 @@ def test_refused_where_an_older_policy_cannot_be_corrected(tmp_path):
         load(recipe, "pipeline.staleness=2")
     with pytest.raises(RecipeError, match="sync_every"):
         load(recipe, "pipeline.sync_every=0")
+    with pytest.raises(RecipeError, match="set worker = 'process' too"):
+        load(recipe, *ON, "pipeline.device='cuda:1'")
+    with pytest.raises(RecipeError, match=r"device must be '', 'cpu', 'cuda' or 'cuda:N', got 'gpu1'"):
+        load(recipe, *ON, *PROCESS, "pipeline.device='gpu1'")

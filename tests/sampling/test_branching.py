@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from flowrl.sampling.branching import branch_forward_rows, branch_rollout, check_branches, live_rows_per_step
+from flowrl.sampling.branching import (
+    branch_forward_rows,
+    branch_rollout,
+    check_branches,
+    first_of_block,
+    live_rows_per_step,
+    node_blocks,
+    tree_advantages,
+)
 from flowrl.sampling.kernels import FlowKernel
 from flowrl.sampling.rollout import make_kernels, rescore_transition, rollout
 from flowrl.sampling.schedules import shifted_sigmas
@@ -113,3 +121,91 @@ def test_a_group_draws_the_same_tree_alone_or_beside_another():
 def test_bad_branches_are_refused_with_one_message(steps, factors, match):
     with pytest.raises(ValueError, match=match):
         check_branches(steps, factors, 6, G)
+
+
+# ----------------------------------------------------------------------------- tree advantages
+
+
+def test_node_blocks_and_the_distinct_transitions_of_a_tree():
+    # 2 roots of 2, split in 2 at step 1: x_0 and x_1 shared by pairs, x_2 on each leaf
+    assert node_blocks(3, [1], [2]) == [2, 2, 1, 1]
+    assert node_blocks(4, [0, 2], [2, 2]) == [4, 2, 2, 1, 1]
+    assert first_of_block(4, node_blocks(4, [0, 2], [2, 2])).int().tolist() == [
+        [1, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]]
+
+
+def test_tree_advantage_by_hand():
+    # G = 4, one root, split in 2 before transitions 1 and 2: nodes {4}, {4}, {2, 2}, {1, 1, 1, 1}
+    blocks = node_blocks(3, [1, 2], [2, 2])
+    assert blocks == [4, 4, 2, 1]
+    got = tree_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]), blocks)
+    # transition 0 is shared by all: 0; transition 1: nodes 1.5 and 4.5, unbiased std 3 / sqrt(2)
+    half = 1.5 / (3 / 2**0.5)
+    # transition 2: the leaves, mean 3, unbiased std sqrt(14 / 3)
+    s = (14 / 3) ** 0.5
+    want = torch.tensor([[0, -half, -2 / s], [0, -half, -1 / s], [0, half, 0], [0, half, 3 / s]])
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-7)
+
+
+def _float64_tree(leaf, blocks, fusion, lp):
+    """A second route: explicit nodes per depth, recursion over children, float64 throughout."""
+    g, n = len(leaf), len(blocks) - 1
+
+    def value(depth, first):  # the node of `depth` (state x_depth) whose block starts at sample `first`
+        b = blocks[depth]
+        if depth == n:
+            return float(leaf[first])
+        child = blocks[depth + 1]
+        kids = [first + c * child for c in range(b // child)]
+        vals = [value(depth + 1, k) for k in kids]
+        if fusion == "mean" or len(kids) == 1:
+            return sum(vals) / len(vals) if fusion == "mean" else vals[0]
+        w = torch.softmax(torch.tensor([float(lp[k, depth]) for k in kids], dtype=torch.float64), 0)
+        return float(sum(wi * v for wi, v in zip(w, vals)))
+
+    out = torch.zeros(g, n, dtype=torch.float64)
+    for i in range(n):
+        b = blocks[i + 1]
+        nodes = torch.tensor([value(i + 1, f) for f in range(0, g, b)], dtype=torch.float64)
+        if len(nodes) > 1 and nodes.std() > 1e-6:
+            out[:, i] = ((nodes - nodes.mean()) / nodes.std()).repeat_interleave(b)
+    return out
+
+
+@pytest.mark.parametrize("fusion", ["mean", "probability"])
+def test_tree_advantage_equals_a_float64_recursion_and_ignores_affine_maps_of_the_leaves(fusion):
+    gen = torch.Generator().manual_seed(3)
+    blocks = node_blocks(6, [0, 2, 4], [2, 2, 2])  # G = 8 from one root
+    leaf = torch.randn(8, generator=gen)
+    lp = torch.randn(8, 6, generator=gen)
+    got = tree_advantages(leaf, blocks, fusion=fusion, log_probs=lp)
+    torch.testing.assert_close(got, _float64_tree(leaf, blocks, fusion, lp).float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tree_advantages(3.0 * leaf - 7.0, blocks, fusion=fusion, log_probs=lp), got,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_probability_fusion_with_equal_log_probs_is_the_mean():
+    blocks = node_blocks(5, [1, 3], [2, 2])
+    leaf = torch.tensor([0.3, -1.0, 2.0, 0.5])
+    torch.testing.assert_close(tree_advantages(leaf, blocks, fusion="probability", log_probs=torch.zeros(4, 5)),
+                               tree_advantages(leaf, blocks))
+
+
+def test_probability_fusion_leans_to_the_likelier_child():
+    blocks = node_blocks(3, [0, 1], [3, 2])  # one root, 3 nodes of 2 leaves after transition 0
+    assert blocks == [6, 2, 1, 1]
+    leaf = torch.tensor([10.0, 0.0, 4.0, 4.0, 5.0, 5.0])
+    lp = torch.zeros(6, 3)
+    lp[0, 1], lp[1, 1] = 4.0, -4.0  # the leaf with reward 10 is far likelier than its sibling
+    mean = tree_advantages(leaf, blocks)
+    prob = tree_advantages(leaf, blocks, fusion="probability", log_probs=lp)
+    assert mean[0, 0] == mean[4, 0]  # nodes worth 5 and 5 by the mean
+    assert prob[0, 0] > prob[4, 0] > prob[2, 0]  # about 10, 5 and 4 by probability
+    assert torch.equal(mean[:, 1:], prob[:, 1:])  # below the last split nothing fuses
+
+
+def test_tree_advantage_refuses_bad_blocks():
+    with pytest.raises(ValueError, match="non-increasing divisors"):
+        tree_advantages(torch.zeros(4), [4, 3, 1])
+    with pytest.raises(ValueError, match="needs the rollout's log-probs"):
+        tree_advantages(torch.zeros(4), [4, 2, 1], fusion="probability")
