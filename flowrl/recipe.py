@@ -219,6 +219,10 @@ class SamplerConfig:
         "(a shared prefix once per sample sharing it); 'tree' is BranchGRPO's tree advantage: each transition "
         "gets the advantage of the node it leads into (the leaves below it fused by branch_fusion, standardised "
         "among the group's nodes at that depth) and each distinct transition is trained once (step units).")
+    branch_keep: int = param(
+        0, "branch_advantage = 'tree': width pruning, BranchGRPO-style: below the last split only the branch_keep "
+        "leaves of each group with the largest |advantage| are trained (the others' transitions there get "
+        "advantage 0 and cost nothing on-policy); 0 = every leaf.", min=0)
     branch_fusion: Literal["mean", "probability"] = param(
         "mean", "branch_advantage = 'tree': a node's value is the mean of its leaves ('mean'), or at each split "
         "the children weighted by the softmax of their transitions' rollout log-probs ('probability').")
@@ -226,6 +230,9 @@ class SamplerConfig:
     def __post_init__(self):
         if self.branch_steps or self.branch_factors:  # the group-size rule: _check_branches
             check_branches(self.branch_steps, self.branch_factors, self.steps, math.prod(self.branch_factors))
+        if self.branch_keep and self.branch_advantage != "tree":
+            raise ValueError("branch_keep prunes the leaves of a tree advantage: set branch_advantage = 'tree' too, "
+                             "or branch_keep = 0")
         if self.branch_advantage == "tree" and not self.branch_steps:
             raise ValueError("branch_advantage = 'tree' needs branch rollouts: set branch_steps and branch_factors, "
                              "or branch_advantage = 'leaf'")

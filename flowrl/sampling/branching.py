@@ -28,7 +28,7 @@ from flowrl.sampling.schedules import validate_sigmas
 from flowrl.sampling.trajectory import Trajectory
 
 __all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout", "node_blocks",
-           "first_of_block", "tree_advantages", "FUSIONS"]
+           "first_of_block", "tree_advantages", "prune_leaves", "FUSIONS"]
 
 #: How the rewards of a node's leaves fuse into the node's value (:func:`tree_advantages`).
 FUSIONS = ("mean", "probability")
@@ -221,3 +221,23 @@ def tree_advantages(leaf: torch.Tensor, blocks: Sequence[int], *, fusion: str = 
         if std > min_std:
             out[:, i] = ((nodes - nodes.mean()) / std).repeat_interleave(b)
     return out.to(torch.float32)
+
+
+def prune_leaves(tree: torch.Tensor, blocks: Sequence[int], keep: int) -> torch.Tensor:
+    """Width pruning of one group's tree advantages ``[G, N]``: below the last split (the
+    transitions whose node is a leaf, ``blocks[i + 1] == 1``) only the ``keep`` leaves with the
+    largest ``|advantage|`` there keep theirs; the others' become 0 (not trained). Ties go to the
+    earlier sample. ``keep = 0`` or ``keep >= G`` prunes nothing."""
+    g = tree.shape[0]
+    if keep <= 0 or keep >= g:
+        return tree
+    tails = [i for i in range(len(blocks) - 1) if blocks[i + 1] == 1]
+    if not tails:
+        return tree
+    strength = tree[:, tails[-1]].abs()
+    order = torch.sort(-strength, stable=True).indices
+    pruned = torch.ones(g, dtype=torch.bool)
+    pruned[order[:keep]] = False
+    out = tree.clone()
+    out[pruned.nonzero().flatten()[:, None], torch.tensor(tails)[None, :]] = 0.0
+    return out

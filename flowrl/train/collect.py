@@ -30,7 +30,7 @@ from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
 from ..errors import RecipeError
-from ..sampling.branching import branch_rollout, first_of_block, node_blocks, tree_advantages
+from ..sampling.branching import branch_rollout, first_of_block, node_blocks, prune_leaves, tree_advantages
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
@@ -260,6 +260,7 @@ def tree_unit_advantages(sampler, batch: Batch, group_size: int) -> tuple[torch.
         rows = slice(start, start + group_size)
         tree = tree_advantages(batch.advantages[rows], blocks, fusion=sampler.branch_fusion,
                                log_probs=traj.log_probs[rows])
+        tree = prune_leaves(tree, blocks, sampler.branch_keep)
         first = first_of_block(group_size, blocks)[:, positions]
         advantages.append(torch.where(first, tree[:, positions], torch.zeros(())))
         masks.append(first)

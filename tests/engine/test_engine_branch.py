@@ -33,19 +33,22 @@ def test_branch_rollouts_train_two_iterations_with_fewer_rollout_forwards(tmp_pa
         assert row["compute/ratio"] == 1.0, row
 
 
-def test_a_tree_advantage_trains_each_distinct_transition_once(tmp_path):
+def test_a_tree_advantage_trains_each_distinct_transition_once_and_prunes_leaves(tmp_path):
     """branch_advantage = 'tree': transition i of a group is trained once per node it leads into,
-    and not at all where the group has one node (a transition every sample shares); the update's
-    forwards are exactly those (the on-policy fast path: one forward and one backward each)."""
+    and not at all where the group has one node (a transition every sample shares); with
+    branch_keep = 2 only 2 of the 4 leaves are trained below the last split. The update's forwards
+    are exactly those (the on-policy fast path: one forward and one backward each)."""
     step = ["chunker.use='step'", "selector.use='all'", "train.iterations=2"]
     recipe = load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
-                         [*SMALL, *BRANCH, *step, "sampler.branch_advantage='tree'",
+                         [*SMALL, *BRANCH, *step, "sampler.branch_advantage='tree'", "sampler.branch_keep=2",
                           f"run.output_dir={str(tmp_path / 'tree')!r}"])
     rows = read_metrics(train(recipe, console=quiet_console()))
     blocks = node_blocks(recipe.sampler.steps, [2, 6], [2, 2])  # G = 4: one root per group
     trained = blocks[1:-1]  # the last transition is not trainable (the image is x0_hat)
-    distinct = 2 * sum(4 // b for b in trained if 4 // b > 1)  # 2 groups; a lone node's advantage is 0
-    assert distinct < 2 * 4 * len(trained)
+    # per group: nothing where it has one node (advantage 0), each node once above the last
+    # split, and 2 leaves below it
+    distinct = 2 * sum(0 if b == 4 else (2 if b == 1 else 4 // b) for b in trained)
+    assert distinct == 2 * (2 * 4 + 2 * 10) < 2 * 4 * len(trained)
     for row in rows:
         assert row["compute/update/forward"] == row["compute/update/backward"] == distinct, row
         assert row["compute/ratio"] == 1.0 and row["advantage/tree/std"] > 0
@@ -53,6 +56,8 @@ def test_a_tree_advantage_trains_each_distinct_transition_once(tmp_path):
         load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, "sampler.branch_advantage='tree'"])
     with pytest.raises(RecipeError, match="needs branch rollouts"):
         load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *step, "sampler.branch_advantage='tree'"])
+    with pytest.raises(RecipeError, match="set branch_advantage = 'tree' too"):
+        load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, *step, "sampler.branch_keep=2"])
 
 
 @pytest.mark.parametrize("extra,match", [

@@ -83,7 +83,7 @@ def start_slow_run(tmp_path, seconds: float):
 
 
 def test_first_ctrl_c_is_announced_at_once_and_checkpoints(tmp_path):
-    proc, marker, out, err = start_slow_run(tmp_path, seconds=10.0)
+    proc, marker, out, err = start_slow_run(tmp_path, seconds=6.0)  # longer than the 5 s "at once"
     try:
         wait_for(marker.is_file, 180, "the first reward call")
         sent = time.monotonic()
@@ -123,7 +123,9 @@ def test_second_ctrl_c_aborts_with_a_message(tmp_path):
 
 
 def test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly(tmp_path, reference_run):
-    """Slurm preemption or `docker stop`: SIGTERM checkpoints the last completed iteration."""
+    """Slurm preemption or `docker stop`: SIGTERM checkpoints the last completed iteration, says
+    how to resume, and the command it suggests (the run directory's resolved recipe) continues the
+    run exactly."""
     from engine_helpers import assert_records_close, assert_weights_close, final_weights
 
     recipe_path, ref_dir, ref = reference_run
@@ -144,7 +146,9 @@ def test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly(tmp_path, refer
     assert "SIGTERM: stopping after this iteration" in err and "Traceback" not in out + err
     done = len(read_metrics(run_dir))
     assert 1 <= done < 4 and load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"] == done
-    train(load(run_dir / "recipe.toml"), resume=run_dir, console=quiet_console())
+    saved = run_dir / "recipe.toml"
+    assert f"flowrl train {saved} --resume {run_dir}" in " ".join(out.split()), out
+    train(load(saved), resume=run_dir, console=quiet_console())
     records = read_metrics(run_dir)
     assert [r["iteration"] for r in records] == [r["iteration"] for r in ref]
     for got, want in zip(records, ref):

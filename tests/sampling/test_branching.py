@@ -10,6 +10,7 @@ from flowrl.sampling.branching import (
     first_of_block,
     live_rows_per_step,
     node_blocks,
+    prune_leaves,
     tree_advantages,
 )
 from flowrl.sampling.kernels import FlowKernel
@@ -209,3 +210,13 @@ def test_tree_advantage_refuses_bad_blocks():
         tree_advantages(torch.zeros(4), [4, 3, 1])
     with pytest.raises(ValueError, match="needs the rollout's log-probs"):
         tree_advantages(torch.zeros(4), [4, 2, 1], fusion="probability")
+
+
+def test_width_pruning_trains_the_tails_of_the_strongest_leaves_only():
+    blocks = node_blocks(3, [1, 2], [2, 2])  # tails: transition 2 (below the last split)
+    tree = tree_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]), blocks)
+    pruned = prune_leaves(tree, blocks, keep=2)
+    # |leaf advantages| at transition 2: 0.93, 0.46, 0, 1.39 -> samples 3 and 0 keep theirs
+    assert torch.equal(pruned[:, :2], tree[:, :2])  # above the last split nothing changes
+    assert pruned[:, 2].tolist() == [tree[0, 2].item(), 0.0, 0.0, tree[3, 2].item()]
+    assert torch.equal(prune_leaves(tree, blocks, keep=0), tree) and torch.equal(prune_leaves(tree, blocks, keep=4), tree)
