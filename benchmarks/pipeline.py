@@ -4,14 +4,16 @@ Two measurements on the embedded model, in the learning regime of docs/study.md
 (``recipes/study_embedded.toml``: 33 steps, SDE in the first 16, 4 prompts x 8 samples, two
 passes per rollout, full fine-tuning):
 
-``time``: wall time per iteration of the engine's own loop (``flowrl.train.train``), three
-variants run one after the other in a seeded random order in every round (so that all three
+``time``: wall time per iteration of the engine's own loop (``flowrl.train.train``), the
+variants (``--variants``, default all) run one after the other in a seeded random order in every round (so that all of them
 share the machine's load drift):
 
 - ``synchronous``: ``staleness = 0`` (rollout, then update);
 - ``in_order``: ``staleness = 1, overlap = false`` (the next rollout drawn by the copy first,
   then the update: the same work plus the re-scoring, no overlap);
-- ``overlapped``: ``staleness = 1`` (the next rollout drawn in a worker thread beside the update).
+- ``overlapped``: ``staleness = 1`` (the next rollout drawn in a worker thread beside the update);
+- ``process``: ``staleness = 1, worker = "process"`` (drawn beside the update in a rollout
+  process of its own, on the same CPU: no GIL shared with the update).
 
 An iteration's wall time is the time between the metrics rows of two consecutive iterations
 (a tracker records ``time.perf_counter`` when each row is logged); iteration 0 (model warm-up,
@@ -61,6 +63,7 @@ VARIANTS = {
     "synchronous": ["pipeline.staleness=0"],
     "in_order": ["pipeline.staleness=1", "pipeline.overlap=false"],
     "overlapped": ["pipeline.staleness=1", "pipeline.overlap=true"],
+    "process": ["pipeline.staleness=1", "pipeline.worker='process'"],
 }
 
 
@@ -113,12 +116,13 @@ def time_variants(args) -> dict:
     rng = random.Random(args.seed)
     common = [f"train.iterations={args.iterations}", "prompts.num_eval=0", "log.image_every=0",
               f"checkpoint.every={args.iterations}"]
-    per_variant: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    ratios: dict[str, list[float]] = {v: [] for v in VARIANTS if v != "synchronous"}
+    chosen = list(dict.fromkeys(["synchronous", *args.variants]))
+    per_variant: dict[str, list[float]] = {v: [] for v in chosen}
+    ratios: dict[str, list[float]] = {v: [] for v in chosen if v != "synchronous"}
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = list(VARIANTS)
+            order = list(chosen)
             rng.shuffle(order)
             medians = {}
             for name in order:
@@ -186,6 +190,8 @@ def main(argv=None) -> int:
     t.add_argument("--iterations", type=int, default=5)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--json", default="")
+    t.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="the variants beside synchronous (default: all)")
     lp = sub.add_parser("learn")
     lp.add_argument("--seeds", type=int, default=1)
     lp.add_argument("--iterations", type=int, default=20)

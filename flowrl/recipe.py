@@ -890,6 +890,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_replay(recipe, registry, T)
     _check_pipeline(recipe, registry)
     _check_branches(recipe, registry)
+    _check_group_can_differ(recipe, T)
     if not _uses_units(recipe, registry):
         return
     if T < 1:
@@ -1097,6 +1098,17 @@ def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str
     if recipe.distributed.strategy == "fsdp2":
         raise RecipeError(f"{what} is not supported with strategy = 'fsdp2' (its sharded checkpoint cannot hold "
                           f"{kept} yet)", where=where, hint="use strategy 'ddp' or 'none'")
+
+
+def _check_group_can_differ(recipe: Recipe, T: int) -> None:
+    """A rollout with no stochastic step (T = 0: an ODE window) makes a group's samples differ only
+    by their starting noise; with the same noise for the whole group they are one image, every
+    advantage is 0 and nothing would train."""
+    if T == 0 and recipe.train.same_noise_in_group and not recipe.data.enabled:
+        raise RecipeError("same_noise_in_group = true with a rollout that adds no noise (no stochastic step): "
+                          "every sample of a group would be the same image, so every advantage would be 0",
+                          where=f"{recipe.source}: [train].same_noise_in_group",
+                          hint="set same_noise_in_group = false (each sample from its own noise)")
 
 
 def _check_branches(recipe: Recipe, registry: Registry) -> None:
