@@ -25,6 +25,7 @@ The process ends when the learner closes the pipe, and with the learner whatever
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -76,6 +77,29 @@ def moved(value: Any, device: torch.device) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _without_main_module():
+    """Processes spawned inside do not run the parent's ``__main__`` again. ``spawn`` would, so
+    that the target can live there; the rollout process's target and data are flowrl's own, and a
+    user's script calling :func:`flowrl.train.train` without an ``if __name__ == "__main__"``
+    guard would otherwise start a second training run in the child."""
+    from multiprocessing import spawn
+
+    prepare = spawn.get_preparation_data
+
+    def without_main(name):
+        data = prepare(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    spawn.get_preparation_data = without_main
+    try:
+        yield
+    finally:
+        spawn.get_preparation_data = prepare
+
+
 def _send(conn, message) -> None:
     """Send by value: the pickle's own bytes. multiprocessing would otherwise send torch tensors
     through torch's shared-memory reductions, whose descriptor-serving thread fails now and then
@@ -100,7 +124,7 @@ class RolloutProcess:
         self.process = context.Process(
             target=serve, name=f"flowrl-rollout-{ctx.rank}", daemon=True,
             args=(child, os.getpid(), recipe, geometry, ctx, prompts, str(device), torch.get_num_threads()))
-        with spawned_children_ignore_sigint():
+        with spawned_children_ignore_sigint(), _without_main_module():
             self.process.start()
         child.close()
         self._answer("ready")
