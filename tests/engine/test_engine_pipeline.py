@@ -11,7 +11,7 @@
   checkpoint, the pending rollout is redrawn with them), also when a rollout process
   (``worker = "process"``) takes over from the thread, and no rollout process outlives the run;
 - 2 processes, each drawing in a rollout process of its own, equal 1 drawing in a thread, with
-  evaluation, image grids and checkpoints on;
+  evaluation, image grids and checkpoints on (a LoRA run: the rollout processes attach it too);
 - refused where replay is refused, and together with [replay].
 
 The tiny recipe (engine_helpers) over 3 iterations.
@@ -151,9 +151,10 @@ def test_resumes_bit_for_bit_with_the_behaviour_weights_in_a_rollout_process(tmp
 
 def test_two_processes_equal_one(tmp_path):
     recipe = write_recipe(tmp_path, TINY_RECIPE.replace('use = "area"', 'use = "brightness"'))
-    # one optimizer step per pass (loop.py); evaluation, grids and checkpoints on, as in the other 2-process tests
+    # one optimizer step per pass (loop.py); evaluation, grids and checkpoints on, as in the other 2-process tests;
+    # a LoRA, which each rollout process attaches to its own copy before it takes the trained weights
     sets = [*SHORT, *ON, "train.iterations=2", "train.optimizer_steps_per_update=1", "log.eval_every=1",
-            "prompts.num_eval=2", "log.image_every=1"]
+            "prompts.num_eval=2", "log.image_every=1", "train.finetune='lora'"]
     two, one = tmp_path / "two", tmp_path / "one"
     # each of the 2 training processes draws in a rollout process of its own; the 1 process in a thread
     args = [a for s in (*sets, *PROCESS, "distributed.strategy='ddp'") for a in ("--set", s)]
