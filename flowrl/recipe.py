@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 
 from .config import fields_of, from_dict, param, to_dict
+from .dynamics.profile_file import read_profile, trainable_curve
 from .errors import FlowrlError, RecipeError, printable, suggest
 from .interfaces import (
     KeepsRolloutMeans,
@@ -45,7 +46,7 @@ from .interfaces import (
 from .offline import read_offline_rows
 from .plugins import Registry, get_registry
 from .prompts import read_prompts
-from .sampling.branching import check_branches
+from .sampling.branching import check_branches, steps_of_highest_dynamics
 from .sampling.plans import PlanContext
 from .sampling.rollout import make_kernels, trainable_mask
 
@@ -214,6 +215,13 @@ class SamplerConfig:
         [], "Copies made at each of branch_steps (one factor each, >= 1); their product must divide group_size.",
         min=1, max=10_000,
     )
+    branch_profile: str = param(
+        "", "Choose the branch steps from the temporal dynamics: a profile.json written by `flowrl profile` for "
+        "this sampler; the trajectories split in 2 at the branch_count trainable transitions where its l1rel curve "
+        "is highest (branch_steps and branch_factors are then filled in, and kept in the run's recipe).", path=True)
+    branch_count: int = param(
+        0, "With branch_profile: how many splits, each in 2 (2 ** branch_count must divide group_size).", min=0,
+        max=30)
     branch_advantage: Literal["leaf", "tree"] = param(
         "leaf", "With branch rollouts: 'leaf' trains every sample's transitions with the sample's own advantage "
         "(a shared prefix once per sample sharing it); 'tree' is BranchGRPO's tree advantage: each transition "
@@ -228,6 +236,9 @@ class SamplerConfig:
         "the children weighted by the softmax of their transitions' rollout log-probs ('probability').")
 
     def __post_init__(self):
+        if bool(self.branch_profile) != bool(self.branch_count):
+            raise ValueError("branch_profile and branch_count go together: the profile to read and how many splits "
+                             "to take from it")
         if self.branch_steps or self.branch_factors:  # the group-size rule: _check_branches
             check_branches(self.branch_steps, self.branch_factors, self.steps, math.prod(self.branch_factors))
         if self.branch_keep and self.branch_advantage != "tree":
@@ -889,6 +900,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
     _check_replay(recipe, registry, T)
     _check_pipeline(recipe, registry)
+    _branches_from_profile(recipe, T)
     _check_branches(recipe, registry)
     _check_group_can_differ(recipe, T)
     if not _uses_units(recipe, registry):
@@ -1098,6 +1110,29 @@ def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str
     if recipe.distributed.strategy == "fsdp2":
         raise RecipeError(f"{what} is not supported with strategy = 'fsdp2' (its sharded checkpoint cannot hold "
                           f"{kept} yet)", where=where, hint="use strategy 'ddp' or 'none'")
+
+
+def _branches_from_profile(recipe: Recipe, T: int) -> None:
+    """``[sampler].branch_profile``: fill in ``branch_steps`` (the ``branch_count`` trainable
+    transitions where the profile's l1rel curve is highest, in step order) and ``branch_factors``
+    (2 each). A recipe that already names them (the run's own resolved recipe) must name these."""
+    s = recipe.sampler
+    if not s.branch_profile:
+        return
+    where = f"{recipe.source}: [sampler].branch_profile"
+    data = read_profile(s.branch_profile, where=where)
+    curve = trainable_curve(data, "l1rel", T, source=s.branch_profile, where=where)
+    positions = [i for i, t in enumerate(data["trainable"]) if t]
+    if s.branch_count > len(positions):
+        raise RecipeError(f"branch_count = {s.branch_count} exceeds the sampler's {len(positions)} trainable "
+                          "transitions", where=f"{recipe.source}: [sampler].branch_count")
+    steps = steps_of_highest_dynamics(curve, positions, s.branch_count)
+    factors = [2] * s.branch_count
+    if (s.branch_steps or s.branch_factors) and (list(s.branch_steps), list(s.branch_factors)) != (steps, factors):
+        raise RecipeError(f"branch_steps {list(s.branch_steps)} and branch_factors {list(s.branch_factors)} are not "
+                          f"what branch_profile gives ({steps}, {factors})", where=where,
+                          hint="give branch_profile or branch_steps, not both")
+    s.branch_steps, s.branch_factors = steps, factors
 
 
 def _check_group_can_differ(recipe: Recipe, T: int) -> None:

@@ -28,7 +28,7 @@ from flowrl.sampling.schedules import validate_sigmas
 from flowrl.sampling.trajectory import Trajectory
 
 __all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout", "node_blocks",
-           "first_of_block", "tree_advantages", "prune_leaves", "FUSIONS"]
+           "first_of_block", "tree_advantages", "prune_leaves", "steps_of_highest_dynamics", "FUSIONS"]
 
 #: How the rewards of a node's leaves fuse into the node's value (:func:`tree_advantages`).
 FUSIONS = ("mean", "probability")
@@ -144,6 +144,17 @@ def branch_rollout(
         image_from=image_from,
         means=torch.stack([m[o] for m, o in means], dim=1) if keep_means else None,
     )
+
+
+def steps_of_highest_dynamics(curve: Sequence[float], positions: Sequence[int], count: int) -> list[int]:
+    """Branch where the temporal dynamics are highest: the sampler steps (``positions[t]``, the
+    step of trainable transition ``t``) of the ``count`` largest values of ``curve`` (one per
+    trainable transition, e.g. a profile's mean l1rel), in step order; ties go to the earlier."""
+    if len(curve) != len(positions) or not 0 <= count <= len(curve):
+        raise ValueError(f"need one curve value per position and 0 <= count <= {len(curve)}, got {len(curve)} values, "
+                         f"{len(positions)} positions, count {count}")
+    order = sorted(range(len(curve)), key=lambda t: (-float(curve[t]), t))
+    return sorted(int(positions[t]) for t in order[:count])
 
 
 # ----------------------------------------------------------------------------- tree advantages

@@ -60,6 +60,30 @@ def test_a_tree_advantage_trains_each_distinct_transition_once_and_prunes_leaves
         load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, *step, "sampler.branch_keep=2"])
 
 
+def test_branch_steps_from_a_dynamics_profile_are_filled_in_and_kept_in_the_run_recipe():
+    from flowrl.dynamics.profile_file import read_profile, trainable_curve
+    from flowrl.recipe import validate
+
+    profile = REPO / "recipes" / "profiles" / "embedded_window16.json"
+    sets = [f"sampler.branch_profile={str(profile)!r}", "sampler.branch_count=2", "chunker.use='step'",
+            "selector.use='all'"]
+    recipe = load_recipe(REPO / "recipes" / "study_embedded.toml", sets)
+    curve = trainable_curve(read_profile(profile), "l1rel", 16)
+    top = sorted(sorted(range(16), key=lambda t: -curve[t])[:2])  # the window starts at step 0: position = step
+    assert recipe.sampler.branch_steps == top and recipe.sampler.branch_factors == [2, 2]
+    # the run's resolved recipe names both, and validates to the same tree (a resume)
+    again = validate(recipe.to_toml_dict(), source="recipe.toml")
+    assert (again.sampler.branch_steps, again.sampler.branch_factors) == (top, [2, 2])
+    with pytest.raises(RecipeError, match="not what branch_profile gives"):
+        load_recipe(REPO / "recipes" / "study_embedded.toml", [*sets, "sampler.branch_steps=[5, 9]",
+                                                                 "sampler.branch_factors=[2, 2]"])
+    with pytest.raises(RecipeError, match="go together"):
+        load_recipe(REPO / "recipes" / "study_embedded.toml", [f"sampler.branch_profile={str(profile)!r}"])
+    with pytest.raises(RecipeError, match="exceeds the sampler's 16 trainable"):
+        load_recipe(REPO / "recipes" / "study_embedded.toml", [*sets[:1], "sampler.branch_count=17", *sets[2:],
+                                                                 "train.group_size=131072"])
+
+
 @pytest.mark.parametrize("extra,match", [
     (["sampler.branch_factors=[2, 4]"], "must divide group_size"),
     (["sampler.batch_size=6"], "multiple of group_size"),

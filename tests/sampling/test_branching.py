@@ -11,6 +11,7 @@ from flowrl.sampling.branching import (
     live_rows_per_step,
     node_blocks,
     prune_leaves,
+    steps_of_highest_dynamics,
     tree_advantages,
 )
 from flowrl.sampling.kernels import FlowKernel
@@ -220,3 +221,13 @@ def test_width_pruning_trains_the_tails_of_the_strongest_leaves_only():
     assert torch.equal(pruned[:, :2], tree[:, :2])  # above the last split nothing changes
     assert pruned[:, 2].tolist() == [tree[0, 2].item(), 0.0, 0.0, tree[3, 2].item()]
     assert torch.equal(prune_leaves(tree, blocks, keep=0), tree) and torch.equal(prune_leaves(tree, blocks, keep=4), tree)
+
+
+def test_branch_steps_go_where_the_dynamics_are_highest():
+    positions = [4, 5, 6, 7, 8]  # the trainable transitions' steps (an SDE window from step 4)
+    curve = [0.2, 0.9, 0.1, 0.9, 0.5]
+    assert steps_of_highest_dynamics(curve, positions, 2) == [5, 7]
+    assert steps_of_highest_dynamics(curve, positions, 3) == [5, 7, 8]
+    assert steps_of_highest_dynamics([1.0, 1.0, 1.0], [0, 1, 2], 1) == [0]  # ties: the earlier
+    with pytest.raises(ValueError, match="one curve value per position"):
+        steps_of_highest_dynamics(curve, positions, 6)
