@@ -255,17 +255,16 @@ def tree_unit_advantages(sampler, batch: Batch, group_size: int) -> tuple[torch.
     traj = batch.trajectory
     blocks = node_blocks(traj.num_steps, sampler.branch_steps, sampler.branch_factors)
     positions = torch.nonzero(traj.trainable.cpu(), as_tuple=False).flatten()
-    advantages, masks = [], []
+    first = first_of_block(group_size, blocks)[:, positions]  # the same tree shape in every group
+    advantages = []
     for start in range(0, len(batch.indices), group_size):
         rows = slice(start, start + group_size)
         tree = tree_advantages(batch.advantages[rows], blocks, fusion=sampler.branch_fusion,
                                log_probs=traj.log_probs[rows])
         tree = prune_leaves(tree, blocks, sampler.branch_keep)
-        first = first_of_block(group_size, blocks)[:, positions]
         advantages.append(torch.where(first, tree[:, positions], torch.zeros(())))
-        masks.append(first)
-    device = batch.advantages.device
-    return torch.cat(advantages).to(device), torch.cat(masks).to(device)
+    device, groups = batch.advantages.device, len(advantages)
+    return torch.cat(advantages).to(device), first.repeat(groups, 1).to(device)
 
 
 def all_equal_fraction(rewards: dict[str, torch.Tensor], choices, group_ids: torch.Tensor) -> float:

@@ -32,6 +32,8 @@ from ..interfaces import CountsForwards
 
 #: Phases whose work the minimum covers.
 ACCOUNTED = ("rollout", "update", "reference")
+#: The counter's tables of rows by phase.
+_TABLES = ("forward", "backward", "minimum", "saving")
 
 
 def network_rows_per_sample(model) -> int:
@@ -99,6 +101,18 @@ class ComputeCounter:
     def saved(self, phase: str, rows: int) -> None:
         """Record forward rows ``phase`` did not need to run (a branch rollout's shared prefixes)."""
         self.saving[phase] += int(rows)
+
+    def counts(self) -> dict:
+        """The raw tables (``forward``, ``backward``, ``minimum``, ``saving``: rows by phase) and
+        ``decodes``, as plain data: what another counter :meth:`add` s (a rollout drawn elsewhere)."""
+        return {**{table: dict(getattr(self, table)) for table in _TABLES}, "decodes": self.decodes}
+
+    def add(self, counts: dict) -> None:
+        """Add another counter's :meth:`counts` to this one."""
+        for table in _TABLES:
+            for phase, rows in counts[table].items():
+                getattr(self, table)[phase] += rows
+        self.decodes += counts["decodes"]
 
     def take(self, ctx=None) -> dict[str, float]:
         """This iteration's counts over all processes, as metrics (``compute/<phase>/forward`` ...),

@@ -84,8 +84,7 @@ class Pipeline:
             session = run.session
             device = rollout_device(self.config.device, session.device, run.ctx.local_rank)
             self.worker = RolloutProcess(session.recipe, run.geometry, run.ctx, prompts, device, session.device)
-            self.sent = self._trained_weights()
-            self.worker.load(self.sent)
+            self._send_weights(self._trained_weights())
         else:
             # the engine's counter hook (if the live module has it) is copied onto the new counter
             memo = {id(counter): self.counter} if counter is not None else {}
@@ -175,10 +174,7 @@ class Pipeline:
         """Collect the iteration's rollout with the behaviour copy; its own phase timer."""
         if self.worker is not None:
             batch, seconds, counts = self.worker.draw(iteration)
-            for table in ("forward", "backward", "minimum", "saving"):
-                for phase, rows in counts[table].items():
-                    getattr(self.counter, table)[phase] += rows
-            self.counter.decodes += counts["decodes"]
+            self.counter.add(counts)
             return batch, seconds
         timer = PhaseTimer(self.run.session.device, counter=self.counter)
         start = time.perf_counter()
@@ -199,10 +195,14 @@ class Pipeline:
         live = dict(self.live.named_parameters())
         return {name: live[name].detach().cpu().clone() for name in self.trainable}
 
+    def _send_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The rollout process's behaviour weights: sent, and kept here for the checkpoint."""
+        self.sent = weights
+        self.worker.load(weights)
+
     def _sync(self, iteration: int) -> None:
         if self.worker is not None:
-            self.sent = self._trained_weights()
-            self.worker.load(self.sent)
+            self._send_weights(self._trained_weights())
             self.version = iteration
             return
         live = dict(self.live.named_parameters())
@@ -217,10 +217,7 @@ class Pipeline:
         engine's counter, so that the iteration's ``compute/*`` cover its rollout."""
         main = getattr(timer, "counter", None)
         if main is not None:
-            for table in ("forward", "backward", "minimum", "saving"):
-                for phase, rows in getattr(self.counter, table).items():
-                    getattr(main, table)[phase] += rows
-            main.decodes += self.counter.decodes
+            main.add(self.counter.counts())
         self.counter.take()
 
     # ---------------------------------------------------------------------- checkpointed state
@@ -244,8 +241,7 @@ class Pipeline:
                              f"({len(missing)} of {len(self.trainable)} missing)")
         self.version = int(saved["behaviour_iteration"])
         if self.worker is not None:
-            self.sent = {name: weights[name].detach().cpu().clone() for name in self.trainable}
-            self.worker.load(self.sent)
+            self._send_weights({name: weights[name].detach().cpu().clone() for name in self.trainable})
             return
         params = dict(self.copy.named_parameters())
         with torch.no_grad():

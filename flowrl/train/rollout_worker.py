@@ -193,8 +193,7 @@ def serve(conn, parent_pid: int, recipe, geometry, ctx, prompts, device: str, th
                 with torch.no_grad():
                     batch = collect(run, prompts, message[1], timer)
                 seconds = {**timer.seconds, "total": time.perf_counter() - start}
-                counts = {table: dict(getattr(counter, table)) for table in ("forward", "backward", "minimum", "saving")}
-                counts["decodes"] = counter.decodes
+                counts = counter.counts()
                 counter.take()
                 _send(conn, ("drawn", (moved(batch, torch.device("cpu")), seconds, counts)))
         except BaseException:
