@@ -334,8 +334,10 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) ->
                           f"a frozen copy of the denoiser, {ref_bytes} B per param" + (", sharded like it" if n > 1 else "")))
     pipe = recipe.pipeline
     # the behaviour policy draws the rollouts (fsdp2 is refused with it); a rollout process on a
-    # device of its own holds it there, not on this one
-    if pipe.enabled and not (pipe.worker == "process" and pipe.device.startswith("cuda")):
+    # GPU of its own ('cuda:N', N >= 1, offset by the local rank as the learners are) holds it
+    # there, not on this one; 'cuda' and 'cuda:0' are each learner's own GPU
+    elsewhere = pipe.worker == "process" and pipe.device.startswith("cuda:") and int(pipe.device[5:]) > 0
+    if pipe.enabled and not elsewhere:
         lines.append(Line("cpu" if pipe.device == "cpu" else "persistent", "rollout copy (pipeline)",
                           weights + trainable * tbytes * bool(lora),
                           "a second copy of the denoiser that draws the next rollout"

@@ -178,3 +178,7 @@ def test_a_pipelined_run_plans_its_rollout_copy_and_its_pending_rollout(cli):
     assert code == 0, err
     text = _flat(out)
     assert "rollout copy" not in text and "pending rollout (pipeline) │ 1.67" in text
+    # 'cuda:0' offset by the local rank is each learner's own GPU: the copy is planned there
+    code, out, err = cli("plan", "recipes/chunk_grpo_flux_lora.toml", *process, "--set", "pipeline.device='cuda:0'")
+    assert code == 0, err
+    assert "rollout copy (pipeline) │ 22.84" in _flat(out)
