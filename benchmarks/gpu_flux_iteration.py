@@ -16,6 +16,8 @@ is built in memory and handed to flowrl's ``flux`` adapter in place of ``from_pr
 - ``step``: step GRPO, every transition of every sample trained (the synchronous loop);
 - ``branch``: the same with ``branch_steps = [1, 3, 5]``, ``branch_factors = [2, 2, 2]`` (one
   root per group, copied after the forwards of steps 1, 3 and 5: 38 of the 72 rollout forwards);
+- ``branch_tree``: ``branch`` with ``branch_advantage = "tree"``: each transition the tree shares
+  is trained once, with its subtree's fused advantage (36 of the 64 transitions trained);
 - ``pipelined``: the same as ``step`` with ``[pipeline] staleness = 1`` (the next rollout drawn by
   a copy of the policy in a worker thread while the update runs, on the same GPU).
 
@@ -63,6 +65,8 @@ FLUX_VAE = dict(
 VARIANTS = {
     "step": [],
     "branch": ["sampler.branch_steps=[1, 3, 5]", "sampler.branch_factors=[2, 2, 2]"],
+    "branch_tree": ["sampler.branch_steps=[1, 3, 5]", "sampler.branch_factors=[2, 2, 2]",
+                    "sampler.branch_advantage=\"tree\""],
     "pipelined": ["pipeline.staleness=1", "pipeline.overlap=true"],
 }
 
