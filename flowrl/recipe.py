@@ -393,7 +393,7 @@ class PipelineConfig:
     worker: Literal["thread", "process"] = param(
         "thread", "Where the rollout's policy lives: 'thread', a copy in each training process, drawing in a "
         "thread beside the update; 'process', a rollout process per training process, on `device`, sent the "
-        "trained weights at every sync (the same run, bit for bit, on the same kind of device).")
+        "trained weights at every sync (the thread's run, bit for bit on the CPU, to float32 rounding on a GPU).")
     device: str = param(
         "", "The rollout process's device (worker = 'process'): '' = the training process's, 'cpu', or "
         "'cuda:N', offset by the local rank (learners on GPUs 0..P-1 with 'cuda:P' draw on GPUs P..2P-1).")

@@ -45,6 +45,11 @@ def fork_workers(work: Callable[[], int], num_processes: int, *, timeout: float,
     would: the first failing worker's exit status (0 if all succeed), and stdout and stderr of
     every worker in rank order. A worker that fails ends the others (as torchrun does); past
     ``timeout`` all are killed and :class:`subprocess.TimeoutExpired` is raised."""
+    import torch
+
+    if torch.cuda.is_initialized():  # CUDA does not survive fork: each worker's first CUDA call would fail
+        raise RuntimeError("this test process has started CUDA, so forked workers cannot use it: "
+                           "start the workers as fresh processes (engine_helpers.run_cli does so by itself)")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

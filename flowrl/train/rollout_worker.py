@@ -15,8 +15,9 @@ The training process (the learner) starts one rollout process, with multiprocess
 The process builds the same components from the same recipe (:meth:`Session.open`, no
 trackers), attaches the LoRA when the run trains one, and keeps the learner's place among the
 processes (its rank and batch geometry), so that it draws exactly the samples, with exactly the
-noise, that the learner's own copy would: a run with a rollout process is the run with a worker
-thread, bit for bit, when both compute on the same kind of device.
+noise, that the learner's own copy would, under the loop's attention backend: a run with a rollout
+process is the run with a worker thread, bit for bit on the CPU; on a GPU (measured on an H200, both
+on the learner's GPU) the two agree to float32 rounding, not bit for bit.
 
 The process ends when the learner closes the pipe, and with the learner whatever way that ends
 (``PR_SET_PDEATHSIG``): killing a launcher leaves no rollout process behind. It ignores Ctrl-C
@@ -36,7 +37,9 @@ from typing import Any
 
 import torch
 
+from ..errors import FlowrlError
 from ..processes import die_with_parent, spawned_children_ignore_sigint
+from .accel import attention_backend, check_attention_backend
 from .collect import collect
 from .compute import ComputeCounter
 from .finetune import prepare_trainable
@@ -118,7 +121,7 @@ class RolloutProcess:
     before it sends anything else)."""
 
     def __init__(self, recipe, geometry, ctx, prompts, device: torch.device, learner: torch.device):
-        self.learner = learner
+        self.learner, self.device = learner, device
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(
@@ -157,6 +160,10 @@ class RolloutProcess:
         except EOFError:
             self.process.join(STOP_TIMEOUT)
             raise RuntimeError(f"the rollout process ended unexpectedly (exit code {self.process.exitcode})") from None
+        if kind == "refused":
+            cls, message, where, hint = payload
+            self.process.join(STOP_TIMEOUT)
+            raise cls(f"the rollout process on {self.device}: {message}", where=where, hint=hint)
         if kind == "error":
             raise RuntimeError(f"the rollout process failed:\n{payload}")
         if kind != expected:
@@ -173,6 +180,9 @@ def serve(conn, parent_pid: int, recipe, geometry, ctx, prompts, device: str, th
         run, counter = _build(recipe, geometry, ctx, torch.device(device))
         params = dict(run.session.model.denoiser.named_parameters())
         _send(conn, ("ready", None))
+    except FlowrlError as error:  # a refusal (a backend or extra this device lacks): the learner's to report
+        _send(conn, ("refused", (type(error), error.message, error.where, error.hint)))
+        return
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
         return
@@ -188,14 +198,7 @@ def serve(conn, parent_pid: int, recipe, geometry, ctx, prompts, device: str, th
                         params[name].copy_(tensor)
                 _send(conn, ("loaded", None))
             elif message[0] == "draw":
-                timer = PhaseTimer(run.session.device, counter=counter)
-                start = time.perf_counter()
-                with torch.no_grad():
-                    batch = collect(run, prompts, message[1], timer)
-                seconds = {**timer.seconds, "total": time.perf_counter() - start}
-                counts = counter.counts()
-                counter.take()
-                _send(conn, ("drawn", (moved(batch, torch.device("cpu")), seconds, counts)))
+                _send(conn, ("drawn", _draw(run, counter, prompts, message[1])))
         except BaseException:
             _send(conn, ("error", traceback.format_exc()))
             return
@@ -204,9 +207,25 @@ def serve(conn, parent_pid: int, recipe, geometry, ctx, prompts, device: str, th
 def _build(recipe, geometry, ctx, device: torch.device):
     """The behaviour policy: the recipe's components on ``device`` (no trackers), the LoRA
     attached when the run trains one, nothing requiring grad; its forwards counted."""
+    check_attention_backend(recipe.train.attention_backend, device, recipe.source)
     session = Session.open(recipe, device=device, trackers=False)
     prepare_trainable(session.model, recipe.train)
     session.model.to(device)  # LoRA matrices are created on the CPU
     session.model.denoiser.requires_grad_(False)
     counter = ComputeCounter(session.model.denoiser)
     return Run(session, geometry, ctx), counter
+
+
+def _draw(run: Run, counter: ComputeCounter, prompts, iteration: int):
+    """One rollout, as the learner's worker thread draws it: without grad, under the attention
+    backend the training loop runs in (``[train].attention_backend``); the batch on the CPU, for
+    the pipe."""
+    recipe = run.session.recipe
+    timer = PhaseTimer(run.session.device, counter=counter)
+    start = time.perf_counter()
+    with torch.no_grad(), attention_backend(recipe.train.attention_backend, run.session.device, recipe.source):
+        batch = collect(run, prompts, iteration, timer)
+    seconds = {**timer.seconds, "total": time.perf_counter() - start}
+    counts = counter.counts()
+    counter.take()
+    return moved(batch, torch.device("cpu")), seconds, counts

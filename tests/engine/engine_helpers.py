@@ -180,8 +180,10 @@ def run_cli(args: list[str], timeout: float = 120, env: dict | None = None, laun
 
     A ``train ... --num-processes N`` runs its N workers as processes forked from this one
     (:func:`run_forked_workers`) unless ``launcher`` is true: the same workers, without the
-    launcher's interpreters (the launcher's own tests start it)."""
-    if "--num-processes" in args and not launcher and not kwargs:
+    launcher's interpreters (the launcher's own tests start it). Once this process has started
+    CUDA (a GPU test before, on a machine with one), a forked child cannot use CUDA, so the real
+    launcher runs them."""
+    if "--num-processes" in args and not launcher and not kwargs and not torch.cuda.is_initialized():
         at = args.index("--num-processes")
         return run_forked_workers(args[:at] + args[at + 2:], int(args[at + 1]), timeout=timeout, env=env)
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200", **(env or {}))

@@ -54,3 +54,50 @@ def test_moved_reaches_every_tensor_in_dataclasses_dicts_and_sequences():
     assert got.inner.x.device.type == got.table["t"].device.type == got.pair[0].device.type == "meta"
     assert got.rows == range(3) and got.inner.names == ["a"] and got.pair[1] == 2
     assert value.inner.x.device.type == "cpu"  # a copy, the original untouched
+
+
+def test_the_rollout_process_draws_under_the_loops_attention_backend(tmp_path, monkeypatch):
+    """The worker thread draws inside the loop's ``[train].attention_backend`` context; the rollout
+    process must too, or a recipe naming a backend samples with another one there."""
+    from engine_helpers import load, write_recipe
+
+    from flowrl.train import rollout_worker
+    from flowrl.train.compute import ComputeCounter
+
+    seen = []
+
+    def collect(run, prompts, iteration, timer):
+        seen.append((torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return {"x": torch.ones(1)}
+
+    monkeypatch.setattr(rollout_worker, "collect", collect)
+    recipe = load(write_recipe(tmp_path), "train.attention_backend='math'")
+    session = types.SimpleNamespace(recipe=recipe, device=torch.device("cpu"))
+    batch, seconds, counts = rollout_worker._draw(
+        types.SimpleNamespace(session=session), ComputeCounter(torch.nn.Linear(1, 1)), [], 0)
+    assert seen == [(True, False)]  # math only, inside the draw
+    assert torch.backends.cuda.flash_sdp_enabled()  # and restored after it
+    assert batch["x"].device.type == "cpu" and "total" in seconds
+
+
+def test_a_refusal_in_the_rollout_process_reaches_the_learner_as_the_same_clean_error():
+    """A FlowrlError raised while the rollout process builds (a backend or an extra its device
+    lacks) is raised in the learner as that error, with its place and hint: the CLI's one clear
+    message, not a traceback of the child."""
+    import multiprocessing
+
+    import pytest
+
+    from flowrl.errors import RecipeError
+    from flowrl.train.rollout_worker import RolloutProcess, _send
+
+    learner_end, child_end = multiprocessing.Pipe()
+    handle = object.__new__(RolloutProcess)
+    handle.conn, handle.device = learner_end, torch.device("cuda", 1)
+    handle.process = types.SimpleNamespace(join=lambda timeout=None: None)
+    _send(child_end, ("refused", (RecipeError, "attention_backend = 'efficient' does not exist on device 'cpu'",
+                                  "r.toml: [train].attention_backend", "use 'auto'")))
+    with pytest.raises(RecipeError) as caught:
+        handle._answer("ready")
+    assert caught.value.message.startswith("the rollout process on cuda:1: attention_backend = 'efficient'")
+    assert caught.value.where == "r.toml: [train].attention_backend" and caught.value.hint == "use 'auto'"
