@@ -292,6 +292,10 @@ class LogConfig:
     every: int = param(1, "Write metrics every N iterations.", min=1)
     image_every: int = param(10, "Write an annotated image grid of one group every N iterations (0 = never).", min=0)
     eval_every: int = param(5, "Evaluate on the fixed evaluation set every N iterations.", min=1)
+    eval_steps: int = param(
+        0, "Sampling steps of the evaluation (ODE, the same [schedule]); 0 = [sampler].steps. Rollouts "
+        "with few steps and an evaluation with more, as Flow-GRPO does (10 and 40).", min=0, max=10_000,
+    )
     progress: bool = param(True, "Show a rich progress bar.")
 
 
@@ -903,6 +907,9 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     _branches_from_profile(recipe, T)
     _check_branches(recipe, registry)
     _check_group_can_differ(recipe, T)
+    if recipe.log.eval_steps == 1:
+        raise RecipeError("eval_steps = 1: a sampling schedule needs at least 2 steps",
+                          where=f"{recipe.source}: [log].eval_steps", hint="use 0 (the sampler's steps) or >= 2")
     if not _uses_units(recipe, registry):
         return
     if T < 1:

@@ -52,6 +52,7 @@ eval_seeds = 2
 progress = false
 image_every = 0
 eval_every = 1
+eval_steps = 9     # more than the rollouts' 5: `flowrl eval` must reproduce the run's own
 
 [checkpoint]
 every = 1
@@ -160,6 +161,7 @@ def test_eval_reproduces_the_runs_own_final_evaluation(results, tiny_run):
     assert len(final) == 1 and final[0]["iteration"] == 2
     result = json.loads((run / "checkpoints" / "iter_000002.eval.json").read_text())
     assert result["iteration"] == 2 and result["settings"]["protocol"] == "run"
+    assert result["settings"]["steps"] == 9  # [log].eval_steps, which the run's evaluation used
     assert result["settings"]["num_prompts"] == 3 and result["settings"]["seeds_per_prompt"] == 2
     for label in ("area", "verifier"):
         assert result["rewards"][label]["n"] == 6

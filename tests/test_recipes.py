@@ -89,6 +89,7 @@ def test_every_recipe_key_is_documented():
         (["kernel.a=0.0"], "no trainable transition"),
         (["train.adam_betas=[0.9, 1.0]"], "adam_betas must be two numbers in [0, 1)"),
         (["train.adam_betas=[0.9]"], "adam_betas must be two numbers in [0, 1)"),
+        (["log.eval_steps=1"], "[log].eval_steps: eval_steps = 1: a sampling schedule needs at least 2 steps"),
     ],
 )
 def test_settings_the_engine_cannot_train_fail_validation(overrides, message):

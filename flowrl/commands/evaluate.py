@@ -193,7 +193,7 @@ def evaluate(
     num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", min=0, help="Use the first N prompts of the pool (0 = all; default: the run's own evaluation prompts).")] = None,
     seeds: Annotated[Optional[int], typer.Option("--seeds", min=1, help="Images per prompt (default: the run's eval_seeds, else 1).")] = None,
     seed: SeedOpt = None,
-    steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Sampling steps (default: the recipe's).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Sampling steps (default: the recipe's [log].eval_steps, else its [sampler].steps).")] = None,
     schedule: ScheduleOpt = "auto",
     hybrid_steps: Annotated[int, typer.Option("--hybrid-steps", min=0, help="First K steps from the trained model, the rest from the base.")] = 0,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Images per batch (default: the run's evaluation batch, else 8).")] = None,
@@ -216,6 +216,8 @@ def evaluate(
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
     path = output or default_eval_path(src, name, custom)
     rewards = build_rewards(src, list(reward or []))
+    if steps is None and src.from_recipe and src.recipe.log.eval_steps:
+        steps = src.recipe.log.eval_steps  # the run's own evaluation, reproduced
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
     plan = plan_evaluation(prompt, prompts, num_prompts, seeds, batch_size, src, policy, base_seed)

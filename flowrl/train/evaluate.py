@@ -105,7 +105,7 @@ class RunEvaluator:
             if self.lockstep:  # every forward of a sharded denoiser is a collective: sample alongside, unscored,
                 # with this process's EMA shards swapped in too (else the gathered weights would mix EMA and live)
                 with self.ema.swapped_in() if self.ema is not None else nullcontext():
-                    evaluate(session.model, session.sampler.sigmas, [], self.prompts, recipe.prompts.eval_seeds,
+                    evaluate(session.model, session.eval_sigmas, [], self.prompts, recipe.prompts.eval_seeds,
                              recipe.run.seed, session.cache, recipe.train.micro_batch_size * 4)
             return {}
         images: list[torch.Tensor] = []
@@ -114,7 +114,7 @@ class RunEvaluator:
             images.append((x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
 
         with self.ema.swapped_in() if self.ema is not None else nullcontext():
-            scores = evaluate(session.model, session.sampler.sigmas, session.components.rewards, self.prompts,
+            scores = evaluate(session.model, session.eval_sigmas, session.components.rewards, self.prompts,
                               recipe.prompts.eval_seeds, recipe.run.seed, session.cache,
                               recipe.train.micro_batch_size * 4, on_images=keep)
         self.outputs.write_eval_grids(iteration, self.prompts, torch.cat(images).float() / 255, scores, final)

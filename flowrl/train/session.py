@@ -10,6 +10,7 @@ weights into the model (attaching the LoRA first when the run trained one).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import dataclasses
 from collections import OrderedDict
@@ -196,6 +197,15 @@ class Session:
     @property
     def model(self):
         return self.components.model
+
+    @functools.cached_property
+    def eval_sigmas(self) -> torch.Tensor:
+        """The evaluation's sigmas: ``[log].eval_steps`` of the recipe's schedule, or the
+        training sampler's own when it is 0."""
+        steps = self.recipe.log.eval_steps
+        if not steps or steps == self.recipe.sampler.steps:
+            return self.sampler.sigmas
+        return self.components.schedule.sigmas(steps, self.model).to(device=self.device, dtype=torch.float32)
 
     def load_policy(self, checkpoint: Path) -> None:
         """Load a checkpoint's trained weights for inference: the LoRA is attached first when the
