@@ -231,6 +231,13 @@ class SamplerConfig:
         0, "branch_advantage = 'tree': width pruning, BranchGRPO-style: below the last split only the branch_keep "
         "leaves of each group with the largest |advantage| are trained (the others' transitions there get "
         "advantage 0 and cost nothing on-policy); 0 = every leaf.", min=0)
+    branch_prune_steps: list[int] = param(
+        [], "branch_advantage = 'tree': depth pruning, BranchGRPO-style: the sampling steps whose transitions are "
+        "not trained (advantage 0: no forward on-policy); sampling and rewards are unchanged. Strictly "
+        "increasing, in [0, steps). Empty = none.", min=0, max=10_000)
+    branch_prune_slide: int = param(
+        0, "With branch_prune_steps: every this many iterations the pruned steps move one step earlier, until the "
+        "earliest is the last of branch_steps (a sliding window over the leaf segment); 0 = they stay.", min=0)
     branch_fusion: Literal["mean", "probability"] = param(
         "mean", "branch_advantage = 'tree': a node's value is the mean of its leaves ('mean'), or at each split "
         "the children weighted by the softmax of their transitions' rollout log-probs ('probability').")
@@ -244,6 +251,17 @@ class SamplerConfig:
         if self.branch_keep and self.branch_advantage != "tree":
             raise ValueError("branch_keep prunes the leaves of a tree advantage: set branch_advantage = 'tree' too, "
                              "or branch_keep = 0")
+        if self.branch_prune_steps:
+            if self.branch_advantage != "tree":
+                raise ValueError("branch_prune_steps prunes depths of a tree advantage: set branch_advantage = 'tree' "
+                                 "too, or branch_prune_steps = []")
+            p = self.branch_prune_steps
+            if any(b <= a for a, b in zip(p, p[1:])) or p[-1] >= self.steps:
+                raise ValueError(f"branch_prune_steps must be strictly increasing steps in [0, steps = {self.steps}), "
+                                 f"got {p}")
+        elif self.branch_prune_slide:
+            raise ValueError("branch_prune_slide slides the pruned steps: set branch_prune_steps too, "
+                             "or branch_prune_slide = 0")
         if self.branch_advantage == "tree" and not self.branch_steps:
             raise ValueError("branch_advantage = 'tree' needs branch rollouts: set branch_steps and branch_factors, "
                              "or branch_advantage = 'leaf'")

@@ -28,7 +28,7 @@ from flowrl.sampling.schedules import validate_sigmas
 from flowrl.sampling.trajectory import Trajectory
 
 __all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout", "node_blocks",
-           "first_of_block", "tree_advantages", "prune_leaves", "steps_of_highest_dynamics", "FUSIONS"]
+           "first_of_block", "tree_advantages", "prune_leaves", "pruned_steps", "steps_of_highest_dynamics", "FUSIONS"]
 
 #: How the rewards of a node's leaves fuse into the node's value (:func:`tree_advantages`).
 FUSIONS = ("mean", "probability")
@@ -232,6 +232,17 @@ def tree_advantages(leaf: torch.Tensor, blocks: Sequence[int], *, fusion: str = 
         if std > min_std:
             out[:, i] = ((nodes - nodes.mean()) / std).repeat_interleave(b)
     return out.to(torch.float32)
+
+
+def pruned_steps(steps: Sequence[int], slide: int, iteration: int, stop: int) -> list[int]:
+    """Depth pruning: the sampling steps whose transitions go untrained at ``iteration``. The window
+    ``steps`` moves one step earlier every ``slide`` iterations (0: never) until its earliest step is
+    ``stop`` (the last branch step, so that it slides over the leaf segment only, where every sample
+    has transitions of its own); a window that starts above ``stop`` does not move."""
+    if not steps:
+        return []
+    shift = min(iteration // slide if slide else 0, max(0, steps[0] - stop))
+    return [s - shift for s in steps]
 
 
 def prune_leaves(tree: torch.Tensor, blocks: Sequence[int], keep: int) -> torch.Tensor:

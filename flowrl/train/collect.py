@@ -30,7 +30,7 @@ from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
 from ..errors import RecipeError
-from ..sampling.branching import branch_rollout, first_of_block, node_blocks, prune_leaves, tree_advantages
+from ..sampling.branching import branch_rollout, first_of_block, node_blocks, prune_leaves, pruned_steps, tree_advantages
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
@@ -240,22 +240,30 @@ def assign_advantages(run: Run, batch: Batch, num_chunks: int, record: dict) -> 
     offset = ctx.rank * geometry.samples_per_process
     batch.advantages = everyone[offset : offset + geometry.samples_per_process].to(session.device)
     record.update({f"advantage/{k}": x for k, x in summary_stats(everyone).items()})
-    if session.recipe.sampler.branch_advantage == "tree":
-        batch.advantages, distinct = tree_unit_advantages(session.recipe.sampler, batch, geometry.group_size)
-        record.update({f"advantage/tree/{k}": x for k, x in summary_stats(batch.advantages[distinct]).items()})
+    sampler = session.recipe.sampler
+    if sampler.branch_advantage == "tree":
+        batch.advantages, trained = tree_unit_advantages(sampler, batch, geometry.group_size)
+        record.update({f"advantage/tree/{k}": x for k, x in summary_stats(batch.advantages[trained]).items()})
+        if sampler.branch_prune_steps:
+            record["branch/prune_start"] = pruned_steps(sampler.branch_prune_steps, sampler.branch_prune_slide,
+                                                        batch.iteration, max(sampler.branch_steps))[0]
 
 
 def tree_unit_advantages(sampler, batch: Batch, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """BranchGRPO's tree advantage of every trainable transition of this process's samples (whole
     groups, as branch rollouts sample them), from the samples' own group advantages: ``[B, T]``
-    advantages, and the ``[B, T]`` mask of the distinct transitions. A transition several samples
+    advantages, and the ``[B, T]`` mask of the transitions trained. A transition several samples
     share is trained once, by the first sample of its block: its copies in the other samples get
     advantage 0, which the update skips (no forward on-policy) and which keeps every sample's
-    mean over its units, so each distinct transition weighs the same (:mod:`flowrl.sampling.branching`)."""
+    mean over its units, so each distinct transition weighs the same (:mod:`flowrl.sampling.branching`).
+    Width pruning (``branch_keep``) and depth pruning (``branch_prune_steps``) zero more of them."""
     traj = batch.trajectory
     blocks = node_blocks(traj.num_steps, sampler.branch_steps, sampler.branch_factors)
     positions = torch.nonzero(traj.trainable.cpu(), as_tuple=False).flatten()
     first = first_of_block(group_size, blocks)[:, positions]  # the same tree shape in every group
+    depth_pruned = pruned_steps(sampler.branch_prune_steps, sampler.branch_prune_slide, batch.iteration,
+                                max(sampler.branch_steps))
+    first &= ~torch.isin(positions, torch.tensor(depth_pruned, dtype=positions.dtype))[None, :]
     advantages = []
     for start in range(0, len(batch.indices), group_size):
         rows = slice(start, start + group_size)

@@ -60,6 +60,30 @@ def test_a_tree_advantage_trains_each_distinct_transition_once_and_prunes_leaves
         load_recipe(REPO / "recipes" / "quickstart_hacking.toml", [*SMALL, *BRANCH, *step, "sampler.branch_keep=2"])
 
 
+def test_depth_pruning_leaves_the_pruned_steps_untrained_and_slides_the_window(tmp_path):
+    """branch_prune_steps = [12, 13, 14], sliding every iteration: the update skips those steps'
+    transitions (4 leaves a group, 2 groups: 8 forwards a step fewer than the tree without
+    pruning), and the window starts one step earlier at each iteration."""
+    step = ["chunker.use='step'", "selector.use='all'", "train.iterations=2", "sampler.branch_advantage='tree'"]
+    recipe = load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
+                         [*SMALL, *BRANCH, *step, "sampler.branch_prune_steps=[12, 13, 14]",
+                          "sampler.branch_prune_slide=1", f"run.output_dir={str(tmp_path / 'pruned')!r}"])
+    rows = read_metrics(train(recipe, console=quiet_console()))
+    trained = node_blocks(recipe.sampler.steps, [2, 6], [2, 2])[1:-1]
+    distinct = 2 * sum(0 if b == 4 else 4 // b for b in trained)  # the tree without pruning
+    assert [r["branch/prune_start"] for r in rows] == [12, 11]
+    for row in rows:
+        assert row["compute/update/forward"] == row["compute/update/backward"] == distinct - 3 * 8, row
+        assert row["compute/ratio"] == 1.0
+    for extra, match in [(["sampler.branch_advantage='leaf'"], "set branch_advantage = 'tree'"),
+                         (["sampler.branch_prune_steps=[5, 5]"], "strictly increasing"),
+                         (["sampler.branch_prune_steps=[]"], "set branch_prune_steps too")]:
+        with pytest.raises(RecipeError, match=match):
+            load_recipe(REPO / "recipes" / "quickstart_hacking.toml",
+                        [*SMALL, *BRANCH, *step, "sampler.branch_prune_steps=[12]", "sampler.branch_prune_slide=1",
+                         *extra])
+
+
 def test_branch_steps_from_a_dynamics_profile_are_filled_in_and_kept_in_the_run_recipe():
     from flowrl.dynamics.profile_file import read_profile, trainable_curve
     from flowrl.recipe import validate

@@ -11,6 +11,7 @@ from flowrl.sampling.branching import (
     live_rows_per_step,
     node_blocks,
     prune_leaves,
+    pruned_steps,
     steps_of_highest_dynamics,
     tree_advantages,
 )
@@ -221,6 +222,15 @@ def test_width_pruning_trains_the_tails_of_the_strongest_leaves_only():
     assert torch.equal(pruned[:, :2], tree[:, :2])  # above the last split nothing changes
     assert pruned[:, 2].tolist() == [tree[0, 2].item(), 0.0, 0.0, tree[3, 2].item()]
     assert torch.equal(prune_leaves(tree, blocks, keep=0), tree) and torch.equal(prune_leaves(tree, blocks, keep=4), tree)
+
+
+def test_depth_pruning_slides_one_step_earlier_per_interval_and_stops_at_the_last_split():
+    # by hand: window [13, 14, 15], one step earlier every 2 iterations, never before step 10
+    assert [pruned_steps([13, 14, 15], 2, it, 10) for it in (0, 1, 2, 3, 4, 6, 100)] == [
+        [13, 14, 15], [13, 14, 15], [12, 13, 14], [12, 13, 14], [11, 12, 13], [10, 11, 12], [10, 11, 12]]
+    assert pruned_steps([13, 14], 0, 50, 10) == [13, 14]  # slide 0: fixed
+    assert pruned_steps([4, 9], 1, 7, 6) == [4, 9]  # starts above the last split: stays
+    assert pruned_steps([], 1, 7, 6) == []
 
 
 def test_branch_steps_go_where_the_dynamics_are_highest():
