@@ -29,7 +29,11 @@ as the reward, 33 steps with the SDE in the first 16, lr 5e-5, 2 passes per roll
 - another objective: ``nft`` (DiffusionNFT as ``recipes/quickstart.toml`` runs it: ODE rollouts by
   the second-order ``dpm2m`` solver, the flow-matching loss at 8 timesteps, beta 1, one pass per
   rollout, each sample of a group from its own starting noise, since an ODE rollout adds none) on
-  the study's 33-step schedule, so its held-out evaluation is the others' own.
+  the study's 33-step schedule, so its held-out evaluation is the others' own; ``nft_fast``
+  (the same with 10-step rollouts, DiffusionNFT's own count: its objective needs no SDE and no
+  particular solver, so the rollout may use fewer steps than the evaluation, which stays at 33
+  through ``[log].eval_steps``) and ``nft_fast4`` (``nft_fast`` trained at 4 timesteps per sample
+  instead of 8).
 
 Measured per run, from its ``metrics.jsonl``: the held-out verifier at every evaluation
 (``--eval-every`` iterations; 18 held-out prompts x 4 noises, ODE sampling), the train time up to
@@ -114,6 +118,8 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
             [*NFT]),
     "nft_fast": ("DiffusionNFT with 10-step rollouts (its paper's count; any solver serves it), evaluated at 33",
                  [*NFT, *NFT_FAST]),
+    "nft_fast4": ("nft_fast trained at 4 timesteps per sample instead of 8 (half the update)",
+                  [*NFT, *NFT_FAST, "loss.timesteps=4"]),
 }
 BASELINE = "flow_grpo"
 MAIN, SECOND = "verifier", "embedded_clip"
