@@ -199,6 +199,9 @@ def serve(conn, parent_pid: int, recipe, geometry, ctx, prompts, device: str, th
                 _send(conn, ("loaded", None))
             elif message[0] == "draw":
                 _send(conn, ("drawn", _draw(run, counter, prompts, message[1])))
+        except FlowrlError as error:  # e.g. a plan the first rollout refuses
+            _send(conn, ("refused", (type(error), error.message, error.where, error.hint)))
+            return
         except BaseException:
             _send(conn, ("error", traceback.format_exc()))
             return
