@@ -133,13 +133,23 @@ def test_branch_rollouts_refuse_groups_split_across_processes():
     assert refuse_split_trees(recipe, whole, SimpleNamespace(world_size=1)) is whole
 
 
+def tree_recipe(text: str) -> str:
+    """The tiny recipe (5 steps, T = 4, groups of 4) sampled as one tree per group, split at steps 1
+    and 2, with the tree advantage, width pruning to 2 leaves and a depth window from step 3 that
+    slides to step 2 after one iteration."""
+    return (text.replace("steps = 5\n", "steps = 5\nbranch_steps = [1, 2]\nbranch_factors = [2, 2]\n"
+                         'branch_advantage = "tree"\nbranch_keep = 2\nbranch_prune_steps = [3]\nbranch_prune_slide = 1\n')
+            .replace('use = "fixed"\nsize = 2', 'use = "step"').replace('use = "uniform"\nfraction = 0.5', 'use = "all"'))
+
+
 def test_a_branch_run_resumes_exactly(tmp_path):
-    """The tree's noise is keyed by (seed, iteration, global sample index): nothing to checkpoint."""
+    """The tree's noise is keyed by (seed, iteration, global sample index) and the depth window
+    by the iteration: nothing to checkpoint. Interrupted after iteration 1 (the window has moved)."""
     from engine_helpers import TINY_RECIPE, InterruptAt, assert_records_close, assert_weights_close, final_weights, load, write_recipe
 
     from flowrl.plugins import temporary_plugin
 
-    text = TINY_RECIPE.replace("steps = 5\n", "steps = 5\nbranch_steps = [1, 3]\nbranch_factors = [2, 2]\n")
+    text = tree_recipe(TINY_RECIPE)
     (tmp_path / "ref").mkdir()
     recipe_path = write_recipe(tmp_path / "ref", text)
     ref_dir = train(load(recipe_path, f"run.output_dir={str(tmp_path / 'ref' / 'run')!r}"), console=quiet_console())
@@ -162,3 +172,26 @@ def test_branch_rollouts_refuse_a_window_plan_at_the_first_rollout(tmp_path):
                          [*SMALL, *BRANCH, "train.iterations=1", f"run.output_dir={str(tmp_path / 'run')!r}"])
     with pytest.raises(RecipeError, match="plans its own windows"):
         train(recipe, console=quiet_console())
+
+
+def test_two_processes_draw_and_train_the_trees_of_one(tmp_path):
+    """Branch rollouts with the tree advantage and both prunings: 2 processes, one group each,
+    equal 1 process with both groups, with evaluation, grids and checkpoints on."""
+    from engine_helpers import (
+        TINY_RECIPE, assert_records_close, assert_weights_close, final_weights, load, run_cli, write_recipe)
+
+    recipe = write_recipe(tmp_path, tree_recipe(TINY_RECIPE))
+    sets = ["train.iterations=2", "log.eval_every=1", "prompts.num_eval=2", "log.image_every=1", "checkpoint.every=1"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    args = [a for s in (*sets, "distributed.strategy='ddp'") for a in ("--set", s)]
+    proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    rec2, rec1 = read_metrics(two), read_metrics(one)
+    assert [r["branch/prune_start"] for r in rec1 if "lr" in r] == [3, 2]
+    assert len(rec2) == len(rec1) and all(r["compute/rollout/saved"] > 0 for r in rec1 if "lr" in r)
+    for a, b in zip(rec2, rec1):
+        a.pop("world_size", None), b.pop("world_size", None)
+        assert_records_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_weights_close(final_weights(two), final_weights(one), atol=1e-6)
+    assert list(two.rglob("*.png"))

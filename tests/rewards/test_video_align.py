@@ -139,10 +139,16 @@ def test_batch_size_and_order_invariant(reward):
 
 
 def test_deterministic_across_calls_and_loads(reward, tiny_va):
+    """The same clips give the same scores bit for bit on a second call and after a fresh load. A
+    load with another batch size agrees to float rounding, as every reward's does
+    (test_batch_size_and_order_invariant): with transformers 5.24.0 the backbone's batches of 1 and
+    of 2 differ in the last bits (with the version CI installed before, they agreed bit for bit)."""
     videos = clips(2, seed=3)
     first = reward(videos, PROMPTS[:2]).scores
     assert torch.equal(reward(videos, PROMPTS[:2]).scores, first)
-    assert torch.equal(build(tiny_va, fps=8.0, batch_size=1)(videos, PROMPTS[:2]).scores, first)
+    assert torch.equal(build(tiny_va, fps=8.0, batch_size=4)(videos, PROMPTS[:2]).scores, first)
+    torch.testing.assert_close(build(tiny_va, fps=8.0, batch_size=1)(videos, PROMPTS[:2]).scores, first,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_scores_depend_on_the_prompt_and_the_clip(reward):
