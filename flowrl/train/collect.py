@@ -243,7 +243,10 @@ def assign_advantages(run: Run, batch: Batch, num_chunks: int, record: dict) -> 
     sampler = session.recipe.sampler
     if sampler.branch_advantage == "tree":
         batch.advantages, trained = tree_unit_advantages(sampler, batch, geometry.group_size)
-        record.update({f"advantage/tree/{k}": x for k, x in summary_stats(batch.advantages[trained]).items()})
+        # over every process's groups, as the advantages above (each process holds [B, T] of them)
+        every_tree = distributed.all_gather_cat(batch.advantages.cpu(), ctx)
+        every_trained = distributed.all_gather_cat(trained.cpu(), ctx)
+        record.update({f"advantage/tree/{k}": x for k, x in summary_stats(every_tree[every_trained]).items()})
         if sampler.branch_prune_steps:
             record["branch/prune_start"] = pruned_steps(sampler.branch_prune_steps, sampler.branch_prune_slide,
                                                         batch.iteration, max(sampler.branch_steps))[0]

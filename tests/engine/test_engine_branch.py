@@ -181,7 +181,9 @@ def test_two_processes_draw_and_train_the_trees_of_one(tmp_path):
         TINY_RECIPE, assert_records_close, assert_weights_close, final_weights, load, run_cli, write_recipe)
 
     recipe = write_recipe(tmp_path, tree_recipe(TINY_RECIPE))
-    sets = ["train.iterations=2", "log.eval_every=1", "prompts.num_eval=2", "log.image_every=1", "checkpoint.every=1"]
+    # one optimizer step per pass: with more, each step's samples depend on the layout (loop.py)
+    sets = ["train.iterations=2", "train.optimizer_steps_per_update=1", "log.eval_every=1", "prompts.num_eval=2",
+            "log.image_every=1", "checkpoint.every=1"]
     two, one = tmp_path / "two", tmp_path / "one"
     args = [a for s in (*sets, "distributed.strategy='ddp'") for a in ("--set", s)]
     proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
