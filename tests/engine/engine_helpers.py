@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
 
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 
 from flowrl import hookimpl
 from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -227,6 +229,30 @@ def run_forked_workers(args: list[str], num_processes: int, timeout: float = 120
 
     return fork_workers(flowrl_main, num_processes, timeout=timeout, env=dict(COLUMNS="200", **(env or {})),
                         cwd=REPO, argv=["flowrl", *map(str, args)])
+
+
+def two_processes_and_one(recipe: Path, sets: Sequence[str], root: Path, *, two_only: Sequence[str] = (),
+                          timeout: float = 600) -> tuple[Path, Path]:
+    """``recipe`` with ``sets`` trained by 2 DDP processes (with ``two_only`` as well, e.g. their
+    rollout processes) into ``root / "two"`` and by 1 process into ``root / "one"``."""
+    two, one = root / "two", root / "one"
+    args = [a for s in (*sets, *two_only, "distributed.strategy='ddp'") for a in ("--set", s)]
+    proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    from flowrl.train import train
+
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    return two, one
+
+
+def assert_same_run(two: Path, one: Path, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Every metrics row (but the world size) and the final weights of two runs agree."""
+    rec2, rec1 = read_metrics(two), read_metrics(one)
+    assert len(rec2) == len(rec1)
+    for a, b in zip(rec2, rec1):
+        a.pop("world_size", None), b.pop("world_size", None)
+        assert_records_close(a, b, rtol=rtol, atol=atol)
+    assert_weights_close(final_weights(two), final_weights(one), atol=atol)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

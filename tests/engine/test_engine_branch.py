@@ -177,23 +177,15 @@ def test_branch_rollouts_refuse_a_window_plan_at_the_first_rollout(tmp_path):
 def test_two_processes_draw_and_train_the_trees_of_one(tmp_path):
     """Branch rollouts with the tree advantage and both prunings: 2 processes, one group each,
     equal 1 process with both groups, with evaluation, grids and checkpoints on."""
-    from engine_helpers import (
-        TINY_RECIPE, assert_records_close, assert_weights_close, final_weights, load, run_cli, write_recipe)
+    from engine_helpers import TINY_RECIPE, assert_same_run, two_processes_and_one, write_recipe
 
     recipe = write_recipe(tmp_path, tree_recipe(TINY_RECIPE))
     # one optimizer step per pass: with more, each step's samples depend on the layout (loop.py)
     sets = ["train.iterations=2", "train.optimizer_steps_per_update=1", "log.eval_every=1", "prompts.num_eval=2",
             "log.image_every=1", "checkpoint.every=1"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    args = [a for s in (*sets, "distributed.strategy='ddp'") for a in ("--set", s)]
-    proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
-    rec2, rec1 = read_metrics(two), read_metrics(one)
+    two, one = two_processes_and_one(recipe, sets, tmp_path)
+    rec1 = read_metrics(one)
     assert [r["branch/prune_start"] for r in rec1 if "lr" in r] == [3, 2]
-    assert len(rec2) == len(rec1) and all(r["compute/rollout/saved"] > 0 for r in rec1 if "lr" in r)
-    for a, b in zip(rec2, rec1):
-        a.pop("world_size", None), b.pop("world_size", None)
-        assert_records_close(a, b, rtol=1e-4, atol=1e-6)
-    assert_weights_close(final_weights(two), final_weights(one), atol=1e-6)
+    assert all(r["compute/rollout/saved"] > 0 for r in rec1 if "lr" in r)
+    assert_same_run(two, one)
     assert list(two.rglob("*.png"))

@@ -21,14 +21,13 @@ import pytest
 import torch
 from engine_helpers import (
     TINY_RECIPE,
-    InterruptAt,
-    assert_records_close,
-    assert_weights_close,
+    assert_same_run,
     comparable,
     final_weights,
+    InterruptAt,
     load,
     quiet_console,
-    run_cli,
+    two_processes_and_one,
     write_recipe,
 )
 from safetensors.torch import load_file
@@ -112,17 +111,9 @@ def test_two_processes_equal_one(tmp_path):
     recipe = write_recipe(tmp_path, TINY_RECIPE.replace('use = "area"', 'use = "brightness"'))
     # one optimizer step per pass: with more, which samples share a step depends on the layout (loop.py)
     sets = [*SHORT, *ON, "train.iterations=2", "train.optimizer_steps_per_update=1"]
-    two, one = tmp_path / "two", tmp_path / "one"
-    args = [a for s in (*sets, "distributed.strategy='ddp'") for a in ("--set", s)]
-    proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
-    rec2, rec1 = read_metrics(two), read_metrics(one)
-    assert [r["replay/rollouts"] for r in rec1 if "lr" in r] == [0, 1]
-    for a, b in zip(rec2, rec1):
-        a.pop("world_size", None), b.pop("world_size", None)
-        assert_records_close(a, b, rtol=1e-4, atol=1e-6)
-    assert_weights_close(final_weights(two), final_weights(one), atol=1e-6)
+    two, one = two_processes_and_one(recipe, sets, tmp_path)
+    assert [r["replay/rollouts"] for r in read_metrics(one) if "lr" in r] == [0, 1]
+    assert_same_run(two, one)
     # the buffer's checkpoint is the same global batch, whoever wrote it
     got, want = (load_file(str(latest_checkpoint(d) / "replay.safetensors")) for d in (two, one))
     assert sorted(got) == sorted(want)
