@@ -12,6 +12,7 @@ The result is a :class:`Batch`, which the update consumes as it is.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -242,31 +243,33 @@ def assign_advantages(run: Run, batch: Batch, num_chunks: int, record: dict) -> 
     record.update({f"advantage/{k}": x for k, x in summary_stats(everyone).items()})
     sampler = session.recipe.sampler
     if sampler.branch_advantage == "tree":
-        batch.advantages, trained = tree_unit_advantages(sampler, batch, geometry.group_size)
+        pruned = pruned_steps(sampler.branch_prune_steps, sampler.branch_prune_slide, batch.iteration,
+                              max(sampler.branch_steps))
+        batch.advantages, kept = tree_unit_advantages(sampler, batch, geometry.group_size, pruned)
         # over every process's groups, as the advantages above (each process holds [B, T] of them)
         every_tree = distributed.all_gather_cat(batch.advantages.cpu(), ctx)
-        every_trained = distributed.all_gather_cat(trained.cpu(), ctx)
-        record.update({f"advantage/tree/{k}": x for k, x in summary_stats(every_tree[every_trained]).items()})
-        if sampler.branch_prune_steps:
-            record["branch/prune_start"] = pruned_steps(sampler.branch_prune_steps, sampler.branch_prune_slide,
-                                                        batch.iteration, max(sampler.branch_steps))[0]
+        every_kept = distributed.all_gather_cat(kept.cpu(), ctx)
+        record.update({f"advantage/tree/{k}": x for k, x in summary_stats(every_tree[every_kept]).items()})
+        if pruned:
+            record["branch/prune_start"] = pruned[0]
 
 
-def tree_unit_advantages(sampler, batch: Batch, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_unit_advantages(sampler, batch: Batch, group_size: int,
+                         pruned: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """BranchGRPO's tree advantage of every trainable transition of this process's samples (whole
     groups, as branch rollouts sample them), from the samples' own group advantages: ``[B, T]``
-    advantages, and the ``[B, T]`` mask of the transitions trained. A transition several samples
+    advantages, and the ``[B, T]`` mask of the distinct transitions outside the depth-pruned steps
+    ``pruned`` (:func:`~flowrl.sampling.branching.pruned_steps`). A transition several samples
     share is trained once, by the first sample of its block: its copies in the other samples get
     advantage 0, which the update skips (no forward on-policy) and which keeps every sample's
     mean over its units, so each distinct transition weighs the same (:mod:`flowrl.sampling.branching`).
-    Width pruning (``branch_keep``) and depth pruning (``branch_prune_steps``) zero more of them."""
+    Depth-pruned transitions get 0 too, and width pruning (``branch_keep``) zeroes the weaker
+    leaves' inside the mask."""
     traj = batch.trajectory
     blocks = node_blocks(traj.num_steps, sampler.branch_steps, sampler.branch_factors)
     positions = torch.nonzero(traj.trainable.cpu(), as_tuple=False).flatten()
     first = first_of_block(group_size, blocks)[:, positions]  # the same tree shape in every group
-    depth_pruned = pruned_steps(sampler.branch_prune_steps, sampler.branch_prune_slide, batch.iteration,
-                                max(sampler.branch_steps))
-    first &= ~torch.isin(positions, torch.tensor(depth_pruned, dtype=positions.dtype))[None, :]
+    first &= ~torch.isin(positions, torch.tensor(list(pruned), dtype=positions.dtype))[None, :]
     advantages = []
     for start in range(0, len(batch.indices), group_size):
         rows = slice(start, start + group_size)

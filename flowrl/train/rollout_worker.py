@@ -181,7 +181,7 @@ def serve(conn, parent_pid: int, recipe, geometry, ctx, prompts, device: str, th
         params = dict(run.session.model.denoiser.named_parameters())
         _send(conn, ("ready", None))
     except FlowrlError as error:  # a refusal (a backend or extra this device lacks): the learner's to report
-        _send(conn, ("refused", (type(error), error.message, error.where, error.hint)))
+        _send(conn, _refusal(error))
         return
     except BaseException:
         _send(conn, ("error", traceback.format_exc()))
@@ -200,11 +200,16 @@ def serve(conn, parent_pid: int, recipe, geometry, ctx, prompts, device: str, th
             elif message[0] == "draw":
                 _send(conn, ("drawn", _draw(run, counter, prompts, message[1])))
         except FlowrlError as error:  # e.g. a plan the first rollout refuses
-            _send(conn, ("refused", (type(error), error.message, error.where, error.hint)))
+            _send(conn, _refusal(error))
             return
         except BaseException:
             _send(conn, ("error", traceback.format_exc()))
             return
+
+
+def _refusal(error: FlowrlError) -> tuple:
+    """The message that has the learner raise ``error`` again (:meth:`RolloutProcess._answer`)."""
+    return "refused", (type(error), error.message, error.where, error.hint)
 
 
 def _build(recipe, geometry, ctx, device: torch.device):
