@@ -27,12 +27,12 @@ import pytest
 import torch
 from engine_helpers import (
     TINY_RECIPE,
+    InterruptAt,
     assert_records_close,
     assert_same_run,
     assert_weights_close,
     comparable,
     final_weights,
-    InterruptAt,
     load,
     quiet_console,
     two_processes_and_one,

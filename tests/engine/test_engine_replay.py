@@ -21,10 +21,10 @@ import pytest
 import torch
 from engine_helpers import (
     TINY_RECIPE,
+    InterruptAt,
     assert_same_run,
     comparable,
     final_weights,
-    InterruptAt,
     load,
     quiet_console,
     two_processes_and_one,
