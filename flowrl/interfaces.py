@@ -107,6 +107,30 @@ class HasReferencePolicy(Protocol):
         ``[train].reference_on_cpu``) instead of a whole copy on every GPU."""
 
 
+@dataclasses.dataclass(frozen=True)
+class BenchmarkSuite:
+    """A benchmark a model carries with it (``flowrl eval --suite NAME``): its prompts, how many
+    images of each, each prompt's category, and the scorer (``score(images, prompts)`` -> one
+    :class:`flowrl.geneval.PromptScore` per image, whose ``strict`` verdicts make the table)."""
+
+    name: str
+    prompts: list[str]
+    images_per_prompt: list[int]
+    categories: list[str]
+    score: Callable[[torch.Tensor, list[str]], list]
+    steps: int | None = None  # the benchmark's sampling steps (None: the recipe's)
+    description: str = ""
+
+
+@runtime_checkable
+class HasBenchmarkSuites(Protocol):
+    """An adapter that ships benchmarks of its own world (the compositional embedded model: GenEval
+    over its held-out prompts, scored by its embedded detector)."""
+
+    def benchmark_suite(self, name: str) -> BenchmarkSuite | None:
+        """The suite called ``name``, or None when the model has none by that name."""
+
+
 @runtime_checkable
 class DeclaresTimestep(Protocol):
     """An adapter whose network's time runs differently from sigma (Z-Image: ``t = 1 - sigma``)

@@ -33,6 +33,9 @@ CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shi
            # the embedded video model's rewards read its grammar
            ("reward", "video_verifier"): {"prompts": ["a red circle moving left on a blue background"] * 3},
            ("reward", "video_motion"): {"prompts": ["a red circle moving left on a blue background"] * 3},
+           # the compositional world's rewards read its grammar
+           ("reward", "compose_geneval"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
+           ("reward", "compose_geneval_strict"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            # a reward that scores latents reads its model's (the embedded model's packed [64, 48])
            ("reward", "latent_verifier"): {"latents": torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(2))}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")
@@ -72,7 +75,7 @@ def test_every_optional_protocol_is_exercised_by_a_builtin():
     claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard and wandb trackers (checked above when installed)
     model_protocols = {"ModelAdapter", "HasReferencePolicy", "CountsForwards", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
                        "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory", "HasShardableBlocks",
-                       "RewardPlacement", "Reward", "TakesConditionImage",
+                       "RewardPlacement", "Reward", "TakesConditionImage", "HasBenchmarkSuites",
                            "EncodesImages"}  # checked by flowrl.testing.conformance and the plan tests
     protocols = {name for name, obj in vars(interfaces).items()
                  if inspect.isclass(obj) and obj is not Protocol and getattr(obj, "_is_protocol", False)}

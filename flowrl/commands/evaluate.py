@@ -201,11 +201,20 @@ def evaluate(
     name: Annotated[Optional[str], typer.Option("--name", help="Result name: <checkpoint>.<name>.json (default: eval; other prompts, seeds or settings: the next <checkpoint>.adhoc-N.json).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="JSON path (default: beside the checkpoint).")] = None,
     save_images: Annotated[Optional[Path], typer.Option("--save-images", help="Also write the PNGs to this directory.")] = None,
+    suite: Annotated[Optional[str], typer.Option("--suite", help="A benchmark the model carries (geneval): its prompts, images per prompt and scorer, tabulated per category and overall.")] = None,
 ) -> None:
     """Score a checkpoint as the run evaluates it (or given prompts and seeds); JSON beside it."""
     from .inference import prepare, resolve_sigmas
 
     start_time = time.perf_counter()
+    if suite is not None:
+        return run_suite(suite, source, set_, model, checkpoint, seed, steps, schedule, batch_size, device, name,
+                         output, save_images, conflicting={"--reward": bool(reward), "--prompt": bool(prompt),
+                                                           "--prompts": prompts is not None,
+                                                           "--num-prompts": num_prompts is not None,
+                                                           "--seeds": seeds is not None,
+                                                           "--hybrid-steps": hybrid_steps > 0},
+                         start_time=start_time)
     check_arguments(source, model, reward, output)
     refuse_run_without_checkpoint(source, checkpoint)
     custom = custom_options({
@@ -282,3 +291,82 @@ def write_result(path: Path, result: dict) -> None:
     for label, stats in (result["rewards"] | result.get("artefacts", {})).items():
         console.print(f"{label}: {stats['mean']:.4f} +- {stats['sem']:.4f} (n = {stats['n']})")
     console.print(f"wrote {path}")
+
+
+def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule, batch_size, device, result_name,
+              output, save_images, conflicting: dict[str, bool], start_time: float) -> None:
+    """``flowrl eval --suite NAME``: the benchmark the model carries (:class:`flowrl.interfaces.BenchmarkSuite`),
+    sampled from fixed noise with deterministic ODE sampling, each image scored by the suite, and
+    GenEval's table (per category and overall, with standard errors) printed and written as JSON."""
+    from .. import geneval
+    from ..interfaces import HasBenchmarkSuites
+    from .inference import Item, generate, prepare, resolve_sigmas, save_png, shard
+
+    given = [flag for flag, was_given in conflicting.items() if was_given]
+    if given:
+        raise FlowrlError(f"--suite {name} brings its own prompts, images and scorer, so {', '.join(given)} "
+                          f"cannot be combined with it", where="--suite", hint=f"drop {', '.join(given)}")
+    if source is None and model is None:
+        raise FlowrlError("--suite needs what to evaluate", where="flowrl eval",
+                          hint=f"flowrl eval runs/my_run --suite {name}  or  "
+                               f"flowrl eval --model embedded_compose --suite {name} -o {name}.json")
+    if output is None and (source is None or Path(source).suffix == ".toml"):
+        raise FlowrlError("without a checkpoint there is nowhere beside it to write", where="-o",
+                          hint=f"pass -o {name}.json")
+    refuse_run_without_checkpoint(source, checkpoint)
+    src, dev, ctx, policy, _ = prepare(source, model, set_, checkpoint, device, 0)
+    bench = policy.benchmark_suite(name) if isinstance(policy, HasBenchmarkSuites) else None
+    if bench is None:
+        model_name = src.recipe.components["model"].use
+        raise FlowrlError(f"model '{model_name}' carries no '{name}' suite", where="--suite",
+                          hint="the compositional embedded model carries GenEval: "
+                               "flowrl eval --model embedded_compose --suite geneval -o geneval.json")
+    sigmas = resolve_sigmas(schedule, steps or bench.steps, src, policy).to(dev)
+    base_seed = seed if seed is not None else src.recipe.run.seed
+    items = [Item(0, i, p, k) for i, (p, n) in enumerate(zip(bench.prompts, bench.images_per_prompt)) for k in range(n)]
+    items = [dataclasses.replace(it, index=j) for j, it in enumerate(items)]
+    if save_images is not None:
+        Path(save_images).mkdir(parents=True, exist_ok=True)
+    records = []
+    for batch, images in generate(policy, shard(items, ctx.rank, ctx.world_size), sigmas, seed=base_seed,
+                                  batch_size=batch_size or 64):
+        verdicts = bench.score(images, [it.prompt for it in batch])
+        for it, verdict, image in zip(batch, verdicts, images):
+            records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
+                            "category": bench.categories[it.prompt_index], "seed_index": it.seed_index,
+                            "strict": bool(verdict.strict), "soft": float(verdict.soft),
+                            "reasons": list(verdict.reasons)})
+            if save_images is not None:
+                save_png(image, Path(save_images) / f"{it.prompt_index:05d}_{it.seed_index:02d}.png")
+    records = gather_records(records, ctx)
+    if not ctx.is_main:
+        return
+    from ..files import write_text_atomic
+    from ..train.checkpoint import checkpoint_iteration
+
+    table = geneval.summarise([r["category"] for r in records], [r["strict"] for r in records])
+    path = Path(output) if output is not None else default_eval_path(src, result_name or name, [])
+    result = {
+        "suite": name, "source": src.label, "checkpoint": str(src.checkpoint) if src.checkpoint else None,
+        "iteration": checkpoint_iteration(src.checkpoint), **table,
+        "soft": summarize([r["soft"] for r in records]),
+        "settings": {"model": src.recipe.components["model"].use, "steps": len(sigmas) - 1,
+                     "sigmas": sigmas.cpu().tolist(), "seed": base_seed, "images": len(records),
+                     "description": bench.description, "world_size": ctx.world_size},
+        "per_image": records, "elapsed_s": time.perf_counter() - start_time,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(result, indent=1))
+    console.print(suite_table(name, table), markup=False)
+    console.print(f"wrote {path}")
+
+
+def suite_table(name: str, table: dict) -> str:
+    """GenEval's table as text: each category's accuracy and standard error, then the overall."""
+    width = max(len(c) for c in [*table["categories"], "overall"])
+    lines = [f"{name}: accuracy ± standard error (n images)"]
+    for category, row in table["categories"].items():
+        lines.append(f"  {category:<{width}}  {row['mean']:.3f} ± {row['sem']:.3f}  (n = {row['n']})")
+    overall = table["overall"]
+    lines.append(f"  {'overall':<{width}}  {overall['mean']:.3f} ± {overall['sem']:.3f}  (mean of the categories)")
+    return "\n".join(lines)

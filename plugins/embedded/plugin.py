@@ -16,6 +16,8 @@ from flowrl.config import param
 
 from . import rewards, video_rewards
 from .adapter import EmbeddedAdapter
+from .compose import rewards as compose_rewards
+from .compose.model import EmbeddedComposeModel
 from .dataset import all_prompts
 from .latent_verifier import LatentVerifier
 from .network import EmbeddedT2I, decode, encode_images, load_pretrained, pack, unpack
@@ -59,6 +61,7 @@ class EmbeddedModel(EmbeddedAdapter):
 def register_models(register):
     register("embedded", EmbeddedModel)
     register("embedded_video", EmbeddedVideoModel)
+    register("embedded_compose", EmbeddedComposeModel)
 
 
 @hookimpl(trylast=True)
@@ -70,6 +73,10 @@ def register_rewards(register):
              help="Video: soft correctness of the clip's colours, shape and motion direction in [0, 1] (embedded_video).")
     register("video_motion", video_rewards.video_motion,
              help="Video: how far the clip moves in the prompt's direction, in [0, 1] (embedded_video).")
+    register("compose_geneval", compose_rewards.geneval_soft,
+             help="GenEval's soft per-prompt score on the compositional world (embedded detector; embedded_compose).")
+    register("compose_geneval_strict", compose_rewards.geneval_strict,
+             help="GenEval's per-prompt verdict, 1 or 0, on the compositional world (embedded_compose).")
     register("latent_verifier", LatentVerifier,
              help="The verifier's score estimated from the embedded model's latents (no decode; a head trained offline).")
 

@@ -1,0 +1,137 @@
+"""Scenes of the compositional world: several coloured shapes on a grey canvas, drawn from a
+prompt's metadata.
+
+- Canvas ``IMAGE_SIZE`` = 32 x 32 RGB in [0, 1], background mid-grey (``BACKGROUND``), the six
+  palette colours of the embedded model for objects.
+- An object is ``(shape, colour, cx, cy, r)``: half-size ``r`` uniform in [R_MIN, R_MAX] = [4, 5.5]
+  pixels (8-11 px across), its ``2r`` box at least ``GAP`` = 2 px from every other object's box and
+  1 px from the border, so objects never touch (two objects of one colour stay two).
+- Shapes: circle (disc of radius r), square (side 2r), triangle (upright, base 2r, height 2r), cross
+  (a plus sign in the 2r box, arms ``2 * CROSS_ARM * r`` wide).
+- A scene holds exactly what the prompt names (counting: n objects), colours drawn where the prompt
+  names none; a position prompt's two objects are placed until GenEval's own rule
+  (``flowrl.geneval.relative_position``) gives exactly the named relation.
+
+Deterministic for a ``torch.Generator``'s state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowrl.geneval import Detection, relative_position
+
+from ..dataset import COLOUR_NAMES, PALETTE
+from .grammar import SHAPES, metadata
+
+IMAGE_SIZE = 32
+BACKGROUND = (0.5, 0.5, 0.5)
+R_MIN, R_MAX = 4.0, 5.5
+GAP = 2.0
+CROSS_ARM = 0.4
+MAX_TRIES = 400
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    shape: str
+    colour: str
+    cx: float
+    cy: float
+    r: float
+
+    @property
+    def box(self) -> tuple[float, float, float, float]:
+        return (self.cx - self.r, self.cy - self.r, self.cx + self.r, self.cy + self.r)
+
+
+def shape_masks(shape_idx: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, r: torch.Tensor,
+                size: int = IMAGE_SIZE) -> torch.Tensor:
+    """Binary masks ``[N, size, size]`` (float) of N shapes (indices into ``SHAPES``) with per-shape
+    centres and half-sizes; pixel (row y, column x) is inside when its centre is."""
+    ys = torch.arange(size, dtype=torch.float32).view(1, size, 1)
+    xs = torch.arange(size, dtype=torch.float32).view(1, 1, size)
+    cx, cy, r = (torch.as_tensor(t, dtype=torch.float32).view(-1, 1, 1) for t in (cx, cy, r))
+    dx, dy = xs - cx, ys - cy
+    inside_box = (dx.abs() <= r) & (dy.abs() <= r)
+    masks = torch.stack([
+        dx * dx + dy * dy <= r * r,                                              # circle
+        inside_box,                                                              # square
+        (dy >= -r) & (dy <= r) & (2 * dx.abs() <= dy + r),                       # triangle, apex up
+        inside_box & ((dx.abs() <= CROSS_ARM * r) | (dy.abs() <= CROSS_ARM * r)),  # cross
+    ])  # [4, N, size, size]
+    sel = torch.as_tensor(shape_idx).view(1, -1, 1, 1).expand(1, -1, size, size)
+    return masks.gather(0, sel)[0].float()
+
+
+def _apart(boxes: list[tuple[float, float, float, float]], box) -> bool:
+    return all(box[0] - b[2] >= GAP or b[0] - box[2] >= GAP or box[1] - b[3] >= GAP or b[1] - box[3] >= GAP
+               for b in boxes)
+
+
+def _place(g: torch.Generator, radii: list[float]) -> list[tuple[float, float]] | None:
+    """Centres for boxes of half-sizes ``radii``, all apart and inside the canvas, or None."""
+    centres, boxes = [], []
+    for r in radii:
+        lo, hi = r + 0.5, IMAGE_SIZE - 1.5 - r
+        for _ in range(60):
+            cx, cy = (lo + (hi - lo) * torch.rand(2, generator=g)).tolist()
+            box = (cx - r, cy - r, cx + r, cy + r)
+            if _apart(boxes, box):
+                centres.append((cx, cy))
+                boxes.append(box)
+                break
+        else:
+            return None
+    return centres
+
+
+def scene(prompt: str, g: torch.Generator) -> list[SceneObject]:
+    """The objects of one ground-truth scene for ``prompt``."""
+    meta = metadata(prompt)
+    wanted = [(req["class"], req.get("color")) for req in meta["include"] for _ in range(req["count"])]
+    relation = next((req["position"][0] for req in meta["include"] if "position" in req), None)
+    for _ in range(MAX_TRIES):
+        radii = (R_MIN + (R_MAX - R_MIN) * torch.rand(len(wanted), generator=g)).tolist()
+        colours = torch.randint(0, len(COLOUR_NAMES), (len(wanted),), generator=g).tolist()
+        centres = _place(g, radii)
+        if centres is None:
+            continue
+        objects = [SceneObject(shape, colour or COLOUR_NAMES[c], cx, cy, r)
+                   for (shape, colour), c, (cx, cy), r in zip(wanted, colours, centres, radii)]
+        if relation is not None:
+            reference, subject = objects  # GenEval's order: the subject is placed relative to group 0
+            if relative_position(Detection(subject.shape, subject.box, 1.0),
+                                 Detection(reference.shape, reference.box, 1.0)) != {relation}:
+                continue
+        return objects
+    raise RuntimeError(f"could not place the objects of {prompt!r} in {MAX_TRIES} tries")
+
+
+def render(scenes: list[list[SceneObject]], size: int = IMAGE_SIZE) -> torch.Tensor:
+    """Images ``[B, 3, size, size]`` in [0, 1] of the scenes."""
+    objects = [(b, o) for b, objs in enumerate(scenes) for o in objs]
+    images = torch.tensor(BACKGROUND).view(1, 3, 1, 1).repeat(len(scenes), 1, size, size)
+    if not objects:
+        return images
+    idx = torch.tensor([b for b, _ in objects])
+    masks = shape_masks(torch.tensor([SHAPES.index(o.shape) for _, o in objects]),
+                        torch.tensor([o.cx for _, o in objects]), torch.tensor([o.cy for _, o in objects]),
+                        torch.tensor([o.r for _, o in objects]), size)
+    paint = PALETTE[[COLOUR_NAMES.index(o.colour) for _, o in objects]] - torch.tensor(BACKGROUND)
+    images.index_add_(0, idx, masks.unsqueeze(1) * paint.view(-1, 3, 1, 1))
+    return images
+
+
+def render_prompts(prompts: list[str], g: torch.Generator) -> torch.Tensor:
+    """Ground-truth images ``[B, 3, 32, 32]`` for ``prompts`` (random layout from ``g``)."""
+    return render([scene(p, g) for p in prompts])
+
+
+def sample_batch(prompts: list[str], batch_size: int, g: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    """A random batch ``(images, prompts)`` drawn uniformly from ``prompts``."""
+    idx = torch.randint(0, len(prompts), (batch_size,), generator=g).tolist()
+    chosen = [prompts[i] for i in idx]
+    return render_prompts(chosen, g), chosen

@@ -1,0 +1,88 @@
+"""`flowrl eval --suite geneval`: GenEval's table for a run of the compositional embedded model
+(trained on 2 prompts), for the registered model, and one clear message where no suite exists."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flowrl import cli, geneval
+from flowrl_plugins.embedded.compose.model import EmbeddedComposeModel
+from tiny_cli_recipe import tiny_recipe  # tests/cli/tiny_cli_recipe.py
+
+RECIPE = tiny_recipe(
+    "compose_suite", 5,
+    prompts='source = "prompts.txt"\nnum_eval = 2\neval_seeds = 1',
+    rewards='[[rewards]]\nuse = "compose_geneval"\n[[rewards]]\nuse = "compose_geneval_strict"\nweight = 0.0\n',
+).replace('use = "embedded"', 'use = "embedded_compose"')
+
+
+def _cli(argv, capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        cli.main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def compose_run(tmp_path_factory):
+    from rich.console import Console
+
+    from flowrl.recipe import load_recipe
+    from flowrl.train import train
+
+    root = tmp_path_factory.mktemp("compose_suite")
+    (root / "prompts.txt").write_text("a red circle and a blue square\ntwo crosses\n", encoding="utf-8")
+    (root / "recipe.toml").write_text(RECIPE, encoding="utf-8")
+    recipe = load_recipe(root / "recipe.toml", [f"run.output_dir={json.dumps(str(root / 'run'))}"])
+    return train(recipe, console=Console(file=open(root / "console.txt", "w"), width=200))
+
+
+def test_suite_of_a_run_writes_genevals_table_beside_its_checkpoint(compose_run, capsys, monkeypatch):
+    small = EmbeddedComposeModel.benchmark_suite
+
+    def two_per_category(self, name):  # the suite's design, on fewer images
+        suite = small(self, name)
+        keep = [i for i, c in enumerate(suite.categories) if c not in suite.categories[:i]][:6]
+        suite.prompts[:] = [suite.prompts[i] for i in keep]
+        suite.categories[:] = [suite.categories[i] for i in keep]
+        suite.images_per_prompt[:] = [2] * len(keep)
+        return suite
+
+    monkeypatch.setattr(EmbeddedComposeModel, "benchmark_suite", two_per_category)
+    code, out, err = _cli(["eval", str(compose_run), "--suite", "geneval"], capsys)
+    assert code == 0, err
+    result = json.loads((compose_run / "checkpoints" / "iter_000001.geneval.json").read_text())
+    assert set(result["categories"]) == set(geneval.TAGS)
+    for row in [*result["categories"].values(), result["overall"]]:
+        assert set(row) >= {"mean", "sem"} and 0.0 <= row["mean"] <= 1.0
+    assert result["categories"]["counting"]["n"] == 2 and len(result["per_image"]) == 12
+    means = [row["mean"] for row in result["categories"].values()]
+    assert result["overall"]["mean"] == pytest.approx(sum(means) / 6)
+    assert all(r["strict"] == (r["soft"] == 1.0) for r in result["per_image"])
+    assert result["iteration"] == 1 and result["settings"]["steps"] == 16
+    assert "overall" in out and "color_attr" in out
+
+
+def test_suite_of_the_registered_model_and_its_refusals(tmp_path, capsys):
+    out_json = tmp_path / "base.json"
+    argv = ["eval", "--model", "embedded_compose", "--set", "model.random_init=true", "--suite", "geneval",
+            "--steps", "2", "-o", str(out_json)]
+    code, out, err = _cli(argv, capsys)
+    assert code == 0, err
+    result = json.loads(out_json.read_text())
+    assert result["overall"]["n"] == len(result["per_image"]) == 312  # 48 a category, 72 colour attributions
+
+    code, _, err = _cli(["eval", "--model", "embedded", "--suite", "geneval", "-o", str(tmp_path / "x.json")], capsys)
+    assert code != 0 and "carries no 'geneval' suite" in err and "Traceback" not in err
+    code, _, err = _cli(["eval", "--model", "embedded_compose", "--suite", "geneval", "--reward", "area",
+                         "-o", str(tmp_path / "y.json")], capsys)
+    assert code != 0 and "--reward cannot be combined" in err
+    code, _, err = _cli(["eval", "--model", "embedded_compose", "--suite", "geneval"], capsys)
+    assert code != 0 and "-o" in err
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "y.json").exists()
