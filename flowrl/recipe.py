@@ -1240,10 +1240,30 @@ def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
                               hint="give an existing text file (one prompt a line), or 'model'")
         if not any(line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()):
             raise RecipeError(f"prompt file {path} holds no prompt", where=where)
+    _check_input_paths(recipe)
     _check_rewards_accept_prompts(recipe, registry)
     _check_data_table(recipe, registry)
     for i in range(len(recipe.trackers)):
         build_component(recipe, registry, "trackers", i)
+
+
+def _check_input_paths(recipe: Recipe) -> None:
+    """Every component's local input file (a param declared ``path=True``: weights, profiles,
+    checkpoints) exists, so a mistyped path is one message at validation, not a failure once the
+    component is built."""
+    tables = [(f"[{kind}]", choice) for kind, choice in recipe.components.items()]
+    tables += [(f"[[{section}]] #{i + 1} ({c.use})", c) for section, choices in (("rewards", recipe.rewards),
+                                                                             ("trackers", recipe.trackers))
+               for i, c in enumerate(choices)]
+    for where, choice in tables:
+        if not dataclasses.is_dataclass(choice.params):
+            continue
+        for f in dataclasses.fields(choice.params):
+            value = getattr(choice.params, f.name)
+            if f.metadata.get("path") is True and isinstance(value, str) and value and not Path(value).exists():
+                raise RecipeError(f"{f.name} not found: {value}", where=f"{recipe.source}: {where}.{f.name}",
+                                  hint="give an existing path (relative to the recipe file), or leave it empty "
+                                       "for the default")
 
 
 def _check_rewards_accept_prompts(recipe: Recipe, registry: Registry) -> None:

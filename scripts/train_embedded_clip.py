@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -30,15 +31,20 @@ from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR, EmbeddedClip, Embe
 from flowrl.testing.tiny_models import write_clip_tokenizer
 
 
-def build_model(seed: int):
-    """A small CLIPModel for 32x32 images (patch 4: 64 patches) and byte-level prompts."""
+def build_model(seed: int, prompts: list[str], max_length: int = 48):
+    """A small CLIPModel for 32x32 images (patch 4: 64 patches) and byte-level prompts, with its
+    tokenizer cut at ``max_length`` tokens; every prompt of ``prompts`` must fit whole."""
     ensure_torchvision_importable()
     from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
 
     tok_dir = Path(tempfile.mkdtemp(prefix="flowrl-clip-tok-"))
     vocab_size = write_clip_tokenizer(tok_dir)
     tokenizer = CLIPTokenizer(str(tok_dir / "vocab.json"), str(tok_dir / "merges.txt"))
-    tokenizer.model_max_length = 48  # the longest grammar prompt is 42 tokens
+    tokenizer.model_max_length = max_length
+    ids = tokenizer(prompts)["input_ids"]
+    longest = max(len(i) for i in ids)
+    if longest > max_length or tokenizer.unk_token_id in {t for i in ids for t in i}:
+        raise ValueError(f"prompts need {longest} tokens (max_length {max_length}) or hold unknown characters")
     text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=64, projection_dim=32, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -52,14 +58,31 @@ def _features(out):
     return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
-def train(out_dir: Path, steps: int, batch: int, lr: float, seed: int, log_every: int = 100) -> dict:
-    import shutil
+def corrupt(images: torch.Tensor, g: torch.Generator, noise_max: float = 0.25, blur_max: float = 0.0) -> torch.Tensor:
+    """Generated images are noisy and blurry: a Gaussian blur of random sd in [0, blur_max] pixels
+    (none, and no random numbers drawn, when ``blur_max`` is 0), then pixel noise of random sd in
+    [0, noise_max]; clamped to [0, 1]."""
+    batch = images.shape[0]
+    if blur_max > 0:
+        sigma = (torch.rand(batch, 1, generator=g) * blur_max).clamp(min=1e-3)
+        x = torch.arange(-2, 3, dtype=torch.float32).view(1, 5)
+        k = torch.exp(-0.5 * (x / sigma) ** 2)
+        k = (k / k.sum(1, keepdim=True)).repeat_interleave(images.shape[1], 0)  # [batch * C, 5]
+        flat = images.reshape(1, -1, *images.shape[2:])
+        flat = F.conv2d(F.pad(flat, (2, 2, 0, 0), mode="replicate"), k.view(-1, 1, 1, 5), groups=k.shape[0])
+        flat = F.conv2d(F.pad(flat, (0, 0, 2, 2), mode="replicate"), k.view(-1, 1, 5, 1), groups=k.shape[0])
+        images = flat.reshape(images.shape)
+    noise = torch.rand(batch, 1, 1, 1, generator=g) * noise_max
+    return (images + noise * torch.randn(images.shape, generator=g)).clamp(0, 1)
 
+
+def contrastive_train(model, tokenizer, prompts_all: list[str], sample, out_dir: Path, steps: int, batch: int, lr: float,
+                      seed: int, max_length: int = 48, blur_max: float = 0.0, log_every: int = 100) -> dict:
+    """Train ``model`` on ``sample(batch, generator) -> (images, prompts)`` (prompts from
+    ``prompts_all``), corrupted by :func:`corrupt`, and save it with its processor to ``out_dir``."""
     from transformers import CLIPImageProcessor, CLIPProcessor
 
-    model, tokenizer, tok_dir = build_model(seed)
-    prompts_all = D.all_prompts()
-    tok = tokenizer(prompts_all, padding="max_length", max_length=48, truncation=True, return_tensors="pt")
+    tok = tokenizer(prompts_all, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
     index = {p: i for i, p in enumerate(prompts_all)}
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * s / steps)))
@@ -68,16 +91,14 @@ def train(out_dir: Path, steps: int, batch: int, lr: float, seed: int, log_every
     history = []
     model.train()
     for step in range(steps):
-        images, prompts = D.sample_batch(batch, g)
-        # Generated images are noisy and blurry: train on corrupted copies too.
-        noise = torch.rand(batch, 1, 1, 1, generator=g) * 0.25
-        images = (images + noise * torch.randn(images.shape, generator=g)).clamp(0, 1)
+        images, prompts = sample(batch, g)
+        images = corrupt(images, g, blur_max=blur_max)
         ids = torch.tensor([index[p] for p in prompts])
         img = F.normalize(_features(model.get_image_features(pixel_values=normalise(images, OPENAI_MEAN, OPENAI_STD))), dim=-1)
         txt = F.normalize(_features(model.get_text_features(input_ids=tok["input_ids"], attention_mask=tok["attention_mask"])), dim=-1)
-        # Image -> all 90 prompts (no in-batch duplicates problem); prompt side: in-batch, with
+        # Image -> every prompt (no in-batch duplicates problem); prompt side: in-batch, with
         # every image of the same prompt a positive.
-        logits = model.logit_scale.exp() * img @ txt.T  # [batch, 90]
+        logits = model.logit_scale.exp() * img @ txt.T  # [batch, len(prompts_all)]
         loss_i = F.cross_entropy(logits, ids)
         same = (ids[:, None] == ids[None, :]).float()
         logits_t = model.logit_scale.exp() * txt[ids] @ img.T  # [batch, batch]
@@ -100,9 +121,26 @@ def train(out_dir: Path, steps: int, batch: int, lr: float, seed: int, log_every
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out_dir)
     model.save_pretrained(out_dir)
-    shutil.rmtree(tok_dir, ignore_errors=True)
     return {"steps": steps, "batch": batch, "lr": lr, "seed": seed, "seconds": round(time.time() - start, 1),
             "history": history}
+
+
+def train(out_dir: Path, steps: int, batch: int, lr: float, seed: int, log_every: int = 100) -> dict:
+    prompts_all = D.all_prompts()
+    model, tokenizer, tok_dir = build_model(seed, prompts_all)
+    report = contrastive_train(model, tokenizer, prompts_all, D.sample_batch, out_dir, steps, batch, lr, seed,
+                               log_every=log_every)
+    shutil.rmtree(tok_dir, ignore_errors=True)
+    return report
+
+
+@torch.no_grad()
+def retrieve(reward, images: torch.Tensor, prompts_all: list[str]) -> torch.Tensor:
+    """The index in ``prompts_all`` of the prompt each image scores highest with, ``[B]``."""
+    reward.prepare(prompts_all)
+    text = torch.stack([reward._text[p] for p in prompts_all])
+    emb = F.normalize(reward._encode_images(reward.geometry(images)).float(), dim=-1)
+    return (emb @ text.T).argmax(1)
 
 
 @torch.no_grad()
@@ -114,12 +152,9 @@ def evaluate(directory: Path, n: int = 1024, seed: int = 123) -> dict:
     images, prompts = D.sample_batch(n, g)
     noisy = (images + 0.3 * torch.randn(images.shape, generator=g)).clamp(0, 1)
     prompts_all = D.all_prompts()
-    reward.prepare(prompts_all)
-    text = torch.stack([reward._text[p] for p in prompts_all])
     out = {}
     for name, imgs in (("clean", images), ("noise_0.3", noisy)):
-        emb = F.normalize(reward._encode_images(reward.geometry(imgs)).float(), dim=-1)
-        pred = (emb @ text.T).argmax(1)
+        pred = retrieve(reward, imgs, prompts_all)
         truth = torch.tensor([prompts_all.index(p) for p in prompts])
         chosen = [prompts_all[i] for i in pred]
         out[f"top1_{name}"] = round((pred == truth).float().mean().item(), 4)
@@ -142,20 +177,31 @@ def evaluate(directory: Path, n: int = 1024, seed: int = 123) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Train the embedded CLIP reward on the shapes grammar.")
-    parser.add_argument("--out", type=Path, default=WEIGHTS_DIR)
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch", type=int, default=128)
+def run(description: str, weights_dir: Path, train_fn, evaluate_fn, steps: int, batch: int, argv=None) -> None:
+    """The command line of a CLIP-judge script: train ``train_fn(out, steps, batch, lr, seed)`` on
+    one thread (unless --eval-only), evaluate ``evaluate_fn(out)`` and write both to
+    ``out/training.json`` (--eval-only keeps the history already there)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=weights_dir)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-only", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    report = {} if args.eval_only else train(args.out, args.steps, args.batch, args.lr, args.seed)
-    report["eval"] = evaluate(args.out)
+    path = args.out / "training.json"
+    if args.eval_only:
+        report = json.loads(path.read_text()) if path.is_file() else {}
+    else:
+        report = train_fn(args.out, args.steps, args.batch, args.lr, args.seed)
+    report["eval"] = evaluate_fn(args.out)
     print(json.dumps(report["eval"]), flush=True)
-    (args.out / "training.json").write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps(report, indent=1))
+
+
+def main(argv=None) -> None:
+    run("Train the embedded CLIP reward on the shapes grammar.", WEIGHTS_DIR, train, evaluate, 3000, 128, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowrl.compat import ensure_torchvision_importable
+from flowrl.errors import FlowrlError
 
 from .dataset import COLOUR_NAMES, IMAGE_SIZE, SHAPES
 
@@ -212,6 +213,13 @@ def load_model(model_class, path: str | os.PathLike | None, default: Path, devic
     p = Path(path) if path is not None else default
     if p.is_dir():
         p = p / default.name
+    missing = [f for f in (p, p.with_suffix(".json")) if not f.is_file()]
+    if missing:
+        given = f"'{path}'" if path is not None else "the package's shipped weights"
+        raise FlowrlError(f"model weights not found: {', '.join(str(f) for f in missing)} (from {given})",
+                          where="[model].weights",
+                          hint=f"give the path of a {default.name} with its {default.with_suffix('.json').name} beside it "
+                               "(or its folder), or leave weights empty for the shipped ones")
     cfg = json.loads(p.with_suffix(".json").read_text())
     model = model_class(cfg["transformer"], cfg["text"], cfg["vocab"])
     model.load_state_dict(load_file(str(p)))

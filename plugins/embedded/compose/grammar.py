@@ -123,3 +123,21 @@ def split(prompt: str) -> str:
 def accepts_prompt(prompt: str) -> None:
     """Raise ValueError unless the grammar can score ``prompt`` (flowrl.hookspecs: accepts_prompt)."""
     metadata(prompt)
+
+
+def write_csv(path) -> None:
+    """The prompt table recipes train and evaluate from: ``prompt,split,tag``, every prompt once
+    (the single-object prompts under ``train``; recipes that evaluate them add them to ``test``)."""
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(["prompt", "split", "tag"])
+        for meta, part in _entries():
+            writer.writerow([meta["prompt"], "train" if part == "train" else "test", meta["tag"]])
+
+
+if __name__ == "__main__":
+    import sys
+
+    write_csv(sys.argv[1] if len(sys.argv) > 1 else "recipes/prompts/compose.csv")
