@@ -17,6 +17,7 @@ import math
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -31,20 +32,53 @@ from flowrl_plugins.rewards.embedded_clip import WEIGHTS_DIR, EmbeddedClip, Embe
 from flowrl.testing.tiny_models import write_clip_tokenizer
 
 
-def build_model(seed: int, prompts: list[str], max_length: int = 48):
-    """A small CLIPModel for 32x32 images (patch 4: 64 patches) and byte-level prompts, with its
+def _merge(symbols: list[str], pair: tuple[str, str]) -> list[str]:
+    out: list[str] = []
+    for sym in symbols:
+        if out and (out[-1], sym) == pair:
+            out[-1] += sym
+        else:
+            out.append(sym)
+    return out
+
+
+def add_word_merges(tok_dir: Path, prompts: list[str]) -> int:
+    """Learn byte-pair merges on the words of ``prompts`` (greedy, most frequent pair first, ties by
+    the pair's text; CLIP's ``</w>`` end of word) until every word is one token, and add them to the
+    byte-level tokenizer in ``tok_dir``; returns the new vocabulary size. BPE encodes a word it
+    learnt from exactly as it learnt it, so each word of the grammar becomes one token."""
+    segments = [list(w[:-1]) + [w[-1] + "</w>"] for w in sorted({w for p in prompts for w in p.split()})]
+    vocab = json.loads((tok_dir / "vocab.json").read_text(encoding="utf-8"))
+    merges = []
+    while pairs := Counter(pair for seg in segments for pair in zip(seg, seg[1:])):
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(" ".join(best))
+        vocab.setdefault("".join(best), len(vocab))
+        segments = [_merge(seg, best) for seg in segments]
+    (tok_dir / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (tok_dir / "merges.txt").write_text("\n".join(["#version: 0.2", *merges]) + "\n", encoding="utf-8")
+    return len(vocab)
+
+
+def build_model(seed: int, prompts: list[str], max_length: int = 48, whole_words: bool = False):
+    """A small CLIPModel for 32x32 images (patch 4: 64 patches) and byte-level prompts (with
+    ``whole_words``, every word of ``prompts`` one token: :func:`add_word_merges`), with its
     tokenizer cut at ``max_length`` tokens; every prompt of ``prompts`` must fit whole."""
     ensure_torchvision_importable()
     from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
 
     tok_dir = Path(tempfile.mkdtemp(prefix="flowrl-clip-tok-"))
     vocab_size = write_clip_tokenizer(tok_dir)
+    if whole_words:
+        vocab_size = add_word_merges(tok_dir, prompts)
     tokenizer = CLIPTokenizer(str(tok_dir / "vocab.json"), str(tok_dir / "merges.txt"))
     tokenizer.model_max_length = max_length
-    ids = tokenizer(prompts)["input_ids"]
+    ids = tokenizer(prompts)["input_ids"]  # <|startoftext|> ... <|endoftext|>, which is also the unknown token
     longest = max(len(i) for i in ids)
-    if longest > max_length or tokenizer.unk_token_id in {t for i in ids for t in i}:
+    if longest > max_length or any(tokenizer.unk_token_id in i[1:-1] for i in ids):
         raise ValueError(f"prompts need {longest} tokens (max_length {max_length}) or hold unknown characters")
+    if whole_words and any(len(i) != len(p.split()) + 2 for i, p in zip(ids, prompts)):
+        raise ValueError("the word merges do not make every word one token")
     text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 max_position_embeddings=64, projection_dim=32, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -76,8 +110,8 @@ def corrupt(images: torch.Tensor, g: torch.Generator, noise_max: float = 0.25, b
     return (images + noise * torch.randn(images.shape, generator=g)).clamp(0, 1)
 
 
-def contrastive_train(model, tokenizer, prompts_all: list[str], sample, out_dir: Path, steps: int, batch: int, lr: float,
-                      seed: int, max_length: int = 48, blur_max: float = 0.0, log_every: int = 100) -> dict:
+def contrastive_train(model, tokenizer, prompts_all: list[str], sample, out_dir: Path, steps: int, batch: int,
+                      lr: float, seed: int, max_length: int = 48, blur_max: float = 0.0, log_every: int = 100) -> dict:
     """Train ``model`` on ``sample(batch, generator) -> (images, prompts)`` (prompts from
     ``prompts_all``), corrupted by :func:`corrupt`, and save it with its processor to ``out_dir``."""
     from transformers import CLIPImageProcessor, CLIPProcessor
@@ -177,10 +211,10 @@ def evaluate(directory: Path, n: int = 1024, seed: int = 123) -> dict:
     return out
 
 
-def run(description: str, weights_dir: Path, train_fn, evaluate_fn, steps: int, batch: int, argv=None) -> None:
+def run(description: str, weights_dir: Path, train_fn, evaluate_fn, steps: int, batch: int, argv=None) -> dict:
     """The command line of a CLIP-judge script: train ``train_fn(out, steps, batch, lr, seed)`` on
     one thread (unless --eval-only), evaluate ``evaluate_fn(out)`` and write both to
-    ``out/training.json`` (--eval-only keeps the history already there)."""
+    ``out/training.json`` (--eval-only keeps the history already there); returns the report."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", type=Path, default=weights_dir)
     parser.add_argument("--steps", type=int, default=steps)
@@ -198,6 +232,7 @@ def run(description: str, weights_dir: Path, train_fn, evaluate_fn, steps: int, 
     report["eval"] = evaluate_fn(args.out)
     print(json.dumps(report["eval"]), flush=True)
     path.write_text(json.dumps(report, indent=1))
+    return report
 
 
 def main(argv=None) -> None:

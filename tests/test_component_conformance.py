@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROFILE = str(REPO / "recipes" / "profiles" / "embedded.json")
 #: Rewards that need downloaded weights, an extra or a server: they have their own tests (video_align's
 #: conformance check runs on a tiny checkpoint there).
-NEEDS_MORE = {"pickscore", "clip", "hpsv3", "hpsv3_upstream", "http", "video_align"}
+NEEDS_MORE = {"pickscore", "clip", "geneval", "hpsv3", "hpsv3_upstream", "http", "video_align"}
 #: Params for components whose defaults cannot run alone here.
 PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024},
           ("tracker", "wandb"): {"mode": "offline"},  # wandb: no network in tests
@@ -36,6 +36,7 @@ CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shi
            # the compositional world's rewards read its grammar
            ("reward", "compose_geneval"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            ("reward", "compose_geneval_strict"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
+           ("reward", "compose_clip"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            # a reward that scores latents reads its model's (the embedded model's packed [64, 48])
            ("reward", "latent_verifier"): {"latents": torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(2))}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")

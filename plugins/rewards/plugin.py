@@ -3,6 +3,8 @@
 - ``pickscore``: PickScore (transformers CLIPModel), extra ``rewards``.
 - ``clip``: CLIP similarity, open_clip (extra ``clip``) or transformers backend.
 - ``embedded_clip``: a tiny CLIP trained on the embedded shapes grammar, shipped; runs offline.
+- ``compose_clip``: a tiny CLIP trained on the compositional world's grammar, shipped; a judge to log.
+- ``geneval``: GenEval's rules on real images (OWLv2 detector + CLIP colours, local weights).
 - ``hpsv3``: HPSv3 (Qwen2-VL reward model) natively on transformers >= 4.52.
 - ``hpsv3_upstream``: the upstream ``hpsv3`` package, for its own environment behind ``http``.
 - ``http``: any reward served by ``flowrl reward serve`` in another process or environment.
@@ -19,8 +21,10 @@ from __future__ import annotations
 from flowrl import hookimpl
 
 from .clip import Clip, PickScore
+from .compose_clip import ComposeClip
 from .condition import ConditionFidelity
 from .embedded_clip import EmbeddedClip
+from .geneval import GenEval
 from .hpsv3 import HPSv3
 from .hpsv3_upstream import HPSv3Upstream
 from .http import HttpReward
@@ -36,6 +40,10 @@ def register_rewards(register):
              help="CLIP image-text similarity: open_clip (flowrl-diffusion[clip]) or transformers backend.")
     register("embedded_clip", EmbeddedClip,
              help="A tiny CLIP trained on the embedded shapes grammar (offline, shipped): image-prompt cosine.")
+    register("compose_clip", ComposeClip,
+             help="A tiny CLIP trained on the compositional (GenEval-style) grammar (offline, shipped): log it.")
+    register("geneval", GenEval,
+             help="GenEval's rules on real images: OWLv2 detections + CLIP colours vs the prompt's metadata (local weights).")
     register("hpsv3", HPSv3,
              help="HPSv3 human preference (Qwen2-VL reward model, mu), native on transformers >= 4.52.")
     register("hpsv3_upstream", HPSv3Upstream,

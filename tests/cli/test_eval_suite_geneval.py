@@ -1,21 +1,30 @@
-"""`flowrl eval --suite geneval`: GenEval's table for a run of the compositional embedded model
-(trained on 2 prompts), for the registered model, and one clear message where no suite exists."""
+"""`flowrl eval --suite geneval`: GenEval's table for a short run of recipes/compose_nft.toml and
+for the registered model, with docs/compose.md's commands as written, and one clear message where
+no suite exists."""
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from flowrl import cli, geneval
 from flowrl_plugins.embedded.compose.model import EmbeddedComposeModel
-from tiny_cli_recipe import tiny_recipe  # tests/cli/tiny_cli_recipe.py
 
-RECIPE = tiny_recipe(
-    "compose_suite", 5,
-    prompts='source = "prompts.txt"\nnum_eval = 2\neval_seeds = 1',
-    rewards='[[rewards]]\nuse = "compose_geneval"\n[[rewards]]\nuse = "compose_geneval_strict"\nweight = 0.0\n',
-).replace('use = "embedded"', 'use = "embedded_compose"')
+REPO = Path(__file__).resolve().parents[2]
+#: the recipe, one short iteration of it
+SHORT = ["train.iterations=1", "train.prompts_per_iteration=2", "train.group_size=2", "train.micro_batch_size=4",
+         "sampler.steps=4", "log.eval_steps=0", "prompts.num_eval=2", "prompts.eval_seeds=1", "log.image_every=0",
+         "log.progress=false", "checkpoint.every=1"]
+
+
+def doc_commands() -> list[list[str]]:
+    """The `flowrl ...` command lines of docs/compose.md's code blocks."""
+    text = (REPO / "docs" / "compose.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    return [line.split()[1:] for block in blocks for line in block.splitlines() if line.startswith("flowrl ")]
 
 
 def _cli(argv, capsys) -> tuple[int, str, str]:
@@ -29,6 +38,22 @@ def _cli(argv, capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.fixture
+def small_suite(monkeypatch):
+    """The suite's design (every category, images per prompt, the scorer) on 12 images."""
+    full = EmbeddedComposeModel.benchmark_suite
+
+    def two_per_category(self, name):
+        suite = full(self, name)
+        keep = [i for i, c in enumerate(suite.categories) if c not in suite.categories[:i]][:6]
+        suite.prompts[:] = [suite.prompts[i] for i in keep]
+        suite.categories[:] = [suite.categories[i] for i in keep]
+        suite.images_per_prompt[:] = [2] * len(keep)
+        return suite
+
+    monkeypatch.setattr(EmbeddedComposeModel, "benchmark_suite", two_per_category)
+
+
 @pytest.fixture(scope="module")
 def compose_run(tmp_path_factory):
     from rich.console import Console
@@ -37,24 +62,11 @@ def compose_run(tmp_path_factory):
     from flowrl.train import train
 
     root = tmp_path_factory.mktemp("compose_suite")
-    (root / "prompts.txt").write_text("a red circle and a blue square\ntwo crosses\n", encoding="utf-8")
-    (root / "recipe.toml").write_text(RECIPE, encoding="utf-8")
-    recipe = load_recipe(root / "recipe.toml", [f"run.output_dir={json.dumps(str(root / 'run'))}"])
+    recipe = load_recipe(REPO / "recipes" / "compose_nft.toml", [*SHORT, f"run.output_dir={json.dumps(str(root / 'run'))}"])
     return train(recipe, console=Console(file=open(root / "console.txt", "w"), width=200))
 
 
-def test_suite_of_a_run_writes_genevals_table_beside_its_checkpoint(compose_run, capsys, monkeypatch):
-    small = EmbeddedComposeModel.benchmark_suite
-
-    def two_per_category(self, name):  # the suite's design, on fewer images
-        suite = small(self, name)
-        keep = [i for i, c in enumerate(suite.categories) if c not in suite.categories[:i]][:6]
-        suite.prompts[:] = [suite.prompts[i] for i in keep]
-        suite.categories[:] = [suite.categories[i] for i in keep]
-        suite.images_per_prompt[:] = [2] * len(keep)
-        return suite
-
-    monkeypatch.setattr(EmbeddedComposeModel, "benchmark_suite", two_per_category)
+def test_suite_of_a_run_writes_genevals_table_beside_its_checkpoint(compose_run, small_suite, capsys):
     code, out, err = _cli(["eval", str(compose_run), "--suite", "geneval"], capsys)
     assert code == 0, err
     result = json.loads((compose_run / "checkpoints" / "iter_000001.geneval.json").read_text())
@@ -69,7 +81,18 @@ def test_suite_of_a_run_writes_genevals_table_beside_its_checkpoint(compose_run,
     assert "overall" in out and "color_attr" in out
 
 
-def test_suite_of_the_registered_model_and_its_refusals(tmp_path, capsys):
+def test_docs_commands_run_as_written(small_suite, capsys, tmp_path, monkeypatch):
+    commands = doc_commands()
+    assert ["eval", "--model", "embedded_compose", "--suite", "geneval", "-o", "geneval_base.json"] in commands
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _cli(["eval", "--model", "embedded_compose", "--suite", "geneval", "-o", "geneval_base.json"],
+                          capsys)
+    assert code == 0, err
+    result = json.loads((tmp_path / "geneval_base.json").read_text())
+    assert result["overall"]["n"] == len(result["per_image"]) == 12 and result["checkpoint"] is None
+
+
+def test_the_full_suite_and_its_refusals(tmp_path, capsys):
     out_json = tmp_path / "base.json"
     argv = ["eval", "--model", "embedded_compose", "--set", "model.random_init=true", "--suite", "geneval",
             "--steps", "2", "-o", str(out_json)]

@@ -3,8 +3,8 @@ prompt's metadata.
 
 - Canvas ``IMAGE_SIZE`` = 32 x 32 RGB in [0, 1], background mid-grey (``BACKGROUND``), the six
   palette colours of the embedded model for objects.
-- An object is ``(shape, colour, cx, cy, r)``: half-size ``r`` uniform in [R_MIN, R_MAX] = [4, 5.5]
-  pixels (8-11 px across), its ``2r`` box at least ``GAP`` = 2 px from every other object's box and
+- An object is ``(shape, colour, cx, cy, r)``: half-size ``r`` uniform in [R_MIN, R_MAX] = [5, 7]
+  pixels (10-14 px across), its ``2r`` box at least ``GAP`` = 2 px from every other object's box and
   1 px from the border, so objects never touch (two objects of one colour stay two).
 - Shapes: circle (disc of radius r), square (side 2r), triangle (upright, base 2r, height 2r), cross
   (a plus sign in the 2r box, arms ``2 * CROSS_ARM * r`` wide).
@@ -28,7 +28,7 @@ from .grammar import SHAPES, metadata
 
 IMAGE_SIZE = 32
 BACKGROUND = (0.5, 0.5, 0.5)
-R_MIN, R_MAX = 4.0, 5.5
+R_MIN, R_MAX = 5.0, 7.0
 GAP = 2.0
 CROSS_ARM = 0.4
 MAX_TRIES = 400
