@@ -110,7 +110,7 @@ class GenEvalConfig(PlacementConfig):
                 "'strict': GenEval's verdict, 1.0 or 0.0.")
     vocabulary: Literal["prompt", "metadata"] = param(
         "prompt", "Detector queries per image: 'prompt' (the classes its metadata names) or 'metadata' (every class "
-                  "of the metadata file, closer to GenEval's closed-vocabulary detector).")
+                  "named anywhere in the metadata, closer to GenEval's closed-vocabulary detector).")
     nms_threshold: float = param(1.0, "Suppress a box whose IoU with a better box of its class is >= this "
                                       "(flowrl.geneval.select_objects); GenEval's 1.0 suppresses nothing.",
                                  min=0.0, max=1.0, exclusive_min=True)
