@@ -4,9 +4,23 @@ at random, frozen until flowrl makes parts of it trainable."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import torch
 
+from flowrl.config import param
 from flowrl.sampling.schedules import conditioning_timestep
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedConfig:
+    weights: str = param("", "Path to embedded.safetensors (and its .json); empty = the weights shipped in the package.", path=True)
+    random_init: bool = param(False, "Start from random weights instead (for tests of the machinery).")
+    seed: int = param(0, "Seed of the random init (random_init = true).", min=0, max=2**63 - 1)
+    timestep_conditioning: Literal["exact", "truncated_1000"] = param(
+        "exact", "Sigma fed to the transformer: 'exact', or 'truncated_1000' = int(sigma * 1000) / 1000 as GCPO, "
+        "DanceGRPO and MixGRPO feed FLUX (for reproducing their numbers; the kernel keeps the exact sigma).")
 
 
 class EmbeddedAdapter:

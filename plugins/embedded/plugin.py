@@ -7,31 +7,16 @@ safetensors inside the package; see MODEL_CARD.md beside this file.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
-
 from flowrl import hookimpl
-from flowrl.config import param
 
 from . import rewards, video_rewards
-from .adapter import EmbeddedAdapter
+from .adapter import EmbeddedAdapter, EmbeddedConfig
 from .compose import rewards as compose_rewards
 from .compose.model import EmbeddedComposeModel
 from .dataset import all_prompts
 from .latent_verifier import LatentVerifier
 from .network import EmbeddedT2I, decode, encode_images, load_pretrained, pack, unpack
 from .video_model import EmbeddedVideoModel
-
-
-@dataclasses.dataclass(frozen=True)
-class EmbeddedConfig:
-    weights: str = param("", "Path to embedded.safetensors (and its .json); empty = the weights shipped in the package.", path=True)
-    random_init: bool = param(False, "Start from random weights instead (for tests of the machinery).")
-    seed: int = param(0, "Seed of the random init (random_init = true).", min=0, max=2**63 - 1)
-    timestep_conditioning: Literal["exact", "truncated_1000"] = param(
-        "exact", "Sigma fed to the transformer: 'exact', or 'truncated_1000' = int(sigma * 1000) / 1000 as GCPO, "
-        "DanceGRPO and MixGRPO feed FLUX (for reproducing their numbers; the kernel keeps the exact sigma).")
 
 
 class EmbeddedModel(EmbeddedAdapter):

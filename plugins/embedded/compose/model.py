@@ -8,12 +8,10 @@ suite: the held-out prompts, sampled and scored by the embedded detector under G
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
-
 from flowrl.config import param
 from flowrl.interfaces import BenchmarkSuite
 
-from ..adapter import EmbeddedAdapter
+from ..adapter import EmbeddedAdapter, EmbeddedConfig
 from ..network import decode, encode_images, pack, unpack
 from .evaluate import IMAGES_PER_CATEGORY, eval_items, score_images
 from .grammar import all_prompts, metadata
@@ -21,12 +19,8 @@ from .network import ComposeT2I, load_compose_pretrained
 
 
 @dataclasses.dataclass(frozen=True)
-class ComposeConfig:
+class ComposeConfig(EmbeddedConfig):
     weights: str = param("", "Path to compose.safetensors (and its .json); empty = the weights shipped in the package.", path=True)
-    random_init: bool = param(False, "Start from random weights instead (for tests of the machinery).")
-    seed: int = param(0, "Seed of the random init (random_init = true).", min=0, max=2**63 - 1)
-    timestep_conditioning: Literal["exact", "truncated_1000"] = param(
-        "exact", "Sigma fed to the transformer: 'exact', or 'truncated_1000' = int(sigma * 1000) / 1000 (as the image model).")
 
 
 class EmbeddedComposeModel(EmbeddedAdapter):
