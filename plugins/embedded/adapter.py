@@ -12,6 +12,8 @@ import torch
 from flowrl.config import param
 from flowrl.sampling.schedules import conditioning_timestep
 
+from .network import decode, encode_images, pack, unpack
+
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddedConfig:
@@ -73,3 +75,21 @@ class EmbeddedAdapter:
 
     def sigmas(self, num_steps):
         return None
+
+
+class PixelImageAdapter(EmbeddedAdapter):
+    """An embedded image model on the 32x32 canvas (``embedded``, ``embedded_compose``): latents are
+    the 64 packed tokens of 48 channels of the lossless pixel "VAE"."""
+
+    latent_shape = (64, 48)
+    image_seq_len = 64
+
+    def velocity(self, latents, sigma, text):
+        return self._transformer(latents, sigma, text)
+
+    def decode(self, latents):
+        return decode(unpack(latents.float())).clamp(0, 1)
+
+    def encode_images(self, images):
+        # EncodesImages: the pixel "VAE" is exact, the inverse of decode on [0, 1] images
+        return pack(encode_images(images.float()))

@@ -10,33 +10,21 @@ from __future__ import annotations
 from flowrl import hookimpl
 
 from . import rewards, video_rewards
-from .adapter import EmbeddedAdapter, EmbeddedConfig
+from .adapter import EmbeddedConfig, PixelImageAdapter
 from .compose import rewards as compose_rewards
 from .compose.model import EmbeddedComposeModel
 from .dataset import all_prompts
 from .latent_verifier import LatentVerifier
-from .network import EmbeddedT2I, decode, encode_images, load_pretrained, pack, unpack
+from .network import EmbeddedT2I, load_pretrained
 from .video_model import EmbeddedVideoModel
 
 
-class EmbeddedModel(EmbeddedAdapter):
+class EmbeddedModel(PixelImageAdapter):
     """The embedded tiny text-to-image model: 32x32 RGB, 16x16x12 latent packed to [64, 48] tokens."""
 
     Config = EmbeddedConfig
-    latent_shape = (64, 48)
-    image_seq_len = 64
     network_class = EmbeddedT2I
     load = staticmethod(load_pretrained)
-
-    def velocity(self, latents, sigma, text):
-        return self._transformer(latents, sigma, text)
-
-    def decode(self, latents):
-        return decode(unpack(latents.float())).clamp(0, 1)
-
-    def encode_images(self, images):
-        # EncodesImages: the pixel "VAE" is exact, the inverse of decode on [0, 1] images
-        return pack(encode_images(images.float()))
 
     def prompt_source(self):
         return all_prompts()

@@ -11,8 +11,7 @@ import dataclasses
 from flowrl.config import param
 from flowrl.interfaces import BenchmarkSuite
 
-from ..adapter import EmbeddedAdapter, EmbeddedConfig
-from ..network import decode, encode_images, pack, unpack
+from ..adapter import EmbeddedConfig, PixelImageAdapter
 from .evaluate import IMAGES_PER_CATEGORY, eval_items, score_images
 from .grammar import all_prompts, metadata
 from .network import ComposeT2I, load_compose_pretrained
@@ -23,23 +22,12 @@ class ComposeConfig(EmbeddedConfig):
     weights: str = param("", "Path to compose.safetensors (and its .json); empty = the weights shipped in the package.", path=True)
 
 
-class EmbeddedComposeModel(EmbeddedAdapter):
+class EmbeddedComposeModel(PixelImageAdapter):
     """Several coloured shapes on a 32x32 canvas from GenEval-style prompts; latent [64, 48]."""
 
     Config = ComposeConfig
-    latent_shape = (64, 48)
-    image_seq_len = 64
     network_class = ComposeT2I
     load = staticmethod(load_compose_pretrained)
-
-    def velocity(self, latents, sigma, text):
-        return self._transformer(latents, sigma, text)
-
-    def decode(self, latents):
-        return decode(unpack(latents.float())).clamp(0, 1)
-
-    def encode_images(self, images):
-        return pack(encode_images(images.float()))
 
     def prompt_source(self):
         return all_prompts()
