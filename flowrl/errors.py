@@ -69,6 +69,15 @@ def printable(text: str, *, keep_newlines: bool = False) -> str:
     return "".join(out)
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun, in the singular for one: a message's count in words.
+
+    >>> counted(1, "iteration"), counted(2, "iteration"), counted(0, "process", "processes")
+    ('1 iteration', '2 iterations', '0 processes')
+    """
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def suggest(name: str, valid: Iterable[str]) -> str:
     """Return a hint naming the closest valid name and listing all of them."""
     valid = sorted(valid)

@@ -7,6 +7,9 @@ functions, so ``flowrl --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -35,11 +38,63 @@ class _PlainFlags:
         return params
 
 
-class FlowrlCommand(_PlainFlags, typer.core.TyperCommand):
+#: What Rich reads as a markup tag (``rich.markup.RE_TAGS``), with the backslashes before it: in help
+#: text, a recipe's ``[ema]``, ``[distributed].num_processes`` or an extra's ``flowrl-diffusion[plot]``.
+_MARKUP_TAG = re.compile(r"(\\*)(\[[a-z#/@][^[]*?])")
+
+
+def literal_markup(text: str | None) -> str | None:
+    """``text`` with every ``[word]`` escaped, so that Rich prints it as written instead of
+    reading it as a markup tag and dropping it. A tag already escaped (``\\[fleet]``) stays as
+    it is, so escaping twice changes nothing."""
+
+    def escape(match: re.Match) -> str:
+        backslashes, tag = match.groups()
+        if len(backslashes) % 2:  # already escaped
+            return match.group(0)
+        return backslashes * 2 + "\\" + tag  # as rich.markup.escape: the backslashes stay literal
+
+    return _MARKUP_TAG.sub(escape, text) if text else text
+
+
+#: The help texts a help screen prints: of the command, of its parameters, of a group's commands.
+_HELP_ATTRIBUTES = ("help", "short_help", "epilog")
+
+
+@contextlib.contextmanager
+def _literal_help_texts(command, ctx) -> Iterator[None]:
+    """For the block, the help texts of ``command``, its parameters and (a group) its commands
+    with their markup escaped (:func:`literal_markup`); restored afterwards, so that the
+    texts themselves stay as written."""
+    objects = [command, *command.get_params(ctx), *getattr(command, "commands", {}).values()]
+    saved = [(obj, name, getattr(obj, name)) for obj in objects for name in _HELP_ATTRIBUTES
+             if isinstance(getattr(obj, name, None), str)]
+    try:
+        for obj, name, text in saved:
+            setattr(obj, name, literal_markup(text))
+        yield
+    finally:
+        for obj, name, text in saved:
+            setattr(obj, name, text)
+
+
+class _LiteralHelp:
+    """Help screens print help texts as written: Typer renders them as Rich markup, which drops
+    every ``[word]`` (a recipe table such as ``[ema]``, an extra such as ``[plot]``) as an
+    unknown tag. Help texts are plain text here, so every command's are escaped centrally."""
+
+    def format_help(self, ctx, formatter):
+        if getattr(self, "rich_markup_mode", None) != "rich":
+            return super().format_help(ctx, formatter)
+        with _literal_help_texts(self, ctx):
+            return super().format_help(ctx, formatter)
+
+
+class FlowrlCommand(_LiteralHelp, _PlainFlags, typer.core.TyperCommand):
     pass
 
 
-class FlowrlGroup(_PlainFlags, typer.core.TyperGroup):
+class FlowrlGroup(_LiteralHelp, _PlainFlags, typer.core.TyperGroup):
     pass
 
 

@@ -48,7 +48,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import FlowrlError
+from ..errors import FlowrlError, counted
 from .base import (
     CheckpointOpt,
     DeviceOpt,
@@ -75,6 +75,17 @@ from .inference import (
     shard,
 )
 
+#: Where the outputs of a source without a run directory (a recipe, ``--model NAME``) go by default:
+#: under ``runs/``, as training's outputs, which git ignores, not in the current directory.
+UNTRAINED_OUTPUT_ROOT = Path("runs")
+
+
+def default_output_help(kind: str) -> str:
+    """The default of ``-o`` as the help says it, from what :func:`default_output` uses."""
+    return (f"RUN_DIR/{kind}/<checkpoint> for a run, {(UNTRAINED_OUTPUT_ROOT / kind).as_posix()}/<name> "
+            "for a recipe or --model")
+
+
 # ------------------------------------------------------------------------------------ command
 
 
@@ -94,7 +105,7 @@ def sample(
     hybrid_steps: Annotated[int, typer.Option("--hybrid-steps", min=0, help="First K steps from the trained model, the rest from the base model.")] = 0,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per batch (results do not depend on it).")] = 8,
     device: DeviceOpt = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (default RUN_DIR/samples/<checkpoint> or samples/<name>).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help=f"Output directory (default {default_output_help('samples')}).")] = None,
     grid: Annotated[bool, typer.Option("--grid/--no-grid", help="Write grid.png.")] = True,
     ema: Annotated[bool, typer.Option("--ema", help="Sample the checkpoint's EMA weights (runs with [ema] enabled).")] = False,
     compare_base: Annotated[bool, typer.Option(
@@ -151,7 +162,7 @@ def sample(
             drawn.append(f"the grid: {grid_png(out, records, seeds, image_grid)}")
         if compare_base and records:
             drawn.append(f"base | trained: {compare_png(out, records, seeds, src.label, image_grid)}")
-        console.print(f"wrote {len(records)} images to {out / 'images'}" + "".join(f"; {d}" for d in drawn))
+        console.print(f"wrote {counted(len(records), 'image')} to {out / 'images'}" + "".join(f"; {d}" for d in drawn))
 
 
 def write_tables(out: Path, records: list[dict], recipe, batch_size: int) -> tuple[Path, Path]:
@@ -212,11 +223,11 @@ def write_images(batches, out: Path, folder: str) -> list[dict]:
 
 
 def default_output(src: Source, kind: str) -> Path:
-    """``RUN_DIR/<kind>/<checkpoint>`` for a trained run; else ``runs/<kind>/<name>`` (under
-    ``runs/``, as training's outputs, which git ignores, not in the current directory)."""
+    """``RUN_DIR/<kind>/<checkpoint>`` for a trained run; else ``runs/<kind>/<name>``
+    (:data:`UNTRAINED_OUTPUT_ROOT`). :func:`default_output_help` says the same in words."""
     if src.run_dir is not None and src.checkpoint is not None:
         return src.run_dir / kind / src.checkpoint.name
-    return Path("runs") / kind / src.label.replace("/", "_").removesuffix(".toml")
+    return UNTRAINED_OUTPUT_ROOT / kind / src.label.replace("/", "_").removesuffix(".toml")
 
 
 #: What one sample writes in its directory (the image folders are emptied of PNGs only).

@@ -28,7 +28,7 @@ def train(
         Optional[Path], typer.Option("--output-dir", "-o", help="Run directory (overrides run.output_dir).")
     ] = None,
     num_processes: Annotated[
-        int, typer.Option("--num-processes", help="Launch N data-parallel processes on this machine (torchrun).")
+        int, typer.Option("--num-processes", min=1, help="Launch N data-parallel processes on this machine (torchrun).")
     ] = 1,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the resolved geometry, then stop.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an earlier run in the run directory: "

@@ -14,7 +14,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from flowrl.errors import FlowrlError
+from flowrl.errors import FlowrlError, counted
 from flowrl.rewards import score
 
 from .protocol import PROTOCOL, decode_request, encode_response, request_id_of
@@ -91,12 +91,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(500, f"reward '{self.server.reward_name}' raised {type(exc).__name__}: {exc}")
             return
         if self.server.verbose:
-            sys.stderr.write(f"scored {len(prompts)} images in {time.perf_counter() - start:.3f} s\n")
+            sys.stderr.write(f"scored {counted(len(prompts), 'image')} in {time.perf_counter() - start:.3f} s\n")
         self._send(200, encode_response(out, request_id=request_id_of(body)), "application/octet-stream")
 
 
 def make_server(reward, *, name: str, host: str = "127.0.0.1", port: int = 8700, verbose: bool = False) -> RewardHTTPServer:
     """Bind a server for ``reward`` (port 0 picks a free port; read it from ``server.url``)."""
+    if not 0 <= port <= 65535:  # the socket would raise OverflowError, not OSError
+        raise FlowrlError(f"--port {port} is not a port number (0-65535)", where="flowrl reward serve",
+                          hint="choose a port from 1024 to 65535, or 0 for any free one")
     try:
         return RewardHTTPServer((host, port), reward, name=name, verbose=verbose)
     except OSError as exc:

@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,13 +43,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..distributed import DistContext, broadcast_object
-from ..errors import FlowrlError
+from ..errors import FlowrlError, counted
 from ..files import fsync_dir, give_ordinary_mode, write_text_atomic
 from .finetune import load_trainable_state_dict, trainable_state_dict
 from .parallel import SHARDED_MODEL_KEY, Strategy, unwrap_module
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 LATEST = "latest.json"
 #: Sub-directory of a sharded checkpoint: model and optimizer in torch.distributed.checkpoint's
@@ -242,12 +249,138 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return complete[-1]
 
 
+# ----------------------------------------------------------------------------- damage
+
+
+def checkpoint_damage(path: Path) -> tuple[Path, str] | None:
+    """The first file of a complete checkpoint directory that cannot be read whole, and what is
+    wrong with it; None when every file reads. A partial copy or an interrupted transfer leaves
+    such a file (``state.json`` is there, so the directory counts as complete). Cheap: it reads
+    headers and file sizes, not the tensors: a safetensors file must be exactly as long as its
+    header says, a sharded checkpoint's files as long as its ``.metadata`` says; the JSON and
+    TOML files must parse."""
+    path = Path(path)
+    for file in sorted(path.iterdir()) if path.is_dir() else []:
+        if not file.is_file():
+            continue
+        try:
+            if file.suffix == ".safetensors":
+                why = _safetensors_damage(file)
+            elif file.suffix == ".json":
+                json.loads(file.read_text(encoding="utf-8"))
+                why = None
+            elif file.suffix == ".toml":
+                tomllib.loads(file.read_text(encoding="utf-8"))
+                why = None
+            else:
+                why = None
+        except (ValueError, OSError) as exc:  # JSONDecodeError, TOMLDecodeError, UnicodeDecodeError
+            why = f"does not parse ({type(exc).__name__}: {exc})"
+        if why is not None:
+            return file, why
+    if (path / SHARDED).is_dir():
+        return _shards_damage(path / SHARDED)
+    return None
+
+
+def _safetensors_damage(file: Path) -> str | None:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is truncated ({size} bytes: not even its header's length)"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"is truncated ({size} bytes; its header alone takes {n + 8})"
+        header = json.loads(f.read(n).decode("utf-8"))
+    end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    expected = 8 + n + end
+    if size < expected:
+        return f"is truncated ({size} of the {expected} bytes its header describes)"
+    if size > expected:
+        return f"is longer than its header describes ({size} bytes, {expected} expected)"
+    return None
+
+
+def _shards_damage(shards: Path) -> tuple[Path, str] | None:
+    """A DCP directory's first file shorter than its ``.metadata`` says (or a missing one)."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    metadata = shards / ".metadata"
+    try:
+        storage = dcp.FileSystemReader(str(shards)).read_metadata().storage_data
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as exc:  # missing or cut short
+        return metadata, f"cannot be read ({type(exc).__name__}: {exc})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, length in sorted(needed.items()):
+        file = shards / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None:
+            return file, "is missing"
+        if size < length:
+            return file, f"is truncated ({size} of the {length} bytes .metadata describes)"
+    return None
+
+
+def intact_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoints that read whole (:func:`checkpoint_damage`), newest first."""
+    return [p for p in reversed(_complete_checkpoints(Path(run_dir) / "checkpoints")) if checkpoint_damage(p) is None]
+
+
+def newest_intact_checkpoint(run_dir: Path, damaged: Path) -> tuple[Path | None, list[Path]]:
+    """Where a run whose checkpoint ``damaged`` cannot be read can resume from: its newest other
+    checkpoint that reads whole (None when it has none), and the checkpoints newer than that one
+    (``damaged`` among them), which stand in its way: the run resumes from its latest checkpoint."""
+    intact = [p for p in intact_checkpoints(run_dir) if p != Path(damaged)]
+    since = checkpoint_iteration(intact[0]) if intact else -1
+    newer = [p for p in _complete_checkpoints(Path(run_dir) / "checkpoints") if checkpoint_iteration(p) > since]
+    return (intact[0] if intact else None), newer + ([Path(damaged)] if Path(damaged) not in newer else [])
+
+
+def damaged_file_error(file: Path, why: str) -> FlowrlError:
+    """The one message for a checkpoint file that cannot be read: which file, what is wrong, and
+    the run's newest intact checkpoint, if it has one."""
+    ckpt = file.parent.parent if file.parent.name == SHARDED else file.parent
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    intact = [p for p in intact_checkpoints(run_dir) if p != ckpt] if run_dir is not None else []
+    if intact:
+        hint = (f"the run's newest intact checkpoint is {intact[0]} "
+                f"({counted(checkpoint_iteration(intact[0]), 'iteration')}); `flowrl sample`, `eval` and `export` "
+                f"read it with --checkpoint {intact[0]}")
+    elif run_dir is not None:
+        hint = f"the run has no other intact checkpoint; copy {ckpt.name} again from where it came"
+    else:
+        hint = f"copy {ckpt} again from where it came"
+    return FlowrlError(f"checkpoint file {file} {why}: the checkpoint is damaged (a partial copy or an interrupted "
+                       "transfer leaves this)", hint=hint)
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's safetensors file; a damaged file is one message
+    (:func:`damaged_file_error`), not safetensors' error."""
+    try:
+        return load_file(str(file))
+    except SafetensorError as exc:
+        raise damaged_file_error(Path(file), _safetensors_damage_or(file, exc)) from exc
+
+
+def _safetensors_damage_or(file: Path, exc: Exception) -> str:
+    try:
+        return _safetensors_damage(Path(file)) or f"cannot be read ({exc})"
+    except (ValueError, OSError):
+        return f"cannot be read ({exc})"
+
+
 def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     """The trainable weights stored in a checkpoint directory (all weights, or only the LoRA), as
     full tensors on the CPU, whether the checkpoint is sharded (:data:`SHARDED`) or not."""
     if (Path(path) / SHARDED).is_dir():
         return read_sharded_model_weights(Path(path) / SHARDED)
-    return load_file(str(Path(path) / "model.safetensors"))
+    return read_tensors(Path(path) / "model.safetensors")
 
 
 def read_sharded_model_weights(shards: Path, key: str = SHARDED_MODEL_KEY) -> dict[str, torch.Tensor]:
@@ -282,11 +415,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return {
         "model": read_model_weights(path),
         "optimizer": optimizer_from_files(
-            load_file(str(path / "optimizer.safetensors")), json.loads((path / "optimizer.json").read_text())
+            read_tensors(path / "optimizer.safetensors"), json.loads((path / "optimizer.json").read_text())
         ),
-        "rng": load_file(str(path / "rng.safetensors")),
-        "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
-        "objective": load_file(str(path / f"{OBJECTIVE}.safetensors")) if (path / f"{OBJECTIVE}.safetensors").is_file() else {},
+        "rng": read_tensors(path / "rng.safetensors"),
+        "ema": read_tensors(path / "ema.safetensors") if (path / "ema.safetensors").is_file() else None,
+        "objective": read_tensors(path / f"{OBJECTIVE}.safetensors") if (path / f"{OBJECTIVE}.safetensors").is_file() else {},
         "state": json.loads((path / MARKER).read_text()),
         "recipe_toml": (path / "recipe.toml").read_text(),
     }
@@ -343,7 +476,7 @@ def load_sharded_checkpoint(path: Path, strategy: Strategy,
         saved = load_checkpoint(path)
         load_trainable_state_dict(unwrap_module(strategy.module), saved["model"])
         strategy.optimizer.load_state_dict(saved["optimizer"])
-    set_rng_state(load_file(str(path / "rng.safetensors")))
+    set_rng_state(read_tensors(path / "rng.safetensors"))
     return json.loads((path / MARKER).read_text())
 
 
@@ -378,7 +511,7 @@ def read_checkpoint(path: Path, strategy: Strategy, extra: dict[str, dict[str, t
         kept = {k: v for k, v in extra.items() if k in marker and v}
         return load_sharded_checkpoint(path, strategy, kept or None), kept
     state = load_sharded_checkpoint(path, strategy)
-    return state, {k: load_file(str(path / f"{k}.safetensors")) for k in extra if (path / f"{k}.safetensors").is_file()}
+    return state, {k: read_tensors(path / f"{k}.safetensors") for k in extra if (path / f"{k}.safetensors").is_file()}
 
 
 def save_shards(strategy: Strategy, path: Path, extra: dict[str, dict[str, torch.Tensor]] | None = None) -> None:

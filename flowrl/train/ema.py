@@ -29,11 +29,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from ..distributed import drop_gathered_weights
 from ..errors import FlowrlError
-from .checkpoint import SHARDED, read_sharded_model_weights
+from .checkpoint import SHARDED, read_sharded_model_weights, read_tensors
 from .finetune import load_trainable_state_dict
 
 #: The file a checkpoint keeps the EMA weights in.
@@ -156,4 +155,4 @@ def load_ema_weights(denoiser: torch.nn.Module, checkpoint: Path, where: str = "
     if not path.is_file():
         raise FlowrlError(f"{checkpoint} holds no EMA weights ({EMA_FILE})", where=where,
                           hint="train with [ema] enabled = true (docs/recipes.md, [ema]), or leave out --ema")
-    load_trainable_state_dict(denoiser, load_file(str(path)))
+    load_trainable_state_dict(denoiser, read_tensors(path))

@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 
 from .. import distributed
-from ..errors import FlowrlError, RecipeError
+from ..errors import FlowrlError, RecipeError, counted
 from ..geometry import resolve_geometry
 from ..interfaces import PlansMemory
 from ..memory_plan import GB, estimate, peak
@@ -181,14 +181,15 @@ def announce(console: Console, ctx, recipe: Recipe, geometry, run_dir: Path) -> 
 
 def done(console: Console, ctx, run_dir: Path, iterations: int) -> Path:
     if ctx.is_main:
-        console.print(f"done: {iterations} iterations in {run_dir}; reward curves: `flowrl plot {run_dir}`")
+        console.print(f"done: {counted(iterations, 'iteration')} in {run_dir}; reward curves: `flowrl plot {run_dir}`")
     return run_dir
 
 
 def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path:
     """A resumed run that is already complete: nothing is run, nothing in it is touched."""
     if ctx.is_main:
-        console.print(f"nothing to do: {run_dir} has completed all {iterations} iterations and its final "
+        console.print(f"nothing to do: {run_dir} has completed {'its' if iterations == 1 else 'all'} "
+                      f"{counted(iterations, 'iteration')} and its final "
                       f"evaluation (raise train.iterations with --set to train further)")
     distributed.teardown()
     return run_dir
@@ -253,7 +254,7 @@ def finish_interrupted(console: Console, ctx, run_dir: Path, state: TrainState, 
     saver.ensure_current()
     if ctx.is_main:
         console.print(
-            f"interrupted after {state.iteration} completed iteration(s); checkpoint written. "
+            f"interrupted after {counted(state.iteration, 'completed iteration')}; checkpoint written. "
             f"Continue with `{resume_hint(run_dir)}`"
         )
 
@@ -263,7 +264,8 @@ def aborted(console: Console, ctx, run_dir: Path) -> None:
     if not ctx.is_main:
         return
     ckpt = latest_checkpoint(run_dir)
-    where = f"its latest checkpoint ({checkpoint_iteration(ckpt)} iterations)" if ckpt else "the start (no checkpoint yet)"
+    where = (f"its latest checkpoint ({counted(checkpoint_iteration(ckpt), 'iteration')})" if ckpt
+             else "the start (no checkpoint yet)")
     console.print(f"aborted: stopped at once, no checkpoint written; the run resumes from {where} "
                   f"with `{resume_hint(run_dir)}`")
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..artefacts import ARTEFACT_MEASURES
+from ..errors import counted
 from ..files import write_text_atomic
 from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
@@ -165,7 +166,7 @@ class RunOutputs:
         n, shown = len(prompts), min(len(images), EVAL_GRID_MAX)
         caps = [prompts[j % n] + "".join(f"\n{k} {scores[k][j]:.3f}" for k in rewards) for j in range(shown)]
         when = "final evaluation" if final else f"evaluation before iteration {iteration}"
-        title = (f"{when} ({iteration} iterations trained): fixed prompts and starting noise; mean "
+        title = (f"{when} ({counted(iteration, 'iteration')} trained): fixed prompts and starting noise; mean "
                  + ", ".join(f"{k} {scores[k].mean():.3f}" for k in rewards))
         grid = image_grid(filmstrip(images[:shown]), caps, columns=min(n, 8), title=title)
         grid.save(eval_dir / f"iter_{iteration:06d}.png")
@@ -227,7 +228,7 @@ def evolution_grid(strips: Path):
         columns.append(torch.from_numpy(strip).permute(2, 0, 1).float().div(255).chunk(len(m["prompts"]), dim=2))
     k = min(len(c) for c in columns)
     tiles = torch.stack([columns[c][r] for r in range(k) for c in range(len(metas))])
-    caps = [f"{metas[c]['iteration']} iterations\n{metas[c]['label']} {metas[c]['scores'][r]:.3f}"
+    caps = [f"{counted(metas[c]['iteration'], 'iteration')}\n{metas[c]['label']} {metas[c]['scores'][r]:.3f}"
             for r in range(k) for c in range(len(metas))]
     return image_grid(tiles, caps, columns=len(metas), row_labels=metas[-1]["prompts"][:k],
                       title="the same prompts and starting noise at each evaluation, as training goes on")

@@ -35,10 +35,17 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import FlowrlError
+from ..errors import FlowrlError, counted
 from ..plugins import Registry
 from ..recipe import Recipe, read_toml, validate
-from .checkpoint import LATEST, MARKER
+from .checkpoint import (
+    LATEST,
+    MARKER,
+    checkpoint_damage,
+    checkpoint_iteration,
+    latest_checkpoint,
+    newest_intact_checkpoint,
+)
 
 LOCK_NAME = ".lock"
 #: Set by the launcher for its workers: the lock file it holds for them (resolved path).
@@ -274,6 +281,40 @@ def check_run_directory(recipe: Recipe, run_dir: Path, resume: Path | None, regi
         return
     check_resume_directory(run_dir)
     check_resumable_recipe(recipe, run_dir, registry)
+    check_latest_checkpoint_reads(run_dir)
+
+
+#: Where the resume hint for a damaged checkpoint moves it (and any newer one): out of checkpoints/,
+#: so that the run resumes from its newest intact checkpoint, and kept, not deleted.
+DAMAGED_CHECKPOINTS = "damaged_checkpoints"
+
+
+def check_latest_checkpoint_reads(run_dir: Path) -> None:
+    """The checkpoint a resumed run starts from must read whole. A damaged file in it (a partial
+    copy, an interrupted transfer: :func:`~flowrl.train.checkpoint.checkpoint_damage`) is one
+    message before any model loads, naming the file, the newest intact checkpoint and the
+    command that resumes from it."""
+    import shlex
+
+    ckpt = latest_checkpoint(run_dir)
+    damage = checkpoint_damage(ckpt) if ckpt is not None else None
+    if damage is None:
+        return
+    file, why = damage
+    intact, in_the_way = newest_intact_checkpoint(run_dir, ckpt)
+    message = (f"cannot resume: the latest checkpoint {ckpt.name} is damaged: {file} {why} "
+               "(a partial copy or an interrupted transfer leaves this)")
+    if intact is None:
+        raise FlowrlError(message, where="--resume", hint=(
+            f"no intact checkpoint is left in {run_dir / 'checkpoints'}: copy {ckpt.name} again from where it came, "
+            f"or start afresh with `flowrl train {run_dir / 'recipe.toml'} -o {run_dir} --overwrite`"))
+    aside = run_dir / DAMAGED_CHECKPOINTS
+    command = (f"mkdir -p {shlex.quote(str(aside))} && mv {' '.join(shlex.quote(str(p)) for p in in_the_way)} "
+               f"{shlex.quote(str(aside))}/ && {resume_hint(run_dir)}")
+    damaged = "the damaged checkpoint" if len(in_the_way) == 1 else f"the {len(in_the_way)} damaged checkpoints"
+    raise FlowrlError(message, where="--resume", hint=(
+        f"the previous checkpoint {intact} ({counted(checkpoint_iteration(intact), 'iteration')}) is intact; to "
+        f"resume from it, move {damaged} out of checkpoints/ (kept in {DAMAGED_CHECKPOINTS}/, not deleted): `{command}`"))
 
 
 #: ``[pipeline]`` keys that place the rollout (a thread or a process, which device) without

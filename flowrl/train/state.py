@@ -41,7 +41,7 @@ from typing import Any
 from rich.console import Console
 
 from .. import distributed
-from ..errors import FlowrlError
+from ..errors import FlowrlError, counted
 from ..recipe import dump_toml
 from .checkpoint import checkpoint_iteration, latest_checkpoint, read_checkpoint, write_checkpoint
 from .ema import EMA_KEY
@@ -121,8 +121,8 @@ def restore_training_state(run_dir: Path, run: Run, update, layout, console: Con
     saved_world = state.get("world_size", ctx.world_size)
     if saved_world != ctx.world_size and run.session.recipe.train.optimizer_steps_per_update > 1 and ctx.is_main:
         console.print(
-            f"[yellow]note:[/yellow] the run was saved with {saved_world} processes and resumes with "
-            f"{ctx.world_size}; with optimizer_steps_per_update > 1 the grouping of samples into "
+            f"[yellow]note:[/yellow] the run was saved with {counted(saved_world, 'process', 'processes')} and "
+            f"resumes with {ctx.world_size}; with optimizer_steps_per_update > 1 the grouping of samples into "
             "optimizer steps changes, so the continuation is valid but not bit-identical"
         )
     if ctx.is_main:
