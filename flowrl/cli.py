@@ -23,6 +23,7 @@ from .commands import (  # noqa: F401
     plot,
     plugins,
     profile,
+    reward_score,
     reward_server,
     sample,
     selftest,

@@ -24,7 +24,8 @@ NEEDS_MORE = {"pickscore", "clip", "geneval", "hpsv3", "hpsv3_upstream", "http",
 #: Params for components whose defaults cannot run alone here.
 PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024},
           ("tracker", "wandb"): {"mode": "offline"},  # wandb: no network in tests
-          ("loss", "gardo"): {"auxiliary": ["verifier"]}}  # gardo needs an auxiliary reward label
+          ("loss", "gardo"): {"auxiliary": ["verifier"]},  # gardo needs an auxiliary reward label
+          ("reward", "ocr"): {"device": "cpu", "threads": 1}}  # ONNX Runtime ignores OMP_NUM_THREADS
 #: What else a check needs: the 'model' schedule reads the adapter's own sigmas.
 CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))},
            # an editing reward reads the prompts' condition images from the metadata the engine passes
@@ -37,6 +38,8 @@ CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shi
            ("reward", "compose_geneval"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            ("reward", "compose_geneval_strict"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            ("reward", "compose_clip"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
+           # the OCR reward reads the text a prompt quotes
+           ("reward", "ocr"): {"prompts": ['a shop sign that says "OPEN"'] * 3},
            # a reward that scores latents reads its model's (the embedded model's packed [64, 48])
            ("reward", "latent_verifier"): {"latents": torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(2))}}
 KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")

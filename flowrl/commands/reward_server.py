@@ -16,42 +16,10 @@ import typer
 from rich.markup import escape
 
 from ..errors import FlowrlError
-from .base import FlowrlTyper, app, registry
+from .base import app
+from .reward_common import build_reward, reward_app
 
-reward_app = FlowrlTyper(name="reward", help="Reward utilities: serve a reward over HTTP.", no_args_is_help=True)
-app.add_typer(reward_app, name="reward")
-
-
-def build_reward(name: str, settings: list[str]):
-    """Build reward ``name`` from ``key=value`` settings (TOML values), validated like a recipe."""
-    from ..errors import RecipeError
-    from ..recipe import component_choice, tomllib
-
-    registry().get("reward", name, where="flowrl reward serve NAME")  # an unknown name, said plainly
-    table: dict = {"use": name}
-    for text in settings:
-        if "=" not in text:
-            raise RecipeError(f"setting '{text}' must look like key=value", where="--set",
-                              hint="e.g. --set device=cuda:1 --set scale=cosine")
-        key, raw = (part.strip() for part in text.split("=", 1))
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except RecursionError as exc:
-            raise RecipeError(f"the value of setting '{key}' is nested too deeply for the TOML parser",
-                              where="--set") from exc
-        except tomllib.TOMLDecodeError:
-            value = raw  # bare words are strings, as in `flowrl train --set`
-        table[key] = value
-    choice = component_choice(registry(), "reward", table, "flowrl reward serve")
-    reward = registry().get("reward", name).build(choice.params)
-    from ..errors import FlowrlError
-    from ..interfaces import scores_latents
-
-    if scores_latents(reward):
-        raise FlowrlError(f"reward '{name}' scores a model's latents, and a reward server receives images",
-                          where="flowrl reward serve NAME",
-                          hint="name it in the recipe's [[rewards]] instead: it runs beside the model it reads")
-    return reward
+app.add_typer(reward_app, name="reward")  # `flowrl reward score` adds its command to it too
 
 
 @reward_app.command("serve")

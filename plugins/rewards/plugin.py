@@ -5,6 +5,7 @@
 - ``embedded_clip``: a tiny CLIP trained on the embedded shapes grammar, shipped; runs offline.
 - ``compose_clip``: a tiny CLIP trained on the compositional world's grammar, shipped; a judge to log.
 - ``geneval``: GenEval's rules on real images (OWLv2 detector + CLIP colours, local weights).
+- ``ocr``: how well an image writes the text its prompt quotes (RapidOCR, Flow-GRPO's rule), extra ``ocr``.
 - ``hpsv3``: HPSv3 (Qwen2-VL reward model) natively on transformers >= 4.52.
 - ``hpsv3_upstream``: the upstream ``hpsv3`` package, for its own environment behind ``http``.
 - ``http``: any reward served by ``flowrl reward serve`` in another process or environment.
@@ -12,7 +13,7 @@
 - ``temporal_consistency``: video, how steady a clip is from frame to frame (no weights).
 - ``video_align``: video, VideoReward (VideoAlign's Qwen2-VL-2B reward model) on whole clips.
 
-Every module here imports its heavy dependencies (transformers, open_clip) only when a reward
+Every module here imports its heavy dependencies (transformers, open_clip, rapidocr) only when a reward
 is built, so listing the plugins (``flowrl plugins``) stays fast and needs none of the extras. Docs: docs/rewards.md.
 """
 
@@ -28,6 +29,7 @@ from .geneval import GenEval
 from .hpsv3 import HPSv3
 from .hpsv3_upstream import HPSv3Upstream
 from .http import HttpReward
+from .ocr import Ocr
 from .temporal import TemporalConsistency
 from .video_align import VideoAlign
 
@@ -44,6 +46,8 @@ def register_rewards(register):
              help="A tiny CLIP trained on the compositional (GenEval-style) grammar (offline, shipped): log it.")
     register("geneval", GenEval,
              help="GenEval's rules on real images: OWLv2 detections + CLIP colours vs the prompt's metadata (local weights).")
+    register("ocr", Ocr,
+             help="Text the prompt quotes vs the text OCR reads (RapidOCR): 1 - edit distance / length; flowrl-diffusion[ocr].")
     register("hpsv3", HPSv3,
              help="HPSv3 human preference (Qwen2-VL reward model, mu), native on transformers >= 4.52.")
     register("hpsv3_upstream", HPSv3Upstream,
