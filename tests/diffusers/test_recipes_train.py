@@ -24,7 +24,12 @@ RECIPES = {
     "fixed_chunk_flux": "flux",
     "chunk_grpo_sd3": "sd3",
     "lora_single_gpu_sd3": "sd3",
+    "flow_grpo_ocr_sd3": "sd3",
+    "flow_grpo_pickscore_flux": "flux",
 }
+#: what else a recipe needs here: the Flow-GRPO recipes evaluate their whole prompt set (1018, 2048)
+#: at iteration 0 and at the end; here two prompts, with the recipe's own evaluation steps and EMA
+EXTRA = {name: ["prompts.num_eval=2"] for name in RECIPES if name.startswith("flow_grpo_")}
 GEOMETRY = ["train.iterations=2", "train.prompts_per_iteration=1", "train.group_size=2", "train.micro_batch_size=2",
             "train.optimizer_steps_per_update=1", "rewards.0.use=brightness", "log.progress=false",
             "log.image_every=1", "run.device=cpu"]
@@ -58,14 +63,18 @@ def cli(module_cli):
 def test_recipe_runs_two_iterations(name, request, tmp_path, tiny_overrides, cli):
     kind = RECIPES[name]
     path = request.getfixturevalue("tiny_flux" if kind == "flux" else "tiny_sd3")
-    sets = [f"model.path={path}", *tiny_overrides, *GEOMETRY]
+    sets = [f"model.path={path}", *tiny_overrides, *GEOMETRY, *EXTRA.get(name, [])]
     if name == "chunk_grpo_flux_ws":
         sets.append(f"selector.profile={request.getfixturevalue('flux_profile')}")
     run = tmp_path / "run"
     code, out, err = cli("train", f"recipes/{name}.toml", *_sets(sets), "-o", run)
     assert code == 0, out + err
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "trained_units" not in r]  # a recipe that evaluates: its final one
+    records = [r for r in records if "trained_units" in r]
     assert [r["iteration"] for r in records] == [0, 1]
+    if name in EXTRA:
+        assert records[0]["eval/brightness/mean"] >= 0 and evaluations[-1]["eval/brightness/mean"] >= 0
     for r in records:
         assert r["on_policy/max_abs_log_ratio"] <= 1e-6
         assert r["trained_units"] and all(units for units in r["trained_units"])
