@@ -92,6 +92,17 @@ def test_docs_commands_run_as_written(small_suite, capsys, tmp_path, monkeypatch
     assert result["overall"]["n"] == len(result["per_image"]) == 12 and result["checkpoint"] is None
 
 
+def test_docs_sweep_validates_every_run_as_written(capsys, monkeypatch):
+    # the documented search trains for half an hour; its dry run validates each of its runs
+    sweeps = [c for c in doc_commands() if c[0] == "sweep"]
+    assert sweeps
+    monkeypatch.chdir(REPO)
+    for argv in sweeps:
+        code, out, err = _cli([*argv, "--dry-run"], capsys)
+        assert code == 0, err
+        assert "train.lr=3e-5" in out + err and "train.lr=1e-4" in out + err
+
+
 def test_the_full_suite_and_its_refusals(tmp_path, capsys):
     from flowrl_plugins.embedded.compose.model import ComposeConfig
 
