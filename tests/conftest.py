@@ -208,43 +208,6 @@ def validate(flowrl_cli):
     return run
 
 
-#: The tests that take longest, with their seconds on one worker of the 2-core CI machine (from
-#: ``pytest --durations`` of a clean-clone ``.ci/run``, 2026-11-26): a whole module where its tests
-#: share a module-scoped fixture (a 2-process launch, a served fleet) that a split module would
-#: pay for twice, else single tests (their parametrisations together).
-LONG = {
-    "tests/test_quickstart.py::test_quickstart_variant_trains": 70,
-    "tests/engine/test_engine_objectives_resume.py::test_objective_state_resumes_bitwise": 65,
-    "tests/engine/test_engine_fsdp2.py::test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports": 55,
-    "tests/rewards/test_reward_fleet.py": 54,
-    "tests/engine/test_engine_launcher.py": 50,
-    "tests/test_readme_quickstart.py": 44,
-    "tests/test_cli_ux.py": 41,
-    "tests/sweep/test_sweep.py::test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs": 38,
-    "tests/sweep/test_sweep.py::test_two_by_two_sweep_runs_every_combination_and_compares": 38,
-    "tests/engine/test_engine_memory_knobs.py": 37,
-    "tests/engine/test_engine_objectives_parallel.py": 33,
-    "tests/test_doctor_selftest.py": 32,
-    "tests/test_quiet_output.py": 27,
-    "tests/engine/test_engine_fsdp2.py::test_fsdp2_two_processes_equal_one": 26,
-    "tests/test_reference_metrics.py::test_quickstart_metrics_equal_the_pre_redesign_reference": 23,
-    "tests/engine/test_engine_signals.py::test_first_ctrl_c_is_announced_at_once_and_checkpoints": 20,
-    "tests/test_hardware_doc.py": 20,
-    "tests/rewards/test_serve_stops_quietly.py": 20,
-    "tests/test_reference_metrics.py::test_quickstart_with_the_fast_path_stays_on_the_reference": 19,
-    "tests/sweep/test_sweep.py::test_a_failed_run_is_recorded_and_sigterm_stops_the_sweep_cleanly": 17,
-    "tests/engine/test_engine_distributed.py": 15,
-    "tests/engine/test_engine_fsdp2.py::test_fsdp2_diffusion_nft_with_evaluation_equals_one_process": 15,
-    "tests/engine/test_engine_signals.py::test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly": 14,
-    "tests/diffusers/test_fsdp2_loading.py": 14,
-}
-
-
-def _long_key(nodeid: str) -> str | None:
-    test = nodeid.split("[")[0]
-    return test if test in LONG else nodeid.split("::")[0] if nodeid.split("::")[0] in LONG else None
-
-
 def _first_shares(total: int, workers: int) -> list[int]:
     """How many tests pytest-xdist's worksteal scheduler first sends each worker: contiguous
     slices of the collection, in order (``xdist.scheduler.worksteal``, ``check_schedule``)."""
@@ -256,24 +219,16 @@ def _first_shares(total: int, workers: int) -> list[int]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The long tests start first, spread over the workers. Worksteal gives each worker a
-    contiguous slice and runs it in order; an idle worker takes from the end of another's queue.
-    So a long test that starts late keeps the run going alone, and long tests that share a
-    slice run one after another while the other workers run out of work. Each long test goes
-    to the head of the slice with the least long work so far (longest first), then the other
-    tests fill the slices in their collected order. Every worker computes the same order."""
-    long: dict[str, list] = {}
-    rest = []
-    for item in items:
-        key = _long_key(item.nodeid)
-        (long.setdefault(key, []) if key else rest).append(item)
+    """The slow tests (``@pytest.mark.slow``) start first, spread over the workers. Worksteal
+    gives each worker a contiguous slice and runs it in order; an idle worker takes from the end
+    of another's queue. So a long test that starts late keeps the run going alone. Each worker's
+    slice starts with every n-th slow test, then the other tests fill the slices in their
+    collected order. Every worker computes the same order. (The default run deselects the slow
+    lane after this hook, so this matters for ``pytest -m slow``.)"""
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    rest = [item for item in items if not item.get_closest_marker("slow")]
     workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    heads: list[list] = [[] for _ in range(workers)]
-    load = [0] * workers
-    for key in sorted(long, key=lambda key: -LONG[key]):
-        k = min(range(workers), key=lambda k: load[k])
-        heads[k] += long[key]
-        load[k] += LONG[key]
+    heads = [slow[k::workers] for k in range(workers)]
     ordered = []
     for head, share in zip(heads, _first_shares(len(items), workers)):
         take = max(0, share - len(head))

@@ -98,6 +98,7 @@ def results(flowrl_cli):
     return dict(zip(calls, flowrl_cli.batch(list(calls.values()))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ERRORS))
 def test_user_error_is_one_short_message_without_traceback(results, name):
     _, where, fragments = ERRORS[name]
@@ -112,6 +113,7 @@ def test_user_error_is_one_short_message_without_traceback(results, name):
         assert fragment in r.flat_err, f"{fragment!r} not in {r.flat_err!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(USAGE))
 def test_usage_errors_have_no_traceback(results, name):
     r = results[name]
@@ -120,6 +122,7 @@ def test_usage_errors_have_no_traceback(results, name):
     assert "Error" in r.stderr and "Usage" in r.stderr
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(results):
     r = results["debug"]
     assert r.returncode != 0
@@ -137,6 +140,7 @@ def test_real_console_script_prints_no_traceback(flowrl_cli):
     assert "unknown table [chunkr]" in proc.stderr and f"{FIX}/unknown_table.toml" in proc.stderr
 
 
+@pytest.mark.slow
 def test_valid_recipes_and_set_overrides(results):
     for name in ("quickstart", "minimal_defaults", "switch_chunker", "switch_chunker_with_param", "set_reward_label"):
         assert results[name].returncode == 0, (name, results[name].stderr)
@@ -188,6 +192,7 @@ def test_apply_overrides_does_not_crash_on_non_tables():
         apply_overrides({"rewards": [{"use": "a"}]}, ["rewards.0=1"])
 
 
+@pytest.mark.slow
 def test_explain_prints_the_documentation_of_the_keys(results):
     r = results["explain_all"]
     assert r.returncode == 0, r.stderr
@@ -205,6 +210,7 @@ def test_explain_prints_the_documentation_of_the_keys(results):
     assert "ok recipes/quickstart_hacking.toml" in out
 
 
+@pytest.mark.slow
 def test_plugins_command(results):
     table, js = results["plugins_table"], results["plugins_json"]
     assert table.returncode == 0 and js.returncode == 0, (table.stderr, js.stderr)

@@ -152,6 +152,7 @@ def one_error(r, *fragments):
 # ----------------------------------------------------------------------- finding 2: eval = the run's evaluation
 
 
+@pytest.mark.slow
 def test_eval_reproduces_the_runs_own_final_evaluation(results, tiny_run):
     _, _, run = tiny_run
     r = results["eval_default"]
@@ -172,6 +173,7 @@ def test_eval_reproduces_the_runs_own_final_evaluation(results, tiny_run):
     assert len(set(prompts)) == 3 and prompts[:3] == prompts[3:]
 
 
+@pytest.mark.slow
 def test_eval_at_an_earlier_checkpoint_equals_that_iterations_row(results, tiny_run):
     root, _, run = tiny_run
     assert results["eval_iter1"].returncode == 0, results["eval_iter1"].stderr
@@ -181,6 +183,7 @@ def test_eval_at_an_earlier_checkpoint_equals_that_iterations_row(results, tiny_
     assert result["rewards"]["area"]["mean"] == pytest.approx(row["eval/area/mean"], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_eval_with_explicit_prompts_keeps_sampling_as_before(results, tiny_run):
     root, _, _ = tiny_run
     assert results["eval_explicit"].returncode == 0, results["eval_explicit"].stderr
@@ -193,6 +196,7 @@ def test_eval_with_explicit_prompts_keeps_sampling_as_before(results, tiny_run):
 # ----------------------------------------------------------------------- finding 16: eval's missing arguments at once
 
 
+@pytest.mark.slow
 def test_eval_reports_every_missing_argument_at_once(results):
     one_error(results["eval_nothing"], "eval is missing 1 argument(s)", "SOURCE or --model NAME")
     one_error(results["eval_model_only"], "eval is missing 2 argument(s)", "--reward NAME", "-o PATH")
@@ -202,10 +206,12 @@ def test_eval_reports_every_missing_argument_at_once(results):
 # ----------------------------------------------------------------------- finding 16: export --merge, --version, help
 
 
+@pytest.mark.slow
 def test_export_merge_of_a_full_fine_tune_is_an_error(results):
     one_error(results["merge_full"], "--merge", "finetune = 'full'", "nothing to merge", "export without --merge")
 
 
+@pytest.mark.slow
 def test_version(results):
     from importlib import metadata
 
@@ -213,6 +219,7 @@ def test_version(results):
     assert r.returncode == 0 and r.stdout.strip() == f"flowrl {metadata.version('flowrl-diffusion')}"
 
 
+@pytest.mark.slow
 def test_help_shows_no_value_type_after_plain_flags(results):
     helps = {k: v for k, v in results.items() if k.startswith("help_")}
     assert {"help_root", "help_train", "help_eval", "help_export", "help_reward_serve"} <= set(helps)
@@ -224,6 +231,7 @@ def test_help_shows_no_value_type_after_plain_flags(results):
     assert "flowrl-diffusion[fleet]" in results["help_reward_serve"].flat_out  # not eaten as markup
 
 
+@pytest.mark.slow
 def test_reward_serve_names_the_argument(results):
     one_error(results["serve_unknown"], "flowrl reward serve NAME: unknown reward 'nosuch'")
     assert "serve.use" not in results["serve_unknown"].stderr
@@ -232,6 +240,7 @@ def test_reward_serve_names_the_argument(results):
 # ----------------------------------------------------------------------- finding 4: --debug anywhere
 
 
+@pytest.mark.slow
 def test_debug_after_the_subcommand(results):
     r = results["debug_after"]
     assert r.returncode != 0
@@ -249,6 +258,7 @@ def test_hoist_debug_moves_only_the_flag_before_a_double_dash():
 # ----------------------------------------------------------------------- finding 9: --resume
 
 
+@pytest.mark.slow
 def test_resume_of_something_that_is_not_a_run_directory(results, tiny_run):
     one_error(results["resume_missing"], "cannot resume", "does not exist", "a run directory is what `flowrl train` writes")
     one_error(results["resume_not_a_run"], "is not a run directory (it has no recipe.toml)", "checkpoints/iter_NNNNNN/")
@@ -257,6 +267,7 @@ def test_resume_of_something_that_is_not_a_run_directory(results, tiny_run):
         assert "recipe file not found" not in results[key].flat_err
 
 
+@pytest.mark.slow
 def test_resume_with_a_changed_recipe_names_keys_and_values(results):
     r = results["resume_changed"]
     one_error(r, "differs from the one that started", "2 key(s)", "[train].lr: 1e-05 in the run, 0.5 now",
@@ -279,6 +290,7 @@ def test_recipe_differences_of_tables_and_arrays_of_tables():
 # ----------------------------------------------------------------------- finding 14: --overwrite
 
 
+@pytest.mark.slow
 def test_training_over_old_metrics_is_refused(results):
     paths = results["paths"]
     one_error(results["old_metrics"], "already holds the metrics.jsonl of an earlier run", "--overwrite")
@@ -287,6 +299,7 @@ def test_training_over_old_metrics_is_refused(results):
     one_error(results["resume_overwrite"], "--overwrite starts afresh and --resume continues")
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_earlier_run_only(results):
     paths = results["paths"]
     r = results["overwrite"]
@@ -300,6 +313,7 @@ def test_overwrite_replaces_the_earlier_run_only(results):
 # ----------------------------------------------------------------------- finding 10: --explain
 
 
+@pytest.mark.slow
 def test_explain_documents_reward_entry_keys_and_does_not_wrap_keys_when_piped(results):
     r = results["explain"]
     assert r.returncode == 0, r.stderr
@@ -314,6 +328,7 @@ def test_explain_documents_reward_entry_keys_and_does_not_wrap_keys_when_piped(r
 # ----------------------------------------------------------------------- hub export
 
 
+@pytest.mark.slow
 def test_hub_dry_run_writes_the_folder_with_a_model_card(results):
     r = results["hub_dry_run"]
     assert r.returncode == 0, r.stderr
@@ -329,6 +344,7 @@ def test_hub_dry_run_writes_the_folder_with_a_model_card(results):
     one_error(results["private_alone"], "--private applies to --push-to-hub")
 
 
+@pytest.mark.slow
 def test_write_card_without_matplotlib(tmp_path, tiny_run, monkeypatch):
     """The card is written without the figure when matplotlib is missing."""
     import sys
@@ -344,6 +360,7 @@ def test_write_card_without_matplotlib(tmp_path, tiny_run, monkeypatch):
     assert "rewards.png" not in (tmp_path / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_changed_recipe_of_copy(tiny_run, tmp_path):
     """check_resumable_recipe compares resolved recipes: an identical copy of the run's recipe passes."""
     from flowrl.plugins import get_registry
@@ -421,6 +438,7 @@ class StandInHub:
         self.server.server_close()
 
 
+@pytest.mark.slow
 def test_push_to_hub_uploads_the_export_through_huggingface_hub(tiny_run, flowrl_cli):
     """The real upload path (huggingface_hub's HfApi: create_repo, upload_folder) against a local
     stand-in of the hub API, from the real console script."""

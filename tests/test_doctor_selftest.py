@@ -65,6 +65,7 @@ def _checks(result) -> dict[str, dict]:
     return {f"{c['section']}/{c['name']}": c for c in report["checks"]}
 
 
+@pytest.mark.slow
 def test_doctor_prints_every_section_and_passes_on_this_machine(doctor):
     r = doctor["text"]
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
@@ -77,6 +78,7 @@ def test_doctor_prints_every_section_and_passes_on_this_machine(doctor):
     assert "summary:" in r.stdout and "FAILED" not in r.stdout
 
 
+@pytest.mark.slow
 def test_doctor_json_parses_and_states_this_torch(doctor):
     import torch
 
@@ -93,6 +95,7 @@ def test_doctor_json_parses_and_states_this_torch(doctor):
     assert all(c["status"] in ("ok", "warn", "fail") for c in checks.values())
 
 
+@pytest.mark.slow
 def test_doctor_with_a_recipe_shows_its_plan_line(doctor):
     r = doctor["quickstart"]
     assert r.returncode == 0, r.stdout + r.stderr
@@ -101,6 +104,7 @@ def test_doctor_with_a_recipe_shows_its_plan_line(doctor):
     assert "GB per process at 1 process" in plan and "fits" in plan and "does not fit" not in plan, plan
 
 
+@pytest.mark.slow
 def test_doctor_plans_the_flagship_at_its_processes_against_this_machine(doctor):
     """The plan line is `flowrl plan`'s estimate at [distributed].num_processes (8), and its verdict
     is this machine's: per GPU, or, without one, all processes in RAM."""
@@ -124,12 +128,14 @@ def test_doctor_plans_the_flagship_at_its_processes_against_this_machine(doctor)
     assert r.returncode == (1 if json.loads(r.stdout)["failed"] else 0)
 
 
+@pytest.mark.slow
 def test_doctor_of_a_missing_recipe_is_one_message(doctor):
     r = doctor["missing"]
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", (r.stdout, r.stderr)
     assert "recipe file not found" in r.flat_err and "no_such_recipe.toml" in r.flat_err
 
 
+@pytest.mark.slow
 def test_doctor_reads_the_launcher(doctor):
     processes = _checks(doctor["launched"])["launcher/processes"]
     assert processes["status"] == "warn" and "WORLD_SIZE=2" in processes["detail"]
@@ -183,6 +189,7 @@ def selftest(flowrl_cli):
     return doc, text, as_json
 
 
+@pytest.mark.slow
 def test_selftest_passes_on_the_cpu_and_reports_each_check(selftest):
     _, text, as_json = selftest
     for r in (text, as_json):
@@ -252,6 +259,7 @@ def test_a_crash_in_one_check_is_its_failure():
 # ----------------------------------------------------------------------------------- docs/install.md
 
 
+@pytest.mark.slow
 def test_install_doc_commands_are_the_ones_run_here(doctor, selftest):
     commands = doc_commands()
     assert [c[0] for c in commands] == ["doctor", "selftest", "doctor"], commands
@@ -263,6 +271,7 @@ def test_install_doc_commands_are_the_ones_run_here(doctor, selftest):
     assert commands[1] == selftest[0]
 
 
+@pytest.mark.slow
 def test_install_doc_example_is_doctor_output_of_today(doctor):
     """The captured example has today's sections and line format (re-capture it when they change)."""
     text = DOC.read_text(encoding="utf-8")
@@ -273,6 +282,7 @@ def test_install_doc_example_is_doctor_output_of_today(doctor):
     assert CORE_NAMES <= {name for _, name in STATUS_LINE.findall(doctor["text"].stdout)}
 
 
+@pytest.mark.slow
 def test_doctor_says_where_the_weights_come_from(doctor):
     """A hub id not in the cache is downloaded by the first run (a warning, naming the login a gated
     model needs when no token is set), or cannot be with HF_HUB_OFFLINE (a failure); a local

@@ -30,6 +30,7 @@ cli.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_training_with_the_open_clip_backend_missing_says_which_extra(tmp_path):
     """End to end through the CLI: exit 2, the pip command, no traceback."""
     recipe = tmp_path / "r.toml"

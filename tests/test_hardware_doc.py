@@ -53,6 +53,7 @@ def test_every_recipe_declares_the_processes_its_header_launches(table):
     assert not wrong, f"header --num-processes vs [distributed].num_processes: {wrong}"
 
 
+@pytest.mark.slow
 def test_hardware_page_is_current(table):
     # A fresh process, so that the script switches the hub to offline mode before anything
     # imports huggingface_hub: the page must be made without the network.

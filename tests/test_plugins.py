@@ -145,6 +145,7 @@ def third_party(tmp_path_factory, flowrl_cli):
     return dict(zip(calls, results)), recipe
 
 
+@pytest.mark.slow
 def test_third_party_plugin_is_discovered_through_its_entry_point(third_party):
     results, _ = third_party
     r = results["plugins_json_flag"]
@@ -163,6 +164,7 @@ def test_third_party_plugin_is_discovered_through_its_entry_point(third_party):
     assert "chunker:explicit" in listing["chunkers"]["components"]
 
 
+@pytest.mark.slow
 def test_recipe_using_third_party_components_validates(third_party):
     results, recipe = third_party
     r = results["validate_env"]
@@ -186,6 +188,7 @@ def test_recipe_using_third_party_components_validates(third_party):
     assert "chunker=step" in r.flat_out
 
 
+@pytest.mark.slow
 def test_plugin_that_fails_to_import_names_itself_and_how_to_disable_it(third_party):
     results, _ = third_party
     for key in ("plugins_broken", "validate_broken"):

@@ -26,7 +26,9 @@ def test_there_are_quickstart_variants():
             "quickstart_dynamics.toml"} <= set(QUICKSTARTS)
 
 
-@pytest.mark.parametrize("name", QUICKSTARTS)
+# the default quickstart in every run of the suite; its variants in the slow lane (``pytest -m slow``)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "quickstart.toml" else pytest.mark.slow)
+                                  for n in QUICKSTARTS])
 def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # (not needed for the paths: recipes name their files relative to the recipe)
     recipe = load_recipe(

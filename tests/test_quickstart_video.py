@@ -19,6 +19,7 @@ from flowrl.video import mp4_available
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["quickstart_video.toml", "quickstart_video_nft.toml"])
 def test_video_quickstart_trains(name, tmp_path):
     recipe = load_recipe(

@@ -85,6 +85,7 @@ def test_building_flowrl_prints_no_setuptools_warning_and_ships_the_data(tmp_pat
         assert data in names
 
 
+@pytest.mark.slow
 def test_sample_and_a_lora_run_print_no_warning(tmp_path, flowrl_cli):
     """The real console script, default warning filters, as a user runs it."""
     sample = subprocess.run(

@@ -8,6 +8,8 @@ module).
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import re
 import subprocess
@@ -51,6 +53,7 @@ cli.main({argv!r})
 """
 
 
+@pytest.mark.slow
 def test_the_quickstart_install_covers_its_last_suggested_command(tmp_path, flowrl_cli):
     section = quickstart()
     suggestions = suggestions_for_the_run(section)

@@ -108,6 +108,7 @@ def installed_example(tmp_path_factory):
     return blocks, site, recipe, root
 
 
+@pytest.mark.slow
 def test_readme_plugin_example_installs_and_trains(installed_example, flowrl_cli):
     blocks, site, recipe, root = installed_example
     name = reward_name(blocks)

@@ -5,6 +5,8 @@ README's table."""
 
 from __future__ import annotations
 
+import pytest
+
 import csv
 import re
 import subprocess
@@ -34,6 +36,7 @@ def test_the_readme_describes_the_shipped_quickstart_recipe():
     assert f"evaluates, every {recipe.log.eval_every} iterations" in FLAT
 
 
+@pytest.mark.slow
 def test_every_quickstart_command_runs_as_written(tmp_path, flowrl_cli):
     commands = re.findall(r"`(flowrl [^`]+)`", SECTION) + re.findall(r"\.venv/bin/(flowrl train \S+)", SECTION)
     # each once, in order; a bare `flowrl plot` in the prose names a command, it is not one to run

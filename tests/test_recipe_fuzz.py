@@ -94,6 +94,7 @@ def _write(data: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+@pytest.mark.slow
 @settings(deadline=5000, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(changes=st.lists(st.tuples(st.sampled_from(KEYS), VALUES, st.booleans()), min_size=1, max_size=3))
 def test_validate_accepts_or_exits_2_with_one_message(changes, tmp_path, capsys):

@@ -55,6 +55,8 @@ lean update's. The two runs share no work: they part at the first update.
 
 from __future__ import annotations
 
+import pytest
+
 import contextlib
 import json
 import math
@@ -146,6 +148,7 @@ def test_quickstart_metrics_equal_the_pre_redesign_reference(tmp_path):
         assert g == w, f"row {i} differs:\n  got  {g[:300]}\n  want {w[:300]}"
 
 
+@pytest.mark.slow
 def test_quickstart_with_the_fast_path_stays_on_the_reference(tmp_path):
     """The default run (fast path) computes the same gradients from log-probs that may differ
     from the lean path's in the last bits (module docstring): every row, key and value as the

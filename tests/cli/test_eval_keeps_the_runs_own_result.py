@@ -49,6 +49,7 @@ def evaluated(tmp_path_factory, flowrl_cli):
     return root, run, results
 
 
+@pytest.mark.slow
 def test_an_adhoc_evaluation_goes_to_a_new_file_and_says_where(evaluated):
     _, run, results = evaluated
     for name in ("own", "adhoc_1", "adhoc_2", "named"):
@@ -69,12 +70,14 @@ def test_an_adhoc_evaluation_goes_to_a_new_file_and_says_where(evaluated):
     assert "ad-hoc" not in results["own"].flat_out
 
 
+@pytest.mark.slow
 def test_eval_says_that_plus_minus_is_a_standard_error(evaluated):
     _, _, results = evaluated
     out = results["own"].flat_out
     assert "mean +- standard error of the mean" in out and "area: " in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("call", ["fresh", "fresh_o"])
 def test_a_run_without_a_checkpoint_is_refused_with_or_without_o(evaluated, call):
     root, _, results = evaluated

@@ -8,6 +8,8 @@ spaces within 120 columns, key names whole.
 
 from __future__ import annotations
 
+import pytest
+
 import re
 
 from flowrl.commands.base import TEXT_WIDTH_WITHOUT_TERMINAL, console, table_console
@@ -39,6 +41,7 @@ def test_explain_piped_wraps_within_a_sane_width_and_never_splits_a_key(flowrl_c
     assert keys and [k for k in keys if k not in words] == []
 
 
+@pytest.mark.slow
 def test_plan_piped_keeps_each_note_on_one_line(flowrl_cli):
     """`flowrl plan` into a log: a cell's note is not folded at rich's assumed 80 columns."""
     import subprocess

@@ -95,6 +95,7 @@ def plugin_path(plugin_site):
     return plugin_site("load_record_plugin", PLUGIN)
 
 
+@pytest.mark.slow
 def test_only_rank_0_loads_the_denoiser_and_the_shards_are_its_weights(tiny_flux, tmp_path, plugin_path):
     from diffusers import FluxTransformer2DModel
 

@@ -67,6 +67,7 @@ def _trained_lora_deviation(model) -> float:
     return max(float(n.rpartition("=")[2]) for n in notes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-6), ("bf16", 1e-4)])
 def test_quantisation_adds_no_on_policy_deviation_beyond_the_compute_dtype(make, dtype, tolerance):
     # The quantised weights are the same in the rollout and in re-scoring; only the compute
@@ -97,6 +98,7 @@ def test_plan_counts_the_bytes_bitsandbytes_holds(make, tiny_klein):
         assert planned == pytest.approx(held, rel=0.002), (kind, planned, held)
 
 
+@pytest.mark.slow
 def test_full_size_plan_fits_a_24_gb_card(request):
     out = subprocess.run([sys.executable, "-m", "flowrl", "plan", RECIPE, "--num-processes", "1", "--gpu-memory", "24"],
                          capture_output=True, text=True, cwd=request.config.rootpath, env={"COLUMNS": "250",

@@ -6,6 +6,8 @@ so transformers would announce its PIL fallback for every image processor the pi
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -24,6 +26,7 @@ cli.main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_sample_of_a_diffusers_model_prints_no_library_warning(tiny_flux, tmp_path):
     sets = []
     for s in [f"model.path={tiny_flux}", *TINY_MODEL]:

@@ -301,6 +301,7 @@ def test_metric_reductions_agree_when_processes_hold_different_metrics(tmp_path)
     assert r0["summed"] == r1["summed"] == [2.0, 1.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "hybrid", "fsdp2_ckpt_offload", "ddp_ckpt", "fsdp2_lora",
                                   "fsdp2_sync_each"])
 def test_two_processes_equal_one_process_with_the_same_global_batch(runs, name):
@@ -313,6 +314,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(runs, name):
     assert runs.train[1][name]["steps"][0]["norm"] == r["steps"][0]["norm"]  # the same on every process
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2_ckpt_offload", "fsdp2_lora"])
 def test_fsdp2_parameters_really_are_sharded(runs, name):
     """Not DDP in disguise: every parameter a DTensor with Shard(0), half of it per process;
@@ -325,11 +327,13 @@ def test_fsdp2_parameters_really_are_sharded(runs, name):
     assert runs.train[0]["bf16_fsdp2"]["shards"]["all_dtensor"]  # the embedded FLUX denoiser too
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_is_a_two_dimensional_mesh(runs):
     """Two 'nodes' of one process each: replicated across nodes, sharded within (1 here)."""
     assert runs.train[0]["hybrid"]["shards"]["placements"] == ["(Replicate(), Shard(dim=0))"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_gradients_are_reduced_once_per_optimizer_step(runs, kind):
     """4, 8 or 16 backwards per step: no gradient collective during them, and the same ones on
@@ -347,6 +351,7 @@ def test_gradients_are_reduced_once_per_optimizer_step(runs, kind):
         assert all(s["grad_collectives_inside"] == 0 for s in runs.train[0][name]["steps"])
 
 
+@pytest.mark.slow
 def test_fsdp2_moves_one_block_at_a_time_to_the_device(runs):
     """Shard before moving: preparing FSDP2 moves each block alone (then shards it), never the
     whole denoiser, so the device holds at most one block's full weights during start-up (a
@@ -356,6 +361,7 @@ def test_fsdp2_moves_one_block_at_a_time_to_the_device(runs):
     assert max(placement["moved"]) <= placement["largest_block"] < placement["whole"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["received", "received_lora"])
 def test_fsdp2_gives_a_process_built_without_weights_rank_0s(runs, name):
     """Only rank 0 loads the weights: process 1 builds the model (and the frozen KL copy of it) on
@@ -368,6 +374,7 @@ def test_fsdp2_gives_a_process_built_without_weights_rank_0s(runs, name):
     assert r0["equal"] and r0["frozen_equal"] and r1["frozen_equal"]
 
 
+@pytest.mark.slow
 def test_fsdp2_gradient_sync_per_micro_batch_reduce_scatters_every_backward(runs):
     """[distributed].gradient_sync = 'micro_batch': each of the 4, 8 or 16 backwards of a step
     reduce-scatters every FSDP group into sharded gradients (no full-size gradient is kept),
@@ -381,11 +388,13 @@ def test_fsdp2_gradient_sync_per_micro_batch_reduce_scatters_every_backward(runs
         assert s["grad_collectives_on_exit"] == 0
 
 
+@pytest.mark.slow
 def test_a_process_without_samples_keeps_fsdp2_in_lockstep(runs):
     """One process runs its forwards and backwards on 0 samples: gradients still exact."""
     assert runs.train[0]["empty_rank"] <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
 def test_bf16_run_passes_its_on_policy_check(runs, kind):
     """bf16 compute (autocast / MixedPrecisionPolicy), fp32 master weights: re-scoring the same
@@ -400,6 +409,7 @@ def test_bf16_run_passes_its_on_policy_check(runs, kind):
         assert r["blocks"] == 3 and math.isfinite(r["norm"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_lora"])
 def test_sharded_checkpoint_resumes_bitwise(runs, name):
     """Saved after step 1, the processes ended; fresh processes load it and run step 2: equal,
@@ -415,6 +425,7 @@ def test_sharded_checkpoint_resumes_bitwise(runs, name):
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each process wrote its part
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp2_lora"])
 def test_a_two_process_checkpoint_resumes_in_one_process(runs, name):
     """DCP reshards: loaded exactly; step 2 on the whole batch agrees within TOL; `flowrl
@@ -427,6 +438,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs, name):
     assert max(float((two[k] - one[k]).abs().max()) for k in two) <= TOL
 
 
+@pytest.mark.slow
 def test_an_fsdp2_checkpoint_loads_into_ddp(runs):
     saved, got = runs.tensors("train-fsdp2_step1"), runs.tensors("resume-fsdp2_into_ddp_loaded")
     assert all(torch.equal(saved[k], got[k]) for k in saved)

@@ -3,6 +3,8 @@ every category GenEval's rules pass at >= 0.97, and wrong prompts fail."""
 
 from __future__ import annotations
 
+import pytest
+
 import collections
 
 import torch
@@ -19,6 +21,7 @@ def _accuracy_by_category(prompts, images):
     return {tag: sum(v) / len(v) for tag, v in verdicts.items()}
 
 
+@pytest.mark.slow
 def test_ground_truth_of_every_category_scores_at_least_097():
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(123)

@@ -3,6 +3,8 @@ saw, and scores the prompt as well as the picture."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import torch
@@ -16,6 +18,7 @@ from flowrl_plugins.embedded.train_latent_verifier import model_samples, pearson
 from flowrl_plugins.embedded.verifier import verify
 
 
+@pytest.mark.slow
 def test_the_shipped_head_agrees_with_the_verifier_on_fresh_samples():
     component = get_registry().get("reward", "latent_verifier")
     reward = component.build(component.params())

@@ -1,3 +1,4 @@
+import pytest
 import os
 import time
 
@@ -40,6 +41,7 @@ def test_load_offline_fast_and_shapes():
     assert v.shape == (2, 64, 48) and torch.isfinite(v).all()
 
 
+@pytest.mark.slow
 def test_quality_bars_subset():
     """Every prompt x eval seed 0 (half the eval set; the full table is in MODEL_CARD.md)."""
     torch.set_num_threads(1)

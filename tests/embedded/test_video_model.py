@@ -1,3 +1,4 @@
+import pytest
 """The embedded video model: lossless clip latents with a frames axis, space-time RoPE ids, the
 adapter conformance suite, and the shipped weights' quality bars."""
 
@@ -45,6 +46,7 @@ def test_velocity_depends_on_other_frames():
     assert v.shape == x.shape and (v[0, 0] - v[1, 0]).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_shipped_weights_load_and_meet_the_quality_bars():
     """Every third prompt x seed 0, 120 clips (the card's table has all 360: MODEL_CARD.md, 'The video model')."""
     torch.set_num_threads(1)

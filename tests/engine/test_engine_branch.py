@@ -142,6 +142,7 @@ def tree_recipe(text: str) -> str:
             .replace('use = "fixed"\nsize = 2', 'use = "step"').replace('use = "uniform"\nfraction = 0.5', 'use = "all"'))
 
 
+@pytest.mark.slow
 def test_a_branch_run_resumes_exactly(tmp_path):
     """The tree's noise is keyed by (seed, iteration, global sample index) and the depth window
     by the iteration: nothing to checkpoint. Interrupted after iteration 1 (the window has moved)."""

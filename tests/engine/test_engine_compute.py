@@ -44,6 +44,7 @@ def test_a_kl_term_costs_no_second_policy_forward(tmp_path, kind):
         assert "compute/reference/forward" not in row
 
 
+@pytest.mark.slow
 def test_the_counter_sees_the_lean_paths_recomputation(tmp_path):
     row = _run(tmp_path, "quickstart_hacking.toml", "train.fast_path=false", "train.update_mode='lean'")
     # a chunk of k re-scores k - 1 steps without grad before its backward: more forwards than the minimum
@@ -56,6 +57,7 @@ def test_the_chunk_graph_update_computes_nothing_twice_off_policy(tmp_path):
     assert row["compute/update/forward"] == row["compute/update/backward"]
 
 
+@pytest.mark.slow
 def test_flash_and_egrpo_train_fewer_transitions_at_the_minimum(tmp_path):
     """Flash-GRPO trains one of the 16 transitions per sample, E-GRPO the 8 highest-entropy ones,
     step GRPO (uniform 0.5) 8: the update's forwards follow, each at the minimum, the rollout unchanged."""

@@ -20,6 +20,7 @@ DYNAMICS = TINY_RECIPE.replace(
 ).replace('[selector]\nuse = "uniform"\nfraction = 0.5\n', '[selector]\nuse = "weighted"\nfraction = 0.5\n')
 
 
+@pytest.mark.slow
 def test_profiles_at_start_reprofiles_and_resumes(tmp_path):
     assert 'use = "dynamics"' in DYNAMICS and 'use = "weighted"' in DYNAMICS
     path = write_recipe(tmp_path, DYNAMICS)

@@ -96,6 +96,7 @@ def test_a_run_without_ema_keeps_its_checkpoint_format(reference_run):
     assert saved["ema"] is None and "ema" not in saved["state"]
 
 
+@pytest.mark.slow
 def test_evaluation_uses_the_ema_when_asked(tmp_path):
     """decay = 1 keeps the EMA at the initial weights: with [ema].evaluate every evaluation then
     scores the untrained policy, while the trained policy's scores move."""

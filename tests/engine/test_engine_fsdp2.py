@@ -54,6 +54,7 @@ def assert_two_equal_one(two, one):
     assert_weights_close(weights(two), weights(one), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp2_two_processes_equal_one(tmp_path, reference_run):
     """The lean update with its KL pass off-policy, gradients reduce-scattered after every backward
     (three micro-batches of several backwards per step). The chunk-graph update with the reference
@@ -66,6 +67,7 @@ def test_fsdp2_two_processes_equal_one(tmp_path, reference_run):
     assert_two_equal_one(two, one)
 
 
+@pytest.mark.slow
 def test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports(tmp_path, reference_run, flowrl_cli):
     """Stopped after iteration 1 and resumed (2 processes, sharded checkpoint): the same metrics
     and, bit for bit, the same weights as the uninterrupted 2-process run. With [ema] on, as here,
@@ -111,6 +113,7 @@ def test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports(tmp_path, refe
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_fsdp2_diffusion_nft_with_evaluation_equals_one_process(tmp_path):
     """DiffusionNFT (the quickstart's objective) samples its rollout with the old weights swapped
     into the trained parameters. Under FSDP2 the root keeps the weights it gathered for the last

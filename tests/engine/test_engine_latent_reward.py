@@ -4,6 +4,8 @@ group grid still drawn (decoded for the pictures only)."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine_helpers import TINY_RECIPE, load, quiet_console, write_recipe
 
 from flowrl.runlog import read_metrics
@@ -14,6 +16,7 @@ SMALL = ["train.iterations=2", "train.updates_per_rollout=1", "train.optimizer_s
          "prompts.num_eval=2", "log.eval_every=1", "log.image_every=1"]
 
 
+@pytest.mark.slow
 def test_a_latent_reward_run_decodes_nothing_in_training(tmp_path):
     assert LATENT_RECIPE != TINY_RECIPE
     recipe_path = write_recipe(tmp_path, LATENT_RECIPE)

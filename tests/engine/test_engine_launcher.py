@@ -74,6 +74,7 @@ def stop_everything(run_dir: Path, launcher: subprocess.Popen) -> None:
             pass
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_then_killing_the_launchers_group_leaves_no_process_within_10_s(
         tmp_path, flowrl_cli):
     """One 2-process run for both checks (each needs a launcher that is training): first every
@@ -124,6 +125,7 @@ def test_a_second_writer_is_refused_then_killing_the_launchers_group_leaves_no_p
         assert (run_dir / LOCK_NAME).is_file()
 
 
+@pytest.mark.slow
 def test_ctrl_c_of_the_launcher_stops_the_workers_after_a_checkpoint(tmp_path):
     launcher, run_dir = start_two_process_run(tmp_path)
     try:
@@ -139,6 +141,7 @@ def test_ctrl_c_of_the_launcher_stops_the_workers_after_a_checkpoint(tmp_path):
     assert 1 <= done < 500
 
 
+@pytest.mark.slow
 def test_sigterm_of_a_pipelined_launcher_stops_every_process_after_a_checkpoint(tmp_path):
     """SIGTERM to the launcher (Slurm, `docker stop`), on a run with [pipeline] staleness 1 and
     worker = "process": each worker draws the next rollout in a rollout process of its own; the

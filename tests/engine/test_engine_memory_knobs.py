@@ -28,6 +28,7 @@ def _metrics(run_dir):
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_8bit_adamw_trains_stores_8bit_moments_and_resumes_exactly(tmp_path):
     path = write_recipe(tmp_path)
     ref_dir = train(load(path, EIGHT_BIT, f"run.output_dir={str(tmp_path / 'ref')!r}"), console=quiet_console())
@@ -55,6 +56,7 @@ def test_8bit_adamw_trains_stores_8bit_moments_and_resumes_exactly(tmp_path):
         assert torch.equal(got[name], want), name
 
 
+@pytest.mark.slow
 def test_reference_on_cpu_gives_the_same_run(tmp_path):
     path = write_recipe(tmp_path)
     on_device = train(load(path, *KL, f"run.output_dir={str(tmp_path / 'a')!r}"), console=quiet_console())
@@ -65,6 +67,7 @@ def test_reference_on_cpu_gives_the_same_run(tmp_path):
     assert a == b and kls and any(k > 0 for k in kls)
 
 
+@pytest.mark.slow
 def test_nfts_reference_on_cpu_is_placed_there_and_gives_the_same_run(tmp_path):
     """DiffusionNFT's velocity KL (``beta_kl > 0``, flowrl.interfaces.NeedsReferencePolicy) runs the
     engine's frozen reference: [train].reference_on_cpu now validates for it and keeps that copy in

@@ -41,6 +41,7 @@ def _rows(run_dir):
     return [r for r in read_metrics(run_dir) if not r.get("final")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)

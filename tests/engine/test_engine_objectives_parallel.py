@@ -50,6 +50,7 @@ def one_process_run(name: str, root: Path) -> Path:
     return one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_processes_equal_one(tmp_path, tmp_path_factory, name, strategy):

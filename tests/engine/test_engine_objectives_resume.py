@@ -36,6 +36,7 @@ CASES = {
 STATELESS = {"awm", "dppo", "dpo", "dgpo"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_objective_state_resumes_bitwise(tmp_path, name):
     recipe_name, extra = CASES[name]

@@ -80,6 +80,7 @@ def test_flowrl_train_runs_each_offline_recipe_without_rollout_or_reward(sampled
     assert (run_dir / "images" / "eval" / "iter_000002.png").is_file()  # the final evaluation's grid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", list(RECIPES))
 def test_an_interrupted_offline_run_resumes_bitwise(sampled, tmp_path, loss):
     recipe = tmp_path / RECIPES[loss]
@@ -102,6 +103,7 @@ def test_an_interrupted_offline_run_resumes_bitwise(sampled, tmp_path, loss):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 @pytest.mark.parametrize("loss", list(RECIPES))
 def test_two_processes_equal_one(sampled, tmp_path, loss, strategy):

@@ -55,6 +55,7 @@ def plugin_path(plugin_site):
     return plugin_site("idle_rank_plugin", PLUGIN)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sets", [
     ["distributed.strategy='ddp'", "train.update_mode='lean'"],
     ["distributed.strategy='fsdp2'", "train.update_mode='chunk_graph'", "loss.beta=0.05"],

@@ -64,6 +64,7 @@ def plain_recipe(run_dir, tmp_path):
 # ------------------------------------------------------------------------------ no-op resume
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_changes_nothing(eval_run, tmp_path):
     from rich.console import Console
 
@@ -80,6 +81,7 @@ def test_resuming_a_finished_run_changes_nothing(eval_run, tmp_path):
         assert (p.read_bytes(), p.stat().st_mtime_ns) == before[p], p
 
 
+@pytest.mark.slow
 def test_resume_of_a_run_stopped_during_its_final_evaluation_does_it(eval_run, tmp_path):
     import shutil
 
@@ -95,6 +97,7 @@ def test_resume_of_a_run_stopped_during_its_final_evaluation_does_it(eval_run, t
 # ------------------------------------------------------------------------------ time-based checkpoints
 
 
+@pytest.mark.slow
 def test_every_minutes_writes_a_checkpoint_when_the_time_has_passed(tmp_path):
     path = write_recipe(tmp_path)
     run = train(load(path, f"run.output_dir={str(tmp_path / 'run')!r}", "checkpoint.every=100",
@@ -107,6 +110,7 @@ def test_every_minutes_writes_a_checkpoint_when_the_time_has_passed(tmp_path):
     assert ["time/checkpoint" in r for r in read_metrics(run)] == [False, True, True, True]
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_is_only_appended_to(tmp_path, monkeypatch):
     """Each row is appended to what was on disk before it (never a rewrite of the file, which
     would be quadratic over a long run); a checkpoint's seconds are in the next iteration's row,
@@ -142,6 +146,7 @@ def test_without_every_minutes_only_the_iteration_interval_and_the_end_count(tmp
 # ------------------------------------------------------------------------------ pictures
 
 
+@pytest.mark.slow
 def test_grids_every_image_every_iterations_and_at_the_last(eval_run):
     run_dir, _, images = eval_run
     assert sorted(p.name for p in (run_dir / "images").glob("iter_*.png")) == [
@@ -149,6 +154,7 @@ def test_grids_every_image_every_iterations_and_at_the_last(eval_run):
     assert [(step, name) for step, name, _ in images if name == "group"] == [(0, "group"), (2, "group"), (3, "group")]
 
 
+@pytest.mark.slow
 def test_eval_grids_over_time_and_the_evolution_picture(eval_run):
     from PIL import Image
 
@@ -168,6 +174,7 @@ def test_eval_grids_over_time_and_the_evolution_picture(eval_run):
     assert evolution.width > 3 * 128 and evolution.height > 3 * 128  # 3 evaluations x 3 prompts, readable cells
 
 
+@pytest.mark.slow
 def test_eval_strips_hold_the_same_prompts_each_time(eval_run):
     """The same prompts at every evaluation (that their noise is the same too is checked with a
     frozen EMA in test_engine_ema.py), stored losslessly at their own size."""
@@ -210,6 +217,7 @@ def test_small_images_get_readable_cells_and_large_ones_are_shrunk():
     assert big.width < 2 * 300 and big.height < 400
 
 
+@pytest.mark.slow
 def test_the_group_grid_names_the_prompt(eval_run):
     """The grid's title carries the group's prompt: the picture is taller than cells and captions."""
     _, _, images = eval_run
@@ -220,6 +228,7 @@ def test_the_group_grid_names_the_prompt(eval_run):
 # ------------------------------------------------------------------------------ throughput
 
 
+@pytest.mark.slow
 def test_run_info_holds_the_model_flops_and_rows_hold_no_speed(eval_run):
     run_dir, metrics, _ = eval_run
     info = json.loads((run_dir / "run_info.json").read_text())

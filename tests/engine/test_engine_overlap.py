@@ -110,6 +110,7 @@ def test_a_raising_reward_stops_training_with_its_name(tmp_path, overlap):
             train(recipe, console=quiet_console())
 
 
+@pytest.mark.slow
 def test_training_with_overlap_is_bit_identical(tmp_path):
     """Two iterations with and without overlap: every metric (rewards, advantages, loss, ratios)
     and the trained weights are equal bit for bit."""

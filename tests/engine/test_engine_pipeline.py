@@ -73,6 +73,7 @@ def test_behaviour_iteration_is_the_last_sync_before_the_previous_update():
     assert [j - behaviour_iteration(j, 3) for j in range(1, 8)] == [1, 2, 3, 1, 2, 3, 1]
 
 
+@pytest.mark.slow
 def test_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path, runs):
     recipe, synchronous, _ = runs
     got = run(recipe, tmp_path / "off", "pipeline.staleness=0", "pipeline.sync_every=3", "pipeline.overlap=false")
@@ -82,6 +83,7 @@ def test_staleness_0_is_the_synchronous_run_bit_for_bit(tmp_path, runs):
     assert not (latest_checkpoint(got) / "pipeline.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_staleness_1_trains_on_the_previous_weights_rollouts_importance_weighted(runs):
     _, synchronous, pipelined = runs
     rows, sync_rows = trained_rows(pipelined), trained_rows(synchronous)
@@ -105,6 +107,7 @@ def test_staleness_1_trains_on_the_previous_weights_rollouts_importance_weighted
     assert sorted(load_file(str(ckpt / "pipeline.safetensors"))) == sorted(a)  # the trainable parameters
 
 
+@pytest.mark.slow
 def test_the_worker_thread_and_the_in_order_draw_are_the_same_run(tmp_path, runs):
     recipe, _, pipelined = runs
     got = run(recipe, tmp_path / "in_order", *ON, "pipeline.overlap=false")
@@ -113,6 +116,7 @@ def test_the_worker_thread_and_the_in_order_draw_are_the_same_run(tmp_path, runs
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+@pytest.mark.slow
 def test_sync_every_2_draws_every_second_rollout_two_updates_old(tmp_path, runs):
     recipe, _, pipelined = runs
     got = run(recipe, tmp_path / "k2", *ON, "pipeline.sync_every=2")
@@ -124,6 +128,7 @@ def test_sync_every_2_draws_every_second_rollout_two_updates_old(tmp_path, runs)
     assert json.loads((latest_checkpoint(got) / "state.json").read_text())["pipeline"] == {"behaviour_iteration": 2}
 
 
+@pytest.mark.slow
 def test_resumes_bit_for_bit_with_the_behaviour_weights_in_a_rollout_process(tmp_path, runs):
     """Interrupted with the worker thread, resumed with a rollout process (the placement may
     change on resume): the process takes the checkpoint's behaviour weights, redraws the pending
@@ -152,6 +157,7 @@ def test_resumes_bit_for_bit_with_the_behaviour_weights_in_a_rollout_process(tmp
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     recipe = write_recipe(tmp_path, TINY_RECIPE.replace('use = "area"', 'use = "brightness"'))
     # one optimizer step per pass (loop.py); evaluation, grids and checkpoints on, as in the other 2-process tests;

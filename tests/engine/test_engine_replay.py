@@ -53,6 +53,7 @@ def runs(tmp_path_factory):
     return recipe, run(recipe, root / "on_policy"), run(recipe, root / "replay", *ON)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("off", [["replay.size=2", "replay.max_staleness=0"], ["replay.size=0", "replay.max_staleness=3"]])
 def test_replay_off_is_the_on_policy_run_bit_for_bit(tmp_path, runs, off):
     recipe, on_policy, _ = runs
@@ -63,6 +64,7 @@ def test_replay_off_is_the_on_policy_run_bit_for_bit(tmp_path, runs, off):
     assert not (latest_checkpoint(got) / "replay.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_replay_trains_on_kept_rollouts_and_logs_its_weights(runs):
     recipe, on_policy, replayed = runs
     rows = [r for r in read_metrics(replayed) if "lr" in r]
@@ -88,6 +90,7 @@ def test_replay_trains_on_kept_rollouts_and_logs_its_weights(runs):
     assert tensors["0.latents"].shape[0] == 8 and tensors["0.advantages"].shape == (8,)
 
 
+@pytest.mark.slow
 def test_replay_resumes_bit_for_bit_with_the_buffer(tmp_path, runs):
     recipe, _, whole = runs
     parts = tmp_path / "parts"
@@ -107,6 +110,7 @@ def test_replay_resumes_bit_for_bit_with_the_buffer(tmp_path, runs):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     recipe = write_recipe(tmp_path, TINY_RECIPE.replace('use = "area"', 'use = "brightness"'))
     # one optimizer step per pass: with more, which samples share a step depends on the layout (loop.py)

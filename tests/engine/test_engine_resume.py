@@ -33,6 +33,7 @@ def _assert_same_run(run_dir, reference_dir, reference_records):
     assert_weights_close(final_weights(run_dir), final_weights(reference_dir))
 
 
+@pytest.mark.slow
 def test_interrupt_then_resume_equals_uninterrupted_run(tmp_path, reference_run):
     recipe_path, ref_dir, ref = reference_run
     run_dir = tmp_path / "run"
@@ -92,6 +93,7 @@ def test_resume_refuses_a_changed_recipe(reference_run):
         train(load(recipe_path, "train.lr=1e-2"), resume=ref_dir, console=quiet_console())
 
 
+@pytest.mark.slow
 def test_kill_right_after_a_checkpoint_is_published_loses_no_metrics_row(tmp_path, reference_run):
     """The row of an iteration is on disk before the checkpoint that says the iteration is done:
     a process killed right after publishing (latest.json written) resumes with every iteration's

@@ -4,6 +4,8 @@ continues the run."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -15,6 +17,7 @@ from flowrl.runlog import read_metrics
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_until_the_first_is_killed_then_resume_continues(tmp_path, flowrl_cli):
     recipe, run_dir = write_recipe(tmp_path), tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")

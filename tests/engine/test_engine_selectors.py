@@ -18,6 +18,7 @@ SMALL = ["train.iterations=1", "train.prompts_per_iteration=3", "train.group_siz
          "sampler.sde_window=[0, 8]"]  # the recipes' SDE window [0, 16] at 9 steps: all 8 transitions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["quickstart_flash", "quickstart_egrpo"])
 def test_two_processes_select_what_one_selects(tmp_path, name):
     recipe = REPO / "recipes" / f"{name}.toml"

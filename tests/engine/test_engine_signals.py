@@ -82,6 +82,7 @@ def start_slow_run(tmp_path, seconds: float):
     return proc, marker, Reader(proc.stdout), Reader(proc.stderr)
 
 
+@pytest.mark.slow
 def test_first_ctrl_c_is_announced_at_once_and_checkpoints(tmp_path):
     proc, marker, out, err = start_slow_run(tmp_path, seconds=6.0)  # longer than the 5 s "at once"
     try:
@@ -103,6 +104,7 @@ def test_first_ctrl_c_is_announced_at_once_and_checkpoints(tmp_path):
     assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["state"]["iteration"] == 0
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_aborts_with_a_message(tmp_path):
     proc, marker, out, err = start_slow_run(tmp_path, seconds=60.0)
     try:
@@ -195,6 +197,7 @@ def stopped_run(tmp_path, stop_at_eval: int) -> tuple[Probe, Path]:
     return probe, run_dir
 
 
+@pytest.mark.slow
 def test_a_stop_during_evaluation_skips_the_rollout_and_checkpoints(tmp_path):
     probe, run_dir = stopped_run(tmp_path, stop_at_eval=3)  # the evaluation before iteration 2
     assert probe.sizes_at_signal is not None
@@ -204,6 +207,7 @@ def test_a_stop_during_evaluation_skips_the_rollout_and_checkpoints(tmp_path):
     assert ckpt.name == "iter_000002" and load_checkpoint(ckpt)["state"]["iteration"] == 2
 
 
+@pytest.mark.slow
 def test_a_stop_after_the_last_iteration_skips_the_final_evaluation_which_resume_runs(tmp_path):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path, CHECKED_RECIPE + '\n[[trackers]]\nuse = "interrupt_at"\n')

@@ -72,6 +72,7 @@ def run_config(records) -> dict:
     return {item.key: json.loads(item.value_json) for item in run.config.update}
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_scalars_images_config_and_resumes_into_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

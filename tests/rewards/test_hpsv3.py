@@ -95,6 +95,7 @@ def reference(base, state, head, images, prompts):
         return x @ head["rm_head.5.weight"].T + head["rm_head.5.bias"]
 
 
+@pytest.mark.slow
 def test_matches_independent_computation(reward, tiny_hps):
     base, _, state, head = tiny_hps
     images = fixed_images(6, size=(56, 56))

@@ -252,6 +252,7 @@ def test_server_killed_mid_request_raises():
         proc.wait(10)
 
 
+@pytest.mark.slow
 def test_cli_serve_round_trip_and_errors(flowrl_cli, tmp_path):
     from flowrl_plugins.embedded.rewards import brightness
 

@@ -126,6 +126,7 @@ CLIENT_PROCESS = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_cli_fleet_scores_concurrent_clients_exactly_as_in_process(flowrl_cli, tmp_path):
     from flowrl_plugins.embedded.rewards import brightness
 
@@ -187,6 +188,7 @@ def slow_fleet(tmp_path_factory):
     fleet.stop()
 
 
+@pytest.mark.slow
 def test_requests_from_many_clients_are_batched(slow_fleet):
     fleet, log_dir = slow_fleet
     wait_ready(fleet.url, 2)
@@ -224,6 +226,7 @@ def test_requests_from_many_clients_are_batched(slow_fleet):
     assert set(devices.values()) <= {"cpu:a", "cpu:b"} and len(set(devices.values())) == len(devices), devices
 
 
+@pytest.mark.slow
 def test_replica_killed_mid_run_loses_and_duplicates_nothing(slow_fleet):
     fleet, log_dir = slow_fleet
     wait_ready(fleet.url, 2)
@@ -277,6 +280,7 @@ def test_replica_killed_mid_run_loses_and_duplicates_nothing(slow_fleet):
     assert wait_ready(fleet.url, 2)["ready"] == 2  # the killed replica was replaced
 
 
+@pytest.mark.slow
 def test_a_request_that_kills_every_replica_fails_loudly(slow_fleet):
     fleet, _ = slow_fleet
     wait_ready(fleet.url, 2)
@@ -289,6 +293,7 @@ def test_a_request_that_kills_every_replica_fails_loudly(slow_fleet):
     assert torch.equal(reward(images, ["a", "b"]).scores, fleet_helpers.expected(images))
 
 
+@pytest.mark.slow
 def test_fleet_options_and_setup_errors_are_clear(flowrl_cli):
     bad_key, no_backend, bad_port, bad_replicas = flowrl_cli.batch([
         ["reward", "serve", "brightness", "--backend", "litserve", "--set", "nosuchkey=1", "--port", "0"],

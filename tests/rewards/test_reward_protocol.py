@@ -126,6 +126,7 @@ cli.main(["reward", "serve", "brightness", "--backend", "litserve", "--port", "0
 """
 
 
+@pytest.mark.slow
 def test_fleet_without_its_extra_names_the_pip_command(flowrl_cli):
     proc = subprocess.run([sys.executable, "-c", HIDDEN_LITSERVE], capture_output=True, text=True, timeout=120,
                           env=flowrl_cli.env())

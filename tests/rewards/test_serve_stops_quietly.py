@@ -100,6 +100,7 @@ def test_the_simple_server_stops_quietly(flowrl_cli, to, signum, expected):
     assert_quiet_stop(server, code, err, signum, expected, "the reward server for 'brightness' has ended")
 
 
+@pytest.mark.slow
 @needs_litserve
 @linux
 @pytest.mark.parametrize("to, signum, expected", STOPS, ids=lambda v: str(v))

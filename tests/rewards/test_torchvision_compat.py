@@ -56,6 +56,7 @@ def make_fake(tmp_path, library: bytes | None):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_broken_library_gets_the_schemas(tmp_path):
     out = run(make_fake(tmp_path, b"not an ELF file"))
     assert "plain import: operator torchvision::nms does not exist" in out
@@ -64,6 +65,7 @@ def test_broken_library_gets_the_schemas(tmp_path):
     assert "nms defined: True qnms defined: True" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a loadable library")
 def test_healthy_library_is_left_alone(tmp_path):
     src = tmp_path / "empty.c"
@@ -109,6 +111,7 @@ HIDDEN_TORCHVISION = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_absent_torchvision_is_a_no_op():
     proc = subprocess.run([sys.executable, "-c", HIDDEN_TORCHVISION], capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == ["absent", "False"], proc.stderr

@@ -109,6 +109,7 @@ def reference(checkpoint, videos: torch.Tensor, prompts: list[str], indices: lis
     return pooled[..., 0] if outputs == 1 else pooled.diagonal(dim1=1, dim2=2)
 
 
+@pytest.mark.slow
 def test_matches_an_independent_computation(reward, tiny_va):
     videos = clips(4, frames=6, size=(40, 48))
     out = score(reward, videos, PROMPTS)
@@ -123,6 +124,7 @@ def test_matches_an_independent_computation(reward, tiny_va):
     assert (raw.max(0).values - raw.min(0).values).min() > 1e-3  # the check can tell clips apart
 
 
+@pytest.mark.slow
 def test_a_three_output_head_reads_output_k_at_token_k(tmp_path):
     """Upstream's training script trains a head of 3 outputs (output_dim 3): token k's k-th."""
     from flowrl.testing.tiny_models import build_tiny_video_align
@@ -134,10 +136,12 @@ def test_a_three_output_head_reads_output_k_at_token_k(tmp_path):
     torch.testing.assert_close(torch.stack([out.extras[k] for k in ("vq", "mq", "ta")], 1), raw, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_batch_size_and_order_invariant(reward):
     assert_invariant(reward, clips(3, frames=4, size=(56, 56), seed=2), PROMPTS[:3])
 
 
+@pytest.mark.slow
 def test_deterministic_across_calls_and_loads(reward, tiny_va):
     """The same clips give the same scores bit for bit on a second call and after a fresh load. A
     load with another batch size agrees to float rounding, as every reward's does

@@ -119,6 +119,7 @@ def test_plan_crosses_variants_grid_and_seeds():
 # ----------------------------------------------------------------------------- real sweeps
 
 
+@pytest.mark.slow
 def test_two_by_two_sweep_runs_every_combination_and_compares(tiny, flowrl_cli):
     args = ["tiny.toml", "--grid", "train.lr=1e-4,3e-4", "--seeds", "2", "--jobs", "2", "-o", "sw"]
     proc = _sweep(flowrl_cli, tiny, *args)
@@ -153,6 +154,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="the killed runs stop through PR_SET_PDEATHSIG (Linux)")
 def test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs(tiny, flowrl_cli):
     # one run at a time: the short run is done before the long one starts
@@ -185,6 +187,7 @@ def test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs(tiny, f
     assert "resume at iteration" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_recorded_and_sigterm_stops_the_sweep_cleanly(tiny, flowrl_cli):
     # The first variant's run fails in the engine (a prompts file is read when the run starts;
     # recipe validation does not open it); the sweep goes on with the second, and SIGTERM then
