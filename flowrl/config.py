@@ -35,6 +35,7 @@ def param(
     exclusive_min: bool = False,
     path: bool | Literal["hub"] = False,
     keep: tuple[str, ...] = (),
+    required: bool = False,
 ) -> Any:
     """Declare one documented recipe field.
 
@@ -49,8 +50,13 @@ def param(
             value is a path only when it starts with ``./`` or ``../`` or exists there.
         keep: values of a path field that are words, not paths (the empty string always is); an
             entry ending in ``:`` keeps every value with that prefix (``"hf:"``: a dataset name).
+        required: the key must hold a value to train: an empty string or list is refused
+            by ``flowrl validate`` and ``flowrl train`` before any model loads
+            (:func:`flowrl.recipe.check_startable`). The default may still be empty, so that a
+            shipped recipe can leave the key for its user to fill in (and ``flowrl plan`` reads it).
     """
-    metadata = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min, "path": path, "keep": keep}
+    metadata = {"help": help, "min": min, "max": max, "exclusive_min": exclusive_min, "path": path, "keep": keep,
+                "required": required}
     if isinstance(default, (list, dict)):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=metadata)
@@ -221,8 +227,13 @@ def explain(cls: type | None) -> list[tuple[str, str, str, str]]:
             default = repr(f.default_factory())
         else:
             default = "(required)"
-        rows.append((f.name, _type_name(tp) + _bounds_text(f, tp) + _path_text(f), default, _field_help(f)))
+        rows.append((f.name, _type_name(tp) + _bounds_text(f, tp) + _path_text(f) + _required_text(f), default,
+                     _field_help(f)))
     return rows
+
+
+def _required_text(f: dataclasses.Field) -> str:
+    return " (required: not empty)" if f.metadata.get("required") else ""
 
 
 def _path_text(f: dataclasses.Field) -> str:

@@ -5,12 +5,15 @@ Needs no GPU and no weights. The estimate adds, per process:
 - persistent: the denoiser's weights, the trainable parameters' gradients and AdamW state
   (two moments in the trainable dtype: LoRA trains in fp32), a frozen reference copy (full
   fine-tuning with a KL term), text encoders / VAE / reward model when not offloaded, the stored
-  trajectories (fp32 latents of every step) and the prompt-embedding cache;
+  trajectories (fp32 latents of every step) and the text embeddings of the iteration's samples;
 - plus the largest transient of one phase: encoding (offloaded text encoders visit the GPU),
   rollout (every local sample in one batch, no grad), decoding (VAE and its activations),
   scoring (an offloaded reward model), or the update (activations of one micro-batch forward
   with grad; with gradient checkpointing only block inputs plus one block are kept);
 - 1.5 GB for the CUDA context and allocator slack.
+
+Kept in CPU memory (phase ``cpu``, not in the GPU peak): offloaded shards, a CPU reference copy,
+and the prompt-embedding cache (at most :data:`flowrl.prompts.CACHED_PROMPTS` prompts).
 
 Where the numbers come from: parameter counts are exact (models instantiated on the ``meta``
 device from their configs); activation constants are measured by running a one-block replica of
@@ -34,7 +37,7 @@ from flowrl.distributed import choose_strategy
 from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
 from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
-from flowrl.prompts import TABLE_SUFFIXES, read_prompts
+from flowrl.prompts import CACHED_PROMPTS, TABLE_SUFFIXES, read_prompts
 from flowrl.recipe import keeps_reference_copy
 
 GB = 1024**3
@@ -346,7 +349,8 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) ->
 
 
 def _frozen_and_data(recipe, mm: ModelMemory, geometry) -> list[Line]:
-    """Text encoders and VAE (unless offloaded), stored trajectories, the prompt-embedding cache."""
+    """Text encoders and VAE (unless offloaded), stored trajectories, the text embeddings of the
+    iteration's samples (on the device) and the prompt-embedding cache (in CPU memory)."""
     lines = []
     if not mm.offload_frozen:
         for k, (p, b) in mm.frozen.items():
@@ -358,12 +362,31 @@ def _frozen_and_data(recipe, mm: ModelMemory, geometry) -> list[Line]:
     if recipe.pipeline.enabled:  # the next iteration's, drawn while this one trains
         lines.append(Line("persistent", "pending rollout (pipeline)", s * (n + 1) * mm.latent_elements * 4,
                           "the next iteration's trajectories"))
+    mb = mm.text_bytes_per_prompt / 2**20
+    batches = 2 if recipe.pipeline.enabled else 1
+    lines.append(Line("persistent", TEXT_EMBEDDINGS, batches * s * mm.text_bytes_per_prompt,
+                      f"{s} samples x {mb:.1f} MB, a row per sample on the device"
+                      + (", for this iteration and the next" if batches > 1 else "")))
+    cached = cached_prompts(recipe)
+    lines.append(Line("cpu", PROMPT_CACHE, cached * mm.text_bytes_per_prompt,
+                      f"{cached} prompts x {mb:.1f} MB in CPU memory (the engine keeps the {CACHED_PROMPTS} most "
+                      "recently used)"))
+    return lines
+
+
+#: The plan's lines for the text embeddings: the batch's on the device, the cache's in CPU memory.
+TEXT_EMBEDDINGS = "text embeddings (the iteration's samples)"
+PROMPT_CACHE = "prompt-embedding cache"
+
+
+def cached_prompts(recipe) -> int:
+    """Prompts the run's prompt-embedding cache holds at its fullest: every distinct prompt it
+    encodes (the training prompts it visits, at most the prompt file's; the evaluation's), but at
+    most :data:`~flowrl.prompts.CACHED_PROMPTS` (the engine's cache drops the least recently used)."""
     in_file = count_prompts(recipe.prompts.source, recipe.prompts)
     seen = recipe.train.prompts_per_iteration * recipe.train.iterations
-    cached = min(in_file, seen) if in_file else seen
-    lines.append(Line("persistent", "prompt-embedding cache", cached * mm.text_bytes_per_prompt,
-                      f"{cached} prompts x {mm.text_bytes_per_prompt / 2**20:.1f} MB"))
-    return lines
+    trained = min(in_file, seen) if in_file else seen
+    return min(trained + recipe.prompts.num_eval, CACHED_PROMPTS)
 
 
 def _reward_lines(recipe) -> list[Line]:
@@ -483,7 +506,8 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
     held = cpu_bytes(lines) + (frozen if mm.offload_frozen else 0.0)
     held += sum(l.bytes for l in lines if l.phase == "reward")  # offloaded rewards wait in CPU memory
     if held:
-        out.append(Line("held", "offloaded state (shards, encoders, rewards, a CPU reference)", held * per_node,
+        out.append(Line("held", "offloaded state (shards, encoders, rewards, a CPU reference, the prompt cache)",
+                        held * per_node,
                         f"per process {held / GB:.1f} GB{node}"))
     each = 0.0 if mm.offload_frozen else frozen  # every process loads its own encoders and VAE
     reference = any(l.item == "reference copy (KL)" for l in lines)
@@ -507,7 +531,8 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
 
 
 def cpu_bytes(lines: list[Line]) -> float:
-    """Host memory per process of what is kept in CPU memory (offloaded shards, a CPU reference)."""
+    """Host memory per process of what is kept in CPU memory (offloaded shards, a CPU reference,
+    the prompt-embedding cache)."""
     return sum(l.bytes for l in lines if l.phase == "cpu")
 
 

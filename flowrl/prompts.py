@@ -36,6 +36,10 @@ import torch
 from .errors import FlowrlError, MissingDependencyError, require
 from .seeding import generator
 
+#: Prompts whose text embeddings a run keeps (the engine's per-prompt cache,
+#: :class:`flowrl.train.session.PromptCache`, in CPU memory; the least recently used beyond it is
+#: re-encoded when it comes back). ``flowrl plan`` counts the cache at most this large.
+CACHED_PROMPTS = 1024
 #: File suffixes read as tables with named columns (anything else is a text file, one prompt a line).
 TABLE_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".tsv": "tsv", ".parquet": "parquet"}
 

@@ -65,6 +65,10 @@ class RunConfig:
     seed: int = param(42, "Global seed: sampling noise, selection and data order derive from it.", min=0, max=2**63 - 1)
     device: str = param("auto", "'auto' (CUDA if available, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
 
+    def __post_init__(self):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -1218,13 +1222,17 @@ def _check_sharding(recipe: Recipe) -> None:
         )
 
 
-def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
+def check_startable(recipe: Recipe, registry: Registry | None = None, *, devices: bool = True) -> None:
     """What ``flowrl train`` would otherwise reject only after building the model, checked
-    without building it (``flowrl validate`` and ``flowrl train`` both call this): every prompt
-    file exists and holds a prompt, ``source = "model"`` names a model that ships prompts, every
-    reward that declares which prompts it scores accepts the prompt files', and every tracker can
-    be built (a tracker checks its extra when it is built)."""
+    without building it (``flowrl validate`` and ``flowrl train`` both call this): every CUDA
+    device the recipe names exists on this machine (``devices``; :func:`check_devices`), every
+    prompt file exists and holds a prompt, ``source = "model"`` names a model that ships prompts,
+    every key declared required holds a value, every input path exists, every reward that
+    declares which prompts it scores accepts the prompt files', and every tracker can be built (a
+    tracker checks its extra when it is built)."""
     registry = registry or get_registry()
+    if devices:
+        check_devices(recipe)
     p = recipe.prompts
     model = recipe.components["model"].use
     for key, source in (("source", p.source), ("eval_source", p.eval_source)):
@@ -1240,6 +1248,7 @@ def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
                               hint="give an existing text file (one prompt a line), or 'model'")
         if not any(line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()):
             raise RecipeError(f"prompt file {path} holds no prompt", where=where)
+    _check_required_params(recipe)
     _check_input_paths(recipe)
     _check_rewards_accept_prompts(recipe, registry)
     _check_data_table(recipe, registry)
@@ -1247,15 +1256,94 @@ def check_startable(recipe: Recipe, registry: Registry | None = None) -> None:
         build_component(recipe, registry, "trackers", i)
 
 
+#: A device value naming a CUDA device: ``cuda`` or ``cuda:N``.
+CUDA_DEVICE = re.compile(r"cuda(?::(\d+))?")
+
+
+def component_tables(recipe: Recipe) -> list[tuple[str, str, ComponentChoice]]:
+    """Every component table of the recipe as ``(where, --set prefix, choice)``: ``("[model]",
+    "model", ...)``, then each entry of ``[[rewards]]`` and ``[[trackers]]`` (``("[[rewards]] #1
+    (geneval)", "rewards.0", ...)``)."""
+    tables = [(f"[{section}]", section, choice) for section, choice in recipe.components.items()]
+    tables += [(f"[[{section}]] #{i + 1} ({c.use})", f"{section}.{i}", c)
+               for section, choices in (("rewards", recipe.rewards), ("trackers", recipe.trackers))
+               for i, c in enumerate(choices)]
+    return tables
+
+
+def device_keys(recipe: Recipe) -> list[tuple[str, str, str, bool]]:
+    """Every device-valued key of the recipe as ``(where, value, --set key, offset)``:
+    ``[run].device``, ``[pipeline].device`` and every component parameter named ``device`` (the
+    model-backed rewards' placement). ``offset``: an indexed CUDA device is offset by the
+    process's local rank (the rollout process's, :func:`flowrl.train.rollout_worker.rollout_device`)."""
+    keys = [(f"[{name}].device", getattr(recipe, name).device, f"{name}.device", name == "pipeline")
+            for name in ("run", "pipeline")]
+    for where, prefix, choice in component_tables(recipe):
+        value = getattr(choice.params, "device", None) if dataclasses.is_dataclass(choice.params) else None
+        if isinstance(value, str):
+            keys.append((f"{where}.device", value, f"{prefix}.device", False))
+    return keys
+
+
+def cuda_device_count() -> int:
+    """The CUDA devices PyTorch sees on this machine; 0 where it sees none (no GPU, no driver, or a
+    PyTorch built without CUDA). What validation decides by, in one place (tests set it)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_devices(recipe: Recipe, local_rank: int | None = None) -> None:
+    """Every CUDA device the recipe names is one this machine has: a run that asks for a GPU the
+    machine lacks is one message before anything is built, not ``AssertionError: Torch not
+    compiled with CUDA enabled`` (or an invalid device ordinal) once the model, a reward or the
+    rollout process is placed. A bare ``cuda`` is this process's GPU (``cuda:LOCAL_RANK``);
+    ``cuda:N`` of a key offset by the local rank (``[pipeline].device``) is ``cuda:(N +
+    LOCAL_RANK)``. ``auto`` is never refused (it takes the CPU where there is no GPU: ``flowrl
+    validate`` and ``flowrl train`` check the CPU's RAM for it)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0) if local_rank is None else local_rank
+    for label, value, key, offset in device_keys(recipe):
+        match = CUDA_DEVICE.fullmatch(value)
+        if match is None:
+            continue
+        where = f"{recipe.source}: {label}"
+        fix = f"--set {key}=cpu" + (" (or '' for the training process's device)" if key == "pipeline.device" else
+                                    " (or 'auto': the GPU where there is one)")
+        count = cuda_device_count()
+        if not count:
+            raise RecipeError(f"device = '{value}' names a CUDA device, and this machine has none "
+                              "(torch.cuda.is_available() is false: no GPU, no driver, or a PyTorch built without CUDA)",
+                              where=where, hint=f"train on the CPU with {fix}, or on a machine with a GPU")
+        named = int(match.group(1) or 0)
+        index = named + (local_rank if offset or match.group(1) is None else 0)
+        if index >= count:
+            shifted = f" (offset by this process's local rank {local_rank})" if index != named else ""
+            has = f"cuda:0 to cuda:{count - 1}" if count > 1 else "cuda:0"
+            raise RecipeError(f"device = '{value}' is cuda:{index}{shifted}, and this machine has {count} CUDA "
+                              f"device{'s' if count != 1 else ''} ({has})", where=where,
+                              hint=f"name a device it has, e.g. --set {key}=cuda:{count - 1}; or {fix}")
+
+
+def _check_required_params(recipe: Recipe) -> None:
+    """Every key declared ``param(..., required=True)``, in a plain table or in any component's
+    parameters, holds a value: an empty one would stop the run only when the component is built
+    (the rewards after the model has loaded)."""
+    tables = [(f"[{name}]", name, getattr(recipe, name)) for name in SECTIONS]
+    tables += [(where, prefix, choice.params) for where, prefix, choice in component_tables(recipe)]
+    for where, prefix, params in tables:
+        if not dataclasses.is_dataclass(params):
+            continue
+        for f in dataclasses.fields(params):
+            value = getattr(params, f.name)
+            if f.metadata.get("required") and isinstance(value, (str, list, tuple)) and not value:
+                raise RecipeError(f"key '{f.name}' is required, and it is empty", where=f"{recipe.source}: {where}.{f.name}",
+                                  hint=f"{f.metadata.get('help', '')} Set it in the recipe, or with "
+                                       f"--set {prefix}.{f.name}=VALUE".strip())
+
+
 def _check_input_paths(recipe: Recipe) -> None:
     """Every component's local input file (a param declared ``path=True``: weights, profiles,
     checkpoints) exists, so a mistyped path is one message at validation, not a failure once the
     component is built."""
-    tables = [(f"[{kind}]", choice) for kind, choice in recipe.components.items()]
-    tables += [(f"[[{section}]] #{i + 1} ({c.use})", c) for section, choices in (("rewards", recipe.rewards),
-                                                                             ("trackers", recipe.trackers))
-               for i, c in enumerate(choices)]
-    for where, choice in tables:
+    for where, _, choice in component_tables(recipe):
         if not dataclasses.is_dataclass(choice.params):
             continue
         for f in dataclasses.fields(choice.params):

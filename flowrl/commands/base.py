@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # torch loads with the recipe module: only when a command nee
     from ..recipe import Recipe
 
 #: The GPU `flowrl plan` judges a recipe against unless --gpu-memory says otherwise (GB), and the
-#: one `flowrl validate` assumes where it sees none.
+#: one `flowrl validate` assumes for a GPU whose memory it cannot read.
 DEFAULT_GPU_MEMORY_GB = 80.0
 
 

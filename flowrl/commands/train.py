@@ -49,11 +49,15 @@ def train(
     if output_dir is not None:
         overrides.append(f"run.output_dir={json.dumps(str(output_dir))}")
     resolved = load(recipe, overrides)  # the launcher too: a bad recipe is one message, before any process starts
+    from ..recipe import check_devices
     from ..train.run_dir import HELD_FOR_WORKERS, hold_run_directory, lock_path
 
+    check_devices(resolved)  # before a launcher or torchrun's process asks CUDA for a GPU the machine lacks
+    launching = num_processes > 1 and "LOCAL_RANK" not in os.environ
+    check_this_machine(resolved, num_processes if launching else None)
     run_dir = resume if resume is not None else resolved.output_dir
     where = "--resume" if resume is not None else "--output-dir" if output_dir is not None else "[run].output_dir"
-    if num_processes > 1 and "LOCAL_RANK" not in os.environ:
+    if launching:
         from ..distributed import launch
 
         argv = [a for a in sys.argv[1:] if a != "--overwrite"]
@@ -82,6 +86,23 @@ def train(
             if error is None:
                 raise
             raise error from exc
+
+
+def check_this_machine(resolved, launching: int | None) -> None:
+    """What `flowrl validate` checks of this machine's memory, once per run before anything loads
+    (:func:`flowrl.commands.machine.check_training_machine`): by the launcher of ``launching``
+    processes, else by a lone process or rank 0 of an external launcher (not by the workers of
+    this command's own launcher, which checked for them)."""
+    from ..train.run_dir import HELD_FOR_WORKERS
+    from .machine import check_training_machine
+
+    if launching:
+        check_training_machine(resolved, launching)
+        return
+    if HELD_FOR_WORKERS in os.environ or os.environ.get("RANK", "0") != "0":
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_training_machine(resolved, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def warn_about_fewer_processes_than_intended(resolved) -> None:

@@ -20,11 +20,13 @@ def validate(
     explain: Annotated[bool, typer.Option("--explain", help="Print the documentation of every key the recipe can use.")] = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="With --explain and no RECIPE: print docs/reference.md (Markdown).")] = False,
     gpu_memory: Annotated[Optional[float], typer.Option(
-        "--gpu-memory", min=1.0, help="Memory of one GPU in GB, for the memory plan's verdict [default: this "
-        "machine's GPU, else 80].")] = None,
+        "--gpu-memory", min=1.0, help="Check the recipe for a machine whose GPUs have this much memory (GB), "
+        "not for this one: the memory plan's verdict against it, and no check of this machine's CUDA devices "
+        "[default: this machine: its GPU, or where PyTorch sees none, its CPU and RAM].")] = None,
 ) -> None:
     """Check a recipe without building anything heavy: tables, keys, types, ranges, components,
-    prompt files, trackers' extras."""
+    prompt files, trackers' extras, and this machine: the CUDA devices the recipe names, the
+    memory the plan needs on the device the run gets here."""
     if markdown:
         if recipe is not None or not explain:
             raise FlowrlError("--markdown documents every key of every component: use `flowrl validate --explain --markdown`",
@@ -38,8 +40,11 @@ def validate(
         return
     resolved = load(recipe, set_)
     from ..recipe import check_startable
+    from .machine import check_memory
 
-    check_startable(resolved, registry())  # what train would reject before building the model
+    # what train would reject before building the model (this machine's devices unless --gpu-memory
+    # asks for another machine's verdict)
+    check_startable(resolved, registry(), devices=gpu_memory is None)
     check_memory(recipe, list(set_ or []), resolved, gpu_memory)
     if explain:
         explain_recipe(resolved)
@@ -49,129 +54,6 @@ def validate(
         f"chunker={c['chunker'].use}, selector={c['selector'].use}, loss={c['loss'].use}, "
         f"rewards={[r.label for r in resolved.rewards]}, T={resolved.num_trainable} trainable transitions"
     )
-
-
-def host_memory_bytes() -> int | None:
-    """This machine's RAM in bytes (None where the OS does not say)."""
-    import os
-
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def visible_gpu_memory_gb() -> float | None:
-    """The memory of this machine's first CUDA device in GB, when torch sees one."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
-
-
-def check_memory(path: Path, overrides: list[str], resolved, gpu_memory: float | None) -> None:
-    """What `flowrl plan` knows before any model loads, said by validate too: a recipe for the
-    CPU whose weights and optimizer state alone (exact parameter counts) exceed this machine's
-    RAM is an error; a peak beyond it, or beyond a GPU's memory (which validate may not see:
-    --gpu-memory, else this machine's GPU, else the plan's 80 GB), is a warning naming the keys
-    that would make it fit. The plan works from configs (no weights), at the recipe's
-    [distributed].num_processes."""
-    from ..memory_plan import CUDA_OVERHEAD, GB, cpu_bytes, estimate, peak
-    from .base import DEFAULT_GPU_MEMORY_GB
-
-    inexact = ("CUDA context + allocator slack", "trajectories", "prompt-embedding cache")
-
-    processes = resolved.distributed.num_processes
-    on_cpu = resolved.run.device == "cpu"
-    memory = None if on_cpu else gpu_memory or visible_gpu_memory_gb() or DEFAULT_GPU_MEMORY_GB
-
-    def plan(recipe) -> tuple[float, str, float, float]:
-        """(GPU peak, its phase, the bytes known exactly, the bytes kept in CPU memory)."""
-        # fsdp2's gradient_sync "auto" decides against the same GPU memory, as at start-up
-        _, _, lines = estimate(recipe, registry(), processes, gpu_memory=None if memory is None else memory * GB)
-        total, phase = peak(lines)
-        # From exact parameter counts: weights, LoRA, gradients, AdamW state, a reference copy,
-        # encoders and VAE (not the activations, trajectories, caches, reward sizes or slack).
-        exact = sum(l.bytes for l in lines if l.phase in ("persistent", "cpu") and l.item not in inexact
-                    and not l.item.startswith("reward "))
-        return total, phase, exact, cpu_bytes(lines)
-
-    try:
-        total, phase, exact, host = plan(resolved)
-    except FlowrlError:
-        return  # `flowrl plan` reports what keeps it from planning; validation stays as it was
-    if on_cpu:
-        ram = host_memory_bytes()
-        if ram is None:
-            return
-        # On the CPU everything is in RAM (no CUDA context), and every process of the run shares it.
-        total, exact = (total - CUDA_OVERHEAD + host) * processes, exact * processes
-        limit, what = ram, f"this machine's {ram / GB:.1f} GB of RAM ([run].device = 'cpu')"
-        if exact > limit:
-            raise FlowrlError(
-                f"the model's weights, gradients and optimizer state alone need {exact / GB:.1f} GB "
-                f"({processes} process{'es' if processes > 1 else ''}; from exact parameter counts, as `flowrl plan` "
-                f"adds them), more than {what}",
-                where=f"{resolved.source}: [run].device",
-                hint=f"train on a GPU (device = 'auto' or 'cuda'), or a smaller model; `flowrl plan {path}` "
-                     "prints every line")
-    else:
-        limit, what = memory * GB, f"the {memory:g} GB of one GPU"
-    if total <= limit:
-        return
-    said = "see `flowrl plan`'s suggestions"
-    if not on_cpu:  # the keys that make it fit, each alone, else all of them together
-        def fits(fixes: list[str]) -> bool:
-            try:
-                return plan(load(path, overrides + fixes))[0] <= limit
-            except FlowrlError:
-                return False
-
-        candidates = _memory_fixes(resolved)
-        alone = [fix for fix in candidates if fits([fix])]
-        if alone:
-            said = f"each of these makes it fit: {', '.join(_set_flag(f) for f in alone)}"
-        elif len(candidates) > 1 and fits(candidates):
-            said = f"these together make it fit: {' '.join(_set_flag(f) for f in candidates)}"
-        else:
-            said = f"no change of these keys makes it fit at {processes} process{'es' if processes > 1 else ''}: " + said
-    gpu = "" if on_cpu else f" --gpu-memory {limit / GB:g}"
-    from .base import err_console
-
-    err_console.print(
-        "[yellow]warning:[/yellow] " + escape(
-            f"{resolved.source}: `flowrl plan` estimates a peak of {total / GB:.1f} GB {'in all' if on_cpu else 'per process'} "
-            f"(persistent + the {phase} phase, at {processes} process{'es' if processes > 1 else ''}), more than {what}; "
-            f"{said} "
-            f"(`flowrl plan {path}{gpu}` prints every line)"),
-        highlight=False, soft_wrap=True)
-
-
-def _set_flag(override: str) -> str:
-    return f"--set '{override}'" if '"' in override else f"--set {override}"
-
-
-def _memory_fixes(resolved) -> list[str]:
-    """``--set`` overrides that lower the planned peak, each one the recipe does not use yet."""
-    t, d, model = resolved.train, resolved.distributed, resolved.components["model"].params
-    fixes = []
-    if t.micro_batch_size > 1:
-        fixes.append("train.micro_batch_size=1")
-    if getattr(model, "gradient_checkpointing", True) is False:
-        fixes.append("model.gradient_checkpointing=true")
-    elif not d.activation_checkpointing and not hasattr(model, "gradient_checkpointing"):
-        fixes.append("distributed.activation_checkpointing=true")
-    if getattr(model, "offload_encoders", True) is False:
-        fixes.append("model.offload_encoders=true")
-    if t.finetune == "full":
-        fixes.append('train.finetune="lora"')
-    if d.num_processes > 1 and d.strategy != "fsdp2":
-        fixes.append('distributed.strategy="fsdp2"')
-    for i, reward in enumerate(resolved.rewards):
-        if getattr(reward.params, "offload", True) is False:
-            fixes.append(f"rewards.{i}.offload=true")
-    return fixes
 
 
 def reference_sections(reg, resolved=None, *, distribution: str | None = None) -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:

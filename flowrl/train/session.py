@@ -23,6 +23,7 @@ from ..distributed import resolve_device, weights_from_rank_zero
 from ..interfaces import TextEmbeddings, WarpsTime
 from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
+from ..prompts import CACHED_PROMPTS
 from ..recipe import Recipe
 from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
@@ -126,12 +127,13 @@ class PromptCache:
     batch size): an uninterrupted run and a resumed one see bit-identical embeddings. The cost
     is one encoder call per distinct prompt over the whole run.
 
-    The cache lives in CPU memory and keeps the ``max_prompts`` most recently used prompts, so a
-    large prompt set (HPDv2 has 100k+) neither fills the GPU nor grows without bound; an evicted
-    prompt is re-encoded to the identical embedding.
+    The cache lives in CPU memory and keeps the ``max_prompts`` most recently used prompts
+    (:data:`flowrl.prompts.CACHED_PROMPTS`, which ``flowrl plan`` counts), so a large prompt set
+    (HPDv2 has 100k+) neither fills the GPU nor grows without bound; an evicted prompt is
+    re-encoded to the identical embedding. Only a batch's rows (:meth:`get`) go to the device.
     """
 
-    def __init__(self, model, max_prompts: int = 1024):
+    def __init__(self, model, max_prompts: int = CACHED_PROMPTS):
         self.model = model
         self.max_prompts = max_prompts
         self.cache: OrderedDict[str, TextEmbeddings] = OrderedDict()

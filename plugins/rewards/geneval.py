@@ -100,11 +100,11 @@ METADATA_HINT = ("use GenEval's prompts/evaluation_metadata.jsonl (github.com/dj
 @dataclasses.dataclass(frozen=True)
 class GenEvalConfig(PlacementConfig):
     detector: str = param("", "Local directory of an OWLv2 checkpoint with its processor (e.g. a download of "
-                              "google/owlv2-base-patch16-ensemble). Required.", path=True)
+                              "google/owlv2-base-patch16-ensemble).", path=True, required=True)
     clip: str = param("", "Local directory of a transformers CLIPModel with its processor, the colour classifier "
                           "(e.g. openai/clip-vit-large-patch14). Required when a prompt names a colour.", path=True)
     metadata: str = param("", "GenEval-format JSONL (GenEval's prompts/evaluation_metadata.jsonl): each prompt's "
-                              "requirements, looked up by its text. Required.", path=True)
+                              "requirements, looked up by its text.", path=True, required=True)
     mode: Literal["soft", "strict"] = param(
         "soft", "'soft': the partial score (1 exactly when GenEval's verdict is correct), for training; "
                 "'strict': GenEval's verdict, 1.0 or 0.0.")

@@ -9,6 +9,7 @@ call, in the first rollout). Like 8-bit AdamW with fsdp2, each is now one messag
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,149 @@ def test_the_rule_is_the_engines_reference_policy(finetune):
     model = registry().get("model", choice.use).build(choice.params)
     prepare_trainable(model, recipe.train)
     assert (ReferencePolicy(model).frozen is not None) == keeps_reference_copy(recipe) == (finetune == "full")
+
+
+# ----------------------------------------------------------------------------- issue 45: devices
+
+STEP = REPO / "recipes" / "quickstart_step.toml"  # a clipped loss: [pipeline] staleness 1 trains with it
+ROLLOUT_PROCESS = ("pipeline.staleness=1", 'pipeline.worker="process"')
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(n)``: validation sees ``n`` CUDA devices on this machine (0: none, a CPU-only
+    machine), whatever the machine running the test has; a GPU's memory reads as 80 GB. (Through
+    flowrl.recipe.cuda_device_count, the one place it asks PyTorch: a torch.cuda.is_available
+    patched to True would break diffusers' imports.)"""
+    from flowrl import recipe
+    from flowrl.commands import machine
+
+    def see(n: int) -> None:
+        monkeypatch.setattr(recipe, "cuda_device_count", lambda: n)
+        monkeypatch.setattr(machine, "visible_gpu_memory_gb", lambda: 80.0 if n else None)
+
+    return see
+
+
+@pytest.mark.parametrize("recipe, overrides, n, key, says, fix", [
+    (STEP, (*ROLLOUT_PROCESS, "pipeline.device='cuda:1'"), 0, "[pipeline].device",
+     "device = 'cuda:1' names a CUDA device, and this machine has none", "--set pipeline.device=cpu"),
+    (STEP, (*ROLLOUT_PROCESS, "pipeline.device='cuda:1'"), 1, "[pipeline].device",
+     "device = 'cuda:1' is cuda:1, and this machine has 1 CUDA device (cuda:0)", "--set pipeline.device=cuda:0"),
+    (QUICKSTART, ("run.device=cuda",), 0, "[run].device", "device = 'cuda' names a CUDA device",
+     "--set run.device=cpu"),
+    (QUICKSTART, ("run.device='cuda:2'",), 2, "[run].device",
+     "device = 'cuda:2' is cuda:2, and this machine has 2 CUDA devices (cuda:0 to cuda:1)", "--set run.device=cpu"),
+    (QUICKSTART, ("rewards.1.device=cuda",), 0, "[[rewards]] #2 (embedded_clip).device",
+     "device = 'cuda' names a CUDA device", "--set rewards.1.device=cpu"),
+], ids=["rollout_process_no_gpu", "rollout_process_one_gpu", "run_no_gpu", "run_two_gpus", "reward_no_gpu"])
+def test_a_cuda_device_the_machine_lacks(validate, gpus, recipe, overrides, n, key, says, fix):
+    """Issue 45: `[pipeline] device = 'cuda:1'` validated on a CPU-only machine, and training
+    ended in "AssertionError: Torch not compiled with CUDA enabled" (a traceback) once the
+    rollout process was placed; a reward's device only once the reward was built, after the
+    model. Every device-valued key is checked against the machine, one message naming the key,
+    the value, what the machine has and how to fix it."""
+    gpus(n)
+    code, err = validate(recipe, *overrides)
+    one_error(code, err, key, says, fix)
+
+
+@pytest.mark.parametrize("recipe, overrides, n", [
+    (STEP, (*ROLLOUT_PROCESS, "pipeline.device='cuda:1'"), 2),
+    (QUICKSTART, ("run.device=cuda", "rewards.1.device='cuda:0'"), 1),
+    (QUICKSTART, ("run.device=cpu", "rewards.1.device=cpu"), 0),
+    (QUICKSTART, ("run.device=auto",), 0),
+], ids=["rollout_process_two_gpus", "run_and_reward_one_gpu", "cpu_no_gpu", "auto_no_gpu"])
+def test_a_device_the_machine_has_stays_valid(validate, gpus, recipe, overrides, n):
+    gpus(n)
+    code, err = validate(recipe, *overrides)
+    assert code == 0, err
+
+
+def test_the_rollout_process_device_is_offset_by_the_local_rank(gpus):
+    """Under a launcher `[pipeline] device = 'cuda:N'` is cuda:(N + local rank) (learners on
+    GPUs 0..P-1 draw on P..2P-1): the check counts the offset, as the rollout process does."""
+    from flowrl.commands.base import load
+    from flowrl.errors import RecipeError
+    from flowrl.recipe import check_devices
+    from flowrl.train.rollout_worker import rollout_device
+
+    gpus(2)
+    recipe = load(STEP, [*ROLLOUT_PROCESS, "pipeline.device='cuda:1'"])
+    check_devices(recipe, local_rank=0)
+    assert str(rollout_device("cuda:1", None, 1)) == "cuda:2"
+    with pytest.raises(RecipeError, match=r"is cuda:2 \(offset by this process's local rank 1\), and this machine "
+                                          r"has 2 CUDA devices"):
+        check_devices(recipe, local_rank=1)
+
+
+def test_a_malformed_run_device_is_refused_at_validation(validate):
+    """`[run] device = 'gpu'` validated and was refused only when the run started."""
+    code, err = validate(QUICKSTART, "run.device=gpu")
+    one_error(code, err, "[run]", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'")
+
+
+def test_train_refuses_a_cuda_device_the_machine_lacks_before_anything_is_built(flowrl_cli, gpus, tmp_path):
+    """The issue's run: `flowrl train` with the rollout process on 'cuda:1' of a CPU-only machine
+    is the same one message, exit 2, no traceback, and nothing written."""
+    gpus(0)
+    out = tmp_path / "run"
+    argv = ["train", str(STEP), "-o", str(out)] + [a for o in (*ROLLOUT_PROCESS, "pipeline.device='cuda:1'")
+                                                     for a in ("--set", o)]
+    (result,) = flowrl_cli.in_process([argv], cwd=REPO)
+    one_error(result.returncode, result.stderr, "[pipeline].device", "names a CUDA device, and this machine has none")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- issue 45: required keys
+
+GENEVAL = REPO / "recipes" / "flow_grpo_geneval_sd3.toml"  # `detector` and `clip` left to the user
+
+
+def test_an_empty_required_reward_key(validate, gpus):
+    """The `geneval` reward's `detector` (an OWLv2 directory it never downloads) was accepted empty
+    by validation; training failed only once the reward was built, after the base model loaded."""
+    gpus(1)
+    code, err = validate(GENEVAL)
+    one_error(code, err, "[[rewards]] #1 (geneval).detector", "key 'detector' is required, and it is empty",
+              "OWLv2", "--set rewards.0.detector=VALUE")
+    code, err = validate(GENEVAL, f"rewards.0.detector={json.dumps(str(REPO))}",
+                         f"rewards.1.detector={json.dumps(str(REPO))}", 'rewards.1.metadata=""')
+    one_error(code, err, "[[rewards]] #2 (geneval).metadata", "key 'metadata' is required, and it is empty")
+    code, err = validate(GENEVAL, *(f"rewards.{i}.detector={json.dumps(str(REPO))}" for i in (0, 1)))
+    assert code == 0, err  # set (to an existing directory: the path check is the next one)
+
+
+def test_train_refuses_an_empty_required_key_before_the_model_loads(flowrl_cli, monkeypatch, tmp_path):
+    from flowrl.commands import machine
+
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: 2**50)  # RAM is not what this test is about
+    out = tmp_path / "run"
+    (result,) = flowrl_cli.in_process([["train", str(GENEVAL), "-o", str(out), "--set", "run.device=cpu"]], cwd=REPO)
+    one_error(result.returncode, result.stderr, "[[rewards]] #1 (geneval).detector", "is required, and it is empty")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("table, cls, key, where, flag", [
+    ("model", None, "weights", "[model].weights", "--set model.weights=VALUE"),
+    ("rewards", "embedded_clip", "model", "[[rewards]] #2 (embedded_clip).model", "--set rewards.1.model=VALUE"),
+    ("prompts", None, "eval_source", "[prompts].eval_source", "--set prompts.eval_source=VALUE"),
+], ids=["model", "reward", "plain_table"])
+def test_any_key_declared_required_is_checked_for_every_kind_of_table(validate, monkeypatch, table, cls, key, where,
+                                                                      flag):
+    """The check reads the declaration (`param(..., required=True)`), not a reward's name: a key
+    of the model, of a reward or of a plain table, declared required here, is refused empty."""
+    import dataclasses
+    import types
+
+    from flowrl.commands.base import registry
+    from flowrl.recipe import PromptsConfig
+
+    owner = {"model": lambda: registry().get("model", "embedded").params,
+             "rewards": lambda: registry().get("reward", cls).params, "prompts": lambda: PromptsConfig}[table]()
+    field = next(f for f in dataclasses.fields(owner) if f.name == key)
+    code, err = validate(QUICKSTART)
+    assert code == 0, err  # empty, and not required
+    monkeypatch.setattr(field, "metadata", types.MappingProxyType({**field.metadata, "required": True}))
+    code, err = validate(QUICKSTART)
+    one_error(code, err, where, f"key '{key}' is required, and it is empty", flag)

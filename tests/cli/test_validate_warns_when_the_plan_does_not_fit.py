@@ -4,6 +4,11 @@ the plan's 80 GB) is a warning that names the planned peak, the memory and the `
 make it fit; a recipe for the CPU whose exactly known weights and optimizer state exceed this
 machine's RAM is an error. Figures are compared with the plan's own, not written here, so that
 a change of the plan (its lines, its constants) changes both alike.
+
+The machine is set by each test (issue 45: `auto` takes the CPU where PyTorch sees no GPU, and
+validation checks the recipe there): ``run_validate`` is a machine with one GPU whose memory
+validate cannot read; tests of a machine without a GPU are in
+test_validate_checks_the_machine_the_run_gets.py.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ RECIPES = REPO / "recipes"
 
 @pytest.fixture
 def run_validate(capsys, monkeypatch):
-    """``run_validate(recipe, *args) -> (exit code, stderr)`` on a machine with no GPU in sight."""
+    """``run_validate(recipe, *args) -> (exit code, stderr)`` on a machine with one GPU whose
+    memory validate cannot read (the plan's 80 GB is assumed)."""
     from flowrl import cli
-    from flowrl.commands import validate
+    from flowrl import recipe as recipes
+    from flowrl.commands import machine
 
-    monkeypatch.setattr(validate, "visible_gpu_memory_gb", lambda: None)
+    monkeypatch.setattr(recipes, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(machine, "visible_gpu_memory_gb", lambda: None)
 
     def run(recipe, *args: str) -> tuple[int, str]:
         capsys.readouterr()
@@ -95,9 +103,9 @@ def test_a_recipe_the_plan_fits_gets_no_warning(run_validate, recipe, args):
     (RECIPES / "quickstart.toml", ('run.device="cpu"', "distributed.num_processes=2")),
 ])
 def test_a_cpu_recipe_whose_weights_alone_exceed_the_ram_is_an_error(run_validate, monkeypatch, recipe, overrides):
-    from flowrl.commands import validate
+    from flowrl.commands import machine
 
-    monkeypatch.setattr(validate, "host_memory_bytes", lambda: 1024**2)  # a 1 MB machine
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: 1024**2)  # a 1 MB machine
     args = [a for o in overrides for a in ("--set", o)]
     code, err = run_validate(recipe, *args)
     assert code == 2 and err.startswith("error:") and "Traceback" not in err, err
@@ -106,16 +114,16 @@ def test_a_cpu_recipe_whose_weights_alone_exceed_the_ram_is_an_error(run_validat
 
 def test_a_cpu_recipe_whose_estimated_peak_exceeds_the_ram_is_a_warning(run_validate, monkeypatch):
     """Between the exactly known part and the estimate's peak: a warning, not an error."""
-    from flowrl.commands import validate
+    from flowrl.commands import machine
     from flowrl.memory_plan import GB
 
     recipe = RECIPES / "quickstart.toml"
     total, host, overhead = planned(recipe)
     ram = (total - overhead + host) * 0.999
-    monkeypatch.setattr(validate, "host_memory_bytes", lambda: int(ram))
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: int(ram))
     code, err = run_validate(recipe, "--set", 'run.device="cpu"')
     assert code == 0 and err.startswith("warning:"), err
     assert f"peak of {(total - overhead + host) / GB:.1f} GB in all" in err and "RAM ([run].device = 'cpu')" in err
-    monkeypatch.setattr(validate, "host_memory_bytes", lambda: int(ram / 0.999 * 1.01))
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: int(ram / 0.999 * 1.01))
     code, err = run_validate(recipe, "--set", 'run.device="cpu"')
     assert code == 0 and err == "", err

@@ -182,3 +182,39 @@ def test_a_pipelined_run_plans_its_rollout_copy_and_its_pending_rollout(cli):
     code, out, err = cli("plan", "recipes/chunk_grpo_flux_lora.toml", *process, "--set", "pipeline.device='cuda:0'")
     assert code == 0, err
     assert "rollout copy (pipeline) │ 22.84" in _flat(out)
+
+
+def test_the_prompt_embedding_cache_is_planned_in_cpu_memory_at_most_the_cache_size(cli, tmp_path):
+    """Issue 45: the plan counted the prompt-embedding cache as GPU memory, one entry per prompt
+    of the set (a 25,432-prompt set: over 100 GB, "does not fit"). The engine's cache
+    (flowrl.train.session.PromptCache) lives in CPU memory and keeps CACHED_PROMPTS prompts; only
+    the iteration's samples' embeddings go to the device. The plan now counts those, there."""
+    from flowrl.commands.base import load, registry
+    from flowrl.memory_plan import PROMPT_CACHE, TEXT_EMBEDDINGS, cpu_bytes, estimate, peak
+    from flowrl.prompts import CACHED_PROMPTS
+    from flowrl.train.session import PromptCache
+
+    assert PromptCache(model=None).max_prompts == CACHED_PROMPTS  # the plan's bound is the engine's
+    big = tmp_path / "prompts.txt"
+    big.write_text("".join(f"a photo of object number {i}\n" for i in range(25_432)), encoding="utf-8")
+    many = [f'prompts.source="{big}"', "train.iterations=100000"]  # every prompt of the set is visited
+
+    def planned(*overrides: str) -> dict:
+        geometry, mm, lines = estimate(load("recipes/lora_single_gpu_sd3.toml", list(overrides)), registry(), 1)
+        items = {l.item: l for l in lines}
+        return {"samples": geometry.samples_per_process, "per_prompt": mm.text_bytes_per_prompt,
+                "cache": items[PROMPT_CACHE], "text": items[TEXT_EMBEDDINGS], "gpu": peak(lines)[0],
+                "host": cpu_bytes(lines)}
+
+    big_set, one_iteration = planned(*many), planned("train.iterations=1")
+    cache, text = big_set["cache"], big_set["text"]
+    assert cache.phase == "cpu" and cache.bytes == CACHED_PROMPTS * big_set["per_prompt"], cache
+    assert text.phase == "persistent" and text.bytes == big_set["samples"] * big_set["per_prompt"], text
+    # the GPU peak does not grow with the prompt set; the host memory grows by the cache alone, to its bound
+    assert big_set["gpu"] == one_iteration["gpu"]
+    assert big_set["host"] - one_iteration["host"] == cache.bytes - one_iteration["cache"].bytes > 0
+    code, out, err = cli("plan", "recipes/lora_single_gpu_sd3.toml", *(a for o in many for a in ("--set", o)))
+    assert code == 0, err
+    flat = _flat(out)
+    assert "fits in 80 GB" in flat and "does not fit" not in flat
+    assert f"{CACHED_PROMPTS} prompts x" in flat and "25432 prompts" not in flat
