@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.errors import FlowrlError
-from flowrl.memory_plan import cpu_bytes, estimate, peak
+from flowrl.memory_plan import PROMPT_CACHE, cpu_bytes, estimate, peak
 from flowrl.plugins import get_registry
 from flowrl.recipe import load_recipe
 
@@ -57,7 +57,9 @@ def test_cpu_offload_moves_the_sharded_state_off_the_gpu():
     for item in ("denoiser weights", "AdamW state (2 moments)"):
         assert by[item].phase == "cpu" and by[item].bytes == pytest.approx(on_gpu[item].bytes)
     assert "AdamW step temporary" not in by  # the step runs on the CPU
-    assert cpu_bytes(lines) == pytest.approx(on_gpu["denoiser weights"].bytes + on_gpu["AdamW state (2 moments)"].bytes)
+    # the prompt-embedding cache is in CPU memory with or without the offload
+    assert cpu_bytes(lines) == pytest.approx(on_gpu["denoiser weights"].bytes + on_gpu["AdamW state (2 moments)"].bytes
+                                             + by[PROMPT_CACHE].bytes)
     assert peak(lines)[0] < peak(gpu_lines)[0]
 
 
@@ -180,7 +182,7 @@ def test_start_up_and_host_memory_are_planned():
     assert host["loading"].bytes == pytest.approx(whole + ref)
     assert "rank 0 alone loads the denoiser" in host["loading"].note
     frozen = sum(p * b for p, b in mm.frozen.values())
-    assert host["held"].bytes == pytest.approx(8 * (frozen + by["reward 'hpsv3'"].bytes))
+    assert host["held"].bytes == pytest.approx(8 * (frozen + by["reward 'hpsv3'"].bytes + by[PROMPT_CACHE].bytes))
     # two nodes: half the processes, half the held memory on each; rank 0's node still loads one copy
     two_nodes = {l.phase: l.bytes for l in host_lines(r, mm, lines, 8, 2)}
     assert two_nodes["held"] == pytest.approx(host["held"].bytes / 2) and two_nodes["loading"] == pytest.approx(whole + ref)
