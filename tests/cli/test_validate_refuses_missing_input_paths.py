@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_cli_in_process
-
 
 @pytest.mark.parametrize("override, key", [
     ("model.weights=/nonexistent/embedded.safetensors", "[model].weights"),
     ("chunker.profile=/nonexistent/profile.json", "[chunker].profile"),
 ])
-def test_validate_and_train_name_the_missing_path(override, key, tmp_path):
+def test_validate_and_train_name_the_missing_path(override, key, tmp_path, flowrl_cli):
     out = tmp_path / "run"
-    validate, train = run_cli_in_process([
+    validate, train = flowrl_cli.in_process([
         ["validate", "recipes/quickstart_dynamics.toml", "--set", override],
         ["train", "recipes/quickstart_dynamics.toml", "--set", override, "--set", f"run.output_dir='{out}'"],
     ])
@@ -26,7 +24,7 @@ def test_validate_and_train_name_the_missing_path(override, key, tmp_path):
     assert not out.exists()
 
 
-def test_a_rewards_missing_model_folder_is_named_with_its_entry(tmp_path):
-    (result,) = run_cli_in_process([["validate", "recipes/quickstart.toml", "--set",
+def test_a_rewards_missing_model_folder_is_named_with_its_entry(tmp_path, flowrl_cli):
+    (result,) = flowrl_cli.in_process([["validate", "recipes/quickstart.toml", "--set",
                                      "rewards.1.model=/nonexistent/clip"]])
     assert result.returncode == 2 and "[[rewards]] #2 (embedded_clip).model" in result.flat_err
