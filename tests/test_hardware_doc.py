@@ -9,12 +9,12 @@ and the one-block activation measurements).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_modules import script_module
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "hardware_table.py"
@@ -22,12 +22,7 @@ SCRIPT = REPO / "scripts" / "hardware_table.py"
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location("hardware_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hardware_table"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("hardware_table", None)
+    yield from script_module("hardware_table")
 
 
 def test_every_recipe_declares_the_processes_its_header_launches(table):

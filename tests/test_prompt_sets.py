@@ -9,13 +9,12 @@ from __future__ import annotations
 import collections
 import csv
 import hashlib
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from script_modules import script_module
 
 from flowrl import geneval
 from flowrl.plugins import get_registry
@@ -24,7 +23,6 @@ from flowrl.recipe import PromptsConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SETS = REPO / "recipes" / "prompts" / "benchmarks"
-SCRIPT = REPO / "scripts" / "fetch_prompt_sets.py"
 FLOW_GRPO_RECIPES = sorted((REPO / "recipes").glob("flow_grpo_*.toml"))
 
 #: file -> (prompts, git blob SHA-1 of the upstream file)
@@ -42,12 +40,7 @@ def git_blob_sha1(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def fetch():
-    spec = importlib.util.spec_from_file_location("fetch_prompt_sets", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fetch_prompt_sets"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("fetch_prompt_sets", None)
+    yield from script_module("fetch_prompt_sets")
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))

@@ -11,19 +11,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-
 from flowrl.config import param
 
-from .adapter import EmbeddedAdapter
+from .adapter import EmbeddedAdapter, EmbeddedConfig
 from .video_dataset import all_prompts
 from .video_network import EmbeddedT2V, decode_clips, load_video_pretrained
 
 
 @dataclasses.dataclass(frozen=True)
-class EmbeddedVideoConfig:
+class EmbeddedVideoConfig(EmbeddedConfig):
+    """The image model's settings, with the video model's weights file."""
+
     weights: str = param("", "Path to embedded_video.safetensors (and its .json); empty = the weights shipped in the package.", path=True)
-    random_init: bool = param(False, "Start from random weights instead (for tests of the machinery).")
-    seed: int = param(0, "Seed of the random init (random_init = true).", min=0, max=2**63 - 1)
     timestep_conditioning: Literal["exact", "truncated_1000"] = param(
         "exact", "Sigma fed to the transformer: 'exact', or 'truncated_1000' = int(sigma * 1000) / 1000 (as the image model).")
 

@@ -1,0 +1,24 @@
+"""Import a script of ``scripts/`` (not a package) as a module, for the tests that check it."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_module(name: str) -> Iterator[ModuleType]:
+    """``scripts/<name>.py`` imported as module ``name`` (registered in ``sys.modules`` so its
+    dataclasses resolve, removed afterwards): a generator for a ``yield from`` fixture."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(name, None)
