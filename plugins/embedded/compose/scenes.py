@@ -74,11 +74,11 @@ def shape_masks(shape_idx: torch.Tensor, cx: torch.Tensor, cy: torch.Tensor, r: 
     return masks.gather(0, sel)[0].float()
 
 
-def _place(g: torch.Generator, n: int) -> list[tuple[float, float]] | None:
-    """Centres of ``n`` objects in distinct cells, or None when there are fewer cells."""
+def _place(g: torch.Generator, n: int) -> list[tuple[float, float]]:
+    """Centres of ``n`` objects in distinct cells (the grammar counts to four, the cells)."""
     cells = [(i, j) for i in CELLS for j in CELLS]
     if n > len(cells):
-        return None
+        raise ValueError(f"{n} objects do not fit in {len(cells)} cells")
     order = torch.randperm(len(cells), generator=g)[:n].tolist()
     return [(TOKEN * cells[k][1] + 1.5 * TOKEN - 0.5, TOKEN * cells[k][0] + 1.5 * TOKEN - 0.5) for k in order]
 
@@ -91,8 +91,6 @@ def scene(prompt: str, g: torch.Generator) -> list[SceneObject]:
     for _ in range(MAX_TRIES):
         colours = torch.randint(0, len(COLOUR_NAMES), (len(wanted),), generator=g).tolist()
         centres = _place(g, len(wanted))
-        if centres is None:
-            continue
         objects = [SceneObject(shape, colour or COLOUR_NAMES[c], cx, cy, R)
                    for (shape, colour), c, (cx, cy) in zip(wanted, colours, centres)]
         if relation is not None:
