@@ -101,6 +101,16 @@ score with these changes, and equal to it otherwise:
 
 With these, ``soft == 1.0`` if and only if ``strict``, and ``0 <= soft <= 1``.
 
+Exact-count score: ``PromptScore.exact`` (Flow-GRPO's ``score`` unchanged)
+-------------------------------------------------------------------------
+``soft`` inherits GenEval's "at least": for "a cross", two crosses score 1.0. A policy trained on
+it learns to draw *more* objects (measured on the compositional world: in 10 DiffusionNFT
+iterations GenEval's verdict rose from 0.38 to 0.52 while single objects came in twos and threes
+and a second judge fell from 0.38 to 0.18). ``exact`` is Flow-GRPO's score as its reward server
+returns it (:func:`flow_grpo_score`): an extra object costs as much as a missing one, so it is
+the training reward to use when the evaluation is GenEval's; it may be negative (``n > 2c``) and
+is 1.0 when every count is exact and every colour and position holds.
+
 The table (:func:`summarise`)
 -----------------------------
 GenEval's score per tag is the fraction of correct images; the overall score is the unweighted
@@ -176,11 +186,12 @@ class Detection:
 
 @dataclass(frozen=True)
 class PromptScore:
-    """The result for one image: GenEval's verdict, the partial training score and the reasons
-    for a failure (empty when ``strict``)."""
+    """The result for one image: GenEval's verdict, the partial training score, Flow-GRPO's
+    exact-count training score and the reasons for a failure (empty when ``strict``)."""
 
     strict: bool
     soft: float
+    exact: float
     reasons: tuple[str, ...]
 
 
@@ -402,15 +413,16 @@ def score_prompt(detections: Sequence[Detection], metadata: Mapping) -> PromptSc
     tag, include, exclude = _validate(metadata)
     objects = select_objects(detections, tag)
     reasons = _geneval_verdict(objects, include, exclude)
-    if not reasons:
-        return PromptScore(strict=True, soft=1.0, reasons=())
     terms = _flow_grpo_terms(objects, include)
+    exact = sum(terms) / len(terms)
+    if not reasons:
+        return PromptScore(strict=True, soft=1.0, reasons=(), exact=exact)
     for req in exclude:
         implied = any(inc["class"] == req["class"] and inc["count"] < req["count"] for inc in include)
         if not implied and len(objects.get(req["class"], [])) >= req["count"]:
             terms.append(0.0)
     soft = max(sum(terms) / len(terms), 0.0)
-    return PromptScore(strict=False, soft=soft, reasons=tuple(reasons))
+    return PromptScore(strict=False, soft=soft, reasons=tuple(reasons), exact=exact)
 
 
 # ----------------------------------------------------------------------------- table

@@ -37,7 +37,7 @@ from flowrl.distributed import choose_strategy
 from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
 from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
-from flowrl.prompts import CACHED_PROMPTS, TABLE_SUFFIXES, read_prompts
+from flowrl.prompts import CACHED_PROMPTS, TABLE_SUFFIXES, distinct_rows, read_prompts
 from flowrl.recipe import keeps_reference_copy
 
 GB = 1024**3
@@ -192,7 +192,7 @@ def count_prompts(source: str, config=None) -> int | None:
     if source == "model" or not (path.exists() or source.startswith("hf:")):
         return None
     try:
-        return len(read_prompts(source, None, "[prompts].source", config))
+        return len(distinct_rows(read_prompts(source, None, "[prompts].source", config)))
     except FlowrlError:
         return None
 

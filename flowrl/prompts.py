@@ -143,27 +143,42 @@ def read_prompts(source: str, model, where: str, config=None, *, role: str = "tr
     of plain strings; a table gives :class:`PromptRow` when it has a condition column.
     """
     if source == "model":
+        if config is not None and getattr(config, "balance_column", ""):
+            raise FlowrlError("the model's own prompts have no columns to balance", where=where,
+                              hint="give a prompt table with the column, or leave [prompts].balance_column empty")
         prompts = model.prompt_source()
         if not prompts:
             raise FlowrlError("the model has no prompt source of its own", where=where, hint="give a prompt file path")
         return list(prompts)
     columns = TableColumns.from_config(config, role)
-    if source.startswith("hf:"):
-        return non_empty(HFDatasetRows.open(source[3:], columns, where), source, where)
     path = Path(source)
-    if path.is_dir():
-        return non_empty(HFDatasetRows.open(str(path), columns, where), source, where)
-    if not path.is_file():
-        raise FlowrlError(f"prompt file not found: {path}", where=where)
     kind = TABLE_SUFFIXES.get(path.suffix.lower())
-    if kind == "parquet":
-        return non_empty(ParquetRows(path, columns, where), source, where)
-    if kind is not None:
-        return non_empty(LineTableRows(path, kind, columns, where), source, where)
+    if source.startswith("hf:") or path.is_dir():
+        rows = HFDatasetRows.open(source[3:] if source.startswith("hf:") else str(path), columns, where)
+    elif not path.is_file():
+        raise FlowrlError(f"prompt file not found: {path}", where=where)
+    elif kind == "parquet":
+        rows = ParquetRows(path, columns, where)
+    elif kind is not None:
+        rows = LineTableRows(path, kind, columns, where)
+    else:
+        rows = None
+    if rows is not None:
+        rows = non_empty(rows, source, where)
+        return BalancedRows(rows) if columns.balance else rows
+    if columns.balance:
+        raise FlowrlError(f"{path} is a text file, with no column {columns.balance!r} to balance", where=where,
+                          hint="give a table (.csv, .jsonl, .parquet) with that column, or leave "
+                               "[prompts].balance_column empty")
     prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise FlowrlError(f"prompt file {path} is empty", where=where)
     return prompts
+
+
+def distinct_rows(prompts: Sequence[str]) -> Sequence[str]:
+    """Each row of a prompt source once (a balanced view repeats the rows of small categories)."""
+    return prompts.rows if isinstance(prompts, BalancedRows) else prompts
 
 
 def non_empty(rows: Sequence[str], source: str, where: str) -> Sequence[str]:
@@ -176,19 +191,22 @@ def non_empty(rows: Sequence[str], source: str, where: str) -> Sequence[str]:
 class TableColumns:
     """Which columns of a table are read, and which split value selects the rows."""
 
-    def __init__(self, text: str = "prompt", condition: str = "", split_column: str = "", split: str = ""):
+    def __init__(self, text: str = "prompt", condition: str = "", split_column: str = "", split: str = "",
+                 balance: str = ""):
         self.text, self.condition, self.split_column, self.split = text, condition, split_column, split
+        self.balance = balance
 
     @classmethod
     def from_config(cls, config, role: str) -> TableColumns:
         if config is None:
             return cls()
         split = config.eval_split if role == "eval" else config.train_split
-        return cls(config.text_column, config.condition_column, config.split_column, split)
+        return cls(config.text_column, config.condition_column, config.split_column, split,
+                   getattr(config, "balance_column", ""))
 
     @property
     def needed(self) -> list[str]:
-        return [c for c in (self.text, self.condition, self.split_column) if c]
+        return [c for c in (self.text, self.condition, self.split_column, self.balance) if c]
 
 
 class TableRows(Sequence):
@@ -196,6 +214,13 @@ class TableRows(Sequence):
 
     def __init__(self, source: str, columns: TableColumns, where: str, base: Path | None):
         self.source, self.columns, self.where, self.base = source, columns, where, base
+        self.categories: array = array("q")  # per selected row: its balance column's value, as an index
+        self.category_names: dict[str, int] = {}
+
+    def note_category(self, value) -> None:
+        """Record the balance column's value of the row just selected (nothing without one)."""
+        if self.columns.balance:
+            self.categories.append(self.category_names.setdefault(str(value), len(self.category_names)))
 
     def describe_filter(self) -> str:
         c = self.columns
@@ -241,6 +266,48 @@ class TableRows(Sequence):
 
     def __len__(self) -> int:
         raise NotImplementedError
+
+
+class BalancedRows(Sequence):
+    """A table's rows with every category of its balance column equally often.
+
+    Item ``i`` is of category ``c = i % C`` (categories in the order they first appear), the
+    ``(i // C) % n_c``-th row of that category in table order; the length is ``C`` times the largest
+    category's ``n_c``, so a pass visits every row of the largest category once and repeats the
+    rows of smaller ones. Training shuffles this view epoch by epoch like any prompt list
+    (:func:`prompts_for_iteration`); the evaluation takes items round-robin over the categories
+    (:meth:`stratified`). ``rows`` is the table itself (each row once)."""
+
+    def __init__(self, rows: TableRows):
+        self.rows = rows
+        self.names = list(rows.category_names)
+        self.members: list[array] = [array("q") for _ in self.names]
+        for index, category in enumerate(rows.categories):
+            self.members[category].append(index)
+        self.largest = max(len(m) for m in self.members)
+
+    def __len__(self) -> int:
+        return len(self.members) * self.largest
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        k, category = divmod(index % len(self), len(self.members))
+        members = self.members[category]
+        return self.rows[members[k % len(members)]]
+
+    def stratified(self, seed: int, count: int) -> list[str]:
+        """``count`` prompts round-robin over the categories, each category's rows in an order
+        seeded by ``seed`` (repeating when a category has fewer rows than its turns)."""
+        orders = [torch.randperm(len(m), generator=generator(seed, "eval-prompts", c)) for c, m in enumerate(self.members)]
+        out = []
+        for i in range(count):
+            k, category = divmod(i, len(self.members))
+            members = self.members[category]
+            out.append(self.rows[members[int(orders[category][k % len(members)])]])
+        return out
 
 
 def stored_image(data: bytes) -> str:
@@ -293,6 +360,7 @@ class LineTableRows(TableRows):
                 checked = True
             if self.selected(record):
                 self.offsets.append(start)
+                self.note_category(record.get(self.columns.balance))
 
     def csv_reader(self, lines):
         return csv.reader(lines, delimiter="\t" if self.kind == "tsv" else ",")
@@ -312,8 +380,10 @@ class LineTableRows(TableRows):
         for values in reader:
             first = starts[0]
             starts.clear()
-            if values and self.selected(dict(zip(self.header, values))):
+            record = dict(zip(self.header, values))
+            if values and self.selected(record):
                 self.offsets.append(first)
+                self.note_category(record.get(self.columns.balance))
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -354,12 +424,18 @@ class ParquetRows(TableRows):
             self.group_starts.append(self.group_starts[-1] + meta.row_group(g).num_rows)
         self.rows = array("q")
         self.cache: OrderedDict[int, dict[str, list]] = OrderedDict()
+        split_column, balance = self.columns.split_column, self.columns.balance
         for g in range(meta.num_row_groups):
-            if not self.columns.split_column:
+            if not (split_column or balance):
                 self.rows.extend(range(self.group_starts[g], self.group_starts[g + 1]))
                 continue
-            values = self.file.read_row_group(g, columns=[self.columns.split_column]).column(0).to_pylist()
-            self.rows.extend(self.group_starts[g] + i for i, v in enumerate(values) if str(v) == self.columns.split)
+            table = self.file.read_row_group(g, columns=[c for c in dict.fromkeys((split_column, balance)) if c])
+            splits = table.column(split_column).to_pylist() if split_column else None
+            kinds = table.column(balance).to_pylist() if balance else None
+            for i in range(table.num_rows):
+                if splits is None or str(splits[i]) == self.columns.split:
+                    self.rows.append(self.group_starts[g] + i)
+                    self.note_category(kinds[i] if kinds is not None else None)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -411,11 +487,15 @@ class HFDatasetRows(TableRows):
         self.check_columns(data.column_names)
         keep = [c for c in (columns.text, columns.condition) if c]
         self.indices = None
-        if columns.split_column:
+        if columns.split_column or columns.balance:
             self.indices = array("q")
             for start in range(0, len(data), 4096):
-                values = data[start : start + 4096][columns.split_column]
-                self.indices.extend(start + i for i, v in enumerate(values) if str(v) == columns.split)
+                chunk = data[start : start + 4096]
+                kinds = chunk[columns.balance] if columns.balance else None
+                for i, v in enumerate(chunk[columns.split_column] if columns.split_column else [None] * len(kinds)):
+                    if not columns.split_column or str(v) == columns.split:
+                        self.indices.append(start + i)
+                        self.note_category(kinds[i] if kinds is not None else None)
         if columns.condition and hasattr(data, "cast_column"):
             feature = data.features.get(columns.condition)
             if type(feature).__name__ == "Image":  # read the stored path, do not decode the image
@@ -474,6 +554,9 @@ def prompts_for_iteration(prompts: Sequence[str], seed: int, iteration: int, cou
 
 
 def evaluation_prompts(pool: Sequence[str], seed: int, count: int) -> list[str]:
-    """The run's fixed evaluation prompts: ``count`` of ``pool`` in a seeded order."""
+    """The run's fixed evaluation prompts: ``count`` of ``pool`` in a seeded order (a balanced
+    table: round-robin over its categories, :meth:`BalancedRows.stratified`)."""
+    if isinstance(pool, BalancedRows):
+        return pool.stratified(seed, count)
     perm = torch.randperm(len(pool), generator=generator(seed, "eval-prompts"))
     return [pool[int(i)] for i in perm[:count]]

@@ -45,7 +45,7 @@ from .interfaces import (
 )
 from .offline import read_offline_rows
 from .plugins import Registry, get_registry
-from .prompts import read_prompts
+from .prompts import distinct_rows, read_prompts
 from .sampling.branching import check_branches, steps_of_highest_dynamics
 from .sampling.plans import PlanContext
 from .sampling.rollout import make_kernels, trainable_mask
@@ -304,6 +304,11 @@ class PromptsConfig:
     split_column: str = param(
         "", "Tables: an optional column naming each row's split; training reads the rows equal to train_split, "
         "evaluation those equal to eval_split. Empty = every row (or separate files via eval_source).",
+    )
+    balance_column: str = param(
+        "", "Tables and datasets: an optional column of categories (e.g. GenEval's tag) to visit equally often: "
+        "training draws every category as often as the largest (the rows of smaller ones repeat), and the "
+        "evaluation takes its num_eval items round-robin over the categories. Empty = every row alike.",
     )
     train_split: str = param("train", "The split training reads (a split column's value, or a dataset's split).")
     eval_split: str = param("test", "The split evaluation reads (a split column's value, or a dataset's split).")
@@ -1367,7 +1372,7 @@ def _check_rewards_accept_prompts(recipe: Recipe, registry: Registry) -> None:
         if source == "model" or source.startswith("hf:") or not Path(source).is_file():
             continue
         where = f"{recipe.source}: [prompts].{key}"
-        for prompt in read_prompts(source, None, where, p, role=role):
+        for prompt in distinct_rows(read_prompts(source, None, where, p, role=role)):
             for label, accepts in checks:
                 try:
                     accepts(str(prompt))

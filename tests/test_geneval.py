@@ -57,7 +57,7 @@ def test_counting_threshold_is_0_9_and_applies_only_to_counting():
 
 def test_half_confident_object_counts_for_a_colour_prompt_but_not_for_counting():
     red = at("car", 10, 10, score=0.5, colour="red")
-    assert score_prompt([red], RED_CAR) == PromptScore(True, 1.0, ())
+    assert score_prompt([red], RED_CAR) == PromptScore(True, 1.0, 1.0, ())
     # counting: only the 0.95 clock is kept, 1 of 2 -> fails; Flow-GRPO term 1 - |2 - 1|/2 = 0.5
     result = score_prompt([at("clock", 10, 10), at("clock", 30, 10, score=0.5)], TWO_CLOCKS)
     assert not result.strict and result.soft == 0.5
@@ -142,7 +142,7 @@ def test_diagonal_offset_gives_two_relations_a_shallow_one_gives_one():
 
 def test_position_prompt_passes_when_the_relation_holds():
     dets = [at("teddy bear", 20, 50), at("dog", 80, 50)]
-    assert score_prompt(dets, DOG_RIGHT_OF_BEAR) == PromptScore(True, 1.0, ())
+    assert score_prompt(dets, DOG_RIGHT_OF_BEAR) == PromptScore(True, 1.0, 1.0, ())
 
 
 def test_wrong_position_fails_and_scores_flow_grpos_extra_term():
@@ -188,7 +188,7 @@ def test_position_is_not_checked_after_a_failed_colour():
 
 def test_exact_count_passes_too_few_fails_count_plus_one_hits_the_exclude():
     clocks = [at("clock", 20 * i, 10) for i in range(4)]
-    assert score_prompt(clocks[:2], TWO_CLOCKS) == PromptScore(True, 1.0, ())
+    assert score_prompt(clocks[:2], TWO_CLOCKS) == PromptScore(True, 1.0, 1.0, ())
     few = score_prompt(clocks[:1], TWO_CLOCKS)
     assert few.reasons == ("expected at least 2 'clock', found 1",) and few.soft == 0.5
     many = score_prompt(clocks[:3], TWO_CLOCKS)
@@ -200,8 +200,28 @@ def test_exact_count_passes_too_few_fails_count_plus_one_hits_the_exclude():
 
 def test_extra_objects_are_fine_for_geneval_but_not_for_flow_grpo():
     cars = [at("car", 10, 10), at("car", 40, 10)]
-    assert score_prompt(cars, ONE_CAR) == PromptScore(True, 1.0, ())
+    assert score_prompt(cars, ONE_CAR) == PromptScore(True, 1.0, 0.0, ())
     assert flow_grpo_score(cars, ONE_CAR) == 0.0  # 1 - |1 - 2|/1
+
+
+def test_exact_is_flow_grpos_score_so_an_extra_object_costs_like_a_missing_one():
+    one, two, three = ([at("car", 20 * i, 10) for i in range(n)] for n in (1, 2, 3))
+    assert [score_prompt(d, ONE_CAR).strict for d in (one, two, three)] == [True, True, True]
+    assert [score_prompt(d, ONE_CAR).exact for d in (one, two, three)] == [1.0, 0.0, -1.0]  # 1 - |1 - n|/1
+    assert score_prompt([], ONE_CAR).exact == 0.0
+    clocks = [at("clock", 20 * i, 10) for i in range(4)]
+    assert [score_prompt(clocks[:n], TWO_CLOCKS).exact for n in range(5)] == [0.0, 0.5, 1.0, 0.5, 0.0]
+
+
+def test_exact_equals_flow_grpo_score_whatever_the_verdict():
+    cases = [([at("car", 10, 10, colour=c)], RED_CAR) for c in ("red", "blue", None)] + [
+        ([at("teddy bear", 20, 50), at("dog", 80, 50)], DOG_RIGHT_OF_BEAR),
+        ([at("teddy bear", 80, 50), at("dog", 20, 50)], DOG_RIGHT_OF_BEAR),
+        ([at("car", 20 * i, 10) for i in range(3)],
+         meta("two_object", {"class": "car", "count": 1}, {"class": "cat", "count": 1})),
+    ]
+    for dets, m in cases:
+        assert score_prompt(dets, m).exact == flow_grpo_score(dets, m)
 
 
 def test_soft_is_floored_at_zero_where_flow_grpo_goes_negative():

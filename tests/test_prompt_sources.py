@@ -262,3 +262,102 @@ def test_condition_fidelity_reward_reads_the_metadata():
     torch.testing.assert_close(out.scores, torch.tensor([1.0, 0.75]))
     with pytest.raises(FlowrlError, match="needs every prompt to carry a condition image"):
         reward(cond, ["a", "b"], None)
+
+
+# ----------------------------------------------------------------------------- balance_column
+
+#: 1 row of category "a", 2 of "b", 6 of "c" in the train split; 2 "c" and 1 "a" held out.
+BALANCE_ROWS = ([{"prompt": "a0", "tag": "a", "split": "train"}]
+                + [{"prompt": f"b{i}", "tag": "b", "split": "train"} for i in range(2)]
+                + [{"prompt": f"c{i}", "tag": "c", "split": "train"} for i in range(6)]
+                + [{"prompt": "ct0", "tag": "c", "split": "test"}, {"prompt": "at0", "tag": "a", "split": "test"},
+                   {"prompt": "ct1", "tag": "c", "split": "test"}])
+
+
+def _balance_sources(tmp_path):
+    """The same table as JSONL, CSV, Parquet and a saved dataset (where the extras are present)."""
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in BALANCE_ROWS))
+    with open(tmp_path / "t.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["prompt", "tag", "split"])
+        w.writeheader()
+        w.writerows(BALANCE_ROWS)
+    sources = [tmp_path / "t.jsonl", tmp_path / "t.csv"]
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(BALANCE_ROWS), tmp_path / "t.parquet", row_group_size=4)
+        sources.append(tmp_path / "t.parquet")
+    except ImportError:
+        pass
+    try:
+        import datasets
+
+        datasets.Dataset.from_list(BALANCE_ROWS).save_to_disk(str(tmp_path / "saved"))
+        sources.append(tmp_path / "saved")
+    except ImportError:
+        pass
+    return sources
+
+
+def test_balance_column_visits_every_category_equally_often_in_training(tmp_path):
+    cfg = PromptsConfig(split_column="split", balance_column="tag")
+    for source in _balance_sources(tmp_path):
+        view = read_prompts(str(source), None, "w", cfg)
+        assert len(view) == 3 * 6, source  # three categories, each as often as the largest
+        assert list(map(str, view[:6])) == ["a0", "b0", "c0", "a0", "b1", "c1"], source
+        assert sorted(map(str, view.rows)) == sorted(r["prompt"] for r in BALANCE_ROWS if r["split"] == "train")
+        # an epoch of training (18 prompts) draws each category exactly 6 times, each "c" row once
+        epoch = prompts_for_iteration(view, 3, 0, 18)
+        assert [p[0] for p in epoch].count("a") == [p[0] for p in epoch].count("b") == 6, source
+        assert sorted(p for p in epoch if p[0] == "c") == [f"c{i}" for i in range(6)], source
+        assert prompts_for_iteration(view, 3, 2, 5) == prompts_for_iteration(view, 3, 2, 5)  # (seed, iteration) only
+
+
+def test_balanced_evaluation_is_round_robin_over_categories_and_seeded(tmp_path):
+    cfg = PromptsConfig(split_column="split", balance_column="tag")
+    source = _balance_sources(tmp_path)[0]
+    pool = read_prompts(str(source), None, "w", cfg, role="eval")
+    chosen = evaluation_prompts(pool, 0, 6)
+    assert [p[0] for p in chosen] == ["c", "a", "c", "a", "c", "a"]  # categories in order of appearance
+    assert sorted(chosen[0::2][:2]) == ["ct0", "ct1"] and chosen[4] == chosen[0]  # each row once, then repeats
+    assert evaluation_prompts(pool, 0, 6) == chosen
+    assert {tuple(evaluation_prompts(pool, s, 2)) for s in range(8)} == {("ct0", "at0"), ("ct1", "at0")}
+
+
+def test_balance_column_needs_a_table_with_that_column(tmp_path):
+    (tmp_path / "p.txt").write_text("a cat\na dog\n")
+    cfg = PromptsConfig(balance_column="tag")
+    with pytest.raises(FlowrlError, match="text file, with no column 'tag'"):
+        read_prompts(str(tmp_path / "p.txt"), None, "[prompts].source", cfg)
+    (tmp_path / "p.csv").write_text("prompt\na cat\n")
+    with pytest.raises(FlowrlError, match="no column 'tag'"):
+        read_prompts(str(tmp_path / "p.csv"), None, "[prompts].source", cfg)
+    with pytest.raises(FlowrlError, match="no columns to balance"):
+        read_prompts("model", None, "[prompts].source", cfg)
+
+
+def test_the_docs_balance_example_reads_the_compose_table_category_by_category(monkeypatch):
+    """docs/recipes.md's balance_column example, as written: training visits the six categories
+    equally often, the 96 evaluation prompts are 16 of each."""
+    import collections
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from flowrl.recipe import validate
+    from flowrl_plugins.embedded.compose.grammar import metadata
+
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "docs" / "recipes.md").read_text()
+    block = re.search(r"```toml\n(\[prompts\]\nsource = \"recipes/prompts/compose.csv\".*?)```", text, re.S).group(1)
+    monkeypatch.chdir(repo)
+    recipe = validate({**tomllib.loads(block), "model": {"use": "embedded_compose"},
+                       "rewards": [{"use": "compose_geneval_exact"}]}, source="docs/recipes.md")
+    train = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts)
+    assert len(train) == 6 * 288
+    epoch = collections.Counter(metadata(p)["tag"] for p in prompts_for_iteration(train, 42, 0, len(train)))
+    assert set(epoch.values()) == {288}
+    pool = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts, role="eval")
+    chosen = collections.Counter(metadata(p)["tag"] for p in evaluation_prompts(pool, 42, recipe.prompts.num_eval))
+    assert len(chosen) == 6 and set(chosen.values()) == {16}

@@ -48,6 +48,9 @@ def register_rewards(register):
              help="Video: how far the clip moves in the prompt's direction, in [0, 1] (embedded_video).")
     register("compose_geneval", compose_rewards.geneval_soft,
              help="GenEval's soft per-prompt score on the compositional world (embedded detector; embedded_compose).")
+    register("compose_geneval_exact", compose_rewards.geneval_exact,
+             help="Flow-GRPO's exact-count GenEval score on the compositional world: an extra object costs as much "
+                  "as a missing one (embedded_compose; the compose recipes train on it).")
     register("compose_geneval_strict", compose_rewards.geneval_strict,
              help="GenEval's per-prompt verdict, 1 or 0, on the compositional world (embedded_compose).")
     register("latent_verifier", LatentVerifier,

@@ -27,9 +27,10 @@ with detections of real images:
    local directory ``clip``) among GenEval's ten colours (:data:`flowrl.geneval.COLOURS`), each
    colour's text embedding the normalised mean of GenEval's three templates ``"a photo of a {c}
    {class}"``, ``"a photo of a {c}-colored {class}"``, ``"a photo of a {c} object"``.
-5. **Score**: :func:`flowrl.geneval.score_prompt`; ``mode = "soft"`` (default, for training)
-   reports ``PromptScore.soft``, ``"strict"`` GenEval's verdict as 1.0 / 0.0. Both are logged as
-   the extras ``soft`` and ``strict``.
+5. **Score**: :func:`flowrl.geneval.score_prompt`; ``mode = "soft"`` (default) reports
+   ``PromptScore.soft``, ``"exact"`` Flow-GRPO's exact-count training score ``PromptScore.exact``
+   (what Flow-GRPO trains on; soft's "at least" rewards extra objects), ``"strict"`` GenEval's
+   verdict as 1.0 / 0.0. All three are logged as the extras ``soft``, ``exact`` and ``strict``.
 
 Images stay tensors: OWLv2's preprocessing (pad to a square, Gaussian anti-aliasing when
 shrinking, bilinear resize, CLIP normalisation) and the colour crops' CLIP preprocessing run in
@@ -105,9 +106,10 @@ class GenEvalConfig(PlacementConfig):
                           "(e.g. openai/clip-vit-large-patch14). Required when a prompt names a colour.", path=True)
     metadata: str = param("", "GenEval-format JSONL (GenEval's prompts/evaluation_metadata.jsonl): each prompt's "
                               "requirements, looked up by its text.", path=True, required=True)
-    mode: Literal["soft", "strict"] = param(
-        "soft", "'soft': the partial score (1 exactly when GenEval's verdict is correct), for training; "
-                "'strict': GenEval's verdict, 1.0 or 0.0.")
+    mode: Literal["soft", "exact", "strict"] = param(
+        "soft", "'soft': the partial score (1 exactly when GenEval's verdict is correct); 'exact': Flow-GRPO's "
+                "training score, exact counts (an extra object costs as much as a missing one; soft rewards "
+                "drawing more objects than asked); 'strict': GenEval's verdict, 1.0 or 0.0.")
     vocabulary: Literal["prompt", "metadata"] = param(
         "prompt", "Detector queries per image: 'prompt' (the classes its metadata names) or 'metadata' (every class "
                   "named anywhere in the metadata, closer to GenEval's closed-vocabulary detector).")
@@ -448,4 +450,6 @@ class GenEval(ModelReward):
         results = [geneval.score_prompt(objs, record) for objs, record in zip(selected, records)]
         soft = torch.tensor([r.soft for r in results], dtype=torch.float32)
         strict = torch.tensor([float(r.strict) for r in results], dtype=torch.float32)
-        return {"scores": soft if self.mode == "soft" else strict, "soft": soft, "strict": strict}
+        exact = torch.tensor([r.exact for r in results], dtype=torch.float32)
+        chosen = {"soft": soft, "exact": exact, "strict": strict}[self.mode]
+        return {"scores": chosen, "soft": soft, "exact": exact, "strict": strict}

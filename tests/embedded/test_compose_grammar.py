@@ -4,6 +4,8 @@ of combinations never trained on."""
 from __future__ import annotations
 
 import collections
+import csv
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,17 @@ def test_held_out_prompts_are_never_training_prompts_except_single_objects():
     shared = train & held_out
     assert shared == {"a circle", "a square", "a triangle", "a cross"}
     assert len(train) + len(held_out) - len(shared) == len(grammar.all_prompts()) == 464
+
+
+def test_the_shipped_prompt_table_is_the_grammar_with_its_splits(tmp_path):
+    """recipes/prompts/compose.csv is write_csv's output: the held-out rows are the grammar's
+    'eval' prompts, the single objects sit in both splits."""
+    shipped = Path(__file__).resolve().parents[2] / "recipes" / "prompts" / "compose.csv"
+    grammar.write_csv(tmp_path / "compose.csv")
+    assert (tmp_path / "compose.csv").read_text() == shipped.read_text()
+    rows = list(csv.DictReader(shipped.open()))
+    assert {r["prompt"] for r in rows if r["split"] == "test"} == set(grammar.all_prompts("eval"))
+    assert {r["prompt"] for r in rows if r["split"] == "train"} == set(grammar.all_prompts("train"))
 
 
 def test_metadata_is_in_genevals_format_and_satisfied_by_its_own_objects():

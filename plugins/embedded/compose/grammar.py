@@ -127,14 +127,17 @@ def accepts_prompt(prompt: str) -> None:
 
 def write_csv(path) -> None:
     """The prompt table recipes train and evaluate from: ``prompt,split,tag``, every prompt once
-    (the single-object prompts under ``train``; recipes that evaluate them add them to ``test``)."""
+    under its split, except the four single-object prompts, which belong to both and so have a
+    ``train`` row and a ``test`` row (GenEval's single-object category has no combination to hold out)."""
     import csv
 
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(["prompt", "split", "tag"])
         for meta, part in _entries():
-            writer.writerow([meta["prompt"], "train" if part == "train" else "test", meta["tag"]])
+            parts = ("train", "test") if meta["tag"] == "single_object" else ("train" if part == "train" else "test",)
+            for name in parts:
+                writer.writerow([meta["prompt"], name, meta["tag"]])
 
 
 if __name__ == "__main__":
