@@ -191,7 +191,7 @@ def evaluate(
     prompt: PromptOpt = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A text file, one prompt a line (default: the run's own evaluation prompts).")] = None,
     num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", min=0, help="Use the first N prompts of the pool (0 = all; default: the run's own evaluation prompts).")] = None,
-    seeds: Annotated[Optional[int], typer.Option("--seeds", min=1, help="Images per prompt (default: the run's eval_seeds, else 1).")] = None,
+    seeds: Annotated[Optional[int], typer.Option("--seeds", min=1, help="Images per prompt (default: the run's eval_seeds, else 1); with --suite, passes over the suite's images, each from new noise (default 1).")] = None,
     seed: SeedOpt = None,
     steps: Annotated[Optional[int], typer.Option("--steps", min=1, help="Sampling steps (default: the recipe's [log].eval_steps, else its [sampler].steps).")] = None,
     schedule: ScheduleOpt = "auto",
@@ -209,10 +209,9 @@ def evaluate(
     start_time = time.perf_counter()
     if suite is not None:
         return run_suite(suite, source, set_, model, checkpoint, seed, steps, schedule, batch_size, device, name,
-                         output, save_images, conflicting={"--reward": bool(reward), "--prompt": bool(prompt),
+                         output, save_images, seeds or 1, conflicting={"--reward": bool(reward), "--prompt": bool(prompt),
                                                            "--prompts": prompts is not None,
                                                            "--num-prompts": num_prompts is not None,
-                                                           "--seeds": seeds is not None,
                                                            "--hybrid-steps": hybrid_steps > 0},
                          start_time=start_time)
     check_arguments(source, model, reward, output)
@@ -294,10 +293,12 @@ def write_result(path: Path, result: dict) -> None:
 
 
 def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule, batch_size, device, result_name,
-              output, save_images, conflicting: dict[str, bool], start_time: float) -> None:
+              output, save_images, repeats: int, conflicting: dict[str, bool], start_time: float) -> None:
     """``flowrl eval --suite NAME``: the benchmark the model carries (:class:`flowrl.interfaces.BenchmarkSuite`),
     sampled from fixed noise with deterministic ODE sampling, each image scored by the suite, and
-    GenEval's table (per category and overall, with standard errors) printed and written as JSON."""
+    GenEval's table (per category and overall, with standard errors) printed and written as JSON.
+    ``repeats`` (``--seeds``) draws the suite's images that many times, each pass from new noise;
+    the first pass is the suite's own images, so a table with more seeds extends one with fewer."""
     from .. import geneval
     from ..interfaces import HasBenchmarkSuites
     from .inference import Item, generate, prepare, resolve_sigmas, save_png, shard
@@ -323,7 +324,8 @@ def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule,
                                "flowrl eval --model embedded_compose --suite geneval -o geneval.json")
     sigmas = resolve_sigmas(schedule, steps or bench.steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
-    items = [Item(0, i, p, k) for i, (p, n) in enumerate(zip(bench.prompts, bench.images_per_prompt)) for k in range(n)]
+    items = [Item(0, i, p, r * n + k) for r in range(repeats)
+             for i, (p, n) in enumerate(zip(bench.prompts, bench.images_per_prompt)) for k in range(n)]
     items = [dataclasses.replace(it, index=j) for j, it in enumerate(items)]
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)
@@ -351,7 +353,7 @@ def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule,
         "iteration": checkpoint_iteration(src.checkpoint), **table,
         "soft": summarize([r["soft"] for r in records]),
         "settings": {"model": src.recipe.components["model"].use, "steps": len(sigmas) - 1,
-                     "sigmas": sigmas.cpu().tolist(), "seed": base_seed, "images": len(records),
+                     "sigmas": sigmas.cpu().tolist(), "seed": base_seed, "images": len(records), "repeats": repeats,
                      "description": bench.description, "world_size": ctx.world_size},
         "per_image": records, "elapsed_s": time.perf_counter() - start_time,
     }

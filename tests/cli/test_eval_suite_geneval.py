@@ -92,6 +92,20 @@ def test_docs_commands_run_as_written(small_suite, capsys, tmp_path, monkeypatch
     assert result["overall"]["n"] == len(result["per_image"]) == 12 and result["checkpoint"] is None
 
 
+def test_seeds_repeat_the_suite_from_new_noise_and_keep_the_first_pass(small_suite, capsys, tmp_path):
+    argv = ["eval", "--model", "embedded_compose", "--suite", "geneval", "--seed", "3"]
+    code, _, err = _cli([*argv, "-o", str(tmp_path / "one.json")], capsys)
+    assert code == 0, err
+    code, _, err = _cli([*argv, "--seeds", "2", "-o", str(tmp_path / "two.json")], capsys)
+    assert code == 0, err
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert len(two["per_image"]) == 2 * len(one["per_image"]) == 24 and two["settings"]["repeats"] == 2
+    assert two["per_image"][:12] == one["per_image"]  # the first pass is the suite's own images
+    second = two["per_image"][12:]
+    assert [(r["prompt"], r["seed_index"]) for r in second] == [(r["prompt"], r["seed_index"] + 2)
+                                                               for r in one["per_image"]]  # new noise indices
+
+
 def test_docs_sweep_validates_every_run_as_written(capsys, monkeypatch):
     # the documented search trains for half an hour; its dry run validates each of its runs
     sweeps = [c for c in doc_commands() if c[0] == "sweep"]
