@@ -4,6 +4,8 @@ run dies with the launcher)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import sys
@@ -17,7 +19,9 @@ def run_launch_agent(argv: list[str]) -> None:
     it dies with the launcher and runs torchrun's elastic agent with ``argv`` (torchrun's own
     options, then ``-m flowrl`` and the command's arguments). A stop forwarded by the launcher
     ends without torchrun's traceback: by then torchrun has passed the signal to its workers and
-    waited for them.
+    waited for them. So does a stop the workers made themselves (the run's STOP file:
+    :mod:`flowrl.train.stopping`), which ends them with status 130: torchrun would report it as
+    a failed worker (:func:`stopped_workers_are_no_failure`).
 
     The workers are started from a fork server that imported the training stack once
     (:data:`WORKER_PRELOAD`), not as fresh interpreters that each import it again: importing torch,
@@ -43,11 +47,48 @@ def run_launch_agent(argv: list[str]) -> None:
     config.start_method = "forkserver"
     multiprocessing.set_forkserver_preload(list(WORKER_PRELOAD))
     try:
-        record(elastic_launch(config, run_launched_worker))(*args.training_script_args)
+        with stopped_workers_are_no_failure():
+            record(elastic_launch(config, run_launched_worker))(*args.training_script_args)
     except Exception as exc:
         if type(exc).__name__ != "SignalException":  # torch.distributed.elastic's
             raise
         sys.exit(128 + int(getattr(exc, "sigval", signal.SIGTERM)))
+
+
+#: The exit status of a worker whose run stopped (a stop request honoured; ``flowrl.cli``).
+STOPPED = 130
+
+
+@contextlib.contextmanager
+def stopped_workers_are_no_failure():
+    """Inside, a worker that ended with :data:`STOPPED` (its run stopped, checkpointed and said how
+    to resume) is no failure: torchrun's log of it, and of ending the other workers after it, is
+    dropped, and the agent exits with the same status instead of raising its ``ChildFailedError``
+    (a traceback and a report naming the "failed" worker). Any other failure is reported as
+    torchrun reports it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    stopped = []
+
+    def not_a_stop(record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith("failed (exitcode") and record.args and record.args[0] == STOPPED:
+            stopped.append(True)
+        return not stopped
+
+    # the failure, then ending the other workers
+    loggers = [logging.getLogger(f"torch.{name}") for name in ("distributed.elastic.multiprocessing.api",
+                                                                "multiprocessing.spawn")]
+    for logger in loggers:
+        logger.addFilter(not_a_stop)
+    try:
+        yield
+    except ChildFailedError as exc:
+        if exc.get_first_failure()[1].exitcode != STOPPED:
+            raise
+        sys.exit(STOPPED)
+    finally:
+        for logger in loggers:
+            logger.removeFilter(not_a_stop)
 
 
 #: What the fork server of :func:`run_launch_agent` imports before it forks any worker: the CLI,

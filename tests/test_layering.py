@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: Lower layers first. A module not listed is an error (new modules must be placed).
 LAYERS: list[set[str]] = [
     {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
-     "flowrl.compat", "flowrl.checks", "flowrl.processes",
+     "flowrl.compat", "flowrl.checks", "flowrl.processes", "flowrl.stop_points",
      "flowrl.geneval"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
      "flowrl.offline",

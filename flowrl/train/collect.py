@@ -35,6 +35,7 @@ from ..sampling.branching import branch_rollout, first_of_block, node_blocks, pr
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
+from ..stop_points import stoppable
 from .overlap import OverlappedScoring, score_part
 from .run import Run
 
@@ -154,7 +155,8 @@ def encode(run: Run, prompts: list[str], iteration: int) -> Batch:
 def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
     """Roll out every local sample with the training sampler, in ``[sampler].batch_size``
     micro-batches (0 = all at once); fills ``batch.trajectory``. ``on_part(image_latents,
-    prompts)`` is called after each micro-batch (overlapped rewards)."""
+    prompts)`` is called after each micro-batch (overlapped rewards). A run may stop before each
+    denoiser forward (:mod:`flowrl.stop_points`)."""
     recipe, model, sampler = session.recipe, session.model, session.sampler
     n = len(batch.indices)
     noise = initial_noise(recipe.run.seed, batch.iteration, batch.indices, group_size, model.latent_shape,
@@ -176,7 +178,7 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
             common = dict(generators=gens[lo : lo + len(b)], image_from=sampler.image_from, reduction=sampler.reduction,
                           prompts=batch.prompts[lo : lo + len(b)], group_ids=batch.group_ids[lo : lo + len(b)],
                           keep_means=keep_means)
-            velocity = lambda x, s, text=text: model.velocity(x, s, text)  # noqa: E731
+            velocity = stoppable(lambda x, s, text=text: model.velocity(x, s, text))
             if branches[0]:  # [sampler].branch_steps: one tree per group, prefixes computed once
                 if plan is not None:
                     raise RecipeError("branch rollouts sample with [sampler].sde_window; this [window] component "
@@ -198,10 +200,11 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
 
 def velocity_for_rows(model, text: TextEmbeddings, rows: torch.Tensor, n_all: int):
     """The velocity closure over the text embeddings of ``rows`` of a sub-batch of ``n_all``
-    (a branch rollout's live rows); all rows use the sub-batch's embeddings as they are."""
+    (a branch rollout's live rows), with a stop point before each call; all rows use the
+    sub-batch's embeddings as they are."""
     if len(rows) != n_all:
         text = select_embeddings(text, rows.cpu())
-    return lambda x, s: model.velocity(x, s, text)
+    return stoppable(lambda x, s: model.velocity(x, s, text))
 
 
 def score_rewards(batch: Batch, rewards) -> None:

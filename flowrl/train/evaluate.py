@@ -26,6 +26,7 @@ from ..rewards import score
 from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sampling.rollout import ode_sample
 from ..seeding import generator
+from ..stop_points import stop_point, stoppable
 
 
 def evaluation_set(recipe, model) -> list[str]:
@@ -55,7 +56,9 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
     """Scores ``{label: [len(prompts) * seeds]}`` of every reward on the fixed evaluation set
     (ODE sampling along ``sigmas``, the run's schedule), then of every artefact measure
     (:data:`flowrl.artefacts.ARTEFACT_MEASURES`: the texture a policy may learn). ``on_images``
-    receives each batch's decoded images, in item order."""
+    receives each batch's decoded images, in item order. A run may stop before each denoiser
+    forward and each reward call (:mod:`flowrl.stop_points`; the reward calls only where this
+    process evaluates alone: the others of an fsdp2 run make the forwards, not the calls)."""
     scores: dict[str, list[torch.Tensor]] = defaultdict(list)
     items = evaluation_items(prompts, seeds)
     for start in range(0, len(items), batch):
@@ -63,12 +66,13 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
         ps = [p for p, _ in part]
         text = cache.get(ps, sigmas.device)
         noise = evaluation_noise(model.latent_shape, seed, range(start, start + len(part))).to(sigmas.device)
-        latents = ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, sigmas)
+        latents = ode_sample(stoppable(lambda i, x, s: model.velocity(x, s, text)), noise, sigmas)
         images = model.decode(latents)  # for the grids and the artefact measures, whatever the rewards score
         metadata = reward_metadata(ps, images)
         if on_images is not None:
             on_images(images)
         for label, _, reward in rewards:
+            stop_point(every_process=False)
             scores[label].append(score(reward, latents if scores_latents(reward) else images, ps, metadata).scores)
         if rewards:  # (no rewards: a process that samples in lockstep only)
             for label, measure in ARTEFACT_MEASURES.items():

@@ -41,12 +41,13 @@ from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .pipeline import Pipeline
 from .parallel import resolve_strategy
-from .progress import Aborted, GracefulInterrupt, RunDisplay
+from .progress import RunDisplay
 from .replay import Replay
 from .run import Run
 from .run_dir import check_run_directory, hold_run_directory, resume_hint, run_is_complete
 from .session import Session
 from .state import Checkpointer, TrainState, restore_training_state
+from .stopping import Aborted, RunStop
 from .throughput import Throughput
 from .update import PolicyUpdate
 
@@ -87,68 +88,68 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
         display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
         saver = Checkpointer(run_dir, run, state, update, layout, ema, replay, pipeline, on_write=display.phase)
-        interrupted = False
-        try:
-            with display, GracefulInterrupt(display.say if ctx.is_main else None) as interrupt, kernels, pipeline or contextlib.nullcontext():
-                for iteration in range(state.iteration, train_cfg.iterations):
-                    if interrupted := distributed.any_rank(interrupt.requested, ctx):  # e.g. while checkpointing
-                        break
-                    timer = display.timer(device, update.counter)
-                    record = {"iteration": iteration, "world_size": ctx.world_size}
+        try:  # the run's stop (signals, the STOP file): flowrl.train.stopping
+            with display, RunStop(run_dir, ctx, display.say if ctx.is_main else None) as stop, kernels, pipeline or contextlib.nullcontext():
+                with stop.iterations():  # a stop at a stop point abandons the iteration under way
+                    for iteration in range(state.iteration, train_cfg.iterations):
+                        if stop.agreed():  # e.g. while checkpointing
+                            break
+                        timer = display.timer(device, update.counter)
+                        record = {"iteration": iteration, "world_size": ctx.world_size}
 
-                    # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
-                    if layout.reprofile_due(iteration):
-                        with timer("profile"):
-                            record.update(layout.reprofile(iteration, console))
+                        # ---- Adaptive chunking: re-profile the current policy, move the boundaries ----
+                        if layout.reprofile_due(iteration):
+                            with timer("profile"):
+                                record.update(layout.reprofile(iteration, console))
 
-                    # ---- Evaluate the current policy on the fixed set (before this update) ---------
-                    if evaluator.due(iteration):
-                        with timer("eval"):
-                            record.update(evaluator(iteration))
-                    if interrupted := distributed.any_rank(interrupt.requested, ctx):  # eval is redone on resume
-                        break
+                        # ---- Evaluate the current policy on the fixed set (before this update) ---------
+                        if evaluator.due(iteration):
+                            with timer("eval"), stop.evaluation(shared=evaluator.lockstep):
+                                record.update(evaluator(iteration))
+                        if stop.stopped:  # eval is redone on resume
+                            break
 
-                    # ---- Collect: prompts, text embeddings, rollout, images, rewards (pipelined: drawn earlier) --
-                    batch = pipeline.take(iteration, timer) if pipeline else collect(run, prompts, iteration, timer)
+                        # ---- Collect: prompts, text embeddings, rollout, images, rewards (pipelined: drawn earlier) --
+                        batch = pipeline.take(iteration, timer) if pipeline else collect(run, prompts, iteration, timer)
 
-                    # ---- Advantages over whole groups (rewards gathered from every process) ---------
-                    with timer("advantage"):
-                        assign_advantages(run, batch, len(layout.sizes), record)
-                    if interrupted := distributed.any_rank(interrupt.requested, ctx):  # redone on resume
-                        break
+                        # ---- Advantages over whole groups (rewards gathered from every process) ---------
+                        with timer("advantage"):
+                            assign_advantages(run, batch, len(layout.sizes), record)
+                        if stop.agreed():  # redone on resume
+                            break
 
-                    # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA); replay ---
-                    outcome, replayed, replay_skipped = update_and_replay(update, replay, pipeline, batch, layout.sizes, timer)
-                    state.nonfinite_steps += outcome.skipped + replay_skipped
-                    record.update(update_record(outcome, batch, state, layout, update, ctx) | replayed)
-                    warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
+                        # ---- Update: chunk selection, memory-lean chunk backward, KL, optimizer (EMA); replay ---
+                        outcome, replayed, replay_skipped = update_and_replay(update, replay, pipeline, batch, layout.sizes, timer, stop)
+                        state.nonfinite_steps += outcome.skipped + replay_skipped
+                        record.update(update_record(outcome, batch, state, layout, update, ctx) | replayed)
+                        warn_skipped(console, ctx, iteration, batch, state, train_cfg, outcome.skipped)
 
-                    # ---- Log, then checkpoint (its seconds go into the next row: append-only metrics) --
-                    state.iteration = iteration + 1
-                    last = state.iteration == train_cfg.iterations
-                    outputs.write_group_grid(batch, geometry.group_size, last)  # every [log].image_every
-                    speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
-                    if iteration % cfg.log.every == 0 or last or outcome.skipped:
-                        outputs.write_iteration(record, {**timer.seconds, **saver.take_seconds()}, speed)
-                    if saver.due(last):
-                        saver()
-                    display.advance(record, speed)
-                    check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
+                        # ---- Log, then checkpoint (its seconds go into the next row: append-only metrics) --
+                        state.iteration = iteration + 1
+                        last = state.iteration == train_cfg.iterations
+                        outputs.write_group_grid(batch, geometry.group_size, last)  # every [log].image_every
+                        speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
+                        if iteration % cfg.log.every == 0 or last or outcome.skipped:
+                            outputs.write_iteration(record, {**timer.seconds, **saver.take_seconds()}, speed)
+                        if saver.due(last):
+                            saver()
+                        display.advance(record, speed)
+                        check_nonfinite_budget(state, train_cfg, cfg.source, run_dir)
 
-                # ---- Final evaluation ----------------------------------------------------------------
-                interrupted = interrupted or distributed.any_rank(interrupt.requested, ctx)  # same value on every rank
-                if not interrupted and eval_set and state.iteration == train_cfg.iterations:
+                # ---- Final evaluation (a stop abandons it: redone on resume) -------------------------
+                if not stop.agreed() and eval_set and state.iteration == train_cfg.iterations:
                     display.phase("eval")
-                    outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
-                if interrupted:
-                    finish_interrupted(console, ctx, run_dir, state, saver)
+                    with stop.evaluation(shared=evaluator.lockstep):
+                        outputs.write_row({"iteration": state.iteration, "final": True, **evaluator(state.iteration, final=True)})
+                if stop.stopped:
+                    finish_interrupted(console, ctx, run_dir, state, saver, stop)
         except Aborted:
             aborted(console, ctx, run_dir)
             raise
         finally:
             outputs.close()
             distributed.teardown()
-        if interrupted:
+        if stop.stopped:
             raise KeyboardInterrupt
         return done(console, ctx, run_dir, train_cfg.iterations)
 
@@ -196,20 +197,22 @@ def nothing_to_do(console: Console, ctx, run_dir: Path, iterations: int) -> Path
 
 
 def update_and_replay(update: PolicyUpdate, replay: Replay | None, pipeline: Pipeline | None, batch, sizes,
-                      timer) -> tuple:
+                      timer, stop: RunStop) -> tuple:
     """The iteration's update, then (with ``[replay]`` on) the replayed rollouts' updates and the
     rollout kept for later: ``(outcome, replay and pipeline metrics, replayed updates skipped)``.
     Pipelined, the next rollout is drawn meanwhile (waited for at the end), and a rollout an
-    older policy drew is importance-weighted first."""
+    older policy drew is importance-weighted first. A stop inside leaves the training state
+    part-way through the iteration (:meth:`RunStop.changing_state`)."""
     corrected = {}
-    if pipeline is not None:
-        pipeline.start_next(batch)
-        batch, corrected = pipeline.corrected(batch, sizes, timer)
-    with timer("update"):
-        outcome = update.run(batch, sizes)
-    replayed, skipped = replay(update, batch, sizes, timer) if replay is not None else ({}, 0)
-    if pipeline is not None:
-        pipeline.settle(timer)
+    with stop.changing_state():
+        if pipeline is not None:
+            pipeline.start_next(batch)
+            batch, corrected = pipeline.corrected(batch, sizes, timer)
+        with timer("update"):
+            outcome = update.run(batch, sizes)
+        replayed, skipped = replay(update, batch, sizes, timer) if replay is not None else ({}, 0)
+        if pipeline is not None:
+            pipeline.settle(timer)
     return outcome, corrected | replayed, skipped
 
 
@@ -249,8 +252,16 @@ def check_nonfinite_budget(state: TrainState, train_cfg, source: str, run_dir: P
         )
 
 
-def finish_interrupted(console: Console, ctx, run_dir: Path, state: TrainState, saver: Checkpointer) -> None:
-    """After Ctrl-C or SIGTERM: make sure the last completed iteration is checkpointed, say how to resume."""
+def finish_interrupted(console: Console, ctx, run_dir: Path, state: TrainState, saver: Checkpointer,
+                       stop: RunStop) -> None:
+    """After a stop: make sure the last completed iteration is checkpointed, say how to resume. A
+    stop in the update left weights part-way through an iteration: then nothing is written, and
+    the run resumes from its latest checkpoint."""
+    if stop.state_changed:
+        if ctx.is_main:
+            console.print(f"interrupted in the update of iteration {state.iteration}, whose weights are part-way "
+                          f"through it: no checkpoint written; {resumes_from(run_dir)}")
+        return
     saver.ensure_current()
     if ctx.is_main:
         console.print(
@@ -261,13 +272,16 @@ def finish_interrupted(console: Console, ctx, run_dir: Path, state: TrainState, 
 
 def aborted(console: Console, ctx, run_dir: Path) -> None:
     """After a second Ctrl-C or SIGTERM: no new checkpoint; say where the run resumes from."""
-    if not ctx.is_main:
-        return
+    if ctx.is_main:
+        console.print(f"aborted: stopped at once, no checkpoint written; {resumes_from(run_dir)}")
+
+
+def resumes_from(run_dir: Path) -> str:
+    """``the run resumes from ... with `COMMAND```: its latest checkpoint, or the start."""
     ckpt = latest_checkpoint(run_dir)
     where = (f"its latest checkpoint ({counted(checkpoint_iteration(ckpt), 'iteration')})" if ckpt
              else "the start (no checkpoint yet)")
-    console.print(f"aborted: stopped at once, no checkpoint written; the run resumes from {where} "
-                  f"with `{resume_hint(run_dir)}`")
+    return f"the run resumes from {where} with `{resume_hint(run_dir)}`"
 
 
 @contextlib.contextmanager

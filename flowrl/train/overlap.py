@@ -20,7 +20,9 @@ Guarantees (tests/engine/test_engine_overlap.py):
   composition, as the rollout itself does with ``batch_size``);
 - failures: a reward that raises stops the iteration with a :class:`RewardFailedError` naming
   the reward and the samples, as soon as the main thread next looks (after the sub-batch that
-  is sampling, at the latest); the original exception is chained (``--debug`` shows it).
+  is sampling, at the latest); the original exception is chained (``--debug`` shows it);
+- stops: a run asked to stop (:mod:`flowrl.stop_points`) stops the thread before its next
+  reward call, and the main thread's wait for the last sub-batches.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..errors import FlowrlError
 from ..interfaces import scores_latents
 from ..rewards import needs_images, score
 from ..prompts import reward_metadata
+from ..stop_points import carried, stop_point, wait_for
 
 
 class RewardFailedError(FlowrlError):
@@ -46,11 +49,13 @@ def score_part(rewards, images: torch.Tensor | None, prompts: Sequence[str], sam
     reward that scores latents (:class:`~flowrl.interfaces.ScoresLatents`) on ``latents``, any
     other on ``images`` (None when no reward needs them: nothing was decoded).
     ``({label: scores [n]}, {"label/extra": [n]})``. A reward that raises is reported as a
-    :class:`RewardFailedError` naming it (``samples`` says which samples, for the message)."""
+    :class:`RewardFailedError` naming it (``samples`` says which samples, for the message). A
+    run may stop before each reward call (:mod:`flowrl.stop_points`)."""
     metadata = reward_metadata(prompts, images)  # condition images, when the prompts carry them
     scores: dict[str, torch.Tensor] = {}
     extras: dict[str, torch.Tensor] = {}
     for label, _, reward in rewards:
+        stop_point()
         seen = latents if scores_latents(reward) else images
         try:
             if seen is None:
@@ -115,7 +120,7 @@ class OverlappedScoring:
         first, self._rows = self._rows, self._rows + len(prompts)
         what = f"samples {first}-{self._rows - 1} of this process" + (
             f", iteration {self.iteration}" if self.iteration is not None else "")
-        self._futures.append(self._pool.submit(self._decode_and_score, image_latents, list(prompts), what))
+        self._futures.append(self._pool.submit(carried(self._decode_and_score), image_latents, list(prompts), what))
 
     def check(self) -> None:
         """Raise the failure of a finished sub-batch now (do not wait for the end of the rollout)."""
@@ -133,7 +138,7 @@ class OverlappedScoring:
 
     def gather(self) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Wait for every sub-batch; ``(images, rewards, reward_extras)`` in sample order."""
-        parts = [f.result() for f in self._futures]  # the first failure, in order, raises here
+        parts = [wait_for(f) for f in self._futures]  # the first failure, in order, raises here
         if not parts:
             raise ValueError("gather() before any submit(): nothing was sampled")
         images = None if parts[0][0] is None else torch.cat([p[0] for p in parts])

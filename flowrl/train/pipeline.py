@@ -20,7 +20,9 @@ the weights before update ``k * floor((j - 1) / k)`` (staleness ``j - k * floor(
 1 to k), so the worker thread and the in-order form, any number of processes, and a resumed run
 all draw the same rollouts. The worker only draws and scores (no collective): advantages, the
 correction and the update stay in the main thread; the worker is waited for before anything
-else reads the model (evaluation, checkpoint).
+else reads the model (evaluation, checkpoint). A run asked to stop (:mod:`flowrl.stop_points`)
+stops the worker thread at its next model call, and the main thread's wait for it; a rollout
+process still drawing when the run ends is killed (its rollout is not checkpointed: see below).
 
 Resume: the pending rollout is not checkpointed; the behaviour weights are (``pipeline.safetensors``,
 the copy's trainable parameters, and ``state.json``'s ``pipeline`` entry: the iteration whose
@@ -39,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..stop_points import carried, wait_for
 from .collect import Batch, collect
 from .compute import ComputeCounter
 from .parallel import unwrap_module
@@ -108,7 +111,10 @@ class Pipeline:
 
     def __exit__(self, *exc) -> None:
         try:
-            if self.pool is not None:  # a rollout being drawn is finished (a thread cannot be stopped)
+            drawing = self.pending is not None and not self.pending.result.done()
+            if drawing and self.worker is not None:  # a rollout no one will take (the run ends): not waited for
+                self.worker.abandon()
+            if self.pool is not None:  # a rollout being drawn is finished, or stopped at its next stop point
                 self.pool.shutdown(wait=True, cancel_futures=True)
         finally:
             if self.worker is not None:
@@ -123,7 +129,7 @@ class Pipeline:
         if self.pending is None or self.pending.iteration != iteration:
             self.pending = Pending(iteration, self.version, self._draw_now(iteration))
         with timer("rollout_wait"):
-            batch, seconds = self.pending.result.result()
+            batch, seconds = wait_for(self.pending.result)
         self.taken = (iteration, iteration - self.pending.version, seconds)
         self.pending = None
         self._merge_counts(timer)
@@ -136,7 +142,7 @@ class Pipeline:
         if i % self.config.sync_every == 0 and self.version != i:
             self._sync(i)
         if i + 1 < self.iterations:
-            draw = self.pool.submit(self._draw, i + 1) if self.pool is not None else self._draw_now(i + 1)
+            draw = self.pool.submit(carried(self._draw), i + 1) if self.pool is not None else self._draw_now(i + 1)
             self.pending = Pending(i + 1, self.version, draw)
 
     def corrected(self, batch: Batch, sizes, timer) -> tuple[Batch, dict[str, Any]]:
@@ -166,7 +172,7 @@ class Pipeline:
         model while it is drawn."""
         if self.pending is not None:
             with timer("rollout_wait"):
-                self.pending.result.result()
+                wait_for(self.pending.result)
 
     # ---------------------------------------------------------------------- drawing
 

@@ -1,20 +1,11 @@
-"""What a person watching a run sees: seconds per phase, the progress bar, Ctrl-C and SIGTERM.
+"""What a person watching a run sees: seconds per phase, the progress bar, the messages above it.
 
-Stopping a run:
-
-- the first Ctrl-C (SIGINT) or SIGTERM (Slurm preemption, ``docker stop``, ``kill``) prints
-  "stopping after this iteration (Ctrl-C again to abort)" at once; the run stops at the next safe
-  point (after the rewards, or at the end of the iteration), writes a checkpoint of the last
-  completed iteration and prints the command that resumes it (exit status 130);
-- a second Ctrl-C or SIGTERM aborts at once (:class:`Aborted`): no checkpoint is written, the
-  latest one stays valid (checkpoints are atomic), and the run says which iteration it resumes
-  from (exit status 130, no traceback).
+(Stopping a run, Ctrl-C and SIGTERM included, is :mod:`flowrl.train.stopping`.)
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,8 +14,6 @@ from contextlib import contextmanager
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-STOP_MESSAGE = "stopping after this iteration (Ctrl-C again to abort)"
 
 
 class PhaseTimer:
@@ -57,47 +46,9 @@ class PhaseTimer:
             self.seconds[phase] += time.perf_counter() - start
 
 
-class Aborted(KeyboardInterrupt):
-    """A second Ctrl-C or SIGTERM: stop now, without a checkpoint."""
-
-
 def write_stderr(text: str) -> None:
     """Write a line to stderr with one system call (safe inside a signal handler)."""
     os.write(2, f"{text}\n".encode())
-
-
-class GracefulInterrupt:
-    """First SIGINT or SIGTERM: say so at once through ``announce`` (None: stay quiet, as the
-    processes other than the main one do) and set :attr:`requested`; the loop stops at its next
-    safe point and checkpoints. Second: raise :class:`Aborted`."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, announce: Callable[[str], None] | None = write_stderr):
-        self.requested = False
-        self.announce = announce
-        self._previous: dict[int, object] = {}
-
-    def handler(self, signum, frame):
-        if self.requested:
-            raise Aborted
-        self.requested = True
-        if self.announce is not None:
-            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-            self.announce(f"{name}: {STOP_MESSAGE}")
-
-    def __enter__(self):
-        for sig in self.SIGNALS:
-            try:
-                self._previous[sig] = signal.signal(sig, self.handler)
-            except ValueError:  # not the main thread: leave the signals alone
-                break
-        return self
-
-    def __exit__(self, *exc):
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
 
 
 def progress_bar(console: Console, enabled: bool) -> Progress:

@@ -34,6 +34,7 @@ from ..prompts import prompts_for_iteration
 from ..sampling.rollout import rescore_position
 from ..sampling.trajectory import Trajectory
 from ..seeding import generator
+from ..stop_points import stop_point
 from .collect import Batch
 from .run import Run
 
@@ -247,11 +248,13 @@ def importance_corrected(kept: Batch, sizes, model, batch_size: int, level: str,
 def rescored_log_probs(model, traj: Trajectory, text: TextEmbeddings, batch_size: int) -> torch.Tensor:
     """``[B, T]`` log-probs of every trainable transition under the current weights, without
     gradient, ``batch_size`` samples at a time (the re-scoring an update's step makes, so the
-    replayed update's first step reproduces them)."""
+    replayed update's first step reproduces them); the run may stop before each batch
+    (:mod:`flowrl.stop_points`)."""
     B, T = traj.batch_size, traj.num_trainable
     out = torch.empty(B, T, dtype=torch.float32, device=traj.log_probs.device)
     with torch.no_grad():
         for lo in range(0, B, batch_size):
+            stop_point()
             rows = torch.arange(lo, min(lo + batch_size, B))
             sub = {k: v.index_select(0, rows.to(v.device)) for k, v in text.items()}
             for t in range(T):

@@ -144,6 +144,13 @@ class RolloutProcess:
         batch, seconds, counts = self._answer("drawn")
         return moved(batch, self.learner), seconds, counts
 
+    def abandon(self) -> None:
+        """Kill the process now: what it is drawing is not wanted (the run is ending, a stopped
+        run included), and a draw under way would be waited for otherwise. A thread waiting for
+        its answer gets an error at once; :meth:`close` then finds it ended."""
+        self.process.kill()
+        self.process.join()
+
     def close(self) -> None:
         """End the process (it finishes what it is doing first; killed after ``STOP_TIMEOUT``)."""
         try:

@@ -32,6 +32,7 @@ from ..objectives.kl import KLSettings
 from ..objectives.policy_gradient import objective_for
 from ..sampling.branching import branch_forward_rows
 from ..seeding import generator
+from ..stop_points import stop_point
 from .compute import ComputeCounter, network_rows_per_sample
 from .finetune import prepare_trainable
 from .checkpoint import OBJECTIVE
@@ -155,7 +156,8 @@ class PolicyUpdate:
         return out
 
     def _optimizer_step(self, batch, rows, sizes, epoch, out, metrics, check_on_policy, first_pass) -> bool:
-        """One AdamW step over ``rows`` (this process's samples of the step, in micro-batches).
+        """One AdamW step over ``rows`` (this process's samples of the step, in micro-batches;
+        every process has as many, so the run may stop before each: :mod:`flowrl.stop_points`).
         Returns False when it was skipped for a non-finite loss or gradient."""
         g, train = self.geometry, self.session.recipe.train
         per_step = g.micro_batch_size * g.grad_accumulation
@@ -164,6 +166,7 @@ class PolicyUpdate:
         step_loss = 0.0
         with self.strategy.accumulate():  # gradients are reduced once, on leaving the block
             for start in range(0, len(rows), g.micro_batch_size):
+                stop_point()
                 idx = rows[start : start + g.micro_batch_size]
                 # the objective owns the micro-batch's forward and backward (flowrl.objectives)
                 res = self.objective.backward(self.context, MicroBatch(batch, idx, tuple(sizes), epoch, per_step,

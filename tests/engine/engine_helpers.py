@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -253,6 +254,25 @@ def assert_same_run(two: Path, one: Path, rtol: float = 1e-4, atol: float = 1e-6
         a.pop("world_size", None), b.pop("world_size", None)
         assert_records_close(a, b, rtol=rtol, atol=atol)
     assert_weights_close(final_weights(two), final_weights(one), atol=atol)
+
+
+class Reader:
+    """Collects a pipe's text in a thread, with the time each piece arrived."""
+
+    def __init__(self, pipe):
+        self.parts: list[tuple[float, str]] = []
+        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
+        self.thread.start()
+
+    def _read(self, pipe):
+        for line in iter(pipe.readline, ""):
+            self.parts.append((time.monotonic(), line))
+
+    def text(self) -> str:
+        return "".join(t for _, t in self.parts)
+
+    def when(self, needle: str) -> float | None:
+        return next((t for t, line in self.parts if needle in line), None)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

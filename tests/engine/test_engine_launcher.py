@@ -127,14 +127,15 @@ def test_a_second_writer_is_refused_then_killing_the_launchers_group_leaves_no_p
 
 @pytest.mark.slow
 def test_ctrl_c_of_the_launcher_stops_the_workers_after_a_checkpoint(tmp_path):
-    launcher, run_dir = start_two_process_run(tmp_path)
+    # a checkpoint every iteration: one is on disk whichever phase the stop lands in
+    launcher, run_dir = start_two_process_run(tmp_path, "checkpoint.every=1")
     try:
         launcher.send_signal(signal.SIGINT)  # to the launcher alone: it forwards it to the workers
         out, err = launcher.communicate(timeout=120)
     finally:
         stop_everything(run_dir, launcher)
     assert launcher.returncode == 130, (out, err)
-    assert "Ctrl-C: stopping after this iteration" in err and "Traceback" not in out + err, (out, err)
+    assert "Ctrl-C: stopping at the next model call" in err and "Traceback" not in out + err, (out, err)
     assert "checkpoint written" in " ".join(out.split())
     assert run_processes(run_dir, launcher) == []
     done = load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"]
@@ -145,9 +146,11 @@ def test_ctrl_c_of_the_launcher_stops_the_workers_after_a_checkpoint(tmp_path):
 def test_sigterm_of_a_pipelined_launcher_stops_every_process_after_a_checkpoint(tmp_path):
     """SIGTERM to the launcher (Slurm, `docker stop`), on a run with [pipeline] staleness 1 and
     worker = "process": each worker draws the next rollout in a rollout process of its own; the
-    stop is forwarded, waits for the rollout, checkpoints the behaviour weights, and no process of
-    the run (rollout processes included) is left."""
-    launcher, run_dir = start_two_process_run(tmp_path, "pipeline.staleness=1", "pipeline.worker='process'")
+    stop is forwarded, a rollout still being drawn is abandoned (its process killed: a pending
+    rollout is never checkpointed), the behaviour weights are checkpointed, and no process of the
+    run (rollout processes included) is left."""
+    launcher, run_dir = start_two_process_run(tmp_path, "pipeline.staleness=1", "pipeline.worker='process'",
+                                              "checkpoint.every=1")
     try:
         # the launcher, the torchrun agent, its fork server, two workers and their rollout processes
         assert len(run_processes(run_dir, launcher)) >= 7
@@ -156,7 +159,7 @@ def test_sigterm_of_a_pipelined_launcher_stops_every_process_after_a_checkpoint(
     finally:
         stop_everything(run_dir, launcher)
     assert launcher.returncode == 130, (out, err)
-    assert "SIGTERM: stopping after this iteration" in err and "Traceback" not in out + err, (out, err)
+    assert "SIGTERM: stopping at the next model call" in err and "Traceback" not in out + err, (out, err)
     assert "checkpoint written" in " ".join(out.split())
     assert run_processes(run_dir, launcher) == []
     ckpt = latest_checkpoint(run_dir)

@@ -2,7 +2,9 @@
 once and checkpoints; a second one aborts with a message and exit status 130, no traceback.
 
 A slow reward (a plugin registered by the driver below) holds the first iteration in its reward
-phase for a few seconds, so that "at once" can be told apart from "after the iteration".
+phase for a few seconds, so that "announced at once" can be told apart from "stopped": the
+reward call under way is finished first. (A stop in each phase, timed, and in two processes:
+tests/engine/test_engine_stop_phases.py.)
 
 In this process: a stop that arrives during an evaluation, or after the last iteration, pays for
 no rollout and no evaluation after it (a 10 s `docker stop` must end with a checkpoint)."""
@@ -13,12 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from engine_helpers import REPO, TINY_RECIPE, InterruptAt, load, quiet_console, wait_for, write_recipe
+from engine_helpers import REPO, TINY_RECIPE, InterruptAt, Reader, load, quiet_console, wait_for, write_recipe
 
 from flowrl import hookimpl
 from flowrl.plugins import temporary_plugin
@@ -52,25 +53,6 @@ with temporary_plugin(Slow(), name="slow"):
 SLOW_RECIPE = TINY_RECIPE.replace('[[rewards]]\nuse = "area"', '[[rewards]]\nuse = "slow"')
 
 
-class Reader:
-    """Collects a pipe's text in a thread, with the time each piece arrived."""
-
-    def __init__(self, pipe):
-        self.parts: list[tuple[float, str]] = []
-        self.thread = threading.Thread(target=self._read, args=(pipe,), daemon=True)
-        self.thread.start()
-
-    def _read(self, pipe):
-        for line in iter(pipe.readline, ""):
-            self.parts.append((time.monotonic(), line))
-
-    def text(self) -> str:
-        return "".join(t for _, t in self.parts)
-
-    def when(self, needle: str) -> float | None:
-        return next((t for t, line in self.parts if needle in line), None)
-
-
 def start_slow_run(tmp_path, seconds: float):
     marker = tmp_path / "scoring"
     recipe = write_recipe(tmp_path, SLOW_RECIPE)
@@ -89,18 +71,19 @@ def test_first_ctrl_c_is_announced_at_once_and_checkpoints(tmp_path):
         wait_for(marker.is_file, 180, "the first reward call")
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        wait_for(lambda: err.when("stopping after this iteration") is not None, 5, "the stop message")
-        assert proc.poll() is None, "the run is still finishing its iteration"
-        assert err.when("stopping after this iteration") - sent < 5.0
+        wait_for(lambda: err.when("stopping at the next model call") is not None, 5, "the stop message")
+        assert proc.poll() is None, "the run is still finishing its reward call"
+        assert err.when("stopping at the next model call") - sent < 5.0
         proc.wait(timeout=180)
     finally:
         proc.kill()
     out.thread.join(5), err.thread.join(5)
     assert proc.returncode == 130, (out.text(), err.text())
-    assert "Ctrl-C: stopping after this iteration (Ctrl-C again to abort)" in err.text()
+    assert ("Ctrl-C: stopping at the next model call; the unfinished iteration is redone on resume "
+            "(Ctrl-C again to abort)") in err.text()
     assert "Traceback" not in out.text() + err.text()
     assert "--resume" in out.text()
-    # stopped at the safe point after the rewards of iteration 0: it is redone on resume
+    # stopped after the reward call of iteration 0, before its update: it is redone on resume
     assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["state"]["iteration"] == 0
 
 
@@ -110,7 +93,7 @@ def test_second_ctrl_c_aborts_with_a_message(tmp_path):
     try:
         wait_for(marker.is_file, 180, "the first reward call")
         proc.send_signal(signal.SIGINT)
-        wait_for(lambda: err.when("stopping after this iteration") is not None, 5, "the stop message")
+        wait_for(lambda: err.when("stopping at the next model call") is not None, 5, "the stop message")
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -125,9 +108,9 @@ def test_second_ctrl_c_aborts_with_a_message(tmp_path):
 
 
 def test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly(tmp_path, reference_run):
-    """Slurm preemption or `docker stop`: SIGTERM checkpoints the last completed iteration, says
-    how to resume, and the command it suggests (the run directory's resolved recipe) continues the
-    run exactly."""
+    """Slurm preemption or `docker stop`: SIGTERM checkpoints the last completed iteration (or,
+    landing in an update, leaves the latest checkpoint), says how to resume, and the command it
+    suggests (the run directory's resolved recipe) continues the run exactly."""
     from engine_helpers import assert_records_close, assert_weights_close, final_weights
 
     recipe_path, ref_dir, ref = reference_run
@@ -145,9 +128,14 @@ def test_sigterm_stops_like_the_first_ctrl_c_and_resumes_exactly(tmp_path, refer
     finally:
         proc.kill()
     assert proc.returncode == 130, (out, err)
-    assert "SIGTERM: stopping after this iteration" in err and "Traceback" not in out + err
-    done = len(read_metrics(run_dir))
-    assert 1 <= done < 4 and load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"] == done
+    assert "SIGTERM: stopping at the next model call" in err and "Traceback" not in out + err
+    done, ckpt = len(read_metrics(run_dir)), latest_checkpoint(run_dir)
+    resumes_at = load_checkpoint(ckpt)["state"]["iteration"] if ckpt else 0
+    assert 1 <= done < 4
+    if "in the update of iteration" in out:  # its weights part-way through: the latest checkpoint stays
+        assert resumes_at <= done and "no checkpoint written" in out
+    else:
+        assert resumes_at == done and "checkpoint written" in out
     saved = run_dir / "recipe.toml"
     assert f"flowrl train {saved} --resume {run_dir}" in " ".join(out.split()), out
     train(load(saved), resume=run_dir, console=quiet_console())

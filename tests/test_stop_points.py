@@ -1,0 +1,95 @@
+"""Stop points (flowrl/stop_points.py) and a run's stop (flowrl/train/stopping.py), in one process:
+what a stop point does inside and outside a run's scopes, the STOP file, helper threads, waits.
+(Real runs stopped in each phase, and two processes: tests/engine/test_engine_stop_phases.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from flowrl.distributed import DistContext
+from flowrl.stop_points import StopRequested, carried, stop_point, stoppable, wait_for
+from flowrl.train.stopping import STOP_FILE, Aborted, RunStop
+
+
+def quiet_stop(tmp_path) -> tuple[RunStop, list[str]]:
+    said: list[str] = []
+    return RunStop(tmp_path, DistContext(), said.append), said
+
+
+def test_outside_a_run_stop_points_do_nothing():
+    calls = []
+    assert stoppable(lambda x: calls.append(x) or x)(3) == 3 and calls == [3]
+    stop_point(), stop_point(every_process=False)
+    done: Future = Future()
+    done.set_result(7)
+    assert wait_for(done) == 7
+
+
+def test_a_signal_is_announced_and_the_next_stop_point_raises_then_a_second_aborts(tmp_path):
+    stop, said = quiet_stop(tmp_path)
+    before = signal.getsignal(signal.SIGHUP)
+    with stop, stop.iterations():
+        stop_point()  # nothing asked yet
+        os.kill(os.getpid(), signal.SIGHUP)  # the terminal closed
+        assert said == [("SIGHUP: stopping at the next model call; the unfinished iteration is redone on resume "
+                         "(Ctrl-C again to abort)")]
+        with pytest.raises(Aborted):
+            os.kill(os.getpid(), signal.SIGTERM)
+        stop_point()
+        pytest.fail("the stop point did not stop")
+    assert stop.stopped and not stop.state_changed
+    assert signal.getsignal(signal.SIGHUP) == before  # the handlers are restored
+
+
+def test_an_abandoned_evaluation_ends_quietly_and_a_stop_in_the_update_marks_the_state(tmp_path):
+    stop, _ = quiet_stop(tmp_path)
+    with stop.iterations():
+        with stop.evaluation(shared=False):
+            stop.handler(signal.SIGINT, None)
+            stop_point(every_process=False)  # the evaluation's reward call: this process evaluates alone
+            pytest.fail("the evaluation went on")
+        assert stop.stopped  # agreed on leaving the evaluation
+        with stop.changing_state():
+            stop_point()
+    assert stop.state_changed
+
+
+def test_the_stop_file_stops_the_run_once_and_is_removed(tmp_path):
+    stop, said = quiet_stop(tmp_path)
+    with stop, stop.iterations():
+        stop_point()
+        (tmp_path / STOP_FILE).touch()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # looked for at most once a second
+            stop_point()
+            time.sleep(0.05)
+    assert stop.stopped and said == [(f"{tmp_path / STOP_FILE} found: stopping at the next model call; "
+                                      "the unfinished iteration is redone on resume")]
+    assert not (tmp_path / STOP_FILE).exists()
+
+
+def test_a_helper_thread_stops_at_its_next_point_and_a_wait_for_it_ends(tmp_path):
+    stop, _ = quiet_stop(tmp_path)
+    started, points = threading.Event(), []
+
+    def helper():
+        started.set()
+        while True:
+            stop_point()
+            points.append(1)
+            time.sleep(0.01)
+
+    with stop.iterations(), ThreadPoolExecutor(1) as pool:
+        future = pool.submit(carried(helper))
+        started.wait(5)
+        stop.handler(signal.SIGTERM, None)
+        begun = time.monotonic()
+        wait_for(future)
+    assert stop.stopped and time.monotonic() - begun < 2
+    assert isinstance(future.exception(), StopRequested)
