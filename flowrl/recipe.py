@@ -42,10 +42,11 @@ from .interfaces import (
     Objective,
     ProfilingChunker,
     TrainsOnData,
+    WarpsTime,
 )
 from .offline import read_offline_rows
 from .plugins import Registry, get_registry
-from .prompts import distinct_rows, read_prompts
+from .prompts import TABLE_SUFFIXES, distinct_rows, read_prompts
 from .sampling.branching import check_branches, steps_of_highest_dynamics
 from .sampling.plans import PlanContext
 from .sampling.rollout import make_kernels, trainable_mask
@@ -312,6 +313,10 @@ class PromptsConfig:
     )
     train_split: str = param("train", "The split training reads (a split column's value, or a dataset's split).")
     eval_split: str = param("test", "The split evaluation reads (a split column's value, or a dataset's split).")
+
+    def __post_init__(self):
+        if not self.text_column:
+            raise ValueError("text_column is empty: it names the column holding the prompt text (default 'prompt')")
 
 
 @dataclasses.dataclass
@@ -826,12 +831,29 @@ def validate(
     recipe = Recipe(
         **plain, components=components, rewards=rewards, trackers=trackers, source=source
     )
+    if require_rewards:
+        _check_reward_weights(recipe)
     _cross_check(recipe, registry)
     if recipe.data.enabled and "group_size" in data.get("train", {}):  # after the [loss] agreed with [data]
         raise RecipeError("group_size does not apply to an offline run: a row of the [data] table is one sample",
                           where=f"{source}: [train].group_size",
                           hint="remove it; prompts_per_iteration is the number of rows each iteration trains")
     return recipe
+
+
+def _check_reward_weights(recipe: Recipe) -> None:
+    """An online run trains on the weighted rewards: with every weight 0 (and every chunk weight,
+    where given) every advantage is 0 and the run would learn nothing. An offline run (``[data]``)
+    trains on its table, and its rewards only score the evaluation."""
+    if recipe.data.enabled or not recipe.rewards:
+        return
+    if all(not any(r.chunk_weights) if r.chunk_weights else r.weight == 0 for r in recipe.rewards):
+        labels = ", ".join(r.label for r in recipe.rewards)
+        raise RecipeError(f"every [[rewards]] entry has weight 0 ({labels}): a weight of 0 logs a reward without "
+                          "training on it, so every advantage would be 0 and the run would learn nothing",
+                          where=f"{recipe.source}: [[rewards]]",
+                          hint=f"give the reward to optimise a non-zero weight, e.g. --set rewards.0.weight=1.0 "
+                               f"([[rewards]] #1, {recipe.rewards[0].label})")
 
 
 def component_choice(
@@ -891,10 +913,11 @@ def build_component(recipe: Recipe, registry: Registry, table: str, index: int |
         raise RecipeError(str(exc), where=where) from exc
 
 
-def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
-    """T for this recipe's sampler, decided by the kernel itself (an ``ode`` kernel or noise 0
-    trains nothing; ``cps`` into sigma = 0 is deterministic) exactly as the engine decides it,
-    on a stand-in schedule (trainability does not depend on the sigma values)."""
+def plan_context(recipe: Recipe, registry: Registry) -> PlanContext:
+    """What the ``[window]`` planner plans with, as training builds it
+    (:func:`flowrl.train.session.plan_context`), on a stand-in schedule: trainability does not
+    depend on the sigma values, and the schedule's time warp (MixGRPO-Flash's compression needs
+    one) is the ``[schedule]``'s own."""
     kernel = build_component(recipe, registry, "kernel")
     s = recipe.sampler
     window = tuple(s.sde_window) if s.sde_window else None
@@ -902,13 +925,35 @@ def trainable_transitions(recipe: Recipe, registry: Registry) -> int:
         kernels = make_kernels(s.steps, kernel, window)
     except ValueError as exc:
         raise RecipeError(str(exc), where=f"{recipe.source}: [sampler]") from exc
-    sigmas = torch.linspace(1.0, 0.0, s.steps + 1)
+    schedule = build_component(recipe, registry, "schedule")
+    warp = schedule.sigma_at if isinstance(schedule, WarpsTime) else None
+    times = torch.linspace(1.0, 0.0, s.steps + 1, dtype=torch.float64)
+    # a warping schedule's sigmas are its warp of uniform time (WarpsTime); others need no exact values here
+    sigmas = (torch.as_tensor(warp(times), dtype=torch.float64) if warp is not None else times).to(torch.float32)
     mask = trainable_mask(kernels, sigmas, s.image_from)
+    return PlanContext(num_steps=s.steps, sigmas=sigmas, trainable=mask, warp=warp, seed=recipe.run.seed,
+                       group_size=recipe.train.group_size, sde_window=tuple(s.sde_window))
+
+
+def trainable_transitions(recipe: Recipe, registry: Registry, context: PlanContext | None = None) -> int:
+    """T for this recipe's sampler, decided by the kernel itself (an ``ode`` kernel or noise 0
+    trains nothing; ``cps`` into sigma = 0 is deterministic) and the ``[window]`` planner, exactly
+    as the engine decides it (:func:`plan_context`)."""
+    context = context or plan_context(recipe, registry)
     planner = build_component(recipe, registry, "window")
-    context = PlanContext(num_steps=s.steps, sigmas=sigmas, trainable=mask, warp=None, seed=recipe.run.seed,
-                          group_size=recipe.train.group_size, sde_window=tuple(s.sde_window))
     try:
         return int(planner.num_trainable(context))
+    except ValueError as exc:
+        raise RecipeError(str(exc), where=f"{recipe.source}: [window]") from exc
+
+
+def window_plans(recipe: Recipe, registry: Registry, context: PlanContext) -> bool:
+    """Whether the ``[window]`` planner plans its own windows (a RolloutPlan), as the first
+    rollout asks it: what a plan can only find then (a compression without a time warp) is
+    refused here, before any model loads."""
+    planner = build_component(recipe, registry, "window")
+    try:
+        return planner.plan(0, list(range(recipe.train.group_size)), context) is not None
     except ValueError as exc:
         raise RecipeError(str(exc), where=f"{recipe.source}: [window]") from exc
 
@@ -922,8 +967,10 @@ def _uses_units(recipe: Recipe, registry: Registry) -> bool:
 
 def _cross_check(recipe: Recipe, registry: Registry) -> None:
     """Rules that span tables, checked by building the light components (kernel, chunker)."""
-    T = trainable_transitions(recipe, registry)
+    context = plan_context(recipe, registry)
+    T = trainable_transitions(recipe, registry, context)
     recipe.num_trainable = T
+    plans = window_plans(recipe, registry, context)
     where = f"{recipe.source}: [chunker]"
     _check_sharding(recipe)
     _check_data(recipe, registry)
@@ -932,7 +979,7 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_replay(recipe, registry, T)
     _check_pipeline(recipe, registry)
     _branches_from_profile(recipe, T)
-    _check_branches(recipe, registry)
+    _check_branches(recipe, registry, context.trainable, plans)
     _check_group_can_differ(recipe, T)
     if recipe.log.eval_steps == 1:
         raise RecipeError("eval_steps = 1: a sampling schedule needs at least 2 steps",
@@ -957,6 +1004,8 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
         return  # boundaries come from profiling the model at start
     try:
         sizes = chunker.sizes(T)
+    except FlowrlError as exc:  # a profile's own message: located in this recipe
+        raise type(exc)(exc.message, where=located(recipe, exc.where or "[chunker]"), hint=exc.hint) from exc
     except (ValueError, FileNotFoundError) as exc:
         raise RecipeError(
             f"{exc} (the sampler has T = {T} trainable transitions: steps = {recipe.sampler.steps}, "
@@ -971,6 +1020,12 @@ def _cross_check(recipe: Recipe, registry: Registry) -> None:
                 where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
                 hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
             )
+
+
+def located(recipe: Recipe, where: str) -> str:
+    """``where`` within the recipe file: a component's bare ``[chunker].profile`` becomes
+    ``recipes/x.toml: [chunker].profile``."""
+    return f"{recipe.source}: {where}" if where.startswith("[") else where
 
 
 def data_kind(recipe: Recipe, registry: Registry) -> str | None:
@@ -1180,9 +1235,11 @@ def _check_group_can_differ(recipe: Recipe, T: int) -> None:
                           hint="set same_noise_in_group = false (each sample from its own noise)")
 
 
-def _check_branches(recipe: Recipe, registry: Registry) -> None:
-    """Branch rollouts split whole groups on one process, sampled in whole-group sub-batches
-    (a [window] plan with per-sample windows is refused when the first rollout asks for one)."""
+def _check_branches(recipe: Recipe, registry: Registry, trainable: torch.Tensor, plans: bool) -> None:
+    """Branch rollouts split whole groups on one process, sampled in whole-group sub-batches with
+    the sampler's own kernels (not a ``[window]`` plan); a split must leave the copies a
+    stochastic step that reaches the image, or they stay one image; and the tree's pruning must
+    leave something to train and do what it says (``trainable``: the sampler's trainable steps)."""
     s, G = recipe.sampler, recipe.train.group_size
     if not s.branch_steps:
         return
@@ -1195,6 +1252,43 @@ def _check_branches(recipe: Recipe, registry: Registry) -> None:
         raise RecipeError(f"batch_size ({s.batch_size}) must be 0 or a multiple of group_size ({G}) with "
                           "branch rollouts: a group's tree is sampled in one sub-batch",
                           where=f"{recipe.source}: [sampler].batch_size")
+    if plans:
+        window = recipe.components["window"].use
+        raise RecipeError(f"branch rollouts sample with the sampler's kernels and [sampler].sde_window; [window] "
+                          f"'{window}' plans its own windows for each rollout", where=f"{recipe.source}: [window]",
+                          hint="use [window] use = 'fixed' (with sde_window for the stochastic steps), or drop "
+                               "branch_steps")
+    steps = [i for i, t in enumerate(trainable.tolist()) if t]
+    splits = [b for b, f in zip(s.branch_steps, s.branch_factors) if f > 1]
+    if splits and (not steps or splits[-1] > steps[-1]):
+        last = (f"the sampler's last stochastic step that reaches the image is step {steps[-1]}" if steps else
+                "the sampler has no stochastic step that reaches the image")
+        raise RecipeError(
+            f"branch step {splits[-1]} splits where no noise is drawn any more: {last}, so the copies "
+            "would stay one image (the group's samples would repeat each other)",
+            where=f"{recipe.source}: [sampler].branch_steps",
+            hint=(f"branch at steps <= {steps[-1]}" if steps else "use a stochastic kernel (e.g. 'flow')")
+            + " (image_from = 'x0_hat' leaves the last step's noise out of the image; sde_window bounds the "
+              "stochastic steps)")
+    if s.branch_keep >= G:
+        raise RecipeError(f"branch_keep = {s.branch_keep} keeps every leaf of a group of {G} (width pruning "
+                          "would prune nothing)", where=f"{recipe.source}: [sampler].branch_keep",
+                          hint=f"keep fewer than group_size = {G} leaves, or branch_keep = 0 for every leaf")
+    prune, stop = list(s.branch_prune_steps), max(s.branch_steps)
+    if prune and s.branch_prune_slide and prune[0] <= stop:
+        raise RecipeError(f"branch_prune_slide = {s.branch_prune_slide} slides the pruned steps earlier until the "
+                          f"first is the last branch step ({stop}); branch_prune_steps starts at step {prune[0]}, "
+                          "so it would never move", where=f"{recipe.source}: [sampler].branch_prune_slide",
+                          hint=f"start branch_prune_steps after step {stop}, or branch_prune_slide = 0")
+    # the pruned steps at every position the slide takes them to (pruned_steps in training)
+    shifts = range(max(0, prune[0] - stop) + 1 if s.branch_prune_slide else 1) if prune else range(0)
+    for shift in shifts:
+        if set(steps) <= {p - shift for p in prune}:
+            moved = f" (slid {shift} step{'s' if shift != 1 else ''} earlier)" if shift else ""
+            raise RecipeError(f"branch_prune_steps{moved} prunes every trainable transition of the sampler "
+                              f"(steps {steps[0]} to {steps[-1]}): no transition would be trained",
+                              where=f"{recipe.source}: [sampler].branch_prune_steps",
+                              hint="prune some of the steps after the last split only")
     if s.branch_advantage == "tree":
         where = f"{recipe.source}: [sampler].branch_advantage"
         if recipe.components["chunker"].use != "step":
@@ -1255,7 +1349,9 @@ def check_startable(recipe: Recipe, registry: Registry | None = None, *, devices
             raise RecipeError(f"prompt file {path} holds no prompt", where=where)
     _check_required_params(recipe)
     _check_input_paths(recipe)
-    _check_rewards_accept_prompts(recipe, registry)
+    _check_prompt_columns(recipe)
+    _check_prompt_tables(recipe, registry)
+    _check_profiles(recipe, registry)
     _check_data_table(recipe, registry)
     for i in range(len(recipe.trackers)):
         build_component(recipe, registry, "trackers", i)
@@ -1359,20 +1455,59 @@ def _check_input_paths(recipe: Recipe) -> None:
                                        "for the default")
 
 
-def _check_rewards_accept_prompts(recipe: Recipe, registry: Registry) -> None:
-    """Every prompt of a local prompt file against each reward that declares which prompts it
-    can score (``accepts_prompt``, :mod:`flowrl.hookspecs`): otherwise training fails at its first
-    reward call, after the model loads. A model's own prompts and hub datasets are not read here."""
+def has_columns(source: str) -> bool:
+    """Whether a prompt source has named columns: a table (.jsonl, .csv, .tsv, .parquet) or a
+    datasets source; not a text file (one prompt a line) nor the model's own prompts."""
+    if source == "model":
+        return False
+    return source.startswith("hf:") or Path(source).is_dir() or Path(source).suffix.lower() in TABLE_SUFFIXES
+
+
+def _check_prompt_columns(recipe: Recipe) -> None:
+    """A key that names a column of the prompt table (split_column, condition_column, a
+    text_column other than 'prompt') needs a source with columns: a text file or the model's own
+    prompts would ignore it, and a split_column that selects nothing would evaluate on the
+    training prompts."""
+    p = recipe.prompts
+    sources = [p.source] + ([p.eval_source] if p.eval_source else [])
+    if any(has_columns(source) for source in sources):
+        return
+    keys = [("split_column", p.split_column, ""), ("condition_column", p.condition_column, ""),
+            ("text_column", p.text_column, "prompt")]
+    for key, value, default in keys:
+        if value != default:
+            kinds = list(dict.fromkeys("the model's own prompts" if x == "model" else f"the text file {x} (one "
+                                       "prompt a line)" for x in sources))
+            fix = ("give a table with the column (.csv, .jsonl, .parquet) as source" +
+                   (", or separate train and evaluation files (source and eval_source)" if key == "split_column" else ""))
+            raise RecipeError(f"{key} = {value!r} names a column of a prompt table, and the prompts come from "
+                              f"{' and '.join(kinds)}, with no columns", where=f"{recipe.source}: [prompts].{key}",
+                              hint=f"{fix}; or {key} = {default!r}")
+
+
+def _check_prompt_tables(recipe: Recipe, registry: Registry) -> None:
+    """Every local prompt file (a model's own prompts and hub datasets are not read here) as
+    training and evaluation read it: its columns and splits select at least one prompt, the
+    evaluation's pool holds the num_eval prompts it is asked for, and every reward that declares
+    which prompts it can score (``accepts_prompt``, :mod:`flowrl.hookspecs`) accepts each one
+    (otherwise training fails at its first reward call, after the model loads)."""
     checks = [(r.label, getattr(registry.get("reward", r.use).factory, "accepts_prompt", None)) for r in recipe.rewards]
     checks = [(label, accepts) for label, accepts in checks if accepts is not None]
     p = recipe.prompts
     roles = [("source", p.source, "train")] + ([("eval_source" if p.eval_source else "source",
                                                  p.eval_source or p.source, "eval")] if p.num_eval else [])
-    for key, source, role in roles if checks else ():
+    for key, source, role in roles:
         if source == "model" or source.startswith("hf:") or not Path(source).is_file():
             continue
         where = f"{recipe.source}: [prompts].{key}"
-        for prompt in distinct_rows(read_prompts(source, None, where, p, role=role)):
+        rows = distinct_rows(read_prompts(source, None, where, p, role=role))
+        if role == "eval" and p.num_eval > len(rows):
+            split = f" (split = {p.eval_split!r})" if p.split_column else ""
+            raise RecipeError(f"num_eval = {p.num_eval}, and the evaluation reads {len(rows)} prompts from "
+                              f"{source}{split}", where=f"{recipe.source}: [prompts].num_eval",
+                              hint=f"at most {len(rows)} (eval_seeds draws several images of each), or more "
+                                   "evaluation prompts")
+        for prompt in rows if checks else ():
             for label, accepts in checks:
                 try:
                     accepts(str(prompt))
@@ -1382,6 +1517,48 @@ def _check_rewards_accept_prompts(recipe: Recipe, registry: Registry) -> None:
                         hint=f"give prompts that '{label}' can score (with the embedded model: source = \"model\"), "
                              f"or another reward",
                     ) from exc
+
+
+def profile_keys(recipe: Recipe) -> list[tuple[str, str]]:
+    """Every temporal-dynamics profile the recipe reads, as ``(where, path)``:
+    ``[sampler].branch_profile`` and each component parameter named ``profile`` or ``*_profile``
+    that is an input path (the ``dynamics`` chunker's, the ``weighted`` selector's)."""
+    keys = [("[sampler].branch_profile", recipe.sampler.branch_profile)]
+    for where, _, choice in component_tables(recipe):
+        if dataclasses.is_dataclass(choice.params):
+            keys += [(f"{where}.{f.name}", getattr(choice.params, f.name)) for f in dataclasses.fields(choice.params)
+                     if f.metadata.get("path") is True and (f.name == "profile" or f.name.endswith("_profile"))]
+    return [(where, path) for where, path in keys if isinstance(path, str) and path]
+
+
+def _check_profiles(recipe: Recipe, registry: Registry) -> None:
+    """Each profile the recipe reads describes this sampler: its steps, and its trainable
+    transitions (the steps and their number T). A profile of another sampler has another curve
+    per transition: its chunks, weights or branch points would belong to other steps; the
+    ``weighted`` selector would otherwise find it only at the first update."""
+    context = plan_context(recipe, registry)
+    steps = [i for i, t in enumerate(context.trainable.tolist()) if t]
+    T = recipe.num_trainable or len(steps)
+    plans = window_plans(recipe, registry, context)
+    for key, path in profile_keys(recipe):
+        where = f"{recipe.source}: {key}"
+        data = read_profile(path, where=where)
+        theirs = [i for i, t in enumerate(data["trainable"]) if t]
+        about = (f"{path} profiles a sampler of {len(data['trainable'])} steps with T = {len(theirs)} trainable "
+                 f"transitions ({_step_span(theirs)}), and this run samples {recipe.sampler.steps} steps with T = {T}")
+        if len(data["trainable"]) != recipe.sampler.steps or len(theirs) != T or (not plans and theirs != steps):
+            raise RecipeError(f"{about} ({_step_span(steps)})" if not plans else about, where=where,
+                              hint="profile the recipe you train with: `flowrl profile RECIPE -o DIR` (steps, "
+                                   "image_from and sde_window decide the trainable transitions)")
+
+
+def _step_span(steps: list[int]) -> str:
+    """``steps 0 to 15`` (or the list, where they are not consecutive)."""
+    if not steps:
+        return "none"
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"steps {steps[0]} to {steps[-1]}"
+    return f"steps {steps}"
 
 
 # ----------------------------------------------------------------------------- writing

@@ -44,8 +44,8 @@ class FixedWindow:
 
 def _check_fits(size: int, room: int, what: str) -> None:
     if size > room:
-        raise ValueError(f"a window of {size} steps does not fit: only the first {room} steps can be trained "
-                         f"({what}); lower size or use more sampling steps")
+        raise ValueError(f"a window of {size} steps does not fit in {what}, which holds {room}; lower size or use "
+                         "more sampling steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class SlidingWindow:
 
     def num_trainable(self, context) -> int:
         c = self.config
-        _check_fits(c.size, context.trainable_prefix, "sliding window")
+        _check_fits(c.size, context.trainable_prefix, "the trainable steps (sliding window)")
         self.max_start(context)
         return c.size
 
@@ -123,8 +123,15 @@ class RandomWindow:
         return self.config.hi or context.trainable_prefix
 
     def num_trainable(self, context) -> int:
-        c = self.config
-        _check_fits(c.size, min(self._hi(context), context.trainable_prefix) - c.lo, f"random window in [{c.lo}, {self._hi(context)})")
+        c, room = self.config, context.trainable_prefix
+        if c.hi > room:  # silently clipped to the trainable steps, the windows would not be where asked
+            raise ValueError(f"hi = {c.hi} is beyond the trainable steps: windows can end at step {room} at the "
+                             f"latest (the first {room} steps are trainable); set hi <= {room}, or 0 for the last")
+        hi = self._hi(context)
+        if c.lo >= hi:
+            raise ValueError(f"lo = {c.lo} must be below hi = {hi} (windows start at lo and end at or before hi"
+                             f"{'; hi = 0 is the last trainable step + 1' if not c.hi else ''})")
+        _check_fits(c.size, hi - c.lo, f"[lo, hi) = [{c.lo}, {hi})")
         return c.size
 
     def plan(self, iteration, keys, context):

@@ -37,6 +37,7 @@ CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shi
            # the compositional world's rewards read its grammar
            ("reward", "compose_geneval"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            ("reward", "compose_geneval_strict"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
+           ("reward", "compose_geneval_exact"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            ("reward", "compose_clip"): {"prompts": ["a red circle and a blue square", "two crosses", "a square"]},
            # the OCR reward reads the text a prompt quotes
            ("reward", "ocr"): {"prompts": ['a shop sign that says "OPEN"'] * 3},
