@@ -1501,7 +1501,7 @@ def _check_prompt_tables(recipe: Recipe, registry: Registry) -> None:
             continue
         where = f"{recipe.source}: [prompts].{key}"
         rows = distinct_rows(read_prompts(source, None, where, p, role=role))
-        if role == "eval" and p.num_eval > len(rows):
+        if role == "eval" and p.num_eval > len(rows) and not p.balance_column:  # balanced: round-robin repeats
             split = f" (split = {p.eval_split!r})" if p.split_column else ""
             raise RecipeError(f"num_eval = {p.num_eval}, and the evaluation reads {len(rows)} prompts from "
                               f"{source}{split}", where=f"{recipe.source}: [prompts].num_eval",

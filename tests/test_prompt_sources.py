@@ -361,3 +361,19 @@ def test_the_docs_balance_example_reads_the_compose_table_category_by_category(m
     pool = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts, role="eval")
     chosen = collections.Counter(metadata(p)["tag"] for p in evaluation_prompts(pool, 42, recipe.prompts.num_eval))
     assert len(chosen) == 6 and set(chosen.values()) == {16}
+
+
+def test_a_balanced_evaluation_may_ask_for_more_prompts_than_the_table_holds(monkeypatch):
+    """Round-robin over the categories repeats the rows of small ones, so num_eval is not capped by
+    the pool as it is without balance_column (where it is refused)."""
+    from pathlib import Path
+
+    from flowrl.errors import FlowrlError
+    from flowrl.recipe import check_startable, load_recipe
+
+    repo = Path(__file__).resolve().parents[1]
+    sets = ["prompts.num_eval=600"]
+    check_startable(load_recipe(repo / "recipes" / "compose_nft.toml", sets), devices=False)
+    unbalanced = load_recipe(repo / "recipes" / "compose_nft.toml", [*sets, 'prompts.balance_column=""'])
+    with pytest.raises(FlowrlError, match="num_eval = 600"):
+        check_startable(unbalanced, devices=False)
