@@ -99,11 +99,24 @@ def warn(text: str) -> None:
     err_console.print("[yellow]warning:[/yellow] " + escape(text), highlight=False, soft_wrap=True)
 
 
+#: A planned peak beyond this many times the RAM is refused (between 1x and this, a warning): the
+#: plan's activation estimates are measured per sample and agree with autograd's saved tensors
+#: within about 30%, so a peak this far beyond the RAM cannot be an overestimate.
+REFUSE_ABOVE = 1.5
+#: The keys that shrink each phase's peak, for the refusal's hint.
+LOWER = {
+    "rollout": "[sampler].batch_size (roll out in parts), [train].group_size or [train].prompts_per_iteration",
+    "update": "[train].micro_batch_size, or [train].group_size and prompts_per_iteration",
+    "decode": "[sampler].batch_size, or [train].group_size and prompts_per_iteration",
+}
+
+
 def check_cpu_memory(resolved, planned: Planned, processes: int, say=warn, *, training: bool = False) -> None:
     """The run trains on the CPU (:func:`runs_on_cpu`): everything is in RAM (no CUDA context), and
-    every process of the run shares it. Weights and optimizer state beyond the RAM are an error;
-    a GPU-sized model that ``auto`` put here, and a planned peak beyond the RAM, are ``say``-ed
-    (``training``: by ``flowrl train``, as it starts)."""
+    every process of the run shares it. Weights and optimizer state beyond the RAM are an error, and
+    so is a planned peak beyond :data:`REFUSE_ABOVE` times it; a GPU-sized model that ``auto`` put
+    here, and a planned peak beyond the RAM, are ``say``-ed (``training``: by ``flowrl train``, as it
+    starts)."""
     from ..memory_plan import CUDA_OVERHEAD, GB
 
     auto, recipe = resolved.run.device == "auto", resolved.source
@@ -130,6 +143,13 @@ def check_cpu_memory(resolved, planned: Planned, processes: int, say=warn, *, tr
                 "--set run.device=cpu says the CPU is meant")
         say(f"{recipe}: PyTorch sees no CUDA GPU here, so [run].device = 'auto' trains model '{model}' "
             f"({planned.params / 1e9:.1f}e9 parameters) on the CPU{tail}")
+    if total > REFUSE_ABOVE * ram:
+        raise FlowrlError(
+            f"`flowrl plan` estimates a peak of {total / GB:.1f} GB in all (persistent + the {planned.phase} phase, "
+            f"at {_processes(processes)}), more than {REFUSE_ABOVE:g} x {what}: the kernel would kill the run",
+            where=f"{resolved.source}: [train]",
+            hint=f"lower {LOWER[planned.phase] if planned.phase in LOWER else LOWER['rollout']}; "
+                 f"`flowrl plan {recipe}` prints every line")
     if total > ram:
         say(f"{recipe}: `flowrl plan` estimates a peak of {total / GB:.1f} GB in all (persistent + the "
             f"{planned.phase} phase, at {_processes(processes)}), more than {what}; see `flowrl plan`'s suggestions "

@@ -114,6 +114,22 @@ def test_a_peak_beyond_the_ram_of_a_run_that_auto_puts_on_the_cpu_is_a_warning(m
     assert f"peak of {in_all / GB:.1f} GB in all" in result.flat_err and ON_THE_CPU in result.flat_err
 
 
+def test_a_rollout_far_beyond_the_ram_is_refused_by_validate_and_train_with_the_keys_to_lower(machine, flowrl,
+                                                                                               tmp_path):
+    # issue 45: group_size=100000 validated "ok" and the kernel killed the run (SIGKILL, no message)
+    machine(gpus=0, ram_gb=24)
+    huge = ["--set", "train.group_size=100000", "--set", "train.prompts_per_iteration=1"]
+    out = tmp_path / "run"
+    recipe = RECIPES / "quickstart.toml"
+    for result in (flowrl("validate", recipe, *huge), flowrl("train", recipe, *huge, "-o", out)):
+        one_error(result, "[train]", "more than 1.5 x this machine's 24.0 GB of RAM", "rollout phase",
+                  "[sampler].batch_size (roll out in parts)")
+    assert not out.exists()
+    # rolled out in parts, the same run plans to fit (its trajectories alone: about 21 GB)
+    result = flowrl("validate", recipe, *huge, "--set", "sampler.batch_size=64")
+    assert result.returncode == 0, result.stderr
+
+
 def test_train_says_in_one_line_that_a_gpu_model_trains_on_the_cpu(machine, flowrl, tmp_path):
     machine(gpus=0, ram_gb=1024)
     result = flowrl("train", SD3_LORA, "--dry-run", "-o", tmp_path / "run")
