@@ -5,8 +5,8 @@ second judge and the artefact measure beside it.
     python benchmarks/compose.py --seeds 1 --set train.iterations=2 --out /tmp/compose_smoke   # rehearsal
 
 For each seed (``run.seed`` = 42 + k) the recipe trains once; then ``flowrl eval --suite geneval
---seed 0`` scores the base model (once) and every run's final checkpoint on the same noise: the
-held-out prompts, 48 images a category (72 for colour attribution), the embedded detector under
+--seed 0 --seeds 2`` scores the base model (once) and every run's final checkpoint on the same noise: the
+held-out prompts, 96 images a category (144 for colour attribution), the embedded detector under
 GenEval's rules. The rise is ``(final - base) / sqrt(sem_base^2 + sem_final^2)`` on the overall
 score (independent-samples standard errors: conservative, the noise is shared). The second judge
 (``eval/compose_clip/mean``) and the artefact measure (``eval/hf_share/mean``) come from the run's
@@ -81,13 +81,16 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], help="an override for every run (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("runs/compose_seeds"))
+    ap.add_argument("--suite-seeds", type=int, default=2,
+                    help="passes over the suite's images (flowrl eval --seeds; default 2: 624 images)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [42 + k for k in range(args.seeds)]
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = dict(zip(seeds, pool.map(lambda s: train(s, args), seeds)))
-        base_job = pool.submit(geneval, args.recipe, args.out / "base.geneval.json", [])
-        finals = dict(zip(seeds, pool.map(lambda s: geneval(str(runs[s]), args.out / f"seed_{s}.geneval.json", []),
+        extra = ["--seeds", str(args.suite_seeds)]
+        base_job = pool.submit(geneval, args.recipe, args.out / "base.geneval.json", extra)
+        finals = dict(zip(seeds, pool.map(lambda s: geneval(str(runs[s]), args.out / f"seed_{s}.geneval.json", extra),
                                           seeds)))
         base = base_job.result()
     results = [summary(s, runs[s], base, finals[s]) for s in seeds]

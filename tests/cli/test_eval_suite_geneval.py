@@ -106,15 +106,26 @@ def test_seeds_repeat_the_suite_from_new_noise_and_keep_the_first_pass(small_sui
                                                                for r in one["per_image"]]  # new noise indices
 
 
-def test_docs_sweep_validates_every_run_as_written(capsys, monkeypatch):
-    # the documented search trains for half an hour; its dry run validates each of its runs
-    sweeps = [c for c in doc_commands() if c[0] == "sweep"]
-    assert sweeps
+def test_docs_training_commands_and_search_overrides_validate_as_written(capsys, monkeypatch):
+    # the recipe trains for minutes: its documented command is dry-run; each row of the search
+    # table names overrides of a shipped recipe, which must load as written
+    from flowrl.recipe import load_recipe
+
+    trains = [c for c in doc_commands() if c[0] == "train"]
+    assert ["train", "recipes/compose_nft.toml"] in trains
     monkeypatch.chdir(REPO)
-    for argv in sweeps:
+    for argv in trains:
         code, out, err = _cli([*argv, "--dry-run"], capsys)
         assert code == 0, err
-        assert "train.lr=3e-5" in out + err and "train.lr=1e-4" in out + err
+    text = (REPO / "docs" / "compose.md").read_text(encoding="utf-8")
+    rows = [r for r in text.splitlines() if r.startswith("| ") and ("`train." in r or "`rewards." in r
+                                                                     or "`loss." in r or "compose_grpo" in r)]
+    assert len(rows) >= 8
+    for row in rows:
+        cell = row.split(" | ")[1]
+        recipe = "recipes/compose_grpo.toml" if "compose_grpo" in cell else "recipes/compose_nft.toml"
+        sets = [s for code in re.findall(r"`([^`]*)`", cell) for s in code.split() if "=" in s]
+        load_recipe(REPO / recipe, sets)
 
 
 def test_the_full_suite_and_its_refusals(tmp_path, capsys):
