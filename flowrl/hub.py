@@ -22,28 +22,34 @@ from pathlib import Path
 
 from .errors import FlowrlError
 from .plotting import plot_run
+from .plugins import get_registry
 from .recipe import Recipe, dump_toml
 from .runlog import read_metrics
 
-#: chunker name -> (algorithm, paper). The selector and loss only refine these.
-ALGORITHMS = {
-    "step": ("step-level GRPO (DanceGRPO / Flow-GRPO)",
-             "DanceGRPO, arXiv:2505.07818; Flow-GRPO, arXiv:2505.05470"),
-    "sequence": ("GSPO-style sequence-level optimisation", "GSPO, arXiv:2507.18071"),
-    "fixed": ("GRPO on fixed chunks of transitions", "Chunk-GRPO, arXiv:2510.21583"),
-    "explicit": ("Chunk-GRPO", "Sample By Step, Optimize By Chunk (Chunk-GRPO), arXiv:2510.21583"),
-    "dynamics": ("Chunk-GRPO with chunks from the sampler's temporal dynamics",
-                 "Sample By Step, Optimize By Chunk (Chunk-GRPO), arXiv:2510.21583"),
-}
-
-
 def algorithm_of(recipe: Recipe) -> tuple[str, str]:
-    """``(algorithm, paper)`` of a recipe, from its chunker (and a weighted selector)."""
+    """``(algorithm, paper)`` of a recipe, as its components describe themselves: a loss that owns
+    its update names the algorithm (``algorithm``, e.g. DiffusionNFT); otherwise the chunker names
+    the GRPO family member (its ``algorithm``), refined by the loss (``variant``, e.g. GRPO-Guard)
+    and a weighted selector."""
+    registry = get_registry()
+    loss = registry.get("loss", recipe.components["loss"].use).factory
+    if getattr(loss, "algorithm", None):
+        return loss.algorithm
     chunker = recipe.components["chunker"].use
-    name, paper = ALGORITHMS.get(chunker, (f"GRPO-family policy optimisation (chunker '{chunker}')", ""))
+    name, paper = getattr(registry.get("chunker", chunker).factory, "algorithm", None) or (
+        f"GRPO-family policy optimisation (chunker '{chunker}')", "")
+    if getattr(loss, "variant", None):
+        name, paper = name + loss.variant[0], "; ".join(p for p in (paper, loss.variant[1]) if p)
     if recipe.components["selector"].use == "weighted":
         name += ", with chunks sampled by their temporal-dynamics weight"
     return name, paper
+
+
+def task_of(recipe: Recipe) -> str:
+    """The hub's pipeline tag of the recipe's model: its adapter's ``task`` (text-to-image unless
+    it says text-to-video or image-to-image)."""
+    factory = get_registry().get("model", recipe.components["model"].use).factory
+    return getattr(factory, "task", "text-to-image")
 
 
 def is_hub_id(path: str | None) -> bool:
@@ -89,8 +95,9 @@ def model_card(repo: str, info: dict, recipe: Recipe, run_dir: Path | None, has_
     """README.md of the hub repository (YAML header + Markdown)."""
     algorithm, paper = algorithm_of(recipe)
     base = info.get("base")
+    task = task_of(recipe)
     header = ["---", "library_name: diffusers" if info["format"].startswith("diffusers_") else "library_name: flowrl",
-              "pipeline_tag: text-to-image", "tags:", "- flowrl", "- reinforcement-learning", "- grpo", "- text-to-image"]
+              f"pipeline_tag: {task}", "tags:", "- flowrl", "- reinforcement-learning", "- grpo", f"- {task}"]
     if info.get("finetune") == "lora" and not info.get("merged"):
         header.append("- lora")
     if is_hub_id(base):

@@ -31,12 +31,20 @@ from flowrl.sampling.rollout import trainable_mask
 class StepChunker:
     """Every transition is its own unit: step-level GRPO (DanceGRPO / Flow-GRPO)."""
 
+    #: the model card's name for a GRPO-family run with these units (flowrl.hub)
+    algorithm = ('step-level GRPO (DanceGRPO / Flow-GRPO)',
+                 'DanceGRPO, arXiv:2505.07818; Flow-GRPO, arXiv:2505.05470')
+
     def sizes(self, num_transitions):
         return step_chunks(num_transitions)
 
 
 class SequenceChunker:
     """One unit spanning every trained transition: GSPO's sequence-level ratio."""
+
+    #: the model card's name for a GRPO-family run with these units (flowrl.hub)
+    algorithm = ('GSPO-style sequence-level optimisation',
+                 'GSPO, arXiv:2507.18071')
 
     def sizes(self, num_transitions):
         return sequence_chunks(num_transitions)
@@ -54,6 +62,10 @@ class FixedConfig:
 
 class FixedChunker:
     """Consecutive chunks of a fixed size k."""
+
+    #: the model card's name for a GRPO-family run with these units (flowrl.hub)
+    algorithm = ('GRPO on fixed chunks of transitions',
+                 'Chunk-GRPO, arXiv:2510.21583')
 
     Config = FixedConfig
 
@@ -76,6 +88,10 @@ class ExplicitConfig:
 
 class ExplicitChunker:
     """Chunks given as an explicit list of sizes."""
+
+    #: the model card's name for a GRPO-family run with these units (flowrl.hub)
+    algorithm = ('Chunk-GRPO',
+                 'Sample By Step, Optimize By Chunk (Chunk-GRPO), arXiv:2510.21583')
 
     Config = ExplicitConfig
 
@@ -124,6 +140,10 @@ class DynamicsConfig:
 
 class DynamicsChunker:
     """Chunks from a temporal-dynamics profile (`flowrl profile`): dp, curvature or derivative rule."""
+
+    #: the model card's name for a GRPO-family run with these units (flowrl.hub)
+    algorithm = ("Chunk-GRPO with chunks from the sampler's temporal dynamics",
+                 'Sample By Step, Optimize By Chunk (Chunk-GRPO), arXiv:2510.21583')
 
     Config = DynamicsConfig
 

@@ -311,6 +311,19 @@ def build_offline_dpo(config: OfflineDpoConfig):
     return OfflineDPO(beta=config.beta, timesteps=config.timesteps)
 
 
+# The model card names the algorithm from the components (flowrl.hub.algorithm_of): an objective that owns
+# its update says what it is (``algorithm``); a ratio-based loss refines the chunker's GRPO (``variant``).
+build_nft.algorithm = ('DiffusionNFT (forward-process RL)', 'DiffusionNFT, NVlabs/DiffusionNFT')
+build_awm.algorithm = ('AWM (Advantage Weighted Matching)', 'arXiv:2509.25050')
+build_dpo.algorithm = ('online DPO (Diffusion-DPO for flow models)', 'Diffusion-DPO, arXiv:2311.12908')
+build_dgpo.algorithm = ('DGPO (group preference optimisation)', 'DGPO, arXiv:2510.08425')
+build_sft.algorithm = ('supervised fine-tuning on a dataset', '')
+build_offline_dpo.algorithm = ('offline Diffusion-DPO on preference pairs', 'Diffusion-DPO, arXiv:2311.12908')
+build_gardo.variant = (", with GARDO's gated KL and reference reset", 'GARDO, arXiv:2512.24138')
+build_dppo.variant = (", with Flow-DPPO's trust region", 'Flow-DPPO, arXiv:2606.11025')
+GuardSurrogate.variant = (", with GRPO-Guard's ratio correction", "GRPO-Guard, arXiv:2510.22319")
+
+
 @hookimpl(trylast=True)
 def register_losses(register):
     register("clipped", ClippedSurrogate)

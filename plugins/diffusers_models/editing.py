@@ -119,6 +119,8 @@ class FluxKontextConfig(FluxConfig):
 class FluxKontextModel(FluxModel):
     """FLUX.1 Kontext through diffusers: FLUX.1 with the condition image's tokens appended."""
 
+    task = "image-to-image"  # the model card's pipeline tag (flowrl.hub)
+
     Config = FluxKontextConfig
     pipeline_class_name = "FluxKontextPipeline"
 
@@ -177,6 +179,8 @@ class QwenImageEditConfig(QwenImageConfig):
 class QwenImageEditModel(QwenImageModel):
     """Qwen-Image-Edit through diffusers: Qwen-Image whose text encoder also reads the condition
     image, with the condition's latent tokens appended to the generated image's."""
+
+    task = "image-to-image"  # the model card's pipeline tag (flowrl.hub)
 
     Config = QwenImageEditConfig
     pipeline_class_name = "QwenImageEditPipeline"

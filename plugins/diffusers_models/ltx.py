@@ -139,6 +139,8 @@ class LTXModel(DiffusersAdapter):
     else. That frame's velocity has no parameters in it: it adds nothing to a policy ratio or a
     gradient."""
 
+    task = "text-to-video"  # the model card's pipeline tag (flowrl.hub)
+
     Config = LTXConfig
     pipeline_class_name = "LTXPipeline"
 

@@ -118,6 +118,8 @@ class WanModel(DiffusersAdapter):
     """Wan 2.1 T2V through diffusers: video latents [C, F_lat, H/8, W/8], timestep = 1000 sigma,
     true CFG as the policy, clips [B, F, 3, H, W] out of decode."""
 
+    task = "text-to-video"  # the model card's pipeline tag (flowrl.hub)
+
     Config = WanConfig
     pipeline_class_name = "WanPipeline"
 

@@ -30,6 +30,8 @@ class EmbeddedVideoConfig(EmbeddedConfig):
 class EmbeddedVideoModel(EmbeddedAdapter):
     """The embedded tiny text-to-video model: 4 frames of 16x16 RGB, latent [4, 16, 48]."""
 
+    task = "text-to-video"  # the model card's pipeline tag (flowrl.hub)
+
     Config = EmbeddedVideoConfig
     latent_shape = EmbeddedT2V.latent_shape
     image_seq_len = 64  # tokens the transformer sees per clip (FLUX's dynamic shift reads it)
