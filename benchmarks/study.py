@@ -6,6 +6,8 @@ docs/study.md, its tables and its figures.
     python benchmarks/study.py --jobs 2 --seeds 5            # the same, explicitly
     python benchmarks/study.py --smoke --out /tmp/smoke      # a 2-iteration rehearsal of the pipeline
     python benchmarks/study.py --report-only                 # rewrite the report from finished runs
+    OMP_NUM_THREADS=1 python benchmarks/study.py --world compose              # the compositional world (below)
+    python benchmarks/study.py --world compose --smoke --seeds 1 --jobs 1 --sweep-dir /tmp/sc --out /tmp/sc
 
 Run it from the repository root. It is resumable: run the same command again after an
 interruption (``flowrl sweep`` skips the finished runs and resumes the interrupted one).
@@ -37,16 +39,43 @@ chosen):
   of claims is applied (say so when reading them).
 - train time is wall-clock time per phase: run the study on an otherwise idle machine, or the
   equal-wall-time comparison measures the neighbours.
+
+``--world compose`` (issue 40) runs the same 7 variants, seeds, claims and rules on the
+compositional world (docs/compose.md) and writes ``study_compose.md`` and ``study_compose/`` into
+``--out`` (sweep: ``runs/study_compose``). What differs, fixed before any run:
+- the base recipe ``recipes/study_compose.toml`` (its comments give each choice): reward
+  ``compose_geneval_exact`` (weight 1), ``compose_geneval_strict`` and ``compose_clip`` logged
+  with weight 0; the six categories visited equally; 96 held-out prompts (16 a category) x 2
+  noises, ODE at 16 steps, every 10 iterations and at the end; 17 steps with the flow SDE kernel
+  (a = 0.7) in the first 16 transitions, so T = 16 and the paper's layouts apply unchanged; 2 passes
+  per rollout at clip 5e-5, lr 5e-5, 8 prompts x 8 samples, 50 iterations; the dynamics variants
+  take this sampler's own profile, ``recipes/profiles/compose_window16.json`` ([2, 3, 8, 3]);
+- the primary metric ``eval/compose_geneval_strict/mean`` (GenEval's strict verdict; its mean over
+  balanced categories is GenEval's overall), the second judge ``eval/compose_clip/mean``;
+- the regime is recorded in ``SWEEP/regime.json`` before the first run (the base recipe's text and
+  sha256, its profile's sha256, the overrides, variants, seeds, commit) and the report states it,
+  and says so if the recipe or profile changed since;
+- GenEval's per-category table of each run's final checkpoint (``flowrl eval RUN_DIR --suite
+  geneval --seed 0 -o SWEEP/geneval/RUN.json``) and of the base model (``flowrl eval
+  recipes/study_compose.toml --suite geneval --seed 0``), the same noise for every table: per
+  variant the mean over seeds ± 95% t half-width per category, and each variant minus step-level
+  paired by seed;
+- the clip fraction (and the other update diagnostics) per variant, as for shapes.
+No result on the compose world is recorded yet.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from flowrl.stats import paired_interval, t_interval
@@ -81,6 +110,36 @@ CLAIMS = [
 ]
 SMOKE = ["train.iterations=2", "train.prompts_per_iteration=1", "train.group_size=2", "train.micro_batch_size=2",
          "prompts.num_eval=2", "log.eval_every=1"]
+
+
+@dataclass(frozen=True)
+class World:
+    """What differs between the two embedded worlds: the base recipe, the metrics, their names in
+    the report, where the sweep and the report go by default."""
+
+    recipe: str
+    primary: str
+    secondary: str
+    primary_text: str
+    secondary_text: str
+    sweep_dir: str
+    report: str  # the report's file name under --out
+    figures: str  # its tables' and figures' folder under --out
+
+
+WORLDS = {
+    "shapes": World(RECIPE, PRIMARY, SECONDARY, "verifier", "CLIP judge", "runs/study", "study.md", "study"),
+    # The compositional world (docs/compose.md). All 7 variants apply unchanged: its base recipe has
+    # T = 16 trainable transitions too (17 steps, SDE in the first 16), so [16], [8, 8], 8 x [2] and
+    # 4 x [4] tile it, and the dynamics variants take its own profile (profiles/compose_window16.json;
+    # `flowrl sweep` validates every variant before the first run and stops on one that does not).
+    "compose": World("recipes/study_compose.toml", "eval/compose_geneval_strict/mean", "eval/compose_clip/mean",
+                     "GenEval strict", "compose_clip judge", "runs/study_compose", "study_compose.md",
+                     "study_compose"),
+}
+#: the noise of every GenEval table (each run's final checkpoint and the base model): the same
+#: images for all, so a difference between two tables is the training's (docs/compose.md's base table)
+GENEVAL_SEED = 0
 
 
 def flowrl(*args: str) -> subprocess.CompletedProcess:
@@ -126,14 +185,14 @@ def verdict_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def load_runs(sweep_dir: Path, seeds: int) -> dict[tuple[str, int], tuple[list[dict], list[dict]]]:
+def load_runs(sweep_dir: Path, seeds: int, primary: str = PRIMARY) -> dict[tuple[str, int], tuple[list[dict], list[dict]]]:
     """Each study run's metrics, read once: ``(variant, k) -> (evaluation rows, update rows)``."""
     runs = {}
     for name in VARIANTS:
         for k in range(seeds):
             text = (sweep_dir / "runs" / f"{name}_seed{42 + k}" / "metrics.jsonl").read_text()
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-            runs[name, k] = ([r for r in rows if PRIMARY in r], [r for r in rows if "clip_fraction" in r])
+            runs[name, k] = ([r for r in rows if primary in r], [r for r in rows if "clip_fraction" in r])
     return runs
 
 
@@ -144,13 +203,15 @@ def _cell(values: list[float], digits: int = 4, signed: bool = False, sci: bool 
     return fmt.format(iv.mean) + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}{kind}}")
 
 
-def diagnostics_table(runs: dict, seeds: int) -> str:
+def diagnostics_table(runs: dict, seeds: int, world: World = WORLDS["shapes"]) -> str:
     """Per variant, over seeds (mean ± 95% t half-width): the held-out rise of the optimised
     reward, the second judge's and the artefact measure's change from the first evaluation to
     the last, and what the update did: the clip fraction, the share of iterations in which the
     clip acted, the spread of the unit ratios and of the unit log-ratios, the approximate KL to
     the old policy, and the groups whose rewards were all equal."""
-    head = ("| variant | eval verifier: first -> last | rise | CLIP judge change | hf_share first -> last | "
+    primary, secondary = world.primary, world.secondary
+    head = (f"| variant | eval {world.primary_text}: first -> last | rise | {world.secondary_text} change | "
+            "hf_share first -> last | "
             "clip fraction | iterations clipped | ratio max - min | unit log-ratio sd | approx KL (old) | "
             "all-equal groups |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -160,10 +221,10 @@ def diagnostics_table(runs: dict, seeds: int) -> str:
         for k in range(seeds):
             evals, train = runs[name, k]
             first, last = evals[0], evals[-1]
-            cols["v0"].append(first[PRIMARY])
-            cols["v1"].append(last[PRIMARY])
-            cols["rise"].append(last[PRIMARY] - first[PRIMARY])
-            cols["clip_change"].append(last[SECONDARY] - first[SECONDARY])
+            cols["v0"].append(first[primary])
+            cols["v1"].append(last[primary])
+            cols["rise"].append(last[primary] - first[primary])
+            cols["clip_change"].append(last[secondary] - first[secondary])
             cols["hf0"].append(first[ARTEFACT])
             cols["hf1"].append(last[ARTEFACT])
             cols["clip"].append(sum(r["clip_fraction"] for r in train) / len(train))
@@ -194,48 +255,273 @@ def worst_texture_figures(runs: dict, sweep_dir: Path, figures: Path) -> tuple[s
     return run_dir.name, first, final
 
 
-def main() -> None:
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def regime_record(world: World, args, sweep_args: list[str]) -> dict:
+    """What the runs are made of, written to ``SWEEP/regime.json`` before the first run (and kept:
+    a later call compares against it): the base recipe's text and sha256, its profile's sha256,
+    the overrides of every variant and of the whole study, the seeds, the commit."""
+    from flowrl.recipe import load_recipe, profile_keys
+
+    recipe = REPO / world.recipe
+    resolved = load_recipe(recipe, list((SMOKE if args.smoke else []) + args.sets))
+    profiles = sorted({v for _, v in profile_keys(resolved) if v})
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", world.recipe, *profiles], cwd=REPO, text=True,
+                           capture_output=True).stdout.strip()
+    return {"world": args.world, "recipe": world.recipe, "recipe_sha256": sha256(recipe),
+            "recipe_text": recipe.read_text(), "profiles": {str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO)
+                                                            else p: sha256(Path(p)) for p in profiles},
+            "sets": list((SMOKE if args.smoke else []) + args.sets), "variants": VARIANTS, "baseline": BASELINE,
+            "seeds": [42 + k for k in range(args.seeds)], "primary": world.primary, "secondary": world.secondary,
+            "geneval_seed": GENEVAL_SEED, "commit": commit, "uncommitted_changes_to_recipe_or_profile": dirty,
+            "recorded": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "sweep_args": sweep_args}
+
+
+def geneval_tables(world: World, args, sweep_dir: Path) -> tuple[dict, dict[tuple[str, int], dict]]:
+    """GenEval's table (per category and overall) of the base model and of each run's final
+    checkpoint, by ``flowrl eval ... --suite geneval --seed GENEVAL_SEED``: the same noise for
+    every table. Written to ``SWEEP/geneval/`` and reused when already there (for the run's
+    final iteration)."""
+    folder = sweep_dir / "geneval"
+    folder.mkdir(parents=True, exist_ok=True)
+    sets = [a for s in (SMOKE if args.smoke else []) + args.sets for a in ("--set", s)]
+    todo = {("base", -1): (["eval", world.recipe, *sets], folder / "base.json", None)}
+    for name in VARIANTS:
+        for k in range(args.seeds):
+            run_dir = sweep_dir / "runs" / f"{name}_seed{42 + k}"
+            last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            final = max(r["iteration"] for r in last)
+            todo[name, k] = (["eval", str(run_dir)], folder / f"{name}_seed{42 + k}.json", final)
+
+    def one(item):
+        (cmd, path, final) = item
+        if path.is_file() and (final is None or json.loads(path.read_text()).get("iteration") == final):
+            return
+        proc = flowrl(*cmd, "--suite", "geneval", "--seed", str(GENEVAL_SEED), "-o", str(path))
+        if proc.returncode != 0:
+            sys.exit(f"flowrl {' '.join(cmd)} --suite geneval failed with exit status {proc.returncode}")
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(one, todo.values()))
+    tables = {key: json.loads(path.read_text()) for key, (_, path, _) in todo.items()}
+    return tables.pop(("base", -1)), tables
+
+
+def category_tables(base: dict, tables: dict[tuple[str, int], dict], seeds: int) -> tuple[str, str]:
+    """GenEval per category: (each variant's final accuracy, mean over seeds ± 95% t half-width,
+    with the base model's row; each variant minus step-level, paired by seed, 95% t interval)."""
+    cats = [*base["categories"], "overall"]
+
+    def value(t: dict, c: str) -> float:
+        return t["overall"]["mean"] if c == "overall" else t["categories"][c]["mean"]
+
+    head = "| variant | " + " | ".join(cats) + " |"
+    rule = "|" + "---|" * (len(cats) + 1)
+    finals = [head, rule, "| base model (one table; ± its standard error) | " + " | ".join(
+        f"{value(base, c):.3f} ± {(base['overall'] if c == 'overall' else base['categories'][c])['sem']:.3f}"
+        for c in cats) + " |"]
+    diffs = [head.replace("| variant |", f"| variant - {BASELINE} |"), rule]
+    for name in VARIANTS:
+        finals.append(f"| {name} | " + " | ".join(_cell([value(tables[name, k], c) for k in range(seeds)], 3)
+                                                 for c in cats) + " |")
+        if name == BASELINE:
+            continue
+        cells = []
+        for c in cats:
+            iv = paired_interval({k: value(tables[name, k], c) for k in range(seeds)},
+                                 {k: value(tables[BASELINE, k], c) for k in range(seeds)})
+            cells.append(f"{iv.mean:+.3f}" + ("" if iv.half_width is None else f" ± {iv.half_width:.3f}"))
+        diffs.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(finals), "\n".join(diffs)
+
+
+def compose_report(*, world: World, args, command: str, sweep_dir: Path, sweep_seconds: float, regime: dict,
+                   regime_changed: list[str], runs: dict, equal_it: dict, md: str, md_clip: str, md_wall: str,
+                   budget: float, verdict_rows: dict, tally: dict, base: dict, tables: dict,
+                   worst: tuple[str, float, float]) -> str:
+    """The compositional world's study report (docs/study_compose.md by default)."""
+    n_runs = sum(v["n"] for v in equal_it["variants"])
+    rose = sum(evals[-1][world.primary] > evals[0][world.primary] for evals, _ in runs.values())
+    clipped_runs = sum(sum(r["clip_fraction"] for r in train) > 0 for _, train in runs.values())
+    finals, diffs = category_tables(base, tables, args.seeds)
+    layouts = []
+    for name, overrides in VARIANTS.items():
+        sizes = next((r["chunk_sizes"] for r in runs[name, 0][1] if "chunk_sizes" in r), None)
+        layouts.append(f"| {name} | `{overrides or '(none: the base recipe)'}` | {sizes} |")
+    profiles = ", ".join(f"`{p}` (sha256 `{h[:16]}…`)" for p, h in regime["profiles"].items()) or "none"
+    changed = ("\n\n**The base recipe or its profile changed after the runs began** (" + ", ".join(regime_changed) +
+               "): the runs used the recorded versions; this report's regime text is the recorded one.") \
+        if regime_changed else ""
+    worst_run, worst_first, worst_final = worst
+    fig = world.figures
+    return f"""# Study on the compositional world: chunk sizes and weighted sampling, with seeds
+
+Generated by `{command}` (`benchmarks/study.py`; its docstring lists every choice, and
+`{world.recipe}` the regime, all fixed before the runs). {n_runs} runs ({len(VARIANTS)} variants x
+{args.seeds} seeds), sweep time {sweep_seconds / 60:.1f} min with {args.jobs} runs at once.{" SMOKE REHEARSAL: not a result." if args.smoke else ""}
+
+## The regime, as recorded {regime.get("when", "before the first run")}
+
+Recorded in `{sweep_dir / "regime.json"}` on {regime["recorded"]} (commit `{regime["commit"][:12]}`{", with uncommitted changes to the recipe or profile" if regime["uncommitted_changes_to_recipe_or_profile"] else ""}):
+the base recipe `{regime["recipe"]}` (sha256 `{regime["recipe_sha256"][:16]}…`), its profile {profiles},
+the overrides of every variant {("`" + " ".join(regime["sets"]) + "`") if regime["sets"] else "(none)"}, seeds {regime["seeds"]}.{changed}
+
+| variant | overrides of the base recipe | chunk sizes the runs used |
+|---|---|---|
+{chr(10).join(layouts)}
+
+- held-out metric: `{world.primary}` (GenEval's strict verdict; the evaluation visits the six
+  categories equally, so its mean is GenEval's overall); second judge, never optimised:
+  `{world.secondary}`; artefact measure: `{ARTEFACT}`; baseline of the paired differences: {BASELINE}.
+- GenEval per category: each run's final checkpoint and the base model, by `flowrl eval RUN_DIR
+  --suite geneval --seed {GENEVAL_SEED}` (every held-out prompt, the suite's own images per prompt, 16 ODE
+  steps, the same noise for every table); the tables are in `{sweep_dir / "geneval"}`.
+- Intervals: mean over seeds ± half-width of the 95% Student t interval; differences against
+  {BASELINE} are paired by seed (same prompts, noise and chunk draws).
+
+<details><summary>The base recipe, as recorded</summary>
+
+```toml
+{regime["recipe_text"].rstrip()}
+```
+
+</details>
+
+## In short
+
+- The held-out GenEval strict score rose from the first evaluation to the last in {rose} of
+  {len(runs)} runs; the clip acted (a clip fraction above zero, averaged over the run) in
+  {clipped_runs} of {len(runs)} runs. Per variant: the next table, with the second judge and the
+  artefact measure beside the reward.
+- The paper's orderings at equal iterations (final evaluation): {tally["final"]["held"]} held,
+  {tally["final"]["reversed"]} reversed, {tally["final"]["cannot be told apart"]} cannot be told apart; at equal
+  wall time: {tally["wall"]["held"]} held, {tally["wall"]["reversed"]} reversed, {tally["wall"]["cannot be told apart"]} cannot be told apart.
+
+## What each variant did (first and last evaluation; update diagnostics over all iterations)
+
+{diagnostics_table(runs, args.seeds, world)}
+
+"clip fraction" is the share of trained units whose ratio fell outside the clip range, averaged over the run's
+iterations; "iterations clipped" the share of iterations in which it cut any.
+
+The largest `hf_share` rise, `{worst_run}` ({worst_first:.3f} -> {worst_final:.3f}): its first evaluation
+(the base model) and its final one, the same held-out prompts and noise.
+
+![first evaluation]({fig}/texture_first_eval.png)
+![final evaluation]({fig}/texture_final_eval.png)
+
+## GenEval per category, final checkpoints
+
+{finals}
+
+Paired by seed against {BASELINE} (95% t interval of the per-seed differences):
+
+{diffs}
+
+## Equal iterations ({world.primary})
+
+{md}
+![evaluation curves]({fig}/equal_iterations/compare.png)
+
+## Equal wall time (budget {budget:g} s of train time: the smallest total over all runs)
+
+Train time is wall-clock time per phase: a run's train time includes its neighbours' load.
+
+{md_wall}
+![evaluation curves against train time]({fig}/equal_wall_time/compare.png)
+
+## The second judge ({world.secondary}, not trained on)
+
+{md_clip}
+## The paper's orderings, here
+
+Rule (fixed before the runs): a claim "held" if the 95% t interval of the paired difference
+lies wholly on the claimed side of 0, was "reversed" if it lies wholly on the other side, and
+"cannot be told apart" if it contains 0. {len(CLAIMS)} claims are tested at 95% each, without a
+correction for multiple comparisons. The paper's numbers are HPSv3 on FLUX, not this world.
+
+Equal iterations, final evaluation:
+
+{verdict_table(verdict_rows["final"])}
+
+Equal iterations, area under the curve:
+
+{verdict_table(verdict_rows["auc"])}
+
+Equal wall time:
+
+{verdict_table(verdict_rows["wall"])}
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", choices=list(WORLDS), default="shapes",
+                    help="shapes: recipes/study_embedded.toml (default); compose: recipes/study_compose.toml, "
+                         "GenEval's strict verdict, per-category tables")
     ap.add_argument("--seeds", type=int, default=5, help="seeds per variant (default 5)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: this machine's cores)")
-    ap.add_argument("--sweep-dir", default="runs/study", help="the sweep directory (default runs/study)")
-    ap.add_argument("--out", default="docs", help="where study.md and study/ go (default docs)")
+    ap.add_argument("--sweep-dir", default=None,
+                    help="the sweep directory (default runs/study; runs/study_compose with --world compose)")
+    ap.add_argument("--out", default="docs",
+                    help="where study.md and study/ go (study_compose.md, study_compose/ with --world compose; default docs)")
     ap.add_argument("--smoke", action="store_true", help="a tiny rehearsal: 2 iterations, 1 prompt x 2 samples")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
                     help="a recipe override applied to EVERY variant (a retune of the whole study); repeatable")
     ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs (no sweep)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    world = WORLDS[args.world]
 
-    sweep_dir = Path(args.sweep_dir)
+    sweep_dir = Path(args.sweep_dir or world.sweep_dir)
     out = Path(args.out)
-    sweep_args = [RECIPE, "--seeds", str(args.seeds), "--jobs", str(args.jobs), "-o", str(sweep_dir)]
+    sweep_args = [world.recipe, "--seeds", str(args.seeds), "--jobs", str(args.jobs), "-o", str(sweep_dir)]
     for name, overrides in VARIANTS.items():
         sweep_args += ["--variant", f"{name}:{overrides}"]
     for s in (SMOKE if args.smoke else []) + args.sets:
         sweep_args += ["--set", s]
     start = time.monotonic()
+    regime, regime_changed = None, []
+    if args.world != "shapes":  # the regime, recorded before the first run (shapes: docs/study.md has it)
+        path = REPO / sweep_dir / "regime.json"
+        now = regime_record(world, args, sweep_args)
+        if path.is_file():
+            regime = json.loads(path.read_text())
+            regime_changed = [k for k in ("recipe_sha256", "profiles", "sets", "variants", "seeds") if regime[k] != now[k]]
+            if regime_changed:
+                print(f"warning: the regime differs from the one recorded in {path} when the runs began: "
+                      f"{', '.join(regime_changed)}", flush=True)
+        else:  # with --report-only and no record, the runs were made without one: say so
+            regime = {**now, "when": "when the report was written (no record from before the runs)"
+                      if args.report_only else "before the first run"}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(regime, indent=1))
     if not args.report_only:
         proc = subprocess.run([sys.executable, "-m", "flowrl", "sweep", *sweep_args], cwd=REPO)
         if proc.returncode != 0:
             sys.exit(f"flowrl sweep exited with {proc.returncode}; run this script again to resume")
     sweep_seconds = json.loads((REPO / sweep_dir / "sweep.json").read_text())["elapsed_s"]
+    primary, secondary, recipe = world.primary, world.secondary, world.recipe
 
-    figures = out / "study"
-    equal_it = compare(sweep_dir, figures / "equal_iterations", PRIMARY)
-    compare(sweep_dir, figures / "equal_iterations_clip", SECONDARY)  # writes the second judge's table and figure
+    figures = out / world.figures
+    equal_it = compare(sweep_dir, figures / "equal_iterations", primary)
+    compare(sweep_dir, figures / "equal_iterations_clip", secondary)  # writes the second judge's table and figure
     budget = min(r["train_time_s"] for v in equal_it["variants"] for r in v["runs"])
     budget = math.floor(budget * 10) / 10 if budget >= 1 else budget  # rounded down: every run reached it
-    equal_wall = compare(sweep_dir, figures / "equal_wall_time", PRIMARY, "--at-wall-time", str(budget))
+    equal_wall = compare(sweep_dir, figures / "equal_wall_time", primary, "--at-wall-time", str(budget))
 
     md = (REPO / figures / "equal_iterations" / "compare.md").read_text()
     md_clip = (REPO / figures / "equal_iterations_clip" / "compare.md").read_text()
     md_wall = (REPO / figures / "equal_wall_time" / "compare.md").read_text()
-    command = "OMP_NUM_THREADS=1 python benchmarks/study.py" + (" --smoke" if args.smoke else "") + (
+    command = "OMP_NUM_THREADS=1 python benchmarks/study.py" + (
+        f" --world {args.world}" if args.world != "shapes" else "") + (" --smoke" if args.smoke else "") + (
         f" --seeds {args.seeds}" if args.seeds != 5 else "")
     n_runs = sum(v["n"] for v in equal_it["variants"])
-    runs = load_runs(sweep_dir, args.seeds)
+    runs = load_runs(sweep_dir, args.seeds, primary)
     worst_run, worst_first, worst_final = worst_texture_figures(runs, sweep_dir, figures)
-    rose = sum(evals[-1][PRIMARY] > evals[0][PRIMARY] for evals, _ in runs.values())
+    rose = sum(evals[-1][primary] > evals[0][primary] for evals, _ in runs.values())
     n_runs_all = len(runs)
     clipped_runs = sum(sum(r["clip_fraction"] for r in train) > 0 for _, train in runs.values())
     textured = sum(sum(runs[name, k][0][-1][ARTEFACT] - runs[name, k][0][0][ARTEFACT] for k in range(args.seeds)) > 0
@@ -245,6 +531,16 @@ def main() -> None:
     tally = {q: {v: sum(r[2].split(":")[0].split(" (")[0] == v for r in rows)
                  for v in ("held", "reversed", "cannot be told apart", "no difference detected")}
              for q, rows in verdict_rows.items()}
+    if args.world != "shapes":
+        base, tables = geneval_tables(world, args, sweep_dir)
+        text = compose_report(world=world, args=args, command=command, sweep_dir=sweep_dir,
+                              sweep_seconds=sweep_seconds, regime=regime, regime_changed=regime_changed, runs=runs,
+                              equal_it=equal_it, md=md, md_clip=md_clip, md_wall=md_wall, budget=budget,
+                              verdict_rows=verdict_rows, tally=tally, base=base, tables=tables,
+                              worst=(worst_run, worst_first, worst_final))
+        (REPO / out / world.report).write_text(text, encoding="utf-8")
+        print(f"wrote {out / world.report} and {figures}/ in {(time.monotonic() - start) / 60:.1f} min")
+        return
     text = f"""# Study: chunk sizes and weighted sampling on the embedded model, with seeds
 
 Generated by `{command}` (`benchmarks/study.py`; its docstring lists every choice, all fixed
@@ -316,7 +612,7 @@ log-ratios, both per iteration and averaged.
 
 - Model and sampler: the embedded tiny FLUX-architecture model, 33 sampling steps with the
   flow SDE kernel (a = 0.7) in steps 0-15 and ODE after (16 trainable transitions), shift 3
-  (`{RECIPE}`).
+  (`{recipe}`).
 - Reward (chosen before any run): the verifier's soft prompt correctness, weight 1. The embedded
   CLIP reward is logged with weight 0 as an independent judge of the same alignment.
 - Variants (only [chunker] and [selector] differ): step-level (8 of 16 steps per sample),
@@ -328,7 +624,7 @@ log-ratios, both per iteration and averaged.
   freedom); paired differences against step-level use the same interval over the per-seed
   differences.
 
-## Equal iterations ({PRIMARY})
+## Equal iterations ({primary})
 
 {md}
 ![evaluation curves](study/equal_iterations/compare.png)
@@ -342,7 +638,7 @@ neighbours' load; read this comparison as noisier than the equal-iteration one.
 {md_wall}
 ![evaluation curves against train time](study/equal_wall_time/compare.png)
 
-## The second judge ({SECONDARY}, not trained on)
+## The second judge ({secondary}, not trained on)
 
 {md_clip}
 ## The paper's orderings, here

@@ -5,6 +5,8 @@ docs/study.md, seeds paired, with the second judge (CLIP) beside it.
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py                       # every config, 5 seeds
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --configs flow_grpo egrpo_replay --seeds 2 --iterations 30
     python benchmarks/time_to_reward.py --smoke --out /tmp/ttr                   # 2 iterations, 2 configs, 1 seed
+    OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose         # the compositional world (below)
+    python benchmarks/time_to_reward.py --world compose --check                   # validate every config there, run nothing
 
 Run from the repository root. Finished runs are reused (delete ``--out`` to start over); the
 report (``report.json``, ``report.md``, ``time_to_reward.png``) is written into ``--out``.
@@ -55,6 +57,29 @@ computes them (``rise``).
 
 Train time depends on the machine's load: runs are made one at a time unless ``--jobs`` says
 otherwise, and the report says how many ran at once.
+
+``--world compose`` (issue 40) runs the same design on the compositional world (docs/compose.md):
+the base recipe is ``recipes/study_compose.toml`` (the GRPO-family regime of this benchmark carried
+over: 17 steps with the SDE in the first 16, so T = 16 again; reward ``compose_geneval_exact``; 8
+prompts x 8 samples; 96 held-out prompts x 2 noises, 16 a category, ODE at 16 steps), the held-out
+metric is ``eval/compose_geneval_strict/mean`` (GenEval's strict verdict; the categories are
+balanced, so its mean is GenEval's overall), the second judge ``eval/compose_clip/mean``, the
+target rise 0.10 by default, and the output ``runs/time_to_reward_compose``. Its default
+configurations are one per objective flowrl ships: ``flow_grpo`` (the paired baseline),
+``dance_grpo``, ``chunk_grpo`` (GCPO's Chunk-GRPO with its released layout [2, 3, 4, 7], uniform
+half), ``gcpo`` (dynamics-guided chunks from the recipe's own profile,
+``recipes/profiles/compose_window16.json``: [2, 3, 8, 3], with weighted sampling), ``gspo``,
+``mixgrpo``, ``nft``, ``nft_fast``, ``nft_fast4``, ``awm``, ``dgpo``, ``dppo`` (Flow-DPPO) and
+``branch_tree``; every other config runs there too when ``--configs`` names it. The six added for
+issue 40 (``chunk_grpo``, ``gspo``, ``mixgrpo``, ``awm``, ``dgpo``, ``dppo``) take their objective's
+keys from the recipes named in :data:`CONFIGS`; ``chunk_grpo``, ``gspo``, ``mixgrpo`` and ``dppo`` keep
+the regime's update (lr 5e-5, 2 passes, clip 5e-5 where a ratio is clipped), ``awm`` and ``dgpo`` run
+as ``nft`` does (dpm2m ODE rollouts, one pass). On the shapes world they run only when
+``--configs`` names them, so the default shapes run is today's. Every config's overrides validate on both base recipes (``--check``); a config that
+does not apply on a world is listed in that world's ``not_applicable`` with its reason and skipped
+with that reason printed and kept in the report (none today). The report adds ``hf_share``'s change
+(the artefact measure) beside the second judge's on both worlds. No result on the compose world is
+recorded yet.
 """
 
 from __future__ import annotations
@@ -65,6 +90,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,22 +102,28 @@ from flowrl.stats import paired_interval, t_interval  # noqa: E402
 RECIPE = "recipes/study_embedded.toml"
 STEP = ["chunker.use='step'"]
 BRANCH = ["sampler.branch_steps=[2, 6, 10]", "sampler.branch_factors=[2, 2, 2]"]
-#: the quickstart's objective on the study's sampler (the same 33 steps, so the same evaluation)
+#: the quickstart's objective on the study's sampler (the same steps, so the same evaluation)
 NFT = [*STEP, "selector.use='all'", "loss.use='nft'", "loss.beta=1.0", "loss.timesteps=8", "window.use='ode'",
        "window.solver='dpm2m'", "sampler.image_from='final'", "train.updates_per_rollout=1",
        "train.same_noise_in_group=false"]  # deterministic rollouts: a group differs by its starting noise alone
 #: DiffusionNFT's rollouts need no SDE and no particular solver: 10 dpm2m steps of the same schedule,
-#: the held-out evaluation still at the study's 33 ([log].eval_steps), so its numbers are the others'
-NFT_FAST = ["sampler.steps=10", "sampler.sde_window=[]", "log.eval_steps=33"]
+#: the held-out evaluation still at the base recipe's count ([log].eval_steps: 33 on shapes, 16 on
+#: compose, filled in per world), so its numbers are the others'
+NFT_FAST = ["sampler.steps=10", "sampler.sde_window=[]", "log.eval_steps={eval_steps}"]
 REPLAY = ["replay.size=1", "replay.max_staleness=1", "replay.weight_level='unit'"]
-#: config -> (what it is, the --set overrides of the study recipe)
+#: the other ODE-rollout objectives (recipes/quickstart_awm.toml, quickstart_dgpo.toml) on the study's
+#: sampler, as NFT: dpm2m rollouts, one pass, each sample of a group from its own starting noise
+ODE_ROLLOUT = [*STEP, "selector.use='all'", "window.use='ode'", "window.solver='dpm2m'", "sampler.image_from='final'",
+               "train.updates_per_rollout=1", "train.same_noise_in_group=false"]
+#: config -> (what it is, the --set overrides of the world's base recipe). ``{dyn}`` in a description
+#: is the base recipe's dynamics chunks on that world, ``{eval_steps}`` in an override its evaluation steps.
 CONFIGS: dict[str, tuple[str, list[str]]] = {
     "flow_grpo": ("Flow-GRPO default: step units, all 16 SDE steps, clip 1e-4",
                   [*STEP, "selector.use='all'", "loss.eps_low=1e-4", "loss.eps_high=1e-4"]),
     "dance_grpo": ("DanceGRPO default: kernel dance eta 0.3, 60% of steps, clip 1e-4",
                    [*STEP, "kernel.use='dance'", "kernel.eta=0.3", "selector.use='uniform'", "selector.fraction=0.6",
                     "loss.eps_low=1e-4", "loss.eps_high=1e-4"]),
-    "gcpo": ("GCPO Chunk-GRPO default: dynamics chunks [2,2,4,8], weighted half, clip 5e-5", []),
+    "gcpo": ("GCPO Chunk-GRPO default: dynamics chunks {dyn}, weighted half, clip 5e-5", []),
     "replay": ("flow_grpo + replay of the previous rollout (unit weights, c = 2)",
                [*STEP, "selector.use='all'", "loss.eps_low=1e-4", "loss.eps_high=1e-4", *REPLAY]),
     "egrpo": ("E-GRPO selector: the 8 highest-entropy steps, clip 5e-5",
@@ -116,15 +148,114 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                      "sampler.branch_advantage='tree'"]),
     "nft": ("DiffusionNFT as the quickstart runs it: ODE rollouts (dpm2m), 8 timesteps, beta 1, one pass",
             [*NFT]),
-    "nft_fast": ("DiffusionNFT with 10-step rollouts (its paper's count; any solver serves it), evaluated at 33",
+    "nft_fast": ("DiffusionNFT with 10-step rollouts (its paper's count; any solver serves it), evaluated at {eval_steps}",
                  [*NFT, *NFT_FAST]),
     "nft_fast4": ("nft_fast trained at 4 timesteps per sample instead of 8 (half the update)",
                   [*NFT, *NFT_FAST, "loss.timesteps=4"]),
+    # the objectives flowrl ships that the configurations above do not cover (issue 40); not in the
+    # shapes world's default set (today's runs unchanged), in the compose world's
+    "chunk_grpo": ("Chunk-GRPO with GCPO's released layout: chunks [2, 3, 4, 7], uniform half, clip 5e-5",
+                   ["chunker.use='explicit'", "chunker.sizes=[2, 3, 4, 7]", "selector.use='uniform'",
+                    "selector.fraction=0.5"]),
+    "gspo": ("GSPO: one chunk of all 16 SDE steps (the sequence ratio), clip 5e-5",
+             ["chunker.use='sequence'", "selector.use='all'"]),
+    "mixgrpo": ("MixGRPO as recipes/quickstart_mixgrpo.toml: a sliding window of 4 SDE steps moved every 5 iterations",
+                [*STEP, "selector.use='all'", "window.use='sliding'", "window.size=4", "window.every=5",
+                 "window.stride=1"]),
+    "awm": ("AWM as recipes/quickstart_awm.toml: ODE rollouts (dpm2m), 6 timesteps, one pass",
+            [*ODE_ROLLOUT, "loss.use='awm'", "loss.timesteps=6"]),
+    "dgpo": ("DGPO as recipes/quickstart_dgpo.toml: ODE rollouts (dpm2m), beta 100, 4 timesteps, one pass",
+             [*ODE_ROLLOUT, "loss.use='dgpo'", "loss.beta=100.0", "loss.timesteps=4"]),
+    "dppo": ("Flow-DPPO as recipes/quickstart_dppo.toml: step units, half of them, KL threshold 1e-5",
+             [*STEP, "selector.use='uniform'", "selector.fraction=0.5", "loss.use='dppo'", "loss.kl_threshold=1e-5"]),
 }
 BASELINE = "flow_grpo"
 MAIN, SECOND = "verifier", "embedded_clip"
+ARTEFACT = "hf_share"  # the evaluation's high-frequency share (texture), shown beside
+
+
+@dataclass(frozen=True)
+class World:
+    """What differs between the two embedded worlds: the base recipe, the held-out metric and the
+    second judge (reward labels of ``eval/<label>/mean``), the target rise's default, the
+    evaluation's steps, the dynamics chunks of the base recipe's profile (for the descriptions),
+    the default and smoke configurations, and the configurations that do not apply (with why)."""
+
+    recipe: str
+    main: str
+    second: str
+    main_text: str
+    second_text: str
+    target_rise: float
+    eval_steps: int
+    dyn: str
+    defaults: tuple[str, ...]
+    smoke: tuple[str, ...]
+    smoke_num_eval: int
+    not_applicable: dict[str, str] = field(default_factory=dict)
+
+
+WORLDS = {
+    # today's benchmark: the first embedded world, the configurations of the runs recorded in
+    # docs/benchmarks.md (the ones added for issue 40 run there only when --configs names them)
+    "shapes": World(RECIPE, MAIN, SECOND, "verifier", "CLIP", 0.03, 33, "[2,2,4,8]",
+                    defaults=tuple(c for c in CONFIGS if c not in ("chunk_grpo", "gspo", "mixgrpo", "awm", "dgpo", "dppo")),
+                    smoke=(BASELINE, "egrpo_replay"), smoke_num_eval=4),
+    # the compositional world (docs/compose.md): GenEval's strict verdict over balanced held-out
+    # categories (its mean is GenEval's overall), the tiny CLIP as the second judge. Every
+    # configuration's overrides validate on recipes/study_compose.toml (T = 16 there too, the
+    # branch steps inside its SDE window, no configuration names the shapes world's profile:
+    # `gcpo` takes the base recipe's own, profiles/compose_window16.json), so none is skipped;
+    # a configuration that stops applying goes in `not_applicable` with its reason, and is then
+    # skipped with that reason printed.
+    "compose": World("recipes/study_compose.toml", "compose_geneval_strict", "compose_clip", "GenEval strict (overall)",
+                     "compose_clip", 0.10, 16, "[2,3,8,3]",
+                     defaults=("flow_grpo", "dance_grpo", "chunk_grpo", "gcpo", "gspo", "mixgrpo", "nft", "nft_fast",
+                               "nft_fast4", "awm", "dgpo", "dppo", "branch_tree"),
+                     smoke=(BASELINE, "gcpo"), smoke_num_eval=6, not_applicable={}),
+}
 #: phases whose forwards and seconds are the cost of training (not evaluation or checkpoints)
 TRAIN_PHASES = ("rollout", "update", "reference", "replay", "profile")
+
+
+def overrides(name: str, world: World) -> list[str]:
+    """The config's ``--set`` overrides of ``world``'s base recipe."""
+    return [o.replace("{eval_steps}", str(world.eval_steps)) for o in CONFIGS[name][1]]
+
+
+def describe(name: str, world: World) -> str:
+    return CONFIGS[name][0].replace("{dyn}", world.dyn).replace("{eval_steps}", str(world.eval_steps))
+
+
+def applicable(names: list[str], world: World) -> list[str]:
+    """The configs that apply on ``world``; each one that does not is named with its reason."""
+    keep = []
+    for name in names:
+        if name in world.not_applicable:
+            print(f"skipping {name}: it does not apply on this world: {world.not_applicable[name]}", flush=True)
+        else:
+            keep.append(name)
+    return keep
+
+
+def check(names: list[str], world: World) -> dict[str, str]:
+    """Validate every config's overrides on the world's base recipe as ``flowrl validate`` does
+    (in this process, so 20 configs take seconds): ``name -> "ok ..."`` or the error."""
+    from flowrl.errors import FlowrlError
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import check_startable, load_recipe
+
+    registry, out = get_registry(), {}
+    for name in names:
+        try:
+            r = load_recipe(REPO / world.recipe, overrides(name, world), registry=registry)
+            check_startable(r, registry, devices=False)
+            c = r.components
+            out[name] = (f"ok: chunker={c['chunker'].use}, selector={c['selector'].use}, loss={c['loss'].use}, "
+                         f"kernel={c['kernel'].use}, T={r.num_trainable}")
+        except FlowrlError as e:
+            out[name] = f"error: {e}"
+    return out
 
 
 def run(name: str, seed: int, args) -> Path:
@@ -132,12 +263,13 @@ def run(name: str, seed: int, args) -> Path:
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and any(json.loads(line).get("final") for line in metrics.read_text().splitlines() if line):
         return run_dir
-    sets = [*CONFIGS[name][1], f"run.output_dir='{run_dir}'", f"run.seed={seed}", f"train.iterations={args.iterations}",
-            f"log.eval_every={args.eval_every}", "log.every=1", "log.progress=false", "log.image_every=0",
-            f"checkpoint.every={args.iterations}"]
+    world = WORLDS[args.world]
+    sets = [*overrides(name, world), f"run.output_dir='{run_dir}'", f"run.seed={seed}",
+            f"train.iterations={args.iterations}", f"log.eval_every={args.eval_every}", "log.every=1",
+            "log.progress=false", "log.image_every=0", f"checkpoint.every={args.iterations}"]
     if args.smoke:
-        sets += ["prompts.num_eval=4", "prompts.eval_seeds=1"]
-    cmd = [sys.executable, "-m", "flowrl", "train", RECIPE, "--overwrite", *[a for s in sets for a in ("--set", s)]]
+        sets += [f"prompts.num_eval={world.smoke_num_eval}", "prompts.eval_seeds=1"]
+    cmd = [sys.executable, "-m", "flowrl", "train", world.recipe, "--overwrite", *[a for s in sets for a in ("--set", s)]]
     t0 = time.time()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if done.returncode:
@@ -146,14 +278,14 @@ def run(name: str, seed: int, args) -> Path:
     return run_dir
 
 
-def curve(run_dir: Path) -> list[dict]:
+def curve(run_dir: Path, main: str = MAIN) -> list[dict]:
     """Every evaluation of a run: the iteration, the held-out scores and their SEs, and the
     train seconds and forwards spent before it."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     seconds = forwards = 0.0
     out = []
     for r in rows:
-        if f"eval/{MAIN}/mean" in r:  # evaluated before this row's iteration trains
+        if f"eval/{main}/mean" in r:  # evaluated before this row's iteration trains
             out.append({"iteration": r["iteration"], "seconds": seconds, "forwards": forwards,
                         **{k: v for k, v in r.items() if k.startswith("eval/")}})
         seconds += sum(r.get(f"time/{p}", 0.0) for p in ("encode", "decode", "reward", "advantage", *TRAIN_PHASES))
@@ -161,36 +293,46 @@ def curve(run_dir: Path) -> list[dict]:
     return out
 
 
-def reached(points: list[dict], target_rise: float) -> dict | None:
-    base = points[0][f"eval/{MAIN}/mean"]
-    return next((p for p in points if p[f"eval/{MAIN}/mean"] >= base + target_rise), None)
+def reached(points: list[dict], target_rise: float, main: str = MAIN) -> dict | None:
+    base = points[0][f"eval/{main}/mean"]
+    return next((p for p in points if p[f"eval/{main}/mean"] >= base + target_rise), None)
 
 
 def summarise(args) -> dict:
+    world = WORLDS[args.world]
+    main, second = world.main, world.second
     seeds = [42 + k for k in range(args.seeds)]
-    report = {"target_rise": args.target_rise, "iterations": args.iterations, "eval_every": args.eval_every,
-              "seeds": seeds, "jobs": args.jobs, "configs": {}}
+    report = {"world": args.world, "recipe": world.recipe, "metric": f"eval/{main}/mean",
+              "second_judge": f"eval/{second}/mean", "target_rise": args.target_rise, "iterations": args.iterations,
+              "eval_every": args.eval_every, "seeds": seeds, "jobs": args.jobs, "configs": {}}
+    if getattr(args, "skipped", None):
+        report["skipped"] = args.skipped
     per: dict[str, dict[int, dict]] = {}
     for name in args.configs:
         per[name] = {}
         for s in seeds:
-            points = curve(args.out / f"{name}_s{s}")
-            hit = reached(points, args.target_rise)
+            points = curve(args.out / f"{name}_s{s}", main)
+            hit = reached(points, args.target_rise, main)
             first, final = points[0], points[-1]
-            d2, z2 = rise(first, final, SECOND)
+            d2, z2 = rise(first, final, second)
+            art = f"eval/{ARTEFACT}/mean"
             per[name][s] = {"reached": hit is not None, "seconds": hit["seconds"] if hit else None,
                             "forwards": hit["forwards"] if hit else None, "iteration": hit["iteration"] if hit else None,
-                            "first": first[f"eval/{MAIN}/mean"], "final": final[f"eval/{MAIN}/mean"],
+                            "first": first[f"eval/{main}/mean"], "final": final[f"eval/{main}/mean"],
                             "second_change": d2, "second_change_se": z2,
-                            "total_seconds": final["seconds"], "curve": [(p["seconds"], p[f"eval/{MAIN}/mean"])
+                            "hf_share_first": first.get(art), "hf_share_final": final.get(art),
+                            "total_seconds": final["seconds"], "curve": [(p["seconds"], p[f"eval/{main}/mean"])
                                                                         for p in points]}
         runs = per[name]
         got = [r for r in runs.values() if r["reached"]]
-        entry = {"what": CONFIGS[name][0], "runs": runs, "reached": f"{len(got)}/{len(runs)}",
+        hf = [r["hf_share_final"] - r["hf_share_first"] for r in runs.values() if r["hf_share_final"] is not None]
+        entry = {"what": describe(name, world), "overrides": overrides(name, world), "runs": runs,
+                 "reached": f"{len(got)}/{len(runs)}",
                  "seconds": t_interval([r["seconds"] for r in got]).as_dict() if got else None,
                  "forwards": t_interval([r["forwards"] for r in got]).as_dict() if got else None,
                  "final": t_interval([r["final"] for r in runs.values()]).as_dict(),
-                 "second_change": t_interval([r["second_change"] for r in runs.values()]).as_dict()}
+                 "second_change": t_interval([r["second_change"] for r in runs.values()]).as_dict(),
+                 "hf_share_change": t_interval(hf).as_dict() if hf else None}
         report["configs"][name] = entry
     if BASELINE in per:
         base = per[BASELINE]
@@ -225,20 +367,26 @@ def fmt(iv: dict | None, digits: int = 1) -> str:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"target: held-out verifier >= first evaluation + {report['target_rise']}; "
+    world = WORLDS[report.get("world", "shapes")]
+    main, second = world.main_text, world.second_text
+    lines = [f"target: held-out {main} >= first evaluation + {report['target_rise']}; "
              f"{report['iterations']} iterations, evaluation every {report['eval_every']}; seeds {report['seeds']}; "
              f"{report['jobs']} run(s) at a time",
              "",
-             "| config | what | reached | train s to target | forwards to target | final verifier | CLIP change | "
-             "time / flow_grpo (paired) | bar |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"| config | what | reached | train s to target | forwards to target | final {main} | {second} change | "
+             "hf_share change | time / flow_grpo (paired) | bar |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in report["configs"].items():
         ratio = fmt(e.get("time_ratio"), 2) if name != BASELINE else "baseline"
         bar = ("met" if e["bar"]["met"] else "not met") if "bar" in e else ""
+        hf = fmt(e["hf_share_change"], 4) if e.get("hf_share_change") else "n/a"
         lines.append(f"| {name} | {e['what']} | {e['reached']} | {fmt(e['seconds'])} | {fmt(e['forwards'], 0)} | "
-                     f"{fmt(e['final'], 4)} | {fmt(e['second_change'], 4)} | {ratio} | {bar} |")
+                     f"{fmt(e['final'], 4)} | {fmt(e['second_change'], 4)} | {hf} | {ratio} | {bar} |")
     lines += ["", "mean ± half-width of the 95% Student t interval over seeds (n = 1: no interval); the time and "
-              "forwards of a config are over the seeds that reached the target."]
+              "forwards of a config are over the seeds that reached the target; the second judge's and hf_share's "
+              "change: final minus first evaluation."]
+    for name, why in report.get("skipped", {}).items():
+        lines.append(f"- {name}: not run on this world: {why}")
     return "\n".join(lines)
 
 
@@ -248,6 +396,7 @@ def chart(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    world = WORLDS[report.get("world", "shapes")]
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (name, e) in enumerate(report["configs"].items()):
         for k, r in enumerate(e["runs"].values()):
@@ -256,7 +405,7 @@ def chart(report: dict, path: Path) -> None:
                     label=name if k == 0 else None)
     ax.axhline(report["target_rise"], color="k", ls="--", lw=1, label="target")
     ax.set_xlabel("train seconds (rollout, rewards, update, replay)")
-    ax.set_ylabel("held-out verifier - first evaluation")
+    ax.set_ylabel(f"held-out {world.main_text} - first evaluation")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -264,18 +413,39 @@ def chart(report: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--world", choices=list(WORLDS), default="shapes",
+                   help="shapes: recipes/study_embedded.toml, the verifier (default); compose: "
+                        "recipes/study_compose.toml, GenEval's strict verdict")
+    p.add_argument("--configs", nargs="*", default=None, choices=list(CONFIGS),
+                   help="default: the world's set (shapes: the 16 of the recorded runs; compose: one per objective)")
     p.add_argument("--seeds", type=int, default=5, help="seeds 42 .. 42 + N - 1 (default 5)")
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=5)
-    p.add_argument("--target-rise", type=float, default=0.03)
+    p.add_argument("--target-rise", type=float, default=None, help="default: shapes 0.03, compose 0.10")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (train time then includes the neighbour's load)")
-    p.add_argument("--out", type=Path, default=REPO / "runs" / "time_to_reward")
-    p.add_argument("--smoke", action="store_true", help="2 iterations, 4 evaluation prompts x 1 noise, 1 seed")
+    p.add_argument("--out", type=Path, default=None, help="default: runs/time_to_reward (shapes), "
+                                                          "runs/time_to_reward_compose (compose)")
+    p.add_argument("--smoke", action="store_true", help="2 iterations, a few evaluation prompts x 1 noise, 1 seed")
+    p.add_argument("--check", action="store_true",
+                   help="validate every config's overrides on the world's base recipe, print, run nothing")
     args = p.parse_args(argv)
+    world = WORLDS[args.world]
+    if args.target_rise is None:
+        args.target_rise = world.target_rise
+    if args.out is None:
+        args.out = REPO / "runs" / ("time_to_reward" if args.world == "shapes" else f"time_to_reward_{args.world}")
+    if args.check:
+        names = args.configs or list(CONFIGS)
+        results = check(applicable(names, world), world)
+        for name, verdict in results.items():
+            print(f"{name}: {verdict}")
+        return 1 if any(v.startswith("error") for v in results.values()) else 0
     if args.smoke:
         args.iterations, args.eval_every, args.seeds = 2, 1, 1
-        args.configs = args.configs if len(args.configs) < len(CONFIGS) else [BASELINE, "egrpo_replay"]
+        args.configs = args.configs or list(world.smoke)
+    asked = args.configs or list(world.defaults)
+    args.configs = applicable(asked, world)
+    args.skipped = {c: world.not_applicable[c] for c in asked if c in world.not_applicable}
     args.out.mkdir(parents=True, exist_ok=True)
     # seed-major: with --jobs 2 the configs of one seed run side by side, under the same load
     tasks = [(c, s) for s in range(42, 42 + args.seeds) for c in args.configs]
