@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: the recipe, one short iteration of it
 SHORT = ["train.iterations=1", "train.prompts_per_iteration=2", "train.group_size=2", "train.micro_batch_size=4",
          "sampler.steps=4", "log.eval_steps=0", "prompts.num_eval=2", "prompts.eval_seeds=1", "log.image_every=0",
-         "log.progress=false", "checkpoint.every=1"]
+         "log.progress=false", "checkpoint.every=1", "train.optimizer_steps_per_update=1"]
 
 
 def doc_commands() -> list[list[str]]:

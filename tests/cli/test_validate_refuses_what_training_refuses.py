@@ -75,8 +75,12 @@ def test_a_grammar_reward_on_prompts_outside_the_grammar(validate, tmp_path, rew
               "not a prompt of the grammar")
 
 
-def test_a_grammar_reward_on_grammar_prompts_is_what_training_runs(validate, tmp_path):
-    """The refusal follows what training refuses (the prompts), not the model's name."""
+def test_a_grammar_reward_on_grammar_prompts_is_what_training_runs(validate, tmp_path, monkeypatch):
+    """The refusal follows what training refuses (the prompts), not the model's name. (SD3.5 on a
+    machine without a GPU is refused for its RAM on a small machine: this one has a terabyte.)"""
+    from flowrl.commands import machine
+
+    monkeypatch.setattr(machine, "host_memory_bytes", lambda: 1024**4)
     (tmp_path / "shapes.txt").write_text("a red circle on a white background\n", encoding="utf-8")
     code, err = validate(sd3_recipe(tmp_path, "shapes.txt", "area"))
     assert code == 0, err

@@ -39,8 +39,14 @@ def test_nothing_to_do_counts_in_words(tmp_path):
 def test_an_interrupt_and_an_abort_count_in_words(tmp_path):
     console = recording()
     saver = SimpleNamespace(ensure_current=lambda: None)
-    finish_interrupted(console, MAIN, tmp_path, SimpleNamespace(iteration=1), saver)
+    finish_interrupted(console, MAIN, tmp_path, SimpleNamespace(iteration=1), saver,
+                       SimpleNamespace(state_changed=False))
     assert "interrupted after 1 completed iteration;" in said(console)
+    console = recording()  # stopped in the update of iteration 1: nothing written, resumes from the start
+    finish_interrupted(console, MAIN, tmp_path, SimpleNamespace(iteration=1), saver,
+                       SimpleNamespace(state_changed=True))
+    text = said(console)
+    assert "interrupted in the update of iteration 1" in text and "resumes from the start" in text
 
     ckpt = tmp_path / "checkpoints" / "iter_000001"
     ckpt.mkdir(parents=True)
