@@ -43,11 +43,12 @@ def test_every_quickstart_command_runs_as_written(tmp_path, flowrl_cli):
     commands = [c for c in dict.fromkeys(commands) if "/" in c]
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     trains = sorted({c for c in commands if c.split()[1] == "train"})
-    assert trains == ["flowrl train recipes/quickstart.toml", "flowrl train recipes/quickstart_hacking.toml"]
+    assert trains == ["flowrl train recipes/compose_nft.toml", "flowrl train recipes/quickstart.toml",
+                      "flowrl train recipes/quickstart_hacking.toml"]
     shorter = ["--set", "train.iterations=2", "--set", "prompts.eval_seeds=1", "--set", "log.progress=false"]
     calls = [c.split()[1:] + shorter for c in trains]
     calls += [c.split()[1:] for c in commands if c.split()[1] != "train"]
-    assert sorted(c[0] for c in calls[2:]) == ["plot", "sample"]
+    assert sorted(c[0] for c in calls[3:]) == ["plot", "sample"]
     results = flowrl_cli.in_process(calls, cwd=tmp_path)
     for r in results:
         assert r.returncode == 0 and "Traceback" not in r.stderr, (r.argv, r.stderr[-2000:])
@@ -55,6 +56,7 @@ def test_every_quickstart_command_runs_as_written(tmp_path, flowrl_cli):
     assert (tmp_path / "runs" / "quickstart" / "samples" / "iter_000002" / "compare.png").is_file()
     assert (tmp_path / "runs" / "quickstart" / "rewards.png").is_file()
     assert (tmp_path / "runs" / "quickstart_hacking" / "metrics.jsonl").is_file()
+    assert (tmp_path / "runs" / "compose_nft" / "metrics.jsonl").is_file()
 
     # the script behind the README's paragraph on the triangles' foot (fewer noises than its default)
     assert "python benchmarks/triangle_foot.py" in FLAT
