@@ -179,6 +179,27 @@ def verdicts(result: dict, quantity: str) -> list[tuple[str, str, str]]:
     return rows
 
 
+
+def verdicts_section(verdict_rows: dict, note: str) -> str:
+    """The report's rule and its three verdict tables (final evaluation, area, wall time)."""
+    return f"""Rule (fixed before the runs): a claim "held" if the 95% t interval of the paired difference
+lies wholly on the claimed side of 0, was "reversed" if it lies wholly on the other side, and
+"cannot be told apart" if it contains 0. {len(CLAIMS)} claims are tested at 95% each, without a
+correction for multiple comparisons.{note}
+
+Equal iterations, final evaluation:
+
+{verdict_table(verdict_rows["final"])}
+
+Equal iterations, area under the curve:
+
+{verdict_table(verdict_rows["auc"])}
+
+Equal wall time:
+
+{verdict_table(verdict_rows["wall"])}
+"""
+
 def verdict_table(rows: list[tuple[str, str, str]]) -> str:
     lines = ["| paper's claim | paired difference (95% t interval) | here |", "|---|---|---|"]
     lines += [f"| {c} | {d} | {v} |" for c, d, v in rows]
@@ -438,23 +459,7 @@ Train time is wall-clock time per phase: a run's train time includes its neighbo
 {md_clip}
 ## The paper's orderings, here
 
-Rule (fixed before the runs): a claim "held" if the 95% t interval of the paired difference
-lies wholly on the claimed side of 0, was "reversed" if it lies wholly on the other side, and
-"cannot be told apart" if it contains 0. {len(CLAIMS)} claims are tested at 95% each, without a
-correction for multiple comparisons. The paper's numbers are HPSv3 on FLUX, not this world.
-
-Equal iterations, final evaluation:
-
-{verdict_table(verdict_rows["final"])}
-
-Equal iterations, area under the curve:
-
-{verdict_table(verdict_rows["auc"])}
-
-Equal wall time:
-
-{verdict_table(verdict_rows["wall"])}
-"""
+{verdicts_section(verdict_rows, " The paper's numbers are HPSv3 on FLUX, not this world.")}"""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -643,23 +648,7 @@ neighbours' load; read this comparison as noisier than the equal-iteration one.
 {md_clip}
 ## The paper's orderings, here
 
-Rule (fixed before the runs): a claim "held" if the 95% t interval of the paired difference
-lies wholly on the claimed side of 0, was "reversed" if it lies wholly on the other side, and
-"cannot be told apart" if it contains 0. {len(CLAIMS)} claims are tested at 95% each, without a
-correction for multiple comparisons.
-
-Equal iterations, final evaluation:
-
-{verdict_table(verdict_rows["final"])}
-
-Equal iterations, area under the curve:
-
-{verdict_table(verdict_rows["auc"])}
-
-Equal wall time:
-
-{verdict_table(verdict_rows["wall"])}
-"""
+{verdicts_section(verdict_rows, "")}"""
     (REPO / out / "study.md").write_text(text, encoding="utf-8")
     print(f"wrote {out / 'study.md'} and {figures}/ in {(time.monotonic() - start) / 60:.1f} min")
 
