@@ -29,7 +29,7 @@ from flowrl.config import param
 from flowrl.sampling.plans import RolloutPlan
 from flowrl.seeding import generator
 from flowrl.sampling.solvers import flash_schedule
-from flowrl.sampling.windows import random_window_start, sliding_window_start
+from flowrl.sampling.windows import random_sde_window_start, sliding_sde_window_start
 
 
 class FixedWindow:
@@ -90,14 +90,14 @@ class SlidingWindow:
 
     def plan(self, iteration, keys, context):
         c = self.config
-        start = sliding_window_start(iteration, every=c.every, stride=c.stride, max_start=self.max_start(context))
+        start = sliding_sde_window_start(iteration, every=c.every, stride=c.stride, max_start=self.max_start(context))
         sigmas = context.sigmas
         if c.compress < 1.0:
             if context.warp is None:
                 raise ValueError("window compress < 1 needs a schedule with a time warp (schedule 'shift')")
             sigmas = flash_schedule(sigmas, start + c.size - 1, c.compress, context.warp).to(sigmas.device)
-        windows = torch.tensor([[start, start + c.size]] * len(keys), dtype=torch.long)
-        return RolloutPlan(sigmas, windows, c.outside)
+        sde_windows = torch.tensor([[start, start + c.size]] * len(keys), dtype=torch.long)
+        return RolloutPlan(sigmas, sde_windows, c.outside)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +140,9 @@ class RandomWindow:
         starts = []
         for k in keys:
             key = {"sample": int(k), "group": int(k) // context.group_size, "iteration": 0}[c.scope]
-            starts.append(random_window_start(generator(context.seed, "window", iteration, key), c.lo, hi, c.size))
-        windows = torch.tensor([[s, s + c.size] for s in starts], dtype=torch.long).reshape(-1, 2)
-        return RolloutPlan(context.sigmas, windows, c.outside)
+            starts.append(random_sde_window_start(generator(context.seed, "window", iteration, key), c.lo, hi, c.size))
+        sde_windows = torch.tensor([[s, s + c.size] for s in starts], dtype=torch.long).reshape(-1, 2)
+        return RolloutPlan(context.sigmas, sde_windows, c.outside)
 
 
 @dataclasses.dataclass(frozen=True)

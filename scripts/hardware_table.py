@@ -158,7 +158,7 @@ def render(rows: list[Row]) -> str:
             "holds a full-size float32 gradient during the update) or after every backward (`micro_batch`:",
             "gradients stay sharded, one reduce-scatter per backward). `auto` (the default) takes `step`",
             "where its plan fits the GPU and `micro_batch` where it does not: \"(sync per backward)\" in the",
-            "table above. Both give the same gradients (tests/engine/test_engine_fsdp2.py). Peak GB per GPU:",
+            "table above. Both give the same gradients (tests/train/test_engine_fsdp2.py). Peak GB per GPU:",
             "",
             "| recipe | processes | `step` | `micro_batch` |",
             "|---|---|---|---|",

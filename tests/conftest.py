@@ -22,6 +22,11 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The training tests' helpers (tests/train/engine_helpers.py) are imported by name by tests of
+# other directories too (tests/gpu): importable whichever directory is collected first.
+if str(REPO / "tests" / "train") not in sys.path:
+    sys.path.append(str(REPO / "tests" / "train"))
+
 
 def _load_hypothesis_profile() -> None:
     """Property tests (hypothesis) are reproducible in CI: the default ``ci`` profile

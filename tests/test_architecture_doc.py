@@ -1,4 +1,4 @@
-"""docs/architecture.md matches the code (issue 12, the architecture page).
+"""docs/architecture.md matches the code.
 
 tests/test_docs_references.py already checks that every path the page cites exists. This test
 checks the other direction and the names:

@@ -1,4 +1,5 @@
-"""What a new user meets on the command line (issue 18): findings 2, 4, 9, 10, 14 and 16, the hub export.
+"""What a new user meets on the command line: `flowrl eval`, help and --debug, resume and overwrite
+messages, `validate --explain`, export and the hub export.
 
 One tiny run of the embedded model (2 iterations, evaluated before every iteration and at the
 end, a checkpoint per iteration) is trained once; every command line below runs against it in
@@ -13,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_recipe import tiny_recipe
 
 from flowrl import cli
 from flowrl.recipe import dump_toml, load_recipe
@@ -22,49 +24,11 @@ from flowrl.train.run_dir import recipe_differences
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "recipes" / "quickstart_hacking.toml"
 
-TINY = """
-[run]
-name = "ux"
-seed = 11
-device = "cpu"
-
-[model]
-use = "embedded"
-
-[sampler]
-steps = 5
-
-[chunker]
-use = "fixed"
-size = 2
-
-[train]
-iterations = 2
-prompts_per_iteration = 2
-group_size = 4
-micro_batch_size = 2
-
-[prompts]
-num_eval = 3
-eval_seeds = 2
-
-[log]
-progress = false
-image_every = 0
-eval_every = 1
-eval_steps = 9     # more than the rollouts' 5: `flowrl eval` must reproduce the run's own
-
-[checkpoint]
-every = 1
-keep_last = 3
-
-[[rewards]]
-use = "area"
-
-[[rewards]]
-use = "verifier"
-weight = 0.0
-"""
+# eval_steps: more than the rollouts' 5, so `flowrl eval` must reproduce the run's own
+TINY = tiny_recipe(run={"name": "ux", "seed": 11}, model={"random_init": None},
+                   prompts={"num_eval": 3, "eval_seeds": 2}, log={"eval_every": 1, "eval_steps": 9},
+                   checkpoint={"every": 1, "keep_last": 3},
+                   rewards=[{"use": "area"}, {"use": "verifier", "weight": 0.0}])
 
 
 def quiet():

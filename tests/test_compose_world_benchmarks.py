@@ -1,4 +1,4 @@
-"""benchmarks/time_to_reward.py and benchmarks/study.py on the compositional world (issue 40):
+"""benchmarks/time_to_reward.py and benchmarks/study.py on the compositional world:
 ``--world compose`` takes recipes/study_compose.toml, GenEval's strict verdict as the held-out
 metric and compose_clip as the second judge.
 
@@ -16,10 +16,13 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from flowrl.runlog import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench(name: str):
@@ -94,22 +97,22 @@ def test_the_recipes_profile_is_of_its_own_sampler(ttr):
     assert ttr.WORLDS["compose"].dyn == str(sizes).replace(" ", "")
 
 
-def test_the_study_variants_validate_on_the_compose_recipe(study):
+def test_the_study_variants_validate_on_the_compose_recipe(study, flowrl_cli):
     """``flowrl sweep --dry-run`` validates every variant as the study would run it."""
-    cmd = [sys.executable, "-m", "flowrl", "sweep", study.WORLDS["compose"].recipe, "--dry-run", "--seeds", "1"]
+    argv = ["sweep", study.WORLDS["compose"].recipe, "--dry-run", "--seeds", "1"]
     for name, overrides in study.VARIANTS.items():
-        cmd += ["--variant", f"{name}:{overrides}"]
-    done = subprocess.run(cmd, cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+        argv += ["--variant", f"{name}:{overrides}"]
+    (done,) = flowrl_cli.in_process([argv])
     assert done.returncode == 0, done.stdout + done.stderr
     assert "7 run(s)" in done.stdout
 
 
 @pytest.mark.slow
-def test_time_to_reward_compose_smoke(ttr, tmp_path):
+def test_time_to_reward_compose_smoke(ttr, tmp_path, flowrl_cli):
     out = tmp_path / "ttr"
     done = subprocess.run([sys.executable, "benchmarks/time_to_reward.py", "--world", "compose", "--smoke", "--out",
-                           str(out)], cwd=REPO, env=cli_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=900)
+                           str(out)], cwd=REPO, env=flowrl_cli.env(OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert (report["world"], report["metric"], report["target_rise"]) == (
@@ -117,15 +120,16 @@ def test_time_to_reward_compose_smoke(ttr, tmp_path):
     assert list(report["configs"]) == list(ttr.WORLDS["compose"].smoke)
     assert "held-out GenEval strict (overall)" in (out / "report.md").read_text()
     assert (out / "time_to_reward.png").is_file()
-    rows = [json.loads(line) for line in (out / "gcpo_s42" / "metrics.jsonl").read_text().splitlines() if line]
+    rows = read_metrics(out / "gcpo_s42")
     assert str(next(r["chunk_sizes"] for r in rows if "chunk_sizes" in r)).replace(" ", "") == ttr.WORLDS["compose"].dyn
 
 
 @pytest.mark.slow
-def test_study_compose_smoke(study, tmp_path):
+def test_study_compose_smoke(study, tmp_path, flowrl_cli):
     done = subprocess.run([sys.executable, "benchmarks/study.py", "--world", "compose", "--smoke", "--seeds", "1",
                            "--jobs", "1", "--sweep-dir", str(tmp_path / "sweep"), "--out", str(tmp_path / "out")],
-                          cwd=REPO, env=cli_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=1800)
+                          cwd=REPO, env=flowrl_cli.env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = (tmp_path / "out" / "study_compose.md").read_text()
     assert "SMOKE REHEARSAL: not a result." in text

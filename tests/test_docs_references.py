@@ -1,4 +1,4 @@
-"""Every reference in README.md and docs/*.md resolves (issue 18, finding 11).
+"""Every reference in README.md and docs/*.md resolves.
 
 - relative Markdown links and images point at files of the repository;
 - every repository path the prose or code cites (``plugins/chunkers.py``, ``recipes/x.toml``,

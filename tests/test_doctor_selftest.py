@@ -1,5 +1,4 @@
-"""`flowrl doctor` and `flowrl selftest` on this CPU machine; docs/install.md; constraints/cuda.txt
-(issue 24, items 6 and 7).
+"""`flowrl doctor` and `flowrl selftest` on this CPU machine; docs/install.md; constraints/cuda.txt.
 
 The command lines run once, in one interpreter per fixture (``flowrl_cli.batch``): the doctor's
 in a few seconds, the self-test (a tiny FLUX trained three times, offline) in about 30 s.
@@ -149,7 +148,7 @@ def test_doctor_reads_the_launcher(doctor):
 
 
 def test_torchvision_release_for_each_torch_release():
-    from flowrl.commands.doctor import expected_torchvision
+    from flowrl.diagnostics.doctor import expected_torchvision
 
     assert expected_torchvision("2.13.0+cpu") == "0.28"
     assert expected_torchvision("2.4.1") == "0.19"
@@ -163,7 +162,7 @@ def _pins(name: str) -> dict[str, Requirement]:
 
 
 def test_cuda_constraints_pin_a_cuda_build_of_the_tested_release():
-    from flowrl.commands.doctor import expected_torchvision
+    from flowrl.diagnostics.doctor import expected_torchvision
 
     cpu, cuda = _pins("cpu.txt"), _pins("cuda.txt")
     assert set(cuda) == set(cpu) == {"torch", "torchvision"}
@@ -217,8 +216,8 @@ def test_selftest_fails_when_a_check_fails(monkeypatch, capsys):
     """The exit status follows the checks: a failed check makes the command exit 1."""
     from flowrl import cli
     from flowrl.commands import selftest as command
-    from flowrl.commands.checkup import Check
-    from flowrl.testing import selftest as checks
+    from flowrl.diagnostics.report import Check
+    from flowrl.diagnostics import selftest as checks
 
     for key in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_PROGRESS_BARS"):  # the command sets them if unset
         monkeypatch.setenv(key, "1")
@@ -234,7 +233,7 @@ def test_selftest_fails_when_a_check_fails(monkeypatch, capsys):
 
 
 def test_resume_comparison_sees_a_difference():
-    from flowrl.testing.selftest import differences
+    from flowrl.diagnostics.selftest import differences
 
     want = [{"iteration": 0, "loss": 1.0, "time/update": 3.0, "reward/brightness/mean": 0.5}]
     assert differences([{**want[0], "time/update": 9.0}], want, 1e-5, 1e-6) == []
@@ -247,7 +246,7 @@ def test_resume_comparison_sees_a_difference():
 
 
 def test_a_crash_in_one_check_is_its_failure():
-    from flowrl.testing.selftest import guarded
+    from flowrl.diagnostics.selftest import guarded
 
     def boom():
         raise RuntimeError("no kernel")
@@ -262,7 +261,8 @@ def test_a_crash_in_one_check_is_its_failure():
 @pytest.mark.slow
 def test_install_doc_commands_are_the_ones_run_here(doctor, selftest):
     commands = doc_commands()
-    assert [c[0] for c in commands] == ["doctor", "selftest", "doctor"], commands
+    assert [c[0] for c in commands] == ["doctor", "selftest", "doctor", "selftest"], commands
+    assert commands[3] == ["selftest", "--gpu", "--dry-run"]  # run in tests/diagnostics/test_gpu_check.py
     for argv in commands:
         if argv[0] == "doctor":
             r = doctor[f"doc:{' '.join(argv)}"]

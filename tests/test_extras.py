@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from tiny_recipe import tiny_recipe
 
 from flowrl.errors import MissingDependencyError, require
 
@@ -34,11 +35,9 @@ cli.main(sys.argv[1:])
 def test_training_with_the_open_clip_backend_missing_says_which_extra(tmp_path):
     """End to end through the CLI: exit 2, the pip command, no traceback."""
     recipe = tmp_path / "r.toml"
-    recipe.write_text(
-        '[model]\nuse = "embedded"\nrandom_init = true\n[sampler]\nsteps = 3\n[chunker]\nuse = "step"\n'
-        '[train]\niterations = 1\nprompts_per_iteration = 1\ngroup_size = 2\nmicro_batch_size = 2\n'
-        '[log]\nprogress = false\n[[rewards]]\nuse = "clip"\n'
-    )
+    recipe.write_text(tiny_recipe(run=None, sampler={"steps": 3}, chunker={"use": "step", "size": None},
+                                  train={"iterations": 1, "prompts_per_iteration": 1, "group_size": 2},
+                                  log={"image_every": None}, rewards=[{"use": "clip"}]))
     proc = subprocess.run(
         [sys.executable, "-c", HIDDEN_OPEN_CLIP, "train", str(recipe), "-o", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""docs/hardware.md is what `scripts/hardware_table.py` writes today (issue 18, the hardware table).
+"""docs/hardware.md is what `scripts/hardware_table.py` writes today.
 
 The page is `flowrl plan`'s estimate for every shipped recipe at the processes it is written for
 (its `[distributed].num_processes`).
@@ -28,7 +28,7 @@ def table():
 def test_every_recipe_declares_the_processes_its_header_launches(table):
     """The page plans each recipe at its [distributed].num_processes (what `flowrl plan RECIPE`
     uses): a recipe whose header launches `--num-processes N` must declare N, so that the plan,
-    the page and the launch command agree (issue 24 item 4: the flagship was planned at 1)."""
+    the page and the launch command agree (the flagship was once planned at 1)."""
     import re
 
     from flowrl.plugins import get_registry
@@ -78,8 +78,8 @@ def test_the_fits_columns_follow_plans_verdict(table):
 
 
 def test_every_memory_figure_of_the_models_page_comes_from_the_plan(table):
-    """docs/models.md quoted per-GPU figures by hand that the plan no longer gave (issue: every
-    memory figure in the docs from `flowrl plan`). Its figures now stand in the block the script
+    """docs/models.md quoted per-GPU figures by hand that the plan no longer gave (every
+    memory figure in the docs comes from `flowrl plan`). Its figures now stand in the block the script
     writes; outside it, a figure is a card's size ("an 80 GB GPU"), or one of the plan's own lines
     checked here. A new hand-written figure fails this test: put it in the block."""
     import re
@@ -118,6 +118,8 @@ NOT_ESTIMATES = {
 #: Pages the test leaves to others: generated whole, or dated measurements.
 OTHER_PAGES = {
     "docs/hardware.md": "generated whole by the script (test_hardware_page_is_current)",
+    "docs/gpu_runs.md": "generated whole by scripts/gpu_runs_table.py from GPU results files: device names as "
+                        "recorded (\"NVIDIA H100 80GB HBM3\"), measured figures, no plan figures",
     "docs/benchmarks.md": "measured results, each with its command, date and machine; a plan figure there is the "
                           "plan's at that date, beside what the measurement found",
 }
@@ -129,7 +131,7 @@ def _doc_pages() -> list[str]:
 
 @pytest.mark.parametrize("page", [p for p in _doc_pages() if p not in OTHER_PAGES])
 def test_every_memory_figure_in_the_docs_comes_from_the_plan(table, page):
-    """Issue 28: every memory figure in the docs is generated from the plan. A page quotes the
+    """Every memory figure in the docs is generated from the plan. A page quotes the
     plan's figures only inside a block `scripts/hardware_table.py` writes (checked current by
     test_hardware_page_is_current); outside one, "N GB" is a card's size ("a 40 GB card"), a
     figure the plan computes here (the CUDA overhead, a default GPU size, the NF4 klein weights),

@@ -1,6 +1,6 @@
 """The model card names the run's algorithm and task from what its components say of themselves
-(issue 42: the card of a DiffusionNFT, DPO, AWM or SFT run said "step-level GRPO", and video runs
-were tagged text-to-image)."""
+(never "step-level GRPO" for a DiffusionNFT, DPO, AWM or SFT run, never text-to-image for a video
+run)."""
 
 from __future__ import annotations
 

@@ -35,16 +35,18 @@ LAYERS: list[set[str]] = [
      "flowrl.compat", "flowrl.checks", "flowrl.processes", "flowrl.stop_points",
      "flowrl.geneval"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
-     "flowrl.offline",
+     "flowrl.offline", "flowrl.batch",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
      "flowrl.video",
      "flowrl.serving", "flowrl.serving.protocol", "flowrl.serving.simple", "flowrl.serving.fleet",
      "flowrl.serving._litserve_api"},
-    {"flowrl.recipe", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.measure", "flowrl.dynamics.segment",
-     "flowrl.dynamics.report", "flowrl.dynamics.profile_file", "flowrl.hub"},
+    {"flowrl.recipe", "flowrl.recipe.*", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.measure",
+     "flowrl.dynamics.segment", "flowrl.dynamics.report", "flowrl.dynamics.profile_file", "flowrl.hub"},
     {"flowrl.train", "flowrl.train.*"},
-    {"flowrl.testing", "flowrl.testing.*", "flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__",
+    {"flowrl.testing", "flowrl.testing.*"},
+    {"flowrl.diagnostics", "flowrl.diagnostics.*"},
+    {"flowrl.commands", "flowrl.commands.*", "flowrl.cli", "flowrl.__main__",
      "flowrl.launch_agent", "flowrl.fork_server"},
 ]
 CLI_MODULES = ("flowrl.commands", "flowrl.cli")
@@ -269,6 +271,29 @@ def test_no_command_module_imports_another():
     assert not bad, bad
 
 
+def commands_and_test_kit_importing_each_other(sources: dict[str, Path]) -> list[str]:
+    """Every import between the commands (``flowrl/commands/``, ``flowrl/cli.py``) and the test kit
+    for plugin authors (``flowrl/testing/``), either way: the commands reach the kit's tiny models
+    only through the diagnostics (``flowrl/diagnostics/``)."""
+    sides = {"flowrl.commands": "flowrl.testing", "flowrl.cli": "flowrl.testing", "flowrl.testing": "flowrl.commands"}
+    bad = []
+    for name, path in sources.items():
+        side = next((s for s in sides if name == s or name.startswith(s + ".")), None)
+        if side is None:
+            continue
+        other = sides[side]
+        for module, names, line, _ in _imports(name, path):
+            for target in _resolve(module, names, sources):
+                if target == other or target.startswith(other + "."):
+                    bad.append(f"{path}:{line}: {name} imports {target}")
+    return bad
+
+
+def test_commands_and_the_test_kit_never_import_each_other():
+    bad = commands_and_test_kit_importing_each_other(SOURCES)
+    assert not bad, bad
+
+
 def test_objectives_never_import_the_training_loop():
     assert any(n.startswith("flowrl.objectives.") for n in SOURCES), "flowrl/objectives/ is gone: update this rule"
     bad = objectives_importing_train(SOURCES)
@@ -285,6 +310,9 @@ def test_plugins_import_only_public_flowrl_modules():
      "from .sample import shard\nfrom .base import app\n", "imports the command module flowrl.commands.sample"),
     (objectives_importing_train, "flowrl/objectives/bad.py",
      "from ..train.update import PolicyUpdate\n", "flowrl.objectives.bad imports flowrl.train.update"),
+    (commands_and_test_kit_importing_each_other, "flowrl/commands/bad.py",
+     "from ..testing.tiny_pipelines import build_tiny_flux\nfrom ..diagnostics.report import Check\n",
+     "flowrl.commands.bad imports flowrl.testing.tiny_pipelines"),
     (plugins_importing_non_public, "plugins/bad/plugin.py",
      "from flowrl.train.evaluate import evaluate\nfrom flowrl.errors import FlowrlError\n",
      "flowrl_plugins.bad.plugin imports flowrl.train.evaluate"),

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO
+REPO = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("diffusers")
 

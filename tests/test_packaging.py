@@ -39,8 +39,8 @@ def _package_dirs() -> dict[str, Path]:
 
 
 def test_the_distribution_name_is_ours_and_installed():
-    """`flowrl` on PyPI is an unrelated JAX library whose import package is also `flowrl`
-    (issue 24 item 8): the distribution is flowrl-diffusion; the import name and command stay."""
+    """`flowrl` on PyPI is an unrelated JAX library whose import package is also `flowrl`:
+    the distribution is flowrl-diffusion; the import name and command stay."""
     import flowrl
 
     assert PYPROJECT["project"]["name"] == flowrl.DISTRIBUTION == "flowrl-diffusion"

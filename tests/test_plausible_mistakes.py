@@ -1,4 +1,4 @@
-"""Plausible mistakes with the newer recipe keys (issue 45): branch rollouts, pipelining, replay,
+"""Plausible mistakes with the newer recipe keys: branch rollouts, pipelining, replay,
 prompt tables and splits, offline data, windows, EMA, gradient sync, reward weights, profiles.
 
 Each case is a shipped recipe with ``--set`` overrides, run through ``flowrl validate`` (and, for a

@@ -1,4 +1,4 @@
-"""The standard prompt sets shipped in recipes/prompts/benchmarks/ (issue 41): each loads with the
+"""The standard prompt sets shipped in recipes/prompts/benchmarks/: each loads with the
 project's prompt loader with its expected count, is byte for byte the upstream file its README
 names, and fits the reward that scores it; the Flow-GRPO recipes that use them validate and plan
 within one 80 GB GPU at 8 processes and at 1; scripts/fetch_prompt_sets.py checks and converts

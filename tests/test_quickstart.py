@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
 from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     from rich.console import Console
 
     run_dir = train(recipe, console=Console(file=open(os.devnull, "w")))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     first = records[0]
     loss = recipe.components["loss"].use
     if loss in ("nft", "awm", "dpo", "dgpo"):  # likelihood-free: no trajectory log-probs, so no on-policy log-ratio

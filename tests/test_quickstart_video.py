@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
 from flowrl.train import train
 from flowrl.video import mp4_available
 
@@ -30,7 +31,7 @@ def test_video_quickstart_trains(name, tmp_path):
     from rich.console import Console
 
     run_dir = train(recipe, console=Console(file=open(os.devnull, "w")))
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     first = records[0]
     if recipe.components["loss"].use != "nft":  # (NFT keeps no trajectory log-probs)
         assert first["on_policy/max_abs_log_ratio"] < 1e-6

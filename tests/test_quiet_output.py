@@ -1,4 +1,4 @@
-"""No noise a user cannot act on (issue 18, finding 15).
+"""No noise a user cannot act on.
 
 - building flowrl prints no setuptools BuildBackendWarning (the data directories of the built-in
   plugins are packaged by pattern, not as would-be packages), and still ships the data;
@@ -16,41 +16,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tiny_recipe import tiny_recipe
 
 from flowrl.compat import NotActionable, quiet_library_messages
 
 REPO = Path(__file__).resolve().parents[1]
 
-LORA = """
-[run]
-name = "lora"
-device = "cpu"
-
-[model]
-use = "embedded"
-
-[sampler]
-steps = 5
-
-[chunker]
-use = "fixed"
-size = 2
-
-[train]
-iterations = 1
-prompts_per_iteration = 2
-group_size = 4
-micro_batch_size = 4
-finetune = "lora"
-lora_rank = 4
-
-[log]
-progress = false
-image_every = 0
-
-[[rewards]]
-use = "area"
-"""
+LORA = tiny_recipe(run={"name": "lora", "seed": None}, model={"random_init": None},
+                   train={"iterations": 1, "micro_batch_size": 4, "finetune": "lora", "lora_rank": 4})
 
 
 def warnings_in(text: str) -> list[str]:

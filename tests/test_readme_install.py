@@ -1,4 +1,4 @@
-"""The README's quickstart command line installs what its own last suggestion needs (issue 18, finding 6).
+"""The README's quickstart command line installs what its own last suggestion needs.
 
 The quickstart ends with `flowrl plot runs/quickstart`. The test finds that suggestion in the
 README, runs the command with matplotlib hidden to learn which extra it asks for, and checks

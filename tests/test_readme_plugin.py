@@ -1,4 +1,4 @@
-"""The README's "Writing a plugin" example runs as written (issue 18, finding 1).
+"""The README's "Writing a plugin" example runs as written.
 
 The test takes the example's three code blocks out of README.md (the plugin module, its
 pyproject.toml and the recipe entry), builds and installs that distribution with pip into a
@@ -16,36 +16,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_recipe import tiny_recipe
+
+from flowrl.runlog import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
 #: The README's entry appended to a tiny recipe on the embedded model (T = 4 transitions).
-TINY = """
-[run]
-name = "readme_plugin"
-seed = 3
-device = "cpu"
-
-[model]
-use = "embedded"
-
-[sampler]
-steps = 5
-
-[chunker]
-use = "fixed"
-size = 2
-
-[train]
-iterations = 2
-prompts_per_iteration = 2
-group_size = 4
-micro_batch_size = 4
-
-[log]
-progress = false
-image_every = 0
-"""
+TINY = tiny_recipe(run={"name": "readme_plugin", "seed": 3}, model={"random_init": None},
+                   train={"micro_batch_size": 4}, rewards=None)
 
 
 def readme_plugin_blocks() -> dict[str, str]:
@@ -122,7 +101,7 @@ def test_readme_plugin_example_installs_and_trains(installed_example, flowrl_cli
     assert f"reward:{name}" in listing["my_rewards"]["components"]
     assert "reward:brightness" in listing["embedded"]["components"]  # the built-ins load beside it
     assert train.returncode == 0, train.stderr
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1]
     for row in rows:
         assert row[f"reward/{name}/mean"] == row[f"reward/{name}/mean"]  # finite: the reward scored

@@ -1,4 +1,4 @@
-"""Relative paths in a recipe resolve against the recipe file's directory (issue 18, finding 13).
+"""Relative paths in a recipe resolve against the recipe file's directory.
 
 Every key declared with ``param(..., path=...)`` (prompt files, profiles, weights, model
 directories) is made absolute at load time, so a recipe means the same files from any current
@@ -14,52 +14,23 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_recipe import tiny_recipe
 
 from flowrl.config import fields_of
 from flowrl.errors import RecipeError
 from flowrl.plugins import get_registry
 from flowrl.recipe import SECTIONS, load_recipe
+from flowrl.runlog import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
-RECIPE = """
-[run]
-name = "paths"
-device = "cpu"
-
-[model]
-use = "embedded"
-
-[sampler]
-steps = 17
-
-[chunker]
-use = "dynamics"
-profile = "profiles/embedded.json"
-
-[selector]
-use = "weighted"
-fraction = 0.5
-profile = "profiles/embedded.json"
-
-[train]
-iterations = 1
-prompts_per_iteration = 2
-group_size = 4
-micro_batch_size = 4
-
-[prompts]
-source = "data/train.txt"
-eval_source = "./data/eval.txt"
-num_eval = 2
-
-[log]
-progress = false
-image_every = 0
-
-[[rewards]]
-use = "area"
-"""
+#: The tiny recipe with every kind of relative path: a profile, prompt files.
+PATHS = {"run": {"name": "paths", "seed": None}, "model": {"random_init": None}, "sampler": {"steps": 17},
+         "chunker": {"use": "dynamics", "size": None, "profile": "profiles/embedded.json"},
+         "selector": {"use": "weighted", "fraction": 0.5, "profile": "profiles/embedded.json"},
+         "train": {"iterations": 1, "micro_batch_size": 4},
+         "prompts": {"source": "data/train.txt", "eval_source": "./data/eval.txt", "num_eval": 2}}
+RECIPE = tiny_recipe(PATHS)
 
 
 @pytest.fixture
@@ -123,7 +94,7 @@ def test_set_overrides_are_relative_to_the_current_directory(project, monkeypatc
 def test_a_path_that_exists_only_from_the_current_directory_is_refused(project, monkeypatch):
     home, elsewhere = project
     (elsewhere / "cwd_only.txt").write_text("a red circle on a blue background\n")
-    (home / "recipe.toml").write_text(RECIPE.replace('"data/train.txt"', '"cwd_only.txt"'))
+    (home / "recipe.toml").write_text(tiny_recipe(PATHS, prompts={"source": "cwd_only.txt"}))
     monkeypatch.chdir(elsewhere)
     with pytest.raises(RecipeError) as info:
         load_recipe(home / "recipe.toml")
@@ -165,5 +136,5 @@ def test_train_from_another_directory_reads_the_recipes_files(project, flowrl_cl
     saved = (elsewhere / "run" / "recipe.toml").read_text()
     assert json.dumps(str(home / "data" / "train.txt")) in saved
     assert json.dumps(str(home / "profiles" / "embedded.json")) in saved
-    row = json.loads((elsewhere / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    row = read_metrics(elsewhere / "run")[0]
     assert "eval/area/mean" in row

@@ -1,7 +1,7 @@
-"""Every file the recipes' comments and the other shipped Markdown cite exists (issue 18, finding 11).
+"""Every file the recipes' comments and the other shipped Markdown cite exists.
 
-tests/test_docs_references.py holds README.md and docs/*.md; the finding also named the recipes,
-whose header comments cite docs and other recipes. Here the same scanner reads every recipe in
+tests/test_docs_references.py holds README.md and docs/*.md; the recipes are checked here too:
+their header comments cite docs and other recipes. Here the same scanner reads every recipe in
 recipes/, scripts/README.md and the model cards under plugins/. A path written as the output of a
 command (``-o PATH``, ``--out PATH``) is something the command makes, not a reference.
 """

@@ -1,4 +1,4 @@
-"""docs/reference.md is generated from the recipe schema and never stale (issue 18, finding 10).
+"""docs/reference.md is generated from the recipe schema and never stale.
 
 Regenerate it with ``flowrl validate --explain --markdown > docs/reference.md``.
 """

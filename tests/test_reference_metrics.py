@@ -18,7 +18,7 @@ Every row, key order and value must be the same today, except the wall-clock ``t
 the keys added since (``compute/*``, listed below). The recipe is pinned here
 (``tests/fixtures/reference/quickstart.toml``, the quickstart of that commit, shipped today as
 ``recipes/quickstart_hacking.toml``), so changing the shipped quickstart does not move the reference. The redesign kept the algorithm's arithmetic
-exactly; the fast path added later (issue 17: the first optimizer step after a rollout skips the
+exactly; the fast path added later (the first optimizer step after a rollout skips the
 lean update's re-scoring forwards) computes the same gradient from the log-probs of its grad
 forwards instead, which can differ in the last bits where rollout and re-scoring round differently.
 So the bitwise comparison runs the exact lean path (``fast_path = false``, ``update_mode = "lean"``), and a second
@@ -65,6 +65,7 @@ from pathlib import Path
 from rich.console import Console
 
 from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
 from flowrl.train import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,22 +94,24 @@ def machine() -> dict:
 
 
 #: Metric keys added after the reference was made, and by which change.
-ADDED = ("compute/",  # compute accounting (issue 17)
-         "diag/", "groups/",  # update diagnostics: log-ratio spread per step and unit, zero-advantage groups (issue 14)
+ADDED = ("compute/",  # compute accounting
+         "diag/", "groups/",  # update diagnostics: log-ratio spread per step and unit, zero-advantage groups
          "eval/hf_share/")  # the evaluation's artefact measure (flowrl.artefacts)
 
 
-def _records(path: Path) -> list[dict]:
+def _records(rows: list[dict]) -> list[dict]:
     """Each row without its timings and without the keys added since the reference."""
     out = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for record in rows:
         assert all(k in REFERENCE_KEYS or k.startswith(("time/", *ADDED)) for k in record), set(record) - REFERENCE_KEYS
         out.append({k: v for k, v in record.items() if not k.startswith(("time/", *ADDED))})
     return out
 
 
-REFERENCE_KEYS = {k for line in REFERENCE.read_text().splitlines() for k in json.loads(line)}
+#: The reference's rows. A fixture file, not a run directory (``read_metrics`` reads a run's
+#: ``metrics.jsonl``): parsed here line by line as ``read_metrics`` parses a run's.
+REFERENCE_ROWS = [json.loads(line) for line in REFERENCE.read_text().splitlines() if line.strip()]
+REFERENCE_KEYS = {k for row in REFERENCE_ROWS for k in row}
 
 
 def _quickstart(tmp_path, *overrides: str) -> list[dict]:
@@ -119,14 +122,14 @@ def _quickstart(tmp_path, *overrides: str) -> list[dict]:
     # every phase the module docstring lists took place mid-run, not only at the end
     assert (run / "checkpoints" / f"iter_{EVERY:06d}" / "model.safetensors").is_file()
     assert (run / "images" / "iter_000000.png").is_file() and (run / "images" / f"iter_{EVERY:06d}.png").is_file()
-    return _records(run / "metrics.jsonl")
+    return _records(read_metrics(run))
 
 
 def _reference_prefix() -> list[dict]:
     """What the pinned recipe run for ``ITERATIONS`` iterations writes (module docstring): the
     reference's first rows, then its final row with the evaluation of the policy after
     ``ITERATIONS`` iterations, which the full run logged at the start of that iteration."""
-    rows = _records(REFERENCE)
+    rows = _records(REFERENCE_ROWS)
     assert len(rows) == 31 and rows[-1]["final"] and rows[-1]["iteration"] == 30
     assert EVERY < ITERATIONS < 30  # past a checkpoint and an image, and a prefix
     after = rows[ITERATIONS]

@@ -1,4 +1,4 @@
-"""docs/recipes.md's table of refused combinations is what `flowrl validate` refuses (issue 28).
+"""docs/recipes.md's table of refused combinations is what `flowrl validate` refuses.
 
 Prose in the docs said options were refused that trained (a KL term), or that work was not done
 that was (the EMA sharded under FSDP2), while validation accepted what training refused after

@@ -1,4 +1,4 @@
-"""One rule for what a reward returns (issue 18, finding 12), checked through `flowrl train`.
+"""One rule for what a reward returns, checked through `flowrl train`.
 
 A reward returns a float tensor of shape exactly [B] (or a RewardOutput of one); anything else
 stops training with ONE error naming the reward and what it returned: no traceback, no silent
@@ -7,46 +7,22 @@ reshaping of a list or a [B, 1] tensor.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
+from tiny_recipe import tiny_recipe
 
-from flowrl import cli, hookimpl
+from flowrl import hookimpl
 from flowrl.interfaces import RewardOutput
-from flowrl.rewards import RewardOutputError, score
 from flowrl.plugins import temporary_plugin
+from flowrl.rewards import RewardOutputError, score
+from flowrl.runlog import read_metrics
 
-RECIPE = """
-[run]
-name = "contract"
-device = "cpu"
 
-[model]
-use = "embedded"
-random_init = true
-
-[sampler]
-steps = 5
-
-[chunker]
-use = "fixed"
-size = 2
-
-[train]
-iterations = 1
-prompts_per_iteration = 2
-group_size = 4
-micro_batch_size = 4
-
-[log]
-progress = false
-image_every = 0
-
-[[rewards]]
-use = "{reward}"
-"""
+def recipe_text(reward: str) -> str:
+    """The tiny recipe, one iteration, scored by ``reward`` alone."""
+    return tiny_recipe(run={"name": "contract", "seed": None}, train={"iterations": 1, "micro_batch_size": 4},
+                       rewards=[{"use": reward}])
 
 #: name -> (reward function, what the message must say it returned)
 BAD = {
@@ -68,38 +44,27 @@ class BadRewards:
         register("good", lambda images, prompts: images.mean(dim=(1, 2, 3)))
 
 
-def run(capsys, argv):
-    capsys.readouterr()
-    try:
-        cli.main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, " ".join(err.split())
-
-
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_a_reward_of_the_wrong_kind_stops_training_with_one_message(name, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
+def test_a_reward_of_the_wrong_kind_stops_training_with_one_message(name, tmp_path, flowrl_cli):
     recipe = tmp_path / "r.toml"
-    recipe.write_text(RECIPE.format(reward=name))
+    recipe.write_text(recipe_text(name))
     with temporary_plugin(BadRewards(), "bad_rewards"):
-        code, _, err = run(capsys, ["train", recipe, "-o", tmp_path / "run"])
+        (result,) = flowrl_cli.in_process([["train", recipe, "-o", tmp_path / "run"]])
+    code, err = result.returncode, result.flat_err
     assert code == 2, err
     assert "Traceback" not in err and err.count("error:") == 1
     assert f"reward '{name}' returned" in err and BAD[name][1] in err
     assert "a float tensor of shape [8]" in err and "[B, 3, H, W]" in err
 
 
-def test_a_reward_that_keeps_the_contract_trains(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
+def test_a_reward_that_keeps_the_contract_trains(tmp_path, flowrl_cli):
     recipe = tmp_path / "r.toml"
-    recipe.write_text(RECIPE.format(reward="good"))
+    recipe.write_text(recipe_text("good"))
     with temporary_plugin(BadRewards(), "bad_rewards"):
-        code, _, err = run(capsys, ["train", recipe, "-o", tmp_path / "run"])
+        (result,) = flowrl_cli.in_process([["train", recipe, "-o", tmp_path / "run"]])
+    code, err = result.returncode, result.flat_err
     assert code == 0, err
-    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    row = read_metrics(tmp_path / "run")[0]
     assert 0.0 <= row["reward/good/mean"] <= 1.0
 
 

@@ -1,6 +1,6 @@
 """Stop points (flowrl/stop_points.py) and a run's stop (flowrl/train/stopping.py), in one process:
 what a stop point does inside and outside a run's scopes, the STOP file, helper threads, waits.
-(Real runs stopped in each phase, and two processes: tests/engine/test_engine_stop_phases.py.)"""
+(Real runs stopped in each phase, and two processes: tests/train/test_engine_stop_phases.py.)"""
 
 from __future__ import annotations
 

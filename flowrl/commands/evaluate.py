@@ -41,18 +41,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import FlowrlError
-from .base import (
-    CheckpointOpt,
-    DeviceOpt,
-    PromptOpt,
-    ScheduleOpt,
-    SeedOpt,
-    SetOpt,
-    SourceArg,
-    app,
-    console,
-    registry,
-)
+from .base import CheckpointOpt, DeviceOpt, PromptOpt, ScheduleOpt, SeedOpt, SetOpt, SourceArg, app, console, registry
 
 
 def build_rewards(src, names: list[str]):

@@ -51,10 +51,10 @@ def visible_gpu_memory_gb() -> float | None:
 
 def has_cuda() -> bool:
     """Whether PyTorch sees a CUDA GPU here (what ``[run].device = "auto"`` decides by), as the
-    recipe's device check sees it (:func:`flowrl.recipe.cuda_device_count`)."""
-    from .. import recipe
+    recipe's device check sees it (:func:`flowrl.recipe.startable.cuda_device_count`)."""
+    from ..recipe import startable
 
-    return recipe.cuda_device_count() > 0
+    return startable.cuda_device_count() > 0
 
 
 def runs_on_cpu(resolved) -> bool:

@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
@@ -109,7 +110,7 @@ class AdvantageWeightedMatching:
         # the engine's reference (NeedsReferencePolicy), fixed before sharding, as NFT's
         self.reference = ctx.kl.reference if self.beta_kl > 0 else None
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         self.anchors = {}
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
@@ -140,8 +141,7 @@ class AdvantageWeightedMatching:
                    "awm/log_ratio_abs_max": float(z.abs().max())}
         if v_ref is not None:
             metrics["awm/kl_ref"] = float(velocity_kl(v.detach(), v_ref).mean())
-        return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
-                                trained=torch.zeros(len(idx), len(micro.sizes), dtype=torch.bool))
+        return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
     def _anchor(self, idx: torch.Tensor, lp: torch.Tensor, K: int) -> torch.Tensor:
         """The anchors ``[n K]`` of the rows ``idx``: a row's ``l`` at its first training visit."""
@@ -152,6 +152,6 @@ class AdvantageWeightedMatching:
             out.append(self.anchors[r].to(lp.device))
         return torch.cat(out)
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         self.anchors = {}
         return {}

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from flowrl.batch import Batch
 from flowrl.distributed import DistContext
 from flowrl.interfaces import ChunkSelector, ModelAdapter
 from flowrl.objectives.chunk_gradient import Lockstep, StepLogProbFn
@@ -133,7 +134,7 @@ class OnPolicyProbe:
 class MicroBatch:
     """One micro-batch of an optimizer step.
 
-    ``batch``: the iteration's :class:`flowrl.train.collect.Batch` (its ``trajectory``, ``text``,
+    ``batch``: the iteration's :class:`flowrl.batch.Batch` (its ``trajectory``, ``text``,
     ``advantages``, ``rewards``, ``indices`` and ``iteration``); ``rows``: the micro-batch's rows
     in it (long, CPU); ``sizes``: the chunk layout (``()`` for objectives without units);
     ``epoch``: the pass over the rollout; ``normaliser``: the samples of the whole optimizer step
@@ -142,7 +143,7 @@ class MicroBatch:
     the re-scored log-probs of that step (None otherwise; objectives without log-probs leave it
     unfed)."""
 
-    batch: object
+    batch: Batch
     rows: torch.Tensor
     sizes: tuple[int, ...]
     epoch: int
@@ -161,3 +162,11 @@ class MicroBatchResult:
     losses: tuple[float, ...]
     metrics: dict[str, float]
     trained: torch.Tensor
+
+    @classmethod
+    def without_units(cls, micro: MicroBatch, loss: float = 0.0, metrics: dict[str, float] | None = None
+                      ) -> MicroBatchResult:
+        """The result of an objective whose loss is not per chunk unit (a forward-process or
+        preference loss): one loss term, and ``trained`` False for every unit of every row."""
+        return cls(losses=(loss,), metrics={} if metrics is None else metrics,
+                   trained=torch.zeros(len(micro.rows), len(micro.sizes), dtype=torch.bool))

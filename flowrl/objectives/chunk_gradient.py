@@ -67,6 +67,7 @@ from flowrl.objectives.losses import (
 
 __all__ = [
     "Lockstep",
+    "any_process",
     "pad_rows",
     "StepLogProbFn",
     "ForwardWithExtra",
@@ -91,7 +92,10 @@ class Lockstep(Protocol):
     def any(self, flag: bool) -> bool: ...
 
 
-def _agreed(flag: bool, lockstep: Lockstep | None) -> bool:
+def any_process(flag: bool, lockstep: Lockstep | None) -> bool:
+    """``flag`` as every process in ``lockstep`` agrees it: True when it is True on any of them (a
+    collective each one calls, so that a process with nothing to do still makes the calls another
+    makes); ``flag`` itself without lockstep."""
     return lockstep.any(flag) if lockstep is not None else flag
 
 
@@ -163,7 +167,7 @@ def lean_chunk_backward(
     mismatch, first = 0.0, 0
     for u, size in enumerate(s):
         idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
-        if _agreed(bool(idx.numel()), lockstep):
+        if any_process(bool(idx.numel()), lockstep):
             dz_used[:, u], unit_mismatch = _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size,
                                                           lockstep)
             mismatch = max(mismatch, unit_mismatch)
@@ -211,7 +215,7 @@ def _backward_unit(step_log_prob_fn, units_grad, new, idx, u, first, size, locks
     live = coef != 0
     # 3. backward through the kept graph, then recompute the other positions one at a time;
     # a unit clipped (or with zero advantage) for every sample has exactly zero gradient
-    if not _agreed(bool(live.any()), lockstep):
+    if not any_process(bool(live.any()), lockstep):
         return dz[:, u], 0.0
     with torch.enable_grad():
         (coef.to(lp.dtype) * lp).sum().backward()
@@ -293,7 +297,7 @@ def on_policy_chunk_backward(
         idx = torch.nonzero(m[:, u], as_tuple=False).flatten()
         coef = dz[idx, u] / size
         live = coef != 0
-        if _agreed(bool(idx.numel()) and (bool(live.any()) or forward_with_extra is not None), lockstep):
+        if any_process(bool(idx.numel()) and (bool(live.any()) or forward_with_extra is not None), lockstep):
             last = first + size - 1
             t_rows, t_coef = (idx, coef) if forward_with_extra is not None else (idx[live], coef[live])
             t_rows, stand_in = pad_rows(t_rows)
@@ -338,7 +342,7 @@ def chunk_graph_backward(
         # batched scorer gets None, so no index tensor lives through the unit's forward
         every_row = batched and B > 0 and bool(m[:, u].all())
         idx = slice(None) if every_row else torch.nonzero(m[:, u], as_tuple=False).flatten()
-        if _agreed(every_row or bool(idx.numel()), lockstep):
+        if any_process(every_row or bool(idx.numel()), lockstep):
             positions = list(range(first, first + size))
             rows, stand_in = (None, False) if every_row else pad_rows(idx)  # lockstep: a stand-in row, weight 0
             if batched:

@@ -32,11 +32,11 @@ import math
 
 import torch
 
+from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
-from flowrl.objectives.chunk_gradient import pad_rows
 from flowrl.objectives.forward_process import velocity_kl
-from flowrl.objectives.preference import RolloutErrors, flow_error, group_points
+from flowrl.objectives.preference import RolloutErrors, flow_error, selected_points
 
 __all__ = ["dgpo_terms", "dgpo_group_sums", "dgpo_point_loss", "GroupPreference"]
 
@@ -120,7 +120,7 @@ class GroupPreference:
     def _trained(self, adv: torch.Tensor) -> torch.Tensor:
         return adv != 0 if self.beta_kl == 0 else torch.ones_like(adv, dtype=torch.bool)
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         adv, groups = RolloutErrors.gathered(ctx, batch)
         offset = ctx.process.rank * ctx.samples_per_process
         trained = self._trained(adv[offset : offset + len(batch.indices)])
@@ -134,13 +134,11 @@ class GroupPreference:
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
         batch, device, errs = micro.batch, ctx.device, self.errors
-        sel = micro.rows[errs.trained[micro.rows + errs.offset]]
-        empty = MicroBatchResult(losses=(0.0,), metrics={},
-                                 trained=torch.zeros(len(micro.rows), len(micro.sizes), dtype=torch.bool))
-        if not (ctx.lockstep.any(bool(sel.numel())) if ctx.lockstep is not None else sel.numel()):
-            return empty
-        rows, stand_in = pad_rows(sel)
-        pts = group_points(ctx.seed, "dgpo", batch, rows, batch.trajectory.sigmas.to(device), self.K, self.leading)
+        selected = selected_points(ctx, micro, "dgpo", micro.rows[errs.trained[micro.rows + errs.offset]], self.K,
+                                   self.leading)
+        if selected is None:
+            return MicroBatchResult.without_units(micro)
+        rows, stand_in, pts = selected
         n, K = len(rows), pts.K
         if not stand_in:
             ctx.counter.expect("update", n * K * ctx.rows_per_sample)
@@ -166,15 +164,14 @@ class GroupPreference:
             scaled = total.sum() / micro.normaliser * (0.0 if stand_in else 1.0)
             scaled.backward()
         if stand_in:
-            return empty
+            return MicroBatchResult.without_units(micro)
         z = errs.policy[g] - e.detach().cpu()
         metrics = {"dgpo/fm_loss": float(e.detach().mean()), "dgpo/weight_mean": float(torch.sigmoid(s).mean()),
                    "dgpo/clip_fraction": float(clipped.float().mean()), "dgpo/log_ratio_abs_max": float(z.abs().max())}
         if v_ref is not None:
             metrics["dgpo/kl_ref"] = float(velocity_kl(v.detach(), v_ref).mean())
-        return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
-                                trained=torch.zeros(len(micro.rows), len(micro.sizes), dtype=torch.bool))
+        return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         self.errors = self.sums = self.terms = self.sizes = None
         return {}

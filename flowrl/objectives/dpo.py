@@ -25,10 +25,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
-from flowrl.objectives.chunk_gradient import pad_rows
-from flowrl.objectives.preference import RolloutErrors, flow_error, group_points
+from flowrl.objectives.preference import RolloutErrors, flow_error, selected_points
 
 __all__ = ["best_worst_pairs", "dpo_point_loss", "OnlineDPO"]
 
@@ -97,7 +97,7 @@ class OnlineDPO:
     def prepare(self, ctx: UpdateContext) -> None:
         self.reference = ctx.kl.reference
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         adv, groups = RolloutErrors.gathered(ctx, batch)
         self.partner, self.winner = best_worst_pairs(adv, groups)
         offset = ctx.process.rank * ctx.samples_per_process
@@ -106,14 +106,11 @@ class OnlineDPO:
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
         batch, device, errs = micro.batch, ctx.device, self.errors
-        glob = micro.rows + errs.offset
-        sel = micro.rows[self.partner[glob] >= 0]
-        empty = MicroBatchResult(losses=(0.0,), metrics={},
-                                 trained=torch.zeros(len(micro.rows), len(micro.sizes), dtype=torch.bool))
-        if not (ctx.lockstep.any(bool(sel.numel())) if ctx.lockstep is not None else sel.numel()):
-            return empty
-        rows, stand_in = pad_rows(sel)
-        pts = group_points(ctx.seed, "dpo", batch, rows, batch.trajectory.sigmas.to(device), self.K, self.leading)
+        selected = selected_points(ctx, micro, "dpo", micro.rows[self.partner[micro.rows + errs.offset] >= 0], self.K,
+                                   self.leading)
+        if selected is None:
+            return MicroBatchResult.without_units(micro)
+        rows, stand_in, pts = selected
         if not stand_in:
             ctx.counter.expect("update", len(pts.rows) * ctx.rows_per_sample)
         text = select_embeddings(batch.text, pts.rows.to(device))
@@ -127,17 +124,16 @@ class OnlineDPO:
             scaled = pl.mean(dim=1).sum() / micro.normaliser * (0.0 if stand_in else 1.0)
             scaled.backward()
         if stand_in:
-            return empty
+            return MicroBatchResult.without_units(micro)
         ed, w = e.detach().cpu(), self.winner[g]
         own = ed - errs.reference[g]
         m = torch.where(w.reshape(-1, 1), own - (errs.policy[mate] - errs.reference[mate]),
                         (errs.policy[mate] - errs.reference[mate]) - own)
         metrics = {"dpo/loss": float(pl.detach().mean()), "dpo/margin": float(m.mean()),
                    "dpo/accuracy": float((m < 0).float().mean()), "dpo/fm_loss": float(ed.mean())}
-        return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
-                                trained=torch.zeros(len(micro.rows), len(micro.sizes), dtype=torch.bool))
+        return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         pairs = int(self.winner.sum()) if self.winner is not None else 0
         self.errors, self.partner, self.winner = None, None, None
         return {"dpo/pairs": float(pairs)}

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from flowrl.batch import Batch
 from flowrl.chunking import chunk_mean, validate_chunks
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.losses import broadcast_advantages, kl_gaussian_exact
@@ -136,7 +137,7 @@ class KLMaskedPolicyGradient(PolicyGradient):
     def objective(self):  # the unit objective, for code that reads [loss] directly
         return self.loss.objective
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         super().start_rollout(ctx, batch, sizes)
         self.scorer = _KLRecordingScorer(ctx.model, batch.trajectory, batch.text, ctx.kl.reference, ctx.counter)
         self.sizes = tuple(sizes)
@@ -151,6 +152,6 @@ class KLMaskedPolicyGradient(PolicyGradient):
         metrics["dppo/kl_max"] = float(kl.max()) if kl.numel() else 0.0
         return dataclasses.replace(res, metrics=metrics)
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         self.loss.objective.kl_of = None
         return super().end_rollout(ctx, batch)

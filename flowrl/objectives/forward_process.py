@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from flowrl.batch import Batch
 from flowrl.seeding import generator
 
 __all__ = ["ForwardPoints", "forward_process_points", "velocity_kl"]
@@ -33,7 +34,7 @@ class ForwardPoints:
     K: int
 
 
-def forward_process_points(seed: int, tag: str, batch, idx: torch.Tensor, sigmas: torch.Tensor,
+def forward_process_points(seed: int, tag: str, batch: Batch, idx: torch.Tensor, sigmas: torch.Tensor,
                            timesteps: int, *, leading: int = 0, by_group: bool = False) -> ForwardPoints:
     """The forward-process points of the batch rows ``idx`` (module docstring): ``K = min(timesteps,
     n)`` sigmas per sample, drawn without replacement from the first ``n`` sigmas of the sampling

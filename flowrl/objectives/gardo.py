@@ -35,6 +35,7 @@ from collections import deque
 import torch
 
 from flowrl import distributed
+from flowrl.batch import Batch
 from flowrl.objectives.advantages import group_means
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.policy_gradient import PolicyGradient
@@ -196,7 +197,7 @@ class GatedKLPolicyGradient(PolicyGradient):
             raise ValueError("gardo's reference reset needs the reference as a frozen copy of the denoiser: "
                              "[train].finetune = 'full', beta > 0 and kl = 'gaussian_exact' or 'flow_grpo'")
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         super().start_rollout(ctx, batch, sizes)
         it = batch.iteration
         self.reset_now = reset_due(it, self.last_reset, self.flagged, self.reset_every)
@@ -225,7 +226,7 @@ class GatedKLPolicyGradient(PolicyGradient):
             self.kl_seen.append(kl)
         return res
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         out = super().end_rollout(ctx, batch)
         kl = distributed.all_reduce_scalar(max(self.kl_seen, default=0.0), ctx.process, "max")
         if kl > self.kl_threshold:  # the reference is reset before the next rollout

@@ -21,7 +21,7 @@ from flowrl.chunking import chunk_index
 from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import HasReferencePolicy, KLRegularised, NeedsReferencePolicy, ScalesFlowGRPOKL
 from flowrl.objectives.losses import kl_flow_grpo, kl_gaussian_exact, kl_old_policy_k3
-from flowrl.objectives.chunk_gradient import pad_rows
+from flowrl.objectives.chunk_gradient import any_process, pad_rows
 
 
 def _lora_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -230,7 +230,7 @@ class KLTerm:
             b = torch.nonzero(self.trans[:, t], as_tuple=False).flatten()
             if self.weights is not None:
                 b = b[self.weights.to(b.device)[b] != 0]
-            if not (lockstep.any(bool(b.numel())) if lockstep is not None else b.numel()):
+            if not any_process(bool(b.numel()), lockstep):
                 continue
             b, stand_in = pad_rows(b)
             with torch.enable_grad():

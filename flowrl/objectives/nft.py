@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from flowrl.batch import Batch
 from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
@@ -153,7 +154,7 @@ class ForwardProcessObjective:
                 for p, s in zip(self.params, saved):
                     p.copy_(s)
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         """Nothing to prepare: the rollout was drawn with the old weights."""
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
@@ -183,10 +184,9 @@ class ForwardProcessObjective:
                    "nft/old_deviation": dev, "nft/r_mean": float(r.mean())}
         if v_ref is not None:
             metrics["nft/kl_ref"] = float(velocity_kl(v.detach(), v_ref).mean())
-        return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
-                                trained=torch.zeros(len(idx), len(micro.sizes), dtype=torch.bool))
+        return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         self.steps = int(ctx.optimizer_steps())
         d = old_policy_decay(self.steps, *self.decay)
         with torch.no_grad():

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.dpo import dpo_point_loss
@@ -112,11 +113,11 @@ class OfflineObjective:
     def prepare(self, ctx: UpdateContext) -> None:
         pass
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         if batch.data is None:
             raise ValueError(f"loss {self.tag!r} trains on an offline table ([data]), not on rollouts")
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         return {}
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
@@ -133,8 +134,7 @@ class OfflineObjective:
             loss, metrics = self.loss(ctx, latents, text, sigma, eps, idx)
             scaled = loss * (len(rows) / micro.normaliser)  # the mean over the step's rows, summed over micro-batches
             scaled.backward()
-        return MicroBatchResult(losses=(float(scaled.detach()),), metrics=metrics,
-                                trained=torch.zeros(len(rows), len(micro.sizes), dtype=torch.bool))
+        return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
 
 class OfflineSFT(OfflineObjective):

@@ -35,6 +35,7 @@ from contextlib import nullcontext
 import torch
 
 from flowrl import distributed
+from flowrl.batch import Batch
 from flowrl.chunking import chunk_index
 from flowrl.interfaces import (
     ChoosesKLForm,
@@ -242,7 +243,7 @@ class PolicyGradient:
             return self.loss.step_ratio
         return None
 
-    def start_rollout(self, ctx: UpdateContext, batch, sizes) -> None:
+    def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         self.scorer = TransitionScorer(ctx.model, batch.trajectory, batch.text, ctx.kl.reference, ctx.counter,
                                        step_ratio=self.step_transform())
         self.old_lp = batch.trajectory.trainable_log_probs.to(ctx.device)
@@ -266,7 +267,7 @@ class PolicyGradient:
         losses = (float(loss),) if kl is None else (float(loss), ctx.kl.beta * kl[1])
         return MicroBatchResult(losses=losses, metrics=metrics, trained=mask)
 
-    def end_rollout(self, ctx: UpdateContext, batch) -> dict:
+    def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         out = self.recorder.metrics(ctx.process) if self.recorder is not None else {}
         self.scorer = None
         return out
@@ -302,7 +303,7 @@ class PolicyGradient:
         return loss, m, (kl.result() if kl is not None else None)
 
 
-def select_units(selector, seed: int, batch, idx: torch.Tensor, sizes, epoch: int) -> torch.Tensor:
+def select_units(selector, seed: int, batch: Batch, idx: torch.Tensor, sizes, epoch: int) -> torch.Tensor:
     """The selector's bool mask ``[len(idx), K]`` (CPU) for the rows ``idx`` of ``batch``, with
     what the selector declares it needs. Every draw is seeded by global quantities only (the
     sample's global index, or its prompt group for a :class:`SelectsPerGroup`), so the selection

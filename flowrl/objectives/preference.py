@@ -28,20 +28,33 @@ import dataclasses
 import torch
 
 from flowrl import distributed
+from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
-from flowrl.objectives.chunk_gradient import pad_rows
+from flowrl.objectives.chunk_gradient import any_process, pad_rows
 from flowrl.objectives.forward_process import ForwardPoints, forward_process_points
 
-__all__ = ["group_points", "flow_error", "RolloutErrors"]
+__all__ = ["group_points", "selected_points", "flow_error", "RolloutErrors"]
 
 
-def group_points(seed: int, tag: str, batch, idx: torch.Tensor, sigmas: torch.Tensor, timesteps: int,
+def group_points(seed: int, tag: str, batch: Batch, idx: torch.Tensor, sigmas: torch.Tensor, timesteps: int,
                  leading: int = 0) -> ForwardPoints:
     """The forward-process points of the batch rows ``idx``, shared by each prompt group: ``K =
     min(timesteps, n)`` sigmas drawn without replacement from the first ``n`` sigmas of the
     sampling schedule (``n = leading``, or all but the final 0 when ``leading`` is 0), each with
     its own noise, all from the generator of (seed, tag, iteration, the row's group)."""
     return forward_process_points(seed, tag, batch, idx, sigmas, timesteps, leading=leading, by_group=True)
+
+
+def selected_points(ctx, micro, tag: str, selected: torch.Tensor, timesteps: int,
+                    leading: int = 0) -> tuple[torch.Tensor, bool, ForwardPoints] | None:
+    """What a preference objective forwards in a micro-batch: ``(rows, stand_in, points)`` of the
+    ``selected`` rows (:func:`group_points`), or of one stand-in row with weight 0 where this
+    process has none and another (in lockstep) has some; None when no process has a selected row."""
+    if not any_process(bool(selected.numel()), ctx.lockstep):
+        return None
+    rows, stand_in = pad_rows(selected)
+    sigmas = micro.batch.trajectory.sigmas.to(ctx.device)
+    return rows, stand_in, group_points(ctx.seed, tag, micro.batch, rows, sigmas, timesteps, leading)
 
 
 def flow_error(v: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
@@ -69,7 +82,7 @@ class RolloutErrors:
     K: int
 
     @classmethod
-    def measure(cls, ctx, batch, tag: str, timesteps: int, leading: int, trained: torch.Tensor,
+    def measure(cls, ctx, batch: Batch, tag: str, timesteps: int, leading: int, trained: torch.Tensor,
                 reference) -> RolloutErrors:
         """One forward of the policy (no gradient) and one of ``reference`` per local trained
         sample (its ``K`` points in one call), then gathered. ``trained``: bool ``[B_local]``.
@@ -83,7 +96,7 @@ class RolloutErrors:
         rows = torch.nonzero(trained.cpu(), as_tuple=False).flatten()
         ctx.counter.expect("reference", int(rows.numel()) * K * ctx.rows_per_sample)
         i = 0
-        while (ctx.lockstep.any(i < rows.numel()) if ctx.lockstep is not None else i < rows.numel()):
+        while any_process(i < rows.numel(), ctx.lockstep):
             r, stand_in = pad_rows(rows[i : i + 1])
             pts = group_points(ctx.seed, tag, batch, r, sigmas, timesteps, leading)
             text = select_embeddings(batch.text, pts.rows.to(device))
@@ -102,7 +115,7 @@ class RolloutErrors:
                    offset=ctx.process.rank * ctx.samples_per_process, K=K)
 
     @staticmethod
-    def gathered(ctx, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def gathered(ctx, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(advantages [N], groups [N])`` over all processes, before any forward (what decides
         which samples train)."""
         adv = batch.advantages.reshape(len(batch.indices), -1)[:, 0].detach().to(torch.float32).cpu()

@@ -4,8 +4,9 @@ prefix and split at chosen steps.
 A group of ``G`` samples starts from ``G / prod(factors)`` roots; at branch step ``s_k`` every
 live trajectory is copied ``factors[k]`` times and each copy draws its own SDE noise from then
 on. The velocity of a step is computed once per LIVE row (the distinct states), then expanded, so
-a shared prefix costs one forward per step instead of one per sample. The returned
-:class:`~flowrl.sampling.trajectory.Trajectory` holds ``G`` full trajectories per group (the
+a shared prefix costs one forward per step instead of one per sample: the splits are the branch
+factors of the per-step plan of the one rollout loop (:func:`~flowrl.sampling.rollout.rollout_steps`).
+The returned :class:`~flowrl.sampling.trajectory.Trajectory` holds ``G`` full trajectories per group (the
 shared prefixes duplicated in storage): every objective reads it unchanged.
 
 Randomness: a live row stands for a contiguous block of the group's final samples and draws
@@ -22,8 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from flowrl.interfaces import Kernel
-from flowrl.sampling.kernels import GeneratorArg
-from flowrl.sampling.rollout import VelocityFn, prompts_and_groups, trainable_mask
+from flowrl.sampling.rollout import PlannedStep, VelocityFn, rollout_steps
 from flowrl.sampling.schedules import validate_sigmas
 from flowrl.sampling.trajectory import Trajectory
 
@@ -64,7 +64,6 @@ def branch_forward_rows(num_steps: int, group_size: int, steps: Sequence[int], f
     return sum(live_rows_per_step(num_steps, group_size, steps, factors))
 
 
-@torch.no_grad()
 def branch_rollout(
     velocity_for: Callable[[torch.Tensor], VelocityFn],
     initial_noise: torch.Tensor,
@@ -75,75 +74,25 @@ def branch_rollout(
     branch_steps: Sequence[int],
     branch_factors: Sequence[int],
     generators: Sequence[torch.Generator],
-    image_from: str = "x0_hat",
-    reduction: str = "mean",
-    prompts: Sequence[str] | None = None,
-    group_ids: torch.Tensor | Sequence[int] | None = None,
-    keep_means: bool = False,
+    **options,
 ) -> Trajectory:
     """Sample ``B`` trajectories (``B`` a multiple of ``group_size``, whole groups in order) as
-    trees. ``initial_noise [B, ...]`` and ``generators`` (one per sample) are the plain rollout's;
-    a root takes the noise and generator of its block's first sample. ``velocity_for(rows)``
-    builds the velocity closure for the live rows ``rows`` (indices into the batch, ascending;
-    the text embeddings of those samples), called once per distinct set of live rows. Other
-    arguments as :func:`~flowrl.sampling.rollout.rollout`."""
-    tkernels, device, b = tuple(kernels), initial_noise.device, initial_noise.shape[0]
-    sig = validate_sigmas(sigmas).to(device)
-    n = sig.numel() - 1
+    trees: :func:`~flowrl.sampling.rollout.rollout_steps` with ``kernels[i]`` at step ``i`` and the
+    split ``branch_factors[k]`` at step ``branch_steps[k]``. ``initial_noise [B, ...]`` and
+    ``generators`` (one per sample) are the plain rollout's; a root takes the noise and generator
+    of its block's first sample. ``velocity_for(rows)`` builds the velocity closure for the live
+    rows ``rows`` (indices into the batch, ascending; the text embeddings of those samples), called
+    once per distinct set of live rows. ``options`` are :func:`~flowrl.sampling.rollout.rollout_steps`'
+    other keywords (``image_from``, ``reduction``, ``prompts``, ``group_ids``, ``keep_means``)."""
+    b, n = initial_noise.shape[0], validate_sigmas(sigmas).numel() - 1
     if b % group_size:
         raise ValueError(f"a branch rollout needs whole groups: {b} samples, group size {group_size}")
     check_branches(branch_steps, branch_factors, n, group_size)
     if len(generators) != b:
         raise ValueError(f"need one generator per sample: {len(generators)} for {b}")
-    trainable = trainable_mask(tkernels, sig.cpu(), image_from)
-    prompts, gids = prompts_and_groups(prompts, group_ids, b, device)
     split = dict(zip(branch_steps, branch_factors))
-    # block: how many final samples each live row stands for; rows are the blocks' first samples
-    block = math.prod(branch_factors)
-    rows = torch.arange(0, b, block, device=device)
-    x = initial_noise.to(torch.float32)[rows]
-    states, log_probs, means, owners = [x], [], [], [torch.arange(b, device=device) // block]
-    x0_hat, velocity_fn = None, velocity_for(rows)
-    for i in range(n):
-        s_i = sig[i].repeat(len(rows))
-        v = velocity_fn(x, s_i)
-        if v.shape != x.shape:
-            raise ValueError(f"velocity_fn returned shape {tuple(v.shape)}, expected {tuple(x.shape)}")
-        f = split.get(i, 1)
-        if f > 1:  # the split: copies of the state AND of its velocity (no forward is repeated)
-            block //= f
-            rows = torch.arange(0, b, block, device=device)
-            x, v = x.repeat_interleave(f, dim=0), v.repeat_interleave(f, dim=0)
-            velocity_fn = velocity_for(rows)
-        s_i, s_n = sig[i].repeat(len(rows)), sig[i + 1].repeat(len(rows))
-        if i == n - 1 and image_from == "x0_hat":
-            x0_hat = x - s_i.reshape(-1, *([1] * (x.ndim - 1))) * v.to(torch.float32)
-        gens = [generators[int(r)] for r in rows]
-        out = tkernels[i].step(v, x, s_i, s_n, generator=gens, reduction=reduction)
-        owner = torch.arange(b, device=device) // block  # the rows of transition i (after its split)
-        if keep_means and bool(trainable[i]):
-            means.append((out.mean, owner))
-        x = out.next_sample
-        states.append(x)
-        owners.append(owner)
-        log_probs.append((out.log_prob, owner))
-    # expand to B full trajectories: sample j's state at step i is its owner's (shared prefix copied)
-    latents = torch.stack([s[o] for s, o in zip(states, owners)], dim=1)
-    final = owners[-1]
-    image = x0_hat[final] if image_from == "x0_hat" else x[final]
-    return Trajectory(
-        latents=latents,
-        log_probs=torch.stack([lp[o] for lp, o in log_probs], dim=1),
-        sigmas=sig,
-        trainable=trainable.to(device),
-        prompts=prompts,
-        group_ids=gids,
-        image_latents=image,
-        kernels=tkernels,
-        reduction=reduction,
-        image_from=image_from,
-        means=torch.stack([m[o] for m, o in means], dim=1) if keep_means else None,
-    )
+    steps = [PlannedStep(kernel, branch_factor=split.get(i, 1)) for i, kernel in enumerate(kernels)]
+    return rollout_steps(velocity_for, initial_noise, sigmas, steps, generators=generators, **options)
 
 
 def steps_of_highest_dynamics(curve: Sequence[float], positions: Sequence[int], count: int) -> list[int]:

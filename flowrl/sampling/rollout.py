@@ -1,6 +1,13 @@
-"""Rollouts: sample trajectories with one kernel per step, and re-score their transitions.
+"""Rollouts: sample trajectories, and re-score their transitions.
 
 docs/api.md §1 (conventions), 2 (kernels), 3 (log-probs) and 4 (trainable set).
+
+:func:`rollout_steps` is the one rollout loop, driven by a per-step plan (a :class:`PlannedStep`
+per step: the kernel, which samples are in their SDE window, the solver outside it, the branch
+factor). Every rollout is this loop on its plan, so the seeding, stepping and collecting exist
+once: :func:`rollout` (one kernel per step for every sample),
+:func:`flowrl.sampling.plans.rollout_plan` (per-sample SDE windows) and
+:func:`flowrl.sampling.branching.branch_rollout` (trees) only build their plans.
 
 ``velocity_fn(x [B, ...], sigma [B]) -> v [B, ...]`` is a closure over the model and the text
 embeddings of exactly the samples it is given (for re-scoring a sub-batch, build the closure
@@ -15,6 +22,7 @@ model's own evaluation uses.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +32,7 @@ from flowrl.checks import positive_int
 from flowrl.interfaces import Kernel
 from flowrl.sampling.kernels import GeneratorArg, ODEKernel, StepOutput, ode_step
 from flowrl.sampling.schedules import validate_sigmas
+from flowrl.sampling.solvers import DPM2M, OUTSIDE_SOLVERS, dpmpp_2m_step
 from flowrl.sampling.trajectory import Trajectory
 
 __all__ = [
@@ -33,6 +42,8 @@ __all__ = [
     "VelocityFn",
     "make_kernels",
     "trainable_mask",
+    "PlannedStep",
+    "rollout_steps",
     "rollout",
     "prompts_and_groups",
     "rescore_transition",
@@ -64,14 +75,15 @@ class Sampler:
 def make_kernels(
     num_steps: int,
     sde_kernel: Kernel,
-    window: tuple[int, int] | None = None,
+    sde_window: tuple[int, int] | None = None,
     outside: str | Kernel = "ode",
 ) -> tuple[Kernel, ...]:
-    """One kernel per step: ``sde_kernel`` inside ``window``, ``outside`` elsewhere.
+    """One kernel per step: ``sde_kernel`` inside ``sde_window``, ``outside`` elsewhere.
 
-    ``window = (start, stop)`` is a half-open range of step indices ``start <= i < stop``
-    (MixGRPO's sliding window, Flow-GRPO-Fast's SDE-only-early steps); ``None`` means every step.
-    ``outside`` is ``"ode"`` (deterministic Euler, the default) or any :class:`Kernel`.
+    ``sde_window = (start, stop)`` is a half-open range of step indices ``start <= i < stop``
+    (``[sampler].sde_window``; MixGRPO's sliding window, Flow-GRPO-Fast's SDE-only-early steps);
+    ``None`` means every step. ``outside`` is ``"ode"`` (deterministic Euler, the default) or any
+    :class:`Kernel`.
     """
     positive_int(num_steps, "num_steps")
     if not isinstance(sde_kernel, Kernel):
@@ -84,17 +96,17 @@ def make_kernels(
         outside_k = outside
     else:
         raise ValueError(f"outside must be 'ode' or a Kernel instance, got {outside!r}")
-    if window is None:
+    if sde_window is None:
         start, stop = 0, num_steps
     else:
         try:
-            start, stop = (int(w) for w in window)
+            start, stop = (int(w) for w in sde_window)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"window must be a pair (start, stop) of step indices, got {window!r}") from exc
+            raise ValueError(f"sde_window must be a pair (start, stop) of step indices, got {sde_window!r}") from exc
         if not (0 <= start < stop <= num_steps):
             raise ValueError(
-                f"window (start, stop) must satisfy 0 <= start < stop <= num_steps = {num_steps}, "
-                f"got {window!r}"
+                f"sde_window (start, stop) must satisfy 0 <= start < stop <= num_steps = {num_steps}, "
+                f"got {sde_window!r}"
             )
     return tuple(sde_kernel if start <= i < stop else outside_k for i in range(num_steps))
 
@@ -140,12 +152,177 @@ def prompts_and_groups(prompts, group_ids, b: int, device) -> tuple[list[str], t
     return prompts, gids.to(device)
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    """What one sampling step does, the unit of :func:`rollout_steps`' per-step plan.
+
+    ``kernel`` steps the samples in their SDE window: every sample when ``in_sde_window`` is None
+    (one kernel per step, :func:`make_kernels`: the kernel may then be the ODE), else the samples
+    it marks (bool ``[B]``, per-sample windows: :mod:`flowrl.sampling.plans`). The others take a
+    deterministic solver: Euler before their window, ``solver_after`` (``"euler"`` or ``"dpm2m"``,
+    DPM-Solver++(2M)) once ``after_sde_window`` (bool ``[B]``) says it is behind them.
+    ``branch_factor`` copies every live row that many times before the step draws its noise (a
+    branch rollout's split, :mod:`flowrl.sampling.branching`; 1: no split)."""
+
+    kernel: Kernel
+    in_sde_window: torch.Tensor | None = None
+    after_sde_window: torch.Tensor | None = None
+    solver_after: str = "euler"
+    branch_factor: int = 1
+
+    def __post_init__(self):
+        if self.solver_after not in OUTSIDE_SOLVERS:
+            raise ValueError(f"solver_after must be one of {OUTSIDE_SOLVERS}, got {self.solver_after!r}")
+        if not (isinstance(self.branch_factor, int) and self.branch_factor >= 1):
+            raise ValueError(f"branch_factor must be an integer >= 1, got {self.branch_factor!r}")
+
+
+def _roots(steps: tuple[PlannedStep, ...], b: int) -> int:
+    """The number of roots (distinct starting rows) of a per-step plan for ``b`` samples; raises
+    ``ValueError`` for a plan that does not fit them."""
+    block = math.prod(step.branch_factor for step in steps)
+    if b % block:
+        raise ValueError(f"the branch factors' product ({block}) must divide the batch ({b})")
+    masks = [mask for step in steps for mask in (step.in_sde_window, step.after_sde_window) if mask is not None]
+    if any(tuple(mask.shape) != (b,) for mask in masks):
+        raise ValueError(f"a step's SDE window masks must be bool [B] with B = {b}")
+    per_sample = any(step.in_sde_window is not None for step in steps)
+    if per_sample and block > 1:
+        raise ValueError("per-sample SDE windows and branching do not combine: a shared row has one window")
+    if per_sample and any(step.kernel != steps[0].kernel for step in steps):
+        raise ValueError("a plan with per-sample SDE windows has one kernel for every step")
+    return b // block
+
+
+def _generators_of(generators: GeneratorArg, rows: torch.Tensor) -> GeneratorArg:
+    """The generators of ``rows`` (sample indices): one per row from a list, else the one given."""
+    if generators is None or isinstance(generators, torch.Generator):
+        return generators
+    gens = list(generators)
+    return [gens[int(r)] for r in rows]
+
+
+class _LiveRows:
+    """The distinct rows a rollout steps: each stands for ``block`` consecutive samples (a branch
+    rollout's shared prefix) and is known by the first of them, whose generator it draws from, so
+    the tree does not depend on the batch it is sampled in. Block 1: every sample is its own row."""
+
+    def __init__(self, b: int, roots: int, device):
+        self.b, self.block, self.device = b, b // roots, device
+        self.samples = torch.arange(0, b, self.block, device=device)
+
+    def split(self, factor: int) -> None:
+        self.block //= factor
+        self.samples = torch.arange(0, self.b, self.block, device=self.device)
+
+    def owners(self) -> torch.Tensor | None:
+        """Each sample's row (None when every sample is its own row: nothing to expand)."""
+        return None if self.block == 1 else torch.arange(self.b, device=self.device) // self.block
+
+
+def _expand(t: torch.Tensor, owners: torch.Tensor | None) -> torch.Tensor:
+    return t if owners is None else t[owners]
+
+
+def _solve_outside(step: PlannedStep, v, x, x0, sigma, sigma_next, previous) -> torch.Tensor:
+    """The next states of the rows outside their SDE window (the caller fills the others): Euler,
+    or DPM-Solver++(2M) past the window with the previous step's ``(x0_hat, sigma)``."""
+    nxt, inside = torch.empty_like(x), step.in_sde_window.to(x.device)
+    after = step.after_sde_window
+    dpm = (after.to(x.device) & ~inside) if after is not None and step.solver_after == DPM2M else torch.zeros_like(inside)
+    euler = ~inside & ~dpm
+    if bool(euler.any()):
+        rows = torch.nonzero(euler).flatten()
+        nxt[rows] = ode_step(v[rows], x[rows], sigma.repeat(len(rows)), sigma_next.repeat(len(rows))).next_sample
+    if bool(dpm.any()):
+        rows = torch.nonzero(dpm).flatten()
+        prev_x0, prev_sigma = previous if previous is not None else (None, None)
+        nxt[rows] = dpmpp_2m_step(x[rows], x0[rows], float(sigma), float(sigma_next),
+                                  None if prev_x0 is None else prev_x0[rows],
+                                  None if prev_sigma is None else float(prev_sigma))
+    return nxt
+
+
+def _take_step(step: PlannedStep, v, x, x0, sigma, sigma_next, previous, generators, reduction):
+    """One step of the live rows ``x``: ``(x_next, log_probs, kernel rows, the kernel's means)``
+    with ``kernel rows`` None when the kernel stepped every row; log-prob 0 outside the window."""
+    if step.in_sde_window is None:
+        out = step.kernel.step(v, x, sigma.repeat(len(x)), sigma_next.repeat(len(x)), generator=generators,
+                               reduction=reduction)
+        return out.next_sample, out.log_prob, None, out.mean
+    nxt = _solve_outside(step, v, x, x0, sigma, sigma_next, previous)
+    lp = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    rows = torch.nonzero(step.in_sde_window.to(x.device)).flatten()
+    if not rows.numel():
+        return nxt, lp, rows, None
+    out = step.kernel.step(v[rows], x[rows], sigma.repeat(len(rows)), sigma_next.repeat(len(rows)),
+                           generator=_generators_of(generators, rows.cpu()), reduction=reduction)
+    nxt[rows] = out.next_sample
+    lp[rows] = out.log_prob
+    return nxt, lp, rows, out.mean
+
+
+class _Record:
+    """What a rollout keeps: every state and log-prob of its live rows with the samples they stand
+    for, and the proposal means at each sample's trainable transitions (``trainable [N, B]``)."""
+
+    def __init__(self, x: torch.Tensor, owners, trainable: torch.Tensor, keep_means: bool):
+        b, device = trainable.shape[1], x.device
+        self.states, self.log_probs, self.trainable = [(x, owners)], [], trainable
+        t = _transitions_per_sample(trainable)
+        self.means = torch.zeros(b, t, *x.shape[1:], dtype=torch.float32, device=device) if keep_means else None
+        self.slot = torch.zeros(b, dtype=torch.long, device=device)
+
+    def add(self, i: int, x_next, log_prob, owners, kernel_rows, mean) -> None:
+        self.states.append((x_next, owners))
+        self.log_probs.append((log_prob, owners))
+        if self.means is None or mean is None or not bool(self.trainable[i].any()):
+            return
+        if kernel_rows is None:  # every sample, at a transition the whole batch trains
+            kernel_rows, mean = torch.arange(self.slot.numel(), device=self.slot.device), _expand(mean, owners)
+        keep = self.trainable[i].to(kernel_rows.device)[kernel_rows]
+        if not bool(keep.all()):  # a sample in its window at a step the kernel does not train there
+            kernel_rows, mean = kernel_rows[keep], mean[keep]
+        self.means[kernel_rows, self.slot[kernel_rows]] = mean
+        self.slot[kernel_rows] += 1
+
+    def latents(self) -> torch.Tensor:
+        return torch.stack([_expand(s, o) for s, o in self.states], dim=1)
+
+    def stacked_log_probs(self) -> torch.Tensor:
+        return torch.stack([_expand(lp, o) for lp, o in self.log_probs], dim=1)
+
+
+def _transitions_per_sample(trainable: torch.Tensor) -> int:
+    """T: the trainable transitions of each sample (``trainable [N, B]``), the same for all."""
+    counts = trainable.sum(dim=0)
+    if counts.numel() and bool((counts != counts[0]).any()):
+        raise ValueError(f"every sample needs the same number of trainable transitions, got {counts.tolist()}")
+    return int(counts[0]) if counts.numel() else 0
+
+
+def _trajectory(record: _Record, steps, stochastic, sig, image, common: dict) -> Trajectory:
+    """The :class:`Trajectory` of a finished rollout: one kernel per step when every sample took
+    the step's kernel (``stochastic``: :func:`trainable_mask`), else per-sample trainable positions
+    with the plan's one kernel."""
+    device = sig.device
+    if all(step.in_sde_window is None for step in steps):
+        form = {"trainable": stochastic.to(device), "kernels": tuple(step.kernel for step in steps)}
+    else:
+        b, t = record.trainable.shape[1], _transitions_per_sample(record.trainable)
+        positions = torch.nonzero(record.trainable.T)[:, 1].reshape(b, t)
+        form = {"trainable": record.trainable.any(dim=1).to(device), "kernels": (), "positions": positions.to(device),
+                "position_kernel": steps[0].kernel}
+    return Trajectory(latents=record.latents(), log_probs=record.stacked_log_probs(), sigmas=sig, image_latents=image,
+                      means=record.means, **form, **common)
+
+
 @torch.no_grad()
-def rollout(
-    velocity_fn: VelocityFn,
+def rollout_steps(
+    velocity_for: Callable[[torch.Tensor], VelocityFn],
     initial_noise: torch.Tensor,
     sigmas,
-    kernels: Sequence[Kernel] | Kernel,
+    steps: Sequence[PlannedStep],
     *,
     generators: GeneratorArg = None,
     image_from: str = "x0_hat",
@@ -154,68 +331,76 @@ def rollout(
     group_ids: torch.Tensor | Sequence[int] | None = None,
     keep_means: bool = False,
 ) -> Trajectory:
-    """Sample ``B`` trajectories from ``initial_noise [B, ...]`` along ``sigmas [N + 1]``.
+    """THE rollout loop: sample ``B`` trajectories from ``initial_noise [B, ...]`` along ``sigmas
+    [N + 1]``, step ``i`` as ``steps[i]`` (:class:`PlannedStep`) says. :func:`rollout`,
+    :func:`flowrl.sampling.plans.rollout_plan` and :func:`flowrl.sampling.branching.branch_rollout`
+    build their plans and call it.
 
-    Step ``i``: ``v = velocity_fn(x_i, sigma_i [B])``, then ``kernels[i].step`` samples
-    ``x_{i+1}`` and its log-prob (float32, ``reduction`` of section 3). ``generators`` is one
+    Step ``i``: ``v = velocity(x_i, sigma_i [rows])`` once per live row (a branch rollout's shared
+    prefix is one row), then the split, then the kernel samples ``x_{i+1}`` and its log-prob
+    (float32, ``reduction`` of section 3) for the samples in their SDE window, a solver for the
+    others. ``velocity_for(rows)`` builds the closure for the live rows ``rows`` (their first
+    samples' indices, ascending), called at the start and after each split. ``generators`` is one
     generator or a list of ``B`` per-sample generators (noise independent of the batch
-    composition). ``image_latents`` is the last step's ``x0_hat = x_{N-1} - sigma_{N-1} v``
-    (``image_from="x0_hat"``, DanceGRPO / MixGRPO / GCPO) or ``x_N`` (``"final"``, Flow-GRPO).
-    ``trainable`` follows :func:`trainable_mask`. ``prompts`` defaults to ``[""] * B``;
-    ``group_ids`` defaults to one group per distinct prompt (order of first appearance).
-    ``keep_means`` stores the kernels' proposal means at the trainable transitions
-    (``Trajectory.means``, for GRPO-Guard). Runs under ``torch.no_grad``.
-    """
-    if image_from not in _IMAGE_FROM:
-        raise ValueError(f"image_from must be one of {_IMAGE_FROM}, got {image_from!r}")
+    composition; a live row draws from its first sample's). ``image_latents`` is the last step's
+    ``x0_hat = x_{N-1} - sigma_{N-1} v`` (``image_from="x0_hat"``, DanceGRPO / MixGRPO / GCPO) or
+    ``x_N`` (``"final"``, Flow-GRPO). A sample's trainable transitions are the steps where it is in
+    its SDE window and the kernel injects noise, minus the last with the image from ``x0_hat``
+    (:func:`trainable_mask`). ``prompts`` defaults to ``[""] * B``; ``group_ids`` to one group per
+    distinct prompt (order of first appearance). ``keep_means`` stores the kernels' proposal means
+    at the trainable transitions (``Trajectory.means``, for GRPO-Guard). Runs under
+    ``torch.no_grad``."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     if initial_noise.ndim < 2:
         raise ValueError(f"initial_noise must be [B, ...] with >= 2 dims, got {tuple(initial_noise.shape)}")
-    device = initial_noise.device
-    sig = validate_sigmas(sigmas).to(device)
+    device, b = initial_noise.device, initial_noise.shape[0]
+    sig, steps = validate_sigmas(sigmas).to(device), tuple(steps)
     n = sig.numel() - 1
-    if isinstance(kernels, Kernel):
-        kernels = (kernels,) * n
-    kernels = tuple(kernels)
-    trainable = trainable_mask(kernels, sig.cpu(), image_from)
-    b = initial_noise.shape[0]
+    stochastic = trainable_mask(tuple(step.kernel for step in steps), sig.cpu(), image_from)  # one step per sigma
+    live = _LiveRows(b, _roots(steps, b), device)
+    trainable = torch.stack([stochastic[i] & (torch.ones(b, dtype=torch.bool) if step.in_sde_window is None
+                                              else step.in_sde_window.cpu()) for i, step in enumerate(steps)])
     prompts, gids = prompts_and_groups(prompts, group_ids, b, device)
-
-    x = initial_noise.to(torch.float32)
-    states = [x]
-    log_probs = []
-    means = []
-    x0_hat = None
-    for i in range(n):
-        s_i = sig[i].repeat(b)
-        s_n = sig[i + 1].repeat(b)
-        v = velocity_fn(x, s_i)
+    x = _expand(initial_noise.to(torch.float32), None if live.block == 1 else live.samples)
+    record = _Record(x, live.owners(), trainable, keep_means)
+    velocity_fn, previous, x0 = velocity_for(live.samples), None, None
+    multistep = any(step.solver_after == DPM2M for step in steps)  # keeps each step's x0_hat for the next
+    for i, step in enumerate(steps):
+        v = velocity_fn(x, sig[i].repeat(len(x)))
         if v.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(v.shape)}, expected {tuple(x.shape)}")
-        if i == n - 1 and image_from == "x0_hat":
-            x0_hat = x - s_i.reshape(b, *([1] * (x.ndim - 1))) * v.to(torch.float32)
-        out = kernels[i].step(v, x, s_i, s_n, generator=generators, reduction=reduction)
-        if keep_means and bool(trainable[i]):
-            means.append(out.mean)
-        x = out.next_sample
-        states.append(x)
-        log_probs.append(out.log_prob)
-    latents = torch.stack(states, dim=1)
-    image = x0_hat if image_from == "x0_hat" else x
-    return Trajectory(
-        latents=latents,
-        log_probs=torch.stack(log_probs, dim=1),
-        sigmas=sig,
-        trainable=trainable.to(device),
-        prompts=prompts,
-        group_ids=gids,
-        image_latents=image,
-        kernels=kernels,
-        reduction=reduction,
-        image_from=image_from,
-        means=torch.stack(means, dim=1) if keep_means else None,
-    )
+        if step.branch_factor > 1:  # the split: copies of the state AND of its velocity (no forward is repeated)
+            live.split(step.branch_factor)
+            x, v = x.repeat_interleave(step.branch_factor, dim=0), v.repeat_interleave(step.branch_factor, dim=0)
+            velocity_fn = velocity_for(live.samples)
+        if multistep or (i == n - 1 and image_from == "x0_hat"):
+            x0 = x - sig[i] * v.to(torch.float32)
+        gens = generators if live.block == 1 else _generators_of(generators, live.samples)
+        x_next, lp, kernel_rows, mean = _take_step(step, v, x, x0, sig[i], sig[i + 1], previous, gens, reduction)
+        record.add(i, x_next, lp, live.owners(), kernel_rows, mean)
+        previous, x = ((x0, sig[i]) if multistep else None), x_next
+    image = _expand(x0 if image_from == "x0_hat" else x, live.owners())
+    return _trajectory(record, steps, stochastic, sig, image,
+                       {"prompts": prompts, "group_ids": gids, "reduction": reduction, "image_from": image_from})
+
+
+def rollout(
+    velocity_fn: VelocityFn,
+    initial_noise: torch.Tensor,
+    sigmas,
+    kernels: Sequence[Kernel] | Kernel,
+    **options,
+) -> Trajectory:
+    """Sample ``B`` trajectories with one kernel per step (``kernels[i]`` steps every sample at
+    step ``i``; one :class:`Kernel` for all): :func:`rollout_steps` on that plan, with
+    ``velocity_fn(x, sigma [B])`` for the whole batch. ``options`` are :func:`rollout_steps`'
+    keywords (``generators``, ``image_from``, ``reduction``, ``prompts``, ``group_ids``,
+    ``keep_means``); ``trainable`` follows :func:`trainable_mask`."""
+    if isinstance(kernels, Kernel):
+        kernels = (kernels,) * (validate_sigmas(sigmas).numel() - 1)
+    return rollout_steps(lambda rows: velocity_fn, initial_noise, sigmas, [PlannedStep(k) for k in kernels],
+                         **options)
 
 
 def rescore_transition(

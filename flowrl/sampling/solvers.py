@@ -23,10 +23,12 @@ import math
 
 import torch
 
-__all__ = ["dpm_lambda", "dpm_first_order_step", "dpmpp_2m_step", "flash_schedule", "DPM2M"]
+__all__ = ["dpm_lambda", "dpm_first_order_step", "dpmpp_2m_step", "flash_schedule", "DPM2M", "OUTSIDE_SOLVERS"]
 
 #: The name of the multistep solver in recipes (``outside = "dpm2m"``).
 DPM2M = "dpm2m"
+#: The solvers a rollout may use outside a sample's SDE window (Euler before it, one of these after).
+OUTSIDE_SOLVERS = ("euler", DPM2M)
 
 
 def _col(t, x: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,4 @@
   Z-Image diffusers pipelines built offline (``build_tiny_flux(path)``, ``build_tiny_sd3(path)``,
   ``build_tiny_qwen_image(path)``, ``build_tiny_flux2_klein(path)``, ``build_tiny_zimage(path)``)
   to test against the real code paths without downloading weights.
-- :mod:`flowrl.testing.selftest`: the checks of ``flowrl selftest`` (a tiny FLUX trained on this
-  machine's device: fast path, chunk-graph update, on-policy check, kill and resume, kernels).
 """

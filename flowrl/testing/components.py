@@ -291,11 +291,12 @@ def check_window(planner, **_) -> list[str]:
         plan = planner.plan(it, list(range(8)), ctx)
         if plan is None:
             continue
-        assert isinstance(plan, RolloutPlan) and plan.windows.shape == (8, 2)
-        assert plan.num_trainable == T or T == 0 and bool((plan.windows[:, 0] == plan.windows[:, 1]).all())
-        assert bool((plan.windows[:, 1] <= ctx.trainable_prefix).all()), "windows must sit on trainable steps"
+        assert isinstance(plan, RolloutPlan) and plan.sde_windows.shape == (8, 2)
+        assert plan.num_trainable == T or T == 0 and bool((plan.sde_windows[:, 0] == plan.sde_windows[:, 1]).all())
+        assert bool((plan.sde_windows[:, 1] <= ctx.trainable_prefix).all()), "windows must sit on trainable steps"
         again = planner.plan(it, list(range(4, 8)), ctx)
-        torch.testing.assert_close(again.windows, plan.windows[4:], msg="a sample's window must not depend on the batch")
+        torch.testing.assert_close(again.sde_windows, plan.sde_windows[4:],
+                                   msg="a sample's window must not depend on the batch")
     return ["WindowPlanner"]
 
 

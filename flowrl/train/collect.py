@@ -6,18 +6,18 @@ while the next sub-batch samples (:mod:`flowrl.train.overlap`); otherwise after 
 
 Every random draw is keyed by the GLOBAL sample index (:mod:`flowrl.seeding`): a sample gets
 the same starting noise, SDE noise and prompt on any number of processes and after a resume.
-The result is a :class:`Batch`, which the update consumes as it is.
+The result is a :class:`~flowrl.batch.Batch`, which the update consumes as it is.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 
 from .. import distributed
+from ..batch import Batch  # defined below the objectives, which read it; imported from here too
 from ..objectives.advantages import advantages_for
 from ..interfaces import (
     KeepsRolloutMeans,
@@ -26,7 +26,7 @@ from ..interfaces import (
     UsesImageFeatures,
     select_embeddings,
 )
-from ..offline import OfflineBatch, encode_rows, iteration_rows
+from ..offline import encode_rows, iteration_rows
 from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
@@ -38,35 +38,6 @@ from ..sampling.trajectory import Trajectory
 from ..stop_points import stoppable
 from .overlap import OverlappedScoring, score_part
 from .run import Run
-
-
-@dataclasses.dataclass
-class Batch:
-    """This process's samples of one iteration, from rollout to update.
-
-    ``indices`` are the samples' global indices; ``group_ids [B]`` their prompt groups;
-    ``rewards`` and ``reward_extras`` the local scores (``[B]`` each); ``advantages`` ``[B]`` or
-    ``[B, K]``, or None when a reward was not finite (the update is then skipped). An offline
-    run's batch holds the table's rows (``data``: their encoded images) and no trajectory,
-    rewards or advantages: the table is the training signal.
-    """
-
-    iteration: int
-    indices: range
-    prompts: list[str]
-    group_ids: torch.Tensor
-    text: TextEmbeddings
-    trajectory: Trajectory | None = None
-    images: torch.Tensor | None = None
-    rewards: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    reward_extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    advantages: torch.Tensor | None = None
-    data: OfflineBatch | None = None
-
-    @property
-    def trainable(self) -> bool:
-        """Whether the update trains on it: a rollout with finite rewards, or offline rows."""
-        return self.advantages is not None or self.data is not None
 
 
 def initial_noise(seed: int, iteration: int, indices, group_size: int, shape, same_in_group: bool) -> torch.Tensor:
@@ -190,7 +161,7 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
             elif plan is None:
                 parts.append(rollout(velocity, noise[lo : lo + len(b)], sampler.sigmas, sampler.kernels, **common))
             else:
-                part_plan = dataclasses.replace(plan, windows=plan.windows[lo : lo + len(b)])
+                part_plan = plan.for_samples(slice(lo, lo + len(b)))
                 parts.append(rollout_plan(velocity, noise[lo : lo + len(b)], part_plan, session.components.kernel,
                                           **common))
             if on_part is not None:  # [sampler].overlap_rewards: decode and score this part meanwhile

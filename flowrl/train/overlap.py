@@ -8,7 +8,7 @@ as sampling: a reward served by another process (the ``http`` reward and ``flowr
 serve``), a reward on another device, and any torch work (torch releases the GIL inside its
 kernels). At the end of the rollout the main thread waits for the last sub-batch only.
 
-Guarantees (tests/engine/test_engine_overlap.py):
+Guarantees (tests/train/test_engine_overlap.py):
 
 - order: the scores of sub-batch i are placed at the rows of sub-batch i, whatever finishes
   first (one worker thread takes the sub-batches in order, so a reward is never called twice

@@ -275,7 +275,7 @@ class Strategy:
         module.set_reduce_scatter_unused_params(True)
         # FSDP2 warns on every process that diffusers' transformers return a view. Only an
         # in-place op on it would be harmful; flowrl's adapters and kernels use the velocity
-        # out of place, and tests/engine/test_engine_fsdp2.py checks the gradients equal one
+        # out of place, and tests/train/test_engine_fsdp2.py checks the gradients equal one
         # process's.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return module

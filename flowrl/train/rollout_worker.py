@@ -9,7 +9,7 @@ The training process (the learner) starts one rollout process, with multiprocess
   weights); the process copies them into its own policy;
 - ``draw``: the process collects the iteration's rollout with them (prompts, text embeddings,
   rollout, images, rewards: :func:`flowrl.train.collect.collect`, no collective) and answers with
-  the :class:`~flowrl.train.collect.Batch` on the CPU, its phase seconds and its counted model
+  the :class:`~flowrl.batch.Batch` on the CPU, its phase seconds and its counted model
   work; the learner moves the batch to its own device.
 
 The process builds the same components from the same recipe (:meth:`Session.open`, no

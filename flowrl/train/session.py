@@ -87,10 +87,10 @@ def build_sampler(recipe: Recipe, components: Components, device: torch.device) 
     computed it."""
     n = recipe.sampler.steps
     sigmas = components.schedule.sigmas(n, components.model).to(device=device, dtype=torch.float32)
-    window = tuple(recipe.sampler.sde_window) if recipe.sampler.sde_window else None
+    sde_window = tuple(recipe.sampler.sde_window) if recipe.sampler.sde_window else None
     return Sampler(
         sigmas=sigmas,
-        kernels=make_kernels(n, components.kernel, window),
+        kernels=make_kernels(n, components.kernel, sde_window),
         num_trainable=recipe.num_trainable,
         image_from=recipe.sampler.image_from,
         reduction=recipe.sampler.logprob_reduction,

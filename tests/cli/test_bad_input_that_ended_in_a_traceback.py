@@ -5,21 +5,13 @@ for memory. Each is now one message (what, where, how to fix), exit status 2."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_recipe import ENGINE, tiny_recipe
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
-from engine_helpers import TINY_RECIPE  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_cli_recipe import train_in_process  # noqa: E402
-
-
-_train = train_in_process
 
 
 def _one_message(code: int, err: str) -> None:
@@ -31,8 +23,19 @@ def _one_message(code: int, err: str) -> None:
 @pytest.fixture
 def tiny(tmp_path) -> Path:
     path = tmp_path / "tiny.toml"
-    path.write_text(TINY_RECIPE)
+    path.write_text(tiny_recipe(ENGINE))
     return path
+
+
+@pytest.fixture
+def flowrl_train(flowrl_cli):
+    """``flowrl_train(*args) -> (exit code, stderr)``: ``flowrl train ARGS`` in this process."""
+
+    def run(*args: str) -> tuple[int, str]:
+        (result,) = flowrl_cli.in_process([["train", *args]], cwd=Path.cwd())
+        return result.returncode, result.stderr
+
+    return run
 
 
 @pytest.fixture
@@ -68,13 +71,13 @@ def _unmakeable_run_dirs(tmp_path: Path):
     return cases
 
 
-def test_bad_input_run_directory_os_errors_are_one_message_before_any_model_loads(tiny, tmp_path, capsys,
+def test_bad_input_run_directory_os_errors_are_one_message_before_any_model_loads(tiny, tmp_path, flowrl_train,
                                                                                    no_model_load):
     cases = _unmakeable_run_dirs(tmp_path)
     before = sorted(tmp_path.rglob("*"))
     for run_dir, reason in cases:
         for flags in (["-o", str(run_dir)], ["-o", str(run_dir), "--overwrite"]):
-            code, err = _train(str(tiny), *flags, capsys=capsys)
+            code, err = flowrl_train(str(tiny), *flags)
             _one_message(code, err)
             err = " ".join(err.split())
             assert "--output-dir: cannot" in err and str(run_dir) in err and reason in err, (run_dir, err)
@@ -82,7 +85,7 @@ def test_bad_input_run_directory_os_errors_are_one_message_before_any_model_load
     assert sorted(tmp_path.rglob("*")) == before  # nothing half-made on the way to a path that failed
 
 
-def test_bad_input_run_directory_a_parent_that_fails_midway_leaves_none_made_behind(tiny, tmp_path, capsys,
+def test_bad_input_run_directory_a_parent_that_fails_midway_leaves_none_made_behind(tiny, tmp_path, flowrl_train,
                                                                                       no_model_load, monkeypatch):
     """Missing parents are made one by one; when one fails (a full disk, an OS limit), those made
     before it are removed again."""
@@ -100,7 +103,7 @@ def test_bad_input_run_directory_a_parent_that_fails_midway_leaves_none_made_beh
     monkeypatch.setattr(Path, "mkdir", mkdir)
     for name, (_, reason) in failures.items():
         run_dir = tmp_path / "made" / "also_made" / name / "run"
-        code, err = _train(str(tiny), "-o", str(run_dir), capsys=capsys)
+        code, err = flowrl_train(str(tiny), "-o", str(run_dir))
         _one_message(code, err)
         err = " ".join(err.split())
         assert f"cannot create the run directory {run_dir}: {reason} ({tmp_path / 'made' / 'also_made' / name})" in err
@@ -128,13 +131,13 @@ def _unreadable_recipes(tmp_path: Path):
 
 
 def test_bad_input_recipe_files_the_toml_parser_cannot_read_are_one_message_naming_the_file(tmp_path, validate,
-                                                                                             capsys):
+                                                                                             flowrl_train):
     for path, message in _unreadable_recipes(tmp_path):
         code, err = validate(path)
         _one_message(code, err)
         err = " ".join(err.split())
         assert str(path) in err and message in err, (path, err)
-        code, err = _train(str(path), capsys=capsys)
+        code, err = flowrl_train(str(path))
         _one_message(code, err)
         err = " ".join(err.split())
         assert str(path) in err and message in err, (path, err)
@@ -159,7 +162,7 @@ ALLOCATION_FAILURES = [
 
 
 @pytest.mark.parametrize("phase", ["collect", "update"])
-def test_bad_input_an_allocation_failure_names_the_recipe_keys_that_set_the_size(tiny, tmp_path, capsys,
+def test_bad_input_an_allocation_failure_names_the_recipe_keys_that_set_the_size(tiny, tmp_path, flowrl_train,
                                                                                   monkeypatch, phase):
     """Rollout (collect) or update cannot allocate: one message with the batch's keys and values."""
     from flowrl.train import loop
@@ -172,7 +175,7 @@ def test_bad_input_an_allocation_failure_names_the_recipe_keys_that_set_the_size
             monkeypatch.setattr(loop, "collect", fail)
         else:
             monkeypatch.setattr(loop.PolicyUpdate, "run", fail)
-        code, err = _train(str(tiny), "-o", str(tmp_path / f"run{n}"), capsys=capsys)
+        code, err = flowrl_train(str(tiny), "-o", str(tmp_path / f"run{n}"))
         _one_message(code, err)
         err = " ".join(err.split())
         assert f"{tiny}: [train]: out of memory (" in err, err

@@ -1,5 +1,5 @@
 """`flowrl eval` never replaces a run's own evaluation with an ad-hoc one, and refuses a run
-without a checkpoint (issue 28, "Docs and behaviour that disagree").
+without a checkpoint.
 
 ``flowrl eval RUN_DIR --prompt ...`` used to overwrite ``<checkpoint>.eval.json`` (the run's own
 evaluation, whose means equal what the run logged) with the scores of other prompts. A run
@@ -13,11 +13,11 @@ import json
 import shutil
 
 import pytest
+from tiny_recipe import CLI, tiny_recipe
 
 from flowrl.recipe import load_recipe
-from tiny_cli_recipe import tiny_recipe  # tests/cli/tiny_cli_recipe.py
 
-RECIPE = tiny_recipe("adhoc_eval", 5)
+RECIPE = tiny_recipe(CLI, run={"name": "adhoc_eval", "seed": 5})
 
 PROMPT = "a red circle on a blue background"
 

@@ -13,10 +13,9 @@ import csv
 import json
 
 import pytest
+from tiny_recipe import CLI, tiny_recipe
 
-from flowrl import cli
 from flowrl.recipe import load_recipe
-from tiny_cli_recipe import tiny_recipe  # tests/cli/tiny_cli_recipe.py
 from flowrl.runlog import read_metrics
 
 TRAIN_ROWS = [f"a {c} {s} on a white background" for c, s in
@@ -24,7 +23,8 @@ TRAIN_ROWS = [f"a {c} {s} on a white background" for c, s in
 HELD_OUT_ROWS = [f"a {c} {s} on a black background" for c, s in
                  [("blue", "circle"), ("green", "square"), ("red", "triangle"), ("green", "circle")]]
 
-RECIPE = tiny_recipe("split_eval", 3, prompts='source = "prompts.csv"\ntext_column = "caption"\nsplit_column = "part"\nnum_eval = 3\neval_seeds = 1')
+RECIPE = tiny_recipe(CLI, run={"name": "split_eval", "seed": 3},
+                     prompts={"source": "prompts.csv", "text_column": "caption", "split_column": "part", "num_eval": 3})
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +45,12 @@ def split_run(tmp_path_factory):
     return train(recipe, console=Console(file=open(root / "console.txt", "w"), width=200))
 
 
-def test_eval_of_a_run_scores_exactly_its_held_out_evaluation_prompts(split_run, capsys):
+def test_eval_of_a_run_scores_exactly_its_held_out_evaluation_prompts(split_run, flowrl_cli):
     from flowrl.train.evaluate import evaluation_set
 
     run = split_run
-    try:
-        cli.main(["eval", str(run)])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    err = capsys.readouterr().err
-    assert code == 0, err
+    (evaluated,) = flowrl_cli.in_process([["eval", str(run)]])
+    assert evaluated.returncode == 0, evaluated.stderr
     result = json.loads((run / "checkpoints" / "iter_000001.eval.json").read_text())
     assert result["settings"]["protocol"] == "run" and result["settings"]["num_prompts"] == 3
     prompts = [r["prompt"] for r in result["per_image"]]

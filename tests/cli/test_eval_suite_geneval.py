@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl import cli, geneval
+from flowrl import geneval
 from flowrl_plugins.embedded.compose.model import EmbeddedComposeModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,15 +27,10 @@ def doc_commands() -> list[list[str]]:
     return [line.split()[1:] for block in blocks for line in block.splitlines() if line.startswith("flowrl ")]
 
 
-def _cli(argv, capsys) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        cli.main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+def _cli(flowrl_cli, argv) -> tuple[int, str, str]:
+    """``flowrl ARGV`` in this process, from the current directory: (exit code, stdout, stderr)."""
+    (result,) = flowrl_cli.in_process([argv], cwd=Path.cwd())
+    return result.returncode, result.stdout, result.stderr
 
 
 @pytest.fixture
@@ -66,8 +61,8 @@ def compose_run(tmp_path_factory):
     return train(recipe, console=Console(file=open(root / "console.txt", "w"), width=200))
 
 
-def test_suite_of_a_run_writes_genevals_table_beside_its_checkpoint(compose_run, small_suite, capsys):
-    code, out, err = _cli(["eval", str(compose_run), "--suite", "geneval"], capsys)
+def test_suite_of_a_run_writes_genevals_table_beside_its_checkpoint(compose_run, small_suite, flowrl_cli):
+    code, out, err = _cli(flowrl_cli, ["eval", str(compose_run), "--suite", "geneval"])
     assert code == 0, err
     result = json.loads((compose_run / "checkpoints" / "iter_000001.geneval.json").read_text())
     assert set(result["categories"]) == set(geneval.TAGS)
@@ -81,22 +76,22 @@ def test_suite_of_a_run_writes_genevals_table_beside_its_checkpoint(compose_run,
     assert "overall" in out and "color_attr" in out
 
 
-def test_docs_commands_run_as_written(small_suite, capsys, tmp_path, monkeypatch):
+def test_docs_commands_run_as_written(small_suite, flowrl_cli, tmp_path, monkeypatch):
     commands = doc_commands()
     assert ["eval", "--model", "embedded_compose", "--suite", "geneval", "-o", "geneval_base.json"] in commands
     monkeypatch.chdir(tmp_path)
-    code, out, err = _cli(["eval", "--model", "embedded_compose", "--suite", "geneval", "-o", "geneval_base.json"],
-                          capsys)
+    code, out, err = _cli(flowrl_cli,
+                          ["eval", "--model", "embedded_compose", "--suite", "geneval", "-o", "geneval_base.json"])
     assert code == 0, err
     result = json.loads((tmp_path / "geneval_base.json").read_text())
     assert result["overall"]["n"] == len(result["per_image"]) == 12 and result["checkpoint"] is None
 
 
-def test_seeds_repeat_the_suite_from_new_noise_and_keep_the_first_pass(small_suite, capsys, tmp_path):
+def test_seeds_repeat_the_suite_from_new_noise_and_keep_the_first_pass(small_suite, flowrl_cli, tmp_path):
     argv = ["eval", "--model", "embedded_compose", "--suite", "geneval", "--seed", "3"]
-    code, _, err = _cli([*argv, "-o", str(tmp_path / "one.json")], capsys)
+    code, _, err = _cli(flowrl_cli, [*argv, "-o", str(tmp_path / "one.json")])
     assert code == 0, err
-    code, _, err = _cli([*argv, "--seeds", "2", "-o", str(tmp_path / "two.json")], capsys)
+    code, _, err = _cli(flowrl_cli, [*argv, "--seeds", "2", "-o", str(tmp_path / "two.json")])
     assert code == 0, err
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert len(two["per_image"]) == 2 * len(one["per_image"]) == 24 and two["settings"]["repeats"] == 2
@@ -106,7 +101,7 @@ def test_seeds_repeat_the_suite_from_new_noise_and_keep_the_first_pass(small_sui
                                                                for r in one["per_image"]]  # new noise indices
 
 
-def test_docs_training_commands_and_search_overrides_validate_as_written(capsys, monkeypatch):
+def test_docs_training_commands_and_search_overrides_validate_as_written(flowrl_cli, monkeypatch):
     # the recipe trains for minutes: its documented command is dry-run; each row of the search
     # table names overrides of a shipped recipe, which must load as written
     from flowrl.recipe import load_recipe
@@ -115,7 +110,7 @@ def test_docs_training_commands_and_search_overrides_validate_as_written(capsys,
     assert ["train", "recipes/compose_nft.toml"] in trains
     monkeypatch.chdir(REPO)
     for argv in trains:
-        code, out, err = _cli([*argv, "--dry-run"], capsys)
+        code, out, err = _cli(flowrl_cli, [*argv, "--dry-run"])
         assert code == 0, err
     text = (REPO / "docs" / "compose.md").read_text(encoding="utf-8")
     rows = [r for r in text.splitlines() if r.startswith("| ") and ("`train." in r or "`rewards." in r
@@ -128,7 +123,7 @@ def test_docs_training_commands_and_search_overrides_validate_as_written(capsys,
         load_recipe(REPO / recipe, sets)
 
 
-def test_the_full_suite_and_its_refusals(tmp_path, capsys):
+def test_the_full_suite_and_its_refusals(tmp_path, flowrl_cli):
     from flowrl_plugins.embedded.compose.model import ComposeConfig
 
     suite = EmbeddedComposeModel(ComposeConfig(random_init=True)).benchmark_suite("geneval")
@@ -138,11 +133,12 @@ def test_the_full_suite_and_its_refusals(tmp_path, capsys):
                             "color_attr": 72}  # every held-out prompt, about 48 images a category
     assert EmbeddedComposeModel(ComposeConfig(random_init=True)).benchmark_suite("ocr") is None
 
-    code, _, err = _cli(["eval", "--model", "embedded", "--suite", "geneval", "-o", str(tmp_path / "x.json")], capsys)
+    code, _, err = _cli(flowrl_cli,
+                        ["eval", "--model", "embedded", "--suite", "geneval", "-o", str(tmp_path / "x.json")])
     assert code != 0 and "carries no 'geneval' suite" in err and "Traceback" not in err
-    code, _, err = _cli(["eval", "--model", "embedded_compose", "--suite", "geneval", "--reward", "area",
-                         "-o", str(tmp_path / "y.json")], capsys)
-    assert code != 0 and "--reward cannot be combined" in err
-    code, _, err = _cli(["eval", "--model", "embedded_compose", "--suite", "geneval"], capsys)
-    assert code != 0 and "-o" in err
+    code, _, err = _cli(flowrl_cli, ["eval", "--model", "embedded_compose", "--suite", "geneval", "--reward", "area",
+                                     "-o", str(tmp_path / "y.json")])
+    assert code != 0 and "--reward cannot be combined" in err and "Traceback" not in err
+    code, _, err = _cli(flowrl_cli, ["eval", "--model", "embedded_compose", "--suite", "geneval"])
+    assert code != 0 and "-o" in err and "Traceback" not in err
     assert not (tmp_path / "x.json").exists() and not (tmp_path / "y.json").exists()

@@ -1,8 +1,8 @@
-"""Help screens print every ``[word]`` of a help text as written (issue 45): Typer renders help as
+"""Help screens print every ``[word]`` of a help text as written: Typer renders help as
 Rich markup, which took ``[ema]``, ``[distributed]``, ``[log]`` or ``[plot]`` for unknown tags and
 dropped them ("runs with  enabled", "needs flowrl-diffusion"). The tests walk every command and
 subcommand of the app (so a new one is covered without being listed here) and render its
-``--help`` through Typer's test runner."""
+``--help`` through flowrl's command line in this process (the ``flowrl_cli`` fixture)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import typer.main
-from typer.testing import CliRunner
 
 from flowrl.cli import app
 from flowrl.commands.base import literal_markup
@@ -50,10 +49,16 @@ def help_texts(command) -> list[str]:
     return [t for t in texts if t]
 
 
-def render_help(path: tuple[str, ...]) -> str:
-    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "250"})
-    assert result.exit_code == 0, result.output
-    return " ".join(result.output.replace("│", " ").split())  # rich's line wrapping and box undone
+@pytest.fixture
+def render_help(flowrl_cli):
+    """``render_help(path) -> text``: ``flowrl PATH --help`` with rich's line wrapping and box undone."""
+
+    def render(path: tuple[str, ...]) -> str:
+        (result,) = flowrl_cli.in_process([[*path, "--help"]])
+        assert result.returncode == 0, result.stdout + result.stderr
+        return " ".join(result.stdout.replace("│", " ").split())
+
+    return render
 
 
 def test_the_walk_finds_every_command_and_subcommand():
@@ -62,22 +67,22 @@ def test_the_walk_finds_every_command_and_subcommand():
 
 
 @pytest.mark.parametrize("path", list(COMMANDS), ids=lambda p: " ".join(p) or "flowrl")
-def test_help_prints_every_bracketed_word_of_its_help_texts(path):
+def test_help_prints_every_bracketed_word_of_its_help_texts(path, render_help):
     words = sorted({w for text in help_texts(COMMANDS[path]) for w in BRACKETED.findall(text)})
     out = render_help(path)
     missing = [w for w in words if w not in out]
     assert not missing, f"`flowrl {' '.join(path)} --help` drops {missing}:\n{out}"
 
 
-def test_the_help_of_sample_export_and_plan_names_the_recipe_tables():
-    """The screens the issue quoted, in words."""
+def test_the_help_of_sample_export_and_plan_names_the_recipe_tables(render_help):
+    """The screens of sample, export, plan and doctor name their recipe tables, in words."""
     assert "(runs with [ema] enabled)" in render_help(("sample",))
     assert "(runs with [ema] enabled)" in render_help(("export",))
     assert "[distributed].num_processes" in render_help(("plan",))
     assert "[distributed] table" in render_help(("doctor",))
 
 
-def test_compare_help_names_the_plot_extra_as_pip_installs_it():
+def test_compare_help_names_the_plot_extra_as_pip_installs_it(render_help):
     assert "flowrl-diffusion[plot]" in render_help(("compare",))
 
 

@@ -1,22 +1,16 @@
 """A count given on the command line below its least value is refused before anything runs, in one
-message (issue 45: ``flowrl train --num-processes 0``, or -1, was accepted and trained). Every
+message (``flowrl train --num-processes 0``, or -1, once was accepted and trained). Every
 integer option of every command is checked (the app is walked, so a new option is covered): it
 declares its least value (Typer's ``min=``) and a value below it is a usage error, or it is one of
 the few whose every value means something or that a later check refuses."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import typer.main
-from typer.testing import CliRunner
+from tiny_recipe import CLI, tiny_recipe
 
 from flowrl.cli import app
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_cli_recipe import tiny_recipe, train_in_process
 
 #: Integer options without a least value on the command line, and why.
 UNBOUNDED = {
@@ -67,19 +61,21 @@ def test_every_integer_option_declares_its_least_value():
 
 
 @pytest.mark.parametrize("path, param", BOUNDED, ids=[f"{' '.join(p)} {o.opts[0]}" for p, o in BOUNDED])
-def test_a_value_below_the_least_is_one_usage_error(path, param):
-    result = CliRunner().invoke(app, [*path, param.opts[0], str(least_value(param) - 1)], env={"COLUMNS": "250"})
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output and "Invalid value" in result.output, result.output
-    assert param.opts[0] in result.output, result.output
+def test_a_value_below_the_least_is_one_usage_error(path, param, flowrl_cli):
+    (result,) = flowrl_cli.in_process([[*path, param.opts[0], str(least_value(param) - 1)]])
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output and "Invalid value" in output, output
+    assert param.opts[0] in output, output
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])
-def test_train_refuses_fewer_than_one_process(n, tmp_path, capsys):
+def test_train_refuses_fewer_than_one_process(n, tmp_path, flowrl_cli):
     recipe = tmp_path / "tiny.toml"
-    recipe.write_text(tiny_recipe("no_processes", 1), encoding="utf-8")
+    recipe.write_text(tiny_recipe(CLI, run={"name": "no_processes", "seed": 1}), encoding="utf-8")
     run_dir = tmp_path / "run"
-    code, err = train_in_process(str(recipe), "-o", str(run_dir), "--num-processes", n, capsys=capsys)
+    (result,) = flowrl_cli.in_process([["train", str(recipe), "-o", str(run_dir), "--num-processes", n]])
+    code, err = result.returncode, result.stderr
     assert code == 2, err
     assert "Traceback" not in err and "Invalid value" in err and "--num-processes" in err, err
     assert not run_dir.exists()  # refused before anything ran

@@ -11,18 +11,14 @@ iteration's write: the OS calls every write goes through (``os.replace`` for the
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from tiny_recipe import CLI, tiny_recipe
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_cli_recipe import tiny_recipe, train_in_process  # noqa: E402
-
-
-_train = train_in_process
+from flowrl.runlog import read_metrics
 
 
 def _fail_second(monkeypatch, name: str, matches, error) -> None:
@@ -60,17 +56,19 @@ CASES = {
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
 @pytest.mark.parametrize("case", list(CASES))
-def test_an_os_error_at_a_write_mid_run_is_one_message_and_keeps_the_previous_checkpoint(case, tmp_path, capsys,
+def test_an_os_error_at_a_write_mid_run_is_one_message_and_keeps_the_previous_checkpoint(case, tmp_path, flowrl_cli,
                                                                                         monkeypatch):
     from flowrl.train.checkpoint import checkpoint_iteration, latest_checkpoint, load_checkpoint
 
     name, matches, error, reason, names = CASES[case]
     recipe = tmp_path / "tiny.toml"
-    recipe.write_text(tiny_recipe(f"os_error_{case}", 3), encoding="utf-8")
+    recipe.write_text(tiny_recipe(CLI, run={"name": f"os_error_{case}", "seed": 3}), encoding="utf-8")
     run_dir = tmp_path / "run"
     _fail_second(monkeypatch, name, matches, error)
-    code, err = _train(str(recipe), "-o", str(run_dir), "--set", "train.iterations=2", capsys=capsys)
+    (result,) = flowrl_cli.in_process([["train", str(recipe), "-o", str(run_dir), "--set", "train.iterations=2"]],
+                                      cwd=Path.cwd())
     monkeypatch.undo()
+    code, err = result.returncode, result.stderr
 
     assert code == 2, err
     assert err.startswith("error:") and err.count("\nerror:") == 0 and "Traceback" not in err, err
@@ -81,8 +79,7 @@ def test_an_os_error_at_a_write_mid_run_is_one_message_and_keeps_the_previous_ch
     latest = latest_checkpoint(run_dir)
     assert latest is not None and checkpoint_iteration(latest) == 1, latest
     load_checkpoint(latest)
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    assert lines and all(isinstance(json.loads(line), dict) for line in lines), lines
+    assert read_metrics(run_dir)  # every line whole (a torn line would not parse)
 
 
 @pytest.mark.parametrize("exc, inside", [

@@ -1,4 +1,4 @@
-"""Tables printed where no terminal gives a width (a pipe, a log, a Slurm output file) (issue 28).
+"""Tables printed where no terminal gives a width (a pipe, a log, a Slurm output file).
 
 rich assumes 80 columns there and folds table cells mid-word. ``flowrl compare`` and ``flowrl
 profile`` (with ``--compare``) print their tables as wide as the cells need

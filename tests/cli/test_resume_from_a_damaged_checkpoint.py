@@ -1,23 +1,21 @@
 """A damaged checkpoint (a truncated ``model.safetensors``, as a partial copy leaves) ends
-``flowrl train --resume`` in one message, not a traceback (issue 45): it names the damaged file,
+``flowrl train --resume`` in one message, not a traceback: it names the damaged file,
 the newest intact checkpoint and the command that resumes from it; that command works.
 
-The run is the tiny CLI recipe: one iteration (whose end says "done: 1 iteration", issue 45 too),
+The run is the tiny CLI recipe: one iteration (whose end says "done: 1 iteration", in the singular),
 then resumed to a second, so that it has two checkpoints.
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from tiny_recipe import CLI, tiny_recipe
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny_cli_recipe import tiny_recipe, train_in_process
+from flowrl.runlog import read_metrics
 
 
 def flat(text: str) -> str:
@@ -29,34 +27,24 @@ def truncate(file: Path) -> None:
     file.write_bytes(data[: len(data) // 2])
 
 
-def train_quietly(*args: str) -> tuple[int, str, str]:
-    """``flowrl train ARGS`` in this process: (exit code, stdout, stderr)."""
-    import contextlib
-    import io
-
-    from flowrl import cli
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            cli.main(["train", *args])
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
+def train(flowrl_cli, *args: str) -> tuple[int, str, str]:
+    """``flowrl train ARGS`` in this process, from the current directory: (exit code, stdout, stderr)."""
+    (result,) = flowrl_cli.in_process([["train", *args]], cwd=Path.cwd())
+    return result.returncode, result.stdout, result.stderr
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, flowrl_cli):
     """A run directory with checkpoints iter_000001 and iter_000002 (trained once for the module),
     and the stdout of its first, one-iteration, run."""
     root = tmp_path_factory.mktemp("damaged")
     recipe = root / "tiny.toml"
-    recipe.write_text(tiny_recipe("damaged_checkpoint", 5, prompts="num_eval = 0"), encoding="utf-8")
+    recipe.write_text(tiny_recipe(CLI, run={"name": "damaged_checkpoint", "seed": 5},
+                                  prompts={"num_eval": 0, "eval_seeds": None}), encoding="utf-8")
     run_dir = root / "run"
-    code, first, err = train_quietly(str(recipe), "-o", str(run_dir))
+    code, first, err = train(flowrl_cli, str(recipe), "-o", str(run_dir))
     assert code == 0, err
-    code, _, err = train_quietly("--resume", str(run_dir), "--set", "train.iterations=2")
+    code, _, err = train(flowrl_cli, "--resume", str(run_dir), "--set", "train.iterations=2")
     assert code == 0, err
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
     assert names == ["iter_000001", "iter_000002"], names
@@ -81,12 +69,12 @@ def test_the_end_of_a_one_iteration_run_counts_in_the_singular(two_checkpoints):
 
 
 def test_a_truncated_model_file_is_one_message_naming_the_intact_checkpoint_and_the_command(two_checkpoints,
-                                                                                            capsys):
+                                                                                            flowrl_cli):
     run_dir = two_checkpoints[0]
     damaged = run_dir / "checkpoints" / "iter_000002" / "model.safetensors"
     truncate(damaged)
 
-    code, err = train_in_process("--resume", str(run_dir), "--set", "train.iterations=3", capsys=capsys)
+    code, _, err = train(flowrl_cli, "--resume", str(run_dir), "--set", "train.iterations=3")
     assert code == 2, err
     assert "Traceback" not in err and err.startswith("error:") and err.count("\nerror:") == 0, err
     text = flat(err)
@@ -100,23 +88,23 @@ def test_a_truncated_model_file_is_one_message_naming_the_intact_checkpoint_and_
     subprocess.run(" && ".join(shell), shell=True, check=True)
     argv = shlex.split(resume)
     assert argv[:2] == ["flowrl", "train"] and "--resume" in argv, argv
-    code, err = train_in_process(*argv[2:], capsys=capsys)
+    code, _, err = train(flowrl_cli, *argv[2:])
     assert code == 0, err
     from flowrl.train.checkpoint import checkpoint_iteration, latest_checkpoint, load_checkpoint
 
     latest = latest_checkpoint(run_dir)
     assert latest == run_dir / "checkpoints" / "iter_000002" and checkpoint_iteration(latest) == 2
     load_checkpoint(latest)  # written again, whole
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir)
     assert [r["iteration"] for r in rows if "iteration" in r] == [0, 1], rows
     assert (run_dir / "damaged_checkpoints" / "iter_000002" / "model.safetensors").is_file()  # kept, not deleted
 
 
-def test_without_an_intact_checkpoint_the_message_says_so(two_checkpoints, capsys):
+def test_without_an_intact_checkpoint_the_message_says_so(two_checkpoints, flowrl_cli):
     run_dir = two_checkpoints[0]
     for name in ("iter_000001", "iter_000002"):
         truncate(run_dir / "checkpoints" / name / "rng.safetensors")
-    code, err = train_in_process("--resume", str(run_dir), capsys=capsys)
+    code, _, err = train(flowrl_cli, "--resume", str(run_dir))
     assert code == 2 and "Traceback" not in err, err
     text = flat(err)
     assert "rng.safetensors is truncated" in text and "no intact checkpoint is left" in text, text

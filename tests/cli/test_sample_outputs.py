@@ -1,4 +1,4 @@
-"""Where `flowrl sample` writes, what it says, and the evaluation grids' captions (issue 28).
+"""Where `flowrl sample` writes, what it says, and the evaluation grids' captions.
 
 ``flowrl sample --model embedded`` used to write ``samples/embedded`` into the current directory
 (a checkout then showed it to git), silently overwrote an earlier sample there (mixing its
@@ -12,11 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_recipe import CLI, tiny_recipe
 
 from flowrl.recipe import load_recipe
-from tiny_cli_recipe import AREA, tiny_recipe  # tests/cli/tiny_cli_recipe.py
 
-RECIPE = tiny_recipe("sample_outputs", 3, rewards=AREA + '\n[[rewards]]\nuse = "verifier"\nweight = 0.5\n')
+RECIPE = tiny_recipe(CLI, run={"name": "sample_outputs", "seed": 3},
+                     rewards=[{"use": "area"}, {"use": "verifier", "weight": 0.5}])
 
 PROMPTS = ["a red circle on a blue background", "a green square on a white background"]
 

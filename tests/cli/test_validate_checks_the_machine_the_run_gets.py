@@ -1,5 +1,5 @@
-"""`flowrl validate` and `flowrl train` check a recipe on the device the run gets on this machine
-(issue 45): `[run] device = "auto"` takes the CPU where PyTorch sees no CUDA GPU, and a GPU
+"""`flowrl validate` and `flowrl train` check a recipe on the device the run gets on this machine:
+`[run] device = "auto"` takes the CPU where PyTorch sees no CUDA GPU, and a GPU
 recipe (chunk_grpo_flux.toml) validated "ok" there while training went on to download the
 weights without ever saying that there is no GPU. Now the CPU's RAM check (which fired only for
 `device = "cpu"`) fires for `auto` on the CPU too, at validate and at train start; a GPU-sized
@@ -26,11 +26,11 @@ GB = 1024**3
 def machine(monkeypatch):
     """``machine(gpus, ram_gb)``: the machine validate and train see: ``gpus`` CUDA devices (of
     80 GB each) and ``ram_gb`` of RAM."""
-    from flowrl import recipe
     from flowrl.commands import machine as this
+    from flowrl.recipe import startable
 
     def set_up(gpus: int, ram_gb: float) -> None:
-        monkeypatch.setattr(recipe, "cuda_device_count", lambda: gpus)
+        monkeypatch.setattr(startable, "cuda_device_count", lambda: gpus)
         monkeypatch.setattr(this, "visible_gpu_memory_gb", lambda: 80.0 if gpus else None)
         monkeypatch.setattr(this, "host_memory_bytes", lambda: int(ram_gb * GB))
 
@@ -116,7 +116,7 @@ def test_a_peak_beyond_the_ram_of_a_run_that_auto_puts_on_the_cpu_is_a_warning(m
 
 def test_a_rollout_far_beyond_the_ram_is_refused_by_validate_and_train_with_the_keys_to_lower(machine, flowrl,
                                                                                                tmp_path):
-    # issue 45: group_size=100000 validated "ok" and the kernel killed the run (SIGKILL, no message)
+    # group_size=100000 once validated "ok" and the kernel killed the run (SIGKILL, no message)
     machine(gpus=0, ram_gb=24)
     huge = ["--set", "train.group_size=100000", "--set", "train.prompts_per_iteration=1"]
     out = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""`flowrl validate` refuses what `flowrl train` would refuse only after the model loads (issue 28).
+"""`flowrl validate` refuses what `flowrl train` would refuse only after the model loads.
 
 Each case used to validate cleanly and then stop a run after the model was built: ``[ema]
 on_cpu`` with fsdp2 (:meth:`flowrl.train.ema.WeightEMA.attach`), ``[prompts] source = "model"``
@@ -150,7 +150,7 @@ def test_the_rule_is_the_engines_reference_policy(finetune):
     assert (ReferencePolicy(model).frozen is not None) == keeps_reference_copy(recipe) == (finetune == "full")
 
 
-# ----------------------------------------------------------------------------- issue 45: devices
+# ----------------------------------------------------------------------------- devices
 
 STEP = REPO / "recipes" / "quickstart_step.toml"  # a clipped loss: [pipeline] staleness 1 trains with it
 ROLLOUT_PROCESS = ("pipeline.staleness=1", 'pipeline.worker="process"')
@@ -160,13 +160,13 @@ ROLLOUT_PROCESS = ("pipeline.staleness=1", 'pipeline.worker="process"')
 def gpus(monkeypatch):
     """``gpus(n)``: validation sees ``n`` CUDA devices on this machine (0: none, a CPU-only
     machine), whatever the machine running the test has; a GPU's memory reads as 80 GB. (Through
-    flowrl.recipe.cuda_device_count, the one place it asks PyTorch: a torch.cuda.is_available
+    flowrl.recipe.startable.cuda_device_count, the one place it asks PyTorch: a torch.cuda.is_available
     patched to True would break diffusers' imports.)"""
-    from flowrl import recipe
     from flowrl.commands import machine
+    from flowrl.recipe import startable
 
     def see(n: int) -> None:
-        monkeypatch.setattr(recipe, "cuda_device_count", lambda: n)
+        monkeypatch.setattr(startable, "cuda_device_count", lambda: n)
         monkeypatch.setattr(machine, "visible_gpu_memory_gb", lambda: 80.0 if n else None)
 
     return see
@@ -185,7 +185,7 @@ def gpus(monkeypatch):
      "device = 'cuda' names a CUDA device", "--set rewards.1.device=cpu"),
 ], ids=["rollout_process_no_gpu", "rollout_process_one_gpu", "run_no_gpu", "run_two_gpus", "reward_no_gpu"])
 def test_a_cuda_device_the_machine_lacks(validate, gpus, recipe, overrides, n, key, says, fix):
-    """Issue 45: `[pipeline] device = 'cuda:1'` validated on a CPU-only machine, and training
+    """`[pipeline] device = 'cuda:1'` once validated on a CPU-only machine, and training
     ended in "AssertionError: Torch not compiled with CUDA enabled" (a traceback) once the
     rollout process was placed; a reward's device only once the reward was built, after the
     model. Every device-valued key is checked against the machine, one message naming the key,
@@ -231,7 +231,7 @@ def test_a_malformed_run_device_is_refused_at_validation(validate):
 
 
 def test_train_refuses_a_cuda_device_the_machine_lacks_before_anything_is_built(flowrl_cli, gpus, tmp_path):
-    """The issue's run: `flowrl train` with the rollout process on 'cuda:1' of a CPU-only machine
+    """`flowrl train` with the rollout process on 'cuda:1' of a CPU-only machine
     is the same one message, exit 2, no traceback, and nothing written."""
     gpus(0)
     out = tmp_path / "run"
@@ -242,7 +242,7 @@ def test_train_refuses_a_cuda_device_the_machine_lacks_before_anything_is_built(
     assert not out.exists()
 
 
-# ----------------------------------------------------------------------------- issue 45: required keys
+# ----------------------------------------------------------------------------- required keys
 
 GENEVAL = REPO / "recipes" / "flow_grpo_geneval_sd3.toml"  # `detector` and `clip` left to the user
 

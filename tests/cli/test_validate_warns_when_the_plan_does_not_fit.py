@@ -1,12 +1,12 @@
-"""`flowrl validate` says what `flowrl plan` already knows about memory (issue: validate and
-plan disagreed): a peak beyond one GPU's memory (--gpu-memory, else the GPU validate sees, else
+"""`flowrl validate` says what `flowrl plan` already knows about memory (the two
+once disagreed): a peak beyond one GPU's memory (--gpu-memory, else the GPU validate sees, else
 the plan's 80 GB) is a warning that names the planned peak, the memory and the `--set` keys that
 make it fit; a recipe for the CPU whose exactly known weights and optimizer state exceed this
 machine's RAM is an error. Figures are compared with the plan's own, not written here, so that
 a change of the plan (its lines, its constants) changes both alike.
 
-The machine is set by each test (issue 45: `auto` takes the CPU where PyTorch sees no GPU, and
-validation checks the recipe there): ``run_validate`` is a machine with one GPU whose memory
+The machine is set by each test (`auto` takes the CPU where PyTorch sees no GPU, and validation
+checks the recipe there): ``run_validate`` is a machine with one GPU whose memory
 validate cannot read; tests of a machine without a GPU are in
 test_validate_checks_the_machine_the_run_gets.py.
 """
@@ -23,24 +23,18 @@ RECIPES = REPO / "recipes"
 
 
 @pytest.fixture
-def run_validate(capsys, monkeypatch):
+def run_validate(flowrl_cli, monkeypatch):
     """``run_validate(recipe, *args) -> (exit code, stderr)`` on a machine with one GPU whose
     memory validate cannot read (the plan's 80 GB is assumed)."""
-    from flowrl import cli
-    from flowrl import recipe as recipes
     from flowrl.commands import machine
+    from flowrl.recipe import startable
 
-    monkeypatch.setattr(recipes, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(startable, "cuda_device_count", lambda: 1)
     monkeypatch.setattr(machine, "visible_gpu_memory_gb", lambda: None)
 
     def run(recipe, *args: str) -> tuple[int, str]:
-        capsys.readouterr()
-        try:
-            cli.main(["validate", str(recipe), *args])
-            code = 0
-        except SystemExit as exc:
-            code = exc.code
-        return code, " ".join(capsys.readouterr().err.split())
+        (result,) = flowrl_cli.in_process([["validate", str(recipe), *args]], cwd=Path.cwd())
+        return result.returncode, result.flat_err
 
     return run
 

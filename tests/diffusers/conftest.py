@@ -7,7 +7,6 @@ a session temp directory, and every test loads them from there by path.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 # Before diffusers / huggingface_hub are imported by any test module: the hub reads it at import.
@@ -94,98 +93,47 @@ def tiny_overrides():
     return list(TINY_MODEL)
 
 
-@contextlib.contextmanager
-def wide_consoles(width: int = 250):
-    """The CLI's consoles ``width`` columns wide for a block. They read ``COLUMNS`` once, when
-    ``flowrl.commands.base`` is first imported, which depends on which test ran first (another
-    under pytest-xdist): without this, a table could wrap a checked phrase in one order only."""
-    from flowrl.commands.base import console, err_console
+class DiffusersCli:
+    """``flowrl`` command lines for the diffusers tests, run through the ``flowrl_cli`` fixture in this
+    process, from the repository root, 250 columns wide: ``run(*argv)`` -> (code, stdout, stderr);
+    ``merged(*argv)`` -> (code, stdout followed by stderr), for a failure message."""
 
-    saved = console._width, err_console._width
-    console.width = err_console.width = width
-    try:
-        yield
-    finally:
-        console._width, err_console._width = saved
-
-
-def run_cli(argv, capsys):
-    """Run ``flowrl ARGV`` in this process; returns (exit code, stdout, stderr)."""
-    from flowrl import cli
-
-    capsys.readouterr()
-    code = 0
-    try:
-        with wide_consoles():
-            cli.main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-class InProcessCli:
-    """``flowrl ARGV`` in this process from the repository root, for module-scoped fixtures
-    (which cannot use ``capsys``): ``run(*argv)`` -> (code, stdout, stderr); ``merged(*argv)``
-    -> (code, stdout and stderr interleaved as a terminal shows them)."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def _call(self, argv, out, err) -> int:
-        from flowrl import cli
-
-        cwd, code = os.getcwd(), 0
-        os.chdir(self.root)
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), wide_consoles():
-                cli.main([str(a) for a in argv])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        finally:
-            os.chdir(cwd)
-        return code
+    def __init__(self, flowrl_cli):
+        self.flowrl_cli = flowrl_cli
 
     def run(self, *argv):
-        import io
-
-        out, err = io.StringIO(), io.StringIO()
-        return self._call(argv, out, err), out.getvalue(), err.getvalue()
+        (result,) = self.flowrl_cli.in_process([[str(a) for a in argv]])
+        return result.returncode, result.stdout, result.stderr
 
     def merged(self, *argv):
-        import io
-
-        buf = io.StringIO()
-        return self._call(argv, buf, buf), buf.getvalue()
+        code, out, err = self.run(*argv)
+        return code, out + err
 
     def train_two_iterations_and_export(self, recipe, settings: list[str], out: Path) -> Path:
         """``flowrl train RECIPE --set ...`` into ``out / "run"`` (2 iterations, checked in its
         metrics), then ``flowrl export`` of it into ``out / "lora"``, which is returned."""
-        import json
+        from flowrl.runlog import read_metrics
 
         sets = [a for item in settings for a in ("--set", item)]
         run = out / "run"
         code, text = self.merged("train", recipe, *sets, "-o", run)
         assert code == 0, text
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["iteration"] for r in records] == [0, 1]
+        assert [r["iteration"] for r in read_metrics(run)] == [0, 1]
         code, text = self.merged("export", run, "-o", out / "lora")
         assert code == 0, text
         return out / "lora"
 
 
 @pytest.fixture(scope="module")
-def module_cli(request) -> InProcessCli:
-    """A module-scoped in-process ``flowrl`` runner (see :class:`InProcessCli`)."""
-    return InProcessCli(request.config.rootpath)
+def module_cli(flowrl_cli) -> DiffusersCli:
+    """The diffusers tests' ``flowrl`` runner for module-scoped fixtures (see :class:`DiffusersCli`)."""
+    return DiffusersCli(flowrl_cli)
 
 
 @pytest.fixture
-def cli(capsys, monkeypatch):
+def cli(module_cli):
     """``cli(*argv)`` -> (code, stdout, stderr), run from the repository root, wide output."""
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("COLUMNS", "250")
-    return lambda *argv: run_cli(argv, capsys)
+    return module_cli.run
 
 
 _RUN_GEOMETRY = ["train.iterations=2", "train.prompts_per_iteration=1", "train.group_size=2",

@@ -14,6 +14,7 @@ import torch
 
 from flowrl.errors import FlowrlError
 from flowrl.prompts import PromptRow
+from flowrl.runlog import read_metrics
 from flowrl.testing.conformance import CHECK_NAMES, check_adapter
 
 PROMPTS = ["make the cat red", "the blue dog on the mat"]
@@ -76,8 +77,8 @@ def make_qwen_edit(tiny_qwen_edit):
 
 
 def _ode_images(model, prompts, noise, steps):
-    from flowrl.sampling.rollout import rollout
     from flowrl.sampling.kernels import ODEKernel
+    from flowrl.sampling.rollout import rollout
 
     text = model.encode_prompts(prompts)
     traj = rollout(lambda x, s: model.velocity(x, s, text), noise, model.sigmas(steps), ODEKernel(), image_from="final")
@@ -200,7 +201,7 @@ def test_edit_recipe_trains_two_iterations(recipe, fixture, extra, conditions, t
     monkeypatch.chdir(request.config.rootpath)
     assert load_recipe(f"recipes/{recipe}").prompts.condition_column  # the recipe reads a condition column
     run = _train(recipe, request.getfixturevalue(fixture), conditions, tmp_path / "run", extra)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run)
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
     # the recipe's condition-fidelity reward read the condition images from its metadata

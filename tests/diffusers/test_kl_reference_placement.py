@@ -6,7 +6,7 @@ every GPU whatever the recipe said: ``[train].reference_on_cpu`` validated and p
 nothing, and under FSDP2 each GPU held a whole bf16 copy that ``flowrl plan`` counts as sharded
 (for FLUX.1-dev about 23.8 GB against 5.5 planned). Now the adapter's copy is what the strategy
 places; ``prepare_frozen`` itself (sharding under FSDP2, CPU offload) is tested on the engine's
-copy in tests/engine/test_engine_fsdp2.py and tests/engine/test_engine_memory_knobs.py.
+copy in tests/train/test_engine_fsdp2.py and tests/train/test_engine_memory_knobs.py.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flowrl.errors import FlowrlError
+from flowrl.runlog import read_metrics
 from flowrl.testing.conformance import CHECK_NAMES, check_adapter
 
 PROMPTS = ("a red cat", "the blue dog on the mat")
@@ -335,7 +336,7 @@ def test_image_to_video_trains_and_its_rollouts_start_on_the_image(module_cli, t
             f'prompts.source="{clip_conditions / "clips.jsonl"}"', 'prompts.text_column="text"',
             'prompts.condition_column="image"', 'prompts.split_column=""', "prompts.num_eval=0"]
     run = train(load_recipe(RECIPE, sets), console=Console(quiet=True))
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run)
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
     state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))

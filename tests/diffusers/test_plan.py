@@ -29,7 +29,7 @@ def test_plan_of_the_paper_recipe_needs_no_gpu_and_no_weights(cli):
 
 
 def test_plan_of_the_flagship_as_the_readme_runs_it_plans_its_8_processes_and_fits(cli):
-    """Issue 24 item 4: without --num-processes the plan is at the recipe's
+    """Without --num-processes the plan is at the recipe's
     [distributed].num_processes, and the output says where the count came from."""
     code, out, err = cli("plan", "recipes/chunk_grpo_flux.toml")
     assert code == 0, err
@@ -185,7 +185,7 @@ def test_a_pipelined_run_plans_its_rollout_copy_and_its_pending_rollout(cli):
 
 
 def test_the_prompt_embedding_cache_is_planned_in_cpu_memory_at_most_the_cache_size(cli, tmp_path):
-    """Issue 45: the plan counted the prompt-embedding cache as GPU memory, one entry per prompt
+    """The plan once counted the prompt-embedding cache as GPU memory, one entry per prompt
     of the set (a 25,432-prompt set: over 100 GB, "does not fit"). The engine's cache
     (flowrl.train.session.PromptCache) lives in CPU memory and keeps CACHED_PROMPTS prompts; only
     the iteration's samples' embeddings go to the device. The plan now counts those, there."""

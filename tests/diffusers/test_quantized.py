@@ -5,16 +5,15 @@ trained for 2 iterations, and the refusals (full fine-tuning, a merged export, a
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-
 from importlib.util import find_spec
 
 import pytest
 import torch
 
 from flowrl.errors import FlowrlError
+from flowrl.runlog import read_metrics
 from flowrl.testing.conformance import ConformanceOptions, check_adapter, check_on_policy_ratio
 
 # found, not imported: importing it costs every collecting worker its import time
@@ -148,7 +147,7 @@ def test_the_24gb_recipe_trains_two_iterations(tiny_klein, tmp_path, request, mo
             "log.image_every=0", "run.device=cpu", "sampler.batch_size=1", "train.lora_rank=4",
             "train.lora_alpha=8.0", "train.lr=0.05", "train.max_grad_norm=0", f'run.output_dir="{tmp_path / "run"}"']
     run = train(load_recipe(RECIPE, sets), console=Console(quiet=True))
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run)
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
     state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))

@@ -1,4 +1,4 @@
-"""A diffusers command prints none of the library messages that ask nothing of a user (issue 18, finding 15).
+"""A diffusers command prints none of the library messages that ask nothing of a user.
 
 Run as a user's environment runs it: torchvision absent (the base install does not bring it),
 so transformers would announce its PIL fallback for every image processor the pipeline has.

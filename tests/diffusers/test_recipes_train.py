@@ -9,11 +9,10 @@ checkpointing are the recipe's own.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from safetensors.torch import load_file
 
+from flowrl.runlog import read_metrics
 from flowrl.train.checkpoint import read_model_weights
 
 RECIPES = {
@@ -69,7 +68,7 @@ def test_recipe_runs_two_iterations(name, request, tmp_path, tiny_overrides, cli
     run = tmp_path / "run"
     code, out, err = cli("train", f"recipes/{name}.toml", *_sets(sets), "-o", run)
     assert code == 0, out + err
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run)
     evaluations = [r for r in records if "trained_units" not in r]  # a recipe that evaluates: its final one
     records = [r for r in records if "trained_units" in r]
     assert [r["iteration"] for r in records] == [0, 1]

@@ -123,7 +123,7 @@ def test_eval_writes_json_beside_the_checkpoint(cli, flux_lora_run):
                              "--steps", "3", "--reward", "brightness", "--reward", "redness", "--batch-size", "3")
     assert code == 0, err
     # prompts, seeds and rewards of its own: an ad-hoc evaluation, beside the checkpoint but never in
-    # place of the run's own iter_000002.eval.json (issue 28)
+    # place of the run's own iter_000002.eval.json
     path = Path(re.search(r"wrote (\S+\.json)", out).group(1))
     assert path.parent == flux_lora_run / "checkpoints" and re.fullmatch(r"iter_000002\.adhoc-\d+\.json", path.name)
     result = json.loads(path.read_text())

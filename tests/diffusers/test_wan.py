@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flowrl.errors import FlowrlError
+from flowrl.runlog import read_metrics
 from flowrl.testing.conformance import CHECK_NAMES, check_adapter
 
 PROMPTS = ("a red cat", "the blue dog on the mat")
@@ -192,7 +193,7 @@ def test_recipe_trains_lora_two_iterations(lora_run):
 
     recipe = load_recipe(RECIPE)
     assert recipe.components["model"].use == "wan" and recipe.train.finetune == "lora"
-    records = [json.loads(line) for line in (lora_run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(lora_run)
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
     state = load_file(str(lora_run / "checkpoints" / "iter_000002" / "model.safetensors"))

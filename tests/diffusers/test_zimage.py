@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flowrl.errors import FlowrlError
+from flowrl.runlog import read_metrics
 from flowrl.testing.conformance import CHECK_NAMES, check_adapter, run_check
 
 PROMPTS = ("a red cat", "the blue dog on the mat")  # different lengths: each caption is its own length
@@ -46,8 +47,8 @@ def guided(make):
 
 
 def _ode_images(model, prompts, noise, steps):
-    from flowrl.sampling.rollout import rollout
     from flowrl.sampling.kernels import ODEKernel
+    from flowrl.sampling.rollout import rollout
 
     text = model.encode_prompts(prompts)
     traj = rollout(lambda x, s: model.velocity(x, s, text), noise, model.sigmas(steps), ODEKernel(), image_from="final")
@@ -238,7 +239,7 @@ def test_recipe_validates_and_trains_two_iterations(cli, tiny_zimage, tmp_path):
     recipe = load_recipe(RECIPE)
     assert recipe.components["model"].use == "zimage" and recipe.train.finetune == "lora"
     run = _train(cli, tiny_zimage, tmp_path / "run")  # the recipe's own settings, tiny geometry
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run)
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
     state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))

@@ -27,7 +27,7 @@ from flowrl.objectives.nft import DECAY_PRESETS, nft_loss, old_policy_decay, opt
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.sampling.kernels import gaussian_log_prob
 from flowrl.sampling.solvers import dpm_first_order_step, dpmpp_2m_step, flash_schedule
-from flowrl.sampling.windows import mixgrpo_window, random_window_start, sliding_window_start
+from flowrl.sampling.windows import mixgrpo_sde_window, random_sde_window_start, sliding_sde_window_start
 
 # ------------------------------------------------------------------------------------ GRPO-Guard
 
@@ -128,33 +128,33 @@ def _mixgrpo_state_machine(k: int, size: int, every: int, stride: int, max_stop:
 @pytest.mark.parametrize("k, window", [(0, (0, 4)), (24, (0, 4)), (25, (1, 5)), (49, (1, 5)), (50, (2, 6)),
                                        (299, (11, 15)), (574, (22, 23)), (575, (23, 23)), (599, (23, 23)),
                                        (600, (0, 4))])
-def test_mixgrpo_window_table(k, window):
+def test_mixgrpo_sde_window_table(k, window):
     """MixGRPO's script values (w 4, tau 25, stride 1, M = N - 2 = 23): the table of notes 3.2,
     also from the state machine."""
-    assert mixgrpo_window(k, size=4, every=25, stride=1, max_stop=23) == window
+    assert mixgrpo_sde_window(k, size=4, every=25, stride=1, max_stop=23) == window
     assert _mixgrpo_state_machine(k, 4, 25, 1, 23) == window
 
 
 def test_full_windows_and_frozen_windows():
     # flowrl keeps whole windows: start <= max_start; with M = 16, w = 4 -> max_start 12
-    starts = [sliding_window_start(k, every=2, stride=1, max_start=12) for k in range(30)]
+    starts = [sliding_sde_window_start(k, every=2, stride=1, max_start=12) for k in range(30)]
     assert starts[:6] == [0, 0, 1, 1, 2, 2] and max(starts) == 12 and starts[26] == 0
-    assert {sliding_window_start(k, every=20, stride=0, max_start=19) for k in range(100)} == {0}  # Flash*
+    assert {sliding_sde_window_start(k, every=20, stride=0, max_start=19) for k in range(100)} == {0}  # Flash*
     # stride 2: starts 0, 2, 4 then roll back
-    assert [sliding_window_start(k, every=1, stride=2, max_start=5) for k in range(5)] == [0, 2, 4, 0, 2]
+    assert [sliding_sde_window_start(k, every=1, stride=2, max_start=5) for k in range(5)] == [0, 2, 4, 0, 2]
 
 
-def test_random_window_start_is_uniform_on_its_range():
+def test_random_sde_window_start_is_uniform_on_its_range():
     """(lo, hi) = (0, 5), size 3: start in {0, 1, 2}, each with probability 1/3 (chi-square, 3e4 draws)."""
     g = torch.Generator().manual_seed(0)
     counts = torch.zeros(3)
     for _ in range(30_000):
-        counts[random_window_start(g, 0, 5, 3)] += 1
+        counts[random_sde_window_start(g, 0, 5, 3)] += 1
     expected = 10_000
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 13.8  # 0.999 quantile of chi-square with 2 degrees of freedom
     with pytest.raises(ValueError):
-        random_window_start(g, 3, 5, 3)
+        random_sde_window_start(g, 3, 5, 3)
 
 
 # ------------------------------------------------------------------------------------ MixGRPO-Flash

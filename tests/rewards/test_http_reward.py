@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 from reward_helpers import PROMPTS, fixed_images
+from tiny_recipe import tiny_recipe
 
 from flowrl.interfaces import RewardOutput
 from flowrl.rewards import score
@@ -270,17 +271,10 @@ def test_cli_serve_round_trip_and_errors(flowrl_cli, tmp_path):
         proc.terminate()
         proc.wait(10)
     recipe = tmp_path / "remote.toml"
-    recipe.write_text(f"""
-[model]
-use = "embedded"
-random_init = true
-[train]
-iterations = 1
-[[rewards]]
-use = "http"
-url = "http://127.0.0.1:{free_port()}"
-retries = 0
-""")
+    recipe.write_text(tiny_recipe(run=None, sampler=None, chunker=None, log=None,
+                                  train={"iterations": 1, "prompts_per_iteration": None, "group_size": None,
+                                         "micro_batch_size": None},
+                                  rewards=[{"use": "http", "url": f"http://127.0.0.1:{free_port()}", "retries": 0}]))
     bad_key, bad_set, unknown, train = flowrl_cli.batch([
         ["reward", "serve", "pickscore", "--set", "nosuchkey=1", "--port", "0"],
         ["reward", "serve", "pickscore", "--set", "scale", "--port", "0"],

@@ -11,73 +11,17 @@ import math
 import os
 
 import pytest
+from tiny_recipe import tiny_recipe
 
-RECIPE = """
-[run]
-name = "multi"
-seed = 3
-device = "cpu"
 
-[model]
-use = "embedded"
-random_init = true
-
-[sampler]
-steps = 5
-
-[schedule]
-use = "shift"
-shift = 3.0
-
-[kernel]
-use = "flow"
-a = 0.7
-
-[chunker]
-use = "fixed"
-size = 2
-
-[selector]
-use = "uniform"
-fraction = 0.5
-
-[advantage]
-use = "group_zscore"
-multi_reward = "{mode}"
-
-[loss]
-use = "clipped"
-
-[train]
-iterations = 2
-prompts_per_iteration = 2
-group_size = 4
-micro_batch_size = 4
-lr = 1e-3
-
-[log]
-progress = false
-image_every = 0
-
-[checkpoint]
-every = 2
-
-[[rewards]]
-use = "area"
-weight = 1.0
-
-[[rewards]]
-use = "brightness"
-name = "bright"
-weight = 0.5
-
-[[rewards]]
-use = "pickscore"
-weight = 0.25
-model = "{clip}"
-processor = "{clip}"
-scale = "cosine"
-"""
+def recipe_text(mode: str, clip) -> str:
+    """The tiny recipe with the three rewards, combined by ``mode``; pickscore on the CLIP at ``clip``."""
+    return tiny_recipe(
+        run={"name": "multi", "seed": 3}, schedule={"use": "shift", "shift": 3.0}, kernel={"use": "flow", "a": 0.7},
+        selector={"use": "uniform", "fraction": 0.5}, advantage={"use": "group_zscore", "multi_reward": mode},
+        loss={"use": "clipped"}, train={"micro_batch_size": 4, "lr": 1e-3}, checkpoint={"every": 2},
+        rewards=[{"use": "area", "weight": 1.0}, {"use": "brightness", "name": "bright", "weight": 0.5},
+                 {"use": "pickscore", "weight": 0.25, "model": str(clip), "processor": str(clip), "scale": "cosine"}])
 
 
 @pytest.mark.parametrize("mode", ["normalise_then_weight", "weighted_sum"])
@@ -89,7 +33,7 @@ def test_multi_reward_recipe_trains_and_logs_each_reward(tmp_path, tiny_clip_dir
     from flowrl.train import train
 
     path = tmp_path / "multi.toml"
-    path.write_text(RECIPE.format(mode=mode, clip=tiny_clip_dir))
+    path.write_text(recipe_text(mode, tiny_clip_dir))
     recipe = load_recipe(path, [f'run.output_dir="{tmp_path / "run"}"'])
     assert [(r.label, r.weight) for r in recipe.rewards] == [("area", 1.0), ("bright", 0.5), ("pickscore", 0.25)]
     run_dir = train(recipe, console=Console(file=open(os.devnull, "w"), width=200))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from tiny_recipe import tiny_recipe
 
 from flowrl.errors import FlowrlError, MissingDependencyError
 from flowrl.plugins import get_registry
@@ -203,25 +204,9 @@ def test_scores_do_not_depend_on_the_batch(reward):
     torch.testing.assert_close(full, singles)
 
 
-RECIPE = """
-[model]
-use = "embedded"
-random_init = true
-[sampler]
-steps = 3
-[chunker]
-use = "step"
-[train]
-iterations = 1
-prompts_per_iteration = 1
-group_size = 2
-micro_batch_size = 2
-[prompts]
-source = "prompts.txt"
-[[rewards]]
-use = "ocr"
-threads = 1
-"""
+RECIPE = tiny_recipe(run=None, sampler={"steps": 3}, chunker={"use": "step", "size": None}, log=None,
+                     train={"iterations": 1, "prompts_per_iteration": 1, "group_size": 2},
+                     prompts={"source": "prompts.txt"}, rewards=[{"use": "ocr", "threads": 1}])
 
 
 def test_flowrl_validate_refuses_a_prompt_file_with_a_prompt_without_quotes(validate, tmp_path):

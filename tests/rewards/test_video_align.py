@@ -21,6 +21,7 @@ from reward_helpers import assert_invariant
 from flowrl.errors import FlowrlError, MissingDependencyError
 from flowrl.plugins import get_registry
 from flowrl.rewards import score
+from flowrl.runlog import read_metrics
 from flowrl_plugins.rewards.video_align import (
     REWARD_TOKENS,
     VideoAlign,
@@ -62,8 +63,14 @@ def reference(checkpoint, videos: torch.Tensor, prompts: list[str], indices: lis
     """Upstream's route, on other code: [B, 3] raw VQ, MQ, TA."""
     import torchvision.transforms.functional as TF
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        AutoTokenizer,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     settings = json.loads((checkpoint / "model_config.json").read_text())
     base = settings["model_config"]["model_name_or_path"]
@@ -261,7 +268,7 @@ def test_a_video_run_trains_on_it(tiny_va, tmp_path):
         "train.group_size=4", "train.micro_batch_size=4", "sampler.steps=5", "sampler.sde_window=[0,2]", "chunker.size=2",
         "prompts.num_eval=1", "prompts.eval_seeds=2", "log.progress=false", "log.eval_every=1", "log.image_every=1"])
     run_dir = train(recipe, console=Console(file=open(os.devnull, "w")))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     row = next(r for r in rows if "reward/video_align/mean" in r)
     assert row["on_policy/max_abs_log_ratio"] < 1e-6
     assert row["reward/video_align/std"] > 0  # four clips of a group, four scores

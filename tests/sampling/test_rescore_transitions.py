@@ -21,15 +21,15 @@ def model():
     return EmbeddedModel(EmbeddedConfig())
 
 
-@pytest.mark.parametrize("window", [None, (2, 6)])
+@pytest.mark.parametrize("sde_window", [None, (2, 6)])
 @pytest.mark.parametrize("rows", [[2], [0, 2]])
 @pytest.mark.parametrize("steps", [[1, 2, 3], [0, 3, 5], [3, 4, 5, 6, 7]])
-def test_rescored_log_probs_equal_the_rollout(model, window, rows, steps):
+def test_rescored_log_probs_equal_the_rollout(model, sde_window, rows, steps):
     prompts = ["a red circle", "a blue square", "a green triangle", "a red square"]
     text = model.encode_prompts(prompts)
     noise = torch.randn(4, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     traj = rollout(lambda x, s: model.velocity(x, s, text), noise, shifted_sigmas(9, 3.0),
-                   make_kernels(9, FlowKernel(0.7), window), generators=torch.Generator().manual_seed(1),
+                   make_kernels(9, FlowKernel(0.7), sde_window), generators=torch.Generator().manual_seed(1),
                    prompts=prompts)
     b = torch.tensor(rows)
     with torch.no_grad():

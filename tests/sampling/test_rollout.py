@@ -79,17 +79,17 @@ def test_trainable_sets():
     assert tr.trainable_indices.tolist() == list(range(16))
     assert rollout(vf, _noise(2), sig, k, image_from="final").num_trainable == 17
     # SDE window [3, 8): steps 3..7 only
-    tw = rollout(vf, _noise(2), sig, make_kernels(17, FlowKernel(0.7), window=(3, 8)))
+    tw = rollout(vf, _noise(2), sig, make_kernels(17, FlowKernel(0.7), sde_window=(3, 8)))
     assert tw.trainable_indices.tolist() == [3, 4, 5, 6, 7]
     assert all(isinstance(tw.kernels[i], ODEKernel) for i in (0, 2, 8, 16))
     # a window touching the last step with x0_hat: last still excluded
-    tl = rollout(vf, _noise(2), sig, make_kernels(17, FlowKernel(0.7), window=(14, 17)))
+    tl = rollout(vf, _noise(2), sig, make_kernels(17, FlowKernel(0.7), sde_window=(14, 17)))
     assert tl.trainable_indices.tolist() == [14, 15]
     # CPS into sigma 0 is deterministic, so not trainable even when decoding x_N
     tc = rollout(vf, _noise(2), sig, make_kernels(17, CPSKernel(0.5)), image_from="final")
     assert tc.num_trainable == 16 and not tc.trainable[-1]
     with pytest.raises(ValueError, match="window"):
-        make_kernels(17, FlowKernel(0.7), window=(5, 18))
+        make_kernels(17, FlowKernel(0.7), sde_window=(5, 18))
     with pytest.raises(ValueError, match="one kernel per step"):
         rollout(vf, _noise(2), sig, k[:5])
 

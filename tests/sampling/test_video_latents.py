@@ -25,7 +25,7 @@ def velocity_frames(x, sigma):
 def test_rollout_with_a_frames_axis_equals_the_flat_rollout():
     b, sig = 3, shifted_sigmas(8, 3.0)
     noise = torch.randn(b, FRAMES, TOKENS, CHANNELS, generator=torch.Generator().manual_seed(0))
-    kernels = make_kernels(8, FlowKernel(0.7), window=(0, 4))  # SDE then ODE, as the video quickstart
+    kernels = make_kernels(8, FlowKernel(0.7), sde_window=(0, 4))  # SDE then ODE, as the video quickstart
     gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(b)]  # noqa: E731
     video = rollout(velocity_frames, noise, sig, kernels, generators=gens())
     flat = rollout(velocity_flat, noise.reshape(b, -1), sig, kernels, generators=gens())

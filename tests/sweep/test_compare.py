@@ -157,7 +157,7 @@ def test_bad_compare_input_gives_one_message_and_exit_2(study, tmp_path, flowrl_
 
 def test_a_table_piped_into_a_log_keeps_every_row_on_one_line(study, flowrl_cli):
     """No terminal and no COLUMNS (a Slurm output file): rich assumed 80 columns and folded the
-    cells of this table mid-word (issue 28); it now takes the width its cells need."""
+    cells of this table mid-word; it now takes the width its cells need."""
     import subprocess
     import sys
 

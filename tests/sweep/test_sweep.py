@@ -14,55 +14,16 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_recipe import tiny_recipe
 
 from flowrl.commands.sweep import parse_grid, parse_variant, plan_runs, split_values
 from flowrl.errors import FlowrlError
+from flowrl.runlog import read_metrics
 
-TINY = """
-[run]
-name = "tiny"
-seed = 7
-device = "cpu"
-
-[model]
-use = "embedded"
-
-[sampler]
-steps = 3
-
-[chunker]
-use = "step"
-
-[selector]
-use = "all"
-
-[loss]
-use = "clipped"
-eps_low = 0.2
-eps_high = 0.2
-
-[train]
-iterations = 2
-prompts_per_iteration = 1
-group_size = 2
-micro_batch_size = 2
-lr = 1e-4
-
-[prompts]
-num_eval = 2
-
-[log]
-progress = false
-image_every = 0
-eval_every = 1
-
-[checkpoint]
-every = 1
-keep_last = 1
-
-[[rewards]]
-use = "verifier"
-"""
+TINY = tiny_recipe(model={"random_init": None}, sampler={"steps": 3}, chunker={"use": "step", "size": None},
+                   selector={"use": "all"}, loss={"use": "clipped", "eps_low": 0.2, "eps_high": 0.2},
+                   train={"prompts_per_iteration": 1, "group_size": 2, "lr": 1e-4}, prompts={"num_eval": 2},
+                   log={"eval_every": 1}, checkpoint={"every": 1, "keep_last": 1}, rewards=[{"use": "verifier"}])
 
 
 @pytest.fixture
@@ -81,7 +42,7 @@ def _manifest(sweep_dir: Path) -> dict:
 
 
 def _iterations(run_dir: Path) -> list:
-    return [(r["iteration"], bool(r.get("final"))) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return [(r["iteration"], bool(r.get("final"))) for r in read_metrics(run_dir)]
 
 
 # ----------------------------------------------------------------------------- parsing

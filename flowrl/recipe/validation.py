@@ -1,0 +1,446 @@
+"""The recipe's cross-checks: rules that span tables, checked by building the light components
+(kernel, schedule, window planner, chunker, loss) before any model loads. :func:`cross_check`
+runs them all (:func:`flowrl.recipe.loading.validate` calls it); :func:`build_component` is the
+one way validation and training build a recipe's component.
+
+What depends on this machine and its files (devices, prompt files, tables, profiles) is
+checked by :mod:`flowrl.recipe.startable`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..dynamics.profile_file import read_profile, trainable_curve
+from ..errors import FlowrlError, RecipeError
+from ..interfaces import (
+    KeepsRolloutMeans,
+    KLRegularised,
+    NeedsReferenceCopy,
+    NeedsReferencePolicy,
+    Objective,
+    ProfilingChunker,
+    TrainsOnData,
+    WarpsTime,
+)
+from ..plugins import Registry, get_registry
+from ..sampling.branching import steps_of_highest_dynamics
+from ..sampling.plans import PlanContext
+from ..sampling.rollout import make_kernels, trainable_mask
+from .schema import COMPONENT_SECTIONS, LIST_SECTIONS, Recipe
+
+
+def check_reward_weights(recipe: Recipe) -> None:
+    """An online run trains on the weighted rewards: with every weight 0 (and every chunk weight,
+    where given) every advantage is 0 and the run would learn nothing. An offline run (``[data]``)
+    trains on its table, and its rewards only score the evaluation."""
+    if recipe.data.enabled or not recipe.rewards:
+        return
+    if all(not any(r.chunk_weights) if r.chunk_weights else r.weight == 0 for r in recipe.rewards):
+        labels = ", ".join(r.label for r in recipe.rewards)
+        raise RecipeError(f"every [[rewards]] entry has weight 0 ({labels}): a weight of 0 logs a reward without "
+                          "training on it, so every advantage would be 0 and the run would learn nothing",
+                          where=f"{recipe.source}: [[rewards]]",
+                          hint=f"give the reward to optimise a non-zero weight, e.g. --set rewards.0.weight=1.0 "
+                               f"([[rewards]] #1, {recipe.rewards[0].label})")
+
+
+def build_component(recipe: Recipe, registry: Registry, table: str, index: int | None = None) -> Any:
+    """Build the component a recipe table chooses (``index``: the entry of a ``[[rewards]]`` or
+    ``[[trackers]]`` array), the one way validation and training build components, so that every
+    factory's error reads alike: a ``ValueError``/``TypeError`` (a parameter check that only the
+    built component can make) or a :class:`FlowrlError` becomes one message naming the table,
+    never a traceback. Parameter checks themselves belong in the params dataclass's
+    ``__post_init__`` (then :func:`~flowrl.recipe.loading.validate` reports them while reading
+    the table)."""
+    if index is None:
+        kind, choice = COMPONENT_SECTIONS[table], recipe.components[table]
+        where = f"{recipe.source}: [{table}] ({kind} '{choice.use}')"
+    else:
+        kind, choice = LIST_SECTIONS[table], getattr(recipe, table)[index]
+        where = f"{recipe.source}: [[{table}]] #{index + 1} ({choice.use})"
+    try:
+        return registry.get(kind, choice.use).build(choice.params)
+    except FlowrlError as exc:
+        raise type(exc)(exc.message, where=exc.where or where, hint=exc.hint) from exc
+    except (ValueError, TypeError) as exc:
+        raise RecipeError(str(exc), where=where) from exc
+
+
+def plan_context(recipe: Recipe, registry: Registry) -> PlanContext:
+    """What the ``[window]`` planner plans with, as training builds it
+    (:func:`flowrl.train.session.plan_context`), on a stand-in schedule: trainability does not
+    depend on the sigma values, and the schedule's time warp (MixGRPO-Flash's compression needs
+    one) is the ``[schedule]``'s own."""
+    kernel = build_component(recipe, registry, "kernel")
+    s = recipe.sampler
+    sde_window = tuple(s.sde_window) if s.sde_window else None
+    try:
+        kernels = make_kernels(s.steps, kernel, sde_window)
+    except ValueError as exc:
+        raise RecipeError(str(exc), where=f"{recipe.source}: [sampler]") from exc
+    schedule = build_component(recipe, registry, "schedule")
+    warp = schedule.sigma_at if isinstance(schedule, WarpsTime) else None
+    times = torch.linspace(1.0, 0.0, s.steps + 1, dtype=torch.float64)
+    # a warping schedule's sigmas are its warp of uniform time (WarpsTime); others need no exact values here
+    sigmas = (torch.as_tensor(warp(times), dtype=torch.float64) if warp is not None else times).to(torch.float32)
+    mask = trainable_mask(kernels, sigmas, s.image_from)
+    return PlanContext(num_steps=s.steps, sigmas=sigmas, trainable=mask, warp=warp, seed=recipe.run.seed,
+                       group_size=recipe.train.group_size, sde_window=tuple(s.sde_window))
+
+
+def trainable_transitions(recipe: Recipe, registry: Registry, context: PlanContext | None = None) -> int:
+    """T for this recipe's sampler, decided by the kernel itself (an ``ode`` kernel or noise 0
+    trains nothing; ``cps`` into sigma = 0 is deterministic) and the ``[window]`` planner, exactly
+    as the engine decides it (:func:`plan_context`)."""
+    context = context or plan_context(recipe, registry)
+    planner = build_component(recipe, registry, "window")
+    try:
+        return int(planner.num_trainable(context))
+    except ValueError as exc:
+        raise RecipeError(str(exc), where=f"{recipe.source}: [window]") from exc
+
+
+def window_plans(recipe: Recipe, registry: Registry, context: PlanContext) -> bool:
+    """Whether the ``[window]`` planner plans its own windows (a RolloutPlan), as the first
+    rollout asks it: what a plan can only find then (a compression without a time warp) is
+    refused here, before any model loads."""
+    planner = build_component(recipe, registry, "window")
+    try:
+        return planner.plan(0, list(range(recipe.train.group_size)), context) is not None
+    except ValueError as exc:
+        raise RecipeError(str(exc), where=f"{recipe.source}: [window]") from exc
+
+
+def _uses_units(recipe: Recipe, registry: Registry) -> bool:
+    """False when the ``[loss]`` is an objective that trains without trajectory log-probs
+    (DiffusionNFT): then the sampler may leave nothing trainable and the chunk layout is unused."""
+    loss = build_component(recipe, registry, "loss")
+    return not (isinstance(loss, Objective) and not loss.uses_units)
+
+
+def cross_check(recipe: Recipe, registry: Registry) -> None:
+    """Rules that span tables, checked by building the light components (kernel, chunker)."""
+    context = plan_context(recipe, registry)
+    T = trainable_transitions(recipe, registry, context)
+    recipe.num_trainable = T
+    plans = window_plans(recipe, registry, context)
+    where = f"{recipe.source}: [chunker]"
+    _check_sharding(recipe)
+    _check_data(recipe, registry)
+    _check_reference_copy_needed(recipe, registry)
+    _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
+    _check_replay(recipe, registry, T)
+    _check_pipeline(recipe, registry)
+    _branches_from_profile(recipe, T)
+    _check_branches(recipe, registry, context.trainable, plans)
+    _check_group_can_differ(recipe, T)
+    if recipe.log.eval_steps == 1:
+        raise RecipeError("eval_steps = 1: a sampling schedule needs at least 2 steps",
+                          where=f"{recipe.source}: [log].eval_steps", hint="use 0 (the sampler's steps) or >= 2")
+    if not _uses_units(recipe, registry):
+        return
+    if T < 1:
+        raise RecipeError(
+            "the sampler leaves no trainable transition",
+            where=f"{recipe.source}: [sampler]",
+            hint="use a stochastic kernel with noise > 0, more steps or a wider sde_window "
+            "(with image_from = 'x0_hat' the last step is not trainable)",
+        )
+    if recipe.train.micro_batch_size > recipe.train.prompts_per_iteration * recipe.train.group_size:
+        raise RecipeError(
+            f"micro_batch_size ({recipe.train.micro_batch_size}) exceeds the samples per iteration "
+            f"({recipe.train.prompts_per_iteration} x {recipe.train.group_size})",
+            where=f"{recipe.source}: [train].micro_batch_size",
+        )
+    chunker = build_component(recipe, registry, "chunker")
+    if isinstance(chunker, ProfilingChunker) and chunker.needs_model:
+        return  # boundaries come from profiling the model at start
+    try:
+        sizes = chunker.sizes(T)
+    except FlowrlError as exc:  # a profile's own message: located in this recipe
+        raise type(exc)(exc.message, where=located(recipe, exc.where or "[chunker]"), hint=exc.hint) from exc
+    except (ValueError, FileNotFoundError) as exc:
+        raise RecipeError(
+            f"{exc} (the sampler has T = {T} trainable transitions: steps = {recipe.sampler.steps}, "
+            f"image_from = '{recipe.sampler.image_from}')",
+            where=where,
+        ) from exc
+    for i, reward in enumerate(recipe.rewards):
+        if reward.chunk_weights and len(reward.chunk_weights) != len(sizes):
+            raise RecipeError(
+                f"chunk_weights has {len(reward.chunk_weights)} entries but the chunker makes "
+                f"{len(sizes)} chunks {list(sizes)}",
+                where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
+                hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
+            )
+
+
+def located(recipe: Recipe, where: str) -> str:
+    """``where`` within the recipe file: a component's bare ``[chunker].profile`` becomes
+    ``recipes/x.toml: [chunker].profile``."""
+    return f"{recipe.source}: {where}" if where.startswith("[") else where
+
+
+def data_kind(recipe: Recipe, registry: Registry) -> str | None:
+    """The kind of offline table the ``[loss]`` trains on (:class:`flowrl.interfaces.TrainsOnData`:
+    ``"images"`` or ``"pairs"``), or None for a loss that trains on rollouts."""
+    loss = build_component(recipe, registry, "loss")
+    return loss.data_kind if isinstance(loss, TrainsOnData) else None
+
+
+#: how to fix a recipe whose [data] and [loss] disagree
+DATA_HINT = ("an offline run names its table in [data] path = \"TABLE.jsonl\" and trains it with [loss] use = 'sft' "
+             "(a table of prompt, image) or 'offline_dpo' (prompt, chosen, rejected); docs/objectives.md, "
+             "\"Offline SFT and DPO\"")
+
+
+def _check_data(recipe: Recipe, registry: Registry) -> None:
+    """``[data]`` and the ``[loss]`` go together: an offline loss needs a table, a table needs an
+    offline loss of its kind, and a row is one sample (``group_size = 1``). The table itself is
+    read by :func:`~flowrl.recipe.startable.check_startable` (a run's recipe stays loadable after
+    its table is gone)."""
+    data, name = recipe.data, recipe.components["loss"].use
+    wants = data_kind(recipe, registry)
+    if not data.enabled:
+        if wants is not None:
+            raise RecipeError(f"loss '{name}' trains on an offline table of {wants}, and the recipe names none "
+                              "(no [data] path)", where=f"{recipe.source}: [data].path", hint=DATA_HINT)
+        return
+    if wants is None:
+        raise RecipeError(f"[data] names an offline table, but loss '{name}' trains on rollouts and their rewards",
+                          where=f"{recipe.source}: [loss]",
+                          hint=f"use loss 'sft' or 'offline_dpo' with [data], or remove [data] for an online run")
+    if data.kind not in ("auto", wants):
+        raise RecipeError(f"kind = '{data.kind}', but loss '{name}' trains on a table of {wants}",
+                          where=f"{recipe.source}: [data].kind", hint=DATA_HINT)
+
+
+def no_reference_copy_because(recipe: Recipe, registry: Registry | None = None) -> tuple[str, str, str] | None:
+    """Why the run keeps no frozen copy of the denoiser as its KL reference, as ``(key, reason,
+    how to get one)``, or None when it keeps one: as :class:`flowrl.objectives.kl.KLSettings` and
+    :class:`~flowrl.objectives.kl.ReferencePolicy` decide it (a reference only with a loss of
+    ``beta > 0`` and a reference KL kind, or an objective that runs one itself and says so,
+    :class:`flowrl.interfaces.NeedsReferencePolicy`: DiffusionNFT with ``beta_kl > 0``; a copy
+    only without LoRA, whose reference is the base with the adapter off)."""
+    loss = recipe.components["loss"].params
+    if isinstance(loss, KLRegularised):
+        wants = float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"
+    else:  # the built objective says whether it runs a reference of its own
+        built = build_component(recipe, registry or get_registry(), "loss")
+        wants = isinstance(built, NeedsReferencePolicy) and built.needs_reference()
+    if not wants:
+        return ("[loss].beta", "the [loss] has no KL term to a reference model (beta = 0 or kl = 'old_policy_k3'; "
+                "nft: beta_kl = 0)", "give the [loss] beta > 0 and kl = 'flow_grpo' or 'gaussian_exact' (nft: beta_kl > 0)")
+    if recipe.train.finetune != "full":
+        return ("[train].finetune", f"finetune = '{recipe.train.finetune}': the reference is the base with the "
+                "adapter off, not a copy of the weights", "use finetune = 'full'")
+    return None
+
+
+def keeps_reference_copy(recipe: Recipe, registry: Registry | None = None) -> bool:
+    """True when training keeps a frozen copy of the denoiser as its KL reference."""
+    return no_reference_copy_because(recipe, registry) is None
+
+
+def _check_reference_copy_needed(recipe: Recipe, registry: Registry) -> None:
+    """An objective that declares it needs the reference as a frozen copy
+    (:class:`flowrl.interfaces.NeedsReferenceCopy`: GARDO's reference reset) refuses, in its
+    ``prepare``, a run that keeps none: only after the model has loaded. Refused here from the
+    declaration and the recipe, for every such objective."""
+    loss = build_component(recipe, registry, "loss")
+    if not (isinstance(loss, NeedsReferenceCopy) and loss.needs_reference_copy):
+        return
+    why = no_reference_copy_because(recipe, registry)
+    if why is None:
+        return
+    key, reason, fix = why
+    name = recipe.components["loss"].use
+    raise RecipeError(
+        f"loss '{name}' needs its KL reference as a frozen copy of the denoiser (it resets the reference to "
+        f"the current weights), and this recipe keeps none: {reason}",
+        where=f"{recipe.source}: {key}", hint=f"{fix} with this loss, or use another [loss]",
+    )
+
+
+def _check_memory_knobs(recipe: Recipe, registry: Registry) -> None:
+    """[train].reference_on_cpu and .optimizer only where they apply (never silently ignored)."""
+    t = recipe.train
+    if t.reference_on_cpu:
+        if not keeps_reference_copy(recipe, registry):
+            raise RecipeError(
+                "reference_on_cpu = true, but this recipe keeps no reference copy (only full fine-tuning with a "
+                "KL term to a reference does: [loss].beta > 0 and a reference KL kind, or nft's beta_kl > 0; "
+                "LoRA's reference is the base with the adapter off)",
+                where=f"{recipe.source}: [train].reference_on_cpu", hint="remove it",
+            )
+
+
+def _check_replay(recipe: Recipe, registry: Registry, T: int) -> None:
+    """``[replay]`` only where a replayed rollout can be re-weighted exactly (:func:`_refuse_off_policy`);
+    a sequence weight no longer than the sampler's T."""
+    r, where = recipe.replay, f"{recipe.source}: [replay]"
+    if not r.enabled:
+        return
+    _refuse_off_policy(recipe, registry, "[replay]", f"{where}.size", "set size = 0", "the replay buffer")
+    if r.weight_steps > T > 0:
+        raise RecipeError(f"weight_steps = {r.weight_steps} exceeds the sampler's T = {T} trainable transitions",
+                          where=f"{where}.weight_steps", hint=f"at most {T}; 0 = all")
+
+
+def _check_pipeline(recipe: Recipe, registry: Registry) -> None:
+    """``[pipeline]`` with staleness 1 trains on rollouts of an older policy, corrected like a
+    replayed one: refused where replay is refused; and not together with ``[replay]`` (a kept
+    rollout's staleness would count iterations, not the policy versions that drew it)."""
+    if not recipe.pipeline.enabled:
+        return
+    where = f"{recipe.source}: [pipeline].staleness"
+    _refuse_off_policy(recipe, registry, "[pipeline] staleness = 1", where, "set staleness = 0",
+                       "the rollout policy's weights")
+    if recipe.replay.enabled:
+        raise RecipeError("[pipeline] staleness = 1 and [replay] cannot be combined yet", where=where,
+                          hint="set pipeline.staleness = 0 or replay.size = 0")
+
+
+def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str, off: str, kept: str) -> None:
+    """Training on a rollout sampled by an older policy (``[replay]``, ``[pipeline]``) corrects it
+    by re-scoring and importance weights, which needs a ratio-based ``[loss]`` (a plain policy
+    loss, which trains through the chunk ratio) whose only memory of the rollout is its
+    log-probs (not GRPO-Guard's proposal means), and an unsharded run (its checkpoint keeps
+    ``kept``). One message each, naming ``what`` and how to turn it ``off``."""
+    loss = build_component(recipe, registry, "loss")
+    name = recipe.components["loss"].use
+    if isinstance(loss, Objective):
+        raise RecipeError(f"{what} needs a ratio-based policy loss; loss '{name}' owns its update "
+                          "(its own old policy or anchors, not the rollout's log-probs)", where=where,
+                          hint=f"use loss 'clipped', or {off}")
+    if isinstance(loss, KeepsRolloutMeans) and loss.keep_means:
+        raise RecipeError(f"{what} cannot re-weight loss '{name}': its step ratio uses the rollout's proposal "
+                          "means, which an off-policy update would have to re-sample", where=where,
+                          hint=f"use loss 'clipped', or {off}")
+    if recipe.distributed.strategy == "fsdp2":
+        raise RecipeError(f"{what} is not supported with strategy = 'fsdp2' (its sharded checkpoint cannot hold "
+                          f"{kept} yet)", where=where, hint="use strategy 'ddp' or 'none'")
+
+
+def _branches_from_profile(recipe: Recipe, T: int) -> None:
+    """``[sampler].branch_profile``: fill in ``branch_steps`` (the ``branch_count`` trainable
+    transitions where the profile's l1rel curve is highest, in step order) and ``branch_factors``
+    (2 each). A recipe that already names them (the run's own resolved recipe) must name these."""
+    s = recipe.sampler
+    if not s.branch_profile:
+        return
+    where = f"{recipe.source}: [sampler].branch_profile"
+    data = read_profile(s.branch_profile, where=where)
+    curve = trainable_curve(data, "l1rel", T, source=s.branch_profile, where=where)
+    positions = [i for i, t in enumerate(data["trainable"]) if t]
+    if s.branch_count > len(positions):
+        raise RecipeError(f"branch_count = {s.branch_count} exceeds the sampler's {len(positions)} trainable "
+                          "transitions", where=f"{recipe.source}: [sampler].branch_count")
+    steps = steps_of_highest_dynamics(curve, positions, s.branch_count)
+    factors = [2] * s.branch_count
+    if (s.branch_steps or s.branch_factors) and (list(s.branch_steps), list(s.branch_factors)) != (steps, factors):
+        raise RecipeError(f"branch_steps {list(s.branch_steps)} and branch_factors {list(s.branch_factors)} are not "
+                          f"what branch_profile gives ({steps}, {factors})", where=where,
+                          hint="give branch_profile or branch_steps, not both")
+    s.branch_steps, s.branch_factors = steps, factors
+
+
+def _check_group_can_differ(recipe: Recipe, T: int) -> None:
+    """A rollout with no stochastic step (T = 0: an ODE window) makes a group's samples differ only
+    by their starting noise; with the same noise for the whole group they are one image, every
+    advantage is 0 and nothing would train."""
+    if T == 0 and recipe.train.same_noise_in_group and not recipe.data.enabled:
+        raise RecipeError("same_noise_in_group = true with a rollout that adds no noise (no stochastic step): "
+                          "every sample of a group would be the same image, so every advantage would be 0",
+                          where=f"{recipe.source}: [train].same_noise_in_group",
+                          hint="set same_noise_in_group = false (each sample from its own noise)")
+
+
+def _check_branches(recipe: Recipe, registry: Registry, trainable: torch.Tensor, plans: bool) -> None:
+    """Branch rollouts split whole groups on one process, sampled in whole-group sub-batches with
+    the sampler's own kernels (not a ``[window]`` plan); a split must leave the copies a
+    stochastic step that reaches the image, or they stay one image; and the tree's pruning must
+    leave something to train and do what it says (``trainable``: the sampler's trainable steps)."""
+    s, G = recipe.sampler, recipe.train.group_size
+    if not s.branch_steps:
+        return
+    where = f"{recipe.source}: [sampler].branch_factors"
+    if G % math.prod(s.branch_factors):
+        raise RecipeError(
+            f"the product of branch_factors ({math.prod(s.branch_factors)}) must divide group_size ({G}): "
+            "a group starts from group_size / product roots", where=where)
+    if s.batch_size % G:
+        raise RecipeError(f"batch_size ({s.batch_size}) must be 0 or a multiple of group_size ({G}) with "
+                          "branch rollouts: a group's tree is sampled in one sub-batch",
+                          where=f"{recipe.source}: [sampler].batch_size")
+    if plans:
+        window = recipe.components["window"].use
+        raise RecipeError(f"branch rollouts sample with the sampler's kernels and [sampler].sde_window; [window] "
+                          f"'{window}' plans its own windows for each rollout", where=f"{recipe.source}: [window]",
+                          hint="use [window] use = 'fixed' (with sde_window for the stochastic steps), or drop "
+                               "branch_steps")
+    steps = [i for i, t in enumerate(trainable.tolist()) if t]
+    splits = [b for b, f in zip(s.branch_steps, s.branch_factors) if f > 1]
+    if splits and (not steps or splits[-1] > steps[-1]):
+        last = (f"the sampler's last stochastic step that reaches the image is step {steps[-1]}" if steps else
+                "the sampler has no stochastic step that reaches the image")
+        raise RecipeError(
+            f"branch step {splits[-1]} splits where no noise is drawn any more: {last}, so the copies "
+            "would stay one image (the group's samples would repeat each other)",
+            where=f"{recipe.source}: [sampler].branch_steps",
+            hint=(f"branch at steps <= {steps[-1]}" if steps else "use a stochastic kernel (e.g. 'flow')")
+            + " (image_from = 'x0_hat' leaves the last step's noise out of the image; sde_window bounds the "
+              "stochastic steps)")
+    if s.branch_keep >= G:
+        raise RecipeError(f"branch_keep = {s.branch_keep} keeps every leaf of a group of {G} (width pruning "
+                          "would prune nothing)", where=f"{recipe.source}: [sampler].branch_keep",
+                          hint=f"keep fewer than group_size = {G} leaves, or branch_keep = 0 for every leaf")
+    prune, stop = list(s.branch_prune_steps), max(s.branch_steps)
+    if prune and s.branch_prune_slide and prune[0] <= stop:
+        raise RecipeError(f"branch_prune_slide = {s.branch_prune_slide} slides the pruned steps earlier until the "
+                          f"first is the last branch step ({stop}); branch_prune_steps starts at step {prune[0]}, "
+                          "so it would never move", where=f"{recipe.source}: [sampler].branch_prune_slide",
+                          hint=f"start branch_prune_steps after step {stop}, or branch_prune_slide = 0")
+    # the pruned steps at every position the slide takes them to (pruned_steps in training)
+    shifts = range(max(0, prune[0] - stop) + 1 if s.branch_prune_slide else 1) if prune else range(0)
+    for shift in shifts:
+        if set(steps) <= {p - shift for p in prune}:
+            moved = f" (slid {shift} step{'s' if shift != 1 else ''} earlier)" if shift else ""
+            raise RecipeError(f"branch_prune_steps{moved} prunes every trainable transition of the sampler "
+                              f"(steps {steps[0]} to {steps[-1]}): no transition would be trained",
+                              where=f"{recipe.source}: [sampler].branch_prune_steps",
+                              hint="prune some of the steps after the last split only")
+    if s.branch_advantage == "tree":
+        where = f"{recipe.source}: [sampler].branch_advantage"
+        if recipe.components["chunker"].use != "step":
+            raise RecipeError("branch_advantage = 'tree' gives each transition its own advantage: it needs step "
+                              f"units, not chunker '{recipe.components['chunker'].use}'", where=where,
+                              hint="set chunker.use = 'step', or branch_advantage = 'leaf'")
+        if any(any(r.chunk_weights) for r in recipe.rewards):
+            raise RecipeError("branch_advantage = 'tree' fuses one reward per leaf; a reward with chunk_weights "
+                              "gives one per chunk", where=where, hint="drop chunk_weights, or branch_advantage = 'leaf'")
+
+
+def _check_sharding(recipe: Recipe) -> None:
+    """What cannot work beside sharded (DTensor) weights, refused before any model loads; the
+    optimizer and :meth:`flowrl.train.ema.WeightEMA.attach` would refuse it only after. (With
+    strategy 'auto' a launcher may still choose fsdp2: training checks again then.)"""
+    if recipe.distributed.strategy != "fsdp2":
+        return
+    if recipe.train.optimizer == "adamw_8bit":
+        raise RecipeError(
+            "optimizer = 'adamw_8bit' cannot hold sharded (DTensor) parameters",
+            where=f"{recipe.source}: [train].optimizer",
+            hint="use 'adamw' with strategy = 'fsdp2' (its AdamW state is sharded already), or strategy 'ddp'/'none'",
+        )
+    if recipe.ema.enabled and recipe.ema.on_cpu:
+        raise RecipeError(
+            "[ema] on_cpu = true is not supported with strategy = 'fsdp2': the EMA is sharded like the weights "
+            "and lives next to them",
+            where=f"{recipe.source}: [ema].on_cpu",
+            hint="set on_cpu = false (each process then holds 1/N of the EMA), or use strategy 'ddp'",
+        )

@@ -1,0 +1,178 @@
+"""``flowrl selftest --gpu``: its steps and budgets (the dry run CI runs), how one step is run,
+killed, skipped or failed without stopping the next, and how each step's figures are read from
+what the GPU machine's programs write (the recorded H100 and H200 files as inputs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flowrl.diagnostics import gpu_check
+from flowrl.diagnostics.gpu_check import Setting, Step, StepFailed
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def test_dry_run_lists_every_step_with_its_budget_within_eight_minutes(flowrl_cli):
+    (result,) = flowrl_cli.in_process([["selftest", "--gpu", "--dry-run"]])
+    assert result.returncode == 0, result.stderr
+    budgets = {s.name: s.budget_s for s in gpu_check.steps()}
+    assert list(budgets) == ["doctor", "selftest", "gpu_lane", "quickstart", "flux_iteration", "memory", "attention"]
+    assert sum(budgets.values()) <= 8 * 60
+    for name, budget in budgets.items():
+        assert f"{name}" in result.stdout and f"{budget} s" in result.stdout, (name, result.stdout)
+    # from the checkout, every step has its files: nothing is skipped for a missing lane or script
+    assert "skipped here" not in result.stdout, result.stdout
+    assert "pytest -m gpu" in result.stdout and "gpu_flux_iteration.py" in result.stdout
+
+
+def test_gpu_check_without_cuda_is_one_message_and_writes_nothing(flowrl_cli, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (result,) = flowrl_cli.in_process([["selftest", "--gpu", "--output", str(tmp_path / "out")]])
+    assert result.returncode == 2
+    assert "needs a CUDA GPU" in result.flat_err and "--dry-run" in result.flat_err
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["selftest", "--gpu", "--dry-run", "--only", "doctor,nope"], "no step named 'nope'"),
+    (["selftest", "--dry-run"], "belong to the GPU check"),
+])
+def test_bad_gpu_check_options_are_one_message(flowrl_cli, argv, expected):
+    (result,) = flowrl_cli.in_process([argv])
+    assert result.returncode == 2 and expected in result.flat_err and "Traceback" not in result.stderr
+
+
+def test_only_and_skip_choose_steps_in_the_check_order():
+    assert [s.name for s in gpu_check.choose("attention,doctor", None)] == ["doctor", "attention"]
+    assert "memory" not in [s.name for s in gpu_check.choose(None, "memory")]
+
+
+def _python_step(name: str, code: str, figures=lambda s, out: {"said": out.strip()}, budget: int = 30) -> Step:
+    return Step(name, name, budget, lambda s: [sys.executable, "-c", code], figures)
+
+
+def test_a_step_that_passes_reports_its_figures(tmp_path):
+    result = gpu_check.run_step(_python_step("ok", "print('hello')"), Setting(repo=None, workdir=tmp_path), 30)
+    assert result.status == "pass" and result.figures == {"said": "hello"} and result.error is None
+
+
+def test_a_step_that_exits_non_zero_fails_with_the_end_of_its_output(tmp_path):
+    code = "import sys; print('line one', file=sys.stderr); print('the real reason', file=sys.stderr); sys.exit(3)"
+    result = gpu_check.run_step(_python_step("bad", code, figures=lambda s, out: {}), Setting(None, tmp_path), 30)
+    assert result.status == "fail" and "exit status 3" in result.error and "the real reason" in result.error
+
+
+def test_a_step_whose_figures_say_failed_keeps_its_figures(tmp_path):
+    def figures(setting, out):
+        raise StepFailed("too slow", {"seconds_per_iteration": 99.0})
+
+    result = gpu_check.run_step(_python_step("slow", "pass", figures=figures), Setting(None, tmp_path), 30)
+    assert result.status == "fail" and result.error == "too slow" and result.figures == {"seconds_per_iteration": 99.0}
+
+
+def test_a_step_past_its_budget_is_killed_with_everything_it_started(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid)); print('started', flush=True); time.sleep(60)")
+    started = time.perf_counter()
+    result = gpu_check.run_step(_python_step("hang", code, budget=60), Setting(None, tmp_path), 3)
+    assert time.perf_counter() - started < 20
+    assert result.status == "timeout" and "budget of 3 s" in result.error
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is delivered; the child is reaped by init
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{child}/stat").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child process {child} outlived the step")
+
+
+def test_a_failing_step_does_not_stop_the_next_and_time_runs_out_as_a_skip(tmp_path):
+    chosen = [_python_step("first", "import sys; sys.exit(1)", figures=lambda s, out: {}),
+              _python_step("second", "print('ran')"),
+              Step("missing", "missing", 30, lambda s: "needs tests/gpu from the checkout", lambda s, out: {}),
+              _python_step("sleeper", "import time; time.sleep(60)", budget=60),
+              _python_step("after", "print('never')")]
+    results = gpu_check.run_check(Setting(None, tmp_path), chosen, total_budget_s=gpu_check.LEAST_USEFUL_S + 5)
+    assert [r.status for r in results] == ["fail", "pass", "skip", "timeout", "skip"]
+    assert "out of time" in results[4].error
+
+
+def test_junit_report_gives_counts_and_the_failing_tests(tmp_path):
+    xml = tmp_path / "gpu_lane.xml"
+    xml.write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.gpu.test_engine" name="test_ok"/>'
+        '<testcase classname="tests.gpu.test_engine" name="test_resume"><failure message="x"/></testcase>'
+        '<testcase classname="tests.gpu.test_engine" name="test_skip"><skipped/></testcase>'
+        '<testcase classname="tests.gpu.test_engine" name="test_two"/></testsuite></testsuites>')
+    with pytest.raises(StepFailed) as caught:
+        gpu_check.junit_figures(xml)
+    assert caught.value.figures == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1,
+                                    "failing": ["tests.gpu.test_engine::test_resume"]}
+    assert "test_resume" in str(caught.value)
+
+
+def _eval(mean: float, sem: float, **more) -> dict:
+    return {"iteration": 0, "eval/verifier/mean": mean, "eval/verifier/sem": sem, **more}
+
+
+def test_quickstart_learns_by_the_readme_bar_or_fails_with_its_numbers():
+    rows = [_eval(0.83, 0.01, **{"eval/embedded_clip/mean": 0.5, "eval/hf_share/mean": 0.1}), {"loss": 1.0},
+            _eval(0.91, 0.01, **{"eval/embedded_clip/mean": 0.52, "eval/hf_share/mean": 0.1})]
+    figures = gpu_check.quickstart_figures(rows)
+    assert figures["rise_se"] == pytest.approx(0.08 / (0.01 * 2 ** 0.5), abs=0.01)
+    assert figures["second_judge_last"] == 0.52
+    with pytest.raises(StepFailed, match="the CPU's bar is >= 5"):
+        gpu_check.quickstart_figures([_eval(0.83, 0.02), _eval(0.85, 0.02)])
+
+
+def test_flux_figures_read_the_recorded_h200_iteration():
+    recorded = json.loads((RESULTS / "gpu_flux_iteration_h200.json").read_text())
+    figures = gpu_check.flux_figures(recorded)
+    assert figures["seconds_per_iteration"] == pytest.approx(22.7068, abs=1e-3)
+    assert figures["peak_gib"] == pytest.approx(34.1375, abs=1e-3) and figures["compute_ratio"] == 1.0
+
+
+def test_attention_figures_read_the_recorded_h100_backends():
+    recorded = (RESULTS / "sdpa_backends_h100.jsonl").read_text()
+    figures = gpu_check.attention_figures(recorded)  # torch's default (cuDNN) faulted there: reported, known
+    assert figures["flash"] == "ok" and figures["auto"].startswith("error")
+    broken = recorded.replace('"backend": "flash", "ok": true', '"backend": "flash", "ok": false')
+    with pytest.raises(StepFailed, match="flash"):
+        gpu_check.attention_figures(broken)
+
+
+def test_memory_figures_fail_on_a_configuration_that_failed():
+    good = {"configurations": {"flux": {"planned_gib": 40.0, "measured_gib": 36.0, "ratio": 1.11, "seconds": 20}}}
+    assert gpu_check.memory_figures(good)["flux"]["ratio"] == 1.11
+    with pytest.raises(StepFailed, match="wan: CUDA out of memory"):
+        gpu_check.memory_figures({"configurations": {**good["configurations"], "wan": {"error": "CUDA out of memory"}}})
+
+
+def test_the_report_is_written_as_json_and_a_markdown_table(tmp_path):
+    results = gpu_check.run_check(Setting(None, tmp_path), [_python_step("ok", "print('x')")], 60)
+    device = {"name": "NVIDIA H100 80GB HBM3", "count": 1, "memory_gib": 79.1, "capability": "9.0", "driver": "580"}
+    report = gpu_check.report(results, device, {"torch": "2.11.0+cu130"}, 480, 1.5, "2026-11-29T08:00:00Z")
+    json_path, md_path = gpu_check.write_report(report, tmp_path / "results")
+    assert json_path.name == "gpu_check_h100_80gb_hbm3_2026-11-29.json"
+    saved = json.loads(json_path.read_text())
+    assert saved["kind"] == "flowrl-gpu-check" and saved["steps"][0]["status"] == "pass"
+    table = md_path.read_text()
+    assert "| ok | pass |" in table and "NVIDIA H100 80GB HBM3" in table

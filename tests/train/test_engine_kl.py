@@ -1,0 +1,155 @@
+"""KL regularisation in the update: the reference policy and the per-step KL pass.
+
+The KL pass back-propagates one transition at a time; its gradient must equal the gradient of
+the whole KL term built in one graph (computed here independently, by hand from the kernel's
+Gaussian means), and the reference must be the model as it was before any update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import load, quiet_console
+from tiny_recipe import write_recipe
+
+from flowrl.chunking import chunk_index
+from flowrl.interfaces import select_embeddings
+from flowrl.runlog import read_metrics
+from flowrl.sampling.rollout import make_kernels, rollout
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.kernels import FlowKernel
+from flowrl.train import train
+from flowrl.train.finetune import prepare_trainable
+from flowrl.objectives.kl import KLTerm, ReferencePolicy, frozen_copy
+from flowrl.objectives.policy_gradient import TransitionScorer
+from flowrl_plugins.embedded.plugin import EmbeddedConfig, EmbeddedModel
+
+
+class _Train:  # the TrainConfig fields prepare_trainable reads
+    def __init__(self, finetune):
+        self.finetune, self.lora_rank, self.lora_alpha = finetune, 4, 8.0
+        self.lora_targets, self.lora_init = [], "default"
+
+
+def _setup(finetune):
+    torch.manual_seed(0)
+    model = EmbeddedModel(EmbeddedConfig(random_init=True, seed=3))
+    params = prepare_trainable(model, _Train(finetune))
+    reference = ReferencePolicy(model)
+    prompts = ["a red circle on a blue background"] * 2 + ["a green square on a white background"] * 2
+    text = model.encode_prompts(prompts)
+    sigmas = shifted_sigmas(5, 3.0)
+    kernels = make_kernels(5, FlowKernel(a=0.7))
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    noise = torch.stack([torch.randn(model.latent_shape, generator=g) for g in gens])
+    traj = rollout(lambda x, s: model.velocity(x, s, text), noise, sigmas, kernels, generators=gens, prompts=prompts)
+    # move the policy away from the reference so the KL and its gradient are not zero
+    with torch.no_grad():
+        for p in params:
+            scale = float(p.std()) if p.numel() > 1 and float(p.std()) > 0 else 1.0  # LoRA B starts at 0
+            p.add_(1e-2 * scale * torch.randn_like(p))
+    return model, params, reference, text, traj
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_reference_is_the_model_before_updates(finetune):
+    model, params, reference, text, traj = _setup(finetune)
+    x, s = traj.latents[:, 1], traj.sigmas[1].expand(4)
+    fresh = EmbeddedModel(EmbeddedConfig(random_init=True, seed=3))
+    with torch.no_grad():
+        base = fresh.velocity(x, s, text)
+        now = model.velocity(x, s, text)
+    assert (now - base).abs().max() > 1e-4  # the policy moved
+    torch.testing.assert_close(reference.velocity(x, s, text), base, rtol=0, atol=1e-5)
+    assert not torch.is_grad_enabled() or reference.velocity(x, s, text).requires_grad is False
+
+
+@pytest.mark.parametrize("kind", ["gaussian_exact", "flow_grpo", "old_policy_k3"])
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_kl_pass_gradient_equals_one_graph(kind, finetune):
+    model, params, reference, text, traj = _setup(finetune)
+    sizes = (2, 2)
+    mask = torch.tensor([[True, False], [True, True], [False, True], [True, True]])
+    idx = torch.arange(4)
+    beta, normaliser = 0.3, 4.0
+
+    for p in params:
+        p.grad = None
+    scorer = TransitionScorer(model, traj, text, reference)
+    value, term = KLTerm(scorer, idx, mask, sizes, traj.trainable_log_probs, kind, beta, normaliser).backward()
+    lean = [p.grad.clone() for p in params]
+
+    # Independent route: every trained transition in one graph, KL written out by hand.
+    for p in params:
+        p.grad = None
+    trans = mask[:, chunk_index(sizes)]
+    per_sample = trans.sum(1).float()
+    total, kls = 0.0, []
+    for t, i in enumerate(traj.trainable_indices.tolist()):
+        b = torch.nonzero(trans[:, t]).flatten()
+        x, nxt = traj.latents[b, i], traj.latents[b, i + 1]
+        sig, sig_n = float(traj.sigmas[i]), float(traj.sigmas[i + 1])
+        g = 0.7 * (sig / (1 - (sig_n if sig == 1.0 else sig))) ** 0.5
+        std = g * (sig - sig_n) ** 0.5
+        v = model.velocity(x, traj.sigmas[i].expand(len(b)), select_embeddings(text, b))
+        x1_hat = x + (1 - sig) * v
+        mean = x + (sig_n - sig) * (v + g**2 / (2 * sig) * x1_hat)
+        if kind == "old_policy_k3":
+            lp = (-(nxt - mean) ** 2 / (2 * std**2) - torch.log(torch.tensor(std)) - 0.5 * torch.log(torch.tensor(2 * torch.pi))).flatten(1).mean(1)
+            z = (lp - traj.log_probs[b, i]).double()  # float64: exp(z) - 1 cancels badly for small z
+            kl = torch.exp(z) - 1 - z
+        else:
+            with torch.no_grad():
+                v_ref = reference.velocity(x, traj.sigmas[i].expand(len(b)), select_embeddings(text, b))
+                mean_ref = x + (sig_n - sig) * (v_ref + g**2 / (2 * sig) * (x + (1 - sig) * v_ref))
+            denom = 2 * std**2 if kind == "gaussian_exact" else 2 * g**2
+            kl = ((mean - mean_ref) ** 2 / denom).flatten(1).mean(1)
+        kls.append(kl.detach())
+        total = total + (beta / normaliser) * (kl / per_sample[b]).sum()
+    total.backward()
+    assert beta * term == pytest.approx(float(total.detach()), rel=1e-5, abs=1e-12)  # the optimised term
+    for a, b in zip(lean, [p.grad for p in params]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
+    # k3 is ~z^2/2 with z a difference of float32 log-probs: only ~1e-3 relative is meaningful
+    rel = 1e-2 if kind == "old_policy_k3" else 1e-5
+    assert value == pytest.approx(float(torch.cat(kls).mean()), rel=rel, abs=1e-12)
+    if kind != "old_policy_k3":
+        assert value > 0 and any(g.abs().max() > 0 for g in lean)
+
+
+def test_training_with_kl_logs_it_and_starts_at_zero(tmp_path):
+    recipe_path = write_recipe(tmp_path)
+    recipe = load(recipe_path, f"run.output_dir={str(tmp_path / 'run')!r}", "loss.beta=0.1",
+                  "loss.kl='gaussian_exact'", "train.iterations=2", "train.updates_per_rollout=1",
+                  "train.optimizer_steps_per_update=1")
+    records = read_metrics(train(recipe, console=quiet_console()))
+    kls = [r["kl/gaussian_exact"] for r in records if "kl/gaussian_exact" in r]
+    assert len(kls) == 2
+    assert kls[0] < 1e-10 < kls[1]  # the policy starts at the reference, then moves away
+
+
+def test_frozen_copy_is_made_in_the_asked_dtype_and_keeps_the_module_as_it_was():
+    """The KL reference's copy (flowrl.objectives.kl.frozen_copy): floating-point parameters and
+    buffers in the asked dtype (the diffusers adapters' compute dtype), integer ones as they are,
+    shared tensors still shared, nothing trainable; the original untouched; a ``meta`` module
+    (a process that receives rank 0's weights) copied without storage."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4))
+    net.register_buffer("steps", torch.arange(3))
+    net.register_buffer("scale", torch.ones(2))
+    net[0].weight.requires_grad_(True)
+    ref = frozen_copy(net, torch.bfloat16)
+    assert {p.dtype for p in ref.parameters()} == {torch.bfloat16} and ref.scale.dtype == torch.bfloat16
+    assert ref.steps.dtype == torch.int64 and torch.equal(ref.steps, net.steps)
+    assert torch.equal(ref[0].weight, net[0].weight.detach().to(torch.bfloat16))
+    assert not any(p.requires_grad for p in ref.parameters()) and not ref.training
+    assert {p.dtype for p in net.parameters()} == {torch.float32} and net[0].weight.requires_grad
+    shared = torch.nn.Linear(3, 3)
+    tied = torch.nn.ModuleList([shared, shared])
+    copied = frozen_copy(tied, torch.bfloat16)
+    assert copied[0].weight is copied[1].weight and copied[0].weight is not shared.weight
+    same = frozen_copy(net)  # no dtype: as stored (the engine's own copy)
+    assert {p.dtype for p in same.parameters()} == {torch.float32}
+    with torch.device("meta"):
+        empty = torch.nn.Linear(4, 4)
+    assert frozen_copy(empty, torch.bfloat16).weight.is_meta
