@@ -34,6 +34,7 @@ def _run(tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_every_configuration_runs_and_is_planned_on_the_cpu(tmp_path):
     result = _run(tmp_path, "--device", "cpu", "--reduced")
     for key in ("device", "torch", "diffusers", "transformers", "date", "args", "seconds"):

@@ -156,3 +156,26 @@ def test_mfu_from_the_model_count_and_hfu_from_the_count_with_recompute():
     assert out["speed/hfu"] == pytest.approx(3.0)
     throughput.peak = None
     assert "speed/mfu" not in throughput.measure(seconds, torch.ones(2, 2, dtype=torch.bool), [1, 2], 1)
+
+
+def test_counting_a_compiled_denoiser_leaves_it_to_compile_on_its_next_call():
+    """A compiled denoiser counted first still compiles at its next call: the count runs it
+    eagerly. A first call under FlopCounterMode once left dynamo never compiling the module, and
+    runs with ``[train].compile`` trained uncompiled, silently. (The backend here records the
+    graphs it is given instead of generating code.)"""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    try:
+        denoiser = _denoiser()
+        denoiser.compile(backend=recording_backend)
+        count_velocity_flops(_session(denoiser), "a prompt")
+        assert not graphs, "the FLOP count itself must not compile"
+        denoiser(torch.zeros(2, TOKENS, D))
+        assert graphs, "the denoiser was not compiled after its FLOPs were counted"
+    finally:
+        torch._dynamo.reset()

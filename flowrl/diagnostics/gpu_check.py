@@ -419,13 +419,14 @@ def slug(name: str) -> str:
 
 
 def run_check(setting: Setting, chosen: list[Step], total_budget_s: float = TOTAL_BUDGET_S,
-              say: Callable[[str], None] = lambda text: None) -> list[StepResult]:
-    """Every chosen step in order, each within its budget and what is left of the total."""
+              say: Callable[[str], None] = lambda text: None, least_useful_s: float = LEAST_USEFUL_S) -> list[StepResult]:
+    """Every chosen step in order, each within its budget and what is left of the total; a step
+    that would get under ``least_useful_s`` is skipped as out of time."""
     started = time.perf_counter()
     results = []
     for step in chosen:
         left = total_budget_s - (time.perf_counter() - started)
-        if left < LEAST_USEFUL_S:
+        if left < least_useful_s:
             results.append(StepResult(step.name, step.title, step.budget_s, "skip", 0.0,
                                       f"out of time: {max(left, 0):.0f} s left of the check's budget", {}, ""))
             say(f"{step.name}: skipped, out of time")

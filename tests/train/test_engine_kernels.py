@@ -179,6 +179,7 @@ def _check_compiled_run(run_dir, graphs: int) -> None:
     assert not any("_orig_mod" in k for k in final_weights(run_dir))
 
 
+@pytest.mark.slow
 def test_compiled_denoiser_is_traced_and_keeps_the_on_policy_check(tmp_path, monkeypatch):
     """compile = 'default' on the embedded model, with dynamo's ``aot_eager`` backend in place of
     inductor (dynamo traces the denoiser and AOT autograd builds its forward and backward graphs;
