@@ -183,7 +183,7 @@ def test_cuda_constraints_pin_a_cuda_build_of_the_tested_release():
 @pytest.fixture(scope="module")
 def selftest(flowrl_cli):
     """`flowrl selftest` as docs/install.md writes it (this machine: the CPU) and with --json."""
-    (doc,) = [argv for argv in doc_commands() if argv[0] == "selftest"]
+    (doc,) = [argv for argv in doc_commands() if argv[0] == "selftest" and "--gpu" not in argv]
     text, as_json = flowrl_cli.batch([doc, doc + ["--json"]], timeout=600)
     return doc, text, as_json
 
