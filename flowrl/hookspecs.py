@@ -114,6 +114,17 @@ def register_losses(register):
 
 
 @hookspec
+def register_likelihoods(register):
+    """Register likelihood estimators (see :class:`flowrl.interfaces.LikelihoodEstimator`).
+
+    An estimator says where a ratio-based loss reads a sample's log-likelihood: the SDE
+    trajectory's transitions (``trajectory``, the default) or the final image's flow-matching ELBO
+    (``elbo``). It turns the ``[loss]`` into the objective the update runs, and refuses a loss it
+    cannot serve. Recipes pick one with ``[likelihood] use = "name"``.
+    """
+
+
+@hookspec
 def register_windows(register):
     """Register SDE window planners (see :class:`flowrl.interfaces.WindowPlanner`).
 
@@ -148,7 +159,7 @@ def default_component(kind: str):
     """Name the component a recipe gets when it omits the table for ``kind``.
 
     ``kind`` is one of ``model``, ``schedule``, ``kernel``, ``chunker``, ``selector``,
-    ``advantage``, ``loss``, ``window``. Return a registered name, or ``None`` to defer to other plugins.
+    ``advantage``, ``loss``, ``likelihood``, ``window``. Return a registered name, or ``None`` to defer to other plugins.
     The first non-None answer wins; the built-in answer is ``trylast``, so any plugin can
     change a default. flowrl's core itself holds no default names.
     """

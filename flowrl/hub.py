@@ -38,9 +38,12 @@ def algorithm_of(recipe: Recipe) -> tuple[str, str]:
     chunker = recipe.components["chunker"].use
     name, paper = getattr(registry.get("chunker", chunker).factory, "algorithm", None) or (
         f"GRPO-family policy optimisation (chunker '{chunker}')", "")
+    likelihood = recipe.components.get("likelihood")
+    if likelihood is not None:  # an estimator other than the trajectory's names the family (no chunks)
+        name, paper = getattr(registry.get("likelihood", likelihood.use).factory, "algorithm", None) or (name, paper)
     if getattr(loss, "variant", None):
         name, paper = name + loss.variant[0], "; ".join(p for p in (paper, loss.variant[1]) if p)
-    if recipe.components["selector"].use == "weighted":
+    if recipe.components["selector"].use == "weighted" and (likelihood is None or likelihood.use == "trajectory"):
         name += ", with chunks sampled by their temporal-dynamics weight"
     return name, paper
 

@@ -434,6 +434,17 @@ class UsesImageFeatures(Protocol):
 
 
 @runtime_checkable
+class LikelihoodEstimator(Protocol):
+    """Where a ratio-based loss reads a sample's log-likelihood (``[likelihood]``):
+    ``objective(loss)`` returns what the update runs for the recipe's ``[loss]`` (the loss itself,
+    or an :class:`Objective` around its unit objective), or raises ``ValueError`` saying why this
+    estimator cannot serve that loss. A :class:`PolicyLoss` that is defined on one estimator only
+    says so with ``requires_likelihood`` (its name)."""
+
+    def objective(self, loss: Any) -> Any: ...
+
+
+@runtime_checkable
 class PolicyLoss(Protocol):
     """A loss of the ratio-based family: its *unit objective* (not an :class:`Objective`, which
     is what an update optimises; the ``PolicyGradient`` objective runs this one).

@@ -44,6 +44,7 @@ KINDS: dict[str, str] = {
     "selector": "register_selectors",
     "advantage": "register_advantages",
     "loss": "register_losses",
+    "likelihood": "register_likelihoods",
     "window": "register_windows",
     "reward": "register_rewards",
     "tracker": "register_trackers",

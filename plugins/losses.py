@@ -20,6 +20,11 @@
   reference's at shared noise and sigma.
 - ``dgpo``: DGPO, likelihood-free: DPO between the group's positive and negative samples, the
   advantage-weighted flow-matching loss weighted by the sigmoid of the group's preference margin.
+- ``epg``, ``pepg``, ``par``: the policy-gradient losses of "Rethinking the Design Space of RL for
+  Diffusion Models" (EPG: ``-sg(rho) A z``; PEPG: ``-sg(rho) (A - sg(z)) z``; PAR:
+  ``sg(rho) (A - z)^2 / 2``), on either likelihood; the paper runs them with ``[likelihood] use = "elbo"``.
+- ``vgrpo``: V-GRPO, the clipped ratio with soft-clipped advantages on one ELBO ratio per sample
+  (needs ``[likelihood] use = "elbo"``).
 - ``sft`` and ``offline_dpo``: offline training from a ``[data]`` table instead of rollouts: the
   flow-matching loss on a table of images, or Diffusion-DPO on a table of preference pairs against
   the frozen reference.
@@ -41,6 +46,8 @@ from flowrl.objectives.guard import guard_step_ratio
 from flowrl.objectives.losses import ClippedObjective
 from flowrl.objectives.nft import ForwardProcessObjective
 from flowrl.objectives.offline import OfflineDPO, OfflineSFT
+from flowrl.objectives.rethinking import EPGObjective, PARObjective, PEPGObjective
+from flowrl.objectives.vgrpo import VGRPOObjective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +288,76 @@ def build_dgpo(config: DgpoConfig):
                            clip_range=config.clip_range, adv_clip=config.adv_clip, beta_kl=config.beta_kl)
 
 
+# ----------------------------------------------------------------------------- EPG, PEPG, PAR ("Rethinking")
+
+
+@dataclasses.dataclass(frozen=True)
+class RethinkingConfig:
+    ratio: bool = param(True, "Weight each unit by sg(rho) (the importance ratio to the old policy); false = the "
+                        "authors' '_noratio' variants.")
+
+
+class _RethinkingLoss:
+    Config = RethinkingConfig
+    beta, kl = 0.0, "gaussian_exact"  # no trajectory KL term (under the ELBO: [likelihood].beta_kl)
+    unit = None
+
+    def __init__(self, config: RethinkingConfig):
+        self.config = config
+        self.objective = self.unit(ratio=config.ratio)
+
+
+class EPG(_RethinkingLoss):
+    """EPG: -sg(rho) A z per unit (the policy gradient, importance-weighted)."""
+
+    unit = EPGObjective
+    zero_without_advantage = True
+    variant = (", with EPG's policy-gradient loss", 'Rethinking the Design Space of RL for Diffusion Models, ICML 2026')
+
+
+class PEPG(_RethinkingLoss):
+    """PEPG: -sg(rho) (A - sg(z)) z per unit (EPG with a proximal pull-back)."""
+
+    unit = PEPGObjective
+    zero_without_advantage = False
+    variant = (", with PEPG's proximal policy-gradient loss",
+               'Rethinking the Design Space of RL for Diffusion Models, ICML 2026')
+
+
+class PAR(_RethinkingLoss):
+    """PAR: sg(rho) (A - z)^2 / 2 per unit (the log-ratio regressed on the advantage)."""
+
+    unit = PARObjective
+    zero_without_advantage = False
+    variant = (", with PAR's advantage-regression loss",
+               'Rethinking the Design Space of RL for Diffusion Models, ICML 2026')
+
+
+# ----------------------------------------------------------------------------- V-GRPO
+
+
+@dataclasses.dataclass(frozen=True)
+class VgrpoConfig:
+    eps: float = param(1e-3, "Clip of the per-sample ELBO ratio: max(-A rho, -A clip(rho, 1 - eps, 1 + eps)) (the "
+                       "Rethinking code's GRPO on the ELBO: 1e-3; V-GRPO's own value is not public).", min=0.0,
+                       exclusive_min=True, max=0.99)
+    adv_soft_clip: float = param(3.0, "Advantage soft-clipping A -> c tanh(A / c) (0 = none).", min=0.0)
+
+
+class VGRPO:
+    """V-GRPO: the clipped surrogate of one ELBO ratio per sample, advantages soft-clipped."""
+
+    Config = VgrpoConfig
+    beta, kl = 0.0, "gaussian_exact"
+    requires_likelihood = "elbo"
+    zero_without_advantage = True
+    algorithm = ('V-GRPO (GRPO on the final image\'s ELBO)', 'V-GRPO, arXiv:2604.23380')
+
+    def __init__(self, config: VgrpoConfig):
+        self.config = config
+        self.objective = VGRPOObjective(config.eps, config.adv_soft_clip)
+
+
 # ----------------------------------------------------------------------------- offline SFT and DPO
 
 
@@ -334,6 +411,10 @@ def register_losses(register):
     register("dppo", build_dppo, params=DppoConfig)
     register("dpo", build_dpo, params=DpoConfig)
     register("dgpo", build_dgpo, params=DgpoConfig)
+    register("epg", EPG)
+    register("pepg", PEPG)
+    register("par", PAR)
+    register("vgrpo", VGRPO)
     register("sft", build_sft, params=SftConfig)
     register("offline_dpo", build_offline_dpo, params=OfflineDpoConfig)
 

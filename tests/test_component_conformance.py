@@ -43,7 +43,7 @@ CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shi
            ("reward", "ocr"): {"prompts": ['a shop sign that says "OPEN"'] * 3},
            # a reward that scores latents reads its model's (the embedded model's packed [64, 48])
            ("reward", "latent_verifier"): {"latents": torch.randn(3, 64, 48, generator=torch.Generator().manual_seed(2))}}
-KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "window", "reward", "tracker")
+KINDS = ("schedule", "kernel", "chunker", "selector", "advantage", "loss", "likelihood", "window", "reward", "tracker")
 
 
 def _builtins():

@@ -384,6 +384,10 @@ def test_every_registration_hook_fills_its_own_kind():
             register("t_loss", component("loss"))
 
         @hookimpl
+        def register_likelihoods(self, register):
+            register("t_likelihood", component("likelihood"))
+
+        @hookimpl
         def register_windows(self, register):
             register("t_window", component("window"))
 

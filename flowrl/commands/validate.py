@@ -48,12 +48,21 @@ def validate(
     check_memory(recipe, list(set_ or []), resolved, gpu_memory)
     if explain:
         explain_recipe(resolved)
+    from ..recipe.validation import build_loss
+
     c = resolved.components
-    console.print(
-        f"[green]ok[/green] {escape(str(recipe))}: model={c['model'].use}, kernel={c['kernel'].use}, "
-        f"chunker={c['chunker'].use}, selector={c['selector'].use}, loss={c['loss'].use}, "
-        f"rewards={[r.label for r in resolved.rewards]}, T={resolved.num_trainable} trainable transitions"
-    )
+    # what the run uses: the kernel, chunks and T only where the objective trains trajectory units
+    units = getattr(build_loss(resolved, registry()), "uses_units", True)
+    parts = [f"model={c['model'].use}"]
+    if units:
+        parts += [f"kernel={c['kernel'].use}", f"chunker={c['chunker'].use}", f"selector={c['selector'].use}"]
+    parts.append(f"loss={c['loss'].use}")
+    if "likelihood" in c and c["likelihood"].use != "trajectory":
+        parts.append(f"likelihood={c['likelihood'].use}")
+    parts.append(f"rewards={[r.label for r in resolved.rewards]}")
+    if units:
+        parts.append(f"T={resolved.num_trainable} trainable transitions")
+    console.print(f"[green]ok[/green] {escape(str(recipe))}: " + ", ".join(parts))
 
 
 def reference_sections(reg, resolved=None, *, distribution: str | None = None) -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:

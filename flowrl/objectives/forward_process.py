@@ -17,7 +17,7 @@ import torch
 from flowrl.batch import Batch
 from flowrl.seeding import generator
 
-__all__ = ["ForwardPoints", "forward_process_points", "velocity_kl"]
+__all__ = ["ForwardPoints", "forward_process_points", "stratified_pick", "velocity_kl"]
 
 
 @dataclasses.dataclass
@@ -34,14 +34,25 @@ class ForwardPoints:
     K: int
 
 
+def stratified_pick(n: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """``K`` indices of ``range(n)``, one drawn uniformly in each of ``K`` consecutive strata of
+    (nearly) equal size (stratum ``k`` is ``[floor(k n / K), floor((k + 1) n / K))``): every part
+    of the schedule is trained in every sample, with less variance than ``K`` draws without
+    replacement (V-GRPO's stratified timestep sampling)."""
+    edges = [(k * n) // K for k in range(K + 1)]
+    return torch.tensor([edges[k] + int(torch.randint(edges[k + 1] - edges[k], (1,), generator=g))
+                         for k in range(K)], dtype=torch.long)
+
+
 def forward_process_points(seed: int, tag: str, batch: Batch, idx: torch.Tensor, sigmas: torch.Tensor,
-                           timesteps: int, *, leading: int = 0, by_group: bool = False) -> ForwardPoints:
+                           timesteps: int, *, leading: int = 0, by_group: bool = False,
+                           stratified: bool = False) -> ForwardPoints:
     """The forward-process points of the batch rows ``idx`` (module docstring): ``K = min(timesteps,
     n)`` sigmas per sample, drawn without replacement from the first ``n`` sigmas of the sampling
-    schedule (``n = leading``, or all but the final 0 when ``leading`` is 0), each with its own
-    noise, from the generator of (seed, tag, iteration, the sample's global index), or of its
-    prompt group with ``by_group`` (every sample of a group noised alike: the preference
-    objectives)."""
+    schedule (``n = leading``, or all but the final 0 when ``leading`` is 0), or one per stratum
+    with ``stratified`` (:func:`stratified_pick`), each with its own noise, from the generator of
+    (seed, tag, iteration, the sample's global index), or of its prompt group with ``by_group``
+    (every sample of a group noised alike: the preference objectives, V-GRPO)."""
     x0 = batch.trajectory.image_latents[idx].to(torch.float32)
     grid = sigmas[:-1]  # no sigma = 0
     if leading:
@@ -50,7 +61,7 @@ def forward_process_points(seed: int, tag: str, batch: Batch, idx: torch.Tensor,
     xs, es, ss, x0s, rows = [], [], [], [], []
     for j, r in enumerate(idx.tolist()):
         g = generator(seed, tag, batch.iteration, int(batch.group_ids[r]) if by_group else batch.indices[r])
-        pick = torch.randperm(grid.numel(), generator=g)[:K]
+        pick = stratified_pick(grid.numel(), K, g) if stratified else torch.randperm(grid.numel(), generator=g)[:K]
         for k in range(K):
             s = grid[int(pick[k])]
             eps = torch.randn(tuple(x0.shape[1:]), generator=g).to(x0.device)

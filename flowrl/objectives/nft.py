@@ -33,17 +33,13 @@ import math
 import torch
 
 from flowrl.batch import Batch
-from flowrl.distributed import drop_gathered_weights
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
+from flowrl.objectives.old_policy import DECAY_PRESETS, OldPolicy, old_policy_decay
 
 __all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
            "ForwardProcessObjective"]
-
-#: NFT's decay types: (flat, uprate, uphold) of :func:`old_policy_decay`.
-DECAY_PRESETS: dict[int, tuple[int, float, float]] = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
-
 
 def optimality_probability(advantages: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     """``r = clip(clip(A, -C, C) / (2 C) + 1/2, 0, 1)`` (float32, ``A``'s shape)."""
@@ -89,14 +85,6 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x: torch.Tensor, x0: torch.Te
     return total, parts
 
 
-def old_policy_decay(step: int, flat: int, uprate: float, uphold: float) -> float:
-    """The old policy's decay after ``step`` optimizer steps: ``0`` before ``flat``, then
-    ``min((step - flat) * uprate, uphold)`` (NFT's schedule; :data:`DECAY_PRESETS`)."""
-    if step < flat:
-        return 0.0
-    return min((step - flat) * uprate, uphold)
-
-
 # ----------------------------------------------------------------------------- DiffusionNFT
 
 
@@ -120,12 +108,10 @@ class ForwardProcessObjective:
         self.beta, self.clip, self.K, self.beta_kl = beta, clip, timesteps, beta_kl
         self.decay = DECAY_PRESETS[decay_type]
         self.weight_min = weight_min
-        self.params, self.old, self.reference, self.steps = None, None, None, 0
+        self.old, self.reference, self.steps = None, None, 0
 
     def prepare(self, ctx: UpdateContext) -> None:
-        self.params = [p for p in ctx.params]
-        self.old = [p.detach().clone() for p in self.params]
-        self.model = ctx.model
+        self.old = OldPolicy(ctx.params, ctx.model.denoiser)
         # the engine's reference (NeedsReferencePolicy), fixed before sharding and laid out like the
         # denoiser: a copy taken here would copy the sharded module, outside what the plan counts
         self.reference = ctx.kl.reference if self.beta_kl > 0 else None
@@ -133,26 +119,10 @@ class ForwardProcessObjective:
     def needs_reference(self) -> bool:
         return self.beta_kl > 0
 
-    @contextlib.contextmanager
     def rollout_weights(self):
-        """The old weights in place of the trained ones (restored after)."""
-        if self.old is None:
-            yield
-            return
-        # under FSDP2 the root keeps the weights it gathered for the last forward (evaluation):
-        # dropped, so that the rollout gathers the old weights and the update the trained ones
-        drop_gathered_weights(self.model.denoiser)
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in self.params]
-            for p, o in zip(self.params, self.old):
-                p.copy_(o)
-        try:
-            yield
-        finally:
-            drop_gathered_weights(self.model.denoiser)
-            with torch.no_grad():
-                for p, s in zip(self.params, saved):
-                    p.copy_(s)
+        """The old weights in place of the trained ones (restored after), swapped by storage:
+        no copy of the model (:class:`flowrl.objectives.old_policy.OldPolicy`)."""
+        return self.old.swapped_in() if self.old is not None else contextlib.nullcontext()
 
     def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         """Nothing to prepare: the rollout was drawn with the old weights."""
@@ -189,19 +159,16 @@ class ForwardProcessObjective:
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         self.steps = int(ctx.optimizer_steps())
         d = old_policy_decay(self.steps, *self.decay)
-        with torch.no_grad():
-            for o, p in zip(self.old, self.params):
-                o.mul_(d).add_(p.detach(), alpha=1.0 - d)
+        self.old.follow(d)
         return {"nft/decay": d}
 
     def state_dict(self) -> dict:
         return {"steps": self.steps}
 
     def tensors(self) -> dict:
-        return {f"old.{i}": t for i, t in enumerate(self.old or [])}
+        return self.old.tensors() if self.old is not None else {}
 
     def load_state(self, state, tensors) -> None:
         self.steps = int(state.get("steps", 0))
         if tensors and self.old is not None:
-            for i, o in enumerate(self.old):
-                o.copy_(tensors[f"old.{i}"])
+            self.old.load(tensors)

@@ -502,6 +502,7 @@ COMPONENT_SECTIONS: dict[str, str] = {
     "selector": "selector",
     "advantage": "advantage",
     "loss": "loss",
+    "likelihood": "likelihood",
     "window": "window",
 }
 #: Arrays of component tables and their kinds.

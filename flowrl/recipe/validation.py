@@ -70,6 +70,25 @@ def build_component(recipe: Recipe, registry: Registry, table: str, index: int |
         raise RecipeError(str(exc), where=where) from exc
 
 
+def build_loss(recipe: Recipe, registry: Registry) -> Any:
+    """What the update runs for the recipe's ``[loss]``: the loss as its ``[likelihood]`` serves it
+    (:class:`flowrl.interfaces.LikelihoodEstimator`; the loss itself under ``trajectory``, an
+    objective around its unit objective under ``elbo``). A pairing the estimator cannot serve is
+    one message naming both tables."""
+    loss = build_component(recipe, registry, "loss")
+    if "likelihood" not in recipe.components:
+        return loss
+    likelihood = build_component(recipe, registry, "likelihood")
+    try:
+        return likelihood.objective(loss)
+    except ValueError as exc:
+        name, estimator = recipe.components["loss"].use, recipe.components["likelihood"].use
+        raise RecipeError(f"loss '{name}' cannot run on [likelihood] '{estimator}': {exc}",
+                          where=f"{recipe.source}: [likelihood]",
+                          hint="pair an ELBO with clipped, epg, pepg, par or vgrpo; everything else keeps "
+                               "[likelihood] use = 'trajectory' (the default)") from exc
+
+
 def plan_context(recipe: Recipe, registry: Registry) -> PlanContext:
     """What the ``[window]`` planner plans with, as training builds it
     (:func:`flowrl.train.session.plan_context`), on a stand-in schedule: trainability does not
@@ -118,7 +137,7 @@ def window_plans(recipe: Recipe, registry: Registry, context: PlanContext) -> bo
 def _uses_units(recipe: Recipe, registry: Registry) -> bool:
     """False when the ``[loss]`` is an objective that trains without trajectory log-probs
     (DiffusionNFT): then the sampler may leave nothing trainable and the chunk layout is unused."""
-    loss = build_component(recipe, registry, "loss")
+    loss = build_loss(recipe, registry)
     return not (isinstance(loss, Objective) and not loss.uses_units)
 
 
@@ -148,7 +167,8 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
             "the sampler leaves no trainable transition",
             where=f"{recipe.source}: [sampler]",
             hint="use a stochastic kernel with noise > 0, more steps or a wider sde_window "
-            "(with image_from = 'x0_hat' the last step is not trainable)",
+            "(with image_from = 'x0_hat' the last step is not trainable), or read the likelihood from the final "
+            "image instead of the trajectory: [likelihood] use = 'elbo' (docs/objectives.md)",
         )
     if recipe.train.micro_batch_size > recipe.train.prompts_per_iteration * recipe.train.group_size:
         raise RecipeError(
@@ -188,7 +208,7 @@ def located(recipe: Recipe, where: str) -> str:
 def data_kind(recipe: Recipe, registry: Registry) -> str | None:
     """The kind of offline table the ``[loss]`` trains on (:class:`flowrl.interfaces.TrainsOnData`:
     ``"images"`` or ``"pairs"``), or None for a loss that trains on rollouts."""
-    loss = build_component(recipe, registry, "loss")
+    loss = build_loss(recipe, registry)
     return loss.data_kind if isinstance(loss, TrainsOnData) else None
 
 
@@ -230,7 +250,7 @@ def no_reference_copy_because(recipe: Recipe, registry: Registry | None = None) 
     if isinstance(loss, KLRegularised):
         wants = float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"
     else:  # the built objective says whether it runs a reference of its own
-        built = build_component(recipe, registry or get_registry(), "loss")
+        built = build_loss(recipe, registry or get_registry())
         wants = isinstance(built, NeedsReferencePolicy) and built.needs_reference()
     if not wants:
         return ("[loss].beta", "the [loss] has no KL term to a reference model (beta = 0 or kl = 'old_policy_k3'; "
@@ -251,7 +271,7 @@ def _check_reference_copy_needed(recipe: Recipe, registry: Registry) -> None:
     (:class:`flowrl.interfaces.NeedsReferenceCopy`: GARDO's reference reset) refuses, in its
     ``prepare``, a run that keeps none: only after the model has loaded. Refused here from the
     declaration and the recipe, for every such objective."""
-    loss = build_component(recipe, registry, "loss")
+    loss = build_loss(recipe, registry)
     if not (isinstance(loss, NeedsReferenceCopy) and loss.needs_reference_copy):
         return
     why = no_reference_copy_because(recipe, registry)
@@ -311,7 +331,7 @@ def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str
     loss, which trains through the chunk ratio) whose only memory of the rollout is its
     log-probs (not GRPO-Guard's proposal means), and an unsharded run (its checkpoint keeps
     ``kept``). One message each, naming ``what`` and how to turn it ``off``."""
-    loss = build_component(recipe, registry, "loss")
+    loss = build_loss(recipe, registry)
     name = recipe.components["loss"].use
     if isinstance(loss, Objective):
         raise RecipeError(f"{what} needs a ratio-based policy loss; loss '{name}' owns its update "

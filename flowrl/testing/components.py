@@ -34,6 +34,7 @@ from flowrl.interfaces import (
     KeepsRolloutMeans,
     Kernel,
     KLRegularised,
+    LikelihoodEstimator,
     NeedsRunDir,
     NormalisesStepRatio,
     Objective,
@@ -55,6 +56,7 @@ from flowrl.interfaces import (
     WarpsTime,
     WindowPlanner,
 )
+from flowrl.objectives.losses import ClippedObjective
 from flowrl.rewards import score
 from flowrl.sampling.plans import PlanContext, RolloutPlan
 from flowrl.sampling.schedules import shifted_sigmas, validate_sigmas
@@ -319,6 +321,42 @@ def check_reward(reward, images=None, prompts=None, metadata=None, latents=None,
     return claimed
 
 
+def check_likelihood(estimator, **_) -> list[str]:
+    """A likelihood estimator: ``objective(loss)`` serves a plain ratio loss (the clipped
+    surrogate) as that loss or as an objective, and refuses an objective that owns its update with
+    a ``ValueError`` (the message validation shows)."""
+    assert isinstance(estimator, LikelihoodEstimator), "a likelihood estimator has objective(loss)"
+
+    class _Ratio:
+        objective = ClippedObjective(0.2, 0.2)
+        beta, kl = 0.0, "gaussian_exact"
+
+    served = estimator.objective(_Ratio())
+    assert isinstance(served, (PolicyLoss, Objective)), "objective(loss) returns the loss or an Objective around it"
+    claimed = ["LikelihoodEstimator"]
+    if isinstance(served, Objective):
+        claimed += check_objective(served)
+
+    class _OwnsUpdate:
+        uses_units = False
+
+        def prepare(self, ctx): ...
+
+        def start_rollout(self, ctx, batch, sizes): ...
+
+        def backward(self, ctx, micro): ...
+
+        def end_rollout(self, ctx, batch): ...
+
+    try:
+        estimator.objective(_OwnsUpdate())
+    except ValueError as exc:
+        assert str(exc), "a refusal says why"
+    else:  # serving an objective that owns its update is allowed only by returning it unchanged
+        assert estimator.objective(_OwnsUpdate()).__class__ is _OwnsUpdate
+    return claimed
+
+
 def check_tracker(tracker, **_) -> list[str]:
     assert isinstance(tracker, Tracker), "a tracker has log_metrics, log_image and close"
     claimed = ["Tracker"]
@@ -341,6 +379,7 @@ _CHECKS = {
     "selector": check_selector,
     "advantage": check_advantage,
     "loss": check_loss,
+    "likelihood": check_likelihood,
     "window": check_window,
     "reward": check_reward,
     "tracker": check_tracker,
@@ -349,7 +388,7 @@ _CHECKS = {
 
 def check_component(kind: str, component: Any, **context: Any) -> list[str]:
     """Check ``component`` of ``kind`` (``schedule``, ``kernel``, ``chunker``, ``selector``,
-    ``advantage``, ``loss``, ``window``, ``reward``, ``tracker``) and every optional protocol it implements;
+    ``advantage``, ``loss``, ``likelihood``, ``window``, ``reward``, ``tracker``) and every optional protocol it implements;
     returns the protocols checked."""
     if kind not in _CHECKS:
         raise ValueError(f"unknown kind {kind!r}; expected one of {sorted(_CHECKS)} (models: flowrl.testing.conformance)")

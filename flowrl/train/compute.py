@@ -9,7 +9,9 @@ reference policy's forwards count as ``reference``). The minimum of an iteration
   spared against one full trajectory per sample, :mod:`flowrl.sampling.branching`);
 - update: every selected transition whose gradient is not zero (a sample with a non-zero
   advantage, or any trained sample when there is a KL term) once forward and once backward;
-- reference: one reference forward per trained transition for the reference KL kinds.
+- reference: one reference forward per trained transition for the reference KL kinds;
+- old: one forward of a trailing old policy per trained point, for the objectives that keep one
+  (the ELBO policy gradient while its old weights differ from the trained ones).
 
 ``compute/ratio`` is the work counted in those phases over their minimum: 1.00 means nothing was
 computed twice. Evaluation and profiling are counted but not part of the ratio.
@@ -31,7 +33,7 @@ from .. import distributed
 from ..interfaces import CountsForwards
 
 #: Phases whose work the minimum covers.
-ACCOUNTED = ("rollout", "update", "reference")
+ACCOUNTED = ("rollout", "update", "reference", "old")
 #: The counter's tables of rows by phase.
 _TABLES = ("forward", "backward", "minimum", "saving")
 

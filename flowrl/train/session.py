@@ -25,6 +25,7 @@ from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
 from ..prompts import CACHED_PROMPTS
 from ..recipe import Recipe
+from ..recipe.validation import build_loss
 from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
 from .accel import default_attention
@@ -71,7 +72,7 @@ def build_components(recipe: Recipe, registry: Registry, *, rewards: bool = True
         chunker=build("chunker"),
         selector=build("selector"),
         advantage=build("advantage"),
-        loss=build("loss"),
+        loss=build_loss(recipe, registry),  # as its [likelihood] serves it
         window=build("window"),
         rewards=[
             RewardEntry(c.label, c.weight, for_clips(registry.get("reward", c.use).build(c.params), c.frames))

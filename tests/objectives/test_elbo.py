@@ -1,0 +1,351 @@
+"""The ELBO likelihood estimator (flowrl/objectives/elbo.py): each weighting against a float64
+computation by hand, its gradient by a second route, the points it draws (stratified, shared by a
+group), the old policy swapped by storage, and the objective's gradient on a tiny linear model
+against the formula written out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flowrl.batch import Batch
+from flowrl.objectives.elbo import ElboPolicyGradient, elbo_log_likelihood
+from flowrl.objectives.forward_process import forward_process_points, stratified_pick
+from flowrl.objectives.old_policy import OldPolicy, old_policy_decay
+from flowrl.objectives.rethinking import EPGObjective, PARObjective, PEPGObjective
+from flowrl.seeding import generator
+
+
+def _point(n=3, shape=(2, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(n, *shape, generator=g)
+    eps = torch.randn(n, *shape, generator=g)
+    sigma = torch.tensor([0.2, 0.5, 0.9])[:n]
+    s = sigma.reshape(-1, *([1] * len(shape)))
+    x = (1 - s) * x0 + s * eps
+    v = (eps - x0) + 0.3 * torch.randn(n, *shape, generator=g)
+    return v, x, x0, eps, sigma
+
+
+def test_adaptive_weighting_by_hand_in_float64():
+    v, x, x0, eps, sigma = _point()
+    got = elbo_log_likelihood(v, x, x0, eps, sigma, weighting="adaptive")
+    for i in range(3):
+        err = (x[i].double() - sigma[i].double() * v[i].double() - x0[i].double()).flatten().tolist()
+        mse = sum(e * e for e in err) / len(err)
+        w = max(sum(abs(e) for e in err) / len(err), 1e-5)
+        assert got[i].item() == pytest.approx(-mse / w, rel=1e-6)
+
+
+def test_adaptive_weight_has_a_floor():
+    x0 = torch.zeros(1, 4)
+    v = torch.zeros(1, 4)
+    x = torch.full((1, 4), 1e-9)  # x0_hat - x0 = 1e-9 everywhere: the weight is floored at w_min
+    got = elbo_log_likelihood(v, x, x0, torch.zeros(1, 4), 0.5, weighting="adaptive", weight_min=1e-5)
+    assert got.item() == pytest.approx(-(1e-18) / 1e-5, rel=1e-4)
+
+
+def test_sigma_weighting_is_sigma_squared_times_the_velocity_error_on_the_forward_process():
+    v, x, x0, eps, sigma = _point()
+    uniform = elbo_log_likelihood(v, x, x0, eps, sigma, weighting="uniform")
+    by_sigma = elbo_log_likelihood(v, x, x0, eps, sigma, weighting="sigma")
+    torch.testing.assert_close(by_sigma, sigma**2 * uniform, rtol=1e-5, atol=1e-7)
+    exact = elbo_log_likelihood(v, x, x0, eps, sigma, weighting="exact")
+    torch.testing.assert_close(exact, (1 - sigma) / (sigma + 1e-3) * uniform, rtol=1e-6, atol=1e-7)
+    mse = ((v.double() - (eps.double() - x0.double())) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(uniform.double(), -mse, rtol=1e-6, atol=1e-9)
+
+
+def test_adaptive_gradient_treats_the_weight_as_a_constant():
+    v, x, x0, eps, sigma = _point()
+    v = v.clone().requires_grad_(True)
+    elbo_log_likelihood(v, x, x0, eps, sigma, weighting="adaptive").sum().backward()
+    # second route: d/dv of -mean(e^2) / w with e = x - s v - x0 and w fixed is 2 s e / (N w)
+    s = sigma.double().reshape(-1, 1, 1)
+    e = x.double() - s * v.detach().double() - x0.double()
+    w = e.abs().flatten(1).mean(1).reshape(-1, 1, 1)
+    n = e[0].numel()
+    torch.testing.assert_close(v.grad.double(), 2 * s * e / (n * w), rtol=1e-5, atol=1e-7)  # float32 rounding
+
+
+def test_unknown_weighting_and_shape_mismatch_are_refused():
+    v, x, x0, eps, sigma = _point()
+    with pytest.raises(ValueError, match="weighting"):
+        elbo_log_likelihood(v, x, x0, eps, sigma, weighting="nope")
+    with pytest.raises(ValueError, match="one shape"):
+        elbo_log_likelihood(v[:, :1], x, x0, eps, sigma)
+
+
+def test_stratified_pick_draws_one_index_per_stratum():
+    for n, K in [(9, 3), (10, 4), (7, 7), (16, 5)]:
+        edges = [(k * n) // K for k in range(K + 1)]
+        for seed in range(20):
+            pick = stratified_pick(n, K, generator(seed, "strata"))
+            assert len(pick) == K
+            for k in range(K):
+                assert edges[k] <= int(pick[k]) < edges[k + 1]
+    assert stratified_pick(10, 4, generator(1, "s")).tolist() == stratified_pick(10, 4, generator(1, "s")).tolist()
+
+
+class _Trajectory:
+    def __init__(self, latents, sigmas):
+        self.image_latents = latents
+        self.sigmas = sigmas
+
+
+def _batch(n=4, groups=(0, 0, 1, 1), advantages=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(n, 3, 2, 2, generator=g)
+    sigmas = torch.linspace(1.0, 0.0, 7)
+    adv = torch.tensor(advantages if advantages is not None else [1.0, -1.0, 0.5, -0.5])
+    return Batch(iteration=3, indices=range(n), prompts=["p"] * n, group_ids=torch.tensor(groups),
+                 text={"t": torch.zeros(n, 1)}, trajectory=_Trajectory(latents, sigmas), advantages=adv)
+
+
+def test_group_shared_points_noise_a_group_alike_and_groups_apart():
+    batch = _batch()
+    pts = forward_process_points(5, "elbo", batch, torch.arange(4), batch.trajectory.sigmas, 3, by_group=True,
+                                 stratified=True)
+    eps, sig = pts.eps.reshape(4, 3, -1), pts.sigma.reshape(4, 3)
+    torch.testing.assert_close(eps[0], eps[1])
+    torch.testing.assert_close(sig[2], sig[3])
+    assert not torch.allclose(eps[0], eps[2])
+    per_sample = forward_process_points(5, "elbo", batch, torch.arange(4), batch.trajectory.sigmas, 3)
+    assert not torch.allclose(per_sample.eps.reshape(4, 3, -1)[0], per_sample.eps.reshape(4, 3, -1)[1])
+
+
+def test_old_policy_swaps_storage_without_copying_and_restores_exactly():
+    model = torch.nn.Linear(3, 3)
+    params = list(model.parameters())
+    old = OldPolicy(params, model)
+    start = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    trained = [p.detach().clone() for p in params]
+    ptrs = [p.data_ptr() for p in params]
+    old_ptrs = [o.data_ptr() for o in old.values]
+    with old.swapped_in():
+        for p, s in zip(params, start):
+            assert torch.equal(p, s)  # the old values
+        assert [p.data_ptr() for p in params] == old_ptrs  # storage exchanged, nothing copied
+    assert [p.data_ptr() for p in params] == ptrs
+    for p, t in zip(params, trained):
+        assert torch.equal(p, t)
+    old.follow(0.25)
+    for o, s, t in zip(old.values, start, trained):
+        torch.testing.assert_close(o, 0.25 * s + 0.75 * t)
+    with pytest.raises(RuntimeError):
+        with old.swapped_in():
+            raise RuntimeError("boom")
+    assert [p.data_ptr() for p in params] == ptrs
+
+
+def test_old_policy_decay_presets():
+    assert old_policy_decay(0, 0, 0.001, 0.5) == 0.0
+    assert old_policy_decay(100, 0, 0.001, 0.5) == pytest.approx(0.1)
+    assert old_policy_decay(10_000, 0, 0.001, 0.5) == 0.5
+    assert old_policy_decay(74, 75, 0.0075, 0.999) == 0.0
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+class _Linear:
+    """A model adapter whose velocity is a linear map of (x, sigma), with a counter."""
+
+    def __init__(self, seed=0):
+        torch.manual_seed(seed)
+        self.denoiser = torch.nn.Linear(12, 12)
+        self.calls = 0
+
+    def velocity(self, x, sigma, text):
+        self.calls += 1
+        flat = x.reshape(x.shape[0], -1)
+        return (self.denoiser(flat) * (1 + sigma.reshape(-1, 1))).reshape(x.shape)
+
+
+class _Counter:
+    def __init__(self):
+        self.minimum = {}
+
+    def expect(self, phase, rows):
+        self.minimum[phase] = self.minimum.get(phase, 0) + rows
+
+    def phase(self, name):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class _Ctx:
+    def __init__(self, model, steps=0):
+        self.model, self.device, self.seed = model, torch.device("cpu"), 11
+        self.params = list(model.denoiser.parameters())
+        self.counter, self.lockstep, self.rows_per_sample = _Counter(), None, 1
+        self.kl = None
+        self.steps = steps
+
+    def optimizer_steps(self):
+        return self.steps
+
+
+class _Micro:
+    def __init__(self, batch, rows, normaliser):
+        self.batch, self.rows, self.normaliser, self.sizes = batch, rows, normaliser, (1,)
+
+
+class _Loss:
+    def __init__(self, objective, zero=False):
+        self.objective, self.zero_without_advantage = objective, zero
+
+
+def _elbo_by_hand(model, batch, rows, K, weighting="adaptive"):
+    pts = forward_process_points(11, "elbo", batch, rows, batch.trajectory.sigmas, K)
+    v = model.velocity(pts.x, pts.sigma, None)
+    return elbo_log_likelihood(v, pts.x, pts.x0, pts.eps, pts.sigma, weighting=weighting).reshape(len(rows), K)
+
+
+@pytest.mark.parametrize("objective,dz", [
+    (EPGObjective(), lambda z, a: -torch.exp(z) * a),
+    (PEPGObjective(), lambda z, a: -torch.exp(z) * (a - z)),
+    (PARObjective(), lambda z, a: -torch.exp(z) * (a - z)),
+])
+def test_objective_gradient_is_the_formula_on_policy_and_off(objective, dz):
+    batch = _batch()
+    model = _Linear()
+    K = 3
+    elbo = ElboPolicyGradient(_Loss(objective), timesteps=K, decay_type=1)
+    ctx = _Ctx(model)
+    elbo.prepare(ctx)
+    elbo.start_rollout(ctx, batch, (1,))
+    rows = torch.arange(4)
+    # on-policy: no old forward, z = 0, dL/dl = dz(0, A) / K per point, summed over samples / normaliser
+    model.calls = 0
+    elbo.backward(ctx, _Micro(batch, rows, 4.0))
+    assert model.calls == 1
+    got = [p.grad.clone() for p in ctx.params]
+    for p in ctx.params:
+        p.grad = None
+    lp = _elbo_by_hand(model, batch, rows, K)
+    a = batch.advantages.reshape(-1, 1).expand(4, K)
+    (lp * dz(torch.zeros_like(lp), a) / K).sum().div(4.0).backward()
+    for g, p in zip(got, ctx.params):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+    # off-policy: the trained weights move; the old policy (decayed) scores z's denominator
+    for p in ctx.params:
+        p.grad = None
+    with torch.no_grad():
+        for p in ctx.params:
+            p.mul_(1.05)
+    ctx.steps = 1
+    elbo.end_rollout(ctx, batch)  # decay 0.001 after one step: old = 0.001 old + 0.999 trained
+    assert not elbo.same_as_current
+    elbo.start_rollout(ctx, batch, (1,))
+    with torch.no_grad():
+        for p in ctx.params:
+            p.add_(0.01)
+    ctx.steps = 2
+    model.calls = 0
+    elbo.backward(ctx, _Micro(batch, rows, 4.0))
+    assert model.calls == 2  # the old policy's forward, then the current one
+    got = [p.grad.clone() for p in ctx.params]
+    for p in ctx.params:
+        p.grad = None
+    with elbo.old.swapped_in(), torch.no_grad():
+        old = _elbo_by_hand(model, batch, rows, K)
+    lp = _elbo_by_hand(model, batch, rows, K)
+    z = (lp - old).detach()
+    assert z.abs().max() > 0
+    (lp * dz(z, a) / K).sum().div(4.0).backward()
+    for g, p in zip(got, ctx.params):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_sample_units_take_one_ratio_per_sample():
+    batch = _batch()
+    model = _Linear(1)
+    K = 4
+    seen = {}
+
+    def record(z, a):
+        seen["z"], seen["a"] = z.detach().clone(), a.clone()
+        return -a * z
+
+    elbo = ElboPolicyGradient(_Loss(record), timesteps=K, units="sample", decay_type=0)
+    ctx = _Ctx(model)
+    elbo.prepare(ctx)
+    elbo.start_rollout(ctx, batch, (1,))
+    elbo.backward(ctx, _Micro(batch, torch.arange(4), 4.0))
+    assert seen["z"].shape == (4, 1) and seen["a"].shape == (4, 1)
+    assert torch.equal(seen["a"].reshape(-1), batch.advantages)
+
+
+def test_zero_advantage_samples_skip_their_forward_when_the_loss_allows():
+    batch = _batch(advantages=[1.0, 0.0, 0.0, -1.0])
+    model = _Linear(2)
+    elbo = ElboPolicyGradient(_Loss(EPGObjective(), zero=True), timesteps=2, decay_type=0)
+    ctx = _Ctx(model)
+    elbo.prepare(ctx)
+    elbo.start_rollout(ctx, batch, (1,))
+    elbo.backward(ctx, _Micro(batch, torch.arange(4), 4.0))
+    assert ctx.counter.minimum == {"update": 2 * 2}  # 2 live samples x 2 points
+    empty = _batch(advantages=[0.0, 0.0, 0.0, 0.0])
+    model.calls = 0
+    res = elbo.backward(ctx, _Micro(empty, torch.arange(4), 4.0))
+    assert model.calls == 0 and res.losses == (0.0,)
+    # PEPG's gradient does not vanish with A off-policy: every sample is trained
+    pepg = ElboPolicyGradient(_Loss(PEPGObjective()), timesteps=2, decay_type=0)
+    ctx2 = _Ctx(_Linear(2))
+    pepg.prepare(ctx2)
+    pepg.start_rollout(ctx2, batch, (1,))
+    pepg.backward(ctx2, _Micro(batch, torch.arange(4), 4.0))
+    assert ctx2.counter.minimum == {"update": 4 * 2}
+
+
+def test_decay_zero_keeps_the_old_forward_skipped_across_rollouts():
+    batch = _batch()
+    model = _Linear(3)
+    elbo = ElboPolicyGradient(_Loss(EPGObjective()), timesteps=2, decay_type=0)
+    ctx = _Ctx(model)
+    elbo.prepare(ctx)
+    for step in range(3):
+        elbo.start_rollout(ctx, batch, (1,))
+        model.calls = 0
+        elbo.backward(ctx, _Micro(batch, torch.arange(4), 4.0))
+        assert model.calls == 1
+        ctx.steps = step + 1
+        with torch.no_grad():
+            for p in ctx.params:
+                p.add_(0.01)
+        assert elbo.end_rollout(ctx, batch) == {"elbo/decay": 0.0}
+        for o, p in zip(elbo.old.values, ctx.params):
+            assert torch.equal(o, p)
+    # within a rollout, after an optimizer step, the old weights (the rollout's) score the ratio
+    elbo.start_rollout(ctx, batch, (1,))
+    ctx.steps += 1
+    model.calls = 0
+    elbo.backward(ctx, _Micro(batch, torch.arange(4), 4.0))
+    assert model.calls == 2
+
+
+def test_state_round_trip():
+    model = _Linear(4)
+    elbo = ElboPolicyGradient(_Loss(EPGObjective()), timesteps=2, decay_type=1)
+    ctx = _Ctx(model)
+    elbo.prepare(ctx)
+    ctx.steps = 50
+    with torch.no_grad():
+        for p in ctx.params:
+            p.add_(1.0)
+    elbo.end_rollout(ctx, None)
+    state, tensors = elbo.state_dict(), {k: v.clone() for k, v in elbo.tensors().items()}
+    other = ElboPolicyGradient(_Loss(EPGObjective()), timesteps=2, decay_type=1)
+    other.prepare(_Ctx(_Linear(4)))
+    other.load_state(state, tensors)
+    assert other.steps == 50 and other.same_as_current is False
+    for a, b in zip(other.old.values, elbo.old.values):
+        assert torch.equal(a, b)
+    assert math.isclose(old_policy_decay(50, 0, 0.001, 0.5), 0.05)
