@@ -3,6 +3,8 @@ and how much reward hacking do the anti-hacking regularisers prevent?
 
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn              # every recipe, seed 42
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --recipes quickstart_awm quickstart_dppo
+    OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --images --out runs/elbo \
+        --recipes quickstart quickstart_epg quickstart_pepg quickstart_par quickstart_vgrpo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --images --recipes offline_sft offline_dpo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py hacking --seeds 3  # quickstart vs gardo vs diversity
     python benchmarks/objectives.py learn --smoke --out /tmp/smoke        # 2-iteration rehearsal
@@ -46,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LEARN = ["quickstart", "quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast",
+LEARN = ["quickstart", "quickstart_epg", "quickstart_pepg", "quickstart_par", "quickstart_vgrpo", "quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast",
          "quickstart_nft", "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo",
          "quickstart_dpo", "quickstart_dgpo", "offline_sft", "offline_dpo"]
 #: The tables the offline recipes read (their [data].path), and the command that writes each
@@ -140,6 +142,8 @@ def learn(args) -> dict:
                          "second_before": first[f"eval/{second}/mean"], "second_after": final[f"eval/{second}/mean"],
                          "second_change": d2, "second_change_se": z2})
             r = runs[-1]
+            if "eval/hf_share/mean" in final:  # the artefact measure (a checkerboard raises it)
+                r["hf_share_before"], r["hf_share_after"] = first["eval/hf_share/mean"], final["eval/hf_share/mean"]
             print(f"{recipe:24s} {s:4d} {main:>10s} {r['before']:7.4f}±{r['sem_before']:.4f} "
                   f"{r['after']:7.4f}±{r['sem_after']:.4f} {delta:7.4f} {z:7.1f} {'ok' if z >= 3 else 'FAIL':>4s}"
                   f" {second:>13s} {r['second_before']:7.4f} {r['second_after']:7.4f} {z2:9.1f}")

@@ -4,6 +4,8 @@
 - ``diversity``: the group z-score whose non-negative advantages are multiplied by each sample's
   nearest-neighbour cosine distance to its group over the group's mean distance (GARDO's
   diversity-aware advantage).
+- ``group_centred``: ``scale (r - group mean)``, in the reward's units (FDFO's pair difference; the
+  Rethinking scripts' advantage).
 """
 
 from __future__ import annotations
@@ -91,10 +93,39 @@ class DiversityAdvantage:
         return out.clamp(-c.clip, c.clip) if c.clip else out
 
 
+# ----------------------------------------------------------------------------- centred, unscaled
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCentredConfig:
+    scale: float = param(1.0, "A = scale (r - group mean) of the weighted reward sum, not divided by a std (the "
+                         "Rethinking scripts' 'exact' advantage: 0.1; FDFO's reward difference of a pair: 1).",
+                         min=0.0, exclusive_min=True)
+    clip: float = param(0.0, "Clip advantages to [-clip, clip]; 0 disables.", min=0.0)
+
+
+class GroupCentred:
+    """A = scale (r - group mean) of the weighted reward sum: the reward's own units, no std (in a
+    pair: half the reward difference, FDFO's dR)."""
+
+    Config = GroupCentredConfig
+
+    def __init__(self, config: GroupCentredConfig):
+        self.config = config
+
+    def __call__(self, rewards, weights, group_ids):
+        c = self.config
+        total = weighted_sum_rewards(rewards, weights)
+        r = total.double().cpu()
+        out = (c.scale * (r - group_means(r, group_ids))).to(torch.float32).to(total.device)
+        return out.clamp(-c.clip, c.clip) if c.clip else out
+
+
 @hookimpl(trylast=True)
 def register_advantages(register):
     register("group_zscore", GroupZScore)
     register("diversity", DiversityAdvantage)
+    register("group_centred", GroupCentred)
 
 
 @hookimpl(trylast=True)

@@ -37,7 +37,6 @@ measured alike); ``stratified = true`` draws one sigma per stratum of the schedu
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -46,7 +45,7 @@ from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
-from flowrl.objectives.old_policy import DECAY_PRESETS, OldPolicy, old_policy_decay
+from flowrl.objectives.old_policy import TrailingPolicy
 
 __all__ = ["WEIGHTINGS", "UNITS", "elbo_log_likelihood", "ElboPolicyGradient"]
 
@@ -110,53 +109,49 @@ class ElboPolicyGradient:
             raise ValueError(f"units must be one of {UNITS}, got {units!r}")
         if noise not in ("sample", "group"):
             raise ValueError(f"noise must be 'sample' or 'group', got {noise!r}")
-        if decay_type not in DECAY_PRESETS:
-            raise ValueError(f"decay_type must be one of {sorted(DECAY_PRESETS)}, got {decay_type!r}")
         if not (isinstance(beta_kl, (int, float)) and math.isfinite(beta_kl) and beta_kl >= 0):
             raise ValueError(f"beta_kl must be a finite number >= 0, got {beta_kl!r}")
         self.loss = loss
         self.unit_objective = loss.objective
         self.K, self.weighting, self.units, self.noise = int(timesteps), weighting, units, noise
-        self.stratified, self.decay_type, self.beta_kl, self.weight_min = stratified, decay_type, beta_kl, weight_min
+        self.stratified, self.beta_kl, self.weight_min = stratified, beta_kl, weight_min
         # a loss whose gradient vanishes with the advantage (epg, clipped, vgrpo) skips those samples' forwards
         self.skips_zero_advantage = bool(getattr(loss, "zero_without_advantage", False))
-        self.old: OldPolicy | None = None
+        self.trailing = TrailingPolicy(decay_type)
         self.reference = None
-        self.steps = 0
-        # the old values equal the trained ones (set when they were copied, cleared by an optimizer step)
-        self.same_as_current = True
-        self.steps_at_rollout = 0
 
     # ------------------------------------------------------------------ the objective protocol
 
     def needs_reference(self) -> bool:
         return self.beta_kl > 0
 
+    @property
+    def old(self):
+        return self.trailing.old
+
     def prepare(self, ctx: UpdateContext) -> None:
-        self.old = OldPolicy(ctx.params, ctx.model.denoiser)
-        self.same_as_current = True
+        self.trailing.prepare(ctx.params, ctx.model.denoiser)
         # the engine's reference (NeedsReferencePolicy), fixed before sharding, as NFT's
         self.reference = ctx.kl.reference if self.beta_kl > 0 else None
 
     def rollout_weights(self):
         """The old weights in place of the trained ones while the rollout is drawn (nothing to
         swap while they are equal)."""
-        if self.old is None or self.same_as_current:
-            return contextlib.nullcontext()
-        return self.old.swapped_in()
+        return self.trailing.rollout_weights()
 
     def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
-        self.steps_at_rollout = int(ctx.optimizer_steps())
-
-    def _old_is_current(self, ctx: UpdateContext) -> bool:
-        return self.same_as_current and int(ctx.optimizer_steps()) == self.steps_at_rollout
+        self.trailing.start(ctx.optimizer_steps())
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
         batch, device = micro.batch, ctx.device
         adv_all = batch.advantages[micro.rows.to(device)].reshape(len(micro.rows), -1)[:, 0].to(torch.float32)
-        idx = micro.rows
-        if self.skips_zero_advantage and self.beta_kl == 0 and ctx.lockstep is None:
-            idx = micro.rows[(adv_all != 0).cpu()]
+        # the samples whose gradient is not zero: all, unless the loss's gradient vanishes with the
+        # advantage (and no KL term needs them); under FSDP2 every process forwards its whole
+        # micro-batch (the others may have work: lockstep), the zero-advantage rows adding nothing
+        live = micro.rows
+        if self.skips_zero_advantage and self.beta_kl == 0:
+            live = micro.rows[(adv_all != 0).cpu()]
+        idx = micro.rows if ctx.lockstep is not None else live
         if idx.numel() == 0:
             return MicroBatchResult.without_units(micro, 0.0, {})
         pts = forward_process_points(ctx.seed, "elbo", batch, idx, batch.trajectory.sigmas.to(device), self.K,
@@ -165,20 +160,20 @@ class ElboPolicyGradient:
         rows_d = pts.rows.to(device)
         text = select_embeddings(batch.text, rows_d)
         adv = batch.advantages[rows_d].reshape(len(pts.rows), -1)[:, 0].to(torch.float32).reshape(n, K)
-        rows_fwd = n * K * ctx.rows_per_sample
-        ctx.counter.expect("update", rows_fwd)
+        minimum = int(live.numel()) * K * ctx.rows_per_sample
+        ctx.counter.expect("update", minimum)
         model = ctx.model
-        old_is_current = self._old_is_current(ctx)
+        old_is_current = self.trailing.is_current(ctx.optimizer_steps())
         l_old = None
         if not old_is_current:
-            ctx.counter.expect("old", rows_fwd)
-            with torch.no_grad(), ctx.counter.phase("old"), self.old.swapped_in():
+            ctx.counter.expect("old", minimum)
+            with torch.no_grad(), ctx.counter.phase("old"), self.trailing.swapped_in():
                 v_old = model.velocity(pts.x, pts.sigma, text).to(torch.float32)
                 l_old = elbo_log_likelihood(v_old, pts.x, pts.x0, pts.eps, pts.sigma, weighting=self.weighting,
                                             weight_min=self.weight_min)
         v_ref = None
         if self.reference is not None:
-            ctx.counter.expect("reference", rows_fwd)
+            ctx.counter.expect("reference", minimum)
             with ctx.counter.phase("reference"):
                 v_ref = self.reference.velocity(pts.x, pts.sigma, text).to(torch.float32)
         with torch.enable_grad():
@@ -205,24 +200,15 @@ class ElboPolicyGradient:
         return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
-        self.steps = int(ctx.optimizer_steps())
-        d = old_policy_decay(self.steps, *DECAY_PRESETS[self.decay_type])
-        moved = self.steps != self.steps_at_rollout
-        if moved or not self.same_as_current:
-            self.old.follow(d)
-        self.same_as_current = d == 0.0 or (self.same_as_current and not moved)
-        return {"elbo/decay": d}
+        return {"elbo/decay": self.trailing.end(ctx.optimizer_steps())}
 
     # ------------------------------------------------------------------ checkpoint
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "same_as_current": self.same_as_current}
+        return self.trailing.state_dict()
 
     def tensors(self) -> dict:
-        return self.old.tensors() if self.old is not None else {}
+        return self.trailing.tensors()
 
     def load_state(self, state, tensors) -> None:
-        self.steps = int(state.get("steps", 0))
-        self.same_as_current = bool(state.get("same_as_current", True))
-        if tensors and self.old is not None:
-            self.old.load(tensors)
+        self.trailing.load_state(state, tensors)

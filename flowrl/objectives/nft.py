@@ -27,7 +27,6 @@ with ``d`` from :func:`old_policy_decay`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -36,7 +35,7 @@ from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
-from flowrl.objectives.old_policy import DECAY_PRESETS, OldPolicy, old_policy_decay
+from flowrl.objectives.old_policy import DECAY_PRESETS, TrailingPolicy, old_policy_decay
 
 __all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
            "ForwardProcessObjective"]
@@ -94,7 +93,8 @@ class ForwardProcessObjective:
     Per sample of the rollout (its clean latent ``x0 = image_latents``) and each of ``K`` trained
     sigmas (a per-sample random subset of the sampling schedule's, without 0), fresh noise
     ``eps`` (seeded by (seed, "nft", iteration, sample)), ``x = (1 - sigma) x0 + sigma eps``;
-    the loss :func:`nft_loss` of the current velocity against the old policy's, with
+    the loss :func:`nft_loss` of the current velocity against the old policy's (whose forward is
+    skipped while its weights equal the trained ones: the current forward's values), with
     ``r`` the optimality probability of the sample's advantage, plus ``beta_kl`` times the
     velocity KL to the reference. Rollouts are drawn with the old weights
     (:meth:`rollout_weights`); after each rollout the old weights move towards the trained ones
@@ -108,10 +108,15 @@ class ForwardProcessObjective:
         self.beta, self.clip, self.K, self.beta_kl = beta, clip, timesteps, beta_kl
         self.decay = DECAY_PRESETS[decay_type]
         self.weight_min = weight_min
-        self.old, self.reference, self.steps = None, None, 0
+        self.trailing = TrailingPolicy(decay_type)
+        self.reference = None
+
+    @property
+    def old(self):
+        return self.trailing.old
 
     def prepare(self, ctx: UpdateContext) -> None:
-        self.old = OldPolicy(ctx.params, ctx.model.denoiser)
+        self.trailing.prepare(ctx.params, ctx.model.denoiser)
         # the engine's reference (NeedsReferencePolicy), fixed before sharding and laid out like the
         # denoiser: a copy taken here would copy the sharded module, outside what the plan counts
         self.reference = ctx.kl.reference if self.beta_kl > 0 else None
@@ -121,11 +126,12 @@ class ForwardProcessObjective:
 
     def rollout_weights(self):
         """The old weights in place of the trained ones (restored after), swapped by storage:
-        no copy of the model (:class:`flowrl.objectives.old_policy.OldPolicy`)."""
-        return self.old.swapped_in() if self.old is not None else contextlib.nullcontext()
+        no copy of the model (:class:`flowrl.objectives.old_policy.OldPolicy`); nothing to swap
+        while they are equal."""
+        return self.trailing.rollout_weights()
 
     def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
-        """Nothing to prepare: the rollout was drawn with the old weights."""
+        self.trailing.start(ctx.optimizer_steps())
 
     def backward(self, ctx: UpdateContext, micro: MicroBatch) -> MicroBatchResult:
         batch, device = micro.batch, ctx.device
@@ -136,13 +142,24 @@ class ForwardProcessObjective:
         text = select_embeddings(batch.text, rows.to(device))
         r = optimality_probability(batch.advantages[rows.to(device)].reshape(len(rows), -1)[:, 0], self.clip)
         model = ctx.model
-        with torch.no_grad(), self.rollout_weights():
-            v_old = model.velocity(x, s, text).to(torch.float32)
+        rows_fwd = len(rows) * ctx.rows_per_sample
+        ctx.counter.expect("update", rows_fwd)
+        # the old policy's velocities: its own forward, or the current one's while the values are equal
+        old_is_current = self.trailing.is_current(ctx.optimizer_steps())
+        v_old = None
+        if not old_is_current:
+            ctx.counter.expect("old", rows_fwd)
+            with torch.no_grad(), ctx.counter.phase("old"), self.trailing.swapped_in():
+                v_old = model.velocity(x, s, text).to(torch.float32)
         v_ref = None
         if self.reference is not None:
-            v_ref = self.reference.velocity(x, s, text).to(torch.float32)
+            ctx.counter.expect("reference", rows_fwd)
+            with ctx.counter.phase("reference"):
+                v_ref = self.reference.velocity(x, s, text).to(torch.float32)
         with torch.enable_grad():
             v = model.velocity(x, s, text).to(torch.float32)
+            if v_old is None:
+                v_old = v.detach()
             loss, parts = nft_loss(v, v_old, x, x0, s, r, beta=self.beta, clip=self.clip, weight_min=self.weight_min)
             total = loss
             if v_ref is not None:
@@ -157,18 +174,13 @@ class ForwardProcessObjective:
         return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
-        self.steps = int(ctx.optimizer_steps())
-        d = old_policy_decay(self.steps, *self.decay)
-        self.old.follow(d)
-        return {"nft/decay": d}
+        return {"nft/decay": self.trailing.end(ctx.optimizer_steps())}
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps}
+        return self.trailing.state_dict()
 
     def tensors(self) -> dict:
-        return self.old.tensors() if self.old is not None else {}
+        return self.trailing.tensors()
 
     def load_state(self, state, tensors) -> None:
-        self.steps = int(state.get("steps", 0))
-        if tensors and self.old is not None:
-            self.old.load(tensors)
+        self.trailing.load_state(state, tensors)

@@ -24,7 +24,7 @@ import torch
 
 from flowrl.distributed import drop_gathered_weights
 
-__all__ = ["DECAY_PRESETS", "old_policy_decay", "OldPolicy"]
+__all__ = ["DECAY_PRESETS", "old_policy_decay", "OldPolicy", "TrailingPolicy"]
 
 #: NFT's decay types: (flat, uprate, uphold) of :func:`old_policy_decay`.
 DECAY_PRESETS: dict[int, tuple[int, float, float]] = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
@@ -97,3 +97,65 @@ class OldPolicy:
         with torch.no_grad():
             for i, old in enumerate(self.values):
                 old.copy_(tensors[f"{prefix}.{i}"])
+
+
+class TrailingPolicy:
+    """The old policy of an objective that draws its rollouts with it and scores ratios (or
+    reference velocities) against it: :class:`OldPolicy` with NFT's decay type ``decay_type``
+    applied after each rollout, and the bookkeeping that lets its forward be skipped while its
+    values equal the trained ones (decay 0 and no optimizer step yet in this rollout).
+
+    ``prepare`` once the strategy holds the parameters; ``start(steps)`` and ``end(steps)`` around
+    each rollout's update (``steps``: optimizer steps so far); ``is_current(steps)``: whether a
+    forward now would return the old policy's values."""
+
+    def __init__(self, decay_type: int):
+        if decay_type not in DECAY_PRESETS:
+            raise ValueError(f"decay_type must be one of {sorted(DECAY_PRESETS)}, got {decay_type!r}")
+        self.decay_type = decay_type
+        self.old: OldPolicy | None = None
+        self.steps = 0
+        self.same_as_current = True  # set when the old values were copied, cleared by an optimizer step
+        self.steps_at_rollout = 0
+
+    def prepare(self, params: Sequence[torch.Tensor], denoiser: torch.nn.Module) -> None:
+        self.old = OldPolicy(params, denoiser)
+        self.same_as_current = True
+
+    def rollout_weights(self):
+        """The old weights in place of the trained ones (nothing to swap while they are equal)."""
+        if self.old is None or self.same_as_current:
+            return contextlib.nullcontext()
+        return self.old.swapped_in()
+
+    def swapped_in(self):
+        return self.old.swapped_in()
+
+    def start(self, steps: int) -> None:
+        self.steps_at_rollout = int(steps)
+
+    def is_current(self, steps: int) -> bool:
+        return self.same_as_current and int(steps) == self.steps_at_rollout
+
+    def end(self, steps: int) -> float:
+        """After a rollout's last optimizer step: the old values follow the trained ones; returns the decay."""
+        self.steps = int(steps)
+        d = old_policy_decay(self.steps, *DECAY_PRESETS[self.decay_type])
+        moved = self.steps != self.steps_at_rollout
+        if moved or not self.same_as_current:
+            self.old.follow(d)
+        self.same_as_current = d == 0.0 or (self.same_as_current and not moved)
+        return d
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "same_as_current": self.same_as_current}
+
+    def tensors(self) -> dict:
+        return self.old.tensors() if self.old is not None else {}
+
+    def load_state(self, state, tensors) -> None:
+        self.steps = int(state.get("steps", 0))
+        # a checkpoint that does not say (written before this was kept) runs the old forward: always right
+        self.same_as_current = bool(state.get("same_as_current", False))
+        if tensors and self.old is not None:
+            self.old.load(tensors)

@@ -242,7 +242,7 @@ def test_objective_gradient_is_the_formula_on_policy_and_off(objective, dz):
             p.mul_(1.05)
     ctx.steps = 1
     elbo.end_rollout(ctx, batch)  # decay 0.001 after one step: old = 0.001 old + 0.999 trained
-    assert not elbo.same_as_current
+    assert not elbo.trailing.same_as_current
     elbo.start_rollout(ctx, batch, (1,))
     with torch.no_grad():
         for p in ctx.params:
@@ -345,7 +345,35 @@ def test_state_round_trip():
     other = ElboPolicyGradient(_Loss(EPGObjective()), timesteps=2, decay_type=1)
     other.prepare(_Ctx(_Linear(4)))
     other.load_state(state, tensors)
-    assert other.steps == 50 and other.same_as_current is False
+    assert other.trailing.steps == 50 and other.trailing.same_as_current is False
     for a, b in zip(other.old.values, elbo.old.values):
         assert torch.equal(a, b)
     assert math.isclose(old_policy_decay(50, 0, 0.001, 0.5), 0.05)
+
+
+def test_reference_kl_adds_the_velocity_kl_per_point():
+    batch = _batch()
+    model = _Linear(5)
+    reference = _Linear(6)
+    K = 2
+    elbo = ElboPolicyGradient(_Loss(EPGObjective(), zero=True), timesteps=K, decay_type=0, beta_kl=0.5)
+    ctx = _Ctx(model)
+    ctx.kl = type("KL", (), {"reference": reference})()
+    elbo.prepare(ctx)
+    assert elbo.needs_reference()
+    elbo.start_rollout(ctx, batch, (1,))
+    res = elbo.backward(ctx, _Micro(batch, torch.arange(4), 4.0))
+    assert ctx.counter.minimum == {"update": 4 * K, "reference": 4 * K}  # the KL keeps every sample
+    got = [p.grad.clone() for p in ctx.params]
+    for p in ctx.params:
+        p.grad = None
+    pts = forward_process_points(11, "elbo", batch, torch.arange(4), batch.trajectory.sigmas, K)
+    v = model.velocity(pts.x, pts.sigma, None)
+    lp = elbo_log_likelihood(v, pts.x, pts.x0, pts.eps, pts.sigma).reshape(4, K)
+    v_ref = reference.velocity(pts.x, pts.sigma, None).detach()
+    kl = ((v - v_ref) ** 2).flatten(1).mean(1).reshape(4, K)
+    a = batch.advantages.reshape(-1, 1)
+    ((-a * lp).mean(1) + 0.5 * kl.mean(1)).sum().div(4.0).backward()
+    for g, p in zip(got, ctx.params):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+    assert "elbo/kl_ref" in res.metrics

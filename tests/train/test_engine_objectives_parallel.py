@@ -1,4 +1,4 @@
-"""AWM, Flow-DPPO, online DPO and DGPO in 2 gloo processes (torchrun) equal 1 process on the same global batch,
+"""AWM, Flow-DPPO, online DPO, DGPO and the ELBO losses (EPG, PEPG, PAR, V-GRPO) in 2 gloo processes (torchrun) equal 1 process on the same global batch,
 under ddp and under fsdp2: the same metrics and the same weights after one iteration of two
 passes (the second pass off-policy: AWM's ratio to its anchors, Flow-DPPO's KL mask, with
 threshold 1e-8 so that it drops units off-policy but none on-policy, where the KL is rounding
@@ -37,6 +37,13 @@ CASES = {
     # different processes, so each reads the other's rollout errors through the gathered anchors
     "dpo": ("quickstart_dpo.toml", ["loss.timesteps=2", "train.prompts_per_iteration=1", "train.group_size=8"]),
     "dgpo": ("quickstart_dgpo.toml", ["loss.timesteps=2", "train.prompts_per_iteration=1", "train.group_size=8"]),
+    # the ELBO losses: the second pass scores against the trailing old policy
+    "epg": ("quickstart_epg.toml", ["likelihood.timesteps=3"]),
+    "pepg": ("quickstart_pepg.toml", ["likelihood.timesteps=3"]),
+    "par": ("quickstart_par.toml", ["likelihood.timesteps=3"]),
+    # group-shared points over a group split across the two processes
+    "vgrpo": ("quickstart_vgrpo.toml", ["likelihood.timesteps=3", "train.prompts_per_iteration=1",
+                                        "train.group_size=8"]),
 }
 
 
@@ -70,6 +77,8 @@ def test_two_processes_equal_one(tmp_path, tmp_path_factory, name, strategy):
         assert rec1[0]["dpo/pairs"] == 1 and rec1[0]["dpo/margin"] != 0  # the second pass is off the reference
     elif name == "dgpo":
         assert rec1[0]["dgpo/log_ratio_abs_max"] > 0
+    elif name in ("epg", "pepg", "par", "vgrpo"):
+        assert rec1[0]["elbo/log_ratio_abs_max"] > 0
     else:
         assert rec1[0]["awm/log_ratio_abs_max"] > 0  # the second pass is off its anchors
     for a, b in zip(rec2, rec1):

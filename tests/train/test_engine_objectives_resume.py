@@ -1,4 +1,4 @@
-"""Objectives with state of their own (DiffusionNFT's old policy; GARDO's reset reference, gate
+"""Objectives with state of their own (DiffusionNFT's and the ELBO losses' old policy; GARDO's reset reference, gate
 share and reset counter) resume exactly: interrupted after iteration 1 and resumed, the metrics
 and the weights equal the uninterrupted run's bit for bit. AWM, Flow-DPPO, online DPO and DGPO keep
 nothing across iterations (AWM's anchors, Flow-DPPO's step KLs and the preference objectives'
@@ -32,6 +32,14 @@ CASES = {
                                       "loss.kl_threshold=1e-8"]),
     "dpo": ("quickstart_dpo.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "loss.timesteps=2"]),
     "dgpo": ("quickstart_dgpo.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "loss.timesteps=2"]),
+    # the ELBO's trailing old policy (decay type 1: it differs from the trained weights after the first
+    # step) is state; two passes per rollout, so the second scores against it off-policy
+    "epg": ("quickstart_epg.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "likelihood.timesteps=3"]),
+    "pepg": ("quickstart_pepg.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2",
+                                      "likelihood.timesteps=3"]),
+    "par": ("quickstart_par.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "likelihood.timesteps=3"]),
+    "vgrpo": ("quickstart_vgrpo.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2",
+                                        "likelihood.timesteps=3"]),
 }
 STATELESS = {"awm", "dppo", "dpo", "dgpo"}
 
