@@ -275,7 +275,8 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
               registry) -> tuple[Any, list[Line]]:
     geometry = resolve_geometry(recipe.train, world_size, recipe.source, group_size=recipe.group_size)
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, gradient_sync)
-    lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry))
+    lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry),
+                            old_policy=keeps_old_policy(recipe, registry))
     lines += _frozen_and_data(recipe, mm, geometry)
     lines += _reward_lines(recipe)
     lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None))
@@ -293,7 +294,15 @@ def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
     return mm.denoiser_params, mm.denoiser_bytes, ""
 
 
-def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) -> list[Line]:
+def keeps_old_policy(recipe, registry) -> bool:
+    """Whether the run's objective keeps a trailing old copy of the trained parameters
+    (``keeps_old_policy``: DiffusionNFT, the ELBO losses, FDFO; flowrl.objectives.old_policy)."""
+    from flowrl.recipe.validation import build_loss
+
+    return bool(getattr(build_loss(recipe, registry), "keeps_old_policy", False))
+
+
+def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool, old_policy: bool = False) -> list[Line]:
     """Weights, gradients, AdamW state, the optimizer step's temporary, a frozen KL reference
     (``reference``: the run keeps one, :func:`flowrl.recipe.keeps_reference_copy`; a KL term of the
     ``[loss]`` or an objective's own, DiffusionNFT's velocity KL): divided by the shard degree
@@ -330,6 +339,9 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool) ->
         lines.append(Line("persistent", "gradients", grads))
     if not layout.cpu_offload:  # foreach AdamW: a temporary the size of one moment (sqrt of v)
         lines.append(Line("step", "AdamW step temporary", trainable * tbytes / n, "foreach AdamW's sqrt(v)"))
+    if old_policy:  # swapped in by storage: the copy itself, no transient (flowrl.objectives.old_policy)
+        lines.append(Line(where, "old policy (trailing copy)", trainable * tbytes / n,
+                          "a copy of the trained parameters that draws the rollouts" + per))
     if reference:
         ref_where = "cpu" if recipe.train.reference_on_cpu else "persistent"
         ref_bytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes

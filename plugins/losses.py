@@ -25,6 +25,9 @@
   ``sg(rho) (A - z)^2 / 2``), on either likelihood; the paper runs them with ``[likelihood] use = "elbo"``.
 - ``vgrpo``: V-GRPO, the clipped ratio with soft-clipped advantages on one ELBO ratio per sample
   (needs ``[likelihood] use = "elbo"``).
+- ``fdfo``: FDFO, finite-difference flow optimisation: paired rollouts from one starting noise, each
+  sample's velocity pushed along its endpoint's half of the pair difference, weighted by its half
+  of the reward difference (an SPO surrogate).
 - ``sft`` and ``offline_dpo``: offline training from a ``[data]`` table instead of rollouts: the
   flow-matching loss on a table of images, or Diffusion-DPO on a table of preference pairs against
   the frozen reference.
@@ -41,6 +44,7 @@ from flowrl.objectives.awm import WEIGHTINGS, AdvantageWeightedMatching
 from flowrl.objectives.dgpo import GroupPreference
 from flowrl.objectives.dpo import OnlineDPO
 from flowrl.objectives.dppo import KLMaskedPolicyGradient, KLMaskedSurrogate
+from flowrl.objectives.fdfo import FiniteDifferenceObjective
 from flowrl.objectives.gardo import GatedKLPolicyGradient
 from flowrl.objectives.guard import guard_step_ratio
 from flowrl.objectives.losses import ClippedObjective
@@ -358,6 +362,24 @@ class VGRPO:
         self.objective = VGRPOObjective(config.eps, config.adv_soft_clip)
 
 
+# ----------------------------------------------------------------------------- FDFO
+
+
+@dataclasses.dataclass(frozen=True)
+class FdfoConfig:
+    clip_range: float = param(0.03, "c of the SPO surrogate -dR rho + |dR| / (2 c) (rho - 1)^2 (FDFO: 3e-2).",
+                              min=0.0, exclusive_min=True)
+    timesteps: int = param(0, "Trajectory states trained per sample, a seeded random subset of its stochastic steps "
+                           "(0 = all of them, FDFO's choice).", min=0)
+    kl_weight: float = param(0.0, "Weight of mean((v - v_ref)^2) to the reference model (FDFO: 0).", min=0.0)
+
+
+def build_fdfo(config: FdfoConfig):
+    """FDFO: finite differences of paired rollouts, pushed into the velocity along the trajectory."""
+    return FiniteDifferenceObjective(clip_range=config.clip_range, timesteps=config.timesteps,
+                                     kl_weight=config.kl_weight)
+
+
 # ----------------------------------------------------------------------------- offline SFT and DPO
 
 
@@ -394,6 +416,7 @@ build_nft.algorithm = ('DiffusionNFT (forward-process RL)', 'DiffusionNFT, NVlab
 build_awm.algorithm = ('AWM (Advantage Weighted Matching)', 'arXiv:2509.25050')
 build_dpo.algorithm = ('online DPO (Diffusion-DPO for flow models)', 'Diffusion-DPO, arXiv:2311.12908')
 build_dgpo.algorithm = ('DGPO (group preference optimisation)', 'DGPO, arXiv:2510.08425')
+build_fdfo.algorithm = ('FDFO (finite-difference flow optimisation)', 'FDFO, arXiv:2603.12893')
 build_sft.algorithm = ('supervised fine-tuning on a dataset', '')
 build_offline_dpo.algorithm = ('offline Diffusion-DPO on preference pairs', 'Diffusion-DPO, arXiv:2311.12908')
 build_gardo.variant = (", with GARDO's gated KL and reference reset", 'GARDO, arXiv:2512.24138')
@@ -415,6 +438,7 @@ def register_losses(register):
     register("pepg", PEPG)
     register("par", PAR)
     register("vgrpo", VGRPO)
+    register("fdfo", build_fdfo, params=FdfoConfig)
     register("sft", build_sft, params=SftConfig)
     register("offline_dpo", build_offline_dpo, params=OfflineDpoConfig)
 

@@ -99,6 +99,7 @@ class ElboPolicyGradient:
 
     uses_units = False
     keep_means = False
+    keeps_old_policy = True  # a trailing copy of the trained parameters (flowrl plan counts it)
 
     def __init__(self, loss, *, timesteps: int, weighting: str = "adaptive", units: str = "point",
                  noise: str = "sample", stratified: bool = False, decay_type: int = 1, beta_kl: float = 0.0,

@@ -102,6 +102,7 @@ class ForwardProcessObjective:
 
     uses_units = False
     keep_means = False
+    keeps_old_policy = True  # a trailing copy of the trained parameters (flowrl plan counts it)
 
     def __init__(self, *, beta: float, clip: float, timesteps: int, decay_type: int, beta_kl: float,
                  weight_min: float = 1e-5):

@@ -157,6 +157,7 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
     _branches_from_profile(recipe, T)
     _check_branches(recipe, registry, context.trainable, plans)
     _check_group_can_differ(recipe, T)
+    _check_paired_rollouts(recipe, registry, T)
     if recipe.log.eval_steps == 1:
         raise RecipeError("eval_steps = 1: a sampling schedule needs at least 2 steps",
                           where=f"{recipe.source}: [log].eval_steps", hint="use 0 (the sampler's steps) or >= 2")
@@ -197,6 +198,27 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
                 where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
                 hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
             )
+
+
+def _check_paired_rollouts(recipe: Recipe, registry: Registry, T: int) -> None:
+    """An objective that trains on pairs of rollouts from one starting noise (FDFO:
+    ``paired_rollouts``) needs groups of 2 sharing their noise, and stochastic steps (which make
+    the pair differ, and whose states it trains: ``trains_trajectory_states``)."""
+    loss = build_loss(recipe, registry)
+    name = recipe.components["loss"].use
+    if getattr(loss, "trains_trajectory_states", False) and T < 1:
+        raise RecipeError(f"loss '{name}' trains the rollout's stochastic states, and the sampler has none",
+                          where=f"{recipe.source}: [sampler]",
+                          hint="use a stochastic kernel (e.g. [kernel] use = 'flow') over the steps, not [window] "
+                               "use = 'ode'")
+    if not getattr(loss, "paired_rollouts", False):
+        return
+    t = recipe.train
+    if t.group_size != 2 or not t.same_noise_in_group:
+        raise RecipeError(f"loss '{name}' trains on pairs of rollouts from one starting noise: group_size = 2 and "
+                          f"same_noise_in_group = true (this recipe: {t.group_size}, {str(t.same_noise_in_group).lower()})",
+                          where=f"{recipe.source}: [train]", hint="set train.group_size = 2 and "
+                          "train.same_noise_in_group = true")
 
 
 def located(recipe: Recipe, where: str) -> str:

@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from flowrl.batch import Batch
 from flowrl.objectives.elbo import ElboPolicyGradient, elbo_log_likelihood
 from flowrl.objectives.forward_process import forward_process_points, stratified_pick
 from flowrl.objectives.old_policy import OldPolicy, old_policy_decay
 from flowrl.objectives.rethinking import EPGObjective, PARObjective, PEPGObjective
 from flowrl.seeding import generator
+from objective_helpers import Ctx as _Ctx, Linear as _Linear, Micro as _Micro, tiny_batch as _batch
 
 
 def _point(n=3, shape=(2, 4), seed=0):
@@ -89,21 +89,6 @@ def test_stratified_pick_draws_one_index_per_stratum():
     assert stratified_pick(10, 4, generator(1, "s")).tolist() == stratified_pick(10, 4, generator(1, "s")).tolist()
 
 
-class _Trajectory:
-    def __init__(self, latents, sigmas):
-        self.image_latents = latents
-        self.sigmas = sigmas
-
-
-def _batch(n=4, groups=(0, 0, 1, 1), advantages=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    latents = torch.randn(n, 3, 2, 2, generator=g)
-    sigmas = torch.linspace(1.0, 0.0, 7)
-    adv = torch.tensor(advantages if advantages is not None else [1.0, -1.0, 0.5, -0.5])
-    return Batch(iteration=3, indices=range(n), prompts=["p"] * n, group_ids=torch.tensor(groups),
-                 text={"t": torch.zeros(n, 1)}, trajectory=_Trajectory(latents, sigmas), advantages=adv)
-
-
 def test_group_shared_points_noise_a_group_alike_and_groups_apart():
     batch = _batch()
     pts = forward_process_points(5, "elbo", batch, torch.arange(4), batch.trajectory.sigmas, 3, by_group=True,
@@ -151,50 +136,6 @@ def test_old_policy_decay_presets():
 
 
 # ----------------------------------------------------------------------------- the objective
-
-
-class _Linear:
-    """A model adapter whose velocity is a linear map of (x, sigma), with a counter."""
-
-    def __init__(self, seed=0):
-        torch.manual_seed(seed)
-        self.denoiser = torch.nn.Linear(12, 12)
-        self.calls = 0
-
-    def velocity(self, x, sigma, text):
-        self.calls += 1
-        flat = x.reshape(x.shape[0], -1)
-        return (self.denoiser(flat) * (1 + sigma.reshape(-1, 1))).reshape(x.shape)
-
-
-class _Counter:
-    def __init__(self):
-        self.minimum = {}
-
-    def expect(self, phase, rows):
-        self.minimum[phase] = self.minimum.get(phase, 0) + rows
-
-    def phase(self, name):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-
-class _Ctx:
-    def __init__(self, model, steps=0):
-        self.model, self.device, self.seed = model, torch.device("cpu"), 11
-        self.params = list(model.denoiser.parameters())
-        self.counter, self.lockstep, self.rows_per_sample = _Counter(), None, 1
-        self.kl = None
-        self.steps = steps
-
-    def optimizer_steps(self):
-        return self.steps
-
-
-class _Micro:
-    def __init__(self, batch, rows, normaliser):
-        self.batch, self.rows, self.normaliser, self.sizes = batch, rows, normaliser, (1,)
 
 
 class _Loss:

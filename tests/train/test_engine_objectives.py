@@ -26,7 +26,8 @@ from flowrl.train import train
 REPO = Path(__file__).resolve().parents[2]
 NEW = ["quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast", "quickstart_nft",
        "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo", "quickstart_flash",
-       "quickstart_egrpo", "quickstart_dpo", "quickstart_dgpo"]
+       "quickstart_egrpo", "quickstart_dpo", "quickstart_dgpo", "quickstart_epg", "quickstart_pepg", "quickstart_par",
+       "quickstart_vgrpo", "quickstart_fdfo"]
 SMALL = ["train.iterations=2", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=4",
          "prompts.num_eval=2", "log.eval_every=1", "log.image_every=0", "log.progress=false", "sampler.steps=9"]
 
@@ -67,6 +68,11 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
         overrides += ["sampler.sde_window=[0, 8]", "loss.kl_threshold=1e-8"]
     if name in ("quickstart_dpo", "quickstart_dgpo"):  # a second, off-policy pass: the mates' anchors lag
         overrides.append("train.updates_per_rollout=2")
+    if name in ("quickstart_epg", "quickstart_pepg", "quickstart_par", "quickstart_vgrpo"):
+        overrides += ["train.updates_per_rollout=2", "likelihood.timesteps=3"]  # the old policy lags on pass 2
+    if name == "quickstart_fdfo":  # pairs; a second pass needs the rollout weights' velocities
+        overrides += ["train.group_size=2", "train.prompts_per_iteration=4", "train.updates_per_rollout=2",
+                      "loss.timesteps=2"]
     run_dir = train(load(REPO / "recipes" / f"{name}.toml", *overrides), console=quiet_console())
     rows = _rows(run_dir)
     assert len(rows) == 2 and all("loss" in r and r["nonfinite_steps"] == 0 for r in rows)
@@ -95,6 +101,15 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
         assert rows[0]["compute/reference/forward"] == 32 and "on_policy/max_abs_log_ratio" not in rows[0]
         assert rows[0]["compute/minimum"] == 72 + 32 + 2 * (32 + 32)
         assert 0.4 < rows[0]["dgpo/weight_mean"] < 0.6 and rows[0]["dgpo/log_ratio_abs_max"] > 0
+    elif name in ("quickstart_epg", "quickstart_pepg", "quickstart_par", "quickstart_vgrpo", "quickstart_fdfo"):
+        # nothing beyond the minimum: iteration 0's old policy is the trained one until its first step
+        # (no old forward on pass 1, one on pass 2); iteration 1's differs from the start (decay type 1)
+        assert all(r["compute/ratio"] == 1.0 for r in rows), [r["compute/ratio"] for r in rows]
+        assert "on_policy/max_abs_log_ratio" not in rows[0] and rows[0]["trained_units"] == [[] for _ in range(8)]
+        per_pass = 8 * (2 if name == "quickstart_fdfo" else 3)
+        assert rows[0]["compute/update/forward"] <= 2 * per_pass and rows[0]["compute/old/forward"] <= per_pass
+        if name != "quickstart_fdfo":
+            assert rows[0]["elbo/log_ratio_abs_max"] > 0 and rows[1]["elbo/decay"] > 0
     else:
         assert rows[0]["on_policy/max_abs_log_ratio"] <= 1e-6
         assert len(rows[0]["diag/step_log_ratio_std"]) == (4 if "mixgrpo" in name else 2 if "fast" in name else 8)
@@ -119,7 +134,7 @@ def test_engine_has_no_branch_on_an_objective_name():
     """The loop and the update never name an objective, window or estimator: they call the
     components' methods whatever the recipe names."""
     names = ["guard", "nft", "gardo", "mixgrpo", "flash", "fast", "sliding", "diversity", "clipped", "random", "awm",
-             "dppo", "dpo", "dgpo", "entropy"]
+             "dppo", "dpo", "dgpo", "entropy", "epg", "pepg", "par", "vgrpo", "fdfo", "elbo", "trajectory"]
     for rel in ("flowrl/train/loop.py", "flowrl/train/update.py", "flowrl/train/collect.py", "flowrl/train/replay.py"):
         code = "\n".join(line.split("#")[0] for line in (REPO / rel).read_text().splitlines())
         strings = re.findall(r"[\"']([a-z_]+)[\"']", code)

@@ -40,6 +40,9 @@ CASES = {
     "par": ("quickstart_par.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "likelihood.timesteps=3"]),
     "vgrpo": ("quickstart_vgrpo.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2",
                                         "likelihood.timesteps=3"]),
+    # FDFO's rollout weights (a trailing copy) score v_ref on the second pass
+    "fdfo": ("quickstart_fdfo.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "loss.timesteps=2",
+                                      "train.group_size=2", "train.prompts_per_iteration=4"]),
 }
 STATELESS = {"awm", "dppo", "dpo", "dgpo"}
 
