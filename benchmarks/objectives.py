@@ -4,7 +4,7 @@ and how much reward hacking do the anti-hacking regularisers prevent?
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn              # every recipe, seed 42
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --recipes quickstart_awm quickstart_dppo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --images --out runs/elbo \
-        --recipes quickstart quickstart_epg quickstart_pepg quickstart_par quickstart_vgrpo
+        --recipes quickstart_epg quickstart_pepg quickstart_par quickstart_vgrpo quickstart_fdfo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --images --recipes offline_sft offline_dpo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py hacking --seeds 3  # quickstart vs gardo vs diversity
     python benchmarks/objectives.py learn --smoke --out /tmp/smoke        # 2-iteration rehearsal
@@ -48,7 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LEARN = ["quickstart", "quickstart_epg", "quickstart_pepg", "quickstart_par", "quickstart_vgrpo", "quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast",
+LEARN = ["quickstart", "quickstart_epg", "quickstart_pepg", "quickstart_par", "quickstart_vgrpo", "quickstart_fdfo",
+         "quickstart_guard", "quickstart_mixgrpo", "quickstart_mixgrpo_flash", "quickstart_fast",
          "quickstart_nft", "quickstart_gardo", "quickstart_diversity", "quickstart_awm", "quickstart_dppo",
          "quickstart_dpo", "quickstart_dgpo", "offline_sft", "offline_dpo"]
 #: The tables the offline recipes read (their [data].path), and the command that writes each

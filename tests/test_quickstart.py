@@ -35,7 +35,8 @@ def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     recipe = load_recipe(
         REPO / "recipes" / name,
         [f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "train.iterations=1", "train.prompts_per_iteration=2",
-         "prompts.num_eval=2", "prompts.eval_seeds=1", "train.group_size=4", "train.micro_batch_size=4",
+         "prompts.num_eval=2", "prompts.eval_seeds=1", f"train.group_size={2 if name == 'quickstart_fdfo.toml' else 4}",
+         "train.micro_batch_size=4",
          "log.progress=false",
          "log.image_every=1"],
     )
@@ -45,7 +46,14 @@ def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     records = read_metrics(run_dir)
     first = records[0]
     loss = recipe.components["loss"].use
-    if loss in ("nft", "awm", "dpo", "dgpo"):  # likelihood-free: no trajectory log-probs, so no on-policy log-ratio
+    likelihood = recipe.components["likelihood"].use
+    if likelihood == "elbo" or loss == "fdfo":  # no trajectory log-probs: the estimator's own diagnostics
+        assert "on_policy/max_abs_log_ratio" not in first
+        if loss == "fdfo":  # one step, at the rollout's own velocities
+            assert first["fdfo/ratio_mean"] == 1.0
+        else:  # one step per rollout: the old policy is the trained one, no old forward
+            assert first["elbo/ratio_mean"] == 1.0 and first["elbo/old_forward"] == 0.0
+    elif loss in ("nft", "awm", "dpo", "dgpo"):  # likelihood-free: no trajectory log-probs, so no on-policy log-ratio
         assert "on_policy/max_abs_log_ratio" not in first
         if loss == "nft":  # its old policy starts as the policy
             assert first["nft/old_deviation"] == 0.0

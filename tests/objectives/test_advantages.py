@@ -80,3 +80,17 @@ def test_input_errors():
         group_zscore(R, G, std="population")
     with pytest.raises(ValueError, match="finite"):
         group_zscore(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]))
+
+
+def test_group_centred_is_the_scaled_deviation_from_the_group_mean():
+    """``group_centred``: scale (r - group mean), in the reward's units; in a pair, half the
+    reward difference (FDFO's dR)."""
+    from flowrl.plugins import get_registry
+
+    comp = get_registry().get("advantage", "group_centred")
+    rewards = {"r": torch.tensor([0.9, 0.3, 0.5, 0.5, 1.0, 0.0])}
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    adv = comp.build(comp.params(scale=1.0))(rewards, {"r": 1.0}, groups)
+    torch.testing.assert_close(adv, torch.tensor([0.3, -0.3, 0.0, 0.0, 0.5, -0.5]))
+    scaled = comp.build(comp.params(scale=0.1, clip=0.04))(rewards, {"r": 1.0}, groups)
+    torch.testing.assert_close(scaled, torch.tensor([0.03, -0.03, 0.0, 0.0, 0.04, -0.04]))
