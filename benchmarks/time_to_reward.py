@@ -28,7 +28,7 @@ as the reward, 33 steps with the SDE in the first 16, lr 5e-5, 2 passes per roll
   and ``branch_egrpo`` / ``branch_egrpo4`` (trees and the entropy selector, 8 or 4 steps), and
   ``branch_tree`` (the trees with BranchGRPO's tree advantage, ``sampler.branch_advantage =
   "tree"``: each transition gets its node's advantage, and a shared transition is trained once);
-- another objective: ``nft`` (DiffusionNFT as ``recipes/quickstart.toml`` runs it: ODE rollouts by
+- another objective: ``nft`` (DiffusionNFT as ``recipes/quickstart.toml`` ran it until 2026-11-29: ODE rollouts by
   the second-order ``dpm2m`` solver, the flow-matching loss at 8 timesteps, beta 1, one pass per
   rollout, each sample of a group from its own starting noise, since an ODE rollout adds none) on
   the study's 33-step schedule, so its held-out evaluation is the others' own; ``nft_fast``
@@ -102,7 +102,7 @@ from flowrl.stats import paired_interval, t_interval  # noqa: E402
 RECIPE = "recipes/study_embedded.toml"
 STEP = ["chunker.use='step'"]
 BRANCH = ["sampler.branch_steps=[2, 6, 10]", "sampler.branch_factors=[2, 2, 2]"]
-#: the quickstart's objective on the study's sampler (the same steps, so the same evaluation)
+#: DiffusionNFT (the quickstart's objective until 2026-11-29) on the study's sampler (the same steps, so the same evaluation)
 NFT = [*STEP, "selector.use='all'", "loss.use='nft'", "loss.beta=1.0", "loss.timesteps=8", "window.use='ode'",
        "window.solver='dpm2m'", "sampler.image_from='final'", "train.updates_per_rollout=1",
        "train.same_noise_in_group=false"]  # deterministic rollouts: a group differs by its starting noise alone
@@ -146,7 +146,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
     "branch_tree": ("branch rollouts with BranchGRPO's tree advantage: each distinct transition trained once",
                     [*STEP, "selector.use='all'", "loss.eps_low=1e-4", "loss.eps_high=1e-4", *BRANCH,
                      "sampler.branch_advantage='tree'"]),
-    "nft": ("DiffusionNFT as the quickstart runs it: ODE rollouts (dpm2m), 8 timesteps, beta 1, one pass",
+    "nft": ("DiffusionNFT as the quickstart ran it until 2026-11-29: ODE rollouts (dpm2m), 8 timesteps, beta 1, one pass",
             [*NFT]),
     "nft_fast": ("DiffusionNFT with 10-step rollouts (its paper's count; any solver serves it), evaluated at {eval_steps}",
                  [*NFT, *NFT_FAST]),

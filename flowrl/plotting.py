@@ -13,8 +13,9 @@ from .runlog import read_metrics
 DIAGNOSTICS = ("diag/log_ratio_std", "clip_fraction", "approx_kl_old", "diag/step_log_ratio_std")
 
 
-#: Scalars an objective logs about itself (DiffusionNFT, GARDO, the KL terms): their own panel.
-OBJECTIVE_PREFIXES = ("nft/", "gardo/", "kl/")
+#: Scalars an objective logs about itself (DiffusionNFT, GARDO, the KL terms, the ELBO estimator, FDFO):
+#: their own panel.
+OBJECTIVE_PREFIXES = ("nft/", "gardo/", "kl/", "elbo/", "fdfo/")
 
 #: Below this, a run's ratio diagnostics are float rounding: every re-scoring was on-policy.
 ROUNDING = 1e-6

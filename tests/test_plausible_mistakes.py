@@ -22,7 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
-QUICK = "quickstart.toml"  # DiffusionNFT, ODE window, prompts from shapes.csv (train / test split)
+QUICK = "quickstart.toml"  # EPG on the ELBO, ODE window, prompts from shapes.csv (train / test split)
+NFT = "quickstart_nft.toml"  # DiffusionNFT: an objective that owns its update
 STEP = "quickstart_step.toml"  # step-level GRPO (clipped), 17 steps, T = 16
 HACK = "quickstart_hacking.toml"  # chunks [2, 3, 4, 7]
 DYN = "quickstart_dynamics.toml"  # dynamics chunker and weighted selector from profiles/embedded.json
@@ -82,8 +83,10 @@ CASES = [
      "branch_profile and branch_count go together"),
     ("branch with pipelining", STEP, [*BRANCH, "pipeline.staleness=1"], OK, OK),
     # --- pipelining ([pipeline])
-    ("pipelining an objective with its own update", QUICK, ["pipeline.staleness=1"], "[pipeline].staleness",
+    ("pipelining an objective with its own update", NFT, ["pipeline.staleness=1"], "[pipeline].staleness",
      "needs a ratio-based policy loss; loss 'nft' owns its update"),
+    ("pipelining a loss on the ELBO", QUICK, ["pipeline.staleness=1"], "[pipeline].staleness",
+     "needs a ratio-based policy loss; loss 'epg' runs on [likelihood] 'elbo'"),
     ("pipeline staleness 2", STEP, ["pipeline.staleness=2"], "[pipeline]", "key 'staleness' must be <= 1, got 2"),
     ("pipeline device with the thread worker", STEP, ["pipeline.device=cpu"], "[pipeline]",
      "device is the rollout process's: set worker = 'process' too"),
@@ -97,7 +100,7 @@ CASES = [
     ("pipeline settings with staleness 0 (the documented off switch)", STEP, ["pipeline.sync_every=4",
                                                                              "pipeline.worker=process"], OK, OK),
     # --- replay ([replay])
-    ("replay with an objective with its own update", QUICK, ["replay.size=2"], "[replay].size",
+    ("replay with an objective with its own update", NFT, ["replay.size=2"], "[replay].size",
      "[replay] needs a ratio-based policy loss; loss 'nft'"),
     ("replay weight_steps at the unit level", STEP, ["replay.size=2", "replay.weight_steps=4"], "[replay]",
      "applies to weight_level = 'sequence' only"),
@@ -204,7 +207,7 @@ CASES = [
     # was: trained on all-zero advantages
     ("every reward at weight 0", STEP, ["rewards.0.weight=0"], "[[rewards]]",
      "every [[rewards]] entry has weight 0 (area, verifier)"),
-    ("every reward at weight 0, DiffusionNFT", QUICK, ["rewards.0.weight=0"], "[[rewards]]",
+    ("every reward at weight 0, the quickstart", QUICK, ["rewards.0.weight=0"], "[[rewards]]",
      "every [[rewards]] entry has weight 0"),
     ("every chunk weight 0", HACK, ["rewards.0.chunk_weights=[0,0,0,0]"], "[[rewards]]",
      "every [[rewards]] entry has weight 0"),

@@ -24,8 +24,10 @@ FLAT = " ".join(SECTION.split())
 def test_the_readme_describes_the_shipped_quickstart_recipe():
     recipe = load_recipe(REPO / "recipes" / "quickstart.toml")
     t = recipe.train
-    assert f"{t.iterations} iterations of {t.prompts_per_iteration} prompts x {t.group_size} samples with DiffusionNFT" in FLAT
-    assert recipe.components["loss"].use == "nft" and f"lr {t.lr:g}".replace("e-05", "e-5") in FLAT
+    assert f"{t.iterations} iterations of {t.prompts_per_iteration} prompts x {t.group_size} samples with EPG on the final image's ELBO" in FLAT
+    assert recipe.components["loss"].use == "epg" and recipe.components["likelihood"].use == "elbo"
+    assert f"{recipe.sampler.steps}-step ODE rollouts" in FLAT and f"ELBO at {recipe.components['likelihood'].params.timesteps} forward-noised" in FLAT
+    assert f"lr {t.lr:g}".replace("e-05", "e-5") in FLAT
     assert [r.use for r in recipe.rewards if r.weight] == ["verifier"]
     assert {r.use for r in recipe.rewards if not r.weight} == {"embedded_clip", "area"}
     rows = list(csv.DictReader((REPO / "recipes" / "prompts" / "shapes.csv").open(encoding="utf-8")))

@@ -356,9 +356,13 @@ def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str
     loss = build_loss(recipe, registry)
     name = recipe.components["loss"].use
     if isinstance(loss, Objective):
-        raise RecipeError(f"{what} needs a ratio-based policy loss; loss '{name}' owns its update "
-                          "(its own old policy or anchors, not the rollout's log-probs)", where=where,
-                          hint=f"use loss 'clipped', or {off}")
+        likelihood = recipe.components.get("likelihood")
+        how = (f"runs on [likelihood] '{likelihood.use}' (its own old policy, not the rollout's log-probs)"
+               if likelihood is not None and likelihood.use != "trajectory" and not isinstance(
+                   build_component(recipe, registry, "loss"), Objective)
+               else "owns its update (its own old policy or anchors, not the rollout's log-probs)")
+        raise RecipeError(f"{what} needs a ratio-based policy loss; loss '{name}' {how}", where=where,
+                          hint=f"use loss 'clipped' on [likelihood] 'trajectory', or {off}")
     if isinstance(loss, KeepsRolloutMeans) and loss.keep_means:
         raise RecipeError(f"{what} cannot re-weight loss '{name}': its step ratio uses the rollout's proposal "
                           "means, which an off-policy update would have to re-sample", where=where,

@@ -43,8 +43,8 @@ def test_every_iteration_logs_a_finite_row_and_the_final_evaluation(quickstart):
     for row in rows[:-1]:
         assert row["nonfinite_steps"] == 0 and row["grad_norm"] > 0 and row["loss"] == row["loss"]
         assert 0.0 <= row["reward/verifier/mean"] <= 1.0 and row["compute/rollout/forward"] > 0
-    # the first update starts from the rollout's own weights (NFT's old policy is the policy)
-    assert rows[0]["nft/old_deviation"] == 0.0
+    # the first update starts from the rollout's own weights (the ELBO's old policy is the policy: no old forward)
+    assert rows[0]["elbo/ratio_mean"] == 1.0 and rows[0]["elbo/old_forward"] == 0.0
 
 
 def test_evaluation_ran_before_each_update_and_after_the_last(quickstart):

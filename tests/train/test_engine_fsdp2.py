@@ -115,7 +115,7 @@ def test_fsdp2_run_with_a_sharded_ema_resumes_exactly_and_exports(tmp_path, refe
 
 @pytest.mark.slow
 def test_fsdp2_diffusion_nft_with_evaluation_equals_one_process(tmp_path):
-    """DiffusionNFT (the quickstart's objective) samples its rollout with the old weights swapped
+    """DiffusionNFT (the quickstart's objective until 2026-11-29) samples its rollout with the old weights swapped
     into the trained parameters. Under FSDP2 the root keeps the weights it gathered for the last
     forward (the evaluation just before), so without dropping them the rollout sampled the trained
     weights at the root: the 2-process run then left the 1-process one at the second iteration.
@@ -127,7 +127,7 @@ def test_fsdp2_diffusion_nft_with_evaluation_equals_one_process(tmp_path):
             "prompts.num_eval=2", "prompts.eval_seeds=1", "log.eval_every=1", "log.image_every=1", "checkpoint.every=1",
             "train.lr=1e-3", "train.adam_eps=1e-6", "run.device='cpu'",  # eps: see tiny_recipe.ENGINE
             "loss.beta_kl=0.01"]
-    recipe = REPO / "recipes" / "quickstart.toml"
+    recipe = REPO / "recipes" / "quickstart_nft.toml"
     two, one = tmp_path / "two", tmp_path / "one"
     args = [a for s in (*sets, "distributed.strategy='fsdp2'") for a in ("--set", s)]
     proc = run_cli(["train", str(recipe), *args, "-o", str(two), "--num-processes", "2"], timeout=600)
