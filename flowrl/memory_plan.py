@@ -38,7 +38,7 @@ from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
 from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
 from flowrl.prompts import CACHED_PROMPTS, TABLE_SUFFIXES, distinct_rows, read_prompts
-from flowrl.recipe import keeps_reference_copy
+from flowrl.recipe import build_loss, keeps_reference_copy
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -297,8 +297,6 @@ def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
 def keeps_old_policy(recipe, registry) -> bool:
     """Whether the run's objective keeps a trailing old copy of the trained parameters
     (``keeps_old_policy``: DiffusionNFT, the ELBO losses, FDFO; flowrl.objectives.old_policy)."""
-    from flowrl.recipe.validation import build_loss
-
     return bool(getattr(build_loss(recipe, registry), "keeps_old_policy", False))
 
 

@@ -15,7 +15,11 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 @pytest.mark.parametrize("recipe, algorithm, paper", [
-    ("quickstart.toml", "DiffusionNFT", "DiffusionNFT"),
+    ("quickstart.toml", "on the final image's ELBO likelihood, with EPG's policy-gradient loss",
+     "Rethinking the Design Space of RL for Diffusion Models"),
+    ("quickstart_nft.toml", "DiffusionNFT", "DiffusionNFT"),
+    ("quickstart_vgrpo.toml", "V-GRPO", "arXiv:2604.23380"),
+    ("quickstart_fdfo.toml", "FDFO", "arXiv:2603.12893"),
     ("quickstart_awm.toml", "AWM (Advantage Weighted Matching)", "arXiv:2509.25050"),
     ("quickstart_dpo.toml", "online DPO", "arXiv:2311.12908"),
     ("quickstart_dgpo.toml", "DGPO", "arXiv:2510.08425"),

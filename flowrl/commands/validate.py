@@ -48,7 +48,7 @@ def validate(
     check_memory(recipe, list(set_ or []), resolved, gpu_memory)
     if explain:
         explain_recipe(resolved)
-    from ..recipe.validation import build_loss
+    from ..recipe import build_loss
 
     c = resolved.components
     # what the run uses: the kernel, chunks and T only where the objective trains trajectory units

@@ -77,6 +77,7 @@ from .startable import (
 from .validation import (
     DATA_HINT,
     build_component,
+    build_loss,
     data_kind,
     keeps_reference_copy,
     located,
@@ -120,6 +121,7 @@ __all__ = [
     "fields_of",
     "has_columns",
     "keeps_reference_copy",
+    "build_loss",
     "load_recipe",
     "located",
     "no_reference_copy_because",

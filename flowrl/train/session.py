@@ -24,8 +24,7 @@ from ..interfaces import TextEmbeddings, WarpsTime
 from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
 from ..prompts import CACHED_PROMPTS
-from ..recipe import Recipe
-from ..recipe.validation import build_loss
+from ..recipe import Recipe, build_loss
 from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
 from .accel import default_attention
