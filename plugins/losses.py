@@ -83,6 +83,7 @@ class ClippedSurrogate:
     """max(-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high)) per unit (step, chunk or sequence)."""
 
     Config = ClippedConfig
+    zero_without_advantage = True  # under the ELBO, samples with A = 0 skip their forwards
 
     def __init__(self, config: ClippedConfig):
         self.config = config

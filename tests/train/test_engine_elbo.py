@@ -43,3 +43,12 @@ def test_fdfo_trains_on_pairs_at_its_minimum(tmp_path):
     assert "compute/old/forward" not in rows[0]  # one optimizer step per rollout: v_ref is the forward's own
     assert rows[0]["fdfo/ratio_mean"] == 1.0 and rows[0]["fdfo/dR_abs"] > 0
     assert algorithm_of(resolved)[0].startswith("FDFO")
+
+
+def test_the_clipped_ratio_runs_on_one_elbo_ratio_per_sample(tmp_path):
+    """GSPO's sequence-level ratio on the ELBO: the clipped surrogate with units = "sample"."""
+    _, rows = _run(tmp_path, loss={"use": "clipped", "eps_low": 0.2, "eps_high": 0.2},
+                   likelihood={"use": "elbo", "timesteps": 2, "units": "sample", "decay_type": 0},
+                   train={"iterations": 1})
+    assert rows[0]["compute/ratio"] == 1.0 and rows[0]["elbo/ratio_mean"] == 1.0
+    assert "compute/old/forward" not in rows[0] and rows[0]["elbo/decay"] == 0.0
