@@ -45,7 +45,7 @@ from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
-from flowrl.objectives.old_policy import TrailingPolicy
+from flowrl.objectives.old_policy import TrailingPolicy, WithTrailingPolicy, side_velocities
 
 __all__ = ["WEIGHTINGS", "UNITS", "elbo_log_likelihood", "ElboPolicyGradient"]
 
@@ -88,7 +88,7 @@ def elbo_log_likelihood(v: torch.Tensor, x: torch.Tensor, x0: torch.Tensor, eps:
     return -(1.0 - sig) / (sig + 1e-3) * mse
 
 
-class ElboPolicyGradient:
+class ElboPolicyGradient(WithTrailingPolicy):
     """A ``[loss]``'s unit objective on the ELBO log-ratio (module docstring): the objective a
     ratio-based loss runs as under ``[likelihood] use = "elbo"``.
 
@@ -99,7 +99,6 @@ class ElboPolicyGradient:
 
     uses_units = False
     keep_means = False
-    keeps_old_policy = True  # a trailing copy of the trained parameters (flowrl plan counts it)
 
     def __init__(self, loss, *, timesteps: int, weighting: str = "adaptive", units: str = "point",
                  noise: str = "sample", stratified: bool = False, decay_type: int = 1, beta_kl: float = 0.0,
@@ -126,19 +125,10 @@ class ElboPolicyGradient:
     def needs_reference(self) -> bool:
         return self.beta_kl > 0
 
-    @property
-    def old(self):
-        return self.trailing.old
-
     def prepare(self, ctx: UpdateContext) -> None:
         self.trailing.prepare(ctx.params, ctx.model.denoiser)
         # the engine's reference (NeedsReferencePolicy), fixed before sharding, as NFT's
         self.reference = ctx.kl.reference if self.beta_kl > 0 else None
-
-    def rollout_weights(self):
-        """The old weights in place of the trained ones while the rollout is drawn (nothing to
-        swap while they are equal)."""
-        return self.trailing.rollout_weights()
 
     def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         self.trailing.start(ctx.optimizer_steps())
@@ -164,19 +154,10 @@ class ElboPolicyGradient:
         minimum = int(live.numel()) * K * ctx.rows_per_sample
         ctx.counter.expect("update", minimum)
         model = ctx.model
-        old_is_current = self.trailing.is_current(ctx.optimizer_steps())
-        l_old = None
-        if not old_is_current:
-            ctx.counter.expect("old", minimum)
-            with torch.no_grad(), ctx.counter.phase("old"), self.trailing.swapped_in():
-                v_old = model.velocity(pts.x, pts.sigma, text).to(torch.float32)
-                l_old = elbo_log_likelihood(v_old, pts.x, pts.x0, pts.eps, pts.sigma, weighting=self.weighting,
-                                            weight_min=self.weight_min)
-        v_ref = None
-        if self.reference is not None:
-            ctx.counter.expect("reference", minimum)
-            with ctx.counter.phase("reference"):
-                v_ref = self.reference.velocity(pts.x, pts.sigma, text).to(torch.float32)
+        v_old, v_ref = side_velocities(ctx, self.trailing, self.reference, pts.x, pts.sigma, text, minimum)
+        old_is_current = v_old is None
+        l_old = None if v_old is None else elbo_log_likelihood(
+            v_old, pts.x, pts.x0, pts.eps, pts.sigma, weighting=self.weighting, weight_min=self.weight_min)
         with torch.enable_grad():
             v = model.velocity(pts.x, pts.sigma, text).to(torch.float32)
             lp = elbo_log_likelihood(v, pts.x, pts.x0, pts.eps, pts.sigma, weighting=self.weighting,
@@ -202,14 +183,3 @@ class ElboPolicyGradient:
 
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         return {"elbo/decay": self.trailing.end(ctx.optimizer_steps())}
-
-    # ------------------------------------------------------------------ checkpoint
-
-    def state_dict(self) -> dict:
-        return self.trailing.state_dict()
-
-    def tensors(self) -> dict:
-        return self.trailing.tensors()
-
-    def load_state(self, state, tensors) -> None:
-        self.trailing.load_state(state, tensors)

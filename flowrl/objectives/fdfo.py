@@ -44,7 +44,7 @@ from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import velocity_kl
-from flowrl.objectives.old_policy import TrailingPolicy
+from flowrl.objectives.old_policy import TrailingPolicy, WithTrailingPolicy, side_velocities
 from flowrl.seeding import generator
 
 __all__ = ["pair_partners", "fdfo_loss", "FiniteDifferenceObjective"]
@@ -86,13 +86,12 @@ def fdfo_loss(v: torch.Tensor, v_ref: torch.Tensor, dx: torch.Tensor, dR: torch.
     return loss, rho.detach()
 
 
-class FiniteDifferenceObjective:
+class FiniteDifferenceObjective(WithTrailingPolicy):
     """FDFO as an objective (module docstring): paired rollouts, trained at ``K`` of each sample's
     trajectory states (all of them with ``timesteps = 0``)."""
 
     uses_units = False
     keep_means = False
-    keeps_old_policy = True  # a trailing copy of the trained parameters (flowrl plan counts it)
     #: validation: pairs from one starting noise, and a stochastic rollout whose states are trained
     paired_rollouts = True
     trains_trajectory_states = True
@@ -108,9 +107,6 @@ class FiniteDifferenceObjective:
     def prepare(self, ctx: UpdateContext) -> None:
         self.trailing.prepare(ctx.params, ctx.model.denoiser)
         self.reference = ctx.kl.reference if self.kl_weight > 0 else None
-
-    def rollout_weights(self):
-        return self.trailing.rollout_weights()
 
     def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         self.trailing.start(ctx.optimizer_steps())
@@ -153,16 +149,8 @@ class FiniteDifferenceObjective:
         per_live = (len(rows) // int(idx.numel())) * int(live.numel()) * ctx.rows_per_sample
         ctx.counter.expect("update", per_live)
         model = ctx.model
-        v_ref = None
-        if not self.trailing.is_current(ctx.optimizer_steps()):
-            ctx.counter.expect("old", per_live)
-            with torch.no_grad(), ctx.counter.phase("old"), self.trailing.swapped_in():
-                v_ref = model.velocity(x, sigma, text).to(torch.float32)
-        v_base = None
-        if self.reference is not None:
-            ctx.counter.expect("reference", per_live)
-            with ctx.counter.phase("reference"):
-                v_base = self.reference.velocity(x, sigma, text).to(torch.float32)
+        # v_ref: the rollout weights' velocity (the trained forward's own while they are the same)
+        v_ref, v_base = side_velocities(ctx, self.trailing, self.reference, x, sigma, text, per_live)
         with torch.enable_grad():
             v = model.velocity(x, sigma, text).to(torch.float32)
             if v_ref is None:
@@ -184,12 +172,3 @@ class FiniteDifferenceObjective:
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         self.trailing.end(ctx.optimizer_steps())
         return {}
-
-    def state_dict(self) -> dict:
-        return self.trailing.state_dict()
-
-    def tensors(self) -> dict:
-        return self.trailing.tensors()
-
-    def load_state(self, state, tensors) -> None:
-        self.trailing.load_state(state, tensors)

@@ -35,7 +35,7 @@ from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
-from flowrl.objectives.old_policy import DECAY_PRESETS, TrailingPolicy, old_policy_decay
+from flowrl.objectives.old_policy import DECAY_PRESETS, TrailingPolicy, WithTrailingPolicy, old_policy_decay, side_velocities
 
 __all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
            "ForwardProcessObjective"]
@@ -87,7 +87,7 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x: torch.Tensor, x0: torch.Te
 # ----------------------------------------------------------------------------- DiffusionNFT
 
 
-class ForwardProcessObjective:
+class ForwardProcessObjective(WithTrailingPolicy):
     """DiffusionNFT (NVlabs/DiffusionNFT ``train_nft_sd3.py``), likelihood-free.
 
     Per sample of the rollout (its clean latent ``x0 = image_latents``) and each of ``K`` trained
@@ -102,7 +102,6 @@ class ForwardProcessObjective:
 
     uses_units = False
     keep_means = False
-    keeps_old_policy = True  # a trailing copy of the trained parameters (flowrl plan counts it)
 
     def __init__(self, *, beta: float, clip: float, timesteps: int, decay_type: int, beta_kl: float,
                  weight_min: float = 1e-5):
@@ -112,10 +111,6 @@ class ForwardProcessObjective:
         self.trailing = TrailingPolicy(decay_type)
         self.reference = None
 
-    @property
-    def old(self):
-        return self.trailing.old
-
     def prepare(self, ctx: UpdateContext) -> None:
         self.trailing.prepare(ctx.params, ctx.model.denoiser)
         # the engine's reference (NeedsReferencePolicy), fixed before sharding and laid out like the
@@ -124,12 +119,6 @@ class ForwardProcessObjective:
 
     def needs_reference(self) -> bool:
         return self.beta_kl > 0
-
-    def rollout_weights(self):
-        """The old weights in place of the trained ones (restored after), swapped by storage:
-        no copy of the model (:class:`flowrl.objectives.old_policy.OldPolicy`); nothing to swap
-        while they are equal."""
-        return self.trailing.rollout_weights()
 
     def start_rollout(self, ctx: UpdateContext, batch: Batch, sizes) -> None:
         self.trailing.start(ctx.optimizer_steps())
@@ -146,17 +135,7 @@ class ForwardProcessObjective:
         rows_fwd = len(rows) * ctx.rows_per_sample
         ctx.counter.expect("update", rows_fwd)
         # the old policy's velocities: its own forward, or the current one's while the values are equal
-        old_is_current = self.trailing.is_current(ctx.optimizer_steps())
-        v_old = None
-        if not old_is_current:
-            ctx.counter.expect("old", rows_fwd)
-            with torch.no_grad(), ctx.counter.phase("old"), self.trailing.swapped_in():
-                v_old = model.velocity(x, s, text).to(torch.float32)
-        v_ref = None
-        if self.reference is not None:
-            ctx.counter.expect("reference", rows_fwd)
-            with ctx.counter.phase("reference"):
-                v_ref = self.reference.velocity(x, s, text).to(torch.float32)
+        v_old, v_ref = side_velocities(ctx, self.trailing, self.reference, x, s, text, rows_fwd)
         with torch.enable_grad():
             v = model.velocity(x, s, text).to(torch.float32)
             if v_old is None:
@@ -176,12 +155,3 @@ class ForwardProcessObjective:
 
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
         return {"nft/decay": self.trailing.end(ctx.optimizer_steps())}
-
-    def state_dict(self) -> dict:
-        return self.trailing.state_dict()
-
-    def tensors(self) -> dict:
-        return self.trailing.tensors()
-
-    def load_state(self, state, tensors) -> None:
-        self.trailing.load_state(state, tensors)

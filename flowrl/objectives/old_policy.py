@@ -24,7 +24,7 @@ import torch
 
 from flowrl.distributed import drop_gathered_weights
 
-__all__ = ["DECAY_PRESETS", "old_policy_decay", "OldPolicy", "TrailingPolicy"]
+__all__ = ["DECAY_PRESETS", "old_policy_decay", "OldPolicy", "TrailingPolicy", "WithTrailingPolicy", "side_velocities"]
 
 #: NFT's decay types: (flat, uprate, uphold) of :func:`old_policy_decay`.
 DECAY_PRESETS: dict[int, tuple[int, float, float]] = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
@@ -159,3 +159,48 @@ class TrailingPolicy:
         self.same_as_current = bool(state.get("same_as_current", False))
         if tensors and self.old is not None:
             self.old.load(tensors)
+
+
+class WithTrailingPolicy:
+    """What an objective that keeps a :class:`TrailingPolicy` as ``self.trailing`` shares:
+    rollouts drawn with it (``SamplesWithOwnWeights``), its state in every checkpoint
+    (``CheckpointsState``), and ``flowrl plan`` counting its copy (``keeps_old_policy``)."""
+
+    keeps_old_policy = True
+    trailing: TrailingPolicy
+
+    @property
+    def old(self) -> OldPolicy | None:
+        return self.trailing.old
+
+    def rollout_weights(self):
+        """The old weights in place of the trained ones (restored after), swapped by storage: no copy
+        of the model; nothing to swap while they are equal."""
+        return self.trailing.rollout_weights()
+
+    def state_dict(self) -> dict:
+        return self.trailing.state_dict()
+
+    def tensors(self) -> dict:
+        return self.trailing.tensors()
+
+    def load_state(self, state, tensors) -> None:
+        self.trailing.load_state(state, tensors)
+
+
+def side_velocities(ctx, trailing: TrailingPolicy, reference, x: torch.Tensor, sigma: torch.Tensor, text,
+                    minimum: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The forwards beside the trained one at the points ``(x, sigma)``, without gradient: the old
+    policy's velocity (None while its weights equal the trained ones: the trained forward's own
+    value is then the old one) and the reference's (None without a reference), each counted in its
+    compute phase against ``minimum`` rows (``ctx``: the objective's UpdateContext)."""
+    v_old = v_ref = None
+    if not trailing.is_current(ctx.optimizer_steps()):
+        ctx.counter.expect("old", minimum)
+        with torch.no_grad(), ctx.counter.phase("old"), trailing.swapped_in():
+            v_old = ctx.model.velocity(x, sigma, text).to(torch.float32)
+    if reference is not None:
+        ctx.counter.expect("reference", minimum)
+        with torch.no_grad(), ctx.counter.phase("reference"):
+            v_ref = reference.velocity(x, sigma, text).to(torch.float32)
+    return v_old, v_ref
