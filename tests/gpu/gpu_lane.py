@@ -248,80 +248,40 @@ def weight_differences(got: dict, want: dict, atol: float = 0.0) -> list[str]:
 
 # ---- a tiny FLUX run (the attention backends: the embedded model has no attention) -------------
 
-FLUX_RECIPE = """
-[run]
-name = "lane_flux"
-seed = 7
-device = {device}
+def flux_recipe(pipeline: Path, prompts: Path, lane: Lane) -> dict:
+    """The tiny-FLUX recipe on the lane's device and precision: ``flowrl selftest``'s
+    (flowrl/diagnostics/selftest.py ``RECIPE``), trimmed to one iteration of one optimizer step,
+    evaluated before and after, with grids and a checkpoint; no self-test probe."""
+    import json
+    import tomllib
 
-[model]
-use = "flux"
-path = {pipeline}
-height = 32
-width = 32
-max_sequence_length = 16
-dtype = {dtype}
-denoiser_dtype = "fp32"     # fp32 master weights; bf16 compute under autocast on a GPU
-vae_batch_size = 8
+    from flowrl.diagnostics.selftest import RECIPE
 
-[sampler]
-steps = 5
-
-[chunker]
-use = "explicit"
-sizes = [1, 3]
-
-[selector]
-use = "uniform"
-fraction = 1.0
-
-[loss]
-use = "clipped"
-beta = 0.0
-
-[train]
-iterations = 1
-prompts_per_iteration = 2
-group_size = 2
-micro_batch_size = 2
-finetune = "full"
-lr = 0.002
-max_grad_norm = 0.0
-on_policy_tolerance = {tolerance}
-
-[prompts]
-source = {prompts}
-num_eval = 2
-
-[log]
-progress = false
-image_every = 1
-eval_every = 1
-
-[checkpoint]
-every = 1
-
-[[rewards]]
-use = "brightness"
-"""
+    data = tomllib.loads(RECIPE.format(
+        device=json.dumps(str(lane.device)), output_dir=json.dumps("unused"), pipeline=json.dumps(str(pipeline)),
+        dtype=json.dumps(lane.precision), tolerance=BF16_ON_POLICY_TOLERANCE if lane.bf16 else 1e-6,
+        compile="false", prompts=json.dumps(str(prompts))))
+    data["run"] = {"name": "lane_flux", "seed": data["run"]["seed"], "device": data["run"]["device"]}
+    data.pop("trackers")
+    data["checkpoint"].pop("keep_last")
+    train = data["train"]
+    train["iterations"] = 1
+    for key in ("optimizer_steps_per_update", "update_mode", "fast_path", "compile"):
+        train.pop(key)
+    return data
 
 
 def write_flux_recipe(directory: Path, pipeline: Path, lane: Lane) -> Path:
     """The tiny-FLUX recipe (1 iteration, evaluated before and after, grids and a checkpoint) on
     the lane's device and precision, written into ``directory``."""
-    import json
-
+    from flowrl.recipe import dump_toml
     from flowrl.testing.tiny_pipelines import TINY_PROMPTS
 
     directory = Path(directory)
     prompts = directory / "prompts.txt"
     prompts.write_text("\n".join(TINY_PROMPTS) + "\n", encoding="utf-8")
-    text = FLUX_RECIPE.format(device=json.dumps(str(lane.device)), pipeline=json.dumps(str(pipeline)),
-                              dtype=json.dumps(lane.precision),
-                              tolerance=BF16_ON_POLICY_TOLERANCE if lane.bf16 else 1e-6,
-                              prompts=json.dumps(str(prompts)))
     path = directory / "flux.toml"
-    path.write_text(text, encoding="utf-8")
+    path.write_text(dump_toml(flux_recipe(pipeline, prompts, lane)), encoding="utf-8")
     return path
 
 
