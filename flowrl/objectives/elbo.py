@@ -111,7 +111,6 @@ class ElboPolicyGradient(WithTrailingPolicy):
             raise ValueError(f"noise must be 'sample' or 'group', got {noise!r}")
         if not (isinstance(beta_kl, (int, float)) and math.isfinite(beta_kl) and beta_kl >= 0):
             raise ValueError(f"beta_kl must be a finite number >= 0, got {beta_kl!r}")
-        self.loss = loss
         self.unit_objective = loss.objective
         self.K, self.weighting, self.units, self.noise = int(timesteps), weighting, units, noise
         self.stratified, self.beta_kl, self.weight_min = stratified, beta_kl, weight_min

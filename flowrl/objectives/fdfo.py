@@ -130,20 +130,20 @@ class FiniteDifferenceObjective(WithTrailingPolicy):
         idx = micro.rows if ctx.lockstep is not None else live
         if idx.numel() == 0:
             return MicroBatchResult.without_units(micro, 0.0, {})
-        xs, sig, rows, dxs = [], [], [], []
-        for r in idx.tolist():
-            x0 = traj.image_latents[r].to(torch.float32)
-            dx = 0.5 * (x0 - traj.image_latents[int(self.partner[r])].to(torch.float32))
-            for t in self._positions(ctx, batch, r, T):
-                pos = traj.position(t, torch.tensor([r], device=traj.latents.device))
-                xs.append(pos.sample[0].to(torch.float32))
-                sig.append(pos.sigma.reshape(-1)[0].to(torch.float32))
-                rows.append(r)
-                dxs.append(dx)
-        x = torch.stack(xs).to(device)
-        sigma = torch.stack(sig).to(device)
-        dx = torch.stack(dxs).to(device)
+        # each sample's trained states (row-major), read one trainable position at a time
+        picks = {r: self._positions(ctx, batch, r, T) for r in idx.tolist()}
+        states = {}
+        for t in sorted({t for ts in picks.values() for t in ts}):
+            at = [r for r, ts in picks.items() if t in ts]
+            pos = traj.position(t, torch.tensor(at, device=traj.latents.device))
+            for j, r in enumerate(at):
+                states[r, t] = (pos.sample[j], pos.sigma.reshape(-1)[j])
+        rows = [r for r, ts in picks.items() for _ in ts]
+        x = torch.stack([states[r, t][0] for r, ts in picks.items() for t in ts]).to(device, torch.float32)
+        sigma = torch.stack([states[r, t][1] for r, ts in picks.items() for t in ts]).to(device, torch.float32)
         rows_t = torch.tensor(rows, dtype=torch.long)
+        x0 = traj.image_latents
+        dx = (0.5 * (x0[rows_t].to(torch.float32) - x0[self.partner[rows_t]].to(torch.float32))).to(device)
         dR = dR_all.to(device)[rows_t.to(device)]
         text = select_embeddings(batch.text, rows_t.to(device))
         per_live = (len(rows) // int(idx.numel())) * int(live.numel()) * ctx.rows_per_sample

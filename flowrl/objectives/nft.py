@@ -35,7 +35,13 @@ from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
-from flowrl.objectives.old_policy import DECAY_PRESETS, TrailingPolicy, WithTrailingPolicy, old_policy_decay, side_velocities
+from flowrl.objectives.old_policy import (
+    DECAY_PRESETS,
+    TrailingPolicy,
+    WithTrailingPolicy,
+    old_policy_decay,
+    side_velocities,
+)
 
 __all__ = ["optimality_probability", "nft_loss", "velocity_kl", "old_policy_decay", "DECAY_PRESETS",
            "ForwardProcessObjective"]

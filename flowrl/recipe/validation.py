@@ -357,9 +357,9 @@ def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str
     name = recipe.components["loss"].use
     if isinstance(loss, Objective):
         likelihood = recipe.components.get("likelihood")
+        # (build_loss has refused an objective with its own update on another likelihood)
         how = (f"runs on [likelihood] '{likelihood.use}' (its own old policy, not the rollout's log-probs)"
-               if likelihood is not None and likelihood.use != "trajectory" and not isinstance(
-                   build_component(recipe, registry, "loss"), Objective)
+               if likelihood is not None and likelihood.use != "trajectory"
                else "owns its update (its own old policy or anchors, not the rollout's log-probs)")
         raise RecipeError(f"{what} needs a ratio-based policy loss; loss '{name}' {how}", where=where,
                           hint=f"use loss 'clipped' on [likelihood] 'trajectory', or {off}")
