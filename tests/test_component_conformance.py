@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROFILE = str(REPO / "recipes" / "profiles" / "embedded.json")
 #: Rewards that need downloaded weights, an extra or a server: they have their own tests (video_align's
 #: conformance check runs on a tiny checkpoint there).
-NEEDS_MORE = {"pickscore", "clip", "geneval", "hpsv3", "hpsv3_upstream", "http", "video_align"}
+NEEDS_MORE = {"pickscore", "clip", "geneval", "hpsv3", "hpsv3_upstream", "http", "video_align", "vlm_judge"}
 #: Params for components whose defaults cannot run alone here.
 PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024},
           ("tracker", "wandb"): {"mode": "offline"},  # wandb: no network in tests

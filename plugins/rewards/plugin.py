@@ -12,6 +12,8 @@
 - ``condition_fidelity``: image editing, how close the result stays to its condition image.
 - ``temporal_consistency``: video, how steady a clip is from frame to frame (no weights).
 - ``video_align``: video, VideoReward (VideoAlign's Qwen2-VL-2B reward model) on whole clips.
+- ``vlm_judge``: a VLM judge (UnifiedReward-style) asked about each image: P(Yes) or a parsed score,
+  a local checkpoint (transformers) or an OpenAI-compatible server (vLLM, SGLang).
 
 Every module here imports its heavy dependencies (transformers, open_clip, rapidocr) only when a reward
 is built, so listing the plugins (``flowrl plugins``) stays fast and needs none of the extras. Docs: docs/rewards.md.
@@ -32,6 +34,7 @@ from .http import HttpReward
 from .ocr import Ocr
 from .temporal import TemporalConsistency
 from .video_align import VideoAlign
+from .vlm_judge import VlmJudge
 
 
 @hookimpl(trylast=True)
@@ -58,5 +61,7 @@ def register_rewards(register):
              help="Video: frame-to-frame consistency of a clip in [0, 1] (colour histograms, blind to motion; or pixels).")
     register("video_align", VideoAlign,
              help="Video: VideoReward (VideoAlign, Qwen2-VL-2B) on whole clips: VQ, MQ, TA or overall; flowrl-diffusion[rewards].")
+    register("vlm_judge", VlmJudge,
+             help="A VLM judge (UnifiedReward-style): P(Yes) or a parsed score; local transformers or an OpenAI-compatible server.")
     register("http", HttpReward,
              help="A reward served over HTTP by `flowrl reward serve` (own env/GPU); errors, never defaults.")
