@@ -111,7 +111,9 @@ class HasReferencePolicy(Protocol):
 class BenchmarkSuite:
     """A benchmark a model carries with it (``flowrl eval --suite NAME``): its prompts, how many
     images of each, each prompt's category, and the scorer (``score(images, prompts)`` -> one
-    :class:`flowrl.geneval.PromptScore` per image, whose ``strict`` verdicts make the table)."""
+    :class:`flowrl.geneval.PromptScore` per image, whose ``strict`` verdicts make the table).
+    It takes precedence over flowrl's suite of the same name (:data:`flowrl.suites.SUITES`: prompt
+    sets scored by a reward, for any model); both are tabulated by the same code."""
 
     name: str
     prompts: list[str]

@@ -6,6 +6,7 @@
     flowrl eval runs/x --reward pickscore --reward clip        # any registered rewards (default params)
     flowrl eval runs/x --steps 50 --hybrid-steps 30 --prompts hpd_test.txt --seeds 4
     flowrl eval recipes/chunk_grpo_flux.toml -o base_eval.json  # the untrained base model
+    flowrl eval runs/x --suite ocr                             # a benchmark: ocr, drawbench, geneval
 
 By default a run, checkpoint or recipe is evaluated exactly as training evaluates it: the run's
 fixed evaluation prompts (``[prompts].num_eval`` of the pool, chosen by ``[run].seed``), its
@@ -26,6 +27,10 @@ weights); its recipe file evaluates the base model::
     {"checkpoint": ..., "iteration": 10, "rewards": {"hpsv3": {"mean": .., "sem": .., "std": ..,
      "min": .., "max": .., "n": ..}}, "per_image": [{"prompt": .., "seed_index": .., "scores": {..}}],
      "settings": {steps, sigmas, seed, seeds_per_prompt, hybrid_steps, ...}}
+
+``--suite NAME`` evaluates a benchmark instead (:mod:`flowrl.suites`; ``run_suite``): the suite the
+model carries by that name, else flowrl's (a prompt set scored by a reward), with its own prompts,
+images per prompt, steps and table, written to ``<checkpoint>.<suite>.json``.
 """
 
 from __future__ import annotations
@@ -115,6 +120,16 @@ def refuse_run_without_checkpoint(source: Optional[Path], checkpoint: Optional[P
         )
 
 
+def refuse_suite_options(reward_set, suite_prompts, limit) -> None:
+    """The options of ``--suite`` without it."""
+    suite_only = [flag for flag, given in (("--reward-set", bool(reward_set)),
+                                           ("--suite-prompts", suite_prompts is not None),
+                                           ("--limit", limit is not None)) if given]
+    if suite_only:
+        raise FlowrlError(f"{', '.join(suite_only)} only appl{'ies' if len(suite_only) == 1 else 'y'} with --suite",
+                          where=suite_only[0], hint="add --suite NAME (ocr, drawbench, geneval), or drop them")
+
+
 def check_arguments(source, model, reward, output) -> None:
     """Every missing argument at once (not one per attempt)."""
     missing = []
@@ -176,7 +191,7 @@ def evaluate(
     set_: SetOpt = None,
     model: Annotated[Optional[str], typer.Option("--model", help="Evaluate a registered model without a recipe (needs --reward).")] = None,
     checkpoint: CheckpointOpt = None,
-    reward: Annotated[Optional[list[str]], typer.Option("--reward", "-r", help="A registered reward with default params (repeatable); default: the recipe's rewards.")] = None,
+    reward: Annotated[Optional[list[str]], typer.Option("--reward", "-r", help="A registered reward with default params (repeatable); default: the recipe's rewards. With --suite drawbench: the one reward that scores it (default pickscore).")] = None,
     prompt: PromptOpt = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="A text file, one prompt a line (default: the run's own evaluation prompts).")] = None,
     num_prompts: Annotated[Optional[int], typer.Option("--num-prompts", min=0, help="Use the first N prompts of the pool (0 = all; default: the run's own evaluation prompts).")] = None,
@@ -190,7 +205,10 @@ def evaluate(
     name: Annotated[Optional[str], typer.Option("--name", help="Result name: <checkpoint>.<name>.json (default: eval; other prompts, seeds or settings: the next <checkpoint>.adhoc-N.json).")] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="JSON path (default: beside the checkpoint).")] = None,
     save_images: Annotated[Optional[Path], typer.Option("--save-images", help="Also write the PNGs to this directory.")] = None,
-    suite: Annotated[Optional[str], typer.Option("--suite", help="A benchmark the model carries (geneval): its prompts, images per prompt and scorer, tabulated per category and overall.")] = None,
+    suite: Annotated[Optional[str], typer.Option("--suite", help="A benchmark: ocr, drawbench, geneval (flowrl.suites), or one the model carries (embedded_compose: geneval); its prompts, images per prompt, steps and scorer, tabulated per category and overall.")] = None,
+    reward_set: Annotated[Optional[list[str]], typer.Option("--reward-set", help="With --suite: a parameter of the suite's reward, key=value (TOML value; repeatable), e.g. --reward-set detector=models/owlv2.")] = None,
+    suite_prompts: Annotated[Optional[Path], typer.Option("--suite-prompts", help="With --suite: the suite's prompt file in place of its default (drawbench: the fetched data/prompts/drawbench.csv).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="With --suite: only its first N prompts (smoke runs); the result is named <suite>-firstN.")] = None,
 ) -> None:
     """Score a checkpoint as the run evaluates it (or given prompts and seeds); JSON beside it."""
     from .inference import prepare, resolve_sigmas
@@ -202,7 +220,9 @@ def evaluate(
                                                            "--prompts": prompts is not None,
                                                            "--num-prompts": num_prompts is not None,
                                                            "--hybrid-steps": hybrid_steps > 0},
-                         start_time=start_time)
+                         start_time=start_time, reward=list(reward or []), reward_set=list(reward_set or []),
+                         suite_prompts=suite_prompts, limit=limit)
+    refuse_suite_options(reward_set, suite_prompts, limit)
     check_arguments(source, model, reward, output)
     refuse_run_without_checkpoint(source, checkpoint)
     custom = custom_options({
@@ -282,19 +302,76 @@ def write_result(path: Path, result: dict) -> None:
 
 
 def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule, batch_size, device, result_name,
-              output, save_images, repeats: int, conflicting: dict[str, bool], start_time: float) -> None:
-    """``flowrl eval --suite NAME``: the benchmark the model carries (:class:`flowrl.interfaces.BenchmarkSuite`),
-    sampled from fixed noise with deterministic ODE sampling, each image scored by the suite, and
-    GenEval's table (per category and overall, with standard errors) printed and written as JSON.
-    ``repeats`` (``--seeds``) draws the suite's images that many times, each pass from new noise;
-    the first pass is the suite's own images, so a table with more seeds extends one with fewer."""
-    from .. import geneval
-    from ..interfaces import HasBenchmarkSuites
-    from .inference import Item, generate, prepare, resolve_sigmas, save_png, shard
+              output, save_images, repeats: int, conflicting: dict[str, bool], start_time: float,
+              reward: list[str] | None = None, reward_set: list[str] | None = None,
+              suite_prompts: Path | None = None, limit: int | None = None) -> None:
+    """``flowrl eval --suite NAME``: a benchmark (:mod:`flowrl.suites`), sampled from fixed noise
+    with deterministic ODE sampling, each image scored by the suite, its table (per category and
+    overall, with standard errors) printed and written as JSON. The suite is the one the model
+    carries by that name (:class:`flowrl.interfaces.BenchmarkSuite`), else flowrl's
+    (:data:`flowrl.suites.SUITES`: a prompt set scored by a reward). ``repeats`` (``--seeds``)
+    draws the suite's images that many times, each pass from new noise; the first pass is the
+    suite's own images, so a table with more seeds extends one with fewer. ``limit``: the first
+    N prompts only."""
+    from .inference import resolve_sigmas
 
+    reward, reward_set = list(reward or []), list(reward_set or [])
+    check_suite_arguments(name, source, model, checkpoint, output, reward, conflicting)
+    src, dev, ctx, policy, run, default_name = load_suite(name, source, set_, model, checkpoint, device, reward,
+                                                          reward_set, suite_prompts)
+    if limit is not None:
+        run = run.first(limit)
+        default_name += f"-first{limit}"
+    sigmas = resolve_sigmas(schedule, steps or run.steps, src, policy).to(dev)
+    base_seed = seed if seed is not None else src.recipe.run.seed
+    records, image_size = sample_suite(run, policy, sigmas, ctx, base_seed, repeats, batch_size, save_images)
+    if not ctx.is_main:
+        return
+    from .. import suites
+    from ..files import write_text_atomic
+    from ..train.checkpoint import checkpoint_iteration
+
+    table = run.tabulate(records)
+    path = Path(output) if output is not None else default_eval_path(src, result_name or default_name, [])
+    sampled = model_sampling(src, image_size)
+    result = {
+        "suite": name, "source": src.label, "checkpoint": str(src.checkpoint) if src.checkpoint else None,
+        "iteration": checkpoint_iteration(src.checkpoint), **table,
+        "settings": {"model": src.recipe.components["model"].use, "steps": len(sigmas) - 1,
+                     "sigmas": sigmas.cpu().tolist(), "seed": base_seed, "images": len(records), "repeats": repeats,
+                     "description": run.description, "world_size": ctx.world_size, "limit": limit,
+                     "model_sampling": sampled, **run.settings},
+        "per_image": records, "elapsed_s": time.perf_counter() - start_time,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(result, indent=1))
+    console.print(suites.text_table(run, table), markup=False)
+    differ = suites.setting_differences(run.settings.get("benchmark"), sampled)
+    if differ:
+        console.print(f"note: {differ} (settings.benchmark and settings.model_sampling record both); a model's "
+                      "resolution and guidance are its parameters: --set model.KEY=VALUE where it has them "
+                      "(e.g. height, width, cfg_scale)", markup=False)
+    console.print(f"wrote {path}")
+
+
+def check_suite_arguments(name: str, source, model, checkpoint, output, reward: list[str],
+                          conflicting: dict[str, bool]) -> None:
+    """What ``--suite NAME`` refuses before anything loads: options it replaces (a suite that lets
+    the user choose its reward takes one ``--reward``), nothing to evaluate, nowhere to write."""
+    from ..suites import SUITES
+
+    spec = SUITES.get(name)
+    brings = "prompts, images and scorer"
+    if spec is not None and spec.choose_reward:
+        conflicting = {flag: given for flag, given in conflicting.items() if flag != "--reward"}
+        brings = "prompts and images"
+        if len(reward) > 1:
+            raise FlowrlError(f"--suite {name} is scored by one reward, got {len(reward)}: {', '.join(reward)}",
+                              where="--reward", hint=f"run it once per reward: each writes its own result "
+                                                     f"(<checkpoint>.{name}-<reward>.json)")
     given = [flag for flag, was_given in conflicting.items() if was_given]
     if given:
-        raise FlowrlError(f"--suite {name} brings its own prompts, images and scorer, so {', '.join(given)} "
+        raise FlowrlError(f"--suite {name} brings its own {brings}, so {', '.join(given)} "
                           f"cannot be combined with it", where="--suite", hint=f"drop {', '.join(given)}")
     if source is None and model is None:
         raise FlowrlError("--suite needs what to evaluate", where="flowrl eval",
@@ -304,60 +381,109 @@ def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule,
         raise FlowrlError("without a checkpoint there is nowhere beside it to write", where="-o",
                           hint=f"pass -o {name}.json")
     refuse_run_without_checkpoint(source, checkpoint)
-    src, dev, ctx, policy, _ = prepare(source, model, set_, checkpoint, device, 0)
-    bench = policy.benchmark_suite(name) if isinstance(policy, HasBenchmarkSuites) else None
-    if bench is None:
+
+
+def load_suite(name: str, source, set_, model, checkpoint, device, reward: list[str], reward_set: list[str],
+               suite_prompts):
+    """The model and the suite to run on it: ``(src, dev, ctx, policy, suite run, result name)``.
+    A model that cannot carry suites is evaluated on flowrl's, and everything that can be refused
+    (the suite's name, prompt file, reward and its settings, missing extras) is, before it loads;
+    one that may carry suites is asked once it has loaded, and flowrl's suite is its fallback."""
+    from .. import suites
+    from ..interfaces import HasBenchmarkSuites
+    from .inference import prepare
+
+    planned: dict = {}
+
+    def before_load(src) -> None:
         model_name = src.recipe.components["model"].use
-        raise FlowrlError(f"model '{model_name}' carries no '{name}' suite", where="--suite",
-                          hint="the compositional embedded model carries GenEval: "
-                               "flowrl eval --model embedded_compose --suite geneval -o geneval.json")
-    sigmas = resolve_sigmas(schedule, steps or bench.steps, src, policy).to(dev)
-    base_seed = seed if seed is not None else src.recipe.run.seed
+        if not model_may_carry_suites(model_name):
+            planned.update(plan_registered_suite(suites.get_suite(name), reward, reward_set, suite_prompts, model_name))
+
+    src, dev, ctx, policy, _ = prepare(source, model, set_, checkpoint, device, 0, before_load=before_load)
+    model_name = src.recipe.components["model"].use
+    bench = policy.benchmark_suite(name) if not planned and isinstance(policy, HasBenchmarkSuites) else None
+    if bench is not None:
+        extra = [flag for flag, was_given in (("--reward", bool(reward)), ("--reward-set", bool(reward_set)),
+                                              ("--suite-prompts", suite_prompts is not None)) if was_given]
+        if extra:
+            raise FlowrlError(f"model '{model_name}' carries its own '{name}' suite (its prompts and scorer), so "
+                              f"{', '.join(extra)} do not apply", where="--suite", hint=f"drop {', '.join(extra)}")
+        return src, dev, ctx, policy, suites.carried(bench), name
+    if not planned:
+        planned.update(plan_registered_suite(suites.get_suite(name, carried_by=model_name), reward, reward_set,
+                                             suite_prompts, model_name))
+    use = planned["choice"].use
+    return src, dev, ctx, policy, build_registered_suite(name, planned), (
+        name if use == planned["spec"].reward else f"{name}-{use}")
+
+
+def sample_suite(run, policy, sigmas, ctx, seed: int, repeats: int, batch_size,
+                 save_images) -> tuple[list[dict], list | None]:
+    """Sample this process's share of the suite's images and score them: ``(records of every image on
+    the main process, in item order; the images' [height, width])``."""
+    from .inference import Item, generate, save_png, shard
+
     items = [Item(0, i, p, r * n + k) for r in range(repeats)
-             for i, (p, n) in enumerate(zip(bench.prompts, bench.images_per_prompt)) for k in range(n)]
+             for i, (p, n) in enumerate(zip(run.prompts, run.images_per_prompt)) for k in range(n)]
     items = [dataclasses.replace(it, index=j) for j, it in enumerate(items)]
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)
-    records = []
-    for batch, images in generate(policy, shard(items, ctx.rank, ctx.world_size), sigmas, seed=base_seed,
-                                  batch_size=batch_size or 64):
-        verdicts = bench.score(images, [it.prompt for it in batch])
+    records, image_size = [], None
+    for batch, images in generate(policy, shard(items, ctx.rank, ctx.world_size), sigmas, seed=seed,
+                                  batch_size=batch_size or run.batch_size):
+        image_size = list(images.shape[-2:])
+        verdicts = run.score(images, [it.prompt for it in batch])
         for it, verdict, image in zip(batch, verdicts, images):
             records.append({"index": it.index, "prompt_index": it.prompt_index, "prompt": it.prompt,
-                            "category": bench.categories[it.prompt_index], "seed_index": it.seed_index,
-                            "strict": bool(verdict.strict), "soft": float(verdict.soft),
-                            "reasons": list(verdict.reasons)})
+                            "category": run.categories[it.prompt_index], "seed_index": it.seed_index, **verdict})
             if save_images is not None:
                 save_png(image, Path(save_images) / f"{it.prompt_index:05d}_{it.seed_index:02d}.png")
-    records = gather_records(records, ctx)
-    if not ctx.is_main:
-        return
-    from ..files import write_text_atomic
-    from ..train.checkpoint import checkpoint_iteration
-
-    table = geneval.summarise([r["category"] for r in records], [r["strict"] for r in records])
-    path = Path(output) if output is not None else default_eval_path(src, result_name or name, [])
-    result = {
-        "suite": name, "source": src.label, "checkpoint": str(src.checkpoint) if src.checkpoint else None,
-        "iteration": checkpoint_iteration(src.checkpoint), **table,
-        "soft": summarize([r["soft"] for r in records]),
-        "settings": {"model": src.recipe.components["model"].use, "steps": len(sigmas) - 1,
-                     "sigmas": sigmas.cpu().tolist(), "seed": base_seed, "images": len(records), "repeats": repeats,
-                     "description": bench.description, "world_size": ctx.world_size},
-        "per_image": records, "elapsed_s": time.perf_counter() - start_time,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(result, indent=1))
-    console.print(suite_table(name, table), markup=False)
-    console.print(f"wrote {path}")
+    return gather_records(records, ctx), image_size
 
 
-def suite_table(name: str, table: dict) -> str:
-    """GenEval's table as text: each category's accuracy and standard error, then the overall."""
-    width = max(len(c) for c in [*table["categories"], "overall"])
-    lines = [f"{name}: accuracy ± standard error (n images)"]
-    for category, row in table["categories"].items():
-        lines.append(f"  {category:<{width}}  {row['mean']:.3f} ± {row['sem']:.3f}  (n = {row['n']})")
-    overall = table["overall"]
-    lines.append(f"  {'overall':<{width}}  {overall['mean']:.3f} ± {overall['sem']:.3f}  (mean of the categories)")
-    return "\n".join(lines)
+def model_may_carry_suites(model_name: str) -> bool:
+    """Whether the registered model may carry benchmark suites (:class:`flowrl.interfaces.HasBenchmarkSuites`):
+    its class defines ``benchmark_suite``, or its factory is not a class (then only the built model says)."""
+    factory = registry().get("model", model_name).factory
+    return not isinstance(factory, type) or callable(getattr(factory, "benchmark_suite", None))
+
+
+def plan_registered_suite(spec, reward: list[str], reward_set: list[str], suite_prompts, model_name: str) -> dict:
+    """Everything about a :data:`flowrl.suites.SUITES` suite that can be checked before a model
+    loads: its prompts, its reward (``--reward`` where the suite lets the user choose, else its
+    own) with its settings (the suite's defaults, then ``--reward-set``), checked as a recipe's
+    ``[[rewards]]`` entry is; the settings and packages the reward needs."""
+    from ..recipe import component_choice
+    from .reward_common import parse_settings
+
+    file, prompts, categories = spec.load(suite_prompts)
+    use = reward[0] if reward else spec.reward
+    registry().get("reward", use, where="--reward")
+    user = parse_settings(reward_set)
+    settings = {**(spec.reward_settings(file) if use == spec.reward else {}), **user}
+    if use == spec.reward:
+        spec.check_requirements(settings, model=model_name)
+    choice = component_choice(registry(), "reward", {"use": use, **settings}, f"flowrl eval --suite {spec.name}")
+    return {"spec": spec, "file": file, "prompts": prompts, "categories": categories, "choice": choice,
+            "settings": settings}
+
+
+def build_registered_suite(name: str, planned: dict):
+    """The planned suite with its reward built (an image reward scores a video model's frames)."""
+    from ..rewards import for_clips
+    from .reward_common import build_chosen
+
+    reward = build_chosen(planned["choice"], command=f"flowrl eval --suite {name}",
+                          reads="a benchmark suite scores the decoded images")
+    return planned["spec"].prepare(for_clips(reward), planned["choice"].use, planned["file"], planned["prompts"],
+                                   planned["categories"], planned["settings"])
+
+
+def model_sampling(src, image_size) -> dict:
+    """The resolution the model sampled at (``height``, ``width`` of its images) and its guidance
+    (``cfg_scale`` or ``guidance`` of its parameters; None when it has neither)."""
+    params = src.recipe.components["model"].params
+    guidance = next((getattr(params, key) for key in ("cfg_scale", "guidance") if hasattr(params, key)), None)
+    height, width = image_size if image_size else (None, None)
+    return {"height": height, "width": width, "guidance": guidance}
