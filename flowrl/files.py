@@ -12,8 +12,12 @@ is readable by whoever the umask allows. :func:`give_ordinary_mode` gives them t
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
+
+from .errors import FlowrlError
 
 
 def fsync_dir(path: Path) -> None:
@@ -73,3 +77,16 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines file, in order, blank lines skipped; a line that is not JSON
+    is a :class:`~flowrl.errors.FlowrlError` naming the file and the line."""
+    records = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise FlowrlError(f"line {n} is not JSON ({exc})", where=str(path)) from exc
+    return records

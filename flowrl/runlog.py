@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .files import write_text_atomic
+from .files import read_jsonl, write_text_atomic
 from .prompts import condition_images, condition_of
 
 
@@ -46,8 +46,8 @@ def _jsonable(value):
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    """Every record of a run's ``metrics.jsonl``, in order (:func:`flowrl.files.read_jsonl`)."""
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 #: Caption font size in pixels (a FreeType font when Pillow has one, else Pillow's bitmap font).

@@ -32,13 +32,13 @@ REPO = Path(__file__).resolve().parents[1]
 #: Lower layers first. A module not listed is an error (new modules must be placed).
 LAYERS: list[set[str]] = [
     {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
-     "flowrl.compat", "flowrl.checks", "flowrl.processes", "flowrl.stop_points",
+     "flowrl.compat", "flowrl.checks", "flowrl.checkpoint_dirs", "flowrl.processes", "flowrl.stop_points",
      "flowrl.geneval"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
      "flowrl.offline", "flowrl.batch",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
-     "flowrl.video",
+     "flowrl.video", "flowrl.suites", "flowrl.comparison", "flowrl.sweeps",
      "flowrl.serving", "flowrl.serving.protocol", "flowrl.serving.simple", "flowrl.serving.fleet",
      "flowrl.serving._litserve_api"},
     {"flowrl.recipe", "flowrl.recipe.*", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.measure",
@@ -294,6 +294,24 @@ def test_commands_and_the_test_kit_never_import_each_other():
     assert not bad, bad
 
 
+def relative_imports_above_the_package(sources: dict[str, Path]) -> list[str]:
+    """Every relative import that climbs above its top-level package (``from ..x`` in
+    ``flowrl/y.py``): Python refuses it only when it runs, so a function-level one fails late."""
+    bad = []
+    for name, path in sources.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        depth = len(package.split(".")) if package else 0
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level and node.level > depth:
+                bad.append(f"{path}:{node.lineno}: {name} imports {'.' * node.level}{node.module or ''}, above its package")
+    return bad
+
+
+def test_no_relative_import_climbs_above_its_package():
+    bad = relative_imports_above_the_package(SOURCES)
+    assert not bad, bad
+
+
 def test_objectives_never_import_the_training_loop():
     assert any(n.startswith("flowrl.objectives.") for n in SOURCES), "flowrl/objectives/ is gone: update this rule"
     bad = objectives_importing_train(SOURCES)
@@ -313,6 +331,8 @@ def test_plugins_import_only_public_flowrl_modules():
     (commands_and_test_kit_importing_each_other, "flowrl/commands/bad.py",
      "from ..testing.tiny_pipelines import build_tiny_flux\nfrom ..diagnostics.report import Check\n",
      "flowrl.commands.bad imports flowrl.testing.tiny_pipelines"),
+    (relative_imports_above_the_package, "flowrl/bad.py",
+     "from .errors import FlowrlError\n\ndef f():\n    from ..errors import FlowrlError\n", "imports ..errors, above its package"),
     (plugins_importing_non_public, "plugins/bad/plugin.py",
      "from flowrl.train.evaluate import evaluate\nfrom flowrl.errors import FlowrlError\n",
      "flowrl_plugins.bad.plugin imports flowrl.train.evaluate"),

@@ -46,6 +46,8 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint_dirs import LATEST, MARKER, checkpoint_iteration, latest_checkpoint  # noqa: F401 (the writer's names too)
+from ..checkpoint_dirs import complete_checkpoints as _complete_checkpoints
 from ..distributed import DistContext, broadcast_object
 from ..errors import FlowrlError, counted
 from ..files import fsync_dir, give_ordinary_mode, write_text_atomic
@@ -57,15 +59,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-LATEST = "latest.json"
 #: Sub-directory of a sharded checkpoint: model and optimizer in torch.distributed.checkpoint's
 #: format (one file per process and ``.metadata``), written by every process together.
 SHARDED = "sharded"
 #: The name an objective's tensors are saved under (``objective.safetensors``; a sharded
 #: checkpoint's DCP key), beside its JSON state in ``state.json`` (CheckpointsState)
 OBJECTIVE = "objective"
-#: Written last into a checkpoint directory: its presence means the directory is complete.
-MARKER = "state.json"
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -207,46 +206,6 @@ def _prune(ckpt_root: Path, keep_last: int, keep: str) -> None:
             _remove_checkpoint_dir(old)
     for tmp in list(ckpt_root.glob(".tmp-*")) + list(ckpt_root.glob(".old-*")):
         _remove_checkpoint_dir(tmp)
-
-
-def _complete_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoint directories (with ``state.json``), oldest iteration first."""
-    found = []
-    for p in ckpt_root.iterdir() if ckpt_root.is_dir() else []:
-        if p.is_dir() and (p / MARKER).is_file():
-            try:
-                iteration = int(json.loads((p / MARKER).read_text())["iteration"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            found.append((iteration, not p.name.startswith("."), p.name, p))
-    return [p for *_, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint ``latest.json`` names, or None when the run has none yet.
-
-    Falls back to the newest complete checkpoint directory when the pointer is unreadable or
-    names a directory that is not complete (see the module docstring).
-    """
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / LATEST
-    if not pointer.is_file():
-        # killed between renaming the first checkpoint into place and writing the pointer
-        complete = _complete_checkpoints(root)
-        return complete[-1] if complete else None
-    try:
-        path = root / json.loads(pointer.read_text())["name"]
-    except (ValueError, KeyError, TypeError):
-        path = None
-    if path is not None and (path / MARKER).is_file():
-        return path
-    complete = _complete_checkpoints(root)
-    if not complete:
-        raise FlowrlError(
-            f"{pointer} names no complete checkpoint and none is left in {root}",
-            hint="start a new run (another --output-dir)",
-        )
-    return complete[-1]
 
 
 # ----------------------------------------------------------------------------- damage
@@ -401,13 +360,6 @@ def read_sharded_model_weights(shards: Path, key: str = SHARDED_MODEL_KEY) -> di
         with _single_process_ok():  # "assuming the intent is to load in a single process": it is
             dcp.load({key: out}, storage_reader=reader, no_dist=True)
     return out
-
-
-def checkpoint_iteration(path: Path | None) -> int | None:
-    """The number of completed iterations a checkpoint directory holds (None for no checkpoint)."""
-    if path is None:
-        return None
-    return int(json.loads((Path(path) / MARKER).read_text())["iteration"])
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

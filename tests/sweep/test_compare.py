@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.commands.compare import compare_runs, discover, load_curve
+from flowrl.comparison import compare_runs, discover, load_curve
 
 T_975_2 = 4.302653  # t_{0.975, 2}: three seeds
 
@@ -161,7 +161,7 @@ def test_a_table_piped_into_a_log_keeps_every_row_on_one_line(study, flowrl_cli)
     import subprocess
     import sys
 
-    from flowrl.commands.compare import table_rows
+    from flowrl.comparison import table_rows
 
     argv = ["compare", str(study), "--baseline", "A", "--metric", "verifier", "--at-wall-time", "2.5"]
     (as_json,) = flowrl_cli.in_process([[*argv, "--format", "json"]])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tiny_recipe import tiny_recipe
 
-from flowrl.commands.sweep import parse_grid, parse_variant, plan_runs, split_values
+from flowrl.sweeps import parse_grid, parse_variant, plan_runs, split_values
 from flowrl.errors import FlowrlError
 from flowrl.runlog import read_metrics
 

@@ -13,9 +13,9 @@ import re
 import shlex
 from pathlib import Path
 
-from flowrl.commands.sweep import (
+from flowrl.sweeps import (
     MANIFEST_VERSION,
-    _sha256,
+    sha256_of,
     command_line,
     parse_grid,
     parse_variant,
@@ -51,7 +51,7 @@ def _fake_sweep(root: Path, argv: list[str]) -> None:
     variants = [parse_variant(v) for v in args["--variant"]]
     grid = parse_grid(args["--grid"])
     seeds = [42 + k for k in range(int(args["--seeds"]))]
-    spec = {"recipe": recipe, "recipe_sha256": _sha256(root / recipe), "sets": [], "grid": grid,
+    spec = {"recipe": recipe, "recipe_sha256": sha256_of(root / recipe), "sets": [], "grid": grid,
             "variants": [{"name": n, "overrides": o} for n, o in variants], "seeds": seeds}
     sweep_dir = root / args["-o"]
     runs = plan_runs(Path(recipe).stem, variants, grid, seeds)
