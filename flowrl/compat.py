@@ -20,6 +20,7 @@ open_clip, the image processors and diffusers then work; only the compiled ops t
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
@@ -107,13 +108,79 @@ def quiet_library_messages() -> None:
                 handler.addFilter(_quiet)
 
 
+def _no_loading_bar(factory, args, kwargs):
+    """transformers' tqdm hook: no bar for "Loading weights" (a tensor count that a shipped or local
+    model's load prints in every command, in 0.0 s), every other bar as transformers makes it."""
+    if kwargs.get("desc") == "Loading weights":
+        return _empty_tqdm(*args, **kwargs)
+    return factory(*args, **kwargs) if _previous_tqdm_hook is None else _previous_tqdm_hook(factory, args, kwargs)
+
+
+_previous_tqdm_hook = None
+_empty_tqdm = None
+_TRANSFORMERS_LOGGING = "transformers.utils.logging"
+
+
+def _hook_tqdm(module) -> None:
+    """Install :func:`_no_loading_bar` in transformers' logging module (once)."""
+    global _previous_tqdm_hook, _empty_tqdm
+    if _empty_tqdm is not None or not hasattr(module, "set_tqdm_hook") or not hasattr(module, "EmptyTqdm"):
+        return  # done already, or a transformers (4.x) without the hook, which draws no such bar
+    _empty_tqdm = module.EmptyTqdm
+    _previous_tqdm_hook = module.set_tqdm_hook(_no_loading_bar)
+
+
+class _HookWhenImported(importlib.abc.MetaPathFinder):
+    """Runs :func:`_hook_tqdm` right after transformers' logging module is imported, so that
+    making the hook costs no import of transformers here (1.3 s); then leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _TRANSFORMERS_LOGGING:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            execute = spec.loader.exec_module
+
+            def exec_module(module):
+                execute(module)
+                _hook_tqdm(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+_hook_finder = _HookWhenImported()
+
+
+def quiet_loading_bars() -> None:
+    """Hide transformers' "Loading weights" progress bar (transformers 5 draws it for every
+    ``from_pretrained``, the embedded CLIP judge's included); its other bars, the hub's download
+    bars and flowrl's own progress bar stay. Idempotent; imports nothing: where transformers is
+    not imported yet, the hook is made when it is."""
+    if _empty_tqdm is not None:
+        return
+    if _TRANSFORMERS_LOGGING in sys.modules:
+        _hook_tqdm(sys.modules[_TRANSFORMERS_LOGGING])
+    elif _hook_finder not in sys.meta_path:
+        sys.meta_path.insert(0, _hook_finder)
+
+
 def ensure_torchvision_importable() -> str:
-    """Apply the shim if (and only if) torchvision is installed and its compiled ops cannot load.
+    """Apply the shim if (and only if) torchvision is installed and its compiled ops cannot load;
+    then hide transformers' weight-loading bar (:func:`quiet_loading_bars`).
 
     Returns what it found: ``"absent"`` (no torchvision), ``"imported"`` (already imported:
     too late to help, nothing to do), ``"healthy"`` (the compiled library loads), or ``"shimmed"``
     (the schemas were defined here).
     """
+    status = _ensure_torchvision_importable()
+    quiet_loading_bars()
+    return status
+
+
+def _ensure_torchvision_importable() -> str:
     global _library, _status
     quiet_library_messages()  # every caller is about to import transformers or diffusers
     if _status is not None:

@@ -15,14 +15,18 @@
 
 - Full fine-tuning (or ``--merge``): the whole pipeline via ``save_pretrained`` (the adapter's
   ``save_pretrained``), loadable with ``Pipeline.from_pretrained("OUT")``; for a model that is
-  not a diffusers pipeline, the denoiser's ``save_pretrained`` or a plain safetensors file.
+  not a diffusers pipeline (the embedded models), the denoiser's ``save_pretrained`` in
+  ``OUT/transformer/`` (the trained part only: no pipeline to load), or a plain safetensors file.
+  ``flowrl sample --weights OUT`` samples either: it rebuilds the model the export names (its
+  recipe table is in ``flowrl_export.json``) and loads the exported weights into its denoiser.
 
 ``--ema`` exports the checkpoint's EMA weights (runs trained with ``[ema] enabled = true``)
 instead of the trained weights, in the same formats.
 
-``OUT/flowrl_export.json`` records the run, checkpoint, iteration, format and whether the EMA
-weights were exported. The checkpoint's
-own recipe rebuilds the model (``--set model.path=...`` if the base weights moved).
+``OUT/flowrl_export.json`` records the run, checkpoint, iteration, format, whether the EMA
+weights were exported, and the recipe's ``[model]`` table (``model_table``: what ``flowrl sample
+--weights OUT`` rebuilds). The checkpoint's own recipe rebuilds the model (``--set
+model.path=...`` if the base weights moved).
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         "merged": bool(merge and finetune == "lora"),
         "format": fmt,
         "ema": ema,
+        "model_table": src.recipe.components["model"].as_table(),
     }
     if finetune == "lora":
         t = src.recipe.train
@@ -88,6 +93,20 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
                         "targets": list(t.lora_targets) or (list(model.lora_targets) if isinstance(model, HasLoraTargets) else [])}
     (out / "flowrl_export.json").write_text(json.dumps(info, indent=1))
     return out
+
+
+#: The export formats that ``flowrl sample --weights OUT`` loads into a rebuilt model: full weights
+#: of a denoiser not saved as a whole pipeline (``flowrl.commands.sample.EXPORTED_WEIGHTS`` says
+#: where in ``OUT`` each keeps them; a command module imports no other, hence the two names).
+SAMPLED_BY_WEIGHTS = ("diffusers_model", "state_dict")
+
+
+def _class_name(folder: Path) -> str:
+    """The diffusers class ``save_pretrained`` recorded in ``folder/config.json``."""
+    try:
+        return json.loads((folder / "config.json").read_text()).get("_class_name") or "ModelClass"
+    except (OSError, ValueError):
+        return "ModelClass"
 
 
 def _save_lora(model, out: Path) -> str:
@@ -159,6 +178,12 @@ def export(
         console.print(f"load it with: pipe.load_lora_weights({str(out)!r})")
     elif info["format"] == "diffusers_pipeline":
         console.print(f"load it with: Pipeline.from_pretrained({str(out)!r})")
+    elif info["format"] in SAMPLED_BY_WEIGHTS:
+        console.print(f"sample it with: flowrl sample --weights {out} --prompt '...'", highlight=False)
+        if info["format"] == "diffusers_model":
+            console.print(f"or load the denoiser with diffusers (the rest of the model is not in the export): "
+                          f"{_class_name(out / 'transformer')}.from_pretrained({str(out / 'transformer')!r}), after "
+                          "flowrl.compat.ensure_torchvision_importable() (docs/embedded.md)", highlight=False)
     if push_to_hub is not None:
         publish(out, push_to_hub, run_dir, checkpoint, list(set_ or []), private=private, dry_run=dry_run)
 

@@ -30,6 +30,13 @@ docs/objectives.md, "Offline SFT and DPO": ``best.jsonl`` (per prompt its best i
 sampling's SFT data) and ``pairs.jsonl`` (per prompt its best image as ``chosen`` and its worst as
 ``rejected``; a prompt whose images all score the same gives no pair).
 
+``--weights EXPORT_DIR`` samples what ``flowrl export`` wrote for a model that is not a diffusers
+pipeline (the embedded models: the trained denoiser alone, ``transformer/``): the model is rebuilt
+from the ``[model]`` table that ``EXPORT_DIR/flowrl_export.json`` records (``--set model.KEY=VALUE``
+on top), then the exported weights are loaded into its denoiser, every key (docs/embedded.md,
+"Sampling an export"). It samples as ``--model NAME`` does (the model's own schedule, else the
+default one; 28 steps unless ``--steps``).
+
 ``--ema`` samples the checkpoint's EMA weights (``[ema]`` in the recipe). ``--compare-base``
 also samples the base model (no checkpoint) from the same noise into ``base/PPPPP_KK.png`` and
 draws ``compare.png``: one row per prompt, base and trained side by side for each seed. The two
@@ -115,15 +122,29 @@ def sample(
     tables: Annotated[bool, typer.Option(
         "--tables", help="Score the images with the recipe's rewards and write the offline tables best.jsonl (SFT) "
         "and pairs.jsonl (DPO).")] = False,
+    weights: Annotated[Optional[Path], typer.Option(
+        "--weights", metavar="EXPORT_DIR", help="Sample the full weights `flowrl export` wrote in this folder for a "
+        "model that is not a diffusers pipeline (the embedded models' transformer/): the model its flowrl_export.json "
+        "names is rebuilt and the weights loaded into it.")] = None,
 ) -> None:
     """Sample images with fixed per-prompt seeds (ODE), optionally hybrid trained/base."""
-    from ..runlog import image_grid
+    export = None
+    if weights is not None:
+        export = read_export(weights, source, model)
+        model = export["model"]
+        set_ = export_overrides(export) + list(set_ or [])
+
+    def labelled(src: Source) -> Source:
+        return dataclasses.replace(src, label=Path(weights).resolve().name) if export is not None else src
 
     def refuse_earlier_sample(src: Source) -> None:
-        check_output(output or default_output(src, "samples"), overwrite)
+        check_output(output or default_output(labelled(src), "samples"), overwrite)
 
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, ema, compare_base,
                                           before_load=refuse_earlier_sample)
+    src = labelled(src)
+    if export is not None:
+        load_exported_weights(policy, Path(weights), export)
     if tables and not any(r.weight for r in (src.recipe.rewards if src.from_recipe else [])):
         raise FlowrlError("--tables scores the images with the recipe's [[rewards]]; this source names no reward "
                           "with a weight", where="--tables", hint="sample from a recipe with a [[rewards]] entry")
@@ -153,16 +174,102 @@ def sample(
         settings = {"source": src.label, "checkpoint": str(src.checkpoint) if src.checkpoint else None,
                     "model": src.recipe.components["model"].use, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
                     "seed": base_seed, "seeds_per_prompt": seeds, "hybrid_steps": hybrid_steps,
-                    "num_images": len(records), "ema": ema, "compare_base": compare_base}
-        (out / "settings.json").write_text(json.dumps(settings, indent=1))
-        drawn = []
-        if tables:
-            drawn.append(f"the offline tables: {', '.join(str(p) for p in write_tables(out, records, src.recipe, batch_size))}")
-        if grid and records:
-            drawn.append(f"the grid: {grid_png(out, records, seeds, image_grid)}")
-        if compare_base and records:
-            drawn.append(f"base | trained: {compare_png(out, records, seeds, src.label, image_grid)}")
-        console.print(f"wrote {counted(len(records), 'image')} to {out / 'images'}" + "".join(f"; {d}" for d in drawn))
+                    "num_images": len(records), "ema": ema, "compare_base": compare_base,
+                    "weights": str(weights) if weights is not None else None}
+        write_summary(out, records, settings, src, tables=tables, grid=grid, batch_size=batch_size)
+
+
+def write_summary(out: Path, records: list[dict], settings: dict, src: Source, *, tables: bool, grid: bool,
+                  batch_size: int) -> None:
+    """The main process's last outputs: settings.json, the offline tables, grid.png and
+    compare.png as asked, and the line that names them."""
+    from ..runlog import image_grid
+
+    (out / "settings.json").write_text(json.dumps(settings, indent=1))
+    seeds, compare_base = settings["seeds_per_prompt"], settings["compare_base"]
+    drawn = []
+    if tables:
+        drawn.append(f"the offline tables: {', '.join(str(p) for p in write_tables(out, records, src.recipe, batch_size))}")
+    if grid and records:
+        drawn.append(f"the grid: {grid_png(out, records, seeds, image_grid)}")
+    if compare_base and records:
+        drawn.append(f"base | trained: {compare_png(out, records, seeds, src.label, image_grid)}")
+    console.print(f"wrote {counted(len(records), 'image')} to {out / 'images'}" + "".join(f"; {d}" for d in drawn))
+
+
+#: Where the weights of each export format ``--weights`` samples lie in ``EXPORT_DIR`` (the formats
+#: ``flowrl export`` writes for full weights of a model that is not a diffusers pipeline; the export
+#: command's ``SAMPLED_BY_WEIGHTS`` names the same formats).
+EXPORTED_WEIGHTS = {"diffusers_model": "transformer/*.safetensors", "state_dict": "denoiser.safetensors"}
+
+
+def read_export(folder: Path, source, model: str | None) -> dict:
+    """``folder/flowrl_export.json``, refused unless ``--weights`` can sample its format."""
+    folder = Path(folder)
+    if source is not None:
+        raise FlowrlError("--weights samples an export on its own: give no run, checkpoint or recipe with it",
+                          where="--weights", hint=f"flowrl sample --weights {folder} --prompt '...'")
+    info_path = folder / "flowrl_export.json"
+    try:
+        info = json.loads(info_path.read_text())
+    except FileNotFoundError:
+        raise FlowrlError(f"{folder} is not a `flowrl export` folder (no flowrl_export.json)", where="--weights",
+                          hint="give the folder `flowrl export RUN_DIR [-o OUT]` wrote") from None
+    except (OSError, ValueError) as exc:
+        raise FlowrlError(f"cannot read {info_path}: {exc}", where="--weights") from None
+    fmt = info.get("format")
+    if fmt not in EXPORTED_WEIGHTS:
+        hints = {
+            "diffusers_pipeline": f"a whole pipeline: sample it with --model {info.get('model')} "
+                                  f"--set model.path={json.dumps(str(folder))}",
+            "diffusers_lora": "a LoRA: sample the run directory, or load it with pipe.load_lora_weights",
+            "diffusers_model_lora": "a LoRA: sample the run directory, or export the run with --merge for full weights",
+            "peft_state_dict": "a LoRA: sample the run directory",
+        }
+        raise FlowrlError(f"--weights samples full weights of a model that is not a pipeline; {folder} holds "
+                          f"format '{fmt}'", where="--weights", hint=hints.get(fmt, "sample the run directory"))
+    if "model_table" not in info:
+        raise FlowrlError(f"{info_path} does not record the model's [model] table (an export by an older flowrl)",
+                          where="--weights", hint=f"export the run again: flowrl export {info.get('run_dir') or 'RUN_DIR'}")
+    if model is not None and model != info.get("model"):
+        raise FlowrlError(f"--model {model}, but {folder} is an export of '{info.get('model')}'", where="--model",
+                          hint="leave --model out: --weights rebuilds the exported model")
+    return info
+
+
+def export_overrides(info: dict) -> list[str]:
+    """``model.KEY=VALUE`` overrides that rebuild the export's base model (its recorded ``[model]``
+    table, values in TOML syntax)."""
+    from ..recipe import dump_toml
+
+    out = []
+    for key, value in info["model_table"].items():
+        if key in ("use", "name") or value is None or isinstance(value, dict):
+            continue
+        out.append(f"model.{key}={dump_toml({'v': value}).strip().removeprefix('v = ')}")
+    return out
+
+
+def load_exported_weights(policy, folder: Path, info: dict) -> None:
+    """The export's weights into ``policy.denoiser``: every key, of the same shapes, or one error."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob(EXPORTED_WEIGHTS[info["format"]]))
+    if not files:
+        raise FlowrlError(f"{folder} holds no {EXPORTED_WEIGHTS[info['format']]} (format '{info['format']}')",
+                          where="--weights", hint="export the run again into an empty folder")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    try:
+        missing, unexpected = policy.denoiser.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a shape mismatch
+        raise FlowrlError(f"the weights in {folder} do not fit the rebuilt '{info['model']}': "
+                          f"{str(exc).splitlines()[-1].strip()}", where="--weights") from None
+    if missing or unexpected:
+        raise FlowrlError(f"the weights in {folder} do not fit the rebuilt '{info['model']}': "
+                          f"{len(missing)} of its weights missing (e.g. {missing[:1]}), {len(unexpected)} unexpected "
+                          f"(e.g. {unexpected[:1]})", where="--weights")
 
 
 def write_tables(out: Path, records: list[dict], recipe, batch_size: int) -> tuple[Path, Path]:

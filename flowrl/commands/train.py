@@ -80,12 +80,48 @@ def train(
         if overwrite:
             overwrite_run_directory(resolved.output_dir)
         try:
-            run_training(resolved, resume=resume, console=console, registry=registry())
+            finished = run_training(resolved, resume=resume, console=console, registry=registry())
         except OSError as exc:  # mid-run: a full disk or an unwritable path at a metrics or checkpoint write
             error = os_write_error(exc, run_dir, where=where, resume=f"flowrl train --resume {run_dir}")
             if error is None:
                 raise
             raise error from exc
+    if finished is not None and os.environ.get("RANK", "0") == "0":  # the main process of a launched run
+        for line in evaluation_summary(resolved, finished):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def evaluation_summary(resolved, run_dir: Path) -> list[str]:
+    """The run's first and last evaluation, every evaluated reward on one line (mean ± standard
+    error, and the change in standard errors of the two combined in quadrature), the optimised ones
+    (weight != 0) first and marked: what the README's quickstart table reports. Nothing when the run
+    has fewer than two evaluations."""
+    import math
+
+    from ..runlog import read_metrics
+
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        return []
+    rows = [r for r in read_metrics(run_dir) if any(k.startswith("eval/") for k in r)]
+    if len(rows) < 2:
+        return []
+    first, last = rows[0], rows[-1]
+    labels = [k.split("/")[1] for k in last if k.startswith("eval/") and k.endswith("/mean") and k.count("/") == 2]
+    optimised = [r.label for r in resolved.rewards if r.weight and r.label in labels]
+    labels = optimised + sorted(set(labels) - set(optimised))
+    p = resolved.prompts
+    held_out = bool(p.split_column) and p.train_split != p.eval_split
+    out = [f"{'held-out ' if held_out else ''}evaluation, iteration {first['iteration']} -> {last['iteration']} "
+           f"({p.num_eval} prompts x {p.eval_seeds} noises; mean ± standard error):"]
+    width = max(len(label) for label in labels)
+    for label in labels:
+        (m0, s0), (m1, s1) = [(r.get(f"eval/{label}/mean", math.nan), r.get(f"eval/{label}/sem", math.nan))
+                              for r in (first, last)]
+        spread = math.hypot(s0, s1)
+        change = f"{(m1 - m0) / spread:+.1f} SE" if spread > 0 else f"{m1 - m0:+.4f}"
+        note = "optimised" if label in optimised else "not optimised"
+        out.append(f"  {label:<{width}}  {m0:.4f} ± {s0:.4f} -> {m1:.4f} ± {s1:.4f}  {change}  ({note})")
+    return out
 
 
 def check_this_machine(resolved, launching: int | None) -> None:
