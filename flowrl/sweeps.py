@@ -464,10 +464,11 @@ class Sweep:
         for run in runs:
             if run["status"] == "done":
                 completed += self.iterations(run)
-            elif run["id"] in self.running:
+            elif run["attempts"]:  # running, or stopped with iterations behind it (a stop keeps what it trained)
                 n = min(_last_iteration(self.run_dir(run) / "metrics.jsonl"), self.iterations(run))
                 completed += n
-                progress.update(self.running[run["id"]].task, completed=n)
+                if run["id"] in self.running:
+                    progress.update(self.running[run["id"]].task, completed=n)
         n_done = sum(r["status"] == "done" for r in runs)
         n_failed = sum(r["status"] == "failed" for r in runs)
         info = f"iterations; runs {n_done}/{len(runs)} done, {len(self.running)} running" + (f", {n_failed} failed" if n_failed else "")

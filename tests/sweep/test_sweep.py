@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from tiny_recipe import tiny_recipe
 
-from flowrl.sweeps import parse_grid, parse_variant, plan_runs, split_values
 from flowrl.errors import FlowrlError
+from flowrl.sweeps import Sweep, parse_grid, parse_variant, plan_runs, split_values
 from flowrl.runlog import read_metrics
 
 TINY = tiny_recipe(model={"random_init": None}, sampler={"steps": 3}, chunker={"use": "step", "size": None},
@@ -201,3 +201,27 @@ def test_bad_sweep_input_gives_one_message_and_exit_2(tiny, flowrl_cli):
         for f in fragments:
             assert f in res.flat_err, (name, f, res.stderr)
     assert not (tiny / "runs").exists()  # validation failed before any run (or directory) was made
+
+
+class _Bar:
+    """What Sweep._show tells rich's progress bar: the last ``completed`` and ``info`` per task."""
+
+    def __init__(self):
+        self.shown = {}
+
+    def update(self, task, completed=None, info=None):
+        self.shown[task] = completed
+
+
+def test_the_overall_bar_counts_what_stopped_runs_trained(tmp_path):
+    """A sweep stopped by Ctrl-C after two of its runs had checkpointed used to show 0 iterations
+    done: only running runs were counted. A stopped (or failed) run counts what its metrics hold."""
+    runs = [{"id": "a", "dir": "runs/a", "status": "done", "attempts": 1, "iterations": 4},
+            {"id": "b", "dir": "runs/b", "status": "interrupted", "attempts": 1, "iterations": 4},
+            {"id": "c", "dir": "runs/c", "status": "pending", "attempts": 0, "iterations": 4}]
+    (tmp_path / "runs" / "b").mkdir(parents=True)
+    (tmp_path / "runs" / "b" / "metrics.jsonl").write_text('{"iteration": 0}\n{"iteration": 1}\n')
+    sweep = Sweep(tmp_path, {"runs": runs}, jobs=1, threads=1, console=None)
+    bar = _Bar()
+    sweep._show(bar, "overall")
+    assert bar.shown["overall"] == 4 + 2  # a's 4, b's 2 (iterations 0 and 1 completed), c's none
