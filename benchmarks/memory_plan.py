@@ -3,10 +3,11 @@
 torch's ``FSDPMemTracker`` / ``MemTracker`` (``torch.distributed._tools``) count, by category, the
 bytes of every tensor a training step creates. Under ``FakeTensorMode`` no tensor holds data, so
 a full-size model runs on this CPU: shapes, dtypes and lifetimes are real, arithmetic is skipped.
-Models are built from their published configurations (written out below) on the ``meta``
-device: nothing is downloaded. Each configuration runs forward + backward + AdamW (foreach, a
-GPU's default) twice and measures the second step (the first creates the optimizer state), at
-512 x 512: 1024 image tokens + 512 text tokens.
+Models are built from their published configurations (the copies ``flowrl plan`` itself reads,
+``flowrl_plugins.diffusers_models.memory``) on the ``meta`` device: nothing is downloaded. Each
+configuration runs forward + backward + AdamW (foreach, a GPU's default) twice and measures the
+second step (the first creates the optimizer state), at 512 x 512: 1024 image tokens + 512 text
+tokens.
 
 1. ``flux_full_fsdp8_*``: the FLUX.1-dev transformer at full size, fine-tuned as the flagship
    recipe (``recipes/chunk_grpo_flux.toml``) does: full fine-tuning, fp32 master weights, bf16
@@ -93,51 +94,44 @@ from flowrl.compat import ensure_torchvision_importable  # noqa: E402
 
 ensure_torchvision_importable()  # diffusers imports transformers, which imports torchvision
 
+from flowrl_plugins.diffusers_models.memory import flux as flux_memory  # noqa: E402
+from flowrl_plugins.diffusers_models.memory import flux2 as flux2_memory  # noqa: E402
+from flowrl_plugins.diffusers_models.memory import ltx as ltx_memory  # noqa: E402
+from flowrl_plugins.diffusers_models.memory import qwen_image as qwen_image_memory  # noqa: E402
+from flowrl_plugins.diffusers_models.memory import wan as wan_memory  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
 
 # ------------------------------------------------------------------------------ published configs
-# The ``transformer/config.json`` of each hub repository (architecture keys; defaults elided).
+# The ``transformer/config.json`` of each hub repository: flowrl plan's own copies, each beside its
+# adapter's memory facts (plugins/diffusers_models/memory/), as constructor keyword arguments.
+
+
+def _constructor_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """A config of ``flowrl_plugins.diffusers_models.memory`` without its ``_class`` key."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
 
 #: black-forest-labs/FLUX.1-dev (11.9e9 parameters)
-FLUX1_DEV = {
-    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
-    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
-    "axes_dims_rope": [16, 56, 56],
-}
+FLUX1_DEV = _constructor_kwargs(flux_memory.FLUX1_DEV)
 #: Qwen/Qwen-Image (20.4e9 parameters)
-QWEN_IMAGE = {
-    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
-    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": [16, 56, 56],
-}
+QWEN_IMAGE = _constructor_kwargs(qwen_image_memory.QWEN_IMAGE)
 #: black-forest-labs/FLUX.2-klein-4B (text encoder Qwen3-4B: joint_attention_dim = 3 layers x 2560)
-FLUX2_KLEIN_4B = {
-    "patch_size": 1, "in_channels": 128, "num_layers": 5, "num_single_layers": 20, "attention_head_dim": 128,
-    "num_attention_heads": 24, "joint_attention_dim": 7680, "timestep_guidance_channels": 256, "mlp_ratio": 3.0,
-    "axes_dims_rope": [32, 32, 32, 32], "rope_theta": 2000, "eps": 1e-6, "guidance_embeds": False,
-}
+FLUX2_KLEIN_4B = _constructor_kwargs(flux2_memory.FLUX2_KLEIN_4B)
 
 #: Wan-AI/Wan2.1-T2V-1.3B-Diffusers (1.42e9 parameters)
-WAN21_1P3B = {
-    "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
-    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
-}
+WAN21_1P3B = _constructor_kwargs(wan_memory.WAN21_1P3B)
 #: Wan latents of one clip of recipes/wan21_1p3b_lora.toml: 33 frames -> 9 latent frames, 480 x 832 / 8
 WAN_LATENT = (9, 60, 104)
 WAN_TOKENS = WAN_LATENT[0] * (WAN_LATENT[1] // 2) * (WAN_LATENT[2] // 2)  # patch (1, 2, 2): 14040
-#: Wan-AI/Wan2.2-TI2V-5B-Diffusers (5.00e9 parameters; flowrl_plugins.diffusers_models.memory's copy)
-WAN22_5B = dict(WAN21_1P3B, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336)
+#: Wan-AI/Wan2.2-TI2V-5B-Diffusers (5.00e9 parameters)
+WAN22_5B = _constructor_kwargs(wan_memory.WAN22_5B)
 #: Wan 2.2 latents of one clip of recipes/wan22_5b_lora.toml: 49 frames -> 13 latent frames, 704 x 1280 / 16
 WAN22_LATENT = (13, 44, 80)
 WAN22_TOKENS = WAN22_LATENT[0] * (WAN22_LATENT[1] // 2) * (WAN22_LATENT[2] // 2)  # patch (1, 2, 2): 11440
 #: Lightricks/LTX-Video (0.9.x, 2B; diffusers' LTXVideoTransformer3DModel defaults, 1.923e9 parameters)
-LTX_2B = {
-    "in_channels": 128, "out_channels": 128, "patch_size": 1, "patch_size_t": 1, "num_attention_heads": 32,
-    "attention_head_dim": 64, "cross_attention_dim": 2048, "num_layers": 28, "activation_fn": "gelu-approximate",
-    "qk_norm": "rms_norm_across_heads", "norm_elementwise_affine": False, "norm_eps": 1e-6, "caption_channels": 4096,
-    "attention_bias": True, "attention_out_bias": True,
-}
+LTX_2B = _constructor_kwargs(ltx_memory.LTX_2B)
 #: LTX token grid of one clip of recipes/ltx_lora.toml: 121 frames -> 16 latent frames, 480 x 704 / 32
 LTX_GRID = (16, 15, 22)
 LTX_TOKENS = LTX_GRID[0] * LTX_GRID[1] * LTX_GRID[2]  # 5280
@@ -1099,22 +1093,12 @@ def run_kl_items(keys=KL_ITEMS) -> dict[str, Any]:
     return items
 
 
-def run_all() -> dict[str, Any]:
-    import diffusers
-
-    started = time.time()
-
-    def stamp(key: str) -> None:
-        print(f"[{time.time() - started:5.0f} s] {key} ...", flush=True)
-
+def run_fsdp_items(mb: int, stamp) -> dict[str, Any]:
+    """1. FLUX.1-dev full fine-tuning, FSDP2 x 8, as the flagship recipe (micro-batch ``mb``,
+    checkpointing on), and without checkpointing; then two micro-batches per optimizer step, with a
+    reduce-scatter after each or with the first unsynchronised (``set_requires_gradient_sync(False)``)."""
     items: dict[str, Any] = {}
-    tokens = IMAGE_TOKENS + TEXT_TOKENS
     width = FLUX1_DEV["num_attention_heads"] * FLUX1_DEV["attention_head_dim"]
-    mb = plan_numbers(PLAN_512, 8)["micro_batch"]
-
-    # 1. Full fine-tuning, FSDP2 x 8, as the flagship recipe (micro-batch mb, checkpointing on), and
-    #    without checkpointing; then two micro-batches per optimizer step, with a reduce-scatter
-    #    after each or with the first unsynchronised (set_requires_gradient_sync(False)).
     small_by_ac: dict[bool, dict] = {}
     fsdp_cases = [("flux_full_fsdp8_ac", True, 1, True), ("flux_full_fsdp8_noac", False, 1, True),
                   ("flux_full_fsdp8_ac_accum2_sync", True, 2, True), ("flux_full_fsdp8_ac_accum2_nosync", True, 2, False)]
@@ -1130,99 +1114,119 @@ def run_all() -> dict[str, Any]:
                     if accumulate > 1 else ""))
         items[key] = _fsdp_item(key, title, small_by_ac[ac], full, plan, width)
         print_item(key, items[key])
+    return items
 
-    stamp("KL term and start-up")
-    items.update(run_kl_items())
 
-    # 2-4. LoRA on one process: reduced depth, extrapolated per block, checked at a deeper model.
+def klein_nf4_storage() -> dict[bool, dict[str, Any]] | None:
+    """FLUX.2 [klein]'s NF4 bytes (:func:`nf4_weight_bytes`) without and with double quantisation;
+    None, and a message, without bitsandbytes (its rows are then skipped)."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        bnb_missing = True
         print("bitsandbytes is not installed: the FLUX.2 [klein] NF4 rows are skipped "
               "(pip install -c constraints/cpu.txt bitsandbytes)", flush=True)
-    else:
-        bnb_missing = False
-    nf4 = {} if bnb_missing else {dq: nf4_weight_bytes(KLEIN, dq) for dq in (False, True)}
+        return None
+    return {dq: nf4_weight_bytes(KLEIN, dq) for dq in (False, True)}
+
+
+def lora_image_item(family: Family, key: str, title: str, checkpointing: bool, check_at: tuple[int, ...],
+                    nf4: dict[bool, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One image model's LoRA item at 512 x 512 (:func:`lora_item`), with its constants, notes, what a
+    plan should say and what it says; ``nf4`` (:func:`klein_nf4_storage`): over an NF4 base."""
+    tokens = IMAGE_TOKENS + TEXT_TOKENS
+    width_f = family.config["num_attention_heads"] * family.config["attention_head_dim"]
+    tw = 1 * tokens * width_f * 2
+    depth = dict(zip(family.kinds, family.depth()))
+    item = lora_item(family, checkpointing, check_at, quant="nf4" if nf4 is not None else None)
+    ext = item["extrapolation"]
+    # Backward temporaries are one block's at a time: they do not grow with depth (the check
+    # at a deeper model shows it), so the full-size figure is the largest reduced-depth one.
+    ext["max_temporaries"] = max(r["temporaries"] for r in item["runs"].values())
+    consts = constants(ext, tw, temp_fit=False)
+    item["tracker"]["temporaries"] = ext["max_temporaries"]
+    v = item["validation"]
+    notes = [
+        "per block (GiB): " + "; ".join(
+            f"{k} " + ", ".join(f"{kind} {x / GiB:.4f}" for kind, x in ext["per_block"][k].items())
+            for k in ("params", "grads", "activations", "peak")),
+        "outside the blocks (GiB): " + ", ".join(f"{k} {ext['outside'][k] / GiB:.4f}"
+                                                 for k in ("params", "activations", "peak")),
+        "activation constants (bf16 elements per token per width): "
+        + ", ".join(f"{k} {x:.2f}" for k, x in consts["widths"].items())
+        + f", outside {consts['outside']:.2f}; temporaries {consts['temp_outside']:.2f} widths",
+        f"trainable {item['trainable_params'] / 1e6:.1f}e6 (LoRA), base {item['base_params'] / 1e9:.3f}e9; the "
+        f"fit gives params {ext['value']['params'] / GiB:.3f} GiB, the exact count "
+        + (f"{(item['base_params'] * 2 + item['trainable_params'] * 4) / GiB:.3f} GiB" if nf4 is None else
+           f"{(nf4[False]['packed_bytes'] + nf4[False]['other_bf16_bytes'] + item['trainable_params'] * 4) / GiB:.3f}"
+           " GiB (packed NF4 + bf16 rest + fp32 LoRA)"),
+    ]
+    if v:
+        notes.append(f"check of the per-block fit at depth {'x'.join(map(str, v['depth']))}: " + ", ".join(
+            f"{k} measured {v['measured'][k] / GiB:.3f} vs fit {v['predicted'][k] / GiB:.3f} GiB"
+            for k in ("activations", "temporaries", "peak")))
+    notes.append(f"tracker CPU time {item['cpu_seconds']} s at reduced depth")
+    base_bytes = 2.0
+    dequant = 0.0
+    if nf4 is not None:
+        q = nf4[False]
+        # The tracker counts parameters, and bitsandbytes keeps its per-block statistics
+        # (absmax, quantisation map) outside them, in each weight's quant_state; and the
+        # forward's 4-bit matmul dequantises the weight to bf16 inside its own op (on a
+        # GPU for this many tokens), where no tracker sees it: add both.
+        dequant = q["largest_linear"] * 2.0
+        item["tracker_as_measured"] = dict(item["tracker"])
+        t = item["tracker"]
+        t["params"] += q["state_bytes"]
+        t["peak"] += q["state_bytes"] + dequant
+        item["nf4"] = nf4
+        base_bytes = q["total_bytes"] / item["base_params"]
+        notes.append(
+            f"NF4 storage (bitsandbytes {q['bitsandbytes']}, blocksize 64): {q['bits_per_linear_param']:.3f} bits "
+            f"per Linear weight = {q['packed_bytes'] / GiB:.3f} GiB packed + {q['state_bytes'] / GiB:.3f} GiB "
+            f"absmax and maps + {q['other_bf16_bytes'] / GiB:.4f} GiB of bf16 non-Linear parameters = "
+            f"{q['total_bytes'] / GiB:.3f} GiB (bf16: {item['base_params'] * 2 / GiB:.3f} GiB); with double "
+            f"quantisation {nf4[True]['bits_per_linear_param']:.3f} bits, {nf4[True]['total_bytes'] / GiB:.3f} GiB")
+        notes.append("tracked with bitsandbytes' Linear4bit layers and fake packed weights from its own "
+                     "quantize_4bit; the tracker does not see the absmax/maps (quant_state, added to params "
+                     "and peak) nor the forward matmul's internal bf16 dequantised weight (the largest, "
+                     f"{dequant / GiB:.3f} GiB, added to the peak); the backward's dequantisation it sees")
+    item["should"] = should_lora(item["base_params"], base_bytes, item["trainable_params"], tw=tw, depth=depth,
+                                 consts=consts, checkpointing=checkpointing, dequant=dequant)
+    item["plan"] = plan_for(key, item)
+    item["constants"] = consts
+    item["title"] = f"{title}, one process, micro-batch 1, checkpointing {'on' if checkpointing else 'off'}"
+    item["notes"] = notes
+    return item
+
+
+def run_lora_items(nf4: dict[bool, dict[str, Any]] | None, stamp) -> dict[str, Any]:
+    """2-4. LoRA on one process, FLUX.1-dev, Qwen-Image and (with ``nf4``, bitsandbytes' bytes)
+    FLUX.2 [klein] over an NF4 base: reduced depth, extrapolated per block, checked at a deeper model."""
+    items: dict[str, Any] = {}
     lora_cases = [(FLUX1, "flux_lora", "FLUX.1-dev LoRA r64 (attention) on a bf16 base", (4, 4)),
                   (QWEN, "qwen_lora", "Qwen-Image LoRA r64 (attention) on a bf16 base", (5,)),
                   (KLEIN, "klein_qlora", "FLUX.2 [klein] 4B LoRA r64 on an NF4 base (bitsandbytes)", (4, 4))]
     for family, stem, title, check_at in lora_cases:
-        if family is KLEIN and bnb_missing:
+        if family is KLEIN and nf4 is None:
             continue
-        width_f = family.config["num_attention_heads"] * family.config["attention_head_dim"]
-        tw = 1 * tokens * width_f * 2
-        depth = dict(zip(family.kinds, family.depth()))
         for ac in (True, False):
             key = f"{stem}_{'ac' if ac else 'noac'}"
             stamp(key)
-            item = lora_item(family, ac, check_at, quant="nf4" if family is KLEIN else None)
-            ext = item["extrapolation"]
-            # Backward temporaries are one block's at a time: they do not grow with depth (the check
-            # at a deeper model shows it), so the full-size figure is the largest reduced-depth one.
-            ext["max_temporaries"] = max(r["temporaries"] for r in item["runs"].values())
-            consts = constants(ext, tw, temp_fit=False)
-            item["tracker"]["temporaries"] = ext["max_temporaries"]
-            v = item["validation"]
-            notes = [
-                "per block (GiB): " + "; ".join(
-                    f"{k} " + ", ".join(f"{kind} {x / GiB:.4f}" for kind, x in ext["per_block"][k].items())
-                    for k in ("params", "grads", "activations", "peak")),
-                "outside the blocks (GiB): " + ", ".join(f"{k} {ext['outside'][k] / GiB:.4f}"
-                                                         for k in ("params", "activations", "peak")),
-                "activation constants (bf16 elements per token per width): "
-                + ", ".join(f"{k} {x:.2f}" for k, x in consts["widths"].items())
-                + f", outside {consts['outside']:.2f}; temporaries {consts['temp_outside']:.2f} widths",
-                f"trainable {item['trainable_params'] / 1e6:.1f}e6 (LoRA), base {item['base_params'] / 1e9:.3f}e9; the "
-                f"fit gives params {ext['value']['params'] / GiB:.3f} GiB, the exact count "
-                + (f"{(item['base_params'] * 2 + item['trainable_params'] * 4) / GiB:.3f} GiB" if family is not KLEIN else
-                   f"{(nf4[False]['packed_bytes'] + nf4[False]['other_bf16_bytes'] + item['trainable_params'] * 4) / GiB:.3f}"
-                   " GiB (packed NF4 + bf16 rest + fp32 LoRA)"),
-            ]
-            if v:
-                notes.append(f"check of the per-block fit at depth {'x'.join(map(str, v['depth']))}: " + ", ".join(
-                    f"{k} measured {v['measured'][k] / GiB:.3f} vs fit {v['predicted'][k] / GiB:.3f} GiB"
-                    for k in ("activations", "temporaries", "peak")))
-            notes.append(f"tracker CPU time {item['cpu_seconds']} s at reduced depth")
-            base_bytes = 2.0
-            dequant = 0.0
-            if family is KLEIN:
-                q = nf4[False]
-                # The tracker counts parameters, and bitsandbytes keeps its per-block statistics
-                # (absmax, quantisation map) outside them, in each weight's quant_state; and the
-                # forward's 4-bit matmul dequantises the weight to bf16 inside its own op (on a
-                # GPU for this many tokens), where no tracker sees it: add both.
-                dequant = q["largest_linear"] * 2.0
-                item["tracker_as_measured"] = dict(item["tracker"])
-                t = item["tracker"]
-                t["params"] += q["state_bytes"]
-                t["peak"] += q["state_bytes"] + dequant
-                item["nf4"] = nf4
-                base_bytes = q["total_bytes"] / item["base_params"]
-                notes.append(
-                    f"NF4 storage (bitsandbytes {q['bitsandbytes']}, blocksize 64): {q['bits_per_linear_param']:.3f} bits "
-                    f"per Linear weight = {q['packed_bytes'] / GiB:.3f} GiB packed + {q['state_bytes'] / GiB:.3f} GiB "
-                    f"absmax and maps + {q['other_bf16_bytes'] / GiB:.4f} GiB of bf16 non-Linear parameters = "
-                    f"{q['total_bytes'] / GiB:.3f} GiB (bf16: {item['base_params'] * 2 / GiB:.3f} GiB); with double "
-                    f"quantisation {nf4[True]['bits_per_linear_param']:.3f} bits, {nf4[True]['total_bytes'] / GiB:.3f} GiB")
-                notes.append("tracked with bitsandbytes' Linear4bit layers and fake packed weights from its own "
-                             "quantize_4bit; the tracker does not see the absmax/maps (quant_state, added to params "
-                             "and peak) nor the forward matmul's internal bf16 dequantised weight (the largest, "
-                             f"{dequant / GiB:.3f} GiB, added to the peak); the backward's dequantisation it sees")
-            item["should"] = should_lora(item["base_params"], base_bytes, item["trainable_params"], tw=tw, depth=depth,
-                                         consts=consts, checkpointing=ac, dequant=dequant)
-            item["plan"] = plan_for(key, item)
-            item["constants"] = consts
-            item["title"] = f"{title}, one process, micro-batch 1, checkpointing {'on' if ac else 'off'}"
-            item["notes"] = notes
-            items[key] = item
-            print_item(key, item)
+            items[key] = lora_image_item(family, key, title, ac, check_at, nf4 if family is KLEIN else None)
+            print_item(key, items[key])
+    return items
 
-    # 5. The rollout (no grad): the plan's INFERENCE_WIDTHS against the tracker.
+
+def run_rollout_items(with_klein: bool, stamp) -> dict[str, Any]:
+    """5. The rollout (no grad) of FLUX.1-dev, Qwen-Image and (``with_klein``) FLUX.2 [klein] over
+    an NF4 base: the plan's INFERENCE_WIDTHS against the tracker."""
     from flowrl.memory_plan import INFERENCE_WIDTHS
+
+    items: dict[str, Any] = {}
+    tokens = IMAGE_TOKENS + TEXT_TOKENS
     plan_flux = plan_numbers(PLAN_512 + LORA_OVERRIDES, 1)
     for family, batch, lora in ((FLUX1, 1, True), (FLUX1, 1, False), (QWEN, 8, True), (KLEIN, 1, True)):
-        if family is KLEIN and bnb_missing:
+        if family is KLEIN and not with_klein:
             continue
         key = f"{family.name}_rollout_b{batch}{'_lora' if lora else '_bare'}"
         stamp(key)
@@ -1236,6 +1240,26 @@ def run_all() -> dict[str, Any]:
               f"peak {r['activations'] / GiB:.3f} GiB = {r['widths']:.2f} widths per token (the plan assumes "
               f"{INFERENCE_WIDTHS:g} unless the model says otherwise)")
         r["plan_widths"] = INFERENCE_WIDTHS
+    return items
+
+
+def run_all() -> dict[str, Any]:
+    """The full run: the FSDP2 items (1), the KL and start-up items, the LoRA items (2-4), the
+    rollout items (5); the Wan and LTX items run only with ``--items``."""
+    import diffusers
+
+    started = time.time()
+
+    def stamp(key: str) -> None:
+        print(f"[{time.time() - started:5.0f} s] {key} ...", flush=True)
+
+    mb = plan_numbers(PLAN_512, 8)["micro_batch"]
+    items = run_fsdp_items(mb, stamp)
+    stamp("KL term and start-up")
+    items.update(run_kl_items())
+    nf4 = klein_nf4_storage()
+    items.update(run_lora_items(nf4, stamp))
+    items.update(run_rollout_items(nf4 is not None, stamp))
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

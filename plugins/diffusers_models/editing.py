@@ -39,7 +39,7 @@ from flowrl.prompts import condition_of, load_condition_image
 
 from .common import grid_ids
 from .flux import FluxConfig, FluxModel
-from .memory import kontext_memory_spec, qwen_image_edit_memory_spec
+from .memory.editing import kontext_memory_spec, qwen_image_edit_memory_spec
 from .qwen_image import QwenImageConfig, QwenImageModel, qwen_lora_targets
 
 _CONDITION_HELP = (

@@ -23,7 +23,7 @@ from flowrl.errors import FlowrlError
 from flowrl.sampling.schedules import conditioning_timestep
 
 from .common import DiffusersAdapter, grid_ids, pack_2x2, unpack_2x2
-from .memory import flux_memory_spec
+from .memory.flux import flux_memory_spec
 from .quantize import QUANTIZE_HELP
 
 

@@ -34,7 +34,8 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import ATTENTION, DiffusersAdapter, grid_ids, preset_targets
-from .memory import flux2_klein_memory_spec, pipeline_configs
+from .memory.common import pipeline_configs
+from .memory.flux2 import flux2_klein_memory_spec
 from .quantize import QUANTIZE_HELP
 
 FLUX2_FEED_FORWARD = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]

@@ -49,7 +49,7 @@ from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter, preset_targets
 from .editing import encode_condition_frame
-from .memory import ltx_memory_spec
+from .memory.ltx import ltx_memory_spec
 
 LTX_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 LTX_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2"]

@@ -37,7 +37,7 @@ import torch
 from flowrl.config import param
 
 from .common import ATTENTION, DiffusersAdapter, pack_2x2, preset_targets, unpack_2x2
-from .memory import qwen_image_memory_spec
+from .memory.qwen_image import qwen_image_memory_spec
 from .quantize import QUANTIZE_HELP
 
 #: Qwen-Image's MLPs: one for the image stream, one for the text stream.

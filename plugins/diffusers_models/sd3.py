@@ -19,7 +19,7 @@ import torch
 from flowrl.config import param
 
 from .common import DiffusersAdapter
-from .memory import sd3_memory_spec
+from .memory.sd3 import sd3_memory_spec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from flowrl.sampling.schedules import shifted_sigmas
 
 from .common import DiffusersAdapter, preset_targets
 from .editing import encode_condition_frame
-from .memory import wan_memory_spec
+from .memory.wan import wan_memory_spec
 
 #: every Wan block's self-attention (attn1) and cross-attention to the text (attn2)
 WAN_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]

@@ -35,7 +35,7 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError
 
 from .common import DiffusersAdapter, preset_targets
-from .memory import zimage_memory_spec
+from .memory.zimage import zimage_memory_spec
 from .quantize import QUANTIZE_HELP
 
 ZIMAGE_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]

@@ -129,7 +129,7 @@ def test_update_activation_estimate_is_close_to_a_measurement(tiny_flux, tiny_ov
     from flowrl.memory_plan import estimate
     from flowrl.plugins import get_registry
     from flowrl.recipe import load_recipe
-    from flowrl_plugins.diffusers_models.memory import _saved_elements
+    from flowrl_plugins.diffusers_models.memory.common import saved_elements
 
     recipe = load_recipe("recipes/chunk_grpo_flux.toml", [f"model.path={tiny_flux}", *tiny_overrides,
                          "rewards.0.use=brightness", "model.gradient_checkpointing=false", "train.micro_batch_size=2",
@@ -139,7 +139,7 @@ def test_update_activation_estimate_is_close_to_a_measurement(tiny_flux, tiny_ov
     estimated = next(l for l in lines if l.item == "activations, forward with grad").bytes
     text = flux_model.encode_prompts(["a red cat", "a dog"])
     x = torch.randn(2, *flux_model.latent_shape)
-    measured = 4 * _saved_elements(flux_model.denoiser, lambda: flux_model.velocity(x, torch.tensor([0.5, 0.4]), text))
+    measured = 4 * saved_elements(flux_model.denoiser, lambda: flux_model.velocity(x, torch.tensor([0.5, 0.4]), text))
     flux_model.denoiser.requires_grad_(False)
     print(f"update activations: estimated {estimated} B, measured {measured} B")
     assert 0.7 < estimated / measured < 1.3, (estimated, measured)

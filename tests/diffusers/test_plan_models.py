@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl_plugins.diffusers_models.memory import _saved_elements
+from flowrl_plugins.diffusers_models.memory.common import saved_elements
 
 
 def _flat(text: str) -> str:
@@ -74,7 +74,7 @@ def test_counts_and_update_activations_match_the_tiny_model(name, tiny_dir, monk
     estimated = next(line for line in lines if line.phase == "update").bytes
     text = model.encode_prompts(["a red cat on the mat with a dog", "a dog"])
     x = torch.randn(2, *model.latent_shape)
-    measured = 4 * _saved_elements(den, lambda: model.velocity(x, torch.tensor([0.5, 0.4]), text))
+    measured = 4 * saved_elements(den, lambda: model.velocity(x, torch.tensor([0.5, 0.4]), text))
     den.requires_grad_(False)
     print(f"{name}: update activations estimated {estimated} B, measured {measured} B")
     assert 0.7 < estimated / measured < 1.3, (estimated, measured)
