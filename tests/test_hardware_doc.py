@@ -114,6 +114,9 @@ NOT_ESTIMATES = {
     ("docs/reference.md", "downloads HPSv3.safetensors, 16.5 GB"): "a download's size",
     ("docs/rewards.md", "downloads 16.5 GB"): "a download's size",
     ("docs/rewards.md", "1.7 GB on disk"): "an environment's size on disk",
+    ("README.md", "78 packages, 2.8 GB"): "the CPU install's download, measured with pip's resolver",
+    ("README.md", "2.2 GB of it 19 CUDA packages"): "the CUDA packages' download, measured with pip's resolver",
+    ("README.md", "59 packages, 0.28 GB"): "the CPU build's download, measured with pip's resolver",
 }
 #: Pages the test leaves to others: generated whole, or dated measurements.
 OTHER_PAGES = {
