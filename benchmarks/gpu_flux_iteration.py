@@ -14,9 +14,10 @@ is built in memory and handed to flowrl's ``flux`` adapter in place of ``from_pr
   feed-forward, micro-batch 4, one optimizer step per iteration, brightness reward (free to
   compute), no evaluation or images;
 - ``step``: step GRPO, every transition of every sample trained (the synchronous loop);
-- ``branch``: the same with ``branch_steps = [1, 3, 5]``, ``branch_factors = [2, 2, 2]`` (one
-  root per group, copied after the forwards of steps 1, 3 and 5: 38 of the 72 rollout forwards);
-- ``branch_tree``: ``branch`` with ``branch_advantage = "tree"``: each transition the tree shares
+- ``branch``: the same sampled as trees, ``[window] use = "branch"`` with ``steps = [1, 3, 5]``,
+  ``factors = [2, 2, 2]`` (one root per group, copied after the forwards of steps 1, 3 and 5: 38 of
+  the 72 rollout forwards);
+- ``branch_tree``: ``branch`` with ``[advantage] use = "tree"``: each transition the tree shares
   is trained once, with its subtree's fused advantage (36 of the 64 transitions trained);
 - ``pipelined``: the same as ``step`` with ``[pipeline] staleness = 1`` (the next rollout drawn by
   a copy of the policy in a worker thread while the update runs, on the same GPU).
@@ -83,9 +84,10 @@ SMALL_VAE = dict(FLUX_VAE, block_out_channels=(32,) * 4, layers_per_block=1)
 
 VARIANTS = {
     "step": [],
-    "branch": ["sampler.branch_steps=[1, 3, 5]", "sampler.branch_factors=[2, 2, 2]"],
-    "branch_tree": ["sampler.branch_steps=[1, 3, 5]", "sampler.branch_factors=[2, 2, 2]",
-                    "sampler.branch_advantage=\"tree\""],
+    "branch": ["window.use=\"branch\"", "window.steps=[1, 3, 5]", "window.factors=[2, 2, 2]"],
+    # the recipe's group_zscore keys are the tree advantage's defaults: the leaves' advantages are unchanged
+    "branch_tree": ["window.use=\"branch\"", "window.steps=[1, 3, 5]", "window.factors=[2, 2, 2]",
+                    "advantage.use=\"tree\""],
     "pipelined": ["pipeline.staleness=1", "pipeline.overlap=true"],
 }
 

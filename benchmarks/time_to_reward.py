@@ -24,10 +24,11 @@ as the reward, 33 steps with the SDE in the first 16, lr 5e-5, 2 passes per roll
   trained on again, unit weights), ``egrpo`` (the entropy selector, the 8 highest-entropy steps),
   ``egrpo_replay`` (both), ``flash`` (one step per group), ``chunk8_replay`` (chunks [8, 8], one
   trained, with replay), ``window`` (a sliding SDE window of 8 steps), ``branch`` (flow_grpo
-  sampled as trees: one root per group of 8, split in 2 at steps 2, 6 and 10 of the SDE window)
-  and ``branch_egrpo`` / ``branch_egrpo4`` (trees and the entropy selector, 8 or 4 steps), and
-  ``branch_tree`` (the trees with BranchGRPO's tree advantage, ``sampler.branch_advantage =
-  "tree"``: each transition gets its node's advantage, and a shared transition is trained once);
+  sampled as trees, ``[window] use = "branch"``: one root per group of 8, split in 2 at steps 2, 6
+  and 10 of the SDE window) and ``branch_egrpo`` / ``branch_egrpo4`` (trees and the entropy
+  selector, 8 or 4 steps), and ``branch_tree`` (the trees with BranchGRPO's tree advantage,
+  ``[advantage] use = "tree"``: each transition gets its node's advantage, and a shared
+  transition is trained once);
 - another objective: ``nft`` (DiffusionNFT as ``recipes/quickstart.toml`` ran it until 2026-11-29: ODE rollouts by
   the second-order ``dpm2m`` solver, the flow-matching loss at 8 timesteps, beta 1, one pass per
   rollout, each sample of a group from its own starting noise, since an ODE rollout adds none) on
@@ -101,7 +102,7 @@ from flowrl.stats import paired_interval, t_interval  # noqa: E402
 
 RECIPE = "recipes/study_embedded.toml"
 STEP = ["chunker.use='step'"]
-BRANCH = ["sampler.branch_steps=[2, 6, 10]", "sampler.branch_factors=[2, 2, 2]"]
+BRANCH = ["window.use='branch'", "window.steps=[2, 6, 10]", "window.factors=[2, 2, 2]"]
 #: DiffusionNFT (the quickstart's objective until 2026-11-29) on the study's sampler (the same steps, so the same evaluation)
 NFT = [*STEP, "selector.use='all'", "loss.use='nft'", "loss.beta=1.0", "loss.timesteps=8", "window.use='ode'",
        "window.solver='dpm2m'", "sampler.image_from='final'", "train.updates_per_rollout=1",
@@ -145,7 +146,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                       [*STEP, "selector.use='entropy'", "selector.rule='top'", "selector.fraction=0.25", *BRANCH]),
     "branch_tree": ("branch rollouts with BranchGRPO's tree advantage: each distinct transition trained once",
                     [*STEP, "selector.use='all'", "loss.eps_low=1e-4", "loss.eps_high=1e-4", *BRANCH,
-                     "sampler.branch_advantage='tree'"]),
+                     "advantage.use='tree'"]),
     "nft": ("DiffusionNFT as the quickstart ran it until 2026-11-29: ODE rollouts (dpm2m), 8 timesteps, beta 1, one pass",
             [*NFT]),
     "nft_fast": ("DiffusionNFT with 10-step rollouts (its paper's count; any solver serves it), evaluated at {eval_steps}",

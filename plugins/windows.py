@@ -12,6 +12,9 @@
   sample (``scope = "sample"``), per prompt group or per iteration, ODE elsewhere.
 - ``ode``: no stochastic step at all, the whole trajectory with ``solver`` (for objectives that
   need no trajectory log-probs, DiffusionNFT).
+- ``branch``: BranchGRPO's tree rollouts, with the sampler's kernels (``[sampler].sde_window``): each
+  prompt group split at ``steps`` into ``factors`` copies, shared prefixes computed once
+  (:class:`flowrl.sampling.branching.BranchWindow`; its tree advantage is ``[advantage] use = "tree"``).
 
 Every plan depends only on (seed, iteration, global sample index), never on the process layout
 (docs/objectives.md).
@@ -26,6 +29,7 @@ import torch
 
 from flowrl import hookimpl
 from flowrl.config import param
+from flowrl.sampling.branching import BranchWindow
 from flowrl.sampling.plans import RolloutPlan
 from flowrl.seeding import generator
 from flowrl.sampling.solvers import flash_schedule
@@ -171,6 +175,7 @@ def register_windows(register):
     register("sliding", SlidingWindow)
     register("random", RandomWindow)
     register("ode", OdeSampler)
+    register("branch", BranchWindow)
 
 
 @hookimpl(trylast=True)

@@ -31,56 +31,67 @@ SFT = "offline_sft.toml"  # offline SFT ([data] path is set per case)
 DPO = "offline_dpo.toml"
 OK, TRAINS = "OK", "TRAINS"
 PROFILES = RECIPES / "profiles"
-BRANCH = ["sampler.branch_steps=[2]", "sampler.branch_factors=[2]"]
-TREE = [*BRANCH, "sampler.branch_advantage=tree"]
+BRANCH = ["window.use=branch", "window.steps=[2]", "window.factors=[2]"]
+TREE = [*BRANCH, "advantage.use=tree"]
+OLD_BRANCH = ["sampler.branch_steps=[2]", "sampler.branch_factors=[2]"]  # before BranchGRPO was components
 
 #: (id, recipe, overrides, where the message points, what it says) -- where/what are OK or TRAINS
 #: for a combination that is legitimate. "{data}" is the folder of the tables made below.
 CASES = [
-    # --- branch rollouts ([sampler].branch_*)
-    ("branch lists of different lengths", STEP, ["sampler.branch_steps=[2,5]", "sampler.branch_factors=[2]"],
-     "[sampler]", "need one entry each per branch, got 2 steps and 1 factors"),
-    ("branch factors do not divide the group", STEP, ["train.group_size=6", "sampler.branch_steps=[2]",
-                                                      "sampler.branch_factors=[4]"],
-     "[sampler].branch_factors", "the product of branch_factors (4) must divide group_size (6)"),
-    ("branch step beyond the steps", STEP, ["sampler.branch_steps=[20]", "sampler.branch_factors=[2]"],
-     "[sampler]", "strictly increasing step indices in [0, 17), got [20]"),
-    ("branch factor 0", STEP, ["sampler.branch_steps=[2]", "sampler.branch_factors=[0]"],
-     "[sampler]", "key 'branch_factors' must be >= 1, got 0"),
-    # was: refused at the first rollout, after the model had loaded
-    ("branch with the ODE window", QUICK, BRANCH, "[window]", "[window] 'ode' plans its own windows"),
-    ("branch with a random window", STEP, ["window.use=random", *BRANCH], "[window]",
-     "[window] 'random' plans its own windows"),
+    # --- branch rollouts ([window] use = "branch", [advantage] use = "tree"; the old [sampler].branch_*)
+    ("branch lists of different lengths", STEP, ["window.use=branch", "window.steps=[2,5]", "window.factors=[2]"],
+     "[window]", "need one entry each per split, got 2 steps and 1 factors"),
+    ("branch factors do not divide the group", STEP, ["train.group_size=6", "window.use=branch", "window.steps=[2]",
+                                                      "window.factors=[4]"],
+     "[window]", "the product of factors (4) must divide group_size (6)"),
+    ("branch step beyond the steps", STEP, ["window.use=branch", "window.steps=[20]", "window.factors=[2]"],
+     "[window]", "strictly increasing step indices in [0, 17), got [20]"),
+    ("branch factor 0", STEP, ["window.use=branch", "window.steps=[2]", "window.factors=[0]"],
+     "[window]", "key 'factors' must be >= 1, got 0"),
+    ("branch window that never splits", STEP, ["window.use=branch"], "[window]",
+     "[window] 'branch' samples trees and this one never splits"),
+    # was: refused at the first rollout, after the model had loaded (a tree has no window of its own)
+    ("branch with the ODE window", QUICK, OLD_BRANCH, "[sampler].branch_steps",
+     "is now [window] use = 'branch' (steps), and this recipe's [window] is 'ode', which plans its own windows"),
+    ("branch with a random window", STEP, ["window.use=random", *OLD_BRANCH], "[sampler].branch_steps",
+     "this recipe's [window] is 'random', which plans its own windows"),
     # was: trained, the copies of each split one image (no noise after the split)
-    ("branch after the SDE window", STEP, ["sampler.sde_window=[0,4]", "sampler.branch_steps=[10]",
-                                           "sampler.branch_factors=[2]"],
-     "[sampler].branch_steps", "branch step 10 splits where no noise is drawn any more"),
-    ("branch at the last step of an x0_hat image", STEP, ["sampler.branch_steps=[16]", "sampler.branch_factors=[2]"],
-     "[sampler].branch_steps", "last stochastic step that reaches the image is step 15"),
-    ("tree advantage with chunks", HACK, TREE, "[sampler].branch_advantage", "it needs step units"),
-    ("branch_keep without the tree", STEP, [*BRANCH, "sampler.branch_keep=1"], "[sampler]",
-     "branch_keep prunes the leaves of a tree advantage"),
+    ("branch after the SDE window", STEP, ["sampler.sde_window=[0,4]", "window.use=branch", "window.steps=[10]",
+                                           "window.factors=[2]"],
+     "[window].steps", "branch step 10 splits where no noise is drawn any more"),
+    ("branch at the last step of an x0_hat image", STEP, ["window.use=branch", "window.steps=[16]", "window.factors=[2]"],
+     "[window].steps", "last stochastic step that reaches the image is step 15"),
+    ("tree advantage with chunks", HACK, TREE, "[advantage]", "it needs step units"),
+    ("tree advantage without trees", STEP, ["advantage.use=tree"], "[advantage]",
+     ("advantage 'tree' gives each transition of a tree rollout its own advantage, and [window] 'fixed' samples no "
+      "trees")),
+    ("width pruning without the tree advantage", STEP, [*BRANCH, "advantage.keep=1"], "[advantage]",
+     "unknown key 'keep'"),
+    ("old branch_keep without the tree", STEP, [*OLD_BRANCH, "sampler.branch_keep=1"], "[sampler].branch_keep",
+     "[sampler].branch_keep prunes a tree advantage; it is now [advantage].keep of [advantage] use = 'tree'"),
+    ("old branch keys, read as the new ones", STEP, [*OLD_BRANCH, "sampler.branch_advantage=tree",
+                                                     "sampler.branch_keep=1"], OK, OK),
     # was: silently pruned nothing
-    ("branch_keep beyond the group", STEP, [*TREE, "sampler.branch_keep=100"], "[sampler].branch_keep",
-     "branch_keep = 100 keeps every leaf of a group of 8"),
+    ("width pruning beyond the group", STEP, [*TREE, "advantage.keep=100"], "[advantage]",
+     "keep = 100 keeps every leaf of a group of 8"),
     # was: a traceback in training (min() of an empty tensor)
-    ("depth pruning of every step", STEP, [*TREE, f"sampler.branch_prune_steps={list(range(17))}"],
-     "[sampler].branch_prune_steps", "prunes every trainable transition"),
+    ("depth pruning of every step", STEP, [*TREE, f"advantage.prune_steps={list(range(17))}"],
+     "[advantage]", "prunes every trainable transition"),
     # was: the slide silently never moved
-    ("depth pruning that cannot slide", STEP, ["sampler.branch_steps=[8]", "sampler.branch_factors=[2]",
-                                               "sampler.branch_advantage=tree", "sampler.branch_prune_steps=[2,3]",
-                                               "sampler.branch_prune_slide=1"],
-     "[sampler].branch_prune_slide", "so it would never move"),
+    ("depth pruning that cannot slide", STEP, ["window.use=branch", "window.steps=[8]", "window.factors=[2]",
+                                               "advantage.use=tree", "advantage.prune_steps=[2,3]",
+                                               "advantage.prune_slide=1"],
+     "[advantage]", "so it would never move"),
     ("branch with a sub-batch of half a group", STEP, ["sampler.batch_size=4", *BRANCH], "[sampler].batch_size",
      "must be 0 or a multiple of group_size (8)"),
-    ("branch profile of another step count", STEP, ["sampler.steps=9", f"sampler.branch_profile={PROFILES / 'embedded.json'}",
-                                                    "sampler.branch_count=2"],
-     "[sampler].branch_profile", "describes T = 16 trainable transitions (steps = 17"),
-    ("branch count too many for the group", STEP, ["train.group_size=4", f"sampler.branch_profile={PROFILES / 'embedded.json'}",
-                                                   "sampler.branch_count=3"],
-     "[sampler].branch_factors", "the product of branch_factors (8) must divide group_size (4)"),
-    ("branch count without a profile", STEP, ["sampler.branch_count=2"], "[sampler]",
-     "branch_profile and branch_count go together"),
+    ("branch profile of another step count", STEP, ["sampler.steps=9", "window.use=branch",
+                                                    f"window.profile={PROFILES / 'embedded.json'}", "window.count=2"],
+     "[window].profile", "describes T = 16 trainable transitions (steps = 17"),
+    ("branch count too many for the group", STEP, ["train.group_size=4", "window.use=branch",
+                                                   f"window.profile={PROFILES / 'embedded.json'}", "window.count=3"],
+     "[window]", "the product of factors (8) must divide group_size (4)"),
+    ("branch count without a profile", STEP, ["window.use=branch", "window.count=2"], "[window]",
+     "profile and count go together"),
     ("branch with pipelining", STEP, [*BRANCH, "pipeline.staleness=1"], OK, OK),
     # --- pipelining ([pipeline])
     ("pipelining an objective with its own update", NFT, ["pipeline.staleness=1"], "[pipeline].staleness",
@@ -236,9 +247,9 @@ CASES = [
     ("profile that is the plot", DYN, [f"chunker.profile={PROFILES / 'embedded_window16.png'}"], "[chunker].profile",
      "is not a JSON file"),
     ("profile of the other image_from", DYN, ["sampler.image_from=final"], "[chunker].profile", "this run has T = 17"),
-    ("branch count beyond the transitions", STEP, [f"sampler.branch_profile={PROFILES / 'embedded.json'}",
-                                                   "sampler.branch_count=20"],
-     "[sampler].branch_count", "branch_count = 20 exceeds the sampler's 16 trainable transitions"),
+    ("branch count beyond the transitions", STEP, ["window.use=branch", f"window.profile={PROFILES / 'embedded.json'}",
+                                                   "window.count=20"],
+     "[window].count", "count = 20 exceeds the sampler's 16 trainable transitions"),
 ]
 
 #: Cases that train: (id, recipe, overrides), one or two tiny iterations each.
@@ -321,7 +332,7 @@ def _one_message(result) -> str:
 def test_the_set_is_large_and_covers_every_newer_key_family():
     assert len(CASES) >= 25 and len({c[0] for c in CASES}) == len(CASES)
     text = " ".join(" ".join(c[2]) for c in CASES)
-    for family in ("branch_", "pipeline.", "replay.", "prompts.split_column", "prompts.eval_split", "data.path",
+    for family in ("branch_", "window.steps", "advantage.prune_steps", "pipeline.", "replay.", "prompts.split_column", "prompts.eval_split", "data.path",
                    "window.", "ema.", "gradient_sync", "rewards.0.weight", "profile"):
         assert family in text, family
 

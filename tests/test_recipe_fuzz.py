@@ -7,11 +7,11 @@ strings with control characters and bidi overrides, lists, tables. Each is valid
 the real command line (``flowrl.cli.main``) in this process; an exception escaping it would be a
 traceback, so the test fails on any. Each example must finish within the deadline.
 
-A second property draws PLAUSIBLE values for the newer keys (branch rollouts, pipelining, replay,
-windows, EMA, gradient sync, prompt tables and splits, offline data, reward weights, profiles),
-several at once, on several shipped recipes: values of the right type near the edges of what is
-valid (a branch step past the steps, a staleness of 2, a split with no rows, a table of the
-other kind), so that the cross-field rules are reached rather than the type checks.
+A second property draws PLAUSIBLE values for the newer keys (branch rollouts and the tree advantage,
+pipelining, replay, windows, EMA, gradient sync, prompt tables and splits, offline data, reward
+weights, profiles), several at once, on several shipped recipes: values of the right type near the
+edges of what is valid (a branch step past the steps, a staleness of 2, a split with no rows, a
+table of the other kind), so that the cross-field rules are reached rather than the type checks.
 
 The examples are the same on every run (tests/conftest.py's ``ci`` hypothesis profile);
 ``FLOWRL_HYPOTHESIS=long`` draws 2000 fresh ones for a longer local hunt.
@@ -162,16 +162,16 @@ NEWER: dict[tuple[str, str, str | None], st.SearchStrategy] = {
     ("sampler", "image_from", None): st.sampled_from(["x0_hat", "final"]),
     ("sampler", "sde_window", None): st.lists(small, max_size=3),
     ("sampler", "batch_size", None): st.integers(0, 16),
-    ("sampler", "branch_steps", None): steps_list,
-    ("sampler", "branch_factors", None): st.lists(st.integers(0, 4), max_size=3),
-    ("sampler", "branch_profile", None): st.sampled_from(["", PROFILE, OTHER_PROFILE, "{data}/nope.json",
-                                                          "{data}/not_a_profile.json"]),
-    ("sampler", "branch_count", None): st.integers(0, 5),
-    ("sampler", "branch_advantage", None): st.sampled_from(["leaf", "tree"]),
-    ("sampler", "branch_keep", None): st.integers(0, 10),
-    ("sampler", "branch_prune_steps", None): steps_list,
-    ("sampler", "branch_prune_slide", None): st.integers(0, 3),
-    ("sampler", "branch_fusion", None): st.sampled_from(["mean", "probability"]),
+    ("window", "steps", "branch"): steps_list,
+    ("window", "factors", "branch"): st.lists(st.integers(0, 4), max_size=3),
+    ("window", "profile", "branch"): st.sampled_from(["", PROFILE, OTHER_PROFILE, "{data}/nope.json",
+                                                      "{data}/not_a_profile.json"]),
+    ("window", "count", "branch"): st.integers(0, 5),
+    ("advantage", "use", None): st.sampled_from(["group_zscore", "tree", "diversity"]),
+    ("advantage", "keep", "tree"): st.integers(0, 10),
+    ("advantage", "prune_steps", "tree"): steps_list,
+    ("advantage", "prune_slide", "tree"): st.integers(0, 3),
+    ("advantage", "fusion", "tree"): st.sampled_from(["mean", "probability"]),
     ("train", "group_size", None): st.integers(1, 8),
     ("train", "prompts_per_iteration", None): st.integers(1, 6),
     ("pipeline", "staleness", None): st.integers(0, 2),
@@ -188,7 +188,7 @@ NEWER: dict[tuple[str, str, str | None], st.SearchStrategy] = {
     ("replay", "weight_level", None): st.sampled_from(["unit", "sequence"]),
     ("replay", "weight_steps", None): small,
     ("replay", "truncate", None): fraction,
-    ("window", "use", None): st.sampled_from(["fixed", "ode", "random", "sliding", "moving"]),
+    ("window", "use", None): st.sampled_from(["fixed", "ode", "random", "sliding", "moving", "branch"]),
     ("window", "size", "random"): small, ("window", "lo", "random"): small, ("window", "hi", "random"): small,
     ("window", "scope", "random"): st.sampled_from(["sample", "group", "iteration"]),
     ("window", "size", "sliding"): small, ("window", "every", "sliding"): st.integers(0, 3),

@@ -26,6 +26,8 @@ The package, one module per step (each imports only the ones above it in this li
 - :mod:`~flowrl.recipe.startable`: what this machine and the recipe's files must hold for a run
   to start, :func:`check_startable` (and :func:`~flowrl.recipe.startable.cuda_device_count`,
   the one place validation asks PyTorch for GPUs: patch it there);
+- :mod:`~flowrl.recipe.legacy`: keys of older recipes that moved (BranchGRPO's ``[sampler].branch_*``),
+  read as their new keys with a notice, :func:`~flowrl.recipe.legacy.move_branch_keys`;
 - :mod:`~flowrl.recipe.loading`: reading the file, ``--set`` overrides, unknown tables and keys,
   :func:`validate` and :func:`load_recipe`.
 

@@ -25,6 +25,7 @@ from .schema import (
     Recipe,
     RewardEntryConfig,
 )
+from .legacy import move_branch_keys
 from .validation import check_reward_weights, cross_check
 
 if sys.version_info >= (3, 11):
@@ -124,9 +125,12 @@ def load_recipe(
     directory. The recipe then holds absolute paths (and so does the run's saved recipe)."""
     registry = registry or get_registry()
     data = read_toml(path)
+    move_branch_keys(data, str(path))  # old keys first: a moved path resolves against the recipe's folder
     resolve_paths(data, Path(path).resolve().parent, registry, str(path), from_file=True)
     data = apply_overrides(data, overrides or [])
     touched = {tuple(parse_override(text)[0]) for text in overrides or []}
+    if "branch_profile" in dict(move_branch_keys(data, str(path))):  # an old key given by --set: its path
+        touched.add(("window", "profile"))  # resolves against the current directory, as the override's would
     resolve_paths(data, Path.cwd(), registry, "--set", only=touched)
     return validate(data, source=str(path), registry=registry)
 
@@ -188,6 +192,7 @@ def validate(
     ``require_rewards=False`` accepts a recipe without ``[[rewards]]`` (for sampling and
     profiling a model, which score nothing)."""
     registry = registry or get_registry()
+    move_branch_keys(data, source)  # [sampler].branch_* of older recipes and run directories (flowrl.recipe.legacy)
     valid_tables = list(SECTIONS) + list(COMPONENT_SECTIONS) + list(LIST_SECTIONS)
     for key, value in data.items():
         if key not in valid_tables:

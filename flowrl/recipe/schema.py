@@ -10,13 +10,11 @@ dataclass's ``__post_init__``; rules that span tables are :mod:`flowrl.recipe.va
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 from ..config import param, to_dict
-from ..sampling.branching import check_branches
 
 
 @dataclasses.dataclass
@@ -170,68 +168,7 @@ class SamplerConfig:
         "reward on the sampler's own device or cores competes with it, and the VAE decode then shares device "
         "memory with sampling.",
     )
-    branch_steps: list[int] = param(
-        [],
-        "Branch (tree) rollouts, BranchGRPO-style: the steps at which every live trajectory of a group splits "
-        "into branch_factors copies, each drawing its own SDE noise from there on (docs/objectives.md, \"Branch "
-        "rollouts\"). A group starts from group_size / prod(branch_factors) roots and the shared prefixes are "
-        "computed once. Strictly increasing, in [0, steps). Empty = no branching.",
-        min=0, max=10_000,
-    )
-    branch_factors: list[int] = param(
-        [], "Copies made at each of branch_steps (one factor each, >= 1); their product must divide group_size.",
-        min=1, max=10_000,
-    )
-    branch_profile: str = param(
-        "", "Choose the branch steps from the temporal dynamics: a profile.json written by `flowrl profile` for "
-        "this sampler; the trajectories split in 2 at the branch_count trainable transitions where its l1rel curve "
-        "is highest (branch_steps and branch_factors are then filled in, and kept in the run's recipe).", path=True)
-    branch_count: int = param(
-        0, "With branch_profile: how many splits, each in 2 (2 ** branch_count must divide group_size).", min=0,
-        max=30)
-    branch_advantage: Literal["leaf", "tree"] = param(
-        "leaf", "With branch rollouts: 'leaf' trains every sample's transitions with the sample's own advantage "
-        "(a shared prefix once per sample sharing it); 'tree' is BranchGRPO's tree advantage: each transition "
-        "gets the advantage of the node it leads into (the leaves below it fused by branch_fusion, standardised "
-        "among the group's nodes at that depth) and each distinct transition is trained once (step units).")
-    branch_keep: int = param(
-        0, "branch_advantage = 'tree': width pruning, BranchGRPO-style: below the last split only the branch_keep "
-        "leaves of each group with the largest |advantage| are trained (the others' transitions there get "
-        "advantage 0 and cost nothing on-policy); 0 = every leaf.", min=0)
-    branch_prune_steps: list[int] = param(
-        [], "branch_advantage = 'tree': depth pruning, BranchGRPO-style: the sampling steps whose transitions are "
-        "not trained (advantage 0: no forward on-policy); sampling and rewards are unchanged. Strictly "
-        "increasing, in [0, steps). Empty = none.", min=0, max=10_000)
-    branch_prune_slide: int = param(
-        0, "With branch_prune_steps: every this many iterations the pruned steps move one step earlier, until the "
-        "earliest is the last of branch_steps (a sliding window over the leaf segment); 0 = they stay.", min=0)
-    branch_fusion: Literal["mean", "probability"] = param(
-        "mean", "branch_advantage = 'tree': a node's value is the mean of its leaves ('mean'), or at each split "
-        "the children weighted by the softmax of their transitions' rollout log-probs ('probability').")
-
     def __post_init__(self):
-        if bool(self.branch_profile) != bool(self.branch_count):
-            raise ValueError("branch_profile and branch_count go together: the profile to read and how many splits "
-                             "to take from it")
-        if self.branch_steps or self.branch_factors:  # the group-size rule: validation's _check_branches
-            check_branches(self.branch_steps, self.branch_factors, self.steps, math.prod(self.branch_factors))
-        if self.branch_keep and self.branch_advantage != "tree":
-            raise ValueError("branch_keep prunes the leaves of a tree advantage: set branch_advantage = 'tree' too, "
-                             "or branch_keep = 0")
-        if self.branch_prune_steps:
-            if self.branch_advantage != "tree":
-                raise ValueError("branch_prune_steps prunes depths of a tree advantage: set branch_advantage = 'tree' "
-                                 "too, or branch_prune_steps = []")
-            p = self.branch_prune_steps
-            if any(b <= a for a, b in zip(p, p[1:])) or p[-1] >= self.steps:
-                raise ValueError(f"branch_prune_steps must be strictly increasing steps in [0, steps = {self.steps}), "
-                                 f"got {p}")
-        elif self.branch_prune_slide:
-            raise ValueError("branch_prune_slide slides the pruned steps: set branch_prune_steps too, "
-                             "or branch_prune_slide = 0")
-        if self.branch_advantage == "tree" and not self.branch_steps:
-            raise ValueError("branch_advantage = 'tree' needs branch rollouts: set branch_steps and branch_factors, "
-                             "or branch_advantage = 'leaf'")
         if self.overlap_rewards and self.batch_size == 0:
             raise ValueError(
                 "overlap_rewards = true needs batch_size > 0: the rollout is then run in sub-batches of "

@@ -225,10 +225,10 @@ def _check_prompt_tables(recipe: Recipe, registry: Registry) -> None:
 
 
 def profile_keys(recipe: Recipe) -> list[tuple[str, str]]:
-    """Every temporal-dynamics profile the recipe reads, as ``(where, path)``:
-    ``[sampler].branch_profile`` and each component parameter named ``profile`` or ``*_profile``
-    that is an input path (the ``dynamics`` chunker's, the ``weighted`` selector's)."""
-    keys = [("[sampler].branch_profile", recipe.sampler.branch_profile)]
+    """Every temporal-dynamics profile the recipe reads, as ``(where, path)``: each component
+    parameter named ``profile`` or ``*_profile`` that is an input path (the ``dynamics`` chunker's,
+    the ``weighted`` selector's, the ``branch`` window's)."""
+    keys = []
     for where, _, choice in component_tables(recipe):
         if dataclasses.is_dataclass(choice.params):
             keys += [(f"{where}.{f.name}", getattr(choice.params, f.name)) for f in dataclasses.fields(choice.params)

@@ -9,7 +9,7 @@ checked by :mod:`flowrl.recipe.startable`.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from ..interfaces import (
     WarpsTime,
 )
 from ..plugins import Registry, get_registry
-from ..sampling.branching import steps_of_highest_dynamics
+from ..sampling.branching import AdvantagesOnTrees, BranchConfig, SamplesTrees, steps_of_highest_dynamics
 from ..sampling.plans import PlanContext
 from ..sampling.rollout import make_kernels, trainable_mask
 from .schema import COMPONENT_SECTIONS, LIST_SECTIONS, Recipe
@@ -154,8 +154,8 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
     _check_replay(recipe, registry, T)
     _check_pipeline(recipe, registry)
-    _branches_from_profile(recipe, T)
-    _check_branches(recipe, registry, context.trainable, plans)
+    _tree_from_profile(recipe, T)
+    _check_trees(recipe, registry, context.trainable, plans)
     _check_group_can_differ(recipe, T)
     _check_paired_rollouts(recipe, registry, T)
     if recipe.log.eval_steps == 1:
@@ -372,27 +372,27 @@ def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str
                           f"{kept} yet)", where=where, hint="use strategy 'ddp' or 'none'")
 
 
-def _branches_from_profile(recipe: Recipe, T: int) -> None:
-    """``[sampler].branch_profile``: fill in ``branch_steps`` (the ``branch_count`` trainable
-    transitions where the profile's l1rel curve is highest, in step order) and ``branch_factors``
-    (2 each). A recipe that already names them (the run's own resolved recipe) must name these."""
-    s = recipe.sampler
-    if not s.branch_profile:
+def _tree_from_profile(recipe: Recipe, T: int) -> None:
+    """``[window] use = "branch"`` with ``profile``: fill in its ``steps`` (the ``count`` trainable
+    transitions where the profile's l1rel curve is highest, in step order) and ``factors`` (2
+    each). A recipe that already names them (the run's own resolved recipe) must name these."""
+    choice = recipe.components.get("window")
+    params = choice.params if choice is not None else None
+    if not isinstance(params, BranchConfig) or not params.profile:
         return
-    where = f"{recipe.source}: [sampler].branch_profile"
-    data = read_profile(s.branch_profile, where=where)
-    curve = trainable_curve(data, "l1rel", T, source=s.branch_profile, where=where)
+    where = f"{recipe.source}: [window].profile"
+    data = read_profile(params.profile, where=where)
+    curve = trainable_curve(data, "l1rel", T, source=params.profile, where=where)
     positions = [i for i, t in enumerate(data["trainable"]) if t]
-    if s.branch_count > len(positions):
-        raise RecipeError(f"branch_count = {s.branch_count} exceeds the sampler's {len(positions)} trainable "
-                          "transitions", where=f"{recipe.source}: [sampler].branch_count")
-    steps = steps_of_highest_dynamics(curve, positions, s.branch_count)
-    factors = [2] * s.branch_count
-    if (s.branch_steps or s.branch_factors) and (list(s.branch_steps), list(s.branch_factors)) != (steps, factors):
-        raise RecipeError(f"branch_steps {list(s.branch_steps)} and branch_factors {list(s.branch_factors)} are not "
-                          f"what branch_profile gives ({steps}, {factors})", where=where,
-                          hint="give branch_profile or branch_steps, not both")
-    s.branch_steps, s.branch_factors = steps, factors
+    if params.count > len(positions):
+        raise RecipeError(f"count = {params.count} exceeds the sampler's {len(positions)} trainable transitions",
+                          where=f"{recipe.source}: [window].count")
+    steps = steps_of_highest_dynamics(curve, positions, params.count)
+    factors = [2] * params.count
+    if (params.steps or params.factors) and (list(params.steps), list(params.factors)) != (steps, factors):
+        raise RecipeError(f"steps {list(params.steps)} and factors {list(params.factors)} are not what the profile "
+                          f"gives ({steps}, {factors})", where=where, hint="give profile or steps, not both")
+    choice.params = dataclasses.replace(params, steps=steps, factors=factors)
 
 
 def _check_group_can_differ(recipe: Recipe, T: int) -> None:
@@ -406,69 +406,70 @@ def _check_group_can_differ(recipe: Recipe, T: int) -> None:
                           hint="set same_noise_in_group = false (each sample from its own noise)")
 
 
-def _check_branches(recipe: Recipe, registry: Registry, trainable: torch.Tensor, plans: bool) -> None:
-    """Branch rollouts split whole groups on one process, sampled in whole-group sub-batches with
-    the sampler's own kernels (not a ``[window]`` plan); a split must leave the copies a
-    stochastic step that reaches the image, or they stay one image; and the tree's pruning must
-    leave something to train and do what it says (``trainable``: the sampler's trainable steps)."""
-    s, G = recipe.sampler, recipe.train.group_size
-    if not s.branch_steps:
+def _check_trees(recipe: Recipe, registry: Registry, trainable: torch.Tensor, plans: bool) -> None:
+    """BranchGRPO as components: a tree advantage (:class:`~flowrl.sampling.branching.AdvantagesOnTrees`,
+    ``[advantage] use = "tree"``) runs on tree rollouts only, and a window that samples trees
+    (:class:`~flowrl.sampling.branching.SamplesTrees`, ``[window] use = "branch"``) splits: one
+    message each. A tree splits whole groups on one process, sampled in whole-group sub-batches with
+    the sampler's own kernels (no plan of its own); a split must leave the copies a stochastic step
+    that reaches the image, or they stay one image; a tree advantage needs step units and one
+    reward per leaf, and its pruning must fit the tree (its ``check_tree``; ``trainable``: the
+    sampler's trainable steps)."""
+    window, advantage = build_component(recipe, registry, "window"), build_component(recipe, registry, "advantage")
+    G, s = recipe.train.group_size, recipe.sampler
+    w_name, a_name = recipe.components["window"].use, recipe.components["advantage"].use
+    on_tree = isinstance(advantage, AdvantagesOnTrees)
+    if not isinstance(window, SamplesTrees):
+        if on_tree:
+            raise RecipeError(f"advantage '{a_name}' gives each transition of a tree rollout its own advantage, and "
+                              f"[window] '{w_name}' samples no trees", where=f"{recipe.source}: [advantage]",
+                              hint="sample trees with [window] use = 'branch' (steps and factors), or use a per-sample "
+                                   "advantage such as 'group_zscore'")
         return
-    where = f"{recipe.source}: [sampler].branch_factors"
-    if G % math.prod(s.branch_factors):
-        raise RecipeError(
-            f"the product of branch_factors ({math.prod(s.branch_factors)}) must divide group_size ({G}): "
-            "a group starts from group_size / product roots", where=where)
+    tree, where = window.tree(), f"{recipe.source}: [window]"
+    if not tree.steps:
+        raise RecipeError(f"[window] '{w_name}' samples trees and this one never splits", where=where,
+                          hint="give steps and factors (e.g. steps = [2, 6], factors = [2, 2]), or profile and count; "
+                               "or sample without trees: [window] use = 'fixed'")
+    try:
+        tree.check(s.steps, G)
+    except ValueError as exc:
+        raise RecipeError(str(exc).replace("the group size", "group_size"), where=where) from exc
     if s.batch_size % G:
-        raise RecipeError(f"batch_size ({s.batch_size}) must be 0 or a multiple of group_size ({G}) with "
-                          "branch rollouts: a group's tree is sampled in one sub-batch",
+        raise RecipeError(f"batch_size ({s.batch_size}) must be 0 or a multiple of group_size ({G}) with tree "
+                          "rollouts: a group's tree is sampled in one sub-batch",
                           where=f"{recipe.source}: [sampler].batch_size")
     if plans:
-        window = recipe.components["window"].use
-        raise RecipeError(f"branch rollouts sample with the sampler's kernels and [sampler].sde_window; [window] "
-                          f"'{window}' plans its own windows for each rollout", where=f"{recipe.source}: [window]",
-                          hint="use [window] use = 'fixed' (with sde_window for the stochastic steps), or drop "
-                               "branch_steps")
+        raise RecipeError(f"[window] '{w_name}' samples trees and plans its own windows too; a tree samples with the "
+                          "sampler's kernels and [sampler].sde_window", where=where,
+                          hint="a window that samples trees returns no plan")
     steps = [i for i, t in enumerate(trainable.tolist()) if t]
-    splits = [b for b, f in zip(s.branch_steps, s.branch_factors) if f > 1]
+    splits = [b for b, f in zip(tree.steps, tree.factors) if f > 1]
     if splits and (not steps or splits[-1] > steps[-1]):
         last = (f"the sampler's last stochastic step that reaches the image is step {steps[-1]}" if steps else
                 "the sampler has no stochastic step that reaches the image")
         raise RecipeError(
             f"branch step {splits[-1]} splits where no noise is drawn any more: {last}, so the copies "
             "would stay one image (the group's samples would repeat each other)",
-            where=f"{recipe.source}: [sampler].branch_steps",
+            where=f"{where}.steps",
             hint=(f"branch at steps <= {steps[-1]}" if steps else "use a stochastic kernel (e.g. 'flow')")
             + " (image_from = 'x0_hat' leaves the last step's noise out of the image; sde_window bounds the "
               "stochastic steps)")
-    if s.branch_keep >= G:
-        raise RecipeError(f"branch_keep = {s.branch_keep} keeps every leaf of a group of {G} (width pruning "
-                          "would prune nothing)", where=f"{recipe.source}: [sampler].branch_keep",
-                          hint=f"keep fewer than group_size = {G} leaves, or branch_keep = 0 for every leaf")
-    prune, stop = list(s.branch_prune_steps), max(s.branch_steps)
-    if prune and s.branch_prune_slide and prune[0] <= stop:
-        raise RecipeError(f"branch_prune_slide = {s.branch_prune_slide} slides the pruned steps earlier until the "
-                          f"first is the last branch step ({stop}); branch_prune_steps starts at step {prune[0]}, "
-                          "so it would never move", where=f"{recipe.source}: [sampler].branch_prune_slide",
-                          hint=f"start branch_prune_steps after step {stop}, or branch_prune_slide = 0")
-    # the pruned steps at every position the slide takes them to (pruned_steps in training)
-    shifts = range(max(0, prune[0] - stop) + 1 if s.branch_prune_slide else 1) if prune else range(0)
-    for shift in shifts:
-        if set(steps) <= {p - shift for p in prune}:
-            moved = f" (slid {shift} step{'s' if shift != 1 else ''} earlier)" if shift else ""
-            raise RecipeError(f"branch_prune_steps{moved} prunes every trainable transition of the sampler "
-                              f"(steps {steps[0]} to {steps[-1]}): no transition would be trained",
-                              where=f"{recipe.source}: [sampler].branch_prune_steps",
-                              hint="prune some of the steps after the last split only")
-    if s.branch_advantage == "tree":
-        where = f"{recipe.source}: [sampler].branch_advantage"
-        if recipe.components["chunker"].use != "step":
-            raise RecipeError("branch_advantage = 'tree' gives each transition its own advantage: it needs step "
-                              f"units, not chunker '{recipe.components['chunker'].use}'", where=where,
-                              hint="set chunker.use = 'step', or branch_advantage = 'leaf'")
-        if any(any(r.chunk_weights) for r in recipe.rewards):
-            raise RecipeError("branch_advantage = 'tree' fuses one reward per leaf; a reward with chunk_weights "
-                              "gives one per chunk", where=where, hint="drop chunk_weights, or branch_advantage = 'leaf'")
+    if not on_tree:
+        return
+    where = f"{recipe.source}: [advantage]"
+    try:
+        advantage.check_tree(tree, steps, s.steps, G)
+    except ValueError as exc:
+        raise RecipeError(str(exc), where=where) from exc
+    if recipe.components["chunker"].use != "step":
+        raise RecipeError(f"advantage '{a_name}' gives each transition its own advantage: it needs step units, not "
+                          f"chunker '{recipe.components['chunker'].use}'", where=where,
+                          hint="set chunker.use = 'step', or a per-sample advantage such as 'group_zscore'")
+    if any(any(r.chunk_weights) for r in recipe.rewards):
+        raise RecipeError(f"advantage '{a_name}' fuses one reward per leaf; a reward with chunk_weights gives one per "
+                          "chunk", where=where, hint="drop chunk_weights, or use a per-sample advantage such as "
+                                                     "'group_zscore'")
 
 
 def _check_sharding(recipe: Recipe) -> None:

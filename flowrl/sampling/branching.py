@@ -13,22 +13,33 @@ Randomness: a live row stands for a contiguous block of the group's final sample
 from the generator of the block's FIRST sample (a global sample index, :mod:`flowrl.seeding`),
 so the tree is the same on any process layout. With every factor 1 each live row is one sample
 and the rollout is exactly :func:`~flowrl.sampling.rollout.rollout`.
+
+As components (BranchGRPO is no flag of the engine): the tree's shape is the ``[window] use =
+"branch"`` planner's (:class:`BranchWindow`, a :class:`SamplesTrees`: its :class:`Tree` gives the
+per-step plan and the forwards the rollout runs), and the tree advantage with its depth and
+width pruning is the ``[advantage] use = "tree"`` estimator's (an :class:`AdvantagesOnTrees`).
+The training loop asks the two through these protocols and reads none of their keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from flowrl.config import param
 from flowrl.interfaces import Kernel
 from flowrl.sampling.rollout import PlannedStep, VelocityFn, rollout_steps
 from flowrl.sampling.schedules import validate_sigmas
 from flowrl.sampling.trajectory import Trajectory
 
 __all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout", "node_blocks",
-           "first_of_block", "tree_advantages", "prune_leaves", "pruned_steps", "steps_of_highest_dynamics", "FUSIONS"]
+           "first_of_block", "tree_advantages", "prune_leaves", "pruned_steps", "steps_of_highest_dynamics", "FUSIONS",
+           "Tree", "SamplesTrees", "AdvantagesOnTrees", "TreeAdvantages", "BranchConfig", "BranchWindow",
+           "tree_unit_advantages"]
 
 #: How the rewards of a node's leaves fuse into the node's value (:func:`tree_advantages`).
 FUSIONS = ("mean", "probability")
@@ -39,14 +50,14 @@ def check_branches(steps: Sequence[int], factors: Sequence[int], num_steps: int,
     in ``[0, num_steps)``, one factor >= 1 per step, and ``prod(factors)`` divides ``group_size``."""
     steps, factors = list(steps), list(factors)
     if len(steps) != len(factors):
-        raise ValueError(f"branch_steps and branch_factors need one entry each per branch, got "
+        raise ValueError(f"steps and factors need one entry each per split, got "
                          f"{len(steps)} steps and {len(factors)} factors")
     if any(f < 1 for f in factors):
-        raise ValueError(f"branch_factors must be >= 1, got {factors}")
+        raise ValueError(f"factors must be >= 1, got {factors}")
     if any(not 0 <= s < num_steps for s in steps) or any(a >= b for a, b in zip(steps, steps[1:])):
-        raise ValueError(f"branch_steps must be strictly increasing step indices in [0, {num_steps}), got {steps}")
+        raise ValueError(f"steps must be strictly increasing step indices in [0, {num_steps}), got {steps}")
     if group_size % math.prod(factors):
-        raise ValueError(f"the product of branch_factors ({math.prod(factors)}) must divide the group size "
+        raise ValueError(f"the product of factors ({math.prod(factors)}) must divide the group size "
                          f"({group_size}): a group starts from group_size / product roots")
 
 
@@ -212,3 +223,145 @@ def prune_leaves(tree: torch.Tensor, blocks: Sequence[int], keep: int) -> torch.
     out = tree.clone()
     out[pruned.nonzero().flatten()[:, None], torch.tensor(tails)[None, :]] = 0.0
     return out
+
+
+# ----------------------------------------------------------------------------- as components
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """The shape of every prompt group's tree: before step ``steps[k]`` draws its noise, each live
+    row is copied ``factors[k]`` times (a group of ``G`` starts from ``G / prod(factors)`` roots).
+    What the rollout, the compute accounting and a tree advantage need of it."""
+
+    steps: tuple[int, ...] = ()
+    factors: tuple[int, ...] = ()
+
+    def check(self, num_steps: int, group_size: int) -> None:
+        """:func:`check_branches` for a sampler of ``num_steps`` steps and groups of ``group_size``."""
+        check_branches(self.steps, self.factors, num_steps, group_size)
+
+    @property
+    def last_step(self) -> int:
+        """The tree's last step: where depth pruning stops sliding (:func:`pruned_steps`)."""
+        return max(self.steps)
+
+    def forward_rows(self, num_steps: int, group_size: int) -> int:
+        """Velocity rows one group's rollout runs (:func:`branch_forward_rows`)."""
+        return branch_forward_rows(num_steps, group_size, self.steps, self.factors)
+
+    def blocks(self, num_steps: int) -> list[int]:
+        """How many consecutive samples of a group share each state (:func:`node_blocks`)."""
+        return node_blocks(num_steps, self.steps, self.factors)
+
+
+@runtime_checkable
+class SamplesTrees(Protocol):
+    """A ``[window]`` planner whose rollouts are trees (BranchGRPO; ``[window] use = "branch"``):
+    ``tree()`` is the shape (a :class:`Tree`). Its ``plan`` is None: the tree samples with the
+    sampler's own kernels (``[sampler].sde_window``), one whole group per sub-batch and process.
+    The collect phase samples with :func:`branch_rollout` on that tree, the update counts the
+    forwards it ran (:meth:`Tree.forward_rows`), and a tree advantage reads its nodes from it."""
+
+    def tree(self) -> Tree: ...
+
+
+class TreeAdvantages(NamedTuple):
+    """What a tree advantage gives an iteration: ``advantages [B, T]`` for every trainable
+    transition of this process's samples, ``trained [B, T]`` (bool: the distinct transitions it
+    trains; the others have advantage 0) and ``metrics`` for the iteration's row."""
+
+    advantages: torch.Tensor
+    trained: torch.Tensor
+    metrics: dict[str, float]
+
+
+@runtime_checkable
+class AdvantagesOnTrees(Protocol):
+    """An ``[advantage]`` estimator that gives each transition of a tree rollout its own advantage
+    (BranchGRPO's tree advantage; ``[advantage] use = "tree"``). Called as any estimator first
+    (one advantage per sample, over every process's groups), then on this process's whole groups:
+    ``on_tree(advantages [B], trajectory, tree, group_size, iteration)`` -> :class:`TreeAdvantages`.
+    ``check_tree(tree, trainable_steps, num_steps, group_size)`` raises ``ValueError`` (one message,
+    naming the estimator's key) where its parameters do not fit the tree and the sampler; recipe
+    validation calls it. It runs only with a :class:`SamplesTrees` window and step units."""
+
+    def check_tree(self, tree: Tree, trainable_steps: Sequence[int], num_steps: int, group_size: int) -> None: ...
+
+    def on_tree(self, advantages: torch.Tensor, trajectory: Any, tree: Tree, group_size: int,
+                iteration: int) -> TreeAdvantages: ...
+
+
+def tree_unit_advantages(advantages: torch.Tensor, trajectory: Trajectory, tree: Tree, group_size: int, *,
+                         fusion: str = "mean", keep: int = 0,
+                         pruned: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """BranchGRPO's tree advantage of every trainable transition of a batch of whole groups (as
+    branch rollouts sample them), from the samples' own group advantages ``advantages [B]``:
+    ``[B, T]`` advantages, and the ``[B, T]`` mask of the distinct transitions outside the
+    depth-pruned steps ``pruned`` (:func:`pruned_steps`). A transition several samples share is
+    trained once, by the first sample of its block: its copies in the other samples get advantage
+    0, which the update skips (no forward on-policy) and which keeps every sample's mean over its
+    units, so each distinct transition weighs the same. Depth-pruned transitions get 0 too, and
+    width pruning (``keep``, :func:`prune_leaves`) zeroes the weaker leaves' inside the mask.
+    ``fusion``: :func:`tree_advantages`' (the probability fusion reads the trajectory's log-probs)."""
+    traj = trajectory
+    blocks = tree.blocks(traj.num_steps)
+    positions = torch.nonzero(traj.trainable.cpu(), as_tuple=False).flatten()
+    first = first_of_block(group_size, blocks)[:, positions]  # the same tree shape in every group
+    first &= ~torch.isin(positions, torch.tensor(list(pruned), dtype=positions.dtype))[None, :]
+    out = []
+    for start in range(0, len(advantages), group_size):
+        rows = slice(start, start + group_size)
+        values = tree_advantages(advantages[rows], blocks, fusion=fusion, log_probs=traj.log_probs[rows])
+        values = prune_leaves(values, blocks, keep)
+        out.append(torch.where(first, values[:, positions], torch.zeros(())))
+    device, groups = advantages.device, len(out)
+    return torch.cat(out).to(device), first.repeat(groups, 1).to(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchConfig:
+    steps: list[int] = param(
+        [], "The steps at which every live trajectory of a group splits into `factors` copies, each drawing its own "
+        "SDE noise from there on (BranchGRPO; docs/objectives.md, \"Branch rollouts\"). A group starts from "
+        "group_size / prod(factors) roots and the shared prefixes are computed once. Strictly increasing, in "
+        "[0, [sampler].steps), at stochastic steps ([sampler].sde_window).", min=0, max=10_000)
+    factors: list[int] = param(
+        [], "Copies made at each of `steps` (one factor each, >= 1); their product must divide group_size.",
+        min=1, max=10_000)
+    profile: str = param(
+        "", "Choose the steps from the temporal dynamics instead: a profile.json written by `flowrl profile` for "
+        "this sampler; the trajectories split in 2 at the `count` trainable transitions where its l1rel curve is "
+        "highest (`steps` and `factors` are then filled in, and kept in the run's recipe).", path=True)
+    count: int = param(0, "With `profile`: how many splits, each in 2 (2 ** count must divide group_size).",
+                       min=0, max=30)
+
+    def __post_init__(self):
+        if bool(self.profile) != bool(self.count):
+            raise ValueError("profile and count go together: the profile to read and how many splits to take from it")
+        if len(self.steps) != len(self.factors):
+            raise ValueError(f"steps and factors need one entry each per split, got {len(self.steps)} steps and "
+                             f"{len(self.factors)} factors")
+        if any(b <= a for a, b in zip(self.steps, self.steps[1:])):
+            raise ValueError(f"steps must be strictly increasing step indices, got {list(self.steps)}")
+
+
+class BranchWindow:
+    """BranchGRPO's tree rollouts: each prompt group a tree, shared prefixes computed once.
+
+    The tree splits at ``steps`` (or where a profile's dynamics are highest) and samples with the
+    sampler's own kernels (``[sampler].sde_window``): T is the sampler's, as with ``fixed``."""
+
+    Config = BranchConfig
+
+    def __init__(self, config: BranchConfig):
+        self.config = config
+
+    def num_trainable(self, context) -> int:
+        return int(context.trainable.sum())
+
+    def plan(self, iteration, keys, context):
+        return None
+
+    def tree(self) -> Tree:
+        return Tree(tuple(self.config.steps), tuple(self.config.factors))

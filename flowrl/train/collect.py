@@ -11,7 +11,6 @@ The result is a :class:`~flowrl.batch.Batch`, which the update consumes as it is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -30,8 +29,7 @@ from ..offline import encode_rows, iteration_rows
 from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
-from ..errors import RecipeError
-from ..sampling.branching import branch_rollout, first_of_block, node_blocks, prune_leaves, pruned_steps, tree_advantages
+from ..sampling.branching import AdvantagesOnTrees, SamplesTrees, branch_rollout
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
@@ -138,10 +136,12 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
     loss = session.components.loss
     keep_means = bool(isinstance(loss, KeepsRolloutMeans) and loss.keep_means)
     weights = loss.rollout_weights() if isinstance(loss, SamplesWithOwnWeights) else nullcontext()
-    # the [window] component's plan for this iteration (None: one kernel per step, [sampler].sde_window)
-    plan = session.components.window.plan(batch.iteration, list(batch.indices), session.plan_context)
+    # the [window] component's plan for this iteration (None: one kernel per step, [sampler].sde_window),
+    # or its tree (BranchGRPO, [window] use = "branch": one tree per group, prefixes computed once)
+    window = session.components.window
+    plan = window.plan(batch.iteration, list(batch.indices), session.plan_context)
+    tree = window.tree() if isinstance(window, SamplesTrees) else None
     parts = []
-    branches = (list(recipe.sampler.branch_steps), list(recipe.sampler.branch_factors))
     with weights:
         for lo in range(0, n, size):
             b = torch.arange(lo, min(lo + size, n))
@@ -150,14 +150,11 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
                           prompts=batch.prompts[lo : lo + len(b)], group_ids=batch.group_ids[lo : lo + len(b)],
                           keep_means=keep_means)
             velocity = stoppable(lambda x, s, text=text: model.velocity(x, s, text))
-            if branches[0]:  # [sampler].branch_steps: one tree per group, prefixes computed once
-                if plan is not None:
-                    raise RecipeError("branch rollouts sample with [sampler].sde_window; this [window] component "
-                                      "plans its own windows (a RolloutPlan)", where=f"{recipe.source}: [window]")
+            if tree is not None:  # validation: a window that samples trees has no plan of its own
                 parts.append(branch_rollout(
                     lambda rows, text=text, n_all=len(b): velocity_for_rows(model, text, rows, n_all),
                     noise[lo : lo + len(b)], sampler.sigmas, sampler.kernels, group_size=group_size,
-                    branch_steps=branches[0], branch_factors=branches[1], **common))
+                    branch_steps=tree.steps, branch_factors=tree.factors, **common))
             elif plan is None:
                 parts.append(rollout(velocity, noise[lo : lo + len(b)], sampler.sigmas, sampler.kernels, **common))
             else:
@@ -215,44 +212,16 @@ def assign_advantages(run: Run, batch: Batch, num_chunks: int, record: dict) -> 
     offset = ctx.rank * geometry.samples_per_process
     batch.advantages = everyone[offset : offset + geometry.samples_per_process].to(session.device)
     record.update({f"advantage/{k}": x for k, x in summary_stats(everyone).items()})
-    sampler = session.recipe.sampler
-    if sampler.branch_advantage == "tree":
-        pruned = pruned_steps(sampler.branch_prune_steps, sampler.branch_prune_slide, batch.iteration,
-                              max(sampler.branch_steps))
-        batch.advantages, kept = tree_unit_advantages(sampler, batch, geometry.group_size, pruned)
+    if isinstance(estimator, AdvantagesOnTrees):  # BranchGRPO's tree advantage, on this process's whole groups
+        # (validation: it runs on a window that samples trees, with step units)
+        tree = estimator.on_tree(batch.advantages, batch.trajectory, session.components.window.tree(),
+                                 geometry.group_size, batch.iteration)
+        batch.advantages = tree.advantages
         # over every process's groups, as the advantages above (each process holds [B, T] of them)
-        every_tree = distributed.all_gather_cat(batch.advantages.cpu(), ctx)
-        every_kept = distributed.all_gather_cat(kept.cpu(), ctx)
+        every_tree = distributed.all_gather_cat(tree.advantages.cpu(), ctx)
+        every_kept = distributed.all_gather_cat(tree.trained.cpu(), ctx)
         record.update({f"advantage/tree/{k}": x for k, x in summary_stats(every_tree[every_kept]).items()})
-        if pruned:
-            record["branch/prune_start"] = pruned[0]
-
-
-def tree_unit_advantages(sampler, batch: Batch, group_size: int,
-                         pruned: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """BranchGRPO's tree advantage of every trainable transition of this process's samples (whole
-    groups, as branch rollouts sample them), from the samples' own group advantages: ``[B, T]``
-    advantages, and the ``[B, T]`` mask of the distinct transitions outside the depth-pruned steps
-    ``pruned`` (:func:`~flowrl.sampling.branching.pruned_steps`). A transition several samples
-    share is trained once, by the first sample of its block: its copies in the other samples get
-    advantage 0, which the update skips (no forward on-policy) and which keeps every sample's
-    mean over its units, so each distinct transition weighs the same (:mod:`flowrl.sampling.branching`).
-    Depth-pruned transitions get 0 too, and width pruning (``branch_keep``) zeroes the weaker
-    leaves' inside the mask."""
-    traj = batch.trajectory
-    blocks = node_blocks(traj.num_steps, sampler.branch_steps, sampler.branch_factors)
-    positions = torch.nonzero(traj.trainable.cpu(), as_tuple=False).flatten()
-    first = first_of_block(group_size, blocks)[:, positions]  # the same tree shape in every group
-    first &= ~torch.isin(positions, torch.tensor(list(pruned), dtype=positions.dtype))[None, :]
-    advantages = []
-    for start in range(0, len(batch.indices), group_size):
-        rows = slice(start, start + group_size)
-        tree = tree_advantages(batch.advantages[rows], blocks, fusion=sampler.branch_fusion,
-                               log_probs=traj.log_probs[rows])
-        tree = prune_leaves(tree, blocks, sampler.branch_keep)
-        advantages.append(torch.where(first, tree[:, positions], torch.zeros(())))
-    device, groups = batch.advantages.device, len(advantages)
-    return torch.cat(advantages).to(device), first.repeat(groups, 1).to(device)
+        record.update(tree.metrics)
 
 
 def all_equal_fraction(rewards: dict[str, torch.Tensor], choices, group_ids: torch.Tensor) -> float:

@@ -31,7 +31,8 @@ from ..interfaces import PlansMemory
 from ..memory_plan import GB, estimate, peak
 from ..plugins import Registry, get_registry
 from ..prompts import read_prompts
-from ..recipe import Recipe, check_startable
+from ..recipe import Recipe, build_component, check_startable
+from ..sampling.branching import SamplesTrees
 from .accel import prepare_kernels
 from .checkpoint import checkpoint_iteration, latest_checkpoint
 from .collect import assign_advantages, collect
@@ -41,7 +42,7 @@ from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .pipeline import Pipeline
 from .parallel import resolve_strategy
-from .progress import RunDisplay
+from .progress import RunDisplay, shown_reward
 from .replay import Replay
 from .run import Run
 from .run_dir import check_run_directory, hold_run_directory, resume_hint, run_is_complete
@@ -60,7 +61,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 
     # ---- Setup: device, processes, batch geometry, run directory checks ----------------------
     device, ctx = distributed.start(recipe.run.device, recipe.distributed)  # checks the launcher agrees
-    geometry = refuse_split_trees(cfg, resolve_geometry(train_cfg, ctx.world_size, cfg.source, cfg.group_size), ctx)
+    geometry = run_geometry(cfg, ctx, registry)
     run_dir = Path(resume) if resume is not None else cfg.output_dir
     announce(console, ctx, cfg, geometry, run_dir)
     if dry_run:
@@ -86,7 +87,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
         evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
-        display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, recipe.rewards[0].label)
+        display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, shown_reward(recipe.rewards))
         saver = Checkpointer(run_dir, run, state, update, layout, ema, replay, pipeline, on_write=display.phase)
         try:  # the run's stop (signals, the STOP file): flowrl.train.stopping
             with display, RunStop(run_dir, ctx, display.say if ctx.is_main else None) as stop, kernels, pipeline or contextlib.nullcontext():
@@ -157,14 +158,26 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
 # ------------------------------------------------------------------------------ the phases' helpers
 
 
-def refuse_split_trees(recipe: Recipe, geometry, ctx):
-    """``geometry``, unless branch rollouts meet groups split across processes: a branch rollout
-    shares a group's prefixes inside one process's rollout, a split group could not share them."""
-    if recipe.sampler.branch_steps and geometry.groups_split_across_processes:
+def run_geometry(recipe: Recipe, ctx, registry: Registry):
+    """The batch geometry on this process layout (:func:`~flowrl.geometry.resolve_geometry`), whole
+    groups on each process where the ``[window]`` samples trees (:func:`refuse_split_trees`)."""
+    geometry = resolve_geometry(recipe.train, ctx.world_size, recipe.source, recipe.group_size)
+    return refuse_split_trees(recipe, geometry, ctx, registry)
+
+
+def refuse_split_trees(recipe: Recipe, geometry, ctx, registry: Registry | None = None):
+    """``geometry``, unless tree rollouts (a ``[window]`` that samples trees: BranchGRPO's
+    ``branch``) meet groups split across processes: a tree shares a group's prefixes inside one
+    process's rollout, a split group could not share them."""
+    if geometry.groups_split_across_processes and isinstance(
+            build_component(recipe, registry or get_registry(), "window"), SamplesTrees):
+        window = recipe.components["window"].use
         raise RecipeError(
-            f"branch rollouts need whole groups on each process: {geometry.prompts_per_iteration} prompts over "
-            f"{ctx.world_size} processes split groups", where=f"{recipe.source}: [sampler].branch_steps",
-            hint=f"make prompts_per_iteration a multiple of {ctx.world_size}, or drop branch_steps")
+            f"[window] '{window}' samples each group as a tree, which needs whole groups on each process: "
+            f"{geometry.prompts_per_iteration} prompts over {ctx.world_size} processes split groups",
+            where=f"{recipe.source}: [window]",
+            hint=f"make prompts_per_iteration a multiple of {ctx.world_size}, or sample without trees "
+                 "([window] use = 'fixed')")
     return geometry
 
 

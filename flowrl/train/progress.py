@@ -62,6 +62,12 @@ def progress_bar(console: Console, enabled: bool) -> Progress:
     )
 
 
+def shown_reward(rewards) -> str:
+    """The label of the reward the progress bar shows: the first one training optimises (weight
+    not 0), not a judge listed first only to be logged; the first of all when none is weighted."""
+    return next((r.label for r in rewards if r.weight), rewards[0].label)
+
+
 class RunDisplay:
     """The progress bar of one run (off on processes other than the main one, or with
     ``[log].progress = false``): the phase running now, the first reward, the throughput."""

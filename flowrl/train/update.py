@@ -30,7 +30,7 @@ from ..memory_plan import choose_gradient_sync
 from ..objectives.base import MicroBatch, OnPolicyProbe, UpdateContext, UpdateMode
 from ..objectives.kl import KLSettings
 from ..objectives.policy_gradient import objective_for
-from ..sampling.branching import branch_forward_rows
+from ..sampling.branching import SamplesTrees
 from ..seeding import generator
 from ..stop_points import stop_point
 from .compute import ComputeCounter, network_rows_per_sample
@@ -132,9 +132,9 @@ class PolicyUpdate:
         if first_epoch == 0 and batch.trajectory is not None:  # a replayed rollout was counted when collected;
             # offline rows were never sampled
             full = batch.trajectory.num_steps * len(batch.indices)
-            s = self.session.recipe.sampler
-            run = full if not s.branch_steps else len(batch.indices) // g.group_size * branch_forward_rows(
-                batch.trajectory.num_steps, g.group_size, s.branch_steps, s.branch_factors)
+            window = self.session.components.window  # a tree computes each shared prefix once
+            run = full if not isinstance(window, SamplesTrees) else len(batch.indices) // g.group_size * (
+                window.tree().forward_rows(batch.trajectory.num_steps, g.group_size))
             self.counter.expect("rollout", run * self.context.rows_per_sample)
             self.counter.saved("rollout", (full - run) * self.context.rows_per_sample)
         if not out.skipped:

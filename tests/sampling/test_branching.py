@@ -241,3 +241,62 @@ def test_branch_steps_go_where_the_dynamics_are_highest():
     assert steps_of_highest_dynamics([1.0, 1.0, 1.0], [0, 1, 2], 1) == [0]  # ties: the earlier
     with pytest.raises(ValueError, match="one curve value per position"):
         steps_of_highest_dynamics(curve, positions, 6)
+
+
+# ----------------------------------------------------------------------------- as components
+
+
+def test_the_branch_window_is_a_window_planner_that_samples_trees():
+    from flowrl.plugins import get_registry
+    from flowrl.sampling.branching import BranchConfig, SamplesTrees, Tree
+    from flowrl.testing.components import check_component
+
+    window = get_registry().get("window", "branch").build(BranchConfig(steps=[1, 3], factors=[2, 2]))
+    assert isinstance(window, SamplesTrees) and check_component("window", window) == ["WindowPlanner"]
+    tree = window.tree()
+    assert tree == Tree((1, 3), (2, 2)) and tree.last_step == 3
+    assert tree.forward_rows(6, G) == branch_forward_rows(6, G, [1, 3], [2, 2])
+    assert tree.blocks(6) == node_blocks(6, [1, 3], [2, 2])
+    fixed = get_registry().get("window", "fixed").build()
+    assert not isinstance(fixed, SamplesTrees)
+    for kwargs, match in [({"steps": [1, 3], "factors": [2]}, "one entry each"),
+                          ({"steps": [3, 1], "factors": [2, 2]}, "strictly increasing"),
+                          ({"count": 2}, "go together")]:
+        with pytest.raises(ValueError, match=match):
+            BranchConfig(**kwargs)
+
+
+def test_the_tree_advantage_is_the_group_zscore_per_sample_and_the_tree_per_transition():
+    from flowrl.plugins import get_registry
+    from flowrl.sampling.branching import AdvantagesOnTrees, Tree, tree_unit_advantages
+    from flowrl.testing.components import check_component
+
+    registry = get_registry()
+    comp = registry.get("advantage", "tree")
+    estimator = comp.build(comp.params(std="biased", clip=1.0, keep=2, prune_steps=[4], prune_slide=1))
+    assert isinstance(estimator, AdvantagesOnTrees) and check_component("advantage", estimator) == ["AdvantageEstimator"]
+    assert not isinstance(registry.get("advantage", "group_zscore").build(None), AdvantagesOnTrees)
+    zscore = registry.get("advantage", "group_zscore")
+    same = zscore.build(zscore.params(std="biased", clip=1.0))
+    rewards, groups = {"r": torch.rand(2 * G, generator=torch.Generator().manual_seed(5))}, torch.arange(2 * G) // G
+    leaf = estimator(rewards, {"r": 1.0}, groups)
+    assert torch.equal(leaf, same(rewards, {"r": 1.0}, groups))
+    # per transition: the tree of the rollout, depth pruning slid by the iteration, width pruning
+    traj = _branch(GroupVelocity(), [1, 3], [2, 2])
+    tree = Tree((1, 3), (2, 2))
+    for iteration, pruned in ((0, [4]), (1, [3]), (5, [3])):  # slides from step 4 to the last split, 3
+        got = estimator.on_tree(leaf, traj, tree, G, iteration)
+        want = tree_unit_advantages(leaf, traj, tree, G, fusion="mean", keep=2, pruned=pruned)
+        assert torch.equal(got.advantages, want[0]) and torch.equal(got.trained, want[1])
+        assert got.metrics == {"branch/prune_start": pruned[0]}
+        positions = torch.nonzero(traj.trainable).flatten().tolist()
+        assert not got.trained[:, positions.index(pruned[0])].any()
+        assert bool((got.advantages[~got.trained] == 0).all())
+    # its own checks against the tree and the sampler
+    for params, match in [({"keep": G}, "keeps every leaf of a group of 4"),
+                          ({"prune_steps": [6]}, r"in \[0, steps = 6\)"),
+                          ({"prune_steps": [2, 4], "prune_slide": 1}, "would never move"),
+                          ({"prune_steps": [0, 1, 2, 3, 4]}, "prunes every trainable transition")]:
+        with pytest.raises(ValueError, match=match):
+            comp.build(comp.params(**params)).check_tree(tree, [0, 1, 2, 3, 4], 6, G)
+    comp.build(comp.params(keep=2, prune_steps=[4, 5], prune_slide=1)).check_tree(tree, [0, 1, 2, 3, 4], 6, G)
