@@ -111,7 +111,7 @@ def test_every_documented_path_key_is_declared_a_path():
     # outputs (relative to the current directory, as --output-dir), a name used in one, a URL
     not_paths = {("run", "output_dir"), ("run", "name"), ("tracker:tensorboard", "log_dir"), ("tracker:wandb", "name"),
                  ("prompts", "condition_column"),
-                 ("reward:http", "url")}
+                 ("reward:http", "url"), ("reward:vlm_judge", "base_url")}
     found = []
     tables = [(name, cls) for name, cls in SECTIONS.items()]
     reg = get_registry()
