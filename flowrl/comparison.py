@@ -26,8 +26,8 @@ except ModuleNotFoundError:  # Python 3.10
 from .errors import FlowrlError, suggest
 from .files import read_jsonl
 from .stats import Interval, cumulative, curve_auc, paired_interval, t_interval, value_at_budget
+from .sweeps import MANIFEST
 
-MANIFEST = "sweep.json"
 FORMATS = ("table", "md", "csv", "json")
 QUANTITIES = ("final", "best", "auc")
 _SEED_SUFFIX = re.compile(r"[_-]seed\d+$")
