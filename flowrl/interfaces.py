@@ -676,9 +676,13 @@ class RewardPlacement(Protocol):
 
 @runtime_checkable
 class PlansRewardMemory(Protocol):
-    """A reward's params that can tell ``flowrl plan`` the bytes its model occupies on the device."""
+    """A reward's params that can tell ``flowrl plan`` the bytes its model occupies on the device
+    (``None``: not known for this choice of weights, so not counted) and say in ``memory_note``
+    what the figure is (e.g. ``"Qwen2-VL-7B, 8.29e9 params"``)."""
 
-    def memory_bytes(self) -> int: ...
+    memory_note: str
+
+    def memory_bytes(self) -> int | None: ...
 
 
 @runtime_checkable

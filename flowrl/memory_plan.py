@@ -20,8 +20,8 @@ device from their configs); activation constants are measured by running a one-b
 the model's transformer on the CPU and counting the tensors autograd saves. A model's params
 provide these through ``memory_spec()`` (:class:`flowrl.interfaces.PlansMemory`); without it,
 the model is built (fine for small models) and measured directly. Reward models are known by
-name (``REWARD_PARAMS``) or declare ``memory_bytes()`` on their params
-(:class:`flowrl.interfaces.PlansRewardMemory`). This is an
+Reward models declare ``memory_bytes()`` on their params
+(:class:`flowrl.interfaces.PlansRewardMemory`); one that does not is listed, uncounted. This is an
 estimate: measure the real peak on the first iterations (``torch.cuda.max_memory_allocated``).
 """
 
@@ -46,13 +46,6 @@ CUDA_OVERHEAD = int(1.5 * GB)
 #: Live activations of a forward WITHOUT grad, in elements per token per unit of width: q, k, v,
 #: attention output, the 4x MLP hidden and its activation, residuals, norms' upcasts.
 INFERENCE_WIDTHS = 17.2  # FLUX.1-dev at full size under torch's MemTracker (benchmarks/memory_plan.py)
-#: Parameters of reward models known by name (approximate public sizes).
-REWARD_PARAMS = {
-    "hpsv3": (8.29e9, "Qwen2-VL-7B"),
-    "video_align": (2.21e9, "Qwen2-VL-2B"),
-    "pickscore": (0.986e9, "CLIP ViT-H-14"),
-    "clip": (0.986e9, "CLIP ViT-H-14 (open_clip default; ViT-L-14 is 0.43e9)"),
-}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -400,15 +393,11 @@ def cached_prompts(recipe) -> int:
 
 
 def _reward_lines(recipe) -> list[Line]:
+    """One line per reward, as its params declare its model (PlansRewardMemory)."""
     lines = []
     for r in recipe.rewards:
-        rbytes, note = 0.0, "size unknown (not counted)"
-        if isinstance(r.params, PlansRewardMemory):
-            rbytes, note = float(r.params.memory_bytes()), "declared by the reward"
-        elif r.use in REWARD_PARAMS:
-            params, what = REWARD_PARAMS[r.use]
-            dtype = r.params.dtype if isinstance(r.params, RewardPlacement) else "auto"
-            rbytes, note = params * DTYPE_BYTES.get(dtype, 2), f"{what}, {params / 1e9:.2f}e9 params"
+        declared = r.params.memory_bytes() if isinstance(r.params, PlansRewardMemory) else None
+        rbytes, note = (0.0, "size unknown (not counted)") if declared is None else (float(declared), r.params.memory_note)
         offload = isinstance(r.params, RewardPlacement) and bool(r.params.offload)
         lines.append(Line("reward" if offload else "persistent", f"reward '{r.label}'", rbytes,
                           note + (" (offloaded: on the GPU while scoring)" if offload else "")))

@@ -36,6 +36,23 @@ ClipScale = Literal["cosine", "logit", "clipscore", "logit/26", "(logit-18)/8"]
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+#: Parameters of the CLIP architectures (image and text towers), for ``flowrl plan``.
+CLIP_PARAMETERS = {"ViT-B-32": 151.3e6, "ViT-B-16": 149.6e6, "ViT-L-14": 427.6e6, "ViT-H-14": 986.1e6,
+                   "ViT-g-14": 1.367e9, "ViT-bigG-14": 2.540e9}
+#: How hub ids spell those architectures (open_clip names them directly).
+_HUB_SPELLINGS = {"vit-base-patch32": "ViT-B-32", "vit-b-32": "ViT-B-32", "vit-base-patch16": "ViT-B-16",
+                  "vit-b-16": "ViT-B-16", "vit-large-patch14": "ViT-L-14", "vit-l-14": "ViT-L-14",
+                  "vit-h-14": "ViT-H-14", "vit-huge-patch14": "ViT-H-14", "vit-bigg-14": "ViT-bigG-14",
+                  "vit-g-14": "ViT-g-14"}
+
+
+def _clip_family(name: str) -> str | None:
+    """The architecture an open_clip name or a hub id names (``None`` for a local directory or
+    an architecture not in :data:`CLIP_PARAMETERS`)."""
+    if name in CLIP_PARAMETERS:
+        return name
+    lowered = name.lower()
+    return next((arch for spelling, arch in _HUB_SPELLINGS.items() if spelling in lowered), None)
 
 
 def apply_scale(cos: torch.Tensor, logit_scale: torch.Tensor | float, scale: str) -> torch.Tensor:
@@ -191,6 +208,11 @@ class PickScoreConfig(PlacementConfig):
         "'logit/26' (Flow-GRPO), '(logit-18)/8' (about [0, 1]). See docs/rewards.md.",
     )
 
+    memory_note = "CLIP ViT-H-14, 0.99e9 params"
+
+    def memory_bytes(self) -> int:
+        return self.weight_bytes(CLIP_PARAMETERS["ViT-H-14"])  # PickScore is a fine-tuned CLIP-H
+
 
 class PickScore(HFClipScorer):
     """PickScore (Kirstain et al. 2023): human-preference CLIP-H; transformers CLIPModel."""
@@ -271,6 +293,22 @@ class ClipConfig(PlacementConfig):
     scale: ClipScale = param(
         "cosine", "Reported scale: 'cosine', 'logit' (logit_scale*cos), 'clipscore' (2.5*max(cos,0)), 'logit/26', '(logit-18)/8'."
     )
+
+    @property
+    def architecture(self) -> str:
+        """The CLIP the defaults resolve to: open_clip's architecture name, or the transformers model."""
+        if self.backend == "open_clip":
+            return self.model or "ViT-H-14"
+        return self.model or "openai/clip-vit-large-patch14"
+
+    @property
+    def memory_note(self) -> str:
+        size = CLIP_PARAMETERS.get(_clip_family(self.architecture))
+        return f"CLIP {self.architecture}, {size / 1e9:.2f}e9 params" if size else f"CLIP {self.architecture}"
+
+    def memory_bytes(self) -> int | None:
+        size = CLIP_PARAMETERS.get(_clip_family(self.architecture))
+        return None if size is None else self.weight_bytes(size)
 
 
 class Clip:

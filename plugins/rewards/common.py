@@ -41,6 +41,11 @@ class PlacementConfig:
     batch_size: int = param(32, "Images scored per forward pass (scores do not depend on it).", min=1)
     offload: bool = param(False, "Keep the model on the CPU between calls; move it to the device only while scoring.")
 
+    def weight_bytes(self, parameters: float) -> int:
+        """Bytes of ``parameters`` weights on an accelerator in this dtype ('auto' is bfloat16 there),
+        for a reward's ``memory_bytes`` (:class:`flowrl.interfaces.PlansRewardMemory`)."""
+        return int(parameters * (4 if self.dtype == "float32" else 2))
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":

@@ -105,6 +105,11 @@ class HPSv3Config(PlacementConfig):
     pixels: int = param(200704, "Image area the model sees (HPSv3 fixes 256*28*28 = 200704: 448x448 for a square image).", min=784)
     batch_size: int = param(8, "Images scored per forward pass (scores do not depend on it).", min=1)
 
+    memory_note = "Qwen2-VL-7B, 8.29e9 params"
+
+    def memory_bytes(self) -> int:
+        return self.weight_bytes(8.29e9)  # Qwen2-VL-7B-Instruct and HPSv3's head
+
 
 class HPSv3(ModelReward):
     """HPSv3 human preference (Qwen2-VL reward model), native on transformers >= 4.52; score = mu."""

@@ -204,6 +204,11 @@ class VideoAlignConfig(PlacementConfig):
     quantize: bool = param(True, "Round frames to 8 bits before and after the resize, as upstream (decoded 8-bit video) does.")
     batch_size: int = param(4, "Clips scored per forward pass (scores do not depend on it).", min=1)
 
+    memory_note = "Qwen2-VL-2B, 2.21e9 params"
+
+    def memory_bytes(self) -> int:
+        return self.weight_bytes(2.21e9)  # VideoReward is Qwen2-VL-2B-Instruct with LoRA merged and a head
+
     def __post_init__(self):
         if self.sample_fps and self.num_frames:
             raise ValueError("sample_fps and num_frames are exclusive: set one (upstream refuses both)")
