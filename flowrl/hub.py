@@ -23,14 +23,15 @@ from pathlib import Path
 from .errors import FlowrlError
 from .plotting import plot_run
 from .plugins import get_registry
-from .recipe import Recipe, dump_toml
+from .recipe import Recipe, dump_toml, uses_units
 from .runlog import read_metrics
 
 def algorithm_of(recipe: Recipe) -> tuple[str, str]:
     """``(algorithm, paper)`` of a recipe, as its components describe themselves: a loss that owns
-    its update names the algorithm (``algorithm``, e.g. DiffusionNFT); otherwise the chunker names
-    the GRPO family member (its ``algorithm``), refined by the loss (``variant``, e.g. GRPO-Guard)
-    and a weighted selector."""
+    its update names the algorithm (``algorithm``, e.g. DiffusionNFT); otherwise the chunker (or a
+    likelihood other than the trajectory's) names the GRPO family member (its ``algorithm``),
+    refined by the window, selector, advantage and loss that say what they add (``variant``, e.g.
+    MixGRPO's window, E-GRPO's selector, GRPO-Guard's loss)."""
     registry = get_registry()
     loss = registry.get("loss", recipe.components["loss"].use).factory
     if getattr(loss, "algorithm", None):
@@ -41,11 +42,37 @@ def algorithm_of(recipe: Recipe) -> tuple[str, str]:
     likelihood = recipe.components.get("likelihood")
     if likelihood is not None:  # an estimator other than the trajectory's names the family (no chunks)
         name, paper = getattr(registry.get("likelihood", likelihood.use).factory, "algorithm", None) or (name, paper)
-    if getattr(loss, "variant", None):
-        name, paper = name + loss.variant[0], "; ".join(p for p in (paper, loss.variant[1]) if p)
-    if recipe.components["selector"].use == "weighted" and (likelihood is None or likelihood.use == "trajectory"):
-        name += ", with chunks sampled by their temporal-dynamics weight"
+    for table in ("window", "selector", "advantage", "loss"):  # each refines the name with its ``variant``
+        words, cited = _variant_of(registry, table, recipe.components[table])
+        name += words
+        if cited and cited not in paper:
+            paper = f"{paper}; {cited}" if paper else cited
     return name, paper
+
+
+def _variant_of(registry, kind: str, choice) -> tuple[str, str]:
+    """What a component adds to the model card's algorithm: its factory's ``variant``, a
+    ``(words, paper)`` pair or a function of its params returning one; ``("", "")`` if none."""
+    variant = getattr(registry.get(kind, choice.use).factory, "variant", None)
+    return (variant(choice.params) if callable(variant) else variant) or ("", "")
+
+
+def components_used(recipe: Recipe) -> list[str]:
+    """The component tables the run consults, in the card's order: the chunk layout (chunker,
+    selector) only under an objective with units, the likelihood only when it is not the
+    trajectory's (the default)."""
+    registry = get_registry()
+    units = uses_units(recipe, registry)
+    likelihood = recipe.components.get("likelihood")
+    return [table for table in ("kernel", "window", "chunker", "selector", "advantage", "likelihood", "loss")
+            if table in recipe.components and (units or table not in ("chunker", "selector"))
+            and (table != "likelihood" or likelihood.use != registry.default("likelihood"))]
+
+
+def _batch_of(recipe: Recipe) -> str:
+    if recipe.data.enabled:  # an offline run trains on rows of its table, not on groups
+        return f"{recipe.train.prompts_per_iteration} rows of its dataset per iteration"
+    return f"{recipe.train.prompts_per_iteration} prompts x {recipe.train.group_size} samples per iteration"
 
 
 def task_of(recipe: Recipe) -> str:
@@ -100,7 +127,8 @@ def model_card(repo: str, info: dict, recipe: Recipe, run_dir: Path | None, has_
     base = info.get("base")
     task = task_of(recipe)
     header = ["---", "library_name: diffusers" if info["format"].startswith("diffusers_") else "library_name: flowrl",
-              f"pipeline_tag: {task}", "tags:", "- flowrl", "- reinforcement-learning", "- grpo", f"- {task}"]
+              f"pipeline_tag: {task}", "tags:", "- flowrl", "- reinforcement-learning",
+              *(["- grpo"] if "GRPO" in algorithm else []), f"- {task}"]
     if info.get("finetune") == "lora" and not info.get("merged"):
         header.append("- lora")
     if is_hub_id(base):
@@ -115,10 +143,8 @@ def model_card(repo: str, info: dict, recipe: Recipe, run_dir: Path | None, has_
         f"- base model: {base or info['model']}",
         f"- fine-tuning: {info['finetune']}" + (f" (LoRA rank {info['lora']['rank']}, alpha {info['lora']['alpha']:g})" if "lora" in info else ""),
         f"- checkpoint: iteration {info['iteration']} of {recipe.train.iterations}",
-        f"- {recipe.train.prompts_per_iteration} prompts x {recipe.train.group_size} samples per iteration, "
-        f"{recipe.sampler.steps} sampling steps, kernel `{recipe.components['kernel'].use}`, "
-        f"chunker `{recipe.components['chunker'].use}`, selector `{recipe.components['selector'].use}`, "
-        f"loss `{recipe.components['loss'].use}`",
+        f"- {_batch_of(recipe)}, {recipe.sampler.steps} sampling steps; "
+        + ", ".join(f"{table} `{recipe.components[table].use}`" for table in components_used(recipe)),
         "- rewards:", *[f"  {r}" for r in rewards], "",
     ]
     table = eval_summary(run_dir)

@@ -297,6 +297,33 @@ class WindowPlanner(Protocol):
 
 
 @runtime_checkable
+class SamplesTrees(Protocol):
+    """A ``[window]`` planner whose rollouts are trees (BranchGRPO; ``[window] use = "branch"``):
+    ``tree()`` is the shape (a :class:`flowrl.sampling.branching.Tree`). Its ``plan`` is None: the tree samples with the
+    sampler's own kernels (``[sampler].sde_window``), one whole group per sub-batch and process.
+    The collect phase samples with :func:`flowrl.sampling.branching.branch_rollout` on that tree, the
+    update counts the forwards it ran (``Tree.forward_rows``), and a tree advantage reads its nodes from it."""
+
+    def tree(self) -> Any: ...
+
+
+@runtime_checkable
+class AdvantagesOnTrees(Protocol):
+    """An ``[advantage]`` estimator that gives each transition of a tree rollout its own advantage
+    (BranchGRPO's tree advantage; ``[advantage] use = "tree"``). Called as any estimator first
+    (one advantage per sample, over every process's groups), then on this process's whole groups:
+    ``on_tree(advantages [B], trajectory, tree, group_size, iteration)`` -> :class:`flowrl.sampling.branching.TreeAdvantages`.
+    ``check_tree(tree, trainable_steps, num_steps, group_size)`` raises ``ValueError`` (one message,
+    naming the estimator's key) where its parameters do not fit the tree and the sampler; recipe
+    validation calls it. It runs only with a :class:`SamplesTrees` window and step units."""
+
+    def check_tree(self, tree: Any, trainable_steps: Sequence[int], num_steps: int, group_size: int) -> None: ...
+
+    def on_tree(self, advantages: torch.Tensor, trajectory: Any, tree: Any, group_size: int,
+                iteration: int) -> Any: ...
+
+
+@runtime_checkable
 class Chunker(Protocol):
     """Splits T trainable transitions into consecutive chunks.
 

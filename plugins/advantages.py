@@ -75,6 +75,8 @@ class DiversityAdvantage:
     Features: the decoded image, centred per image (parameter-free, offline)."""
 
     Config = DiversityConfig
+    #: the model card's words for this advantage (flowrl.hub)
+    variant = (", with GARDO's diversity-aware advantage", "GARDO, arXiv:2512.24138")
 
     def __init__(self, config: DiversityConfig):
         self.config = config

@@ -74,6 +74,8 @@ class WeightedSelector:
     """Chunks drawn without replacement with probability proportional to their mean L1rel."""
 
     Config = WeightedConfig
+    #: the model card's words for this selector (flowrl.hub)
+    variant = (", with chunks sampled by their temporal-dynamics weight", "")
 
     def __init__(self, config: WeightedConfig):
         self.config = config
@@ -113,6 +115,8 @@ class FlashSelector:
     group)."""
 
     Config = FlashConfig
+    #: the model card's words for this selector (flowrl.hub)
+    variant = (", with Flash-GRPO's one trained step per group", "Flash-GRPO, arXiv:2605.15980")
 
     def __init__(self, config: FlashConfig):
         self.config = config
@@ -149,6 +153,8 @@ class EntropySelector:
     The kernel's std is read off the current rollout's sigmas, so per-sample windows are honoured."""
 
     Config = EntropyConfig
+    #: the model card's words for this selector (flowrl.hub)
+    variant = (", with E-GRPO's highest-entropy steps", "E-GRPO, arXiv:2601.00423")
 
     def __init__(self, config: EntropyConfig):
         self.config = config

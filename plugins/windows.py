@@ -70,6 +70,14 @@ class SlidingWindow:
 
     Config = SlidingConfig
 
+    @staticmethod
+    def variant(config: SlidingConfig) -> tuple[str, str]:
+        """The model card's words for this window (flowrl.hub): MixGRPO, or MixGRPO-Flash when a
+        higher-order solver or a compressed schedule follows the window."""
+        flash = config.outside == "dpm2m" or config.compress < 1
+        return ((", with MixGRPO-Flash's sliding SDE window and DPM-Solver++(2M) after it" if flash
+                 else ", with MixGRPO's sliding SDE window"), "MixGRPO, arXiv:2507.21802")
+
     def __init__(self, config: SlidingConfig):
         self.config = config
 
@@ -119,6 +127,8 @@ class RandomWindow:
     """Flow-GRPO-Fast: the window's start is uniform on ``{lo, ..., hi - size}``."""
 
     Config = RandomConfig
+    #: the model card's words for this window (flowrl.hub)
+    variant = (", with Flow-GRPO-Fast's SDE window placed at random", "Flow-GRPO-Fast, yifan123/flow_grpo")
 
     def __init__(self, config: RandomConfig):
         self.config = config

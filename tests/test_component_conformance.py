@@ -25,7 +25,8 @@ NEEDS_MORE = {"pickscore", "clip", "geneval", "hpsv3", "hpsv3_upstream", "http",
 PARAMS = {("chunker", "dynamics"): {"profile": PROFILE}, ("schedule", "flux_dynamic"): {"image_seq_len": 1024},
           ("tracker", "wandb"): {"mode": "offline"},  # wandb: no network in tests
           ("loss", "gardo"): {"auxiliary": ["verifier"]},  # gardo needs an auxiliary reward label
-          ("reward", "ocr"): {"device": "cpu", "threads": 1}}  # ONNX Runtime ignores OMP_NUM_THREADS
+          ("reward", "ocr"): {"device": "cpu", "threads": 1},  # ONNX Runtime ignores OMP_NUM_THREADS
+          ("window", "branch"): {"steps": [1, 3], "factors": [2, 2]}}  # the default tree is filled in from a profile
 #: What else a check needs: the 'model' schedule reads the adapter's own sigmas.
 CONTEXT = {("schedule", "model"): {"model": SimpleNamespace(sigmas=lambda n: shifted_sigmas(n, 2.0))},
            # an editing reward reads the prompts' condition images from the metadata the engine passes

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from flowrl.hub import algorithm_of, model_card, task_of
-from flowrl.recipe import load_recipe
+from flowrl.plugins import get_registry
+from flowrl.recipe import load_recipe, uses_units
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -52,3 +53,64 @@ def test_the_card_tags_the_models_task(recipe, task):
             "iteration": 1}
     card = model_card("me/x", info, resolved, None, has_plot=False)
     assert f"pipeline_tag: {task}\n" in card and f"\n- {task}\n" in card
+
+
+#: Every shipped recipe: the words its card must use for the algorithm, and its task. A recipe
+#: added to recipes/ without a row here fails the test below, so each new one is read once.
+STEP, CHUNK, FIXED, GSPO = "step-level GRPO", "Chunk-GRPO", "GRPO on fixed chunks", "GSPO-style sequence-level"
+T2I, T2V, I2I = "text-to-image", "text-to-video", "image-to-image"
+ELBO = "on the final image's ELBO likelihood"
+EVERY_RECIPE = {
+    "chunk_grpo_flux.toml": (CHUNK, T2I), "chunk_grpo_flux_lora.toml": (CHUNK, T2I),
+    "chunk_grpo_flux_ws.toml": (f"{CHUNK}, with chunks sampled by their temporal-dynamics weight", T2I),
+    "chunk_grpo_sd3.toml": (CHUNK, T2I), "compose_grpo.toml": (STEP, T2I), "compose_nft.toml": ("DiffusionNFT", T2I),
+    "dance_grpo_flux.toml": (STEP, T2I), "fdfo_pickscore_sd3.toml": ("FDFO", T2I), "fixed_chunk_flux.toml": (FIXED, T2I),
+    "flow_grpo_geneval_flux.toml": (STEP, T2I), "flow_grpo_geneval_sd3.toml": (STEP, T2I),
+    "flow_grpo_ocr_flux.toml": (STEP, T2I), "flow_grpo_ocr_sd3.toml": (STEP, T2I),
+    "flow_grpo_pickscore_flux.toml": (STEP, T2I), "flow_grpo_pickscore_sd3.toml": (STEP, T2I),
+    "flux2_klein_lora.toml": (STEP, T2I), "flux2_klein_nf4_24gb.toml": (STEP, T2I), "gspo_flux.toml": (GSPO, T2I),
+    "kontext_edit_lora.toml": (STEP, I2I), "lora_single_gpu_sd3.toml": (STEP, T2I), "ltx_lora.toml": (CHUNK, T2V),
+    "offline_dpo.toml": ("offline Diffusion-DPO", T2I), "offline_sft.toml": ("supervised fine-tuning", T2I),
+    "pepg_geneval_sd3.toml": (f"{ELBO}, with PEPG", T2I), "quickstart.toml": (f"{ELBO}, with EPG", T2I),
+    "quickstart_awm.toml": ("AWM", T2I), "quickstart_dgpo.toml": ("DGPO", T2I),
+    "quickstart_diversity.toml": (f"{CHUNK}, with GARDO's diversity-aware advantage", T2I),
+    "quickstart_dpo.toml": ("online DPO", T2I), "quickstart_dppo.toml": (f"{STEP} (DanceGRPO / Flow-GRPO), with Flow-DPPO", T2I),
+    "quickstart_dynamics.toml": (f"{CHUNK} with chunks from the sampler's temporal dynamics", T2I),
+    "quickstart_egrpo.toml": (f"{STEP} (DanceGRPO / Flow-GRPO), with E-GRPO", T2I),
+    "quickstart_epg.toml": (f"{ELBO}, with EPG", T2I), "quickstart_fast.toml": ("with Flow-GRPO-Fast's", T2I),
+    "quickstart_fdfo.toml": ("FDFO", T2I), "quickstart_fixed.toml": (FIXED, T2I),
+    "quickstart_flash.toml": ("with Flash-GRPO's", T2I), "quickstart_gardo.toml": (f"{CHUNK}, with GARDO's gated KL", T2I),
+    "quickstart_gspo.toml": (GSPO, T2I), "quickstart_guard.toml": (f"{CHUNK}, with GRPO-Guard", T2I),
+    "quickstart_hacking.toml": (CHUNK, T2I), "quickstart_mixgrpo.toml": ("with MixGRPO's sliding SDE window", T2I),
+    "quickstart_mixgrpo_flash.toml": ("with MixGRPO-Flash's", T2I), "quickstart_nft.toml": ("DiffusionNFT", T2I),
+    "quickstart_par.toml": (f"{ELBO}, with PAR", T2I), "quickstart_pepg.toml": (f"{ELBO}, with PEPG", T2I),
+    "quickstart_step.toml": (STEP, T2I), "quickstart_vgrpo.toml": ("V-GRPO", T2I), "quickstart_video.toml": (FIXED, T2V),
+    "quickstart_video_nft.toml": ("DiffusionNFT", T2V), "qwen_image_edit_lora.toml": (STEP, I2I),
+    "qwen_image_lora.toml": (STEP, T2I), "study_compose.toml": (CHUNK, T2I), "study_embedded.toml": (CHUNK, T2I),
+    "study_latent.toml": (CHUNK, T2I), "vgrpo_geneval_sd3.toml": ("V-GRPO", T2I), "wan21_14b_lora.toml": (CHUNK, T2V),
+    "wan21_1p3b_lora.toml": (CHUNK, T2V), "wan21_1p3b_videoalign.toml": (CHUNK, T2V), "wan22_5b_lora.toml": (CHUNK, T2V),
+    "zimage_lora.toml": (STEP, T2I),
+}
+
+
+def test_the_table_lists_every_shipped_recipe():
+    assert sorted(EVERY_RECIPE) == sorted(p.name for p in RECIPES.glob("*.toml"))
+
+
+@pytest.mark.parametrize("recipe", sorted(EVERY_RECIPE))
+def test_every_shipped_recipes_card_names_its_algorithm_task_rewards_and_components(recipe):
+    words, task = EVERY_RECIPE[recipe]
+    resolved = load_recipe(RECIPES / recipe)
+    info = {"format": "state_dict", "model": resolved.components["model"].use, "base": None, "finetune": "full",
+            "iteration": 1}
+    card = model_card("me/x", info, resolved, None, has_plot=False)
+    algorithm = card.split("using **", 1)[1].split("**", 1)[0]
+    assert words in algorithm, algorithm
+    assert f"pipeline_tag: {task}\n" in card
+    assert ("\n- grpo\n" in card) == ("GRPO" in algorithm)  # no GRPO tag on an NFT, DPO or SFT run
+    for reward in resolved.rewards:
+        assert f"- `{reward.label}` (`{reward.use}`), weight {reward.weight:g}" in card
+    training = card.split("## Training", 1)[1].split("- rewards:", 1)[0]
+    assert f"loss `{resolved.components['loss'].use}`" in training
+    # the chunk layout is named only where the objective lays units out
+    assert ("chunker `" in training) == uses_units(resolved, get_registry())

@@ -39,10 +39,8 @@ LAYERS: list[set[str]] = [
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
      "flowrl.video", "flowrl.suites", "flowrl.comparison", "flowrl.sweeps",
-     "flowrl.serving", "flowrl.serving.protocol", "flowrl.serving.simple", "flowrl.serving.fleet",
-     "flowrl.serving._litserve_api"},
-    {"flowrl.recipe", "flowrl.recipe.*", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.measure",
-     "flowrl.dynamics.segment", "flowrl.dynamics.report", "flowrl.dynamics.profile_file", "flowrl.hub"},
+     "flowrl.serving", "flowrl.serving.*"},
+    {"flowrl.recipe", "flowrl.recipe.*", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.*", "flowrl.hub"},
     {"flowrl.train", "flowrl.train.*"},
     {"flowrl.testing", "flowrl.testing.*"},
     {"flowrl.diagnostics", "flowrl.diagnostics.*"},
@@ -123,6 +121,18 @@ def _all_imports():
     for name, path in SOURCES.items():
         for module, names, line, nested in _imports(name, path):
             yield name, path, module, names, line, nested
+
+
+def test_a_package_sits_in_one_layer_whole():
+    """The table places packages, not their modules one by one: each package of flowrl is one
+    ``flowrl.X`` and ``flowrl.X.*`` pair in one layer, so a module added to a package is placed
+    with it, and no package is split across layers."""
+    packages = sorted({name for name, path in SOURCES.items() if name.startswith("flowrl.") and path.name == "__init__.py"})
+    for package in packages:
+        rows = [i for i, layer in enumerate(LAYERS) if package in layer or f"{package}.*" in layer]
+        assert len(rows) == 1 and {package, f"{package}.*"} <= LAYERS[rows[0]], (package, rows)
+        named = [m for layer in LAYERS for m in layer if m.startswith(f"{package}.") and m != f"{package}.*"]
+        assert not named, f"{package}'s modules are placed one by one: {named}"
 
 
 def test_every_module_has_a_layer():

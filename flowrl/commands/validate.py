@@ -48,11 +48,11 @@ def validate(
     check_memory(recipe, list(set_ or []), resolved, gpu_memory)
     if explain:
         explain_recipe(resolved)
-    from ..recipe import build_loss
+    from ..recipe import uses_units
 
     c = resolved.components
     # what the run uses: the kernel, chunks and T only where the objective trains trajectory units
-    units = getattr(build_loss(resolved, registry()), "uses_units", True)
+    units = uses_units(resolved, registry())
     parts = [f"model={c['model'].use}"]
     if units:
         parts += [f"kernel={c['kernel'].use}", f"chunker={c['chunker'].use}", f"selector={c['selector'].use}"]

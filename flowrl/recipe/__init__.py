@@ -86,6 +86,7 @@ from .validation import (
     no_reference_copy_because,
     plan_context,
     trainable_transitions,
+    uses_units,
     window_plans,
 )
 from .writing import dump_toml
@@ -124,6 +125,7 @@ __all__ = [
     "has_columns",
     "keeps_reference_copy",
     "build_loss",
+    "uses_units",
     "load_recipe",
     "located",
     "no_reference_copy_because",

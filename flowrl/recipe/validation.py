@@ -15,19 +15,22 @@ from typing import Any
 import torch
 
 from ..dynamics.profile_file import read_profile, trainable_curve
+from ..config import from_dict
 from ..errors import FlowrlError, RecipeError
 from ..interfaces import (
+    AdvantagesOnTrees,
     KeepsRolloutMeans,
     KLRegularised,
     NeedsReferenceCopy,
     NeedsReferencePolicy,
     Objective,
     ProfilingChunker,
+    SamplesTrees,
     TrainsOnData,
     WarpsTime,
 )
 from ..plugins import Registry, get_registry
-from ..sampling.branching import AdvantagesOnTrees, BranchConfig, SamplesTrees, steps_of_highest_dynamics
+from ..sampling.branching import BranchConfig, steps_of_highest_dynamics
 from ..sampling.plans import PlanContext
 from ..sampling.rollout import make_kernels, trainable_mask
 from .schema import COMPONENT_SECTIONS, LIST_SECTIONS, Recipe
@@ -134,7 +137,7 @@ def window_plans(recipe: Recipe, registry: Registry, context: PlanContext) -> bo
         raise RecipeError(str(exc), where=f"{recipe.source}: [window]") from exc
 
 
-def _uses_units(recipe: Recipe, registry: Registry) -> bool:
+def uses_units(recipe: Recipe, registry: Registry) -> bool:
     """False when the ``[loss]`` is an objective that trains without trajectory log-probs
     (DiffusionNFT): then the sampler may leave nothing trainable and the chunk layout is unused."""
     loss = build_loss(recipe, registry)
@@ -161,7 +164,8 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
     if recipe.log.eval_steps == 1:
         raise RecipeError("eval_steps = 1: a sampling schedule needs at least 2 steps",
                           where=f"{recipe.source}: [log].eval_steps", hint="use 0 (the sampler's steps) or >= 2")
-    if not _uses_units(recipe, registry):
+    if not uses_units(recipe, registry):
+        _refuse_unit_layout(recipe, registry)
         return
     if T < 1:
         raise RecipeError(
@@ -198,6 +202,38 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
                 where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
                 hint=f"give one weight per chunk, in sampling order (high noise first): {len(sizes)} numbers",
             )
+
+
+#: The tables that lay a trajectory's transitions out in units, and their kinds.
+UNIT_LAYOUT_TABLES = {"chunker": "chunker", "selector": "selector"}
+
+
+def _refuse_unit_layout(recipe: Recipe, registry: Registry) -> None:
+    """An objective without units (``uses_units`` False: DiffusionNFT, AWM, DPO, DGPO, FDFO, SFT,
+    and any loss on the ELBO) never consults the chunk layout. A chunker, selector or
+    ``chunk_weights`` chosen away from the defaults was meant to change the run and would not:
+    refused by name. The defaults pass, so a resolved recipe (every table written out) loads."""
+    loss = recipe.components["loss"].use
+    likelihood = recipe.components.get("likelihood")
+    objective = f"loss '{loss}'" + (f" on [likelihood] '{likelihood.use}'" if likelihood and
+                                     likelihood.use != registry.default("likelihood") else "")
+    why = f"{objective} trains without per-transition units, so the chunk layout never applies"
+    for table, kind in UNIT_LAYOUT_TABLES.items():
+        choice, name = recipe.components[table], registry.default(kind)
+        if name is None:  # no default: the table had to be written, so it says nothing
+            continue
+        default = registry.get(kind, name)
+        default_params = None if default.params is None else from_dict(default.params, {}, where=table)
+        if choice.use == name and choice.params == default_params:
+            continue
+        raise RecipeError(f"[{table}] use = '{choice.use}' is not used: {why}",
+                          where=f"{recipe.source}: [{table}]",
+                          hint=f"remove the [{table}] table, or choose a loss that trains on units (docs/objectives.md)")
+    for i, reward in enumerate(recipe.rewards):
+        if reward.chunk_weights:
+            raise RecipeError(f"chunk_weights are not used: {why}",
+                              where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
+                              hint="remove chunk_weights; the reward's weight applies to the whole sample")
 
 
 def _check_paired_rollouts(recipe: Recipe, registry: Registry, T: int) -> None:
@@ -407,9 +443,9 @@ def _check_group_can_differ(recipe: Recipe, T: int) -> None:
 
 
 def _check_trees(recipe: Recipe, registry: Registry, trainable: torch.Tensor, plans: bool) -> None:
-    """BranchGRPO as components: a tree advantage (:class:`~flowrl.sampling.branching.AdvantagesOnTrees`,
+    """BranchGRPO as components: a tree advantage (:class:`~flowrl.interfaces.AdvantagesOnTrees`,
     ``[advantage] use = "tree"``) runs on tree rollouts only, and a window that samples trees
-    (:class:`~flowrl.sampling.branching.SamplesTrees`, ``[window] use = "branch"``) splits: one
+    (:class:`~flowrl.interfaces.SamplesTrees`, ``[window] use = "branch"``) splits: one
     message each. A tree splits whole groups on one process, sampled in whole-group sub-batches with
     the sampler's own kernels (no plan of its own); a split must leave the copies a stochastic step
     that reaches the image, or they stay one image; a tree advantage needs step units and one

@@ -15,9 +15,9 @@ so the tree is the same on any process layout. With every factor 1 each live row
 and the rollout is exactly :func:`~flowrl.sampling.rollout.rollout`.
 
 As components (BranchGRPO is no flag of the engine): the tree's shape is the ``[window] use =
-"branch"`` planner's (:class:`BranchWindow`, a :class:`SamplesTrees`: its :class:`Tree` gives the
+"branch"`` planner's (:class:`BranchWindow`, a :class:`flowrl.interfaces.SamplesTrees`: its :class:`Tree` gives the
 per-step plan and the forwards the rollout runs), and the tree advantage with its depth and
-width pruning is the ``[advantage] use = "tree"`` estimator's (an :class:`AdvantagesOnTrees`).
+width pruning is the ``[advantage] use = "tree"`` estimator's (an :class:`flowrl.interfaces.AdvantagesOnTrees`).
 The training loop asks the two through these protocols and reads none of their keys.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,7 +38,7 @@ from flowrl.sampling.trajectory import Trajectory
 
 __all__ = ["check_branches", "live_rows_per_step", "branch_forward_rows", "branch_rollout", "node_blocks",
            "first_of_block", "tree_advantages", "prune_leaves", "pruned_steps", "steps_of_highest_dynamics", "FUSIONS",
-           "Tree", "SamplesTrees", "AdvantagesOnTrees", "TreeAdvantages", "BranchConfig", "BranchWindow",
+           "Tree", "TreeAdvantages", "BranchConfig", "BranchWindow",
            "tree_unit_advantages"]
 
 #: How the rewards of a node's leaves fuse into the node's value (:func:`tree_advantages`).
@@ -255,17 +255,6 @@ class Tree:
         return node_blocks(num_steps, self.steps, self.factors)
 
 
-@runtime_checkable
-class SamplesTrees(Protocol):
-    """A ``[window]`` planner whose rollouts are trees (BranchGRPO; ``[window] use = "branch"``):
-    ``tree()`` is the shape (a :class:`Tree`). Its ``plan`` is None: the tree samples with the
-    sampler's own kernels (``[sampler].sde_window``), one whole group per sub-batch and process.
-    The collect phase samples with :func:`branch_rollout` on that tree, the update counts the
-    forwards it ran (:meth:`Tree.forward_rows`), and a tree advantage reads its nodes from it."""
-
-    def tree(self) -> Tree: ...
-
-
 class TreeAdvantages(NamedTuple):
     """What a tree advantage gives an iteration: ``advantages [B, T]`` for every trainable
     transition of this process's samples, ``trained [B, T]`` (bool: the distinct transitions it
@@ -274,22 +263,6 @@ class TreeAdvantages(NamedTuple):
     advantages: torch.Tensor
     trained: torch.Tensor
     metrics: dict[str, float]
-
-
-@runtime_checkable
-class AdvantagesOnTrees(Protocol):
-    """An ``[advantage]`` estimator that gives each transition of a tree rollout its own advantage
-    (BranchGRPO's tree advantage; ``[advantage] use = "tree"``). Called as any estimator first
-    (one advantage per sample, over every process's groups), then on this process's whole groups:
-    ``on_tree(advantages [B], trajectory, tree, group_size, iteration)`` -> :class:`TreeAdvantages`.
-    ``check_tree(tree, trainable_steps, num_steps, group_size)`` raises ``ValueError`` (one message,
-    naming the estimator's key) where its parameters do not fit the tree and the sampler; recipe
-    validation calls it. It runs only with a :class:`SamplesTrees` window and step units."""
-
-    def check_tree(self, tree: Tree, trainable_steps: Sequence[int], num_steps: int, group_size: int) -> None: ...
-
-    def on_tree(self, advantages: torch.Tensor, trajectory: Any, tree: Tree, group_size: int,
-                iteration: int) -> TreeAdvantages: ...
 
 
 def tree_unit_advantages(advantages: torch.Tensor, trajectory: Trajectory, tree: Tree, group_size: int, *,
@@ -353,6 +326,8 @@ class BranchWindow:
     sampler's own kernels (``[sampler].sde_window``): T is the sampler's, as with ``fixed``."""
 
     Config = BranchConfig
+    #: the model card's words for this window (flowrl.hub)
+    variant = (", with BranchGRPO's tree rollouts", "BranchGRPO, arXiv:2509.06040")
 
     def __init__(self, config: BranchConfig):
         self.config = config

@@ -25,6 +25,7 @@ from flowrl.interfaces import (
     scores_latents,
     AdaptiveChunker,
     AdvantageEstimator,
+    AdvantagesOnTrees,
     CheckpointsState,
     ChoosesKLForm,
     Chunker,
@@ -43,6 +44,7 @@ from flowrl.interfaces import (
     ReportsClipping,
     NeedsReferenceCopy,
     NeedsReferencePolicy,
+    SamplesTrees,
     SamplesWithOwnWeights,
     TrainsOnData,
     ScalesFlowGRPOKL,
@@ -58,9 +60,11 @@ from flowrl.interfaces import (
 )
 from flowrl.objectives.losses import ClippedObjective
 from flowrl.rewards import score
+from flowrl.sampling.branching import Tree, branch_rollout
 from flowrl.sampling.plans import PlanContext, RolloutPlan
+from flowrl.sampling.rollout import make_kernels
 from flowrl.sampling.schedules import shifted_sigmas, validate_sigmas
-from flowrl.sampling.kernels import StepOutput
+from flowrl.sampling.kernels import FlowKernel, StepOutput
 from flowrl.sampling.trajectory import Position
 
 __all__ = ["check_component", "KL_KINDS"]
@@ -190,7 +194,35 @@ def check_advantage(estimator, **_) -> list[str]:
         assert shaped.shape == (6,) and bool((shaped[3:] == 0).all()) and bool((torch.sign(shaped) == torch.sign(adv)).all()), \
             "features may rescale advantages but not flip their sign or revive an all-equal group"
         return ["AdvantageEstimator", "UsesImageFeatures"]
+    if isinstance(estimator, AdvantagesOnTrees):
+        return ["AdvantageEstimator", *_check_tree_advantage(estimator)]
     return ["AdvantageEstimator"]
+
+
+def _check_tree_advantage(estimator) -> list[str]:
+    """On a real tree rollout (two groups of 4, each from 2 roots split in 2 before step 1): one
+    advantage per trainable transition, the untrained ones 0, a transition the two samples of a
+    block share trained at most once."""
+    tree, steps, group = Tree((1,), (2,)), 6, 4
+    sigmas = shifted_sigmas(steps, 3.0)
+    noise = torch.randn(2 * group, 2, 3, generator=torch.Generator().manual_seed(0))
+    traj = branch_rollout(lambda rows: (lambda x, sigma: -x), noise, sigmas, make_kernels(steps, FlowKernel(0.7)),
+                          group_size=group, branch_steps=tree.steps, branch_factors=tree.factors,
+                          generators=_gens(2 * group), group_ids=[j // group for j in range(2 * group)])
+    trainable = torch.nonzero(traj.trainable).flatten().tolist()
+    estimator.check_tree(tree, trainable, steps, group)  # a tree that fits: no error
+    groups = torch.arange(2 * group) // group
+    adv = estimator({"r": torch.linspace(0.0, 1.0, 2 * group)}, {"r": 1.0}, groups)
+    out = estimator.on_tree(adv, traj, tree, group, 0)
+    shape = (2 * group, len(trainable))
+    assert out.advantages.shape == shape and out.trained.shape == shape and out.trained.dtype == torch.bool, \
+        "on_tree gives advantages and trained [B, T]"
+    assert bool(torch.isfinite(out.advantages).all()) and bool((out.advantages[~out.trained] == 0).all()), \
+        "an untrained transition has advantage 0"
+    assert bool((out.trained[:, trainable.index(0)].view(-1, 2).sum(1) <= 1).all()), \
+        "a transition before the split is shared by its block: trained at most once"
+    assert bool(out.trained.any()) and all(isinstance(k, str) for k in out.metrics)
+    return ["AdvantagesOnTrees"]
 
 
 def check_objective(objective) -> list[str]:
@@ -299,6 +331,13 @@ def check_window(planner, **_) -> list[str]:
         again = planner.plan(it, list(range(4, 8)), ctx)
         torch.testing.assert_close(again.sde_windows, plan.sde_windows[4:],
                                    msg="a sample's window must not depend on the batch")
+    if isinstance(planner, SamplesTrees):
+        tree = planner.tree()
+        assert len(tree.steps) == len(tree.factors) >= 1, "a tree splits at its steps, one factor each"
+        assert list(tree.steps) == sorted(set(tree.steps)) and all(f >= 1 for f in tree.factors)
+        assert tree.last_step == max(tree.steps)
+        assert planner.plan(0, list(range(8)), ctx) is None, "a tree samples with the sampler's kernels: plan is None"
+        return ["WindowPlanner", "SamplesTrees"]
     return ["WindowPlanner"]
 
 

@@ -19,7 +19,9 @@ from .. import distributed
 from ..batch import Batch  # defined below the objectives, which read it; imported from here too
 from ..objectives.advantages import advantages_for
 from ..interfaces import (
+    AdvantagesOnTrees,
     KeepsRolloutMeans,
+    SamplesTrees,
     SamplesWithOwnWeights,
     TextEmbeddings,
     UsesImageFeatures,
@@ -29,7 +31,7 @@ from ..offline import encode_rows, iteration_rows
 from ..sampling.plans import rollout_plan
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
-from ..sampling.branching import AdvantagesOnTrees, SamplesTrees, branch_rollout
+from ..sampling.branching import branch_rollout
 from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory

@@ -27,12 +27,11 @@ from rich.console import Console
 from .. import distributed
 from ..errors import FlowrlError, RecipeError, counted
 from ..geometry import resolve_geometry
-from ..interfaces import PlansMemory
+from ..interfaces import PlansMemory, SamplesTrees
 from ..memory_plan import GB, estimate, peak
 from ..plugins import Registry, get_registry
 from ..prompts import read_prompts
 from ..recipe import Recipe, build_component, check_startable
-from ..sampling.branching import SamplesTrees
 from .accel import prepare_kernels
 from .checkpoint import checkpoint_iteration, latest_checkpoint
 from .collect import assign_advantages, collect

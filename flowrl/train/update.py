@@ -25,12 +25,11 @@ import torch
 
 from .. import distributed
 from ..errors import FlowrlError
-from ..interfaces import CheckpointsState
+from ..interfaces import CheckpointsState, SamplesTrees
 from ..memory_plan import choose_gradient_sync
 from ..objectives.base import MicroBatch, OnPolicyProbe, UpdateContext, UpdateMode
 from ..objectives.kl import KLSettings
 from ..objectives.policy_gradient import objective_for
-from ..sampling.branching import SamplesTrees
 from ..seeding import generator
 from ..stop_points import stop_point
 from .compute import ComputeCounter, network_rows_per_sample

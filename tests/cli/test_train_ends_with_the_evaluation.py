@@ -15,6 +15,7 @@ from pathlib import Path
 from tiny_recipe import CLI, tiny_recipe
 
 from flowrl.recipe import load_recipe
+from flowrl.runlog import read_metrics
 
 # the optimised reward listed second, after a logged one of weight 0
 RECIPE = tiny_recipe(CLI, run={"name": "ends", "seed": 4}, model={"random_init": None},
@@ -36,7 +37,7 @@ def test_train_prints_the_first_and_last_evaluation_and_no_loading_bar(tmp_path,
     assert all(rows), lines[start:]
     assert [(m.group(1), m.group(7)) for m in rows] == [("verifier", "optimised"), ("area", "not optimised"),
                                                        ("embedded_clip", "not optimised")]
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     first, last = metrics[0], [m for m in metrics if "eval/verifier/mean" in m][-1]
     verifier = rows[0]
     assert float(verifier.group(2)) == round(first["eval/verifier/mean"], 4)

@@ -248,11 +248,12 @@ def test_branch_steps_go_where_the_dynamics_are_highest():
 
 def test_the_branch_window_is_a_window_planner_that_samples_trees():
     from flowrl.plugins import get_registry
-    from flowrl.sampling.branching import BranchConfig, SamplesTrees, Tree
+    from flowrl.interfaces import SamplesTrees
+    from flowrl.sampling.branching import BranchConfig, Tree
     from flowrl.testing.components import check_component
 
     window = get_registry().get("window", "branch").build(BranchConfig(steps=[1, 3], factors=[2, 2]))
-    assert isinstance(window, SamplesTrees) and check_component("window", window) == ["WindowPlanner"]
+    assert isinstance(window, SamplesTrees) and check_component("window", window) == ["WindowPlanner", "SamplesTrees"]
     tree = window.tree()
     assert tree == Tree((1, 3), (2, 2)) and tree.last_step == 3
     assert tree.forward_rows(6, G) == branch_forward_rows(6, G, [1, 3], [2, 2])
@@ -268,13 +269,14 @@ def test_the_branch_window_is_a_window_planner_that_samples_trees():
 
 def test_the_tree_advantage_is_the_group_zscore_per_sample_and_the_tree_per_transition():
     from flowrl.plugins import get_registry
-    from flowrl.sampling.branching import AdvantagesOnTrees, Tree, tree_unit_advantages
+    from flowrl.interfaces import AdvantagesOnTrees
+    from flowrl.sampling.branching import Tree, tree_unit_advantages
     from flowrl.testing.components import check_component
 
     registry = get_registry()
     comp = registry.get("advantage", "tree")
     estimator = comp.build(comp.params(std="biased", clip=1.0, keep=2, prune_steps=[4], prune_slide=1))
-    assert isinstance(estimator, AdvantagesOnTrees) and check_component("advantage", estimator) == ["AdvantageEstimator"]
+    assert isinstance(estimator, AdvantagesOnTrees) and check_component("advantage", estimator) == ["AdvantageEstimator", "AdvantagesOnTrees"]
     assert not isinstance(registry.get("advantage", "group_zscore").build(None), AdvantagesOnTrees)
     zscore = registry.get("advantage", "group_zscore")
     same = zscore.build(zscore.params(std="biased", clip=1.0))

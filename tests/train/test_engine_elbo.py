@@ -12,7 +12,7 @@ from flowrl.hub import algorithm_of
 from flowrl.runlog import read_metrics
 from flowrl.train import train
 
-ODE = {"window": {"use": "ode", "solver": "dpm2m"}, "advantage": {"use": "group_zscore"}}
+ODE = {"window": {"use": "ode", "solver": "dpm2m"}, "advantage": {"use": "group_zscore"}, "chunker": None}  # no units: no chunk layout
 
 
 def _run(tmp_path, **tables):
