@@ -1,5 +1,5 @@
 """benchmarks/gpu_memory_check.py compares ``flowrl plan``'s peak with ``max_memory_allocated`` of
-real runs on a GPU (issue 43). A GPU is lent for minutes, so the script must work the first time:
+real runs on a GPU. A GPU is lent for minutes, so the script must work the first time:
 here its whole logic runs on the CPU at reduced size (``--device cpu --reduced``, the plans
 computed, the measured figures null), the measured branch runs against a faked CUDA allocator,
 a failing or skipped configuration (or a failing plan) is recorded without losing the others, and

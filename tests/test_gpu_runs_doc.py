@@ -1,4 +1,4 @@
-"""GPU truth (issue 43): docs/gpu_runs.md is what `scripts/gpu_runs_table.py` writes from the GPU
+"""GPU truth: docs/gpu_runs.md is what `scripts/gpu_runs_table.py` writes from the GPU
 results files in benchmarks/results/, and no page of the docs quotes a GPU figure that those files
 do not hold.
 

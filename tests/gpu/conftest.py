@@ -1,4 +1,4 @@
-"""The GPU lane (``pytest -m gpu``, issue #43): the engine, resume, FSDP2, the rollout process,
+"""The GPU lane (``pytest -m gpu``): the engine, resume, FSDP2, the rollout process,
 every adapter's conformance suite, the attention backends, torch.compile and the memory plan,
 on CUDA in the precision a GPU run uses (bf16 compute, fp32 master weights).
 

@@ -129,7 +129,7 @@ def test_lean_rejects_bad_input(setup):
 
 
 # ---------------------------------------------------------------------------------- fast path and
-# chunk graph: same gradients as the full graph (issue 17), on- and off-policy
+# chunk graph: same gradients as the full graph, on- and off-policy
 
 
 @pytest.fixture(scope="module")
