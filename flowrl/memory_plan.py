@@ -38,7 +38,7 @@ from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
 from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
 from flowrl.prompts import CACHED_PROMPTS, TABLE_SUFFIXES, distinct_rows, read_prompts
-from flowrl.recipe import build_loss, keeps_reference_copy
+from flowrl.recipe import build_loss, keeps_reference_copy, uses_units
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -272,7 +272,9 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
                             old_policy=keeps_old_policy(recipe, registry))
     lines += _frozen_and_data(recipe, mm, geometry)
     lines += _reward_lines(recipe)
-    lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None))
+    group = recipe.train.update_group if uses_units(recipe, registry) else 1  # [train].update_group: steps per forward
+    lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None),
+                         group)
     lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
     return geometry, lines
 
@@ -412,9 +414,11 @@ def saved_widths(recipe, mm: ModelMemory) -> tuple[dict[str, float], float]:
     return mm.per_block, mm.outside
 
 
-def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Line | None = None) -> list[Line]:
+def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Line | None = None,
+                group: int = 1) -> list[Line]:
     """The largest transient of each phase: encode, rollout, decode and the update's forward with
-    grad; under fsdp2 the start-up's (``reference``: the KL reference copy's line, if any)."""
+    grad (``group`` steps of a chunk per forward: ``[train].update_group``); under fsdp2 the
+    start-up's (``reference``: the KL reference copy's line, if any)."""
     compute = 2 if layout.bf16 else mm.compute_bytes
     tw = mm.tokens * mm.width * compute * mm.forwards_per_velocity
     lines = []
@@ -441,7 +445,8 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
     else:
         widths = sum(per_block[k] * c for k, c in mm.blocks.items()) + outside
         how = f"{widths:.0f} widths per token saved over {total_blocks} blocks" if mm.width > 1 else "measured per sample"
-    lines.append(Line("update", "activations, forward with grad", m * tw * widths, f"micro-batch {m}; {how}"))
+    per = f"micro-batch {m}" + (f" x {group} steps per forward ([train].update_group)" if group > 1 else "")
+    lines.append(Line("update", "activations, forward with grad", group * m * tw * widths, f"{per}; {how}"))
     if layout.strategy == "fsdp2":
         # shard before moving: one block (or the root's own parameters) whole on the device at a
         # time, in the storage dtype, on top of the shards placed so far

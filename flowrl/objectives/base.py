@@ -64,6 +64,7 @@ class UpdateContext:
     - ``kl``: the ``[loss]``'s KL term and its reference policy (:class:`flowrl.objectives.kl.KLSettings`);
     - ``fast_path``: ``[train].fast_path`` (the on-policy first step skips the re-scoring);
     - ``update_mode``: ``[train].update_mode`` (:class:`UpdateMode`);
+    - ``update_group``: ``[train].update_group`` (steps of a chunk per forward in the fast path);
     - ``samples_per_process``: the samples of an iteration on each process (a process's rows in
       a batch gathered over processes start at ``process.rank * samples_per_process``);
     - ``rows_per_sample``: network rows per sample in one velocity call (2 with true CFG), for the
@@ -82,6 +83,7 @@ class UpdateContext:
     kl: KLSettings
     fast_path: bool
     update_mode: UpdateMode
+    update_group: int
     samples_per_process: int
     rows_per_sample: int
     optimizer_steps: Callable[[], int]
@@ -120,6 +122,18 @@ class OnPolicyProbe:
             lp, extra = forward(t, b)
             self.observe(lp, old_lp[b, t])
             return lp, extra
+
+        return probed
+
+    def wrap_many(self, many, old_lp: torch.Tensor):
+        """The same check for ``many(ts, b) -> log_probs [len(ts), n]`` (the fast path with
+        ``[train].update_group`` > 1: several steps in one forward)."""
+
+        def probed(ts, b):
+            lp = many(ts, b)
+            rows = torch.arange(old_lp.shape[0]) if b is None else b
+            self.observe(lp, old_lp[rows][:, list(ts)].T)
+            return lp
 
         return probed
 

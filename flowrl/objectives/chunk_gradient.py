@@ -276,10 +276,17 @@ def on_policy_chunk_backward(
     normaliser: float | None = None,
     *,
     forward_with_extra: ForwardWithExtra | None = None,
+    many: ManyStepLogProbFn | None = None,
+    group: int = 1,
     lockstep: Lockstep | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The fast path of :func:`lean_chunk_backward` for the on-policy point (the current weights
     ARE the rollout's: every ratio is 1, ``z = 0``). Same arguments and return value.
+
+    With ``many`` and ``group > 1`` (and no ``forward_with_extra``) up to ``group`` positions of a
+    unit go through one batched forward and one backward: the same gradient up to float32
+    rounding, ``group`` times the activation memory, and under FSDP2 one weight gather per group
+    instead of one per position (``[train].update_group``).
 
     ``dL/dz`` is taken at ``z = 0`` without any forward; each unit's positions are then forwarded
     once with grad for the samples whose coefficient ``dL/dz_u / |u|`` is not 0 (a zero advantage
@@ -291,6 +298,9 @@ def on_policy_chunk_backward(
     ``z = 0``).
     """
     B, T, s, old, m, adv = _setup(old_lp, advantages, sizes, unit_mask)
+    if group < 1:
+        raise ValueError(f"group must be >= 1, got {group}")
+    batched = many is not None and forward_with_extra is None and group > 1
     dz = _units_grad_at(torch.zeros(B, len(s), device=old.device), m, adv, objective, normaliser)
     new, first = old.clone(), 0
     for u, size in enumerate(s):
@@ -302,15 +312,22 @@ def on_policy_chunk_backward(
             t_rows, t_coef = (idx, coef) if forward_with_extra is not None else (idx[live], coef[live])
             t_rows, stand_in = pad_rows(t_rows)
             weight = 0.0 if stand_in else 1.0  # a stand-in row (lockstep) contributes nothing
-            for t in [last, *range(first, last)]:  # the lean update's order
-                lp, extra = _forward(forward_with_extra, step_log_prob_fn, t, t_rows)
+            order = [last, *range(first, last)]  # the lean update's order
+            width = group if batched else 1
+            for ts in (order[k : k + width] for k in range(0, size, width)):
+                if width > 1:
+                    with torch.enable_grad():
+                        lps, extras = list(many(ts, t_rows).unbind(0)), [None] * len(ts)
+                else:
+                    lps, extras = zip(*[_forward(forward_with_extra, step_log_prob_fn, ts[0], t_rows)])
                 with torch.enable_grad():
-                    total = (t_coef.to(lp.dtype) * lp).sum() if not stand_in else 0.0 * lp.sum()
-                    total = total + (weight * extra.sum() if extra is not None else 0.0)
+                    total = sum((t_coef.to(lp.dtype) * lp).sum() if not stand_in else 0.0 * lp.sum() for lp in lps)
+                    total = total + sum(weight * e.sum() for e in extras if e is not None)
                     total.backward()
                 if not stand_in:
-                    new[t_rows, t] = lp.detach().to(torch.float32)
-                del lp, extra, total  # one step's graph at a time
+                    for t, lp in zip(ts, lps):
+                        new[t_rows, t] = lp.detach().to(torch.float32)
+                del lps, extras, total  # one group's graph at a time
         first += size
     return _finish(new, old, s, m, adv, objective, normaliser)
 

@@ -295,7 +295,13 @@ class PolicyGradient:
         if forward is not None:
             forward = recorder.wrap_forward(forward, old_lp[idx])
         if fast:
-            loss, m = on_policy_chunk_backward(*args, normaliser=normaliser, forward_with_extra=forward, lockstep=lockstep)
+            # [train].update_group: a unit's steps batched into one forward (one gather per group under fsdp2)
+            many = None
+            if ctx.update_group > 1:
+                many = recorder.wrap_many(scorer.many_fn(idx), old_lp[idx])
+                many = probe.wrap_many(many, old_lp[idx]) if probe is not None else many
+            loss, m = on_policy_chunk_backward(*args, normaliser=normaliser, forward_with_extra=forward, many=many,
+                                               group=ctx.update_group, lockstep=lockstep)
         else:
             many = recorder.wrap_many(scorer.many_fn(idx), old_lp[idx])
             loss, m = chunk_graph_backward(*args, normaliser=normaliser, forward_with_extra=forward,

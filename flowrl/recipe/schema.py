@@ -82,6 +82,14 @@ class TrainConfig:
         "and one backward, k times the activation memory, no extra forward); 'auto' takes chunk_graph "
         "when its measured activation memory fits in half the free device memory, else lean.",
     )
+    update_group: int = param(
+        1,
+        "Trainable steps of one chunk forwarded together in the on-policy fast path: 1 forwards and "
+        "back-propagates each step alone (the least memory); k > 1 batches up to k steps of a chunk into one "
+        "forward and one backward (k times the activation memory; under fsdp2 each block gathers its weights "
+        "once per group instead of once per step). The same gradient up to float32 rounding; `flowrl plan` "
+        "counts the activations it keeps.", min=1, max=10_000,
+    )
     fast_path: bool = param(
         True,
         "Before the first optimizer step after a rollout every ratio is 1: back-propagate each selected "

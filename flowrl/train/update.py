@@ -103,6 +103,7 @@ class PolicyUpdate:
             selector=session.components.selector,
             lockstep=distributed.AnyRank(ctx) if self.strategy.lockstep else None,
             params=self.params, kl=kl, fast_path=train.fast_path, update_mode=UpdateMode(train.update_mode),
+            update_group=train.update_group,
             samples_per_process=geometry.samples_per_process, rows_per_sample=network_rows_per_sample(model),
             optimizer_steps=lambda: self.scheduler.last_epoch)
         self.objective.prepare(self.context)

@@ -199,3 +199,15 @@ def test_start_up_and_host_memory_are_planned():
     _, mm0, lines0 = estimate(r0, registry, 8)
     assert not [l for l in lines0 if l.phase == "start-up"]
     assert {l.phase: l.bytes for l in host_lines(r0, mm0, lines0, 8)}["loading"] == pytest.approx(8 * whole)
+
+
+def test_grouped_update_forwards_keep_that_many_steps_of_activations():
+    """``[train].update_group = 4``: four steps of a chunk in one forward with grad keep four
+    times the update's activations; an objective without units (DiffusionNFT) has no steps to group."""
+    def update_activations(overrides, recipe=FLAGSHIP):
+        return _plan(overrides, 8 if recipe == FLAGSHIP else 1, recipe=recipe)[1]["activations, forward with grad"]
+
+    one, four = update_activations([]), update_activations(["train.update_group=4"])
+    assert four.bytes == pytest.approx(4 * one.bytes) and "4 steps per forward" in four.note
+    nft = "recipes/quickstart_nft.toml"
+    assert update_activations(["train.update_group=4"], nft).bytes == update_activations([], nft).bytes

@@ -439,6 +439,56 @@ def mode_collectives(out: Path):
     return {"reduced": reduced, "empty": empty, "compute": compute, "summed": summed}, {}
 
 
+def mode_grouped(out: Path):
+    """The on-policy fast path under FSDP2 with ``[train].update_group``: one unit of 4 steps
+    forwarded one step at a time, then 4 at once. Each forward gathers every FSDP2 group's
+    weights (and the backward gathers the resharded ones again), so grouping divides the
+    all-gathers by the group size; the gradients agree."""
+    from torch.distributed.tensor import DTensor
+
+    from flowrl.objectives.chunk_gradient import on_policy_chunk_backward
+    from flowrl.objectives.losses import ClippedObjective
+
+    steps, rows = 4, 3
+    g = torch.Generator().manual_seed(5 + dist.get_rank())  # each process its own samples
+    xs, ws = torch.randn(steps, rows, D_IN, generator=g), torch.randn(steps, rows, D_OUT, generator=g)
+
+    def log_probs(net, ts, b):  # a differentiable stand-in for a step's log-prob: [len(ts), len(b)]
+        return (net(torch.cat([xs[t, b] for t in ts])).view(len(ts), len(b), D_OUT) * ws[list(ts)][:, b]).sum(-1)
+
+    every = torch.arange(rows)
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.ones(rows, 1, dtype=torch.bool)
+    results = {"gathers": {}, "forwards": {}}
+    grads = {}
+    for group in (1, 4):
+        strategy = build("fsdp2")
+        net, calls = strategy.module, []
+        with torch.no_grad():
+            old = log_probs(net, range(steps), every).T.contiguous()
+
+        def one(t, b, grad, net=net, calls=calls):
+            calls.append(1)
+            with torch.set_grad_enabled(grad):
+                return log_probs(net, [t], b)[0]
+
+        def many(ts, b, net=net, calls=calls):
+            calls.append(len(ts))
+            return log_probs(net, ts, every if b is None else b)
+
+        counter = CollectiveCounter()
+        strategy.zero_grad()
+        with strategy.accumulate():
+            with counter:
+                on_policy_chunk_backward(one, old, adv, [steps], mask, ClippedObjective(0.2, 0.2), normaliser=rows,
+                                         many=many if group > 1 else None, group=group)
+        results["gathers"][group] = sum(v for k, v in counter.counts.items() if "gather" in k)
+        results["forwards"][group] = len(calls)
+        grads[group] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in net.named_parameters()}
+    results["grad_max_diff"] = max(float((grads[4][n] - grads[1][n]).abs().max()) for n in grads[1])
+    results["grad_max"] = max(float(grads[1][n].abs().max()) for n in grads[1])
+    return results, {}
+
+
 def main() -> int:
     mode, out = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -447,7 +497,7 @@ def main() -> int:
     rank = dist.get_rank() if mode != "single" else 0
     try:
         results, tensors = {"train": mode_train, "resume": mode_resume, "single": mode_single,
-                              "collectives": mode_collectives}[mode](out)
+                              "collectives": mode_collectives, "grouped": mode_grouped}[mode](out)
         results["ok"] = True
     except Exception:  # reported to the test, which shows it
         results, tensors = {"ok": False, "error": traceback.format_exc()}, {}

@@ -301,6 +301,21 @@ def test_metric_reductions_agree_when_processes_hold_different_metrics(tmp_path)
     assert r0["summed"] == r1["summed"] == [2.0, 1.0]
 
 
+def test_grouped_update_forwards_divide_fsdp2_all_gathers_by_the_group_size(tmp_path):
+    """``[train].update_group = 4`` on 2 processes under FSDP2: a unit of 4 steps in one forward
+    and one backward instead of four gathers every FSDP2 group's weights a quarter as often, and
+    gives the same gradients to float32 rounding."""
+    _run("grouped", tmp_path, 2)
+    for r in range(2):
+        res = json.loads((tmp_path / f"grouped-rank{r}.json").read_text())
+        assert res["ok"], res.get("error")
+        assert res["forwards"] == {"1": 4, "4": 1}
+        # one forward and backward gathers the FSDP2 groups 6 times (a later pass 7): four passes against one
+        gathers = res["gathers"]
+        assert gathers["4"] > 0 and 4 * gathers["4"] <= gathers["1"] <= 4 * (gathers["4"] + 1), gathers
+        assert res["grad_max_diff"] <= 1e-6 * max(1.0, res["grad_max"]), res
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "hybrid", "fsdp2_ckpt_offload", "ddp_ckpt", "fsdp2_lora",
                                   "fsdp2_sync_each"])

@@ -237,6 +237,43 @@ def test_chunk_graph_equals_full_graph_off_policy(setup, sizes, batched, selecte
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-7), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("sizes", [(2, 3, 4, 7), sequence_chunks(16)])
+@pytest.mark.parametrize("group", [2, 3, 16])
+def test_the_fast_path_in_groups_of_steps_equals_one_step_at_a_time(on_policy, sizes, group):
+    """``[train].update_group``: up to ``group`` steps of a unit in one batched forward and one
+    backward give the per-step fast path's gradient and loss (float32 rounding), with one
+    forward per group: ceil(|u| / group) calls per selected unit, each covering its steps once."""
+    from flowrl.objectives.chunk_gradient import on_policy_chunk_backward
+    from flowrl.sampling.rollout import rescore_transition
+
+    model, tr = on_policy
+    fn = make_step_log_prob_fn(model.fn_for, tr)
+    old, K = tr.trainable_log_probs, len(sizes)
+    mask = select_uniform(B, K, 0.5, torch.Generator().manual_seed(3))
+    A = torch.tensor([1.0, -1.0, 0.0, -2.0, 1.5, -0.3])
+    obj = ClippedObjective(1e-4, 1e-4)
+    positions, calls = tr.trainable_indices.tolist(), []
+
+    def many(ts, idx):  # a batched scorer: one call, [len(ts), n]
+        calls.append(list(ts))
+        return torch.stack([rescore_transition(model.fn_for(idx), tr, positions[t], idx).log_prob for t in ts])
+
+    loss_one, met_one = on_policy_chunk_backward(fn, old, A, sizes, mask, obj, normaliser=12)
+    g_one = _grads(model)
+    loss, met = on_policy_chunk_backward(fn, old, A, sizes, mask, obj, normaliser=12, many=many, group=group)
+    g_grouped = _grads(model)
+    for a, b in zip(g_grouped, g_one):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8), (a - b).abs().max()
+    assert torch.allclose(loss, loss_one, rtol=1e-6) and met["num_units"] == met_one["num_units"]
+    live = [u for u in range(K) if bool((mask[:, u] & (A != 0)).any())]
+    assert len(calls) == sum(-(-sizes[u] // group) for u in live) and max(map(len, calls)) <= group
+    starts = [sum(sizes[:u]) for u in range(K)]
+    covered = sorted(t for ts in calls for t in ts)
+    assert covered == sorted(t for u in live for t in range(starts[u], starts[u] + sizes[u]))
+    with pytest.raises(ValueError, match="group must be >= 1"):
+        on_policy_chunk_backward(fn, old, A, sizes, mask, obj, many=many, group=0)
+
+
 def test_fast_path_is_the_lean_update_bit_for_bit_on_policy(on_policy):
     """On a deterministic device the fast path skips the no-grad forwards and nothing else."""
     from flowrl.objectives.chunk_gradient import on_policy_chunk_backward

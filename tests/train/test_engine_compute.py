@@ -57,6 +57,25 @@ def test_the_chunk_graph_update_computes_nothing_twice_off_policy(tmp_path):
     assert row["compute/update/forward"] == row["compute/update/backward"]
 
 
+def test_grouped_fast_path_forwards_train_the_same_weights_at_the_minimum(tmp_path):
+    """``[train].update_group = 4``: the chunks' steps go through the model four at a time (fewer,
+    larger forwards), every trained transition still once, and the weights after the update are
+    the one-step-at-a-time run's to float32 rounding."""
+    from flowrl.train.checkpoint import read_model_weights
+
+    rows, weights = {}, {}
+    for group in (1, 4):
+        out = tmp_path / f"group{group}"
+        out.mkdir()
+        rows[group] = _run(out, "quickstart_hacking.toml", f"train.update_group={group}", "checkpoint.every=1")
+        weights[group] = read_model_weights(out / "run" / "checkpoints" / "iter_000001")
+    assert rows[4]["compute/ratio"] == rows[1]["compute/ratio"] == 1.0
+    assert rows[4]["compute/update/forward"] == rows[1]["compute/update/forward"]
+    assert rows[4]["loss"] == pytest.approx(rows[1]["loss"], rel=1e-5, abs=1e-9)
+    moved = max(float((weights[4][k] - weights[1][k]).abs().max()) for k in weights[1])
+    assert moved <= 1e-6, moved
+
+
 @pytest.mark.slow
 def test_flash_and_egrpo_train_fewer_transitions_at_the_minimum(tmp_path):
     """Flash-GRPO trains one of the 16 transitions per sample, E-GRPO the 8 highest-entropy ones,
