@@ -1,5 +1,5 @@
 """``flowrl plan``'s peak GPU memory against ``torch.cuda.max_memory_allocated`` of the real run,
-for three LoRA recipes at full model size on one GPU (issue 43, "GPU truth").
+for three LoRA recipes at full model size on one GPU.
 
 What it does, per configuration:
 

@@ -1,4 +1,4 @@
-"""The objectives of docs/objectives.md on the embedded model (issue 14): does each recipe learn,
+"""The objectives of docs/objectives.md on the embedded model: does each recipe learn,
 and how much reward hacking do the anti-hacking regularisers prevent?
 
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn              # every recipe, seed 42

@@ -40,7 +40,7 @@ chosen):
 - train time is wall-clock time per phase: run the study on an otherwise idle machine, or the
   equal-wall-time comparison measures the neighbours.
 
-``--world compose`` (issue 40) runs the same 7 variants, seeds, claims and rules on the
+``--world compose`` runs the same 7 variants, seeds, claims and rules on the
 compositional world (docs/compose.md) and writes ``study_compose.md`` and ``study_compose/`` into
 ``--out`` (sweep: ``runs/study_compose``). What differs, fixed before any run:
 - the base recipe ``recipes/study_compose.toml`` (its comments give each choice): reward

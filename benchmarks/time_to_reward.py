@@ -1,4 +1,4 @@
-"""Time to reward (issue 26): the wall time and the model forwards each configuration needs to
+"""Time to reward: the wall time and the model forwards each configuration needs to
 reach a fixed rise of the held-out reward, on the embedded model in the learning regime of
 docs/study.md, seeds paired, with the second judge (CLIP) beside it.
 
@@ -49,8 +49,8 @@ model, same noise) plus ``--target-rise``; the time and forwards are those spent
 A run that never reaches it is reported as such and left out of the intervals (never imputed).
 
 Statistics: mean over seeds ± the half-width of the 95% Student t interval (``flowrl.stats``);
-the comparison with ``flow_grpo`` is paired by seed (the ratio of times, seed by seed). The bar
-(issue 26): the fastest configuration reaches the target in at most half of ``flow_grpo``'s
+the comparison with ``flow_grpo`` is paired by seed (the ratio of times, seed by seed). The bar:
+the fastest configuration reaches the target in at most half of ``flow_grpo``'s
 time on every paired seed, the two time intervals do not overlap, and its CLIP change (final
 minus first evaluation) is no worse (the paired difference's interval is not wholly below 0).
 The second judge's change is also given in standard errors as ``benchmarks/objectives.py``
@@ -59,7 +59,7 @@ computes them (``rise``).
 Train time depends on the machine's load: runs are made one at a time unless ``--jobs`` says
 otherwise, and the report says how many ran at once.
 
-``--world compose`` (issue 40) runs the same design on the compositional world (docs/compose.md):
+``--world compose`` runs the same design on the compositional world (docs/compose.md):
 the base recipe is ``recipes/study_compose.toml`` (the GRPO-family regime of this benchmark carried
 over: 17 steps with the SDE in the first 16, so T = 16 again; reward ``compose_geneval_exact``; 8
 prompts x 8 samples; 96 held-out prompts x 2 noises, 16 a category, ODE at 16 steps), the held-out
@@ -72,7 +72,7 @@ half), ``gcpo`` (dynamics-guided chunks from the recipe's own profile,
 ``recipes/profiles/compose_window16.json``: [2, 3, 8, 3], with weighted sampling), ``gspo``,
 ``mixgrpo``, ``nft``, ``nft_fast``, ``nft_fast4``, ``awm``, ``dgpo``, ``dppo`` (Flow-DPPO) and
 ``branch_tree``; every other config runs there too when ``--configs`` names it. The six added for
-issue 40 (``chunk_grpo``, ``gspo``, ``mixgrpo``, ``awm``, ``dgpo``, ``dppo``) take their objective's
+the compositional world (``chunk_grpo``, ``gspo``, ``mixgrpo``, ``awm``, ``dgpo``, ``dppo``) take their objective's
 keys from the recipes named in :data:`CONFIGS`; ``chunk_grpo``, ``gspo``, ``mixgrpo`` and ``dppo`` keep
 the regime's update (lr 5e-5, 2 passes, clip 5e-5 where a ratio is clipped), ``awm`` and ``dgpo`` run
 as ``nft`` does (dpm2m ODE rollouts, one pass). On the shapes world they run only when
@@ -153,7 +153,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
                  [*NFT, *NFT_FAST]),
     "nft_fast4": ("nft_fast trained at 4 timesteps per sample instead of 8 (half the update)",
                   [*NFT, *NFT_FAST, "loss.timesteps=4"]),
-    # the objectives flowrl ships that the configurations above do not cover (issue 40); not in the
+    # the objectives flowrl ships that the configurations above do not cover; not in the
     # shapes world's default set (today's runs unchanged), in the compose world's
     "chunk_grpo": ("Chunk-GRPO with GCPO's released layout: chunks [2, 3, 4, 7], uniform half, clip 5e-5",
                    ["chunker.use='explicit'", "chunker.sizes=[2, 3, 4, 7]", "selector.use='uniform'",
@@ -198,7 +198,7 @@ class World:
 
 WORLDS = {
     # today's benchmark: the first embedded world, the configurations of the runs recorded in
-    # docs/benchmarks.md (the ones added for issue 40 run there only when --configs names them)
+    # docs/benchmarks.md (the ones added for the compositional world run there only when --configs names them)
     "shapes": World(RECIPE, MAIN, SECOND, "verifier", "CLIP", 0.03, 33, "[2,2,4,8]",
                     defaults=tuple(c for c in CONFIGS if c not in ("chunk_grpo", "gspo", "mixgrpo", "awm", "dgpo", "dppo")),
                     smoke=(BASELINE, "egrpo_replay"), smoke_num_eval=4),

@@ -90,7 +90,7 @@ def suggest(name: str, valid: Iterable[str]) -> str:
 
 #: flowrl's name on the package index, which install hints name: the import package and the command
 #: are ``flowrl``, but the distribution name ``flowrl`` on PyPI belongs to an unrelated JAX library
-#: (issue 24), so installing the name ``flowrl`` from the index would get that library instead.
+#:, so installing the name ``flowrl`` from the index would get that library instead.
 DISTRIBUTION = "flowrl-diffusion"
 
 

@@ -1,5 +1,5 @@
 """Write docs/gpu_runs.md: every GPU run flowrl has a results file for, one row per file, and what
-has only been planned, never measured on a GPU (issue 43, "GPU truth").
+has only been planned, never measured on a GPU.
 
     python scripts/gpu_runs_table.py            # regenerate docs/gpu_runs.md
     python scripts/gpu_runs_table.py --check    # exit 1 when the page is stale
