@@ -84,7 +84,8 @@ class TrainConfig:
     )
     update_group: int = param(
         1,
-        "Trainable steps of one chunk forwarded together in the on-policy fast path: 1 forwards and "
+        "Trainable steps of one chunk forwarded together on the first optimizer step after a rollout (every "
+        "ratio 1, [train].fast_path): 1 forwards and "
         "back-propagates each step alone (the least memory); k > 1 batches up to k steps of a chunk into one "
         "forward and one backward (k times the activation memory; under fsdp2 each block gathers its weights "
         "once per group instead of once per step). The same gradient up to float32 rounding; `flowrl plan` "
