@@ -432,6 +432,10 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
     rolled = min(s, recipe.sampler.batch_size) if recipe.sampler.batch_size else s  # [sampler].batch_size
     lines.append(Line("rollout", "activations, no grad", rolled * tw * infer,
                       f"{rolled} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
+    if recipe.sampler.rollout_precision == "fp8":  # flowrl.sampling.precision: copied, then quantised
+        lines.append(Line("rollout", "FP8 copy of the denoiser", mm.denoiser_params * mm.denoiser_bytes,
+                          f"made in the stored dtype ({mm.denoiser_bytes} B per weight) before every rollout, then "
+                          "quantised to 1 byte per linear weight"))
     vae_bytes = sum(p * b for k, (p, b) in mm.frozen.items() if k in mm.vae_names)
     decode = (vae_bytes if mm.offload_frozen else 0) + min(s, mm.vae_batch) * mm.decode_bytes_per_image
     lines.append(Line("decode", "VAE + decode activations", decode, f"{mm.vae_batch} images per VAE call"))

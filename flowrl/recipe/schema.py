@@ -177,7 +177,26 @@ class SamplerConfig:
         "reward on the sampler's own device or cores competes with it, and the VAE decode then shares device "
         "memory with sampling.",
     )
+    rollout_precision: Literal["train", "fp8"] = param(
+        "train",
+        "Precision of the rollout's denoiser forwards: 'train' (the training precision) or 'fp8' (a copy of the "
+        "denoiser with FP8 linear layers, torchao's float8 activations and weights, made before every rollout; "
+        "a GPU of compute capability 8.9+, one process, pip install 'flowrl-diffusion[fp8]'). The trained "
+        "weights keep their precision; rollout_correction says how the update accounts for the difference.",
+    )
+    rollout_correction: Literal["rescore", "importance"] = param(
+        "rescore",
+        "With rollout_precision = 'fp8': 'rescore' computes the trained transitions' log-probs again with the "
+        "trained weights before the update (one forward without grad each; the ratio is then pi_theta / "
+        "pi_theta_old, the first step exactly on-policy); 'importance' keeps the FP8 rollout's own log-probs, so the first "
+        "step's ratio pi_theta / mu is the importance weight of its samples, clipped like any ratio (no extra "
+        "forward; the first step takes the exact off-policy update).",
+    )
+
     def __post_init__(self):
+        if self.rollout_precision == "train" and self.rollout_correction != "rescore":
+            raise ValueError(f"rollout_correction = '{self.rollout_correction}' corrects FP8 rollouts, and "
+                             "rollout_precision is 'train': set rollout_precision = 'fp8', or remove it")
         if self.overlap_rewards and self.batch_size == 0:
             raise ValueError(
                 "overlap_rewards = true needs batch_size > 0: the rollout is then run in sub-batches of "

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from ..distributed import resolve_device
 from ..dynamics.profile_file import read_profile
 from ..errors import FlowrlError, RecipeError
 from ..offline import read_offline_rows
 from ..plugins import Registry, get_registry
 from ..prompts import TABLE_SUFFIXES, distinct_rows, read_prompts
+from ..sampling.precision import check_rollout_precision
 from .schema import SECTIONS, ComponentChoice, Recipe
 from .validation import DATA_HINT, build_component, data_kind, plan_context, window_plans
 
@@ -37,6 +39,10 @@ def check_startable(recipe: Recipe, registry: Registry | None = None, *, devices
     registry = registry or get_registry()
     if devices:
         check_devices(recipe)
+        if recipe.sampler.rollout_precision != "train":
+            check_rollout_precision(recipe.sampler.rollout_precision, resolve_device(recipe.run.device),
+                                    int(os.environ.get("WORLD_SIZE", "1") or 1),
+                                    where=f"{recipe.source}: [sampler].rollout_precision")
     p = recipe.prompts
     model = recipe.components["model"].use
     for key, source in (("source", p.source), ("eval_source", p.eval_source)):

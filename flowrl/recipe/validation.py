@@ -26,6 +26,7 @@ from ..interfaces import (
     Objective,
     ProfilingChunker,
     SamplesTrees,
+    SamplesWithOwnWeights,
     TrainsOnData,
     WarpsTime,
 )
@@ -161,6 +162,7 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_trees(recipe, registry, context.trainable, plans)
     _check_group_can_differ(recipe, T)
     _check_paired_rollouts(recipe, registry, T)
+    _check_rollout_precision(recipe, registry, plans)
     if recipe.log.eval_steps == 1:
         raise RecipeError("eval_steps = 1: a sampling schedule needs at least 2 steps",
                           where=f"{recipe.source}: [log].eval_steps", hint="use 0 (the sampler's steps) or >= 2")
@@ -234,6 +236,25 @@ def _refuse_unit_layout(recipe: Recipe, registry: Registry) -> None:
             raise RecipeError(f"chunk_weights are not used: {why}",
                               where=f"{recipe.source}: [[rewards]] #{i + 1} ({reward.label}).chunk_weights",
                               hint="remove chunk_weights; the reward's weight applies to the whole sample")
+
+
+def _check_rollout_precision(recipe: Recipe, registry: Registry, plans: bool) -> None:
+    """FP8 rollouts (``[sampler].rollout_precision``; :mod:`flowrl.sampling.precision`) re-score
+    or importance-weight the plain trajectory's log-probs: what else reads the rollout is refused."""
+    if recipe.sampler.rollout_precision == "train":
+        return
+    where = f"{recipe.source}: [sampler].rollout_precision"
+    loss, name = build_loss(recipe, registry), recipe.components["loss"].use
+    window = build_component(recipe, registry, "window")
+    reads = ("the [window] plans per-sample SDE windows" if plans else
+             "the [window] samples trees" if isinstance(window, SamplesTrees) else
+             f"loss '{name}' reads the rollout's Gaussian means" if isinstance(loss, KeepsRolloutMeans) and loss.keep_means else
+             f"loss '{name}' samples with weights of its own" if isinstance(loss, SamplesWithOwnWeights) else
+             "[replay] trains on kept rollouts again" if recipe.replay.enabled else
+             "[pipeline] rolls out beside the update" if recipe.pipeline.enabled else None)
+    if reads is not None:
+        raise RecipeError(f"rollout_precision = 'fp8' corrects the plain rollout's log-probs, and {reads}",
+                          where=where, hint="remove rollout_precision (rollouts then run in the training precision)")
 
 
 def _check_paired_rollouts(recipe: Recipe, registry: Registry, T: int) -> None:

@@ -28,7 +28,9 @@ from ..interfaces import (
     select_embeddings,
 )
 from ..offline import encode_rows, iteration_rows
+from ..recipe import uses_units
 from ..sampling.plans import rollout_plan
+from ..sampling.precision import fp8_quantiser, rescore_log_probs, sampling_with
 from ..prompts import prompts_for_iteration
 from ..rewards import needs_images
 from ..sampling.branching import branch_rollout
@@ -36,6 +38,7 @@ from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
 from ..stop_points import stoppable
+from .compute import network_rows_per_sample
 from .overlap import OverlappedScoring, score_part
 from .run import Run
 
@@ -69,11 +72,17 @@ def collect(run: Run, prompts: list[str], iteration: int, timer) -> Batch:
                 sample(session, batch, geometry.group_size, on_part=scoring.submit)
             with timer("reward"):
                 batch.images, batch.rewards, batch.reward_extras = scoring.gather()
+        if rescores_rollout(session):
+            with timer("rescore"):
+                rescore(session, batch, timer)
         if batch.images is not None:
             count_decoded(timer, len(batch.images))
         return batch
     with timer("rollout"):
         sample(session, batch, geometry.group_size)
+    if rescores_rollout(session):
+        with timer("rescore"):  # FP8 rollouts: the trained policy's log-probs replace the rollout's
+            rescore(session, batch, timer)
     if decodes_in_training(session):  # rewards that all score latents need no images
         with timer("decode"):
             batch.images = session.model.decode(batch.trajectory.image_latents)
@@ -138,6 +147,8 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
     loss = session.components.loss
     keep_means = bool(isinstance(loss, KeepsRolloutMeans) and loss.keep_means)
     weights = loss.rollout_weights() if isinstance(loss, SamplesWithOwnWeights) else nullcontext()
+    if recipe.sampler.rollout_precision == "fp8":  # a quantised copy of the denoiser samples (validation: not both)
+        weights = sampling_with(model, fp8_quantiser())
     # the [window] component's plan for this iteration (None: one kernel per step, [sampler].sde_window),
     # or its tree (BranchGRPO, [window] use = "branch": one tree per group, prefixes computed once)
     window = session.components.window
@@ -166,6 +177,24 @@ def sample(session, batch: Batch, group_size: int, on_part=None) -> None:
             if on_part is not None:  # [sampler].overlap_rewards: decode and score this part meanwhile
                 on_part(parts[-1].image_latents, parts[-1].prompts)
     batch.trajectory = parts[0] if len(parts) == 1 else Trajectory.cat(parts)
+
+
+def rescores_rollout(session) -> bool:
+    """FP8 rollouts with the ``rescore`` correction, for an objective that reads the trajectory's
+    log-probs (:mod:`flowrl.sampling.precision`)."""
+    s = session.recipe.sampler
+    return s.rollout_precision == "fp8" and s.rollout_correction == "rescore" and uses_units(session.recipe, session.registry)
+
+
+def rescore(session, batch: Batch, timer) -> None:
+    """The trained transitions' log-probs from the trained weights (no grad), in
+    ``[sampler].batch_size`` sub-batches; their forwards are the ``rescore`` phase's minimum."""
+    model, text = session.model, batch.text
+    rescore_log_probs(lambda rows: stoppable(lambda x, s, t=select_embeddings(text, rows): model.velocity(x, s, t)),
+                      batch.trajectory, session.recipe.sampler.batch_size)
+    if timer.counter is not None:
+        trained = int(batch.trajectory.trainable.sum()) * len(batch.indices)
+        timer.counter.expect("rescore", trained * network_rows_per_sample(model))
 
 
 def velocity_for_rows(model, text: TextEmbeddings, rows: torch.Tensor, n_all: int):

@@ -11,7 +11,9 @@ reference policy's forwards count as ``reference``). The minimum of an iteration
   advantage, or any trained sample when there is a KL term) once forward and once backward;
 - reference: one reference forward per trained transition for the reference KL kinds;
 - old: one forward of a trailing old policy per trained point, for the objectives that keep one
-  (the ELBO policy gradient while its old weights differ from the trained ones).
+  (the ELBO policy gradient while its old weights differ from the trained ones);
+- rescore: after an FP8 rollout with ``rollout_correction = "rescore"``, one forward without grad
+  per trainable transition of every sample (:mod:`flowrl.sampling.precision`).
 
 ``compute/ratio`` is the work counted in those phases over their minimum: 1.00 means nothing was
 computed twice. Evaluation and profiling are counted but not part of the ratio.
@@ -33,7 +35,7 @@ from .. import distributed
 from ..interfaces import CountsForwards
 
 #: Phases whose work the minimum covers.
-ACCOUNTED = ("rollout", "update", "reference", "old")
+ACCOUNTED = ("rollout", "update", "reference", "old", "rescore")
 #: The counter's tables of rows by phase.
 _TABLES = ("forward", "backward", "minimum", "saving")
 

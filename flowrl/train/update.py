@@ -30,6 +30,7 @@ from ..memory_plan import choose_gradient_sync
 from ..objectives.base import MicroBatch, OnPolicyProbe, UpdateContext, UpdateMode
 from ..objectives.kl import KLSettings
 from ..objectives.policy_gradient import objective_for
+from ..recipe import uses_units
 from ..seeding import generator
 from ..stop_points import stop_point
 from .compute import ComputeCounter, network_rows_per_sample
@@ -107,6 +108,11 @@ class PolicyUpdate:
             samples_per_process=geometry.samples_per_process, rows_per_sample=network_rows_per_sample(model),
             optimizer_steps=lambda: self.scheduler.last_epoch)
         self.objective.prepare(self.context)
+        # FP8 rollouts whose own log-probs stay the ratio's denominator ([sampler].rollout_correction =
+        # "importance"): the first step's ratios are importance weights, not 1 (flowrl.sampling.precision)
+        sampler = session.recipe.sampler
+        self.behaviour_differs = (sampler.rollout_precision == "fp8" and sampler.rollout_correction == "importance"
+                                  and uses_units(session.recipe, session.registry))
 
     @property
     def auto_mode(self) -> str | None:
@@ -145,7 +151,8 @@ class PolicyUpdate:
             order = torch.randperm(len(batch.indices), generator=generator(seed, "order", batch.iteration, epoch, self.ctx.rank))
             for opt_step in range(g.optimizer_steps_per_update):
                 rows = order[opt_step * per_step : (opt_step + 1) * per_step]
-                first = epoch == first_epoch and opt_step == 0  # exactly on-policy: checked
+                # exactly on-policy: checked (not after FP8 rollouts kept as the importance denominator)
+                first = epoch == first_epoch and opt_step == 0 and not self.behaviour_differs
                 if not self._optimizer_step(batch, rows, sizes, epoch, out, metrics, first, epoch == first_epoch):
                     out.skipped = True
         local = {k: {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)

@@ -211,3 +211,13 @@ def test_grouped_update_forwards_keep_that_many_steps_of_activations():
     assert four.bytes == pytest.approx(4 * one.bytes) and "4 steps per forward" in four.note
     nft = "recipes/quickstart_nft.toml"
     assert update_activations(["train.update_group=4"], nft).bytes == update_activations([], nft).bytes
+
+
+def test_fp8_rollouts_plan_the_denoisers_copy():
+    """``[sampler].rollout_precision = "fp8"``: the rollout's copy of the denoiser, made in the
+    stored dtype before it is quantised, is a rollout-phase line of its own."""
+    mm, without, _ = _plan([], 1, recipe="recipes/lora_single_gpu_sd3.toml")
+    _, with_fp8, _ = _plan(["sampler.rollout_precision='fp8'"], 1, recipe="recipes/lora_single_gpu_sd3.toml")
+    assert "FP8 copy of the denoiser" not in without
+    line = with_fp8["FP8 copy of the denoiser"]
+    assert line.phase == "rollout" and line.bytes == mm.denoiser_params * mm.denoiser_bytes
