@@ -246,12 +246,14 @@ def _check_rollout_precision(recipe: Recipe, registry: Registry, plans: bool) ->
     where = f"{recipe.source}: [sampler].rollout_precision"
     loss, name = build_loss(recipe, registry), recipe.components["loss"].use
     window = build_component(recipe, registry, "window")
+    quantised = getattr(recipe.components["model"].params, "quantize", None)
     reads = ("the [window] plans per-sample SDE windows" if plans else
              "the [window] samples trees" if isinstance(window, SamplesTrees) else
              f"loss '{name}' reads the rollout's Gaussian means" if isinstance(loss, KeepsRolloutMeans) and loss.keep_means else
              f"loss '{name}' samples with weights of its own" if isinstance(loss, SamplesWithOwnWeights) else
              "[replay] trains on kept rollouts again" if recipe.replay.enabled else
-             "[pipeline] rolls out beside the update" if recipe.pipeline.enabled else None)
+             "[pipeline] rolls out beside the update" if recipe.pipeline.enabled else
+             f"the model's base is already quantised (quantize = '{quantised}')" if quantised not in (None, "none") else None)
     if reads is not None:
         raise RecipeError(f"rollout_precision = 'fp8' corrects the plain rollout's log-probs, and {reads}",
                           where=where, hint="remove rollout_precision (rollouts then run in the training precision)")

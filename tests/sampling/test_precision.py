@@ -98,6 +98,13 @@ def test_what_fp8_rollouts_cannot_correct_is_refused(precision_key, extra, match
     assert match in err.value.message
 
 
+def test_fp8_rollouts_of_an_already_quantised_base_are_refused():
+    from flowrl.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match=r"the model's base is already quantised \(quantize = 'nf4'\)"):
+        load_recipe(REPO / "recipes" / "flux2_klein_nf4_24gb.toml", ["sampler.rollout_precision='fp8'"])
+
+
 def test_a_device_without_fp8_is_refused_in_one_message():
     with pytest.raises(FlowrlError) as err:
         precision.check_rollout_precision("fp8", torch.device("cpu"), 1, where="r.toml: [sampler].rollout_precision")
