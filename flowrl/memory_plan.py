@@ -37,8 +37,9 @@ from flowrl.distributed import choose_strategy
 from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
 from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
+from flowrl.plugins import get_registry
 from flowrl.prompts import CACHED_PROMPTS, TABLE_SUFFIXES, distinct_rows, read_prompts
-from flowrl.recipe import build_loss, keeps_reference_copy, uses_units
+from flowrl.recipe import build_component, build_loss, keeps_reference_copy, uses_units
 
 GB = 1024**3
 #: Bytes of the CUDA context plus allocator fragmentation, added once.
@@ -542,6 +543,32 @@ def cpu_bytes(lines: list[Line]) -> float:
     """Host memory per process of what is kept in CPU memory (offloaded shards, a CPU reference,
     the prompt-embedding cache)."""
     return sum(l.bytes for l in lines if l.phase == "cpu")
+
+
+def largest_update_group(recipe, lines: list[Line], budget: float, registry=None) -> int | None:
+    """The largest ``[train].update_group`` whose peak fits in ``budget`` bytes (None when the
+    objective has no steps to group, or not even 1 fits): each step of a group adds the update's
+    activations of one step (:func:`_transients`), capped at the largest chunk (a group never
+    spans chunks)."""
+    registry = registry or get_registry()
+    current = recipe.train.update_group if uses_units(recipe, registry) else 0
+    line = next((l for l in lines if l.phase == "update" and l.item == "activations, forward with grad"), None)
+    if not current or line is None:
+        return None
+    per_step = line.bytes / current
+    persistent = sum(l.bytes for l in lines if l.phase == "persistent")
+    phases: dict[str, float] = {}
+    for l in lines:
+        if l.phase not in ("persistent", "cpu", "start-up", "held", "loading"):
+            phases[l.phase] = phases.get(l.phase, 0.0) + l.bytes
+    others = max((v for k, v in phases.items() if k != "update"), default=0.0)
+    rest = phases.get("update", 0.0) - line.bytes
+    try:
+        cap = max(build_component(recipe, registry, "chunker").sizes(recipe.num_trainable))
+    except (FlowrlError, ValueError, TypeError, FileNotFoundError):  # a profiling chunker decides at start
+        cap = recipe.num_trainable
+    fits = [k for k in range(1, max(1, cap) + 1) if persistent + max(others, rest + k * per_step) <= budget]
+    return max(fits) if fits else None
 
 
 def peak(lines: list[Line]) -> tuple[float, str]:

@@ -36,7 +36,7 @@ def plan(
     from rich.markup import escape
     from rich.table import Table
 
-    from ..memory_plan import GB, estimate, host_lines, peak, startup_peak
+    from ..memory_plan import GB, estimate, host_lines, largest_update_group, peak, startup_peak
 
     resolved = load(recipe, set_)
     # A recipe written for 8 GPUs planned at one process would say "does not fit" about a run
@@ -73,6 +73,11 @@ def plan(
     other = _other_gradient_sync(resolved, num_processes, num_nodes, lines)
     if other:
         console.print(other)
+    group = largest_update_group(resolved, lines, gpu_memory * GB, registry())
+    if group is not None and group != resolved.train.update_group:
+        console.print(f"update_group: up to {group} steps of a chunk per forward fit in {gpu_memory:g} GB (this recipe: "
+                      f"{resolved.train.update_group}); more steps per forward, fewer weight gathers under fsdp2; "
+                      f"set it with --set train.update_group={group}")
 
     for note in mm.notes:
         console.print(f"note: {escape(note)}")

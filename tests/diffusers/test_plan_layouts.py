@@ -221,3 +221,25 @@ def test_fp8_rollouts_plan_the_denoisers_copy():
     assert "FP8 copy of the denoiser" not in without
     line = with_fp8["FP8 copy of the denoiser"]
     assert line.phase == "rollout" and line.bytes == mm.denoiser_params * mm.denoiser_bytes
+
+
+def test_the_plan_finds_the_largest_update_group_that_fits():
+    """``largest_update_group``: the estimate at that group fits the budget and one more step does
+    not (below the largest chunk, which caps it); an objective without units has none."""
+    from flowrl.memory_plan import largest_update_group
+
+    registry = get_registry()
+    r = load_recipe(FLAGSHIP, registry=registry)  # chunks of at most 7 steps
+    lines = estimate(r, registry, 8)[2]
+    base = peak(lines)[0]
+    step = {l.item: l for l in lines}["activations, forward with grad"].bytes
+    budget = base + 2.5 * step  # 3 steps fit if the update phase is the peak, 4 do not
+    k = largest_update_group(r, lines, budget, registry)
+    assert k is not None and 1 <= k < 7
+    fit = lambda g: peak(estimate(load_recipe(FLAGSHIP, [f"train.update_group={g}"], registry=registry),  # noqa: E731
+                                  registry, 8)[2])[0]
+    assert fit(k) <= budget < fit(k + 1)
+    assert largest_update_group(r, lines, base * 100, registry) == 7  # the largest chunk caps it
+    assert largest_update_group(r, lines, base / 2, registry) is None
+    nft = load_recipe("recipes/quickstart_nft.toml", registry=registry)
+    assert largest_update_group(nft, estimate(nft, registry, 1)[2], 1e15, registry) is None
