@@ -20,7 +20,11 @@ is built in memory and handed to flowrl's ``flux`` adapter in place of ``from_pr
 - ``branch_tree``: ``branch`` with ``[advantage] use = "tree"``: each transition the tree shares
   is trained once, with its subtree's fused advantage (36 of the 64 transitions trained);
 - ``pipelined``: the same as ``step`` with ``[pipeline] staleness = 1`` (the next rollout drawn by
-  a copy of the policy in a worker thread while the update runs, on the same GPU).
+  a copy of the policy in a worker thread while the update runs, on the same GPU);
+- ``fp8_rollout`` (only when ``--variants`` names it: a GPU of compute capability 8.9+ and torchao):
+  ``step`` with ``[sampler].rollout_precision = "fp8"`` (the rollout on an FP8 copy of the
+  transformer, the trained transitions re-scored in bf16 before the update):
+  ``--variants step fp8_rollout`` gives the FP8 rollout's time against bf16 (``phase_seconds``).
 
 An iteration's time is the time between two consecutive metrics rows (iteration 0, warm-up, is
 left out); the median over the measured iterations is reported, with the peak of
@@ -89,7 +93,12 @@ VARIANTS = {
     "branch_tree": ["window.use=\"branch\"", "window.steps=[1, 3, 5]", "window.factors=[2, 2, 2]",
                     "advantage.use=\"tree\""],
     "pipelined": ["pipeline.staleness=1", "pipeline.overlap=true"],
+    # step with FP8 rollouts (flowrl.sampling.precision): a GPU of compute capability 8.9+ and torchao;
+    # only when --variants names it
+    "fp8_rollout": ["sampler.rollout_precision='fp8'"],
 }
+#: What runs without --variants (FP8 needs the hardware).
+DEFAULT_VARIANTS = ["step", "branch", "branch_tree", "pipelined"]
 
 
 def transformer_config(layers: tuple[int, int] | None = None, heads: int | None = None) -> dict:
@@ -236,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--max-sequence-length", type=int, default=512)
     ap.add_argument("--iterations", type=int, default=3, help="iterations per variant (the first is warm-up)")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--attention", default="auto", help="[train].attention_backend")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="recipe overrides after the benchmark's own (a shorter CPU check: train.group_size=2)")

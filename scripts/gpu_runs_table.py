@@ -59,6 +59,10 @@ class Said:
 #: What has only been planned, never measured on a GPU, as the docs say it. Remove an item when a
 #: GPU results file measures it (and the sentence in its page changes).
 PLANNED = (
+    Said("FP8 rollouts (`[sampler].rollout_precision = \"fp8\"`): their time against bf16 rollouts "
+            "(`benchmarks/gpu_flux_iteration.py --variants step fp8_rollout`) and the GPU lane's FP8 test",
+            "objectives.md", "Rollouts in FP8, and the update's correction",
+            "No GPU was lent to this work, so the FP8 matmul path has not run."),
     Said("`flowrl plan`'s peak memory for the GPU recipes (FLUX.1-dev LoRA and full fine-tuning, SD3.5-M, "
             "Qwen-Image, FLUX.2 [klein], Z-Image, the editing models, Wan, LTX-Video; docs/hardware.md) against "
             "`torch.cuda.max_memory_allocated` on a GPU; the plans are checked against torch's memory tracker "
