@@ -246,11 +246,11 @@ def test_the_plan_finds_the_largest_update_group_that_fits():
 
 
 def test_docs_distributed_md_states_the_flagships_largest_update_group():
-    """docs/distributed.md: "7 for recipes/chunk_grpo_flux.toml on 8 x 80 GB" (its largest chunk)."""
+    """docs/distributed.md: "7 for recipes/chunk_grpo_flux.toml with --gpu-memory 80" (its largest chunk)."""
     from flowrl.memory_plan import GB, largest_update_group
 
     registry = get_registry()
     r = load_recipe(FLAGSHIP, registry=registry)
     assert largest_update_group(r, estimate(r, registry, 8)[2], 80 * GB, registry) == 7
     doc = (Path(__file__).resolve().parents[2] / "docs" / "distributed.md").read_text(encoding="utf-8")
-    assert "7 for `recipes/chunk_grpo_flux.toml` on 8 x 80 GB" in doc
+    assert "7 for `recipes/chunk_grpo_flux.toml` with `--gpu-memory 80`" in doc
