@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +47,22 @@ class PlacementConfig:
         """Bytes of ``parameters`` weights on an accelerator in this dtype ('auto' is bfloat16 there),
         for a reward's ``memory_bytes`` (:class:`flowrl.interfaces.PlansRewardMemory`)."""
         return int(parameters * (4 if self.dtype == "float32" else 2))
+
+
+def checkpoint_parameters(directory: str) -> int | None:
+    """The parameters a local checkpoint directory holds, read from its ``*.safetensors`` headers
+    (shapes only; nothing is loaded), or None without such files."""
+    from safetensors import safe_open
+
+    folder = Path(directory) if directory else None
+    files = sorted(folder.glob("*.safetensors")) if folder is not None and folder.is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as tensors:
+            total += sum(math.prod(tensors.get_slice(key).get_shape()) for key in tensors.keys())
+    return total
 
 
 def resolve_device(name: str) -> torch.device:

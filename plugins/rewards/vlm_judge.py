@@ -63,7 +63,8 @@ from flowrl.config import param
 from flowrl.errors import FlowrlError, require
 from flowrl.interfaces import RewardOutput
 
-from .common import ModelReward, PlacementConfig, check_images, resize_to, resolve_device, resolve_dtype
+from .common import (ModelReward, PlacementConfig, check_images, checkpoint_parameters, resize_to, resolve_device,
+                     resolve_dtype)
 
 WHO = "vlm_judge"
 log = logging.getLogger("flowrl.rewards.vlm_judge")
@@ -128,6 +129,21 @@ class VlmJudgeConfig(PlacementConfig):
     retry_wait: float = param(1.0, "backend 'openai': seconds before the first retry; doubles each retry.", min=0)
     check_on_start: bool = param(True, "backend 'openai': ask the servers' /v1/models when the reward is built, so a "
                                        "wrong URL or model name fails before training.")
+
+    @property
+    def memory_note(self) -> str:
+        if self.backend == "openai":
+            return "served by another process (base_url): nothing on this device"
+        parameters = checkpoint_parameters(self.model)
+        return f"{parameters / 1e9:.2f}e9 params in its safetensors" if parameters else "no safetensors to count"
+
+    def memory_bytes(self) -> int | None:
+        """``flowrl plan``'s bytes: the local checkpoint's parameters (read from its safetensors
+        headers) in this dtype; 0 for a judge served elsewhere."""
+        if self.backend == "openai":
+            return 0
+        parameters = checkpoint_parameters(self.model)
+        return None if parameters is None else self.weight_bytes(parameters)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -438,3 +438,24 @@ def test_yes_probability_sums_the_words_variants_once_each():
     e = torch.tensor([-1.0, -2.0, -9.0, -1.5]).exp().tolist()
     assert mass == pytest.approx(sum(e)) and p == pytest.approx(sum(e[:3]) / sum(e))
     assert yes_probability([("The", -0.1)]) == (None, 0.0)
+
+
+def test_the_plan_counts_a_local_judge_from_its_safetensors_and_a_served_one_as_nothing(judge_dir):
+    """``flowrl plan``'s bytes for the judge (PlansRewardMemory): the checkpoint's parameters, read
+    from its safetensors headers without loading them, in the reward's dtype; 0 for a judge
+    another process serves."""
+    from flowrl.interfaces import PlansRewardMemory
+    from flowrl_plugins.rewards.vlm_judge import VlmJudgeConfig
+
+    from safetensors.torch import load_file
+
+    # the second route: load every tensor the checkpoint stores and count it
+    parameters = sum(t.numel() for f in judge_dir.glob("*.safetensors") for t in load_file(str(f)).values())
+    assert parameters > 0
+    local = VlmJudgeConfig(model=str(judge_dir), dtype="float32")
+    assert isinstance(local, PlansRewardMemory) and local.memory_bytes() == 4 * parameters
+    assert VlmJudgeConfig(model=str(judge_dir)).memory_bytes() == 2 * parameters  # 'auto': bf16 on a GPU
+    assert f"{parameters / 1e9:.2f}e9 params" in local.memory_note
+    served = VlmJudgeConfig(backend="openai", base_url="http://127.0.0.1:8000/v1")
+    assert served.memory_bytes() == 0 and "served by another process" in served.memory_note
+    assert VlmJudgeConfig(model="/no/such/judge").memory_bytes() is None
