@@ -585,6 +585,13 @@ class Objective(Protocol):
     def end_rollout(self, ctx: UpdateContext, batch: Any) -> dict[str, Any]: ...  # noqa: F821
 
 
+def trains_on_units(loss) -> bool:
+    """Whether the built ``[loss]`` (a :class:`PolicyLoss`, or an :class:`Objective` as its
+    likelihood serves it) trains on the trajectory's units: False for an objective with
+    ``uses_units`` False (DiffusionNFT, any loss on the ELBO), whose run never reads the chunk layout."""
+    return not (isinstance(loss, Objective) and not loss.uses_units)
+
+
 @runtime_checkable
 class SamplesWithOwnWeights(Protocol):
     """An objective whose rollouts are drawn with other weights than the trained ones

@@ -19,8 +19,8 @@ Where the numbers come from: parameter counts are exact (models instantiated on 
 device from their configs); activation constants are measured by running a one-block replica of
 the model's transformer on the CPU and counting the tensors autograd saves. A model's params
 provide these through ``memory_spec()`` (:class:`flowrl.interfaces.PlansMemory`); without it,
-the model is built (fine for small models) and measured directly. Reward models are known by
-Reward models declare ``memory_bytes()`` on their params
+the model is built (fine for small models) and measured directly. Reward models declare
+``memory_bytes()`` on their params
 (:class:`flowrl.interfaces.PlansRewardMemory`); one that does not is listed, uncounted. This is an
 estimate: measure the real peak on the first iterations (``torch.cuda.max_memory_allocated``).
 """
@@ -47,7 +47,6 @@ CUDA_OVERHEAD = int(1.5 * GB)
 #: Live activations of a forward WITHOUT grad, in elements per token per unit of width: q, k, v,
 #: attention output, the 4x MLP hidden and its activation, residuals, norms' upcasts.
 INFERENCE_WIDTHS = 17.2  # FLUX.1-dev at full size under torch's MemTracker (benchmarks/memory_plan.py)
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclasses.dataclass
@@ -556,11 +555,7 @@ def largest_update_group(recipe, lines: list[Line], budget: float, registry=None
     if not current or line is None:
         return None
     per_step = line.bytes / current
-    persistent = sum(l.bytes for l in lines if l.phase == "persistent")
-    phases: dict[str, float] = {}
-    for l in lines:
-        if l.phase not in ("persistent", "cpu", "start-up", "held", "loading"):
-            phases[l.phase] = phases.get(l.phase, 0.0) + l.bytes
+    persistent, phases = _phase_totals(lines)
     others = max((v for k, v in phases.items() if k != "update"), default=0.0)
     rest = phases.get("update", 0.0) - line.bytes
     try:
@@ -571,13 +566,20 @@ def largest_update_group(recipe, lines: list[Line], budget: float, registry=None
     return max(fits) if fits else None
 
 
-def peak(lines: list[Line]) -> tuple[float, str]:
-    """The peak of GPU memory: everything persistent plus the largest phase's transients, and
-    that phase (lines kept in CPU memory do not count)."""
+def _phase_totals(lines: list[Line]) -> tuple[float, dict[str, float]]:
+    """The persistent bytes on the GPU, and each phase's transient bytes (lines kept in CPU
+    memory and the start-up's, which :func:`startup_peak` counts, left out)."""
     persistent = sum(l.bytes for l in lines if l.phase == "persistent")
     phases: dict[str, float] = {}
     for l in lines:
-        if l.phase not in ("persistent", "cpu", "start-up", "held", "loading"):  # start-up: startup_peak()
+        if l.phase not in ("persistent", "cpu", "start-up", "held", "loading"):
             phases[l.phase] = phases.get(l.phase, 0.0) + l.bytes
+    return persistent, phases
+
+
+def peak(lines: list[Line]) -> tuple[float, str]:
+    """The peak of GPU memory: everything persistent plus the largest phase's transients, and
+    that phase (lines kept in CPU memory do not count)."""
+    persistent, phases = _phase_totals(lines)
     worst = max(phases, key=phases.get) if phases else "none"
     return persistent + phases.get(worst, 0.0), worst

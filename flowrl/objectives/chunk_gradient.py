@@ -300,7 +300,7 @@ def on_policy_chunk_backward(
     B, T, s, old, m, adv = _setup(old_lp, advantages, sizes, unit_mask)
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
-    batched = many is not None and forward_with_extra is None and group > 1
+    width = group if many is not None and forward_with_extra is None else 1  # steps per forward
     dz = _units_grad_at(torch.zeros(B, len(s), device=old.device), m, adv, objective, normaliser)
     new, first = old.clone(), 0
     for u, size in enumerate(s):
@@ -313,7 +313,6 @@ def on_policy_chunk_backward(
             t_rows, stand_in = pad_rows(t_rows)
             weight = 0.0 if stand_in else 1.0  # a stand-in row (lockstep) contributes nothing
             order = [last, *range(first, last)]  # the lean update's order
-            width = group if batched else 1
             for ts in (order[k : k + width] for k in range(0, size, width)):
                 if width > 1:
                     with torch.enable_grad():

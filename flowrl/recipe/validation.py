@@ -29,6 +29,7 @@ from ..interfaces import (
     SamplesWithOwnWeights,
     TrainsOnData,
     WarpsTime,
+    trains_on_units,
 )
 from ..plugins import Registry, get_registry
 from ..sampling.branching import BranchConfig, steps_of_highest_dynamics
@@ -141,8 +142,7 @@ def window_plans(recipe: Recipe, registry: Registry, context: PlanContext) -> bo
 def uses_units(recipe: Recipe, registry: Registry) -> bool:
     """False when the ``[loss]`` is an objective that trains without trajectory log-probs
     (DiffusionNFT): then the sampler may leave nothing trainable and the chunk layout is unused."""
-    loss = build_loss(recipe, registry)
-    return not (isinstance(loss, Objective) and not loss.uses_units)
+    return trains_on_units(build_loss(recipe, registry))
 
 
 def cross_check(recipe: Recipe, registry: Registry) -> None:
@@ -206,8 +206,8 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
             )
 
 
-#: The tables that lay a trajectory's transitions out in units, and their kinds.
-UNIT_LAYOUT_TABLES = {"chunker": "chunker", "selector": "selector"}
+#: The tables that lay a trajectory's transitions out in units.
+UNIT_LAYOUT_TABLES = ("chunker", "selector")
 
 
 def _refuse_unit_layout(recipe: Recipe, registry: Registry) -> None:
@@ -220,7 +220,8 @@ def _refuse_unit_layout(recipe: Recipe, registry: Registry) -> None:
     objective = f"loss '{loss}'" + (f" on [likelihood] '{likelihood.use}'" if likelihood and
                                      likelihood.use != registry.default("likelihood") else "")
     why = f"{objective} trains without per-transition units, so the chunk layout never applies"
-    for table, kind in UNIT_LAYOUT_TABLES.items():
+    for table in UNIT_LAYOUT_TABLES:
+        kind = COMPONENT_SECTIONS[table]
         choice, name = recipe.components[table], registry.default(kind)
         if name is None:  # no default: the table had to be written, so it says nothing
             continue

@@ -103,9 +103,9 @@ def rescore_log_probs(velocity: Callable, trajectory, batch_size: int = 0) -> No
     with torch.no_grad():
         for lo in range(0, n, size):
             rows = torch.arange(lo, min(lo + size, n))
+            fn, at = velocity(rows), rows.to(trajectory.log_probs.device)
             for i in steps:
-                out = rescore_transition(velocity(rows), trajectory, i, rows)
-                trajectory.log_probs[rows.to(trajectory.log_probs.device), i] = out.log_prob.to(trajectory.log_probs.dtype)
+                trajectory.log_probs[at, i] = rescore_transition(fn, trajectory, i, rows).log_prob.to(trajectory.log_probs.dtype)
 
 
 def check_rollout_precision(precision: str, device: torch.device, world_size: int, where: str) -> None:

@@ -26,9 +26,9 @@ from ..interfaces import (
     TextEmbeddings,
     UsesImageFeatures,
     select_embeddings,
+    trains_on_units,
 )
 from ..offline import encode_rows, iteration_rows
-from ..recipe import uses_units
 from ..sampling.plans import rollout_plan
 from ..sampling.precision import fp8_quantiser, rescore_log_probs, sampling_with
 from ..prompts import prompts_for_iteration
@@ -183,7 +183,7 @@ def rescores_rollout(session) -> bool:
     """FP8 rollouts with the ``rescore`` correction, for an objective that reads the trajectory's
     log-probs (:mod:`flowrl.sampling.precision`)."""
     s = session.recipe.sampler
-    return s.rollout_precision == "fp8" and s.rollout_correction == "rescore" and uses_units(session.recipe, session.registry)
+    return s.rollout_precision == "fp8" and s.rollout_correction == "rescore" and trains_on_units(session.components.loss)
 
 
 def rescore(session, batch: Batch, timer) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from .. import distributed
 from ..errors import FlowrlError
-from ..interfaces import AdaptiveChunker, CurveSource, CurveWeightedSelector, Objective, ProfilingChunker
+from ..interfaces import AdaptiveChunker, CurveSource, CurveWeightedSelector, ProfilingChunker, trains_on_units
 
 
 class ChunkLayout:
@@ -28,8 +28,7 @@ class ChunkLayout:
         if isinstance(self.chunker, ProfilingChunker) and self.chunker.needs_model:
             self.chunker.profile_at_start(session.model, sampler.sigmas, sampler.kernels, prompts,
                                           image_from=sampler.image_from, seed=recipe.run.seed)
-        loss = session.components.loss
-        if isinstance(loss, Objective) and not loss.uses_units:  # no units to lay out (DiffusionNFT)
+        if not trains_on_units(session.components.loss):  # no units to lay out (DiffusionNFT)
             self.sizes = ()
             return
         try:

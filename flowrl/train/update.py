@@ -25,12 +25,11 @@ import torch
 
 from .. import distributed
 from ..errors import FlowrlError
-from ..interfaces import CheckpointsState, SamplesTrees
+from ..interfaces import CheckpointsState, SamplesTrees, trains_on_units
 from ..memory_plan import choose_gradient_sync
 from ..objectives.base import MicroBatch, OnPolicyProbe, UpdateContext, UpdateMode
 from ..objectives.kl import KLSettings
 from ..objectives.policy_gradient import objective_for
-from ..recipe import uses_units
 from ..seeding import generator
 from ..stop_points import stop_point
 from .compute import ComputeCounter, network_rows_per_sample
@@ -112,7 +111,7 @@ class PolicyUpdate:
         # "importance"): the first step's ratios are importance weights, not 1 (flowrl.sampling.precision)
         sampler = session.recipe.sampler
         self.behaviour_differs = (sampler.rollout_precision == "fp8" and sampler.rollout_correction == "importance"
-                                  and uses_units(session.recipe, session.registry))
+                                  and trains_on_units(self.objective))
 
     @property
     def auto_mode(self) -> str | None:

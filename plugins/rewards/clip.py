@@ -302,13 +302,17 @@ class ClipConfig(PlacementConfig):
         return self.model or "openai/clip-vit-large-patch14"
 
     @property
+    def parameters(self) -> float | None:
+        """The parameters of :attr:`architecture` (None when it is not one of :data:`CLIP_PARAMETERS`)."""
+        return CLIP_PARAMETERS.get(_clip_family(self.architecture))
+
+    @property
     def memory_note(self) -> str:
-        size = CLIP_PARAMETERS.get(_clip_family(self.architecture))
+        size = self.parameters
         return f"CLIP {self.architecture}, {size / 1e9:.2f}e9 params" if size else f"CLIP {self.architecture}"
 
     def memory_bytes(self) -> int | None:
-        size = CLIP_PARAMETERS.get(_clip_family(self.architecture))
-        return None if size is None else self.weight_bytes(size)
+        return None if self.parameters is None else self.weight_bytes(self.parameters)
 
 
 class Clip:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
+import functools
 import http.client
 import io
 import json
@@ -130,20 +131,23 @@ class VlmJudgeConfig(PlacementConfig):
     check_on_start: bool = param(True, "backend 'openai': ask the servers' /v1/models when the reward is built, so a "
                                        "wrong URL or model name fails before training.")
 
+    @functools.cached_property
+    def parameters(self) -> int | None:
+        """The local checkpoint's parameters, read once from its safetensors headers (None: none to read)."""
+        return checkpoint_parameters(self.model) if self.backend == "transformers" else None
+
     @property
     def memory_note(self) -> str:
         if self.backend == "openai":
             return "served by another process (base_url): nothing on this device"
-        parameters = checkpoint_parameters(self.model)
-        return f"{parameters / 1e9:.2f}e9 params in its safetensors" if parameters else "no safetensors to count"
+        return f"{self.parameters / 1e9:.2f}e9 params in its safetensors" if self.parameters else "no safetensors to count"
 
     def memory_bytes(self) -> int | None:
-        """``flowrl plan``'s bytes: the local checkpoint's parameters (read from its safetensors
-        headers) in this dtype; 0 for a judge served elsewhere."""
+        """``flowrl plan``'s bytes: the local checkpoint's parameters in this dtype; 0 for a judge
+        served elsewhere."""
         if self.backend == "openai":
             return 0
-        parameters = checkpoint_parameters(self.model)
-        return None if parameters is None else self.weight_bytes(parameters)
+        return None if self.parameters is None else self.weight_bytes(self.parameters)
 
 
 @dataclasses.dataclass(frozen=True)
