@@ -94,6 +94,9 @@ class ModelMemory:
     #: (``DiffusersAdapter.snapshot_reference``); None: as the denoiser is stored
     #: (``denoiser_bytes``; the engine's own copy, :class:`flowrl.objectives.kl.ReferencePolicy`)
     reference_bytes: int | None = None
+    #: parameters full fine-tuning trains (None: all ``denoiser_params``; a two-expert model that
+    #: trains one expert trains half)
+    trainable_params: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -280,13 +283,15 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
 
 
 def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
-    """(trainable parameters, bytes each, how) of the recipe's fine-tuning."""
+    """(trainable parameters, bytes each, how: the LoRA's size, empty for full fine-tuning) of the
+    recipe's fine-tuning."""
     t = recipe.train
     if t.finetune == "lora":
         targets = list(t.lora_targets) or mm.default_lora_targets
         n = lora_parameter_count(mm.lora_shapes or {}, targets, t.lora_rank)
         return n, 4, f"{n / 1e6:.1f}e6 params (r = {t.lora_rank}), fp32"
-    return mm.denoiser_params, mm.denoiser_bytes, ""
+    n = mm.denoiser_params if mm.trainable_params is None else mm.trainable_params
+    return n, mm.denoiser_bytes, ""
 
 
 def keeps_old_policy(recipe, registry) -> bool:

@@ -95,6 +95,8 @@ PLANNED = (
             "No GPU run of this adapter has been made yet"),
     Said("Wan 2.2 TI2V-5B", "models.md", "Video: Wan 2.2 TI2V-5B (text- and image-to-video)",
             "No GPU run of this adapter has been made yet"),
+    Said("Wan 2.2 T2V A14B (two experts)", "models.md", "Video: Wan 2.2 T2V A14B (two experts)",
+            "No GPU run of this adapter has been made yet"),
     Said("LTX-Video", "models.md", "Video: LTX-Video",
             "No GPU run of this adapter has been made yet"),
 )

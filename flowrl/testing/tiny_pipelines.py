@@ -57,7 +57,8 @@ ensure_torchvision_importable()
 
 __all__ = [
     "build_tiny_flux", "build_tiny_sd3", "build_tiny_qwen_image", "build_tiny_flux2_klein", "build_tiny_zimage",
-    "build_tiny_flux_kontext", "build_tiny_qwen_image_edit", "build_tiny_wan", "build_tiny_wan22", "build_tiny_ltx",
+    "build_tiny_flux_kontext", "build_tiny_qwen_image_edit", "build_tiny_wan", "build_tiny_wan22", "build_tiny_wan22_a14b",
+    "build_tiny_ltx",
     "clip_tokenizer", "t5_tokenizer", "qwen_tokenizer", "TINY_PROMPTS",
 ]
 
@@ -444,9 +445,17 @@ def _umt5(tok, width: int):
 def build_tiny_wan(path: str | Path, *, seed: int = 0) -> Path:
     """Write a tiny Wan 2.1 text-to-video pipeline to ``path`` (UMT5 text encoder, Wan VAE with 4x
     temporal compression, the published UniPC flow scheduler with shift 3). Returns ``path``."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
 
     path = Path(path)
+    WanPipeline(**_tiny_wan_parts(seed)).save_pretrained(path)
+    return path
+
+
+def _tiny_wan_parts(seed: int) -> dict:
+    """The components of :func:`build_tiny_wan`'s pipeline, built with ``seed``."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+
     torch.manual_seed(seed)
     tok = t5_tokenizer()
     width = 32
@@ -462,8 +471,21 @@ def build_tiny_wan(path: str | Path, *, seed: int = 0) -> Path:
     )
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
                                         num_train_timesteps=1000)
-    WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                scheduler=scheduler).save_pretrained(path)
+    return {"tokenizer": tok, "text_encoder": text_encoder, "vae": vae, "transformer": transformer,
+            "scheduler": scheduler}
+
+
+def build_tiny_wan22_a14b(path: str | Path, *, seed: int = 0, boundary_ratio: float = 0.875) -> Path:
+    """Write a tiny Wan 2.2 A14B-like pipeline to ``path``: :func:`build_tiny_wan`'s components with a
+    second transformer of the same architecture and its own random weights (``transformer_2``, the
+    low-noise expert) and the pipeline's ``boundary_ratio`` (T2V A14B's 0.875). Returns ``path``."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    path = Path(path)
+    parts = _tiny_wan_parts(seed)
+    torch.manual_seed(seed + 1)
+    second = WanTransformer3DModel.from_config(parts["transformer"].config)
+    WanPipeline(**parts, transformer_2=second, boundary_ratio=boundary_ratio).save_pretrained(path)
     return path
 
 
@@ -503,7 +525,12 @@ def build_tiny_ltx(path: str | Path, *, timestep_conditioning: bool = False, see
     a VAE whose decoder takes a timestep (LTX-Video 0.9.1+), with three stages (the published
     factors 32 and 8; diffusers' timestep-conditioned decoder wants equal decoder widths).
     Returns ``path``."""
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
 
     path = Path(path)
     torch.manual_seed(seed)

@@ -100,6 +100,8 @@ class DiffusersAdapter:
     uses_cfg: bool = False
     #: no prompts of its own (prompt_source() is None): `flowrl validate` refuses [prompts] source = "model"
     ships_prompts: bool = False
+    #: the components that make up the denoiser: built without weights on a process that receives them
+    empty_components: tuple[str, ...] = ("transformer",)
     #: the pipeline's frozen components (text encoders, VAE), in the order they are moved and frozen
     frozen_names: tuple[str, ...] = ("text_encoder", "vae")
 
@@ -120,7 +122,7 @@ class DiffusersAdapter:
         )
         self.device = torch.device("cpu")
         self.pipe = self._load()
-        self.denoiser = self.pipe.transformer
+        self.denoiser = self._denoiser_of(self.pipe)
         if self.denoiser_dtype != self.dtype:
             self.denoiser.to(self.denoiser_dtype)
         self.quantize = getattr(config, "quantize", "none")
@@ -202,8 +204,12 @@ class DiffusersAdapter:
         empty = receives_weights() and getattr(self.config, "quantize", "none") == "none"
         return load_pipeline(
             self.pipeline_class, self.config.path, where=f"{self.where}.path", revision=self.config.revision,
-            empty="transformer" if empty else None, **dtype_kwarg(self.dtype), **self._load_kwargs(),
+            empty=self.empty_components if empty else (), **dtype_kwarg(self.dtype), **self._load_kwargs(),
         )
+
+    def _denoiser_of(self, pipe) -> torch.nn.Module:
+        """The module that is trained: the pipeline's transformer (a two-expert pipeline wraps both)."""
+        return pipe.transformer
 
     def _frozen_modules(self) -> list[torch.nn.Module]:
         """Text encoders and the VAE (everything but the denoiser): the pipeline's components named in
@@ -406,5 +412,9 @@ class DiffusersAdapter:
                 where=f"{self.where}.quantize",
                 hint="export the LoRA (flowrl export without --merge) and load it onto the full-precision base",
             )
-        self.pipe.transformer = self.denoiser
+        self._denoiser_into_pipeline()
         self.pipe.save_pretrained(str(out_dir))
+
+    def _denoiser_into_pipeline(self) -> None:
+        """Put the trained denoiser back where the pipeline keeps it, for ``save_pretrained``."""
+        self.pipe.transformer = self.denoiser

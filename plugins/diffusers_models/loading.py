@@ -64,13 +64,14 @@ def dtype_kwarg(dtype: torch.dtype) -> dict:
     return {"dtype" if new else "torch_dtype": dtype}
 
 
-def load_pipeline(pipeline_cls, path: str, *, where: str, revision: str = "", empty: str | None = None, **kwargs):
+def load_pipeline(pipeline_cls, path: str, *, where: str, revision: str = "", empty: str | tuple[str, ...] = (),
+                  **kwargs):
     """``pipeline_cls.from_pretrained(path, **kwargs)``, translating missing-weights errors.
 
-    ``empty``: the name of a component (``"transformer"``) to build from its configuration on the
-    ``meta`` device instead of loading it: no weights are read or held, every other component
-    loads as usual (a process that receives the denoiser's weights from rank 0,
-    :func:`flowrl.distributed.receives_weights`)."""
+    ``empty``: the names of components (``("transformer",)``; one name alone is accepted) to build
+    from their configurations on the ``meta`` device instead of loading them: no weights are read
+    or held, every other component loads as usual (a process that receives the denoiser's weights
+    from rank 0, :func:`flowrl.distributed.receives_weights`)."""
     if looks_like_local_path(path):
         check_local_pipeline(path, where)
         path = str(Path(path).expanduser())
@@ -79,9 +80,9 @@ def load_pipeline(pipeline_cls, path: str, *, where: str, revision: str = "", em
         kwargs["revision"] = revision
     quiet_library_messages()  # diffusers is imported by now: filter its handlers (flowrl.compat)
     try:
-        if empty:
+        for name in (empty,) if isinstance(empty, str) else empty:
             dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-            kwargs[empty] = empty_component(pipeline_cls, path, empty, dtype, revision=kwargs.get("revision"))
+            kwargs[name] = empty_component(pipeline_cls, path, name, dtype, revision=kwargs.get("revision"))
         return pipeline_cls.from_pretrained(path, **kwargs)
     except Exception as exc:  # translate the hub's many exception types below
         translated = _access_error(exc, path, where)

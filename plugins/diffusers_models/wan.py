@@ -187,7 +187,14 @@ class WanModel(DiffusersAdapter):
             out = module(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, compute),
                          return_dict=False)[0]
         out = out.to(torch.float32)
-        return self._conditioned(self._cfg_combined(out)[0] if self.uses_cfg else out, latents, sigma, text)
+        if self.uses_cfg:
+            v_u, v_c = out.chunk(2)
+            out = v_u + self._cfg_weight(sigma) * (v_c - v_u)  # WanPipeline's order of operations
+        return self._conditioned(out, latents, sigma, text)
+
+    def _cfg_weight(self, sigma: torch.Tensor):
+        """The CFG weight at ``sigma`` (one for every step here; Wan 2.2 A14B's depends on the expert)."""
+        return self.config.cfg_scale
 
     def _conditioned(self, velocity, latents, sigma, text):
         """The velocity with what conditioning fixes (nothing here: text-to-video)."""

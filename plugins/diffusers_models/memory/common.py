@@ -63,7 +63,7 @@ QWEN3_4B = {
 #: Built-in copies of public pipeline configs (hub id -> component -> class and config): every
 #: family module's ``PIPELINES``, gathered by this package's ``__init__`` in a fixed order.
 KNOWN: dict[str, dict[str, dict[str, Any]]] = {}
-_COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
+_COMPONENTS = ("transformer", "transformer_2", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")
 
 
 def pipeline_configs(path: str, revision: str = "", where: str = "[model].path") -> dict[str, dict[str, Any]]:

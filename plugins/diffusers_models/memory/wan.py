@@ -1,10 +1,12 @@
-"""Wan's memory facts, for the ``wan`` and ``wan22`` adapters (plugins/diffusers_models/wan.py):
-the published configs of Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers and Wan-AI/Wan2.2-TI2V-5B-Diffusers
+"""Wan's memory facts, for the ``wan`` and ``wan22`` adapters (plugins/diffusers_models/wan.py) and
+``wan22_a14b`` (plugins/diffusers_models/wan_a14b.py): the published configs of
+Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers, Wan-AI/Wan2.2-TI2V-5B-Diffusers and Wan-AI/Wan2.2-T2V-A14B-Diffusers
 (transformer/, text_encoder/ and vae/config.json on the hub), the activation constants a 2- and
 3-block replica measures, and the adapter's :class:`flowrl.memory_plan.ModelMemory`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -52,8 +54,14 @@ WAN22_VAE = {
 #: Wan-AI/Wan2.2-TI2V-5B-Diffusers's transformer (5.00e9 parameters)
 WAN22_5B = dict(WAN21_1P3B, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336)
 
+#: Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts, each Wan 2.1 14B's architecture (the Wan 2.2
+#: repository's t2v_A14B config: dim 5120, ffn 13824, 40 heads, 40 layers), and Wan 2.1's VAE
+WAN22_A14B_EXPERT = WAN21_14B
+
 #: Built-in copies of the public pipeline configs (component -> class and config).
 PIPELINES = {
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {"transformer": WAN22_A14B_EXPERT, "transformer_2": WAN22_A14B_EXPERT,
+                                         "text_encoder": UMT5_XXL, "vae": WAN_VAE},
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": WAN21_1P3B, "text_encoder": UMT5_XXL, "vae": WAN_VAE},
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": {"transformer": WAN21_14B, "text_encoder": UMT5_XXL, "vae": WAN_VAE},
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {"transformer": WAN22_5B, "text_encoder": UMT5_XXL, "vae": WAN22_VAE},
@@ -187,4 +195,25 @@ def wan_memory_spec(config, lora_targets: list[str]):
                f"measured on a 2- and 3-block replica in {config.dtype} (bytes, in {config.dtype} elements): LoRA "
                f"block {lora.per_block['block']:.1f}, outside {lora.outside:.1f}; full fine-tuning block "
                f"{consts.per_block['block']:.1f}, outside {consts.outside:.1f} widths per token"],
+    )
+
+
+def wan_a14b_memory_spec(config, lora_targets: list[str], trained: tuple[str, ...]):
+    """The ``wan`` plan with both experts held (Wan 2.2 A14B): twice the weights and the root's
+    parameters; one expert runs per forward, so the activations are one expert's. ``trained``
+    names the experts that train: LoRA is counted on their layers only, and full fine-tuning
+    counts their parameters as trainable."""
+    one = wan_memory_spec(config, lora_targets)
+    cfgs = pipeline_configs(config.path, config.revision)
+    experts = [name for name in ("transformer", "transformer_2") if name in cfgs]
+    shapes = {f"{name}.{layer}": shape for name in trained if name in cfgs
+              for layer, shape in linear_shapes(cfgs[name]).items()}
+    counts = {name: denoiser_counts(cfgs[name]) for name in experts}
+    return dataclasses.replace(
+        one,
+        denoiser_params=sum(c["denoiser_params"] for c in counts.values()),
+        outside_block_params=sum(c["outside_block_params"] for c in counts.values()),
+        trainable_params=sum(counts[name]["denoiser_params"] for name in trained if name in counts),
+        lora_shapes=shapes,
+        notes=[*one.notes, f"two experts held ({', '.join(experts)}), one runs per step; trained: {', '.join(trained)}"],
     )
