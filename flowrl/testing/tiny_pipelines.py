@@ -464,6 +464,7 @@ def _tiny_wan_parts(seed: int) -> dict:
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=z_dim, dim_mult=[1, 2, 2], num_res_blocks=1, attn_scales=[],
         temperal_downsample=[True, True], latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
+        scale_factor_spatial=4, scale_factor_temporal=4,  # what the pipelines read (their defaults: 8 and 4)
     )
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim, out_channels=z_dim,
@@ -475,17 +476,28 @@ def _tiny_wan_parts(seed: int) -> dict:
             "scheduler": scheduler}
 
 
-def build_tiny_wan22_a14b(path: str | Path, *, seed: int = 0, boundary_ratio: float = 0.875) -> Path:
+def build_tiny_wan22_a14b(path: str | Path, *, seed: int = 0, image_to_video: bool = False) -> Path:
     """Write a tiny Wan 2.2 A14B-like pipeline to ``path``: :func:`build_tiny_wan`'s components with a
     second transformer of the same architecture and its own random weights (``transformer_2``, the
-    low-noise expert) and the pipeline's ``boundary_ratio`` (T2V A14B's 0.875). Returns ``path``."""
-    from diffusers import WanPipeline, WanTransformer3DModel
+    low-noise expert) and the pipeline's ``boundary_ratio`` (T2V A14B's 0.875). With
+    ``image_to_video``, a WanImageToVideoPipeline as Wan2.2-I2V-A14B's: boundary 0.9, no image
+    encoder, transformers reading latents + 4 mask + image-latent channels. Returns ``path``."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 
     path = Path(path)
     parts = _tiny_wan_parts(seed)
+    config = dict(parts["transformer"].config)
+    if image_to_video:
+        z = config["out_channels"]
+        config["in_channels"] = z + 4 + z  # the VAE's temporal factor of mask channels
+        torch.manual_seed(seed + 2)
+        parts["transformer"] = WanTransformer3DModel.from_config(config)
     torch.manual_seed(seed + 1)
-    second = WanTransformer3DModel.from_config(parts["transformer"].config)
-    WanPipeline(**parts, transformer_2=second, boundary_ratio=boundary_ratio).save_pretrained(path)
+    second = WanTransformer3DModel.from_config(config)
+    if image_to_video:
+        WanImageToVideoPipeline(**parts, transformer_2=second, boundary_ratio=0.9).save_pretrained(path)
+    else:
+        WanPipeline(**parts, transformer_2=second, boundary_ratio=0.875).save_pretrained(path)
     return path
 
 

@@ -1,7 +1,7 @@
 """Built-in plugin: real text-to-image models through diffusers: ``flux``, ``sd3``,
 ``qwen_image``, ``flux2_klein`` and ``zimage``; text-to-video with ``wan`` (Wan 2.1), ``wan22``
-(Wan 2.2 TI2V-5B), ``wan22_a14b`` (Wan 2.2 T2V A14B, two experts) and ``ltx`` (LTX-Video);
-image editing with ``flux_kontext`` and ``qwen_image_edit``.
+(Wan 2.2 TI2V-5B), ``wan22_a14b`` and ``wan22_a14b_i2v`` (Wan 2.2 A14B, two experts) and ``ltx``
+(LTX-Video); image editing with ``flux_kontext`` and ``qwen_image_edit``.
 
 The adapters import diffusers and load weights only when a recipe builds them, so listing
 plugins or validating a recipe stays fast and works without the weights. See docs/models.md.
@@ -18,7 +18,7 @@ from .ltx import LTXModel
 from .qwen_image import QwenImageModel
 from .sd3 import SD3Model
 from .wan import Wan22Model, WanModel
-from .wan_a14b import Wan22A14BModel
+from .wan_a14b import Wan22A14BI2VModel, Wan22A14BModel
 from .zimage import ZImageModel
 
 
@@ -45,6 +45,9 @@ def register_models(register):
     register("wan22_a14b", Wan22A14BModel,
              help="Wan 2.2 T2V A14B (diffusers WanPipeline with transformer_2): a high- and a low-noise expert switched "
                   "at boundary_ratio, true CFG per expert, timestep = 1000 sigma.")
+    register("wan22_a14b_i2v", Wan22A14BI2VModel,
+             help="Wan 2.2 I2V A14B (diffusers WanImageToVideoPipeline with transformer_2): the two experts of "
+                  "wan22_a14b, the condition image's latents and mask as extra input channels.")
     register("ltx", LTXModel,
              help="LTX-Video text-to-video (diffusers LTXPipeline): packed video tokens, timestep = 1000 sigma, true CFG, "
                   "the pipeline's dynamic-shift schedule.")

@@ -136,11 +136,12 @@ class WanModel(DiffusersAdapter):
         self._check_image_size(patch[1], f"patch {patch[1]}",
                                vae_scale=2 ** len(vae.temperal_downsample) * (vae.get("patch_size") or 1))
         self._check_frame_count()
-        channels = self.denoiser.config.in_channels
-        if channels != vae.z_dim:
+        channels, expected = vae.z_dim, self._transformer_in_channels(vae.z_dim)
+        if self.denoiser.config.in_channels != expected:
             raise FlowrlError(
-                f"transformer in_channels ({channels}) != VAE z_dim ({vae.z_dim})",
-                where=f"{where}.path", hint="the pipeline's transformer and VAE do not belong together",
+                f"transformer in_channels ({self.denoiser.config.in_channels}) != {expected} "
+                f"({self._in_channels_rule})", where=f"{where}.path",
+                hint="the pipeline's transformer and VAE do not belong together",
             )
         f_lat = (config.num_frames - 1) // self.vae_scale_temporal + 1
         h, w = config.height // self.vae_scale, config.width // self.vae_scale
@@ -149,6 +150,13 @@ class WanModel(DiffusersAdapter):
         self.uses_cfg = config.cfg_scale != 1.0
         # Wan 2.2 TI2V: one timestep per video token (the pipeline's config says so)
         self.expand_timesteps = bool(self.pipe.config.get("expand_timesteps", False))
+
+    #: how the transformer's input channels follow from the VAE's, for the error above
+    _in_channels_rule = "the VAE's z_dim"
+
+    def _transformer_in_channels(self, z_dim: int) -> int:
+        """The transformer's input channels for latents of ``z_dim`` channels: the latents alone."""
+        return z_dim
 
     def _lora_preset(self, preset):
         return wan_lora_targets(preset)

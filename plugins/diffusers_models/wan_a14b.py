@@ -1,6 +1,7 @@
-"""Wan 2.2 A14B text-to-video (model ``wan22_a14b``): two WanTransformer3DModel experts in one
-WanPipeline, ``transformer`` for the high-noise steps and ``transformer_2`` for the low-noise
-ones, switched at ``boundary_ratio`` (the pipeline's ``model_index.json``: 0.875 for T2V).
+"""Wan 2.2 A14B text-to-video (model ``wan22_a14b``) and image-to-video (``wan22_a14b_i2v``): two
+WanTransformer3DModel experts in one pipeline, ``transformer`` for the high-noise steps and
+``transformer_2`` for the low-noise ones, switched at ``boundary_ratio`` (the pipeline's
+``model_index.json``: 0.875 for T2V, 0.9 for I2V).
 
 Routing, as ``WanPipeline.__call__`` does it: a step at timestep ``t = 1000 sigma`` runs
 ``transformer`` when ``t >= 1000 * boundary_ratio`` and ``transformer_2`` otherwise, with the
@@ -15,6 +16,12 @@ the boundary in one forward (a grouped update, random timesteps per sample) is s
 weights (no LoRA is attached to it, and full fine-tuning leaves it frozen). The rest (latents,
 text, schedule, decode) is the ``wan`` adapter's (plugins/diffusers_models/wan.py): the A14B
 models use Wan 2.1's VAE and one timestep per sample.
+
+Image-to-video follows ``WanImageToVideoPipeline`` without ``expand_timesteps``: the clip
+``[image, black frames]`` is encoded by the VAE (its mode) and normalised, a mask marks the first
+latent frame (4 channels, one per frame the VAE folds into it), and every transformer call reads
+``[latents, mask, image latents]`` along the channels (16 + 4 + 16 = 36). Every frame is
+generated, the first included (the model draws it towards the image); nothing is overwritten.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from torch import nn
 from flowrl.config import param
 from flowrl.errors import FlowrlError
 
+from .editing import condition_pictures
 from .memory.wan import wan_a14b_memory_spec
 from .wan import WanConfig, WanModel, wan_lora_targets
 
@@ -184,6 +192,30 @@ class Wan22A14BConfig(WanConfig):
         return wan_a14b_memory_spec(self, wan_lora_targets(self.lora_preset), TRAINED[self.train_experts])
 
 
+@dataclasses.dataclass(frozen=True)
+class Wan22A14BI2VConfig(Wan22A14BConfig):
+    """Wan 2.2 I2V A14B: the ``wan22_a14b`` keys with that model's defaults (the Wan 2.2 repository's
+    i2v_A14B config: shift 5.0, CFG 3.5 on both experts; boundary 0.9 from the pipeline)."""
+
+    path: str = param(
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+        "Hub id or local pipeline directory (model_index.json) of a two-expert Wan 2.2 image-to-video pipeline "
+        "(WanImageToVideoPipeline with transformer_2 and boundary_ratio): Wan-AI/Wan2.2-I2V-A14B-Diffusers. "
+        "Apache-2.0, not gated.", path="hub",
+    )
+    cfg_scale: float = param(
+        3.5, "True CFG weight of the high-noise expert (the pipeline's guidance_scale; Wan 2.2 I2V A14B: 3.5).", min=0.0,
+    )
+    cfg_scale_2: float = param(
+        3.5, "True CFG weight of the low-noise expert (the pipeline's guidance_scale_2; Wan 2.2 I2V A14B: 3.5).",
+        min=0.0,
+    )
+    flow_shift: float = param(
+        5.0, "Time shift s of the sigma schedule, sigma = s u / (1 + (s - 1) u) (Wan 2.2 I2V A14B samples with 5.0).",
+        min=0.01,
+    )
+
+
 class Wan22A14BModel(WanModel):
     """Wan 2.2 T2V A14B: the Wan adapter over :class:`TwoExperts`, with each expert's CFG weight."""
 
@@ -238,3 +270,54 @@ class Wan22A14BModel(WanModel):
     def _denoiser_into_pipeline(self) -> None:
         module = self.denoiser_module()
         self.pipe.transformer, self.pipe.transformer_2 = module.transformer, module.transformer_2
+
+
+class Wan22A14BI2VModel(Wan22A14BModel):
+    """Wan 2.2 I2V A14B: the two-expert adapter with each prompt's condition image read as extra
+    input channels (module docstring); prompts carry images ([prompts].condition_column)."""
+
+    task = "image-to-video"  # the model card's pipeline tag (flowrl.hub)
+
+    Config = Wan22A14BI2VConfig
+    pipeline_class_name = "WanImageToVideoPipeline"
+    _in_channels_rule = "the latents, the VAE's temporal factor of mask channels and the image latents"
+
+    def __init__(self, config: Wan22A14BI2VConfig, where: str = "[model] (model 'wan22_a14b_i2v')"):
+        super().__init__(config, where)
+        if self.expand_timesteps:
+            raise FlowrlError("the pipeline sets expand_timesteps (Wan 2.2 TI2V-5B): it is not a two-expert A14B",
+                              where=f"{where}.path", hint="use model 'wan22' with image_to_video = true")
+        self.condition_size = (config.height, config.width)  # flowrl.interfaces.TakesConditionImage
+
+    def _transformer_in_channels(self, z_dim: int) -> int:
+        return z_dim + self.vae_scale_temporal + z_dim
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts):
+        prompts = list(prompts)
+        out = super().encode_prompts(prompts)
+        out["condition_latents"] = self.encode_conditions(prompts).to(self.device)
+        return out
+
+    @torch.no_grad()
+    def encode_conditions(self, prompts) -> torch.Tensor:
+        """``[B, 4 + C, F_lat, H/8, W/8]`` float32: the first-frame mask and each prompt's image as
+        the first frame of an otherwise black clip, encoded and normalised as WanImageToVideoPipeline
+        does (``(z - mean) * (1 / std)``)."""
+        vae, (h, w), frames = self.pipe.vae, self.condition_size, self.config.num_frames
+        processor = self.pipe.video_processor
+        image = processor.preprocess(condition_pictures(self, prompts, processor), height=h, width=w)
+        clip = torch.cat([image.unsqueeze(2), image.new_zeros(image.shape[0], 3, frames - 1, h, w)], dim=2)
+        with self._visiting(vae):
+            z = vae.encode(clip.to(self.device, vae.dtype), return_dict=False)[0].mode().float()
+        shape = (1, vae.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=z.device).view(shape)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=z.device).view(shape)
+        z = (z - mean) * inv_std
+        mask = torch.zeros(z.shape[0], self.vae_scale_temporal, *z.shape[2:], device=z.device)
+        mask[:, :, 0] = 1.0  # the first latent frame holds the image (all the frames the VAE folds into it)
+        return torch.cat([mask, z], dim=1)
+
+    def _inputs(self, latents, t, text):
+        cond = text["condition_latents"].to(self.device, torch.float32)
+        return torch.cat([latents, cond], dim=1), t

@@ -1,4 +1,5 @@
-"""``flowrl plan`` for Qwen-Image, FLUX.2 [klein], Z-Image, the editing models, Wan 2.1 / 2.2 and LTX-Video: offline from the
+"""``flowrl plan`` for Qwen-Image, FLUX.2 [klein], Z-Image, the editing models, Wan 2.1 / 2.2 (the A14B's two
+experts included) and LTX-Video: offline from the
 built-in copies of the published configs, exact parameter counts against the loaded tiny
 pipelines, and the update's activation estimate against what autograd really saves."""
 
@@ -24,6 +25,7 @@ def _flat(text: str) -> str:
     ("wan21_1p3b_lora", "1.419e9 params x 2 B"),           # Wan 2.1 T2V 1.3B
     ("wan21_14b_lora", "14.289e9 params x 2 B"),           # Wan 2.1 T2V 14B
     ("wan22_5b_lora", "5.000e9 params x 2 B"),             # Wan 2.2 TI2V-5B
+    ("wan22_a14b_lora", "28.578e9 params x 2 B / 8 shards"),  # Wan 2.2 T2V A14B: both 14B experts
     ("ltx_lora", "1.923e9 params x 2 B"),                  # LTX-Video 2B
 ])
 def test_plan_needs_no_weights(cli, recipe, params):
@@ -47,6 +49,10 @@ CASES = {
     "wan": ("recipes/wan21_1p3b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5", "train.finetune=full"]),
     "wan22": ("recipes/wan22_5b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5",
                                              "train.finetune=full"]),
+    # both experts held and counted; one runs per forward (both sigmas below the boundary)
+    "wan22_a14b": ("recipes/wan22_a14b_lora.toml", ["model.max_sequence_length=16", "model.num_frames=5",
+                                                    "train.finetune=full", "distributed.mixed_precision=no",
+                                                    "distributed.strategy=auto", "distributed.num_processes=1"]),
     "ltx": ("recipes/ltx_lora.toml", ["model.max_sequence_length=16", "model.num_frames=9", "model.width=64"]),
 }
 

@@ -1,9 +1,11 @@
-"""The Wan 2.2 A14B adapter (``wan22_a14b``: a high- and a low-noise expert switched at the
-pipeline's ``boundary_ratio``) on a tiny offline two-expert WanPipeline: the conformance suite,
-diffusers' own two-expert sampling with an Euler scheduler on flowrl's sigmas, the routing of each
-row and its CFG weight against the experts called directly, which expert trains, the memory plan
-of both experts, a 2-iteration LoRA run on the shipped recipe, and its export, which WanPipeline
-loads into both experts and reproduces."""
+"""The Wan 2.2 A14B adapters (``wan22_a14b``: a high- and a low-noise expert switched at the
+pipeline's ``boundary_ratio``; ``wan22_a14b_i2v``: the same with a condition image) on tiny offline
+two-expert pipelines: the conformance suite, diffusers' own two-expert sampling
+(WanPipeline, WanImageToVideoPipeline) with an Euler scheduler on flowrl's sigmas, the routing of
+each row and its CFG weight against the experts called directly, which expert trains, the memory
+plan of both experts, a 2-iteration LoRA run on the shipped recipe and its exports, which
+WanPipeline loads into both experts and reproduces, and both experts under FSDP2 on two
+processes."""
 
 from __future__ import annotations
 
@@ -384,6 +386,7 @@ use = "brightness"
 """
 
 
+@pytest.mark.slow  # the default run keeps the worker-level test above, which catches the same defect
 def test_two_fsdp2_processes_equal_one_with_random_timesteps_per_sample(tiny_a14b, tmp_path):
     # The engine's whole path with both experts sharded: DiffusionNFT draws each sample's training
     # timestep at random (one per sample, micro-batches of one), so the processes' forwards need
@@ -430,3 +433,78 @@ def test_merged_export_is_a_two_expert_pipeline_with_the_policy(lora_run, tiny_a
     policy = load_policy(resolve_source(lora_run, None, [], None), "cpu")
     torch.testing.assert_close(_pipe_frames(pipe, PROMPTS[:1], noise), _ode_frames(policy, PROMPTS[:1], noise),
                                atol=1e-5, rtol=0)
+
+
+# ---- image-to-video (wan22_a14b_i2v) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def i2v(tiny_dir):
+    """Wan 2.2 I2V A14B-like, CFG 4 on the high-noise expert and 3 on the low. Do not modify it."""
+    from flowrl_plugins.diffusers_models.wan_a14b import Wan22A14BI2VConfig, Wan22A14BI2VModel
+
+    from flowrl.testing.tiny_pipelines import build_tiny_wan22_a14b
+
+    path = build_tiny_wan22_a14b(tiny_dir / "wan22_a14b_i2v", image_to_video=True)
+    return Wan22A14BI2VModel(Wan22A14BI2VConfig(path=str(path), **TINY, cfg_scale=4.0, cfg_scale_2=3.0))
+
+
+def _image_prompts(prompts, seed=0):
+    """Prompt rows that all carry one seeded random 32 x 32 image (the pipeline encodes one image
+    for a whole batch)."""
+    from flowrl.prompts import PromptRow
+    from flowrl.testing.conformance import condition_image_paths
+
+    path = condition_image_paths((32, 32), seed + 1)[seed]
+    return [PromptRow(p, path) for p in prompts], path
+
+
+def test_image_to_video_conforms(i2v):
+    report = check_adapter(i2v)
+    notes = {r.name: r.message for r in report.results}
+    assert notes["condition"].startswith("condition (32, 32)")
+
+
+def test_image_to_video_equals_the_two_expert_wan_i2v_pipeline(i2v):
+    # WanImageToVideoPipeline without expand_timesteps (Wan2.2-I2V-A14B): [latents, mask, image
+    # latents] along the channels, the boundary at 0.9, each expert's CFG weight
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    assert isinstance(i2v.pipe, WanImageToVideoPipeline) and i2v.pipe.config.boundary_ratio == 0.9
+    rows, path = _image_prompts(PROMPTS)
+    noise = torch.randn(2, *LATENT, generator=torch.Generator().manual_seed(4))
+    counts, remove = _counting_calls(i2v.pipe.transformer, i2v.pipe.transformer_2)
+    ours = _ode_frames(i2v, rows, noise)
+    remove()
+    assert counts == [2, 3], counts  # sigmas 1, .952 >= 0.9; .882, .769, .556 below
+    pipe = _euler_on_flowrl_grid(i2v.pipe)
+    ref = pipe(image=Image.open(path).convert("RGB"), prompt=list(PROMPTS), negative_prompt="", height=32, width=32,
+               num_frames=5, num_inference_steps=5, guidance_scale=4.0, guidance_scale_2=3.0, latents=noise,
+               output_type="pt", max_sequence_length=16).frames
+    assert ((ref > 0) & (ref < 1)).float().mean() > 0.3, "the comparison needs unclamped pixels"
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    other, _ = _image_prompts(PROMPTS, seed=1)
+    assert (_ode_frames(i2v, other, noise) - ours).abs().max() > 1e-3, "the image does not condition the clip"
+
+
+def test_image_to_video_condition_is_the_mask_and_the_encoded_clip(i2v):
+    # by hand: the mask's 4 channels are 1 on the first latent frame only; the image latents are
+    # the VAE's mode of [image, black frames], normalised with the VAE config's statistics
+    from PIL import Image
+
+    rows, path = _image_prompts(PROMPTS[:1])
+    cond = i2v.encode_prompts(rows)["condition_latents"]
+    assert cond.shape == (1, 4 + 4, *LATENT[1:])
+    mask = cond[:, :4]
+    assert (mask[:, :, 0] == 1).all() and (mask[:, :, 1:] == 0).all()
+    vae = i2v.pipe.vae
+    pixels = i2v.pipe.video_processor.preprocess(
+        [i2v.pipe.video_processor.resize(Image.open(path).convert("RGB"), 32, 32)],
+        height=32, width=32)
+    clip = torch.cat([pixels.unsqueeze(2), torch.zeros(1, 3, 4, 32, 32)], dim=2)
+    with torch.no_grad():
+        z = vae.encode(clip, return_dict=False)[0].mode()
+    mean = torch.tensor([0.1, -0.2, 0.3, 0.0]).view(1, 4, 1, 1, 1)
+    std = torch.tensor([1.5, 0.8, 1.2, 2.0]).view(1, 4, 1, 1, 1)
+    torch.testing.assert_close(cond[:, 4:], (z - mean) / std, atol=1e-6, rtol=1e-6)

@@ -1,6 +1,7 @@
 """Wan's memory facts, for the ``wan`` and ``wan22`` adapters (plugins/diffusers_models/wan.py) and
 ``wan22_a14b`` (plugins/diffusers_models/wan_a14b.py): the published configs of
-Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers, Wan-AI/Wan2.2-TI2V-5B-Diffusers and Wan-AI/Wan2.2-T2V-A14B-Diffusers
+Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers, Wan-AI/Wan2.2-TI2V-5B-Diffusers and
+Wan-AI/Wan2.2-{T2V,I2V}-A14B-Diffusers
 (transformer/, text_encoder/ and vae/config.json on the hub), the activation constants a 2- and
 3-block replica measures, and the adapter's :class:`flowrl.memory_plan.ModelMemory`."""
 
@@ -57,10 +58,15 @@ WAN22_5B = dict(WAN21_1P3B, num_attention_heads=24, in_channels=48, out_channels
 #: Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts, each Wan 2.1 14B's architecture (the Wan 2.2
 #: repository's t2v_A14B config: dim 5120, ffn 13824, 40 heads, 40 layers), and Wan 2.1's VAE
 WAN22_A14B_EXPERT = WAN21_14B
+#: Wan-AI/Wan2.2-I2V-A14B-Diffusers's experts: the same, reading 16 latent + 4 mask + 16 image-latent
+#: channels (the Wan 2.2 repository's i2v_A14B config; no CLIP image encoder, unlike Wan 2.1 I2V)
+WAN22_A14B_I2V_EXPERT = dict(WAN21_14B, in_channels=36)
 
 #: Built-in copies of the public pipeline configs (component -> class and config).
 PIPELINES = {
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": {"transformer": WAN22_A14B_EXPERT, "transformer_2": WAN22_A14B_EXPERT,
+                                         "text_encoder": UMT5_XXL, "vae": WAN_VAE},
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {"transformer": WAN22_A14B_I2V_EXPERT, "transformer_2": WAN22_A14B_I2V_EXPERT,
                                          "text_encoder": UMT5_XXL, "vae": WAN_VAE},
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {"transformer": WAN21_1P3B, "text_encoder": UMT5_XXL, "vae": WAN_VAE},
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": {"transformer": WAN21_14B, "text_encoder": UMT5_XXL, "vae": WAN_VAE},
@@ -187,7 +193,7 @@ def wan_memory_spec(config, lora_targets: list[str]):
         # checks this plan against, so none of them is used here.
         per_block=consts.per_block, outside=consts.outside, forwards_per_velocity=cfg,
         lora_per_block=lora.per_block, lora_outside=lora.outside,
-        latent_elements=int(t["in_channels"]) * f_lat * (config.height // spatial) * (config.width // spatial),
+        latent_elements=int(t.get("out_channels") or t["in_channels"]) * f_lat * (config.height // spatial) * (config.width // spatial),
         text_bytes_per_prompt=cfg * txt * int(t["text_dim"]) * compute,
         decode_bytes_per_image=decode, vae_batch=config.vae_batch_size,
         gradient_checkpointing=config.gradient_checkpointing,
