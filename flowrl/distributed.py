@@ -26,16 +26,36 @@ from .errors import FlowrlError
 
 @dataclasses.dataclass(frozen=True)
 class DistContext:
+    """Where this process sits in the run's data: ``rank`` of ``world_size`` data-parallel ranks,
+    each with its own share of the samples. With context parallelism (``[distributed]
+    .context_parallel`` = C > 1) C processes share one rank's samples and split every sequence of
+    the denoiser between them: ``cp_rank`` is this process's place among them. Data collectives
+    (rewards, metrics) run over the data-parallel ranks; control (stopping, the main process's
+    decisions) over every process."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    context_parallel: int = 1
+    cp_rank: int = 0
+
+    @property
+    def process_rank(self) -> int:
+        """This process's rank in the process group (a context-parallel group's ranks are consecutive)."""
+        return self.rank * self.context_parallel + self.cp_rank
+
+    @property
+    def process_count(self) -> int:
+        return self.world_size * self.context_parallel
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The process that writes the run's files and speaks for it: process rank 0."""
+        return self.process_rank == 0
 
     @property
     def enabled(self) -> bool:
+        """Whether there are data-parallel ranks to gather samples, rewards and metrics from."""
         return self.world_size > 1
 
 
@@ -216,6 +236,11 @@ def setup(device: torch.device, settings=None) -> DistContext:
     check_launch_environment(settings)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
+        if settings is not None and getattr(settings, "context_parallel", 1) > 1:
+            raise FlowrlError(f"context_parallel = {settings.context_parallel} splits each sequence over that many "
+                              "processes; this run has one", where="[distributed].context_parallel",
+                              hint=f"launch with `flowrl train --num-processes {settings.context_parallel}`, or set "
+                                   "context_parallel = 1")
         if settings is not None and settings.strategy == "fsdp2" and not dist.is_initialized():
             # FSDP2 needs a process group even alone (one GPU with cpu_offload, or a test): a
             # one-process group over an in-memory store, no launcher, no port
@@ -231,7 +256,21 @@ def setup(device: torch.device, settings=None) -> DistContext:
             dist.init_process_group(backend="cpu:gloo,cuda:nccl")
         else:
             dist.init_process_group(backend="gloo")
-    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank)
+    return _data_context(dist.get_rank(), dist.get_world_size(), local_rank, settings)
+
+
+def _data_context(rank: int, world: int, local_rank: int, settings) -> DistContext:
+    """The data-parallel layout of ``world`` processes: groups of ``context_parallel`` consecutive
+    processes share their samples. One group for now: every process splits every sequence."""
+    cp = getattr(settings, "context_parallel", 1) if settings is not None else 1
+    if cp > 1 and world != cp:
+        raise FlowrlError(
+            f"context_parallel = {cp} with {world} processes: context parallelism runs one group of all the "
+            "processes for now (data-parallel groups of context-parallel processes are not supported yet)",
+            where="[distributed].context_parallel", hint=f"launch {cp} processes, or set context_parallel = {world}",
+        )
+    return DistContext(rank=rank // cp, world_size=world // cp, local_rank=local_rank, context_parallel=cp,
+                       cp_rank=rank % cp)
 
 
 def teardown() -> None:
@@ -269,8 +308,13 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
 
 
 def any_rank(flag: bool, ctx: DistContext) -> bool:
-    """True on every rank when it is true on any (e.g. a Ctrl-C seen by one process first)."""
-    return all_reduce_scalar(1.0 if flag else 0.0, ctx, "max") > 0.5
+    """True on every process when it is true on any (e.g. a Ctrl-C seen by one process first): a
+    decision for all processes, context-parallel ones included."""
+    if ctx.process_count == 1:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item()) > 0.5
 
 
 class AnyRank:
@@ -325,7 +369,8 @@ def drop_gathered_weights(module: torch.nn.Module) -> None:
 
 
 def broadcast_object(obj, ctx: DistContext):
-    if not ctx.enabled:
+    """The main process's ``obj`` on every process (its decisions, which every process follows)."""
+    if ctx.process_count == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)

@@ -269,7 +269,9 @@ def choose_gradient_sync(recipe, registry, world_size: int, num_nodes: int = 1, 
 
 def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient_sync: str,
               registry) -> tuple[Any, list[Line]]:
-    geometry = resolve_geometry(recipe.train, world_size, recipe.source, group_size=recipe.group_size)
+    # a context-parallel group shares its samples: the data is split over world / C ranks
+    data_ranks = max(1, world_size // recipe.distributed.context_parallel)
+    geometry = resolve_geometry(recipe.train, data_ranks, recipe.source, group_size=recipe.group_size)
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, gradient_sync)
     lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry),
                             old_policy=keeps_old_policy(recipe, registry))
@@ -425,7 +427,10 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
     grad (``group`` steps of a chunk per forward: ``[train].update_group``); under fsdp2 the
     start-up's (``reference``: the KL reference copy's line, if any)."""
     compute = 2 if layout.bf16 else mm.compute_bytes
-    tw = mm.tokens * mm.width * compute * mm.forwards_per_velocity
+    # context parallelism: each process of the group holds its share of every sequence's tokens
+    cp = recipe.distributed.context_parallel
+    tokens = -(-mm.tokens // cp)
+    tw = tokens * mm.width * compute * mm.forwards_per_velocity
     lines = []
     encoders = {k: v for k, v in mm.frozen.items() if k not in mm.vae_names}
     if mm.offload_frozen:
@@ -433,7 +438,9 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
         lines.append(Line("encode", "text encoders (visiting)", enc_bytes, f"{enc_bytes / GB:.1f} GB moved in to encode"))
     s = geometry.samples_per_process
     infer = mm.inference_widths if mm.inference_widths is not None else INFERENCE_WIDTHS
-    shape = f"{mm.tokens} tokens x width {mm.width}" if mm.width > 1 else "measured per sample"
+    shape = (f"{mm.tokens} tokens x width {mm.width}" if cp == 1 else
+             f"{tokens} of {mm.tokens} tokens x width {mm.width} (context parallel {cp})") if mm.width > 1 else \
+        "measured per sample"
     rolled = min(s, recipe.sampler.batch_size) if recipe.sampler.batch_size else s  # [sampler].batch_size
     lines.append(Line("rollout", "activations, no grad", rolled * tw * infer,
                       f"{rolled} samples x {mm.forwards_per_velocity} forward(s), {shape}"))

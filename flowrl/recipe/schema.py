@@ -428,6 +428,15 @@ class DistributedConfig:
         "(fsdp2: MixedPrecisionPolicy; none/ddp: autocast). Raise [train].on_policy_tolerance "
         "(docs/distributed.md derives it).",
     )
+    context_parallel: int = param(
+        1,
+        "Context (sequence) parallelism, Ulysses style through diffusers' ContextParallelConfig: every "
+        "transformer forward's tokens are split over this many processes, which share their samples "
+        "(activation memory per process falls about in proportion). For now it equals the number of "
+        "processes (one group). The model's attention heads and its tokens per sample must divide by it. "
+        "docs/distributed.md, \"Context parallelism\".",
+        min=1,
+    )
     num_processes: int = param(
         1,
         "The number of processes (one per GPU) the recipe is written for. `flowrl plan` estimates "

@@ -153,6 +153,7 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
     plans = window_plans(recipe, registry, context)
     where = f"{recipe.source}: [chunker]"
     _check_sharding(recipe)
+    _check_context_parallel(recipe)
     _check_data(recipe, registry)
     _check_reference_copy_needed(recipe, registry)
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
@@ -530,6 +531,28 @@ def _check_trees(recipe: Recipe, registry: Registry, trainable: torch.Tensor, pl
         raise RecipeError(f"advantage '{a_name}' fuses one reward per leaf; a reward with chunk_weights gives one per "
                           "chunk", where=where, hint="drop chunk_weights, or use a per-sample advantage such as "
                                                      "'group_zscore'")
+
+
+def _check_context_parallel(recipe: Recipe) -> None:
+    """Context parallelism (flowrl.train.context_parallel) before anything loads: one group of all
+    the processes for now, and no second copy of the policy that would run without the split
+    (a pipelined rollout, an FP8 rollout copy); the model's heads and tokens are checked when it
+    is built."""
+    cp, where = recipe.distributed.context_parallel, f"{recipe.source}: [distributed].context_parallel"
+    if cp == 1:
+        return
+    if recipe.distributed.num_processes != cp:
+        raise RecipeError(
+            f"context_parallel = {cp} with num_processes = {recipe.distributed.num_processes}: context parallelism "
+            "runs one group of all the processes for now", where=where,
+            hint=f"set [distributed] num_processes = {cp} (and launch {cp} processes)",
+        )
+    other = ("[pipeline] draws rollouts with a copy of the policy" if recipe.pipeline.enabled else
+             "[sampler] rollout_precision = 'fp8' draws rollouts with a quantised copy"
+             if recipe.sampler.rollout_precision == "fp8" else None)
+    if other is not None:
+        raise RecipeError(f"context_parallel = {cp} splits the trained denoiser's sequences, and {other} that would "
+                          "run unsplit", where=where, hint="set context_parallel = 1, or remove that setting")
 
 
 def _check_sharding(recipe: Recipe) -> None:

@@ -7,18 +7,22 @@ import torch
 from ..compat import ensure_torchvision_importable
 from ..errors import FlowrlError
 from ..interfaces import DiffusersLoraModule, HasLoraTargets
+from ..seeding import derive_seed
 
 # Cheap, and whatever imports transformers or peft after flowrl.train (a plugin, a worker) needs it
 # first (flowrl.compat); peft itself is imported only where LoRA is attached.
 ensure_torchvision_importable()
 
 
-def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
+def prepare_trainable(model, train, seed: int = 0) -> list[torch.nn.Parameter]:
     """Set requires_grad for ``train.finetune`` and return the trainable parameters.
 
     LoRA: the base is frozen first (``add_adapter`` alone does not freeze it), then peft injects
     rank-``r`` adapters into ``train.lora_targets`` (or the adapter's ``lora_targets``). B starts
-    at zero, so the LoRA model starts exactly equal to the base model.
+    at zero, so the LoRA model starts exactly equal to the base model. A is random: peft draws it
+    from torch's global generator, which the engine otherwise never seeds, so it is drawn here
+    from one derived from ``seed`` (the run's) and the global generator is left as it was: two
+    runs of one recipe start from the same LoRA.
     """
     denoiser = model.denoiser
     if train.finetune == "full":
@@ -47,10 +51,12 @@ def prepare_trainable(model, train) -> list[torch.nn.Parameter]:
             init_lora_weights=True if train.lora_init == "default" else "gaussian",
         )
         try:
-            if isinstance(denoiser, DiffusersLoraModule):  # keeps diffusers' save_lora_weights working
-                denoiser.add_adapter(config)
-            else:
-                inject_adapter_in_model(config, denoiser)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(derive_seed(seed, "lora"))
+                if isinstance(denoiser, DiffusersLoraModule):  # keeps diffusers' save_lora_weights working
+                    denoiser.add_adapter(config)
+                else:
+                    inject_adapter_in_model(config, denoiser)
         except ValueError as exc:
             raise FlowrlError(f"LoRA could not be attached: {exc}", where="[train].lora_targets") from exc
         # peft gives new LoRA matrices the base layer's dtype; AdamW on bf16/fp16 weights drops

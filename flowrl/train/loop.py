@@ -357,7 +357,7 @@ def planned_memory(recipe: Recipe, ctx, registry: Registry) -> str:
     if not isinstance(recipe.components["model"].params, PlansMemory):
         return ""
     try:
-        total, phase = peak(estimate(recipe, registry, ctx.world_size)[2])
+        total, phase = peak(estimate(recipe, registry, ctx.process_count)[2])
     except Exception:  # an estimate is a courtesy here: never hide the allocation failure behind another error
         return ""
     return f"; `flowrl plan` expects a peak of ~{total / GB:.1f} GB per process (in the {phase} phase)"
@@ -369,7 +369,7 @@ def session_options(recipe: Recipe, ctx) -> dict[str, bool]:
     block; then only rank 0 loads its weights and the other processes receive them as it is
     sharded. The rewards are built unless nothing scores: an offline run (``[data]``) that
     evaluates nothing (its training reads no reward)."""
-    sharded = resolve_strategy(recipe.distributed, ctx.world_size) == "fsdp2"
-    return {"place_denoiser": not sharded, "receive_weights": sharded and ctx.rank != 0,
+    sharded = resolve_strategy(recipe.distributed, ctx.process_count) == "fsdp2"
+    return {"place_denoiser": not sharded, "receive_weights": sharded and ctx.process_rank != 0,
             "rewards": not recipe.data.enabled or bool(recipe.prompts.num_eval)}
 

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import DistContext, choose_strategy, flag_setting
+from .context_parallel import apply_context_parallel
 from ..errors import FlowrlError
 from ..interfaces import HasShardableBlocks
 from ..recipe import DistributedConfig
@@ -92,8 +93,8 @@ class Topology:
     @classmethod
     def from_context(cls, ctx: DistContext, env=None) -> Topology:
         env = os.environ if env is None else env
-        local = int(env.get("LOCAL_WORLD_SIZE", ctx.world_size) or ctx.world_size)
-        return cls(rank=ctx.rank, world_size=ctx.world_size, local_world_size=local)
+        local = int(env.get("LOCAL_WORLD_SIZE", ctx.process_count) or ctx.process_count)
+        return cls(rank=ctx.process_rank, world_size=ctx.process_count, local_world_size=local)
 
     @property
     def num_nodes(self) -> int:
@@ -188,6 +189,8 @@ class Strategy:
         self.accelerator = None
         self.mesh = None
         self._accumulating = False
+        #: processes that split each sequence and share their samples (flowrl.train.context_parallel)
+        self.context_parallel = config.context_parallel
 
     @classmethod
     def from_recipe(cls, config: DistributedConfig, device: torch.device, ctx: DistContext, env=None,
@@ -196,13 +199,13 @@ class Strategy:
         :func:`flowrl.distributed.setup`). ``gradient_sync``: ``[distributed].gradient_sync``
         with ``"auto"`` already decided (:func:`flowrl.memory_plan.choose_gradient_sync`)."""
         topology = Topology.from_context(ctx, env)
-        return cls(config, resolve_strategy(config, ctx.world_size, env), device, topology, gradient_sync)
+        return cls(config, resolve_strategy(config, ctx.process_count, env), device, topology, gradient_sync)
 
     @property
     def lockstep(self) -> bool:
         """True when every forward and backward of the denoiser is a collective (FSDP2): every
         process must then call it the same number of times, in the same order."""
-        return self.kind == "fsdp2" and self.topology.world_size > 1
+        return (self.kind == "fsdp2" and self.topology.world_size > 1) or self.context_parallel > 1
 
     @property
     def sharded(self) -> bool:
@@ -211,15 +214,19 @@ class Strategy:
     # ------------------------------------------------------------------------------- prepare
 
     def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                blocks: Sequence[nn.Module] | None = None) -> nn.Module:
+                blocks: Sequence[nn.Module] | None = None, tokens: tuple[int | None, int | None] = (None, None),
+                ) -> nn.Module:
         """Wrap ``module`` (the denoiser, LoRA already attached, ``requires_grad`` set) and rebind
         ``optimizer`` (built over its trainable parameters, no step taken yet) to the wrapped
         parameters. Returns the module to call; the adapter's ``denoiser`` must be set to it.
-        ``blocks``: the adapter's :class:`HasShardableBlocks` blocks, if it declares them."""
+        ``blocks``: the adapter's :class:`HasShardableBlocks` blocks, if it declares them.
+        ``tokens``: (image or video, text) tokens per sample, which context parallelism must split."""
         if self.module is not None:
             raise RuntimeError("Strategy.prepare() was already called")
         if any(optimizer.state.values()):
             raise RuntimeError("prepare() needs an optimizer that has not stepped yet (load its state after prepare)")
+        if self.context_parallel > 1:
+            apply_context_parallel(module, self.context_parallel, self.device, *tokens)
         found = transformer_blocks(module, blocks)
         if self.config.activation_checkpointing:
             if not found:
@@ -375,8 +382,15 @@ class Strategy:
         if self.kind == "fsdp2":
             if self.gradient_sync == "step":  # "micro_batch": every backward reduce-scattered already
                 _fsdp_reduce_accumulated(self.module)
-        else:
-            _all_reduce_mean(self.params, self.topology.world_size)
+            if self.context_parallel > 1:
+                # FSDP2 averaged over every process; a context-parallel group's gradients are shares
+                # of one, to be summed (its divide factor would need PREMUL_SUM, which gloo lacks)
+                with torch.no_grad():
+                    for p in self.params:
+                        if p.grad is not None:
+                            p.grad.mul_(self.context_parallel)
+        else:  # a context-parallel group's gradients are shares of one: summed over it, averaged over the rest
+            _all_reduce_mean(self.params, self.topology.world_size // self.context_parallel)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradients so that their global L2 norm is at most ``max_norm`` (``inf``: no

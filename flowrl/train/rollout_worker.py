@@ -224,7 +224,7 @@ def _build(recipe, geometry, ctx, device: torch.device):
     attached when the run trains one, nothing requiring grad; its forwards counted."""
     check_attention_backend(recipe.train.attention_backend, device, recipe.source)
     session = Session.open(recipe, device=device, trackers=False)
-    prepare_trainable(session.model, recipe.train)
+    prepare_trainable(session.model, recipe.train, recipe.run.seed)
     session.model.to(device)  # LoRA matrices are created on the CPU
     session.model.denoiser.requires_grad_(False)
     counter = ComputeCounter(session.model.denoiser)

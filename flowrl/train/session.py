@@ -212,7 +212,7 @@ class Session:
     def load_policy(self, checkpoint: Path) -> None:
         """Load a checkpoint's trained weights for inference: the LoRA is attached first when the
         run trained one, and afterwards nothing requires grad."""
-        prepare_trainable(self.model, self.recipe.train)
+        prepare_trainable(self.model, self.recipe.train, self.recipe.run.seed)
         load_trainable_state_dict(self.model.denoiser, read_model_weights(checkpoint))
         self.model.denoiser.requires_grad_(False)
         self.model.to(self.device)  # LoRA matrices are created on the CPU

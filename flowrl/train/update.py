@@ -33,6 +33,7 @@ from ..objectives.policy_gradient import objective_for
 from ..seeding import generator
 from ..stop_points import stop_point
 from .compute import ComputeCounter, network_rows_per_sample
+from .context_parallel import sequence_tokens
 from .finetune import prepare_trainable
 from .checkpoint import OBJECTIVE
 from .optimizer import make_optimizer, make_scheduler
@@ -75,7 +76,7 @@ class PolicyUpdate:
         session, geometry, ctx = run.session, run.geometry, run.ctx
         train, loss, model = session.recipe.train, session.components.loss, session.model
         self.session, self.geometry, self.ctx = session, geometry, ctx
-        params = prepare_trainable(model, train)
+        params = prepare_trainable(model, train, session.recipe.run.seed)
         # what the update optimises: the [loss] component itself when it owns the backward
         # (flowrl.interfaces.Objective), else the ratio-based family around it
         self.objective = objective_for(loss)
@@ -88,7 +89,8 @@ class PolicyUpdate:
         self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx,
                                              gradient_sync=gradient_sync(session, ctx))
         self.optimizer = make_optimizer(params, train, self.strategy.kind, session.device, session.recipe.source)
-        model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model))
+        model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model),
+                                               tokens=sequence_tokens(model))
         if kl.reference is not None and kl.reference.frozen is not None:  # laid out like the denoiser,
             # the engine's copy or the adapter's own (else a whole copy on every GPU that the plan never counted)
             kl.reference.frozen = self.strategy.prepare_frozen(kl.reference.frozen, on_cpu=train.reference_on_cpu)
@@ -247,12 +249,12 @@ def gradient_sync(session, ctx) -> str:
     recipe, config = session.recipe, session.recipe.distributed
     if config.gradient_sync != "auto":
         return config.gradient_sync
-    if resolve_strategy(config, ctx.world_size) != "fsdp2":
+    if resolve_strategy(config, ctx.process_count) != "fsdp2":
         return "step"
     if config.strategy != "fsdp2":  # "auto" that the launcher made fsdp2: plan it as such
         recipe = dataclasses.replace(recipe, distributed=dataclasses.replace(config, strategy="fsdp2"))
     device = session.device
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return choose_gradient_sync(recipe, session.registry, ctx.world_size, Topology.from_context(ctx).num_nodes,
+    return choose_gradient_sync(recipe, session.registry, ctx.process_count, Topology.from_context(ctx).num_nodes,
                                 memory)[0]
 

@@ -1,0 +1,201 @@
+"""Context parallelism (flowrl.train.context_parallel): two gloo processes splitting every
+sequence of a tiny Wan and a tiny FLUX (Ulysses, through diffusers' ContextParallelConfig) train
+as one process does, with evaluation, images and checkpoints on, and a run stopped after its first
+iteration resumes exactly (FLUX's in the slow lane); the refusals, the plan's activations per
+process, and the LoRA's seeded start that the comparison relies on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL
+from engine_helpers import assert_records_close, assert_weights_close, load, quiet_console, run_forked_workers
+
+from flowrl.errors import FlowrlError
+from flowrl.runlog import read_metrics
+from flowrl.train import train
+from flowrl.train.checkpoint import latest_checkpoint, read_model_weights
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = REPO / "recipes" / "prompts" / "general.txt"
+# AdamW turns rounding-level gradient differences (a sum over two processes' token shares in
+# another order) into steps of lr: a small lr and a large eps keep them at rounding level
+COMMON = ["train.prompts_per_iteration=2", "train.group_size=2", "train.micro_batch_size=2",
+          "train.optimizer_steps_per_update=1", "rewards.0.use=brightness", "log.progress=false", "run.device=cpu",
+          "model.gradient_checkpointing=false", f"prompts.source={str(PROMPTS)!r}", "log.eval_every=1",
+          "prompts.num_eval=2", "prompts.eval_seeds=1", "log.image_every=1", "checkpoint.every=1",
+          "train.lr=1e-3", "train.adam_eps=1e-4", "train.max_grad_norm=0", "distributed.num_processes=1"]
+CASES = {
+    # LoRA on a tiny Wan 2.1: 5 frames of 32 x 32, 2 x 4 x 4 = 32 video tokens per clip, 2 heads
+    "wan": ("wan21_1p3b_lora.toml", [*TINY_MODEL, "model.num_frames=5", "train.lora_rank=4", "train.lora_alpha=8.0",
+                                     "sampler.steps=5", "chunker.sizes=[2, 2]", "selector.fraction=1.0"]),
+    # full fine-tuning of a tiny FLUX.1 under FSDP2: 64 image tokens and 16 text tokens, both split
+    "flux": ("chunk_grpo_flux.toml", [*TINY_MODEL, "train.finetune=full", "distributed.strategy=fsdp2",
+                                      "distributed.mixed_precision=no", "sampler.steps=5",
+                                      "chunker.use=explicit", "chunker.sizes=[2, 2]", "selector.fraction=1.0"]),
+}
+
+
+def _sets(name, path, *extra):
+    recipe, sets = CASES[name]
+    return REPO / "recipes" / recipe, [f"model.path={path}", *COMMON, *sets, *extra]
+
+
+def _two(recipe, sets, out, *cli_extra):
+    args = [a for s in (*sets, "distributed.context_parallel=2", "distributed.num_processes=2") for a in ("--set", s)]
+    proc = run_forked_workers(["train", recipe, *args, "-o", out, *cli_extra], 2, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+def _assert_same(a_dir, b_dir):
+    rec_a, rec_b = read_metrics(a_dir), read_metrics(b_dir)
+    assert [r["iteration"] for r in rec_a] == [r["iteration"] for r in rec_b]
+    for a, b in zip(rec_a, rec_b):
+        for key in [k for k in a if k.startswith(("compute/", "speed/", "time/")) or k == "world_size"]:
+            a.pop(key), b.pop(key, None)
+        assert_records_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_weights_close(read_model_weights(latest_checkpoint(a_dir)), read_model_weights(latest_checkpoint(b_dir)),
+                         atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tiny_dir, tiny_flux):
+    from flowrl.testing.tiny_pipelines import build_tiny_wan
+
+    return {"wan": build_tiny_wan(tiny_dir / "wan_cp"), "flux": tiny_flux}
+
+
+@pytest.mark.parametrize("name", [
+    "wan",
+    pytest.param("flux", marks=pytest.mark.slow),  # the default run keeps one of each kind: Wan's
+])
+def test_two_processes_splitting_every_sequence_train_as_one(name, tiny_models, tmp_path):
+    recipe, sets = _sets(name, tiny_models[name], "train.iterations=2")
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    _two(recipe, sets, two)
+    assert [r["iteration"] for r in read_metrics(two)] == [0, 1, 2]  # 2 iterations and the final evaluation
+    assert list((two / "images").iterdir())
+    _assert_same(two, one)
+    # stopped after the first iteration and resumed: the same run
+    half = tmp_path / "half"
+    _two(recipe, [s if s != "train.iterations=2" else "train.iterations=1" for s in sets], half)
+    _two(recipe, sets, half, "--resume", half)
+    _assert_same(half, one)
+
+
+# ---- refusals and the plan -------------------------------------------------------------------
+
+
+def _recipe(*sets):
+    from flowrl.recipe import load_recipe
+
+    return load_recipe(REPO / "recipes" / "wan22_a14b_lora.toml", list(sets))
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["distributed.context_parallel=4"], "num_processes = 8"),
+    (["distributed.context_parallel=8", "sampler.rollout_precision=fp8"], "quantised copy"),
+])
+def test_recipes_that_cannot_split_their_sequences_are_refused_before_loading(sets, needle):
+    from flowrl.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="context_parallel") as info:
+        _recipe(*sets)  # loading cross-checks the recipe
+    assert needle in str(info.value) + (info.value.hint or "")
+
+
+def test_one_process_or_a_model_without_a_plan_is_refused():
+    from types import SimpleNamespace
+
+    import torch
+
+    from flowrl.distributed import setup
+    from flowrl.train.context_parallel import check_splittable
+
+    with pytest.raises(FlowrlError, match="this run has one"):
+        setup(torch.device("cpu"), SimpleNamespace(context_parallel=2, strategy="auto", shard="full",
+                                                   cpu_offload=False, mixed_precision="no",
+                                                   activation_checkpointing=False))
+    with pytest.raises(FlowrlError, match="no diffusers transformer"):
+        check_splittable([], 2, {})
+
+
+def test_heads_and_tokens_must_divide_by_the_degree():
+    from types import SimpleNamespace
+
+    from flowrl.train.context_parallel import check_splittable, split_sequences
+
+    wan = SimpleNamespace(config={"num_attention_heads": 40}, _cp_plan={"blocks.0": {}})
+    flux = SimpleNamespace(config={"num_attention_heads": 24}, _cp_plan={"": {"encoder_hidden_states": None}})
+    check_splittable([wan], 8, split_sequences(wan, 20280, 512))  # Wan's text is not split
+    with pytest.raises(FlowrlError, match="40 attention heads"):
+        check_splittable([wan], 3, {})
+    assert split_sequences(wan, 20280, 511) == {"image or video tokens": 20280}
+    assert split_sequences(flux, 4096, 511) == {"image or video tokens": 4096, "text tokens": 511}
+    with pytest.raises(FlowrlError, match="511 text tokens"):
+        check_splittable([flux], 2, split_sequences(flux, 4096, 511))
+
+
+def test_the_plan_holds_a_share_of_every_sequence_per_process():
+    from flowrl.memory_plan import estimate
+    from flowrl.plugins import get_registry
+
+    def update(cp, world):
+        recipe = _recipe(f"distributed.context_parallel={cp}", f"distributed.num_processes={world}")
+        lines = estimate(recipe, get_registry(), world)[2]
+        return next(line.bytes for line in lines if line.item == "activations, forward with grad")
+
+    # the same micro-batch on the same processes, 1/C of its tokens on each
+    for cp in (2, 8):
+        assert update(cp, cp) == pytest.approx(update(1, cp) / cp, rel=1e-3)
+
+
+def test_the_lora_starts_alike_in_every_run_of_a_seed(tiny_models):
+    # peft draws LoRA's A from torch's global generator, which the engine never seeds: two runs of
+    # one recipe started from different LoRAs (found comparing context-parallel runs with one
+    # process). prepare_trainable draws it from the run's seed and leaves the global generator alone.
+    from types import SimpleNamespace
+
+    import torch
+    from flowrl_plugins.diffusers_models.wan import WanConfig, WanModel
+
+    from flowrl.train.finetune import prepare_trainable
+
+    train = SimpleNamespace(finetune="lora", lora_targets=[], lora_rank=2, lora_alpha=2.0, lora_init="default")
+
+    def lora(seed):
+        m = WanModel(WanConfig(path=str(tiny_models["wan"]), dtype="fp32", height=32, width=32, num_frames=5,
+                               max_sequence_length=16))
+        state = torch.random.get_rng_state()
+        prepare_trainable(m, train, seed)
+        assert torch.equal(torch.random.get_rng_state(), state)
+        return {n: p.detach().clone() for n, p in m.denoiser.named_parameters() if "lora_A" in n}
+
+    first = lora(3)
+    torch.manual_seed(12345)  # whatever the global generator holds
+    again, other = lora(3), lora(4)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not all(torch.equal(first[n], other[n]) for n in first)
+
+
+def test_the_docs_plan_command_fits_what_data_parallelism_does_not(cli):
+    # docs/distributed.md, "Context parallelism": its command, as written, and its TOML
+    import re
+    import shlex
+    import tomllib
+
+    doc = (REPO / "docs" / "distributed.md").read_text(encoding="utf-8")
+    section = doc[doc.index("## Context parallelism"):].split("\n## ", 1)[0]
+    (command,) = re.findall(r"\(`(flowrl plan [^`]+)`\)", section.replace("\n  ", " "))
+    argv = shlex.split(command)[1:]
+    code, out, err = cli(*argv)
+    assert code == 0, err
+    assert "fits in 80 GB" in " ".join(out.split())
+    code, out, _ = cli(*[a for a in argv if a != "--set" and "context_parallel" not in a][:2], "--set",
+                       "model.num_frames=81")
+    assert "does not fit in 80 GB" in " ".join(out.split())
+    (block,) = re.findall(r"```toml\n(.*?)```", section, flags=re.DOTALL)
+    assert tomllib.loads(block)["distributed"] == {"num_processes": 8, "context_parallel": 8, "strategy": "fsdp2"}
