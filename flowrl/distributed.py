@@ -18,6 +18,8 @@ import signal
 import subprocess
 import sys
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -38,6 +40,9 @@ class DistContext:
     local_rank: int = 0
     context_parallel: int = 1
     cp_rank: int = 0
+    #: the process group of the data-parallel ranks this process talks to (the processes with its
+    #: ``cp_rank``); None: the default group (no context parallelism)
+    data_group: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def process_rank(self) -> int:
@@ -261,16 +266,21 @@ def setup(device: torch.device, settings=None) -> DistContext:
 
 def _data_context(rank: int, world: int, local_rank: int, settings) -> DistContext:
     """The data-parallel layout of ``world`` processes: groups of ``context_parallel`` consecutive
-    processes share their samples. One group for now: every process splits every sequence."""
+    processes share their samples and split every sequence; the data-parallel ranks are the
+    groups, and each process gathers samples, rewards and metrics with the processes of the same
+    place in the other groups (one process group per place, every process creating all of them)."""
     cp = getattr(settings, "context_parallel", 1) if settings is not None else 1
-    if cp > 1 and world != cp:
+    if cp > 1 and world % cp:
         raise FlowrlError(
-            f"context_parallel = {cp} with {world} processes: context parallelism runs one group of all the "
-            "processes for now (data-parallel groups of context-parallel processes are not supported yet)",
-            where="[distributed].context_parallel", hint=f"launch {cp} processes, or set context_parallel = {world}",
+            f"context_parallel = {cp} does not divide the {world} processes into groups",
+            where="[distributed].context_parallel", hint=f"launch a multiple of {cp} processes",
         )
-    return DistContext(rank=rank // cp, world_size=world // cp, local_rank=local_rank, context_parallel=cp,
-                       cp_rank=rank % cp)
+    dp, data_group = world // cp, None
+    if cp > 1 and dp > 1:
+        groups = [dist.new_group([place + d * cp for d in range(dp)]) for place in range(cp)]
+        data_group = groups[rank % cp]
+    return DistContext(rank=rank // cp, world_size=dp, local_rank=local_rank, context_parallel=cp,
+                       cp_rank=rank % cp, data_group=data_group)
 
 
 def teardown() -> None:
@@ -283,7 +293,7 @@ def all_gather_cat(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if not ctx.enabled:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, tensor.contiguous())
+    dist.all_gather(parts, tensor.contiguous(), group=ctx.data_group)
     return torch.cat(parts, dim=0)
 
 
@@ -293,7 +303,7 @@ def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:
         return value
     sign = -1.0 if op == "min" else 1.0
     t = torch.tensor([sign * value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=ctx.data_group)
     return sign * float(t.item())
 
 
@@ -303,7 +313,7 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     if not ctx.enabled:
         return tensor
     out = tensor.detach().clone()
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=ctx.data_group)
     return out
 
 
@@ -342,7 +352,7 @@ def reduce_metrics(metrics: dict[str, float], how: dict[str, str], ctx: DistCont
     if not ctx.enabled:
         return dict(metrics)
     tables: list = [None] * ctx.world_size
-    dist.all_gather_object(tables, {k: (how[k], float(v)) for k, v in metrics.items()})
+    dist.all_gather_object(tables, {k: (how[k], float(v)) for k, v in metrics.items()}, group=ctx.data_group)
     seen: dict[str, list[float]] = {}
     kinds: dict[str, str] = {}
     for table in tables:  # rank order: the same sums on every rank

@@ -432,8 +432,9 @@ class DistributedConfig:
         1,
         "Context (sequence) parallelism, Ulysses style through diffusers' ContextParallelConfig: every "
         "transformer forward's tokens are split over this many processes, which share their samples "
-        "(activation memory per process falls about in proportion). For now it equals the number of "
-        "processes (one group). The model's attention heads and its tokens per sample must divide by it. "
+        "(activation memory per process falls about in proportion). Groups of this many consecutive "
+        "processes; num_processes must be a multiple of it. The model's attention heads and its tokens "
+        "per sample must divide by it. "
         "docs/distributed.md, \"Context parallelism\".",
         min=1,
     )

@@ -534,18 +534,16 @@ def _check_trees(recipe: Recipe, registry: Registry, trainable: torch.Tensor, pl
 
 
 def _check_context_parallel(recipe: Recipe) -> None:
-    """Context parallelism (flowrl.train.context_parallel) before anything loads: one group of all
-    the processes for now, and no second copy of the policy that would run without the split
-    (a pipelined rollout, an FP8 rollout copy); the model's heads and tokens are checked when it
-    is built."""
+    """Context parallelism (flowrl.train.context_parallel) before anything loads: whole groups of
+    processes, and no second copy of the policy that would run without the split (a pipelined
+    rollout, an FP8 rollout copy); the model's heads and tokens are checked when it is built."""
     cp, where = recipe.distributed.context_parallel, f"{recipe.source}: [distributed].context_parallel"
     if cp == 1:
         return
-    if recipe.distributed.num_processes != cp:
+    if recipe.distributed.num_processes % cp:
         raise RecipeError(
-            f"context_parallel = {cp} with num_processes = {recipe.distributed.num_processes}: context parallelism "
-            "runs one group of all the processes for now", where=where,
-            hint=f"set [distributed] num_processes = {cp} (and launch {cp} processes)",
+            f"context_parallel = {cp} does not divide num_processes = {recipe.distributed.num_processes} into groups",
+            where=where, hint=f"set [distributed] num_processes to a multiple of {cp}",
         )
     other = ("[pipeline] draws rollouts with a copy of the policy" if recipe.pipeline.enabled else
              "[sampler] rollout_precision = 'fp8' draws rollouts with a quantised copy"

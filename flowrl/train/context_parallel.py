@@ -88,15 +88,17 @@ def check_splittable(transformers: list[nn.Module], degree: int, tokens: dict[st
 
 def apply_context_parallel(denoiser: nn.Module, degree: int, device: torch.device, image_tokens: int | None = None,
                            text_tokens: int | None = None) -> None:
-    """Split every sequence of ``denoiser``'s transformers over the ``degree`` processes of the
-    process group (all of them: one group), Ulysses style."""
+    """Split every sequence of ``denoiser``'s transformers over groups of ``degree`` consecutive
+    processes, Ulysses style."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     transformers = parallel_transformers(denoiser)
     check_splittable(transformers, degree, {k: v for t in transformers
                                             for k, v in split_sequences(t, image_tokens, text_tokens).items()})
-    mesh = init_device_mesh(device.type, (1, degree), mesh_dim_names=("ring", "ulysses"))
+    # groups of ``degree`` consecutive processes, one per data-parallel rank
+    groups = torch.distributed.get_world_size() // degree
+    mesh = init_device_mesh(device.type, (groups, 1, degree), mesh_dim_names=("dp", "ring", "ulysses"))
     for t in transformers:
         with _an_accelerator_for_diffusers(device):
             t.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh))

@@ -42,9 +42,11 @@ def _sets(name, path, *extra):
     return REPO / "recipes" / recipe, [f"model.path={path}", *COMMON, *sets, *extra]
 
 
-def _two(recipe, sets, out, *cli_extra):
-    args = [a for s in (*sets, "distributed.context_parallel=2", "distributed.num_processes=2") for a in ("--set", s)]
-    proc = run_forked_workers(["train", recipe, *args, "-o", out, *cli_extra], 2, timeout=300)
+def _two(recipe, sets, out, *cli_extra, processes=2):
+    """``processes`` processes in groups of two that split every sequence."""
+    args = [a for s in (*sets, "distributed.context_parallel=2", f"distributed.num_processes={processes}")
+            for a in ("--set", s)]
+    proc = run_forked_workers(["train", recipe, *args, "-o", out, *cli_extra], processes, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
@@ -86,6 +88,19 @@ def test_two_processes_splitting_every_sequence_train_as_one(name, tiny_models, 
     _assert_same(half, one)
 
 
+@pytest.mark.slow  # four processes on the CI machine's two cores
+def test_two_groups_of_two_processes_train_as_one(tiny_models, tmp_path):
+    # a 2 x 2 layout: two data-parallel ranks, each a group of two processes splitting every
+    # sequence; the samples, rewards and metrics are gathered over the ranks, the gradients summed
+    # in each group and averaged over the ranks
+    recipe, sets = _sets("wan", tiny_models["wan"], "train.iterations=2")
+    one, four = tmp_path / "one", tmp_path / "four"
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    _two(recipe, sets, four, processes=4)
+    assert read_metrics(four)[0]["world_size"] == 2  # data-parallel ranks
+    _assert_same(four, one)
+
+
 # ---- refusals and the plan -------------------------------------------------------------------
 
 
@@ -96,7 +111,7 @@ def _recipe(*sets):
 
 
 @pytest.mark.parametrize("sets, needle", [
-    (["distributed.context_parallel=4"], "num_processes = 8"),
+    (["distributed.context_parallel=3"], "num_processes = 8"),
     (["distributed.context_parallel=8", "sampler.rollout_precision=fp8"], "quantised copy"),
 ])
 def test_recipes_that_cannot_split_their_sequences_are_refused_before_loading(sets, needle):
