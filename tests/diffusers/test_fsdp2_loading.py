@@ -59,10 +59,10 @@ def _shards(module, what):
     torch.save(local, os.path.join(RECORD, f"rank{RANK}_{what}.pt"))
 
 
-def prepare(self, module, optimizer, blocks=None):
+def prepare(self, module, optimizer, blocks=None, **kwargs):
     facts["held"]["denoiser"] = _real_bytes(module)
     _write()
-    out = _prepare(self, module, optimizer, blocks)
+    out = _prepare(self, module, optimizer, blocks, **kwargs)
     _shards(out, "denoiser")
     return out
 
