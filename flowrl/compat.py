@@ -75,13 +75,19 @@ class NotActionable(logging.Filter):
       another by design): "There are modules in X that should be kept in float32: []": with an
       empty list there is nothing to keep;
     - diffusers' prompt encoders: "The following part of your input was truncated ...: ['']":
-      when every removed part is empty, nothing of the prompt was lost.
+      when every removed part is empty, nothing of the prompt was lost;
+    - diffusers, when importing, where torchao (the ``fp8`` extra) cannot load its compiled
+      kernels (a CPU machine): "Unable to import `torchao` Tensor objects. This may affect
+      loading checkpoints serialized with `torchao`": flowrl loads no torchao-serialized
+      checkpoint (its FP8 rollouts quantise at run time).
     """
 
     PATTERNS = (
         re.compile(r"^`\w+` requires torchvision \(not installed\); falling back to `\w+Pil`"),
         re.compile(r"^There are modules in \w+ that should be kept in float32: \[\]\."),
         re.compile(r"^The following part of your input was truncated because .*: \[(?:'', )*''\]$", re.S),
+        re.compile(r"^Unable to import `torchao` Tensor objects\. This may affect loading checkpoints serialized "
+                   r"with `torchao`$"),
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -92,7 +98,11 @@ class NotActionable(logging.Filter):
 _quiet = NotActionable()
 #: the loggers that emit the messages above (diffusers' pipelines log through their own loggers,
 #: so the library's handlers are filtered too, once diffusers has created them)
-_LOGGERS = ("transformers.utils.import_utils", "diffusers.models.modeling_utils")
+_LOGGERS = ("transformers.utils.import_utils", "diffusers.models.modeling_utils",
+            # logs while diffusers is being imported, before its handlers exist: filtered on the
+            # logger itself, from the import of this module on
+            "diffusers.quantizers.torchao.torchao_quantizer")
+logging.getLogger(_LOGGERS[-1]).addFilter(_quiet)
 
 
 def quiet_library_messages() -> None:

@@ -87,6 +87,9 @@ QUIET = [
      "lead to inconsistent results; set `torch_dtype` in `from_pretrained()` instead to keep these modules in float32."),
     ("diffusers.pipelines.flux.pipeline_flux",
      "The following part of your input was truncated because `max_sequence_length` is set to  16 tokens: ['', '']"),
+    # logged while diffusers is imported where torchao's kernels cannot load (this CPU machine)
+    ("diffusers.quantizers.torchao.torchao_quantizer",
+     "Unable to import `torchao` Tensor objects. This may affect loading checkpoints serialized with `torchao`"),
 ]
 KEPT = [
     ("diffusers.models.modeling_utils",
@@ -95,6 +98,7 @@ KEPT = [
     ("diffusers.pipelines.flux.pipeline_flux",
      "The following part of your input was truncated because `max_sequence_length` is set to  16 tokens: ['a red fox']"),
     ("transformers.utils.import_utils", "`CLIPImageProcessor` requires torchvision; install it"),
+    ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao`: install torchao>=0.16"),
 ]
 
 
