@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
+from wan_helpers import euler_on_flowrl_grid, ode_frames
 
 from flowrl.errors import FlowrlError
 from flowrl.runlog import read_metrics
@@ -48,16 +48,7 @@ def plain(make):
 
 
 def _euler_on_flowrl_grid(pipe, shift: float = 3.0):
-    """``pipe`` with diffusers' FlowMatchEuler scheduler on flowrl's grid (shifted linspace(1, 1/N, N),
-    then 0): WanPipeline asks its scheduler for N steps and passes no sigmas, and the published
-    UniPC is a multistep solver, so this is the pipeline's sampler that flowrl's ODE equals."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    sched = FlowMatchEulerDiscreteScheduler(shift=shift)
-    set_timesteps = sched.set_timesteps
-    sched.set_timesteps = lambda n, device=None: set_timesteps(sigmas=np.linspace(1.0, 1.0 / n, n), device=device)
-    pipe.scheduler = sched
-    return pipe
+    return euler_on_flowrl_grid(pipe, shift)
 
 
 def _pipe_frames(pipe, prompts, noise, cfg, steps=5):
@@ -67,10 +58,7 @@ def _pipe_frames(pipe, prompts, noise, cfg, steps=5):
 
 
 def _ode_frames(model, prompts, noise, steps=5):
-    from flowrl.sampling.rollout import ode_sample
-
-    text = model.encode_prompts(prompts)
-    return model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, model.sigmas(steps)))
+    return ode_frames(model, prompts, noise, steps)
 
 
 # ---- conformance and the pipeline's own sampling --------------------------------------------

@@ -6,9 +6,9 @@ run whose export WanPipeline loads and reproduces."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from wan_helpers import euler_on_flowrl_grid, image_prompts, ode_frames
 
 from flowrl.errors import FlowrlError
 from flowrl.testing.conformance import CHECK_NAMES, check_adapter
@@ -49,14 +49,7 @@ def plain(make):
 
 
 def _euler_on_flowrl_grid(pipe, shift: float = 5.0):
-    """``pipe`` with diffusers' FlowMatchEuler scheduler on flowrl's grid (as in test_wan.py)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    sched = FlowMatchEulerDiscreteScheduler(shift=shift)
-    set_timesteps = sched.set_timesteps
-    sched.set_timesteps = lambda n, device=None: set_timesteps(sigmas=np.linspace(1.0, 1.0 / n, n), device=device)
-    pipe.scheduler = sched
-    return pipe
+    return euler_on_flowrl_grid(pipe, shift)
 
 
 def _pipe_frames(pipe, prompts, noise, cfg, steps=4):
@@ -66,10 +59,7 @@ def _pipe_frames(pipe, prompts, noise, cfg, steps=4):
 
 
 def _ode_frames(model, prompts, noise, steps=4):
-    from flowrl.sampling.rollout import ode_sample
-
-    text = model.encode_prompts(prompts)
-    return model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, model.sigmas(steps)))
+    return ode_frames(model, prompts, noise, steps)
 
 
 def test_conforms(guided):
@@ -141,14 +131,7 @@ def i2v(make):
     return make(image_to_video=True)
 
 
-def _image_prompts(prompts, seed=0):
-    """Prompt rows that all carry one seeded random 32 x 32 image (WanImageToVideoPipeline encodes
-    one image for a whole batch)."""
-    from flowrl.prompts import PromptRow
-    from flowrl.testing.conformance import condition_image_paths
-
-    path = condition_image_paths((32, 32), seed + 1)[seed]
-    return [PromptRow(p, path) for p in prompts], path
+_image_prompts = image_prompts
 
 
 def test_image_to_video_conforms(i2v):

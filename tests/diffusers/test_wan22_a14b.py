@@ -13,9 +13,9 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from wan_helpers import euler_on_flowrl_grid, image_prompts, ode_frames
 
 from flowrl.errors import FlowrlError
 from flowrl.runlog import read_metrics
@@ -50,14 +50,7 @@ def guided(make):
 
 
 def _euler_on_flowrl_grid(pipe, shift: float = 5.0):
-    """``pipe`` with diffusers' FlowMatchEuler scheduler on flowrl's grid (as in test_wan.py)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    sched = FlowMatchEulerDiscreteScheduler(shift=shift)
-    set_timesteps = sched.set_timesteps
-    sched.set_timesteps = lambda n, device=None: set_timesteps(sigmas=np.linspace(1.0, 1.0 / n, n), device=device)
-    pipe.scheduler = sched
-    return pipe
+    return euler_on_flowrl_grid(pipe, shift)
 
 
 def _pipe_frames(pipe, prompts, noise, cfg=(4.0, 3.0), steps=5):
@@ -67,10 +60,7 @@ def _pipe_frames(pipe, prompts, noise, cfg=(4.0, 3.0), steps=5):
 
 
 def _ode_frames(model, prompts, noise, steps=5):
-    from flowrl.sampling.rollout import ode_sample
-
-    text = model.encode_prompts(prompts)
-    return model.decode(ode_sample(lambda i, x, s: model.velocity(x, s, text), noise, model.sigmas(steps)))
+    return ode_frames(model, prompts, noise, steps)
 
 
 def _counting_calls(*modules):
@@ -441,22 +431,14 @@ def test_merged_export_is_a_two_expert_pipeline_with_the_policy(lora_run, tiny_a
 @pytest.fixture(scope="module")
 def i2v(tiny_dir):
     """Wan 2.2 I2V A14B-like, CFG 4 on the high-noise expert and 3 on the low. Do not modify it."""
-    from flowrl_plugins.diffusers_models.wan_a14b import Wan22A14BI2VConfig, Wan22A14BI2VModel
-
     from flowrl.testing.tiny_pipelines import build_tiny_wan22_a14b
+    from flowrl_plugins.diffusers_models.wan_a14b import Wan22A14BI2VConfig, Wan22A14BI2VModel
 
     path = build_tiny_wan22_a14b(tiny_dir / "wan22_a14b_i2v", image_to_video=True)
     return Wan22A14BI2VModel(Wan22A14BI2VConfig(path=str(path), **TINY, cfg_scale=4.0, cfg_scale_2=3.0))
 
 
-def _image_prompts(prompts, seed=0):
-    """Prompt rows that all carry one seeded random 32 x 32 image (the pipeline encodes one image
-    for a whole batch)."""
-    from flowrl.prompts import PromptRow
-    from flowrl.testing.conformance import condition_image_paths
-
-    path = condition_image_paths((32, 32), seed + 1)[seed]
-    return [PromptRow(p, path) for p in prompts], path
+_image_prompts = image_prompts
 
 
 def test_image_to_video_conforms(i2v):
