@@ -55,6 +55,14 @@ WAN_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 WAN_FEED_FORWARD = ["ffn.net.0.proj", "ffn.net.2"]
 
 
+def latent_statistics(vae, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Wan VAE config's per-channel ``(latents_mean, latents_std)``, float32, shaped
+    ``[1, C, 1, 1, 1]`` to broadcast over video latents."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    return tuple(torch.tensor(values, dtype=torch.float32, device=device).view(shape)
+                 for values in (vae.config.latents_mean, vae.config.latents_std))
+
+
 def wan_lora_targets(preset: str) -> list[str]:
     """The LoRA targets of a preset: attention (self and cross), plus the feed-forwards."""
     return preset_targets(preset, WAN_ATTENTION, WAN_FEED_FORWARD)
@@ -211,10 +219,7 @@ class WanModel(DiffusersAdapter):
     def _decoder(self, vae):
         """Wan latents -> clips ``[B, F, 3, H, W]`` in [-1, 1]: ``z * std + mean`` per channel (the VAE
         config's statistics, as WanPipeline applies them), then the VAE's ``[B, 3, F, H, W]``."""
-        cfg = vae.config
-        shape = (1, cfg.z_dim, 1, 1, 1)
-        mean = torch.tensor(cfg.latents_mean, dtype=torch.float32, device=self.device).view(shape)
-        std = torch.tensor(cfg.latents_std, dtype=torch.float32, device=self.device).view(shape)
+        mean, std = latent_statistics(vae, self.device)
 
         def to_clips(z):
             video = vae.decode((z * std + mean).to(vae.dtype), return_dict=False)[0]
@@ -297,10 +302,7 @@ class Wan22Model(WanModel):
     @torch.no_grad()
     def encode_conditions(self, prompts) -> torch.Tensor:
         """``[B, C, 1, H/16, W/16]`` float32: each prompt's image as WanImageToVideoPipeline encodes it."""
-        vae = self.pipe.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(shape)
-        std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(shape)
+        mean, std = latent_statistics(self.pipe.vae)
         return ((encode_condition_frame(self, prompts) - mean) / std).to(self.device)
 
     def _inputs(self, latents, t, text):

@@ -37,7 +37,7 @@ from flowrl.errors import FlowrlError
 
 from .editing import condition_pictures
 from .memory.wan import wan_a14b_memory_spec
-from .wan import WanConfig, WanModel, wan_lora_targets
+from .wan import WanConfig, WanModel, latent_statistics, wan_lora_targets
 
 #: the experts' attribute names, high-noise first (WanPipeline's components)
 EXPERTS = ("transformer", "transformer_2")
@@ -310,10 +310,8 @@ class Wan22A14BI2VModel(Wan22A14BModel):
         clip = torch.cat([image.unsqueeze(2), image.new_zeros(image.shape[0], 3, frames - 1, h, w)], dim=2)
         with self._visiting(vae):
             z = vae.encode(clip.to(self.device, vae.dtype), return_dict=False)[0].mode().float()
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32, device=z.device).view(shape)
-        inv_std = 1.0 / torch.tensor(vae.config.latents_std, dtype=torch.float32, device=z.device).view(shape)
-        z = (z - mean) * inv_std
+        mean, std = latent_statistics(vae, z.device)
+        z = (z - mean) * (1.0 / std)
         mask = torch.zeros(z.shape[0], self.vae_scale_temporal, *z.shape[2:], device=z.device)
         mask[:, :, 0] = 1.0  # the first latent frame holds the image (all the frames the VAE folds into it)
         return torch.cat([mask, z], dim=1)
