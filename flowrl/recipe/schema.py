@@ -430,12 +430,21 @@ class DistributedConfig:
     )
     context_parallel: int = param(
         1,
-        "Context (sequence) parallelism, Ulysses style through diffusers' ContextParallelConfig: every "
-        "transformer forward's tokens are split over this many processes, which share their samples "
-        "(activation memory per process falls about in proportion). Groups of this many consecutive "
-        "processes; num_processes must be a multiple of it. The model's attention heads and its tokens "
-        "per sample must divide by it. "
+        "Context (sequence) parallelism through diffusers' ContextParallelConfig: every transformer "
+        "forward's tokens are split over this many processes, which share their samples (activation "
+        "memory per process falls about in proportion). Groups of this many consecutive processes; "
+        "num_processes must be a multiple of it. Its tokens per sample must divide by it, and the "
+        "model's attention heads by its Ulysses share (context_parallel / context_parallel_ring). "
         "docs/distributed.md, \"Context parallelism\".",
+        min=1,
+    )
+    context_parallel_ring: int = param(
+        1,
+        "Of each context-parallel group, the processes that form a ring (ring attention: keys and "
+        "values passed around, partial attentions merged by their log-sum-exp); the other factor, "
+        "context_parallel / this, splits attention heads (Ulysses). 1: Ulysses only; context_parallel: "
+        "ring only, for models whose heads do not divide. A GPU runs it in bf16 or fp16 with the flash "
+        "(or cuDNN) kernel.",
         min=1,
     )
     num_processes: int = param(

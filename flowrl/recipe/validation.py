@@ -538,6 +538,18 @@ def _check_context_parallel(recipe: Recipe) -> None:
     processes, and no second copy of the policy that would run without the split (a pipelined
     rollout, an FP8 rollout copy); the model's heads and tokens are checked when it is built."""
     cp, where = recipe.distributed.context_parallel, f"{recipe.source}: [distributed].context_parallel"
+    ring = recipe.distributed.context_parallel_ring
+    if cp % ring:
+        raise RecipeError(
+            f"context_parallel_ring = {ring} does not divide context_parallel = {cp}: a group is rings of "
+            f"{ring} processes times the processes that split heads", where=f"{recipe.source}: [distributed]"
+            ".context_parallel_ring", hint=f"use a divisor of {cp}" + ("" if cp > 1 else
+                                                                     ", after setting context_parallel"))
+    if ring > 1 and recipe.train.attention_backend not in ("auto", "flash", "cudnn"):
+        raise RecipeError(
+            f"context_parallel_ring = {ring} merges partial attentions by their log-sum-exp, and attention_backend "
+            f"= {recipe.train.attention_backend!r} returns none", where=f"{recipe.source}: [train].attention_backend",
+            hint="use 'auto' or 'flash' (or 'cudnn' on a GPU), or set context_parallel_ring = 1")
     if cp == 1:
         return
     if recipe.distributed.num_processes % cp:

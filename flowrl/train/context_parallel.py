@@ -14,10 +14,16 @@ gradient on one process is its slice's share; the group's sum is the gradient of
 sequence (:class:`flowrl.train.parallel.Strategy` sums over the group, and averages over
 data-parallel ranks).
 
-Ring attention (``ring_degree``) needs an attention backend that returns log-sum-exp values
-(flash, cuDNN); PyTorch's native attention, the one a CPU has, does not, so flowrl offers
-Ulysses only. diffusers looks for an accelerator to name the process's device; on a CPU (tests
-over gloo) it finds none, and :func:`apply_context_parallel` gives it one for that call.
+Ring style (``[distributed].context_parallel_ring`` = R > 1): the R processes of a ring keep
+their slices of the tokens inside attention too, pass keys and values around the ring, and merge
+the partial attentions by their log-sum-exp. A group of C processes may mix both: C / R processes
+split the heads (Ulysses) in each of R ring positions. Only the kernels that return the log-sum-exp
+can take part: on a GPU flowrl runs diffusers' ``_native_flash`` backend (``_native_cudnn`` when
+``[train].attention_backend = "cudnn"``), both in bf16 or fp16; diffusers' native backend, the one a
+CPU has, returns none, so on a CPU flowrl gives it torch's CPU flash kernel, which does
+(:func:`install_cpu_ring_kernel`). diffusers looks for an accelerator to name the process's
+device; on a CPU (tests over gloo) it finds none, and :func:`apply_context_parallel` gives it one
+for that call.
 """
 
 from __future__ import annotations
@@ -67,18 +73,23 @@ def split_sequences(transformer: nn.Module, image_tokens: int | None, text_token
     return out
 
 
-def check_splittable(transformers: list[nn.Module], degree: int, tokens: dict[str, int]) -> None:
-    """What Ulysses needs: heads divisible by ``degree`` (each process attends with a share of
-    them) and every sequence the plans split (``tokens``: name -> count per sample) divisible too."""
+def check_splittable(transformers: list[nn.Module], degree: int, tokens: dict[str, int], ring: int = 1) -> None:
+    """What the split needs: heads divisible by the Ulysses share of the group (``degree / ring``
+    processes attend with a share of them each) and every sequence the plans split (``tokens``:
+    name -> count per sample) divisible by the whole group."""
     if not transformers:
         raise FlowrlError("the model's denoiser has no diffusers transformer with a context-parallel plan (_cp_plan)",
                           where=WHERE, hint="use a diffusers model (FLUX, Wan, LTX-Video, Qwen-Image), or set "
                                             "context_parallel = 1")
+    ulysses = degree // ring
     for t in transformers:
         heads = int(t.config.get("num_attention_heads", 0) or 0)
-        if heads and heads % degree:
-            raise FlowrlError(f"{type(t).__name__} has {heads} attention heads, which do not split over {degree} "
-                              "processes", where=WHERE, hint=f"use a divisor of {heads}")
+        if heads and heads % ulysses:
+            raise FlowrlError(f"{type(t).__name__} has {heads} attention heads, which do not split over {ulysses} "
+                              "processes" + (f" (context_parallel {degree} / context_parallel_ring {ring})"
+                                             if ring > 1 else ""), where=WHERE,
+                              hint=f"use a divisor of {heads}" + (", or a larger context_parallel_ring: the ring "
+                                                                 "splits no heads" if ring < degree else ""))
     for name, count in tokens.items():
         if count % degree:
             raise FlowrlError(f"{count} {name} per sample do not split over {degree} processes", where=WHERE,
@@ -87,21 +98,96 @@ def check_splittable(transformers: list[nn.Module], degree: int, tokens: dict[st
 
 
 def apply_context_parallel(denoiser: nn.Module, degree: int, device: torch.device, image_tokens: int | None = None,
-                           text_tokens: int | None = None) -> None:
+                           text_tokens: int | None = None, ring: int = 1, attention: str = "auto",
+                           half_precision: bool = True) -> None:
     """Split every sequence of ``denoiser``'s transformers over groups of ``degree`` consecutive
-    processes, Ulysses style."""
+    processes: ``ring`` of them in a ring, ``degree / ring`` splitting heads in each ring position.
+    ``attention``: ``[train].attention_backend``; ``half_precision``: whether attention runs in
+    bf16 or fp16 (the GPU ring kernels take nothing else)."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
     transformers = parallel_transformers(denoiser)
     check_splittable(transformers, degree, {k: v for t in transformers
-                                            for k, v in split_sequences(t, image_tokens, text_tokens).items()})
-    # groups of ``degree`` consecutive processes, one per data-parallel rank
+                                            for k, v in split_sequences(t, image_tokens, text_tokens).items()},
+                     ring=ring)
+    backend = ring_backend(device, attention, half_precision) if ring > 1 else None
+    # groups of ``degree`` consecutive processes, one per data-parallel rank; inside a group the
+    # Ulysses processes are the consecutive ones
     groups = torch.distributed.get_world_size() // degree
-    mesh = init_device_mesh(device.type, (groups, 1, degree), mesh_dim_names=("dp", "ring", "ulysses"))
+    mesh = init_device_mesh(device.type, (groups, ring, degree // ring), mesh_dim_names=("dp", "ring", "ulysses"))
     for t in transformers:
+        if backend is not None:
+            t.set_attention_backend(backend)
         with _an_accelerator_for_diffusers(device):
-            t.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree, mesh=mesh))
+            t.enable_parallelism(config=ContextParallelConfig(ring_degree=ring, ulysses_degree=degree // ring,
+                                                              mesh=mesh))
+
+
+def ring_backend(device: torch.device, attention: str, half_precision: bool) -> str:
+    """The diffusers attention backend that runs ring attention on ``device``: one whose kernel
+    returns the log-sum-exp the ring merges by."""
+    if attention not in ("auto", "flash", "cudnn"):
+        raise FlowrlError(f"ring attention needs a kernel that returns its log-sum-exp, and attention_backend = "
+                          f"{attention!r} does not", where="[train].attention_backend",
+                          hint="use 'auto' or 'flash' (or 'cudnn' on a GPU), or set [distributed] "
+                               "context_parallel_ring = 1 (Ulysses only)")
+    if device.type == "cpu":
+        install_cpu_ring_kernel()
+        return "native"
+    if device.type != "cuda":
+        raise FlowrlError(f"ring attention runs on CUDA and CPU devices, not {device.type!r}",
+                          where="[distributed].context_parallel_ring", hint="set context_parallel_ring = 1")
+    if not half_precision:
+        raise FlowrlError("ring attention on a GPU runs flash or cuDNN kernels, which take bf16 or fp16, and this run "
+                          "attends in float32", where="[distributed].context_parallel_ring",
+                          hint="set [model] dtype = 'bf16' or [distributed] mixed_precision = 'bf16', or "
+                               "context_parallel_ring = 1")
+    return "_native_cudnn" if attention == "cudnn" else "_native_flash"
+
+
+def install_cpu_ring_kernel() -> None:
+    """Give diffusers' native attention backend, under context parallelism, torch's CPU flash
+    kernel, which returns the log-sum-exp ring attention merges by (diffusers' own native kernel
+    refuses to). It computes what the native one computes; only the ring needed it, so it is
+    installed only when a run asks for a ring on a CPU. Idempotent."""
+    from diffusers.models import attention_dispatch
+
+    attention_dispatch._native_attention_forward_op = cpu_attention_forward_op
+    attention_dispatch._native_attention_backward_op = cpu_attention_backward_op
+
+
+def cpu_attention_forward_op(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                             scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                             _save_ctx: bool = True, _parallel_config=None):
+    """Attention over ``[B, S, H, D]`` tensors (diffusers' layout) by torch's CPU flash kernel:
+    the output, and with ``return_lse`` the log-sum-exp of each query's scores, ``[B, S, H]``."""
+    if attn_mask is not None or dropout_p or enable_gqa:
+        raise ValueError("the CPU ring kernel takes no attention mask, dropout or grouped heads")
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    out, lse = out.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()
+    if _save_ctx:
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+    return (out, lse) if return_lse else out
+
+
+def cpu_attention_backward_op(ctx, grad_out: torch.Tensor, *args, query: torch.Tensor | None = None,
+                              key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                              out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """The gradients of :func:`cpu_attention_forward_op` for ``grad_out``. A ring passes each step's
+    keys and values and the merged output and log-sum-exp; otherwise the saved ones are used."""
+    saved = dict(zip(("query", "key", "value", "out", "lse"), ctx.saved_tensors))
+    given = {"query": query, "key": key, "value": value, "out": out, "lse": lse}
+    # the kernel's layout: [B, H, S, D] and [B, H, S]
+    q, k, v, o, logsumexp = (
+        (given[n] if given[n] is not None else saved[n]).transpose(1, 2).contiguous()
+        for n in ("query", "key", "value", "out", "lse"))
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.transpose(1, 2).contiguous(), q, k, v, o, logsumexp, 0.0, ctx.is_causal, scale=ctx.scale)
+    return tuple(g.transpose(1, 2) for g in grads)
 
 
 @contextlib.contextmanager

@@ -215,18 +215,22 @@ class Strategy:
 
     def prepare(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                 blocks: Sequence[nn.Module] | None = None, tokens: tuple[int | None, int | None] = (None, None),
-                ) -> nn.Module:
+                attention: str = "auto") -> nn.Module:
         """Wrap ``module`` (the denoiser, LoRA already attached, ``requires_grad`` set) and rebind
         ``optimizer`` (built over its trainable parameters, no step taken yet) to the wrapped
         parameters. Returns the module to call; the adapter's ``denoiser`` must be set to it.
         ``blocks``: the adapter's :class:`HasShardableBlocks` blocks, if it declares them.
-        ``tokens``: (image or video, text) tokens per sample, which context parallelism must split."""
+        ``tokens``: (image or video, text) tokens per sample, which context parallelism must split;
+        ``attention``: ``[train].attention_backend``, which a context-parallel ring must be able to use."""
         if self.module is not None:
             raise RuntimeError("Strategy.prepare() was already called")
         if any(optimizer.state.values()):
             raise RuntimeError("prepare() needs an optimizer that has not stepped yet (load its state after prepare)")
         if self.context_parallel > 1:
-            apply_context_parallel(module, self.context_parallel, self.device, *tokens)
+            half = any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
+            apply_context_parallel(module, self.context_parallel, self.device, *tokens,
+                                   ring=self.config.context_parallel_ring, attention=attention,
+                                   half_precision=half or self.config.mixed_precision == "bf16")
         found = transformer_blocks(module, blocks)
         if self.config.activation_checkpointing:
             if not found:

@@ -90,7 +90,7 @@ class PolicyUpdate:
                                              gradient_sync=gradient_sync(session, ctx))
         self.optimizer = make_optimizer(params, train, self.strategy.kind, session.device, session.recipe.source)
         model.denoiser = self.strategy.prepare(model.denoiser, self.optimizer, declared_blocks(model),
-                                               tokens=sequence_tokens(model))
+                                               tokens=sequence_tokens(model), attention=train.attention_backend)
         if kl.reference is not None and kl.reference.frozen is not None:  # laid out like the denoiser,
             # the engine's copy or the adapter's own (else a whole copy on every GPU that the plan never counted)
             kl.reference.frozen = self.strategy.prepare_frozen(kl.reference.frozen, on_cpu=train.reference_on_cpu)

@@ -1,5 +1,5 @@
 """Context parallelism (flowrl.train.context_parallel): two gloo processes splitting every
-sequence of a tiny Wan and a tiny FLUX (Ulysses, through diffusers' ContextParallelConfig) train
+sequence of a tiny Wan and a tiny FLUX (Ulysses, and as a ring, through diffusers' ContextParallelConfig) train
 as one process does, with evaluation, images and checkpoints on, and a run stopped after its first
 iteration resumes exactly (FLUX's in the slow lane); the refusals, the plan's activations per
 process, and the LoRA's seeded start that the comparison relies on."""
@@ -42,9 +42,10 @@ def _sets(name, path, *extra):
     return REPO / "recipes" / recipe, [f"model.path={path}", *COMMON, *sets, *extra]
 
 
-def _two(recipe, sets, out, *cli_extra, processes=2):
-    """``processes`` processes in groups of two that split every sequence."""
-    args = [a for s in (*sets, "distributed.context_parallel=2", f"distributed.num_processes={processes}")
+def _two(recipe, sets, out, *cli_extra, processes=2, ring=1):
+    """``processes`` processes in groups of two that split every sequence (``ring`` 2: as a ring)."""
+    args = [a for s in (*sets, "distributed.context_parallel=2", f"distributed.num_processes={processes}",
+                        f"distributed.context_parallel_ring={ring}")
             for a in ("--set", s)]
     proc = run_forked_workers(["train", recipe, *args, "-o", out, *cli_extra], processes, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -88,6 +89,34 @@ def test_two_processes_splitting_every_sequence_train_as_one(name, tiny_models, 
     _assert_same(half, one)
 
 
+@pytest.mark.parametrize("name", [
+    "flux",  # FLUX's joint attention: the text tokens go round the ring too
+    pytest.param("wan", marks=pytest.mark.slow),
+])
+def test_two_processes_in_a_ring_train_as_one(name, tiny_models, tmp_path):
+    # ring attention: each process keeps its slice of the tokens inside attention, the keys and
+    # values go round the ring and the partial attentions are merged by their log-sum-exp (on a
+    # CPU through torch's CPU flash kernel, which returns it)
+    recipe, sets = _sets(name, tiny_models[name], "train.iterations=2")
+    one, ring = tmp_path / "one", tmp_path / "ring"
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    _two(recipe, sets, ring, ring=2)
+    _assert_same(ring, one)
+
+
+@pytest.mark.slow  # four processes on the CI machine's two cores
+def test_a_ring_of_two_times_two_head_splits_trains_as_one(tiny_models, tmp_path):
+    # one group of four processes: two ring positions, two processes splitting heads in each
+    recipe, sets = _sets("flux", tiny_models["flux"], "train.iterations=1")
+    one, four = tmp_path / "one", tmp_path / "four"
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    args = [a for s in (*sets, "distributed.context_parallel=4", "distributed.num_processes=4",
+                        "distributed.context_parallel_ring=2") for a in ("--set", s)]
+    proc = run_forked_workers(["train", recipe, *args, "-o", four], 4, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _assert_same(four, one)
+
+
 @pytest.mark.slow  # four processes on the CI machine's two cores
 def test_two_groups_of_two_processes_train_as_one(tiny_models, tmp_path):
     # a 2 x 2 layout: two data-parallel ranks, each a group of two processes splitting every
@@ -113,6 +142,9 @@ def _recipe(*sets):
 @pytest.mark.parametrize("sets, needle", [
     (["distributed.context_parallel=3"], "num_processes = 8"),
     (["distributed.context_parallel=8", "sampler.rollout_precision=fp8"], "quantised copy"),
+    (["distributed.context_parallel=8", "distributed.context_parallel_ring=3"], "use a divisor of 8"),
+    (["distributed.context_parallel=8", "distributed.context_parallel_ring=2", "train.attention_backend=math"],
+     "log-sum-exp"),
 ])
 def test_recipes_that_cannot_split_their_sequences_are_refused_before_loading(sets, needle):
     from flowrl.errors import RecipeError
@@ -148,6 +180,12 @@ def test_heads_and_tokens_must_divide_by_the_degree():
     check_splittable([wan], 8, split_sequences(wan, 20280, 512))  # Wan's text is not split
     with pytest.raises(FlowrlError, match="40 attention heads"):
         check_splittable([wan], 3, {})
+    # a ring splits no heads: 40 heads over a group of 16 as 8 rings x 2 head splits, or as one ring
+    check_splittable([wan], 16, {}, ring=8)
+    check_splittable([wan], 48, {}, ring=48)
+    with pytest.raises(FlowrlError, match="do not split over 3 processes") as info:
+        check_splittable([wan], 6, {}, ring=2)
+    assert "context_parallel_ring" in info.value.hint
     assert split_sequences(wan, 20280, 511) == {"image or video tokens": 20280}
     assert split_sequences(flux, 4096, 511) == {"image or video tokens": 4096, "text tokens": 511}
     with pytest.raises(FlowrlError, match="511 text tokens"):
@@ -212,5 +250,11 @@ def test_the_docs_plan_command_fits_what_data_parallelism_does_not(cli):
     code, out, _ = cli(*[a for a in argv if a != "--set" and "context_parallel" not in a][:2], "--set",
                        "model.num_frames=81")
     assert "does not fit in 80 GB" in " ".join(out.split())
-    (block,) = re.findall(r"```toml\n(.*?)```", section, flags=re.DOTALL)
-    assert tomllib.loads(block)["distributed"] == {"num_processes": 8, "context_parallel": 8, "strategy": "fsdp2"}
+    ulysses, ring = re.findall(r"```toml\n(.*?)```", section, flags=re.DOTALL)
+    assert tomllib.loads(ulysses)["distributed"] == {"num_processes": 8, "context_parallel": 8, "strategy": "fsdp2"}
+    assert tomllib.loads(ring)["distributed"] == {"num_processes": 8, "context_parallel": 8,
+                                                   "context_parallel_ring": 2, "strategy": "fsdp2"}
+    # the ring block on the same recipe: Wan's 40 heads split 4 ways, the same memory as Ulysses
+    code, ring_out, err = cli(*argv, "--set", "distributed.context_parallel_ring=2")
+    assert code == 0, err
+    assert "fits in 80 GB" in " ".join(ring_out.split())

@@ -505,7 +505,7 @@ def _flowrl_recipe(argv: list[str]):
 def test_docs_toml_blocks_validate():
     base = tomllib.loads((REPO / "recipes" / "quickstart_hacking.toml").read_text())
     blocks = _code_blocks("toml")
-    assert len(blocks) == 3  # the table, hybrid sharding, context parallelism
+    assert len(blocks) == 4  # the table, hybrid sharding, context parallelism, its ring
     for block in blocks:
         from flowrl.recipe import validate
 

@@ -1,0 +1,94 @@
+"""The CPU attention kernel flowrl gives diffusers' native backend for ring attention
+(flowrl.train.context_parallel): its output, log-sum-exp and gradients against attention computed
+in float64 by autograd, and a ring's use of it: two halves of the keys and values merged by their
+log-sum-exp, and each half's gradients from the merged output, equal attention over all of them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flowrl.errors import FlowrlError
+from flowrl.train.context_parallel import cpu_attention_backward_op, cpu_attention_forward_op, ring_backend
+
+B, S, H, D = 2, 6, 3, 8  # diffusers' layout: [batch, tokens, heads, head dim]
+
+
+def _qkv(seed=0, s_kv=S):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, S, H, D, generator=g), torch.randn(B, s_kv, H, D, generator=g),
+            torch.randn(B, s_kv, H, D, generator=g))
+
+
+def _reference(q, k, v):
+    """softmax(q k^T / sqrt(D)) v and the log-sum-exp of the scaled scores, in float64."""
+    scores = torch.einsum("bshd,bthd->bhst", q.double(), k.double()) / D ** 0.5
+    out = torch.einsum("bhst,bthd->bshd", scores.softmax(-1), v.double())
+    return out, scores.logsumexp(-1).transpose(1, 2)  # [B, S, H]
+
+
+def test_the_output_and_its_log_sum_exp_are_attentions():
+    q, k, v = _qkv()
+    out, lse = cpu_attention_forward_op(SimpleNamespace(), q, k, v, return_lse=True, _save_ctx=False)
+    ref_out, ref_lse = _reference(q, k, v)
+    assert out.shape == (B, S, H, D) and lse.shape == (B, S, H)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cpu_attention_forward_op(SimpleNamespace(), q, k, v, _save_ctx=False), out)
+
+
+def test_the_gradients_are_autograds_of_attention():
+    q, k, v = _qkv(1)
+    grad_out = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(2))
+    ctx = SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
+    cpu_attention_forward_op(ctx, q, k, v)
+    grads = cpu_attention_backward_op(ctx, grad_out)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref = torch.autograd.grad(_reference(*leaves)[0], leaves, grad_out.double())
+    for got, want in zip(grads, ref):
+        assert got.shape == (B, S, H, D)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_ring_of_two_halves_merged_by_log_sum_exp_is_whole_attention():
+    # what diffusers' ring does with the kernel: each half of the keys and values attended
+    # separately, the outputs merged by their log-sum-exp; in the backward each half's gradients
+    # from the merged output and log-sum-exp, the query's summed over the halves
+    q, k, v = _qkv(3, s_kv=2 * S)
+    halves = [(k[:, :S], v[:, :S]), (k[:, S:], v[:, S:])]
+    ctx = SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
+    prev = None
+    for i, (kh, vh) in enumerate(halves):
+        out, lse = cpu_attention_forward_op(ctx, q, kh, vh, return_lse=True, _save_ctx=i == 0)
+        lse = lse.unsqueeze(-1)
+        if prev is not None:
+            out = prev[0] - torch.sigmoid(lse - prev[1]) * (prev[0] - out)
+            lse = prev[1] - torch.nn.functional.logsigmoid(prev[1] - lse)
+        prev = (out, lse)
+    out, lse = prev[0], prev[1].squeeze(-1)
+    ref_out, ref_lse = _reference(q, k, v)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+    grad_out = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(4))
+    parts = [cpu_attention_backward_op(ctx, grad_out, query=q, key=kh, value=vh, out=out, lse=lse)
+             for kh, vh in halves]
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_q, ref_k, ref_v = torch.autograd.grad(_reference(*leaves)[0], leaves, grad_out.double())
+    torch.testing.assert_close((parts[0][0] + parts[1][0]).double(), ref_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([parts[0][1], parts[1][1]], 1).double(), ref_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([parts[0][2], parts[1][2]], 1).double(), ref_v, atol=1e-5, rtol=1e-5)
+
+
+def test_the_ring_runs_only_with_kernels_that_return_the_log_sum_exp():
+    cuda = torch.device("cuda")
+    assert ring_backend(cuda, "auto", half_precision=True) == "_native_flash"
+    assert ring_backend(cuda, "cudnn", half_precision=True) == "_native_cudnn"
+    with pytest.raises(FlowrlError, match="bf16 or fp16"):
+        ring_backend(cuda, "auto", half_precision=False)
+    with pytest.raises(FlowrlError, match="'efficient' does not"):
+        ring_backend(cuda, "efficient", half_precision=True)
+    with pytest.raises(FlowrlError, match="not 'mps'"):
+        ring_backend(torch.device("mps"), "auto", half_precision=True)
