@@ -83,6 +83,12 @@ def check_splittable(transformers: list[nn.Module], degree: int, tokens: dict[st
                                             "context_parallel = 1")
     ulysses = degree // ring
     for t in transformers:
+        masks = [name for name in (getattr(t, "_cp_plan", None) or {}).get("", {}) if "mask" in str(name)]
+        if ring > 1 and masks:
+            raise FlowrlError(f"{type(t).__name__} attends with a mask ({', '.join(masks)}), and ring attention's "
+                              "kernels (flash, cuDNN, the CPU flash kernel) take none",
+                              where="[distributed].context_parallel_ring",
+                              hint="set context_parallel_ring = 1: Ulysses splits this model's sequences")
         heads = int(t.config.get("num_attention_heads", 0) or 0)
         if heads and heads % ulysses:
             raise FlowrlError(f"{type(t).__name__} has {heads} attention heads, which do not split over {ulysses} "
@@ -112,6 +118,8 @@ def apply_context_parallel(denoiser: nn.Module, degree: int, device: torch.devic
                                             for k, v in split_sequences(t, image_tokens, text_tokens).items()},
                      ring=ring)
     backend = ring_backend(device, attention, half_precision) if ring > 1 else None
+    install_head_sharded_masks()
+    install_ulysses_cross_attention_backward()
     # groups of ``degree`` consecutive processes, one per data-parallel rank; inside a group the
     # Ulysses processes are the consecutive ones
     groups = torch.distributed.get_world_size() // degree
@@ -146,6 +154,69 @@ def ring_backend(device: torch.device, attention: str, half_precision: bool) -> 
     return "_native_cudnn" if attention == "cudnn" else "_native_flash"
 
 
+def install_head_sharded_masks() -> None:
+    """Give diffusers' native attention, under Ulysses, the mask of the heads each process attends
+    with. A model whose attention mask has a head axis (LTX-Video's text mask, expanded to every
+    head) reaches diffusers' Ulysses attention (0.42) with all heads of the mask, while the process
+    holds 1 / C of the heads after the all-to-all: the attention then broadcasts to the wrong shape
+    and fails (diffusers issue 14316). A mask shared by all heads (a head axis of 1) is passed as
+    it is. Idempotent; wraps whichever native kernel is installed."""
+    from diffusers.models import attention_dispatch
+
+    kernel = attention_dispatch._native_attention_forward_op
+    if getattr(kernel, "flowrl_shards_mask_heads", False):
+        return
+
+    def forward_op(ctx, query, key, value, attn_mask=None, *args, _parallel_config=None, **kwargs):
+        attn_mask = local_heads_of_mask(attn_mask, query.shape[2], _parallel_config)
+        return kernel(ctx, query, key, value, attn_mask, *args, _parallel_config=_parallel_config, **kwargs)
+
+    forward_op.flowrl_shards_mask_heads = True
+    attention_dispatch._native_attention_forward_op = forward_op
+
+
+def install_ulysses_cross_attention_backward() -> None:
+    """Make diffusers' Ulysses attention (0.42) differentiable where the keys are not as long as
+    the queries. Its backward sends the keys' and values' gradients back to their processes shaped
+    with the queries' sequence length, which is right for self-attention only; LTX-Video's
+    cross-attention (video queries, text keys, both split) fails there. The backward below is
+    diffusers' own with each gradient reshaped by its own length. Idempotent."""
+    from diffusers.models import attention_dispatch
+
+    ulysses = attention_dispatch.TemplatedUlyssesAttention
+    if getattr(ulysses.backward, "flowrl_kv_length", False):
+        return
+    all_to_all = attention_dispatch._all_to_all_single
+
+    def backward(ctx, grad_out, *args):
+        config = ctx._parallel_config.context_parallel_config
+        world, group = config.ulysses_degree, config._ulysses_mesh.get_group()
+        batch, tokens, heads, dim = grad_out.shape
+        local_heads = heads // world
+        # the output's gradient to the head split, as in the forward
+        grad_out = grad_out.reshape(batch, tokens, world, local_heads, dim).permute(2, 1, 0, 3, 4).contiguous()
+        grad_out = all_to_all(grad_out, group).flatten(0, 1).permute(1, 0, 2, 3).contiguous()
+        grads = ctx.backward_op(ctx, grad_out)[:3]
+        # and each input's gradient back to the token split, by its own sequence's length
+        back = []
+        for grad in grads:
+            grad = grad.reshape(batch, world, grad.shape[1] // world, local_heads, dim).permute(1, 3, 0, 2, 4)
+            back.append(all_to_all(grad.contiguous(), group).flatten(0, 1).permute(1, 2, 0, 3).contiguous())
+        return (*back, *[None] * 9)  # no gradient for the mask, the options and the kernels
+
+    backward.flowrl_kv_length = True
+    ulysses.backward = staticmethod(backward)
+
+
+def local_heads_of_mask(mask: torch.Tensor | None, heads: int, parallel_config) -> torch.Tensor | None:
+    """The heads of a ``[B, H, S_q, S_kv]`` mask that this process attends with, ``heads`` of them:
+    after Ulysses' all-to-all, process r of the head split holds heads ``[r * heads, (r + 1) * heads)``."""
+    if mask is None or mask.ndim != 4 or mask.shape[1] in (1, heads) or parallel_config is None:
+        return mask
+    rank = parallel_config.context_parallel_config._ulysses_local_rank
+    return mask[:, rank * heads:(rank + 1) * heads]
+
+
 def install_cpu_ring_kernel() -> None:
     """Give diffusers' native attention backend, under context parallelism, torch's CPU flash
     kernel, which returns the log-sum-exp ring attention merges by (diffusers' own native kernel
@@ -153,6 +224,8 @@ def install_cpu_ring_kernel() -> None:
     installed only when a run asks for a ring on a CPU. Idempotent."""
     from diffusers.models import attention_dispatch
 
+    if attention_dispatch._native_attention_backward_op is cpu_attention_backward_op:
+        return
     attention_dispatch._native_attention_forward_op = cpu_attention_forward_op
     attention_dispatch._native_attention_backward_op = cpu_attention_backward_op
 

@@ -30,6 +30,11 @@ CASES = {
     # LoRA on a tiny Wan 2.1: 5 frames of 32 x 32, 2 x 4 x 4 = 32 video tokens per clip, 2 heads
     "wan": ("wan21_1p3b_lora.toml", [*TINY_MODEL, "model.num_frames=5", "train.lora_rank=4", "train.lora_alpha=8.0",
                                      "sampler.steps=5", "chunker.sizes=[2, 2]", "selector.fraction=1.0"]),
+    # LoRA on a tiny LTX-Video: 9 frames of 32 x 64, 3 x 2 x 4 = 24 video tokens and 16 text tokens
+    # (with their mask), both split
+    "ltx": ("ltx_lora.toml", [*TINY_MODEL, "model.width=64", "model.num_frames=9", "train.lora_rank=4",
+                              "train.lora_alpha=8.0", "sampler.steps=5", "chunker.sizes=[2, 2]",
+                              "selector.fraction=1.0"]),
     # full fine-tuning of a tiny FLUX.1 under FSDP2: 64 image tokens and 16 text tokens, both split
     "flux": ("chunk_grpo_flux.toml", [*TINY_MODEL, "train.finetune=full", "distributed.strategy=fsdp2",
                                       "distributed.mixed_precision=no", "sampler.steps=5",
@@ -65,14 +70,15 @@ def _assert_same(a_dir, b_dir):
 
 @pytest.fixture(scope="module")
 def tiny_models(tiny_dir, tiny_flux):
-    from flowrl.testing.tiny_pipelines import build_tiny_wan
+    from flowrl.testing.tiny_pipelines import build_tiny_ltx, build_tiny_wan
 
-    return {"wan": build_tiny_wan(tiny_dir / "wan_cp"), "flux": tiny_flux}
+    return {"wan": build_tiny_wan(tiny_dir / "wan_cp"), "flux": tiny_flux, "ltx": build_tiny_ltx(tiny_dir / "ltx_cp")}
 
 
 @pytest.mark.parametrize("name", [
     "wan",
     pytest.param("flux", marks=pytest.mark.slow),  # the default run keeps one of each kind: Wan's
+    pytest.param("ltx", marks=pytest.mark.slow),
 ])
 def test_two_processes_splitting_every_sequence_train_as_one(name, tiny_models, tmp_path):
     recipe, sets = _sets(name, tiny_models[name], "train.iterations=2")
@@ -186,6 +192,11 @@ def test_heads_and_tokens_must_divide_by_the_degree():
     with pytest.raises(FlowrlError, match="do not split over 3 processes") as info:
         check_splittable([wan], 6, {}, ring=2)
     assert "context_parallel_ring" in info.value.hint
+    ltx = SimpleNamespace(config={"num_attention_heads": 32},
+                          _cp_plan={"": {"hidden_states": None, "encoder_attention_mask": None}})
+    check_splittable([ltx], 2, {})
+    with pytest.raises(FlowrlError, match="attends with a mask"):
+        check_splittable([ltx], 2, {}, ring=2)
     assert split_sequences(wan, 20280, 511) == {"image or video tokens": 20280}
     assert split_sequences(flux, 4096, 511) == {"image or video tokens": 4096, "text tokens": 511}
     with pytest.raises(FlowrlError, match="511 text tokens"):

@@ -1,7 +1,8 @@
 """The CPU attention kernel flowrl gives diffusers' native backend for ring attention
 (flowrl.train.context_parallel): its output, log-sum-exp and gradients against attention computed
 in float64 by autograd, and a ring's use of it: two halves of the keys and values merged by their
-log-sum-exp, and each half's gradients from the merged output, equal attention over all of them."""
+log-sum-exp, and each half's gradients from the merged output, equal attention over all of them;
+and the cut of a per-head attention mask to the heads a process holds under Ulysses."""
 
 from __future__ import annotations
 
@@ -92,3 +93,17 @@ def test_the_ring_runs_only_with_kernels_that_return_the_log_sum_exp():
         ring_backend(cuda, "efficient", half_precision=True)
     with pytest.raises(FlowrlError, match="not 'mps'"):
         ring_backend(torch.device("mps"), "auto", half_precision=True)
+
+
+def test_a_per_head_mask_is_cut_to_the_heads_a_process_attends_with():
+    # after Ulysses' all-to-all, process r of a head split of 2 holds heads [2r, 2r + 2) of 4
+    from flowrl.train.context_parallel import local_heads_of_mask
+
+    mask = torch.arange(2 * 4 * 1 * 5, dtype=torch.float32).reshape(2, 4, 1, 5)
+    config = lambda rank: SimpleNamespace(context_parallel_config=SimpleNamespace(_ulysses_local_rank=rank))  # noqa: E731
+    assert torch.equal(local_heads_of_mask(mask, 2, config(1)), mask[:, 2:4])
+    assert torch.equal(local_heads_of_mask(mask, 2, config(0)), mask[:, 0:2])
+    shared = mask[:, :1]
+    assert local_heads_of_mask(shared, 2, config(1)) is shared  # one head axis for all heads
+    assert local_heads_of_mask(mask, 4, config(1)) is mask  # no head split
+    assert local_heads_of_mask(None, 2, config(1)) is None
