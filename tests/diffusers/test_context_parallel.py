@@ -1,8 +1,10 @@
 """Context parallelism (flowrl.train.context_parallel): two gloo processes splitting every
-sequence of a tiny Wan and a tiny FLUX (Ulysses, and as a ring, through diffusers' ContextParallelConfig) train
-as one process does, with evaluation, images and checkpoints on, and a run stopped after its first
-iteration resumes exactly (FLUX's in the slow lane); the refusals, the plan's activations per
-process, and the LoRA's seeded start that the comparison relies on."""
+sequence train as one process does, with evaluation, images and checkpoints on, and a run stopped
+after its first iteration resumes exactly: a tiny Wan (Ulysses, and as a ring), FLUX (as a ring;
+Ulysses under FSDP2), LTX-Video (whose text mask and cross-attention need flowrl's repairs of
+diffusers' Ulysses attention) and Wan 2.2 A14B's two experts under FSDP2; four processes as 2 x 2;
+the refusals, the plan's activations per process, and the LoRA's seeded start that the comparison
+relies on."""
 
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ CASES = {
     "ltx": ("ltx_lora.toml", [*TINY_MODEL, "model.width=64", "model.num_frames=9", "train.lora_rank=4",
                               "train.lora_alpha=8.0", "sampler.steps=5", "chunker.sizes=[2, 2]",
                               "selector.fraction=1.0"]),
+    # LoRA on both experts of a tiny Wan 2.2 A14B under FSDP2: rows routed per step to the high- or
+    # low-noise expert, each expert's sequences split
+    "a14b": ("wan22_a14b_lora.toml", [*TINY_MODEL, "model.num_frames=5", "model.flow_shift=5.0",
+                                      "train.lora_rank=4", "train.lora_alpha=8.0", "sampler.steps=5",
+                                      "chunker.sizes=[2, 2]", "selector.fraction=1.0", "distributed.strategy=fsdp2",
+                                      "distributed.mixed_precision=no"]),
     # full fine-tuning of a tiny FLUX.1 under FSDP2: 64 image tokens and 16 text tokens, both split
     "flux": ("chunk_grpo_flux.toml", [*TINY_MODEL, "train.finetune=full", "distributed.strategy=fsdp2",
                                       "distributed.mixed_precision=no", "sampler.steps=5",
@@ -69,16 +77,27 @@ def _assert_same(a_dir, b_dir):
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tiny_dir, tiny_flux):
-    from flowrl.testing.tiny_pipelines import build_tiny_ltx, build_tiny_wan
+def tiny_models(tiny_dir, request):
+    """Each tiny pipeline built when a test first asks for it (the default lane needs one)."""
+    from flowrl.testing.tiny_pipelines import build_tiny_ltx, build_tiny_wan, build_tiny_wan22_a14b
 
-    return {"wan": build_tiny_wan(tiny_dir / "wan_cp"), "flux": tiny_flux, "ltx": build_tiny_ltx(tiny_dir / "ltx_cp")}
+    builders = {"wan": lambda: build_tiny_wan(tiny_dir / "wan_cp"), "flux": lambda: request.getfixturevalue("tiny_flux"),
+                "ltx": lambda: build_tiny_ltx(tiny_dir / "ltx_cp"),
+                "a14b": lambda: build_tiny_wan22_a14b(tiny_dir / "a14b_cp")}
+
+    class Built(dict):
+        def __missing__(self, name):
+            self[name] = builders[name]()
+            return self[name]
+
+    return Built()
 
 
 @pytest.mark.parametrize("name", [
     "wan",
     pytest.param("flux", marks=pytest.mark.slow),  # the default run keeps one of each kind: Wan's
     pytest.param("ltx", marks=pytest.mark.slow),
+    pytest.param("a14b", marks=pytest.mark.slow),
 ])
 def test_two_processes_splitting_every_sequence_train_as_one(name, tiny_models, tmp_path):
     recipe, sets = _sets(name, tiny_models[name], "train.iterations=2")
