@@ -550,6 +550,14 @@ def _check_context_parallel(recipe: Recipe) -> None:
             f"context_parallel_ring = {ring} merges partial attentions by their log-sum-exp, and attention_backend "
             f"= {recipe.train.attention_backend!r} returns none", where=f"{recipe.source}: [train].attention_backend",
             hint="use 'auto' or 'flash' (or 'cudnn' on a GPU), or set context_parallel_ring = 1")
+    if ring > 1 and recipe.distributed.mixed_precision == "bf16" and recipe.distributed.strategy in ("none", "ddp"):
+        raise RecipeError(
+            f"context_parallel_ring = {ring} calls its attention kernels outside autocast, and mixed_precision = "
+            f"'bf16' with strategy = '{recipe.distributed.strategy}' computes a float32 model under autocast: the "
+            "queries, keys and values would reach them in different dtypes",
+            where=f"{recipe.source}: [distributed].context_parallel_ring",
+            hint="use strategy = 'fsdp2' (its mixed precision casts the weights), or mixed_precision = 'no', or "
+                 "context_parallel_ring = 1")
     if cp == 1:
         return
     if recipe.distributed.num_processes % cp:

@@ -60,15 +60,21 @@ def parallel_transformers(denoiser: nn.Module) -> list[nn.Module]:
     return found
 
 
+def plan_inputs(transformer: nn.Module) -> set[str]:
+    """The named inputs a transformer's context-parallel plan splits, wherever in the model (FLUX
+    and LTX name them at the model's entry, Qwen-Image at its blocks)."""
+    plan = getattr(transformer, "_cp_plan", None) or {}
+    return {str(name) for entry in plan.values() if isinstance(entry, dict) for name in entry}
+
+
 def split_sequences(transformer: nn.Module, image_tokens: int | None, text_tokens: int | None) -> dict[str, int]:
     """The token counts per sample that ``transformer``'s plan splits: the image or video tokens,
     and the text tokens where the text joins the sequence (FLUX's joint attention; Wan's text only
     enters cross-attention and is not split)."""
-    plan = getattr(transformer, "_cp_plan", None) or {}
     out = {}
     if image_tokens:
         out["image or video tokens"] = int(image_tokens)
-    if text_tokens and "encoder_hidden_states" in (plan.get("") or {}):
+    if text_tokens and "encoder_hidden_states" in plan_inputs(transformer):
         out["text tokens"] = int(text_tokens)
     return out
 
@@ -83,7 +89,7 @@ def check_splittable(transformers: list[nn.Module], degree: int, tokens: dict[st
                                             "context_parallel = 1")
     ulysses = degree // ring
     for t in transformers:
-        masks = [name for name in (getattr(t, "_cp_plan", None) or {}).get("", {}) if "mask" in str(name)]
+        masks = sorted(name for name in plan_inputs(t) if "mask" in name)
         if ring > 1 and masks:
             raise FlowrlError(f"{type(t).__name__} attends with a mask ({', '.join(masks)}), and ring attention's "
                               "kernels (flash, cuDNN, the CPU flash kernel) take none",
@@ -105,11 +111,12 @@ def check_splittable(transformers: list[nn.Module], degree: int, tokens: dict[st
 
 def apply_context_parallel(denoiser: nn.Module, degree: int, device: torch.device, image_tokens: int | None = None,
                            text_tokens: int | None = None, ring: int = 1, attention: str = "auto",
-                           half_precision: bool = True) -> None:
+                           precision: str = "half") -> None:
     """Split every sequence of ``denoiser``'s transformers over groups of ``degree`` consecutive
     processes: ``ring`` of them in a ring, ``degree / ring`` splitting heads in each ring position.
-    ``attention``: ``[train].attention_backend``; ``half_precision``: whether attention runs in
-    bf16 or fp16 (the GPU ring kernels take nothing else)."""
+    ``attention``: ``[train].attention_backend``; ``precision``: what attention computes in,
+    ``"half"`` (bf16 or fp16 weights), ``"float32"`` or ``"autocast"`` (float32 weights under
+    autocast), which decides whether a ring can run (:func:`ring_backend`)."""
     from diffusers import ContextParallelConfig
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -117,7 +124,7 @@ def apply_context_parallel(denoiser: nn.Module, degree: int, device: torch.devic
     check_splittable(transformers, degree, {k: v for t in transformers
                                             for k, v in split_sequences(t, image_tokens, text_tokens).items()},
                      ring=ring)
-    backend = ring_backend(device, attention, half_precision) if ring > 1 else None
+    backend = ring_backend(device, attention, precision) if ring > 1 else None
     install_head_sharded_masks()
     install_ulysses_cross_attention_backward()
     # groups of ``degree`` consecutive processes, one per data-parallel rank; inside a group the
@@ -132,25 +139,34 @@ def apply_context_parallel(denoiser: nn.Module, degree: int, device: torch.devic
                                                               mesh=mesh))
 
 
-def ring_backend(device: torch.device, attention: str, half_precision: bool) -> str:
+def ring_backend(device: torch.device, attention: str, precision: str) -> str:
     """The diffusers attention backend that runs ring attention on ``device``: one whose kernel
-    returns the log-sum-exp the ring merges by."""
+    returns the log-sum-exp the ring merges by. The ring calls its kernels directly, outside
+    autocast's reach: under autocast a float32 model's queries and keys (normalised in float32)
+    would reach them beside bf16 values, so autocast is refused."""
+    where = "[distributed].context_parallel_ring"
     if attention not in ("auto", "flash", "cudnn"):
         raise FlowrlError(f"ring attention needs a kernel that returns its log-sum-exp, and attention_backend = "
                           f"{attention!r} does not", where="[train].attention_backend",
                           hint="use 'auto' or 'flash' (or 'cudnn' on a GPU), or set [distributed] "
                                "context_parallel_ring = 1 (Ulysses only)")
+    if precision == "autocast":
+        raise FlowrlError("ring attention calls its kernels outside autocast, and this run computes a float32 model "
+                          "under autocast (mixed_precision = 'bf16' without FSDP2): its queries, keys and values "
+                          "would reach them in different dtypes", where=where,
+                          hint="use strategy = 'fsdp2' (its mixed precision casts the weights), or mixed_precision "
+                               "= 'no', or context_parallel_ring = 1")
     if device.type == "cpu":
         install_cpu_ring_kernel()
         return "native"
     if device.type != "cuda":
-        raise FlowrlError(f"ring attention runs on CUDA and CPU devices, not {device.type!r}",
-                          where="[distributed].context_parallel_ring", hint="set context_parallel_ring = 1")
-    if not half_precision:
+        raise FlowrlError(f"ring attention runs on CUDA and CPU devices, not {device.type!r}", where=where,
+                          hint="set context_parallel_ring = 1")
+    if precision != "half":
         raise FlowrlError("ring attention on a GPU runs flash or cuDNN kernels, which take bf16 or fp16, and this run "
-                          "attends in float32", where="[distributed].context_parallel_ring",
-                          hint="set [model] dtype = 'bf16' or [distributed] mixed_precision = 'bf16', or "
-                               "context_parallel_ring = 1")
+                          "attends in float32", where=where,
+                          hint="use strategy = 'fsdp2' with mixed_precision = 'bf16', or LoRA on a bf16 model "
+                               "([model] denoiser_dtype = 'auto'), or context_parallel_ring = 1")
     return "_native_cudnn" if attention == "cudnn" else "_native_flash"
 
 
@@ -217,15 +233,27 @@ def local_heads_of_mask(mask: torch.Tensor | None, heads: int, parallel_config) 
     return mask[:, rank * heads:(rank + 1) * heads]
 
 
+#: diffusers' own native kernels, kept when :func:`install_cpu_ring_kernel` puts flowrl's in their place
+_DIFFUSERS_NATIVE: dict[str, object] = {}
+
+
+def _diffusers_native(kind: str):
+    from diffusers.models import attention_dispatch
+
+    return _DIFFUSERS_NATIVE.get(kind) or getattr(attention_dispatch, f"_native_attention_{kind}_op")
+
+
 def install_cpu_ring_kernel() -> None:
     """Give diffusers' native attention backend, under context parallelism, torch's CPU flash
-    kernel, which returns the log-sum-exp ring attention merges by (diffusers' own native kernel
-    refuses to). It computes what the native one computes; only the ring needed it, so it is
-    installed only when a run asks for a ring on a CPU. Idempotent."""
+    kernel where a ring asks for the log-sum-exp it merges by (diffusers' own native kernel
+    refuses to). Every other call, Ulysses' among them, still runs diffusers' own kernel, so the
+    installation changes nothing for a later run of the same process. Idempotent."""
     from diffusers.models import attention_dispatch
 
     if attention_dispatch._native_attention_backward_op is cpu_attention_backward_op:
         return
+    _DIFFUSERS_NATIVE.update(forward=attention_dispatch._native_attention_forward_op,
+                             backward=attention_dispatch._native_attention_backward_op)
     attention_dispatch._native_attention_forward_op = cpu_attention_forward_op
     attention_dispatch._native_attention_backward_op = cpu_attention_backward_op
 
@@ -234,8 +262,15 @@ def cpu_attention_forward_op(ctx, query: torch.Tensor, key: torch.Tensor, value:
                              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                              scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
                              _save_ctx: bool = True, _parallel_config=None):
-    """Attention over ``[B, S, H, D]`` tensors (diffusers' layout) by torch's CPU flash kernel:
-    the output, and with ``return_lse`` the log-sum-exp of each query's scores, ``[B, S, H]``."""
+    """Attention over ``[B, S, H, D]`` tensors (diffusers' layout). With ``return_lse`` (a ring)
+    by torch's CPU flash kernel: the output and the log-sum-exp of each query's scores, ``[B, S,
+    H]``; otherwise by diffusers' own native kernel."""
+    if not return_lse:
+        if _save_ctx:
+            ctx.flowrl_lse_kernel = False
+        return _diffusers_native("forward")(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                            enable_gqa, return_lse, _save_ctx=_save_ctx,
+                                            _parallel_config=_parallel_config)
     if attn_mask is not None or dropout_p or enable_gqa:
         raise ValueError("the CPU ring kernel takes no attention mask, dropout or grouped heads")
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -243,8 +278,8 @@ def cpu_attention_forward_op(ctx, query: torch.Tensor, key: torch.Tensor, value:
     out, lse = out.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()
     if _save_ctx:
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
-    return (out, lse) if return_lse else out
+        ctx.is_causal, ctx.scale, ctx.flowrl_lse_kernel = is_causal, scale, True
+    return out, lse
 
 
 def cpu_attention_backward_op(ctx, grad_out: torch.Tensor, *args, query: torch.Tensor | None = None,
@@ -252,6 +287,8 @@ def cpu_attention_backward_op(ctx, grad_out: torch.Tensor, *args, query: torch.T
                               out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """The gradients of :func:`cpu_attention_forward_op` for ``grad_out``. A ring passes each step's
     keys and values and the merged output and log-sum-exp; otherwise the saved ones are used."""
+    if not ctx.flowrl_lse_kernel:
+        return _diffusers_native("backward")(ctx, grad_out, *args)
     saved = dict(zip(("query", "key", "value", "out", "lse"), ctx.saved_tensors))
     given = {"query": query, "key": key, "value": value, "out": out, "lse": lse}
     # the kernel's layout: [B, H, S, D] and [B, H, S]

@@ -227,10 +227,13 @@ class Strategy:
         if any(optimizer.state.values()):
             raise RuntimeError("prepare() needs an optimizer that has not stepped yet (load its state after prepare)")
         if self.context_parallel > 1:
+            # what attention computes in: FSDP2's mixed precision casts the weights to bf16, DDP's
+            # and a single process's run a float32 model under autocast
             half = any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
+            precision = ("half" if half or (self.config.mixed_precision == "bf16" and self.kind == "fsdp2") else
+                         "autocast" if self.config.mixed_precision == "bf16" else "float32")
             apply_context_parallel(module, self.context_parallel, self.device, *tokens,
-                                   ring=self.config.context_parallel_ring, attention=attention,
-                                   half_precision=half or self.config.mixed_precision == "bf16")
+                                   ring=self.config.context_parallel_ring, attention=attention, precision=precision)
         found = transformer_blocks(module, blocks)
         if self.config.activation_checkpointing:
             if not found:

@@ -170,6 +170,8 @@ def _recipe(*sets):
     (["distributed.context_parallel=8", "distributed.context_parallel_ring=3"], "use a divisor of 8"),
     (["distributed.context_parallel=8", "distributed.context_parallel_ring=2", "train.attention_backend=math"],
      "log-sum-exp"),
+    (["distributed.context_parallel=8", "distributed.context_parallel_ring=2", "distributed.strategy=ddp",
+      "distributed.mixed_precision=bf16"], "autocast"),
 ])
 def test_recipes_that_cannot_split_their_sequences_are_refused_before_loading(sets, needle):
     from flowrl.errors import RecipeError
@@ -216,6 +218,13 @@ def test_heads_and_tokens_must_divide_by_the_degree():
     check_splittable([ltx], 2, {})
     with pytest.raises(FlowrlError, match="attends with a mask"):
         check_splittable([ltx], 2, {}, ring=2)
+    # Qwen-Image names its text and its mask at its blocks, not at the model's entry
+    qwen = SimpleNamespace(config={"num_attention_heads": 24}, _cp_plan={
+        "transformer_blocks.0": {"hidden_states": None, "encoder_hidden_states": None},
+        "transformer_blocks.*": {"encoder_hidden_states_mask": None}, "proj_out": object()})
+    with pytest.raises(FlowrlError, match="encoder_hidden_states_mask"):
+        check_splittable([qwen], 2, {}, ring=2)
+    assert split_sequences(qwen, 4096, 511) == {"image or video tokens": 4096, "text tokens": 511}
     assert split_sequences(wan, 20280, 511) == {"image or video tokens": 20280}
     assert split_sequences(flux, 4096, 511) == {"image or video tokens": 4096, "text tokens": 511}
     with pytest.raises(FlowrlError, match="511 text tokens"):

@@ -37,14 +37,49 @@ def test_the_output_and_its_log_sum_exp_are_attentions():
     assert out.shape == (B, S, H, D) and lse.shape == (B, S, H)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
-    assert torch.equal(cpu_attention_forward_op(SimpleNamespace(), q, k, v, _save_ctx=False), out)
+    # a smaller scale than the default 1 / sqrt(D)
+    out, lse = cpu_attention_forward_op(SimpleNamespace(), q, k, v, scale=0.1, return_lse=True, _save_ctx=False)
+    ref_out, ref_lse = _reference(q * (0.1 * D ** 0.5), k, v)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_log_sum_exp_diffusers_own_kernel_runs():
+    # what Ulysses asks for (no log-sum-exp): diffusers' native kernel, forward and backward, so a
+    # process that once ran a ring runs every later split as diffusers would
+    from diffusers.models import attention_dispatch
+
+    q, k, v = _qkv(5)
+    calls = []
+
+    def forward(ctx, *args, **kwargs):
+        calls.append("forward")
+        return torch.zeros(1)
+
+    def backward(ctx, grad_out, *args):
+        calls.append("backward")
+        return (grad_out,)
+
+    saved = {n: getattr(attention_dispatch, f"_native_attention_{n}_op") for n in ("forward", "backward")}
+    try:
+        attention_dispatch._native_attention_forward_op = forward
+        attention_dispatch._native_attention_backward_op = backward
+        ctx = SimpleNamespace()
+        assert torch.equal(cpu_attention_forward_op(ctx, q, k, v), torch.zeros(1))
+        assert ctx.flowrl_lse_kernel is False
+        grad = torch.ones(1)
+        assert cpu_attention_backward_op(ctx, grad) == (grad,)
+    finally:
+        for n, op in saved.items():
+            setattr(attention_dispatch, f"_native_attention_{n}_op", op)
+    assert calls == ["forward", "backward"]
 
 
 def test_the_gradients_are_autograds_of_attention():
     q, k, v = _qkv(1)
     grad_out = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(2))
     ctx = SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
-    cpu_attention_forward_op(ctx, q, k, v)
+    cpu_attention_forward_op(ctx, q, k, v, return_lse=True)
     grads = cpu_attention_backward_op(ctx, grad_out)
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref = torch.autograd.grad(_reference(*leaves)[0], leaves, grad_out.double())
@@ -85,14 +120,20 @@ def test_a_ring_of_two_halves_merged_by_log_sum_exp_is_whole_attention():
 
 def test_the_ring_runs_only_with_kernels_that_return_the_log_sum_exp():
     cuda = torch.device("cuda")
-    assert ring_backend(cuda, "auto", half_precision=True) == "_native_flash"
-    assert ring_backend(cuda, "cudnn", half_precision=True) == "_native_cudnn"
+    assert ring_backend(cuda, "auto", "half") == "_native_flash"
+    assert ring_backend(cuda, "cudnn", "half") == "_native_cudnn"
     with pytest.raises(FlowrlError, match="bf16 or fp16"):
-        ring_backend(cuda, "auto", half_precision=False)
+        ring_backend(cuda, "auto", "float32")
     with pytest.raises(FlowrlError, match="'efficient' does not"):
-        ring_backend(cuda, "efficient", half_precision=True)
+        ring_backend(cuda, "efficient", "half")
     with pytest.raises(FlowrlError, match="not 'mps'"):
-        ring_backend(torch.device("mps"), "auto", half_precision=True)
+        ring_backend(torch.device("mps"), "auto", "half")
+    # the ring calls its kernels outside autocast: a float32 model under autocast would hand them
+    # float32 queries and keys (normalised in float32) beside bf16 values
+    for device in (cuda, torch.device("cpu")):
+        with pytest.raises(FlowrlError, match="autocast") as info:
+            ring_backend(device, "auto", "autocast")
+        assert "fsdp2" in info.value.hint
 
 
 def test_a_per_head_mask_is_cut_to_the_heads_a_process_attends_with():
