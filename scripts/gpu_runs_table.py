@@ -99,6 +99,11 @@ PLANNED = (
             "No GPU run of this adapter has been made yet"),
     Said("LTX-Video", "models.md", "Video: LTX-Video",
             "No GPU run of this adapter has been made yet"),
+    Said("context parallelism (`[distributed] context_parallel`, Ulysses and the ring's flash and cuDNN kernels) "
+            "on two or more GPUs",
+            "distributed.md", "Context parallelism: splitting every sequence",
+            "No context-parallel run has been made on GPUs (no two GPUs were lent): neither split has run with "
+            "the GPU kernels."),
 )
 #: GPU runs the docs describe that wrote no results file: listed apart from the table, as said there.
 NOTED = (
