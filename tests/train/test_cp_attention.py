@@ -1,5 +1,5 @@
 """The CPU attention kernel flowrl gives diffusers' native backend for ring attention
-(flowrl.train.context_parallel): its output, log-sum-exp and gradients against attention computed
+(flowrl.train.cp_attention): its output, log-sum-exp and gradients against attention computed
 in float64 by autograd, and a ring's use of it: two halves of the keys and values merged by their
 log-sum-exp, and each half's gradients from the merged output, equal attention over all of them;
 and the cut of a per-head attention mask to the heads a process holds under Ulysses."""
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flowrl.errors import FlowrlError
-from flowrl.train.context_parallel import cpu_attention_backward_op, cpu_attention_forward_op, ring_backend
+from flowrl.train.context_parallel import ring_backend
+from flowrl.train.cp_attention import cpu_attention_backward_op, cpu_attention_forward_op
 
 B, S, H, D = 2, 6, 3, 8  # diffusers' layout: [batch, tokens, heads, head dim]
 
@@ -138,7 +139,7 @@ def test_the_ring_runs_only_with_kernels_that_return_the_log_sum_exp():
 
 def test_a_per_head_mask_is_cut_to_the_heads_a_process_attends_with():
     # after Ulysses' all-to-all, process r of a head split of 2 holds heads [2r, 2r + 2) of 4
-    from flowrl.train.context_parallel import local_heads_of_mask
+    from flowrl.train.cp_attention import local_heads_of_mask
 
     mask = torch.arange(2 * 4 * 1 * 5, dtype=torch.float32).reshape(2, 4, 1, 5)
     config = lambda rank: SimpleNamespace(context_parallel_config=SimpleNamespace(_ulysses_local_rank=rank))  # noqa: E731
