@@ -79,8 +79,8 @@ as ``nft`` does (dpm2m ODE rollouts, one pass). On the shapes world they run onl
 ``--configs`` names them, so the default shapes run is today's. Every config's overrides validate on both base recipes (``--check``); a config that
 does not apply on a world is listed in that world's ``not_applicable`` with its reason and skipped
 with that reason printed and kept in the report (none today). The report adds ``hf_share``'s change
-(the artefact measure) beside the second judge's on both worlds. No result on the compose world is
-recorded yet.
+(the artefact measure) beside the second judge's on both worlds. On the compose world only a
+one-seed pilot of ``flow_grpo`` and ``nft_fast4`` has run (docs/benchmarks.md).
 """
 
 from __future__ import annotations
