@@ -438,9 +438,12 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
         lines.append(Line("encode", "text encoders (visiting)", enc_bytes, f"{enc_bytes / GB:.1f} GB moved in to encode"))
     s = geometry.samples_per_process
     infer = mm.inference_widths if mm.inference_widths is not None else INFERENCE_WIDTHS
-    shape = (f"{mm.tokens} tokens x width {mm.width}" if cp == 1 else
-             f"{tokens} of {mm.tokens} tokens x width {mm.width} (context parallel {cp})") if mm.width > 1 else \
-        "measured per sample"
+    if mm.width <= 1:
+        shape = "measured per sample"
+    elif cp == 1:
+        shape = f"{mm.tokens} tokens x width {mm.width}"
+    else:
+        shape = f"{tokens} of {mm.tokens} tokens x width {mm.width} (context parallel {cp})"
     rolled = min(s, recipe.sampler.batch_size) if recipe.sampler.batch_size else s  # [sampler].batch_size
     lines.append(Line("rollout", "activations, no grad", rolled * tw * infer,
                       f"{rolled} samples x {mm.forwards_per_velocity} forward(s), {shape}"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+
 def install_head_sharded_masks() -> None:
     """Give diffusers' native attention, under Ulysses, the mask of the heads each process attends
     with. A model whose attention mask has a head axis (LTX-Video's text mask, expanded to every

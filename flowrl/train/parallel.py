@@ -56,10 +56,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed import DistContext, choose_strategy, flag_setting
-from .context_parallel import apply_context_parallel
 from ..errors import FlowrlError
 from ..interfaces import HasShardableBlocks
 from ..recipe import DistributedConfig
+from .context_parallel import apply_context_parallel
 
 __all__ = [
     "Strategy",
@@ -189,8 +189,6 @@ class Strategy:
         self.accelerator = None
         self.mesh = None
         self._accumulating = False
-        #: processes that split each sequence and share their samples (flowrl.train.context_parallel)
-        self.context_parallel = config.context_parallel
 
     @classmethod
     def from_recipe(cls, config: DistributedConfig, device: torch.device, ctx: DistContext, env=None,
@@ -200,6 +198,11 @@ class Strategy:
         with ``"auto"`` already decided (:func:`flowrl.memory_plan.choose_gradient_sync`)."""
         topology = Topology.from_context(ctx, env)
         return cls(config, resolve_strategy(config, ctx.process_count, env), device, topology, gradient_sync)
+
+    @property
+    def context_parallel(self) -> int:
+        """Processes that split each sequence and share their samples (flowrl.train.context_parallel)."""
+        return self.config.context_parallel
 
     @property
     def lockstep(self) -> bool:

@@ -55,9 +55,10 @@ def _sets(name, path, *extra):
     return REPO / "recipes" / recipe, [f"model.path={path}", *COMMON, *sets, *extra]
 
 
-def _two(recipe, sets, out, *cli_extra, processes=2, ring=1):
-    """``processes`` processes in groups of two that split every sequence (``ring`` 2: as a ring)."""
-    args = [a for s in (*sets, "distributed.context_parallel=2", f"distributed.num_processes={processes}",
+def _two(recipe, sets, out, *cli_extra, processes=2, ring=1, group=2):
+    """``processes`` processes in groups of ``group`` that split every sequence, ``ring`` of each
+    group in a ring."""
+    args = [a for s in (*sets, f"distributed.context_parallel={group}", f"distributed.num_processes={processes}",
                         f"distributed.context_parallel_ring={ring}")
             for a in ("--set", s)]
     proc = run_forked_workers(["train", recipe, *args, "-o", out, *cli_extra], processes, timeout=400)
@@ -135,10 +136,7 @@ def test_a_ring_of_two_times_two_head_splits_trains_as_one(tiny_models, tmp_path
     recipe, sets = _sets("flux", tiny_models["flux"], "train.iterations=1")
     one, four = tmp_path / "one", tmp_path / "four"
     train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
-    args = [a for s in (*sets, "distributed.context_parallel=4", "distributed.num_processes=4",
-                        "distributed.context_parallel_ring=2") for a in ("--set", s)]
-    proc = run_forked_workers(["train", recipe, *args, "-o", four], 4, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _two(recipe, sets, four, processes=4, ring=2, group=4)
     _assert_same(four, one)
 
 
