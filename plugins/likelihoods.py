@@ -10,9 +10,10 @@
 
 A likelihood turns the recipe's ``[loss]`` into the objective the update runs
 (``objective(loss)``) and refuses, with one message, a loss it cannot serve: an objective that
-owns its update (``nft``, ``awm``, ``dpo``, ...) has its own likelihood; GRPO-Guard and Flow-DPPO
-read the rollout's per-step Gaussian means, which an ELBO does not have; ``vgrpo`` is defined on
-the ELBO only.
+owns its update (``nft``, ``awm``, ``dpo``, ...) has its own likelihood; GRPO-Guard reads the
+rollout's per-step Gaussian means, which an ELBO does not have; ``vgrpo`` is defined on the ELBO
+only. Flow-DPPO runs on either: on the ELBO its trust region is measured at the ELBO's points
+(:mod:`flowrl.objectives.elbo`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import Literal
 from flowrl import hookimpl
 from flowrl.config import param
 from flowrl.interfaces import KeepsRolloutMeans, KLRegularised, Objective
+from flowrl.objectives.dppo import KLMaskedPolicyGradient
 from flowrl.objectives.elbo import ElboPolicyGradient
 
 #: the ratio losses that run on either estimator, for the messages
-RATIO_LOSSES = "clipped, epg, pepg, par"
+RATIO_LOSSES = "clipped, epg, pepg, par, dppo"
 
 
 class TrajectoryLikelihood:
@@ -78,10 +80,13 @@ class ElboLikelihood:
         self.config = config
 
     def objective(self, loss):
-        if isinstance(loss, Objective):
+        if isinstance(loss, KLMaskedPolicyGradient):
+            # Flow-DPPO: its unit objective, with the trust region measured at the ELBO's points
+            loss = loss.loss
+        elif isinstance(loss, Objective):
             raise ValueError("this loss owns its update and estimates its own likelihood; [likelihood] use = 'elbo' "
                              f"serves the ratio losses ({RATIO_LOSSES}, vgrpo)")
-        if isinstance(loss, KeepsRolloutMeans) and loss.keep_means:
+        elif isinstance(loss, KeepsRolloutMeans) and loss.keep_means:
             raise ValueError("this loss reads the rollout's per-step Gaussian means, which the final image's ELBO "
                              f"does not have; use [likelihood] use = 'trajectory', or one of {RATIO_LOSSES}, vgrpo")
         if isinstance(loss, KLRegularised) and float(loss.beta or 0.0) > 0:

@@ -225,14 +225,16 @@ class DppoConfig:
     kl_threshold: float = param(
         1e-5, "Trust region delta: a unit whose exact Gaussian KL to the rollout policy (per element, mean over "
         "its steps) is >= delta and whose ratio moves further in the advantage's direction is dropped "
-        "(UniRL's kl_mask_threshold: 1e-5).", min=0.0)
+        "(UniRL's kl_mask_threshold: 1e-5). Under [likelihood] use = 'elbo' the divergence is each ELBO point's "
+        "mean((v - v_old)^2) instead (docs/objectives.md, Flow-DPPO on the ELBO).", min=0.0)
     beta: float = param(0.0, "Weight of the KL term to the reference (0 = none, Flow-DPPO's default).", min=0.0)
     kl: Literal["gaussian_exact", "flow_grpo", "old_policy_k3"] = param(
         "gaussian_exact", "KL kind of the beta term, as for the 'clipped' loss.")
 
 
 class _KLMasked:
-    keep_means = True
+    keep_means = True  # on the trajectory; under the ELBO the trust region is measured at its points
+    zero_without_advantage = True  # -A rho: under the ELBO, samples with A = 0 skip their forwards
 
     def __init__(self, config: DppoConfig):
         self.objective = KLMaskedSurrogate(config.kl_threshold)

@@ -30,6 +30,14 @@ forward is skipped, and ``l(theta_old)`` taken from the current forward, while i
 those of the current weights (decay 0 and no optimizer step yet in this rollout): on-policy, the
 estimator costs one forward and one backward per point.
 
+Flow-DPPO's trust region (``[loss] use = "dppo"``) is measured at the same points: a unit's
+divergence from the rollout (old) policy is the velocity KL ``mean((v_theta - v_old)^2)`` of its
+points (their mean for ``units = "sample"``), the surrogate NFT and the Rethinking code use for a
+flow's KL (Girsanov's KL rate between the two flows, up to a weight in sigma); a unit at or past
+``kl_threshold`` whose ratio moves further in its advantage's direction is dropped
+(:func:`flowrl.objectives.dppo.dppo_drop_mask`). While the old weights equal the trained ones the
+divergence is 0 and nothing is dropped.
+
 Variance reductions: ``noise = "group"`` gives every sample of a prompt group the same points
 (V-GRPO's group-shared timestep-noise pairs, so that the group's advantages compare likelihoods
 measured alike); ``stratified = true`` draws one sigma per stratum of the schedule.
@@ -44,6 +52,7 @@ import torch
 from flowrl.batch import Batch
 from flowrl.interfaces import select_embeddings
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
+from flowrl.objectives.dppo import KLMaskedSurrogate
 from flowrl.objectives.forward_process import forward_process_points, velocity_kl
 from flowrl.objectives.old_policy import TrailingPolicy, WithTrailingPolicy, side_velocities
 
@@ -112,6 +121,8 @@ class ElboPolicyGradient(WithTrailingPolicy):
         if not (isinstance(beta_kl, (int, float)) and math.isfinite(beta_kl) and beta_kl >= 0):
             raise ValueError(f"beta_kl must be a finite number >= 0, got {beta_kl!r}")
         self.unit_objective = loss.objective
+        # Flow-DPPO: the unit objective reads each unit's divergence from the old policy (kl_of)
+        self.trust_region = isinstance(self.unit_objective, KLMaskedSurrogate)
         self.K, self.weighting, self.units, self.noise = int(timesteps), weighting, units, noise
         self.stratified, self.beta_kl, self.weight_min = stratified, beta_kl, weight_min
         # a loss whose gradient vanishes with the advantage (epg, clipped, vgrpo) skips those samples' forwards
@@ -164,8 +175,15 @@ class ElboPolicyGradient(WithTrailingPolicy):
             old = lp.detach() if l_old is None else l_old
             z = (lp - old).reshape(n, K)
             a = adv
+            divergence = None
+            if self.trust_region:
+                divergence = (torch.zeros(n, K, device=z.device) if v_old is None
+                              else velocity_kl(v.detach(), v_old).reshape(n, K))
             if self.units == "sample":
                 z, a = z.mean(dim=1, keepdim=True), adv[:, :1]
+                divergence = None if divergence is None else divergence.mean(dim=1, keepdim=True)
+            if divergence is not None:
+                self.unit_objective.kl_of = lambda: divergence
             per_sample = self.unit_objective(z, a).mean(dim=1)
             total = per_sample
             if v_ref is not None:
@@ -178,6 +196,10 @@ class ElboPolicyGradient(WithTrailingPolicy):
                    "elbo/old_forward": 0.0 if old_is_current else 1.0}
         if v_ref is not None:
             metrics["elbo/kl_ref"] = float(velocity_kl(v.detach(), v_ref).mean())
+        if divergence is not None:
+            metrics["dppo/kl_mean"], metrics["dppo/kl_max"] = float(divergence.mean()), float(divergence.max())
+            metrics["clip_fraction"] = float(self.unit_objective.clip_mask(zd, a).float().mean())
+            self.unit_objective.kl_of = None
         return MicroBatchResult.without_units(micro, float(scaled.detach()), metrics)
 
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:

@@ -90,7 +90,7 @@ def build_loss(recipe: Recipe, registry: Registry) -> Any:
         name, estimator = recipe.components["loss"].use, recipe.components["likelihood"].use
         raise RecipeError(f"loss '{name}' cannot run on [likelihood] '{estimator}': {exc}",
                           where=f"{recipe.source}: [likelihood]",
-                          hint="pair an ELBO with clipped, epg, pepg, par or vgrpo; everything else keeps "
+                          hint="pair an ELBO with clipped, epg, pepg, par, dppo or vgrpo; everything else keeps "
                                "[likelihood] use = 'trajectory' (the default)") from exc
 
 

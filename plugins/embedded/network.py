@@ -68,17 +68,41 @@ class WordTokenizer:
         return ids
 
 
+class TextBlock(nn.Module):
+    """A pre-norm self-attention block over the prompt's words, so that a word's embedding can carry
+    its neighbours' (the colour of "red circle", the side of "left of") before the image sees it,
+    as FLUX's T5 does for its prompts. Written out (not ``nn.TransformerEncoderLayer``, whose
+    inference fast path rounds differently from its training path) so that a rollout and its
+    update compute the same text embeddings."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, n, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        h = h + self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d))
+        return h + self.mlp(self.norm2(h))
+
+
 class TextEncoder(nn.Module):
-    def __init__(self, vocab_size: int, max_length: int = 8, dim: int = 64):
+    def __init__(self, vocab_size: int, max_length: int = 8, dim: int = 64, layers: int = 0, heads: int = 4):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
         self.pos = nn.Parameter(torch.zeros(max_length, dim))
         self.pool = nn.Linear(max_length * dim, dim)
         nn.init.normal_(self.tok.weight, std=1.0)
         nn.init.normal_(self.pos, std=1.0)
+        self.blocks = nn.ModuleList(TextBlock(dim, heads) for _ in range(layers))
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.tok(ids) + self.pos[: ids.shape[1]]
+        for block in self.blocks:
+            h = block(h)
         pooled = self.pool(h.flatten(1))
         return h, pooled
 
@@ -139,7 +163,8 @@ class EmbeddedT2I(nn.Module):
         tc = dict(self.transformer_config)
         tc["axes_dims_rope"] = tuple(tc["axes_dims_rope"])
         self.transformer = FluxTransformer2DModel(**tc)
-        self.text_encoder = TextEncoder(len(self.tokenizer.vocab), self.text_config["max_length"], self.text_config["dim"])
+        self.text_encoder = TextEncoder(len(self.tokenizer.vocab), self.text_config["max_length"], self.text_config["dim"],
+                                        self.text_config.get("layers", 0), self.text_config.get("heads", 4))
         self.register_buffer("img_ids", image_ids(), persistent=False)
         self.register_buffer("txt_ids", torch.zeros(self.text_config["max_length"], 3), persistent=False)
 

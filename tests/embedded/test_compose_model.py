@@ -29,3 +29,27 @@ def test_shipped_weights_load_offline_and_small():
 def test_adapter_conforms():
     report = check_adapter(EmbeddedComposeModel(ComposeConfig()))
     assert [r.name for r in report.results] == list(CHECK_NAMES)
+
+
+def test_text_encoder_without_blocks_keeps_the_embedded_models_parameters():
+    from flowrl_plugins.embedded.network import TextEncoder
+
+    plain = TextEncoder(10, 8, 16)
+    assert sorted(plain.state_dict()) == ["pool.bias", "pool.weight", "pos", "tok.weight"]
+
+
+def test_text_blocks_make_a_words_embedding_depend_on_its_neighbours():
+    """With self-attention blocks the noun carries its colour ("red circle" vs "blue circle"), which
+    token and position embeddings alone cannot; and the inference and training paths agree."""
+    from flowrl_plugins.embedded.network import TextEncoder
+
+    torch.manual_seed(0)
+    enc = TextEncoder(10, 8, 16, layers=2, heads=4)
+    red, blue = torch.tensor([[2, 3, 4, 0, 0, 0, 0, 0]]), torch.tensor([[2, 5, 4, 0, 0, 0, 0, 0]])
+    assert not torch.allclose(enc(red)[0][0, 2], enc(blue)[0][0, 2])
+    plain = TextEncoder(10, 8, 16)
+    assert torch.equal(plain(red)[0][0, 2], plain(blue)[0][0, 2])
+    enc.train()
+    trained = enc(red)[0]
+    with torch.no_grad():
+        assert torch.equal(enc.eval()(red)[0], trained)

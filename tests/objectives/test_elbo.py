@@ -318,3 +318,93 @@ def test_reference_kl_adds_the_velocity_kl_per_point():
     for g, p in zip(got, ctx.params):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
     assert "elbo/kl_ref" in res.metrics
+
+
+def _dppo_on_elbo(threshold, units="point", K=3):
+    from flowrl.objectives.dppo import KLMaskedSurrogate
+
+    return ElboPolicyGradient(_Loss(KLMaskedSurrogate(threshold), zero=True), timesteps=K, units=units, decay_type=0)
+
+
+def test_flow_dppo_on_the_elbo_drops_by_hand_the_units_past_the_trust_region():
+    """Flow-DPPO's trust region at the ELBO's points: on-policy nothing is dropped (the divergence
+    is 0) and the gradient is -A rho's; after an optimizer step in the rollout each point's
+    divergence is mean((v - v_old)^2), and a point at or past the threshold whose ratio moves on
+    its advantage's side contributes nothing, value and gradient (mask and gradient by hand)."""
+    batch = _batch()
+    model = _Linear(7)
+    K, rows = 3, torch.arange(4)
+    a = batch.advantages.reshape(-1, 1).expand(4, K)
+    elbo = _dppo_on_elbo(0.0)
+    assert elbo.trust_region
+    ctx = _Ctx(model)
+    elbo.prepare(ctx)
+    elbo.start_rollout(ctx, batch, (1,))
+    res = elbo.backward(ctx, _Micro(batch, rows, 4.0))
+    assert res.metrics["clip_fraction"] == 0.0 and res.metrics["dppo/kl_max"] == 0.0
+    got = [p.grad.clone() for p in ctx.params]
+    for p in ctx.params:
+        p.grad = None
+    (_elbo_by_hand(model, batch, rows, K) * -a / K).sum().div(4.0).backward()
+    for g, p in zip(got, ctx.params):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+    # an optimizer step inside the rollout: the old (rollout) weights now differ from the trained ones
+    for p in ctx.params:
+        p.grad = None
+    with torch.no_grad():
+        for i, p in enumerate(ctx.params):
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    ctx.steps = 1
+    pts = forward_process_points(11, "elbo", batch, rows, batch.trajectory.sigmas, K)
+    with elbo.old.swapped_in(), torch.no_grad():
+        v_old = model.velocity(pts.x, pts.sigma, None)
+        old = _elbo_by_hand(model, batch, rows, K)
+    v_new = model.velocity(pts.x, pts.sigma, None).detach()
+    divergence = ((v_new - v_old) ** 2).reshape(4 * K, -1).mean(dim=1).reshape(4, K).double()
+    lp = _elbo_by_hand(model, batch, rows, K)
+    z = (lp - old).detach()
+    threshold = float(divergence.median())  # some points inside the region, some outside
+    drop = (divergence >= threshold) & (((z > 0) & (a > 0)) | ((z < 0) & (a < 0)))
+    assert 0 < int(drop.sum()) < drop.numel()
+    elbo.unit_objective.threshold = threshold
+    res = elbo.backward(ctx, _Micro(batch, rows, 4.0))
+    assert math.isclose(res.metrics["clip_fraction"], float(drop.double().mean()), rel_tol=1e-6)
+    assert math.isclose(res.metrics["dppo/kl_max"], float(divergence.max()), rel_tol=1e-4)
+    assert math.isclose(res.metrics["dppo/kl_mean"], float(divergence.mean()), rel_tol=1e-4)
+    got = [p.grad.clone() for p in ctx.params]
+    for p in ctx.params:
+        p.grad = None
+    kept = (~drop).to(torch.float32)
+    (lp * -a * torch.exp(z) * kept / K).sum().div(4.0).backward()
+    for g, p in zip(got, ctx.params):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+    assert elbo.unit_objective.kl_of is None  # nothing of this micro-batch is left behind
+
+
+def test_flow_dppo_on_sample_units_measures_a_samples_mean_divergence():
+    batch = _batch()
+    model = _Linear(8)
+    elbo = _dppo_on_elbo(1e9, units="sample", K=2)  # a threshold nothing reaches: nothing dropped
+    ctx = _Ctx(model)
+    elbo.prepare(ctx)
+    elbo.start_rollout(ctx, batch, (1,))
+    with torch.no_grad():
+        for p in ctx.params:
+            p.add_(0.05)
+    ctx.steps = 1
+    res = elbo.backward(ctx, _Micro(batch, torch.arange(4), 4.0))
+    assert res.metrics["clip_fraction"] == 0.0 and res.metrics["dppo/kl_max"] > 0
+
+
+def test_the_elbo_serves_flow_dppo_and_still_refuses_grpo_guard():
+    from flowrl_plugins.likelihoods import ElboConfig, ElboLikelihood
+    from flowrl_plugins.losses import DppoConfig, GuardConfig, GuardSurrogate, build_dppo
+
+    served = ElboLikelihood(ElboConfig(timesteps=2)).objective(build_dppo(DppoConfig(kl_threshold=1e-3)))
+    assert isinstance(served, ElboPolicyGradient) and served.trust_region
+    assert served.unit_objective.threshold == 1e-3 and served.skips_zero_advantage
+    with pytest.raises(ValueError, match="per-step Gaussian means"):
+        ElboLikelihood(ElboConfig(timesteps=2)).objective(GuardSurrogate(GuardConfig()))
+    with pytest.raises(ValueError, match="trajectory KL"):
+        ElboLikelihood(ElboConfig(timesteps=2)).objective(build_dppo(DppoConfig(beta=0.1)))

@@ -130,6 +130,20 @@ def test_recipe_smoke_trains(name, tmp_path, monkeypatch):
         assert any(s and s > 0 for s in rows[1]["diag/step_log_ratio_std"])
 
 
+@pytest.mark.slow
+def test_flow_dppo_trains_on_the_elbo(tmp_path, monkeypatch):
+    """Flow-DPPO on the final image's ELBO: pass 1 is on-policy (divergence 0, nothing dropped); on
+    pass 2 the old (rollout) policy differs, and with the threshold at 0 every point moving on its
+    advantage's side leaves the region, while the compute stays the ELBO's minimum."""
+    monkeypatch.chdir(REPO)
+    overrides = SMALL + [f"run.output_dir={tmp_path / 'run'}", "loss.use=dppo", "loss.kl_threshold=0",
+                         "train.updates_per_rollout=2", "likelihood.timesteps=3"]
+    rows = _rows(train(load(REPO / "recipes" / "quickstart.toml", *overrides), console=quiet_console()))
+    assert len(rows) == 2 and all(r["nonfinite_steps"] == 0 for r in rows)
+    assert all(r["compute/ratio"] == 1.0 for r in rows)
+    assert rows[0]["dppo/kl_max"] > 0 and 0 < rows[0]["clip_fraction"] < 1
+
+
 def test_engine_has_no_branch_on_an_objective_name():
     """The loop and the update never name an objective, window or estimator: they call the
     components' methods whatever the recipe names."""

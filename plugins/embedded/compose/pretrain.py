@@ -23,16 +23,24 @@ from ..network import num_parameters
 from ..pretrain import flow_matching_step, pretrain_parser
 from .evaluate import eval_items, evaluate
 from .grammar import all_prompts
-from .network import ComposeT2I, save_compose_weights
+from .network import COMPOSE_TEXT_CONFIG, COMPOSE_TRANSFORMER_CONFIG, ComposeT2I, save_compose_weights
 from .scenes import sample_batch
 
 DEFAULTS = dict(steps=4000, stop_at=2500, batch=32, lr=1e-3, warmup=200, weight_decay=0.01, ema=0.999, t_mean=0.0,
-                t_std=1.0, train_shift=3.0, seed=0)
+                t_std=1.0, train_shift=3.0, seed=0, double_blocks=2, single_blocks=2, text_layers=0)
+
+
+def build_model(args) -> ComposeT2I:
+    """The shipped architecture, or the variant the depth options name (MODEL_CARD.md, "Deeper
+    variants": a third double-stream block and self-attention over the prompt's words)."""
+    transformer = dict(COMPOSE_TRANSFORMER_CONFIG, num_layers=args.double_blocks, num_single_layers=args.single_blocks)
+    text = dict(COMPOSE_TEXT_CONFIG, layers=args.text_layers) if args.text_layers else None
+    return ComposeT2I(transformer, text)
 
 
 def train(args) -> ComposeT2I:
     torch.manual_seed(args.seed)
-    model = ComposeT2I()
+    model = build_model(args)
     ema = copy.deepcopy(model).eval()
     ema.requires_grad_(False)
     params, ema_params = list(model.parameters()), list(ema.parameters())
