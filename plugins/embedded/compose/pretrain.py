@@ -26,7 +26,7 @@ from .grammar import all_prompts
 from .network import COMPOSE_TEXT_CONFIG, COMPOSE_TRANSFORMER_CONFIG, ComposeT2I, save_compose_weights
 from .scenes import sample_batch
 
-DEFAULTS = dict(steps=4000, stop_at=2500, batch=32, lr=1e-3, warmup=200, weight_decay=0.01, ema=0.999, t_mean=0.0,
+DEFAULTS = dict(steps=4000, stop_at=1750, batch=32, lr=1e-3, warmup=200, weight_decay=0.01, ema=0.999, t_mean=0.0,
                 t_std=1.0, train_shift=3.0, seed=0, double_blocks=2, single_blocks=2, text_layers=0)
 
 

@@ -15,8 +15,17 @@ prompt's metadata.
 - Shapes: circle (disc of radius r), square (side 2r), triangle (upright, base 2r, height 2r), cross
   (a plus sign in the 2r box, arms ``2 * CROSS_ARM * r`` wide).
 - A scene holds exactly what the prompt names (counting: n objects), colours drawn where the prompt
-  names none; a position prompt's two objects are placed until GenEval's own rule
-  (``flowrl.geneval.relative_position``) gives exactly the named relation.
+  names none.
+- Two named objects are laid out by the prompt, never by a joint draw: two objects and colour
+  attribution in reading order (the first named in the left column, the second in the right); a
+  position prompt's subject on the named side of its reference ("a circle left of a square": the
+  circle in the left column, the square in the right; "above": the top row). The other axis is
+  drawn for each object on its own, so GenEval's rule (``flowrl.geneval.relative_position``) finds
+  the named relation, with a second one when the two sit diagonally, which GenEval accepts. Placed
+  at random, which cell draws which object is a choice two cells must make together; this model
+  learns no such joint choice (it drew the named pairs at chance and RL did not move them:
+  MODEL_CARD.md), while an object that follows from the prompt and its cell's column or row is a
+  binding it learns in part and RL sharpens.
 
 Deterministic for a ``torch.Generator``'s state.
 """
@@ -83,6 +92,29 @@ def _place(g: torch.Generator, n: int) -> list[tuple[float, float]]:
     return [(TOKEN * cells[k][1] + 1.5 * TOKEN - 0.5, TOKEN * cells[k][0] + 1.5 * TOKEN - 0.5) for k in order]
 
 
+def _centre(col: int, row: int) -> tuple[float, float]:
+    return (TOKEN * col + 1.5 * TOKEN - 0.5, TOKEN * row + 1.5 * TOKEN - 0.5)
+
+
+def _place_by_prompt(g: torch.Generator, relation: str | None) -> list[tuple[float, float]]:
+    """Centres of two named objects, in the order of ``wanted`` (module docstring): reading order
+    (``relation`` None: the first on the left), or a position's reference then its subject, the
+    subject on the ``relation``'s side; the other axis drawn for each object."""
+    free = [CELLS[k] for k in torch.randint(0, len(CELLS), (2,), generator=g).tolist()]
+    near, far = CELLS
+    if relation is None:
+        return [_centre(near, free[0]), _centre(far, free[1])]
+    reference, subject = {"left of": (far, near), "right of": (near, far), "above": (far, near),
+                          "below": (near, far)}[relation]
+    if relation in ("left of", "right of"):
+        return [_centre(reference, free[0]), _centre(subject, free[1])]
+    return [_centre(free[0], reference), _centre(free[1], subject)]
+
+
+#: the categories whose two named objects are laid out by the prompt
+LAID_OUT_BY_PROMPT = ("two_object", "color_attr", "position")
+
+
 def scene(prompt: str, g: torch.Generator) -> list[SceneObject]:
     """The objects of one ground-truth scene for ``prompt``."""
     meta = metadata(prompt)
@@ -90,14 +122,15 @@ def scene(prompt: str, g: torch.Generator) -> list[SceneObject]:
     relation = next((req["position"][0] for req in meta["include"] if "position" in req), None)
     for _ in range(MAX_TRIES):
         colours = torch.randint(0, len(COLOUR_NAMES), (len(wanted),), generator=g).tolist()
-        centres = _place(g, len(wanted))
+        centres = (_place_by_prompt(g, relation) if meta["tag"] in LAID_OUT_BY_PROMPT
+                   else _place(g, len(wanted)))
         objects = [SceneObject(shape, colour or COLOUR_NAMES[c], cx, cy, R)
                    for (shape, colour), c, (cx, cy) in zip(wanted, colours, centres)]
         if relation is not None:
             reference, subject = objects  # GenEval's order: the subject is placed relative to group 0
-            if relative_position(Detection(subject.shape, subject.box, 1.0),
-                                 Detection(reference.shape, reference.box, 1.0)) != {relation}:
-                continue
+            if relation not in relative_position(Detection(subject.shape, subject.box, 1.0),
+                                                 Detection(reference.shape, reference.box, 1.0)):
+                raise AssertionError(f"{prompt!r}: the layout does not hold {relation!r}")  # a bug, not bad luck
         return objects
     raise RuntimeError(f"could not place the objects of {prompt!r} in {MAX_TRIES} tries")
 
