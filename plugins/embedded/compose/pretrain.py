@@ -31,8 +31,8 @@ DEFAULTS = dict(steps=4000, stop_at=1750, batch=32, lr=1e-3, warmup=200, weight_
 
 
 def build_model(args) -> ComposeT2I:
-    """The shipped architecture, or the variant the depth options name (MODEL_CARD.md, "Deeper
-    variants": a third double-stream block and self-attention over the prompt's words)."""
+    """The shipped architecture, or the variant the depth options name (MODEL_CARD.md, "Random
+    layouts: binding at chance": a third double-stream block, self-attention over the prompt's words)."""
     transformer = dict(COMPOSE_TRANSFORMER_CONFIG, num_layers=args.double_blocks, num_single_layers=args.single_blocks)
     text = dict(COMPOSE_TEXT_CONFIG, layers=args.text_layers) if args.text_layers else None
     return ComposeT2I(transformer, text)

@@ -86,10 +86,11 @@ def _place(g: torch.Generator, n: int) -> list[tuple[float, float]]:
     if n > len(cells):
         raise ValueError(f"{n} objects do not fit in {len(cells)} cells")
     order = torch.randperm(len(cells), generator=g)[:n].tolist()
-    return [(TOKEN * cells[k][1] + 1.5 * TOKEN - 0.5, TOKEN * cells[k][0] + 1.5 * TOKEN - 0.5) for k in order]
+    return [_centre(cells[k][1], cells[k][0]) for k in order]
 
 
 def _centre(col: int, row: int) -> tuple[float, float]:
+    """The centre ``(x, y)`` of the cell whose first token is at ``(row, col)`` of the token grid."""
     return (TOKEN * col + 1.5 * TOKEN - 0.5, TOKEN * row + 1.5 * TOKEN - 0.5)
 
 
