@@ -55,7 +55,8 @@ def test_a_held_out_split_is_named_and_one_evaluation_prints_nothing(tmp_path):
             {"iteration": 2, "eval/verifier/mean": 0.9, "eval/verifier/sem": 0.04}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = evaluation_summary(quickstart, tmp_path)
-    assert summary[0].startswith("held-out evaluation, iteration 0 -> 2 (18 prompts x 4 noises")
+    noises = quickstart.prompts.eval_seeds
+    assert summary[0].startswith(f"held-out evaluation, iteration 0 -> 2 (18 prompts x {noises} noises")
     assert summary[1:] == ["  verifier  0.8000 ± 0.0300 -> 0.9000 ± 0.0400  +2.0 SE  (optimised)"]
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert evaluation_summary(quickstart, tmp_path) == []
