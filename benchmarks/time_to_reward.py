@@ -70,8 +70,11 @@ configurations are one per objective flowrl ships: ``flow_grpo`` (the paired bas
 ``dance_grpo``, ``chunk_grpo`` (GCPO's Chunk-GRPO with its released layout [2, 3, 4, 7], uniform
 half), ``gcpo`` (dynamics-guided chunks from the recipe's own profile,
 ``recipes/profiles/compose_window16.json``: [2, 3, 8, 3], with weighted sampling), ``gspo``,
-``mixgrpo``, ``nft``, ``nft_fast``, ``nft_fast4``, ``awm``, ``dgpo``, ``dppo`` (Flow-DPPO) and
-``branch_tree``; every other config runs there too when ``--configs`` names it. The six added for
+``mixgrpo``, ``nft``, ``nft_fast``, ``nft_fast4``, ``awm``, ``dgpo``, ``dppo`` (Flow-DPPO),
+``branch_tree``, and the 2026 objectives as their quickstart-world recipes run them: ``epg``,
+``pepg`` and ``vgrpo`` on the final image's ELBO (10-step dpm2m ODE rollouts, one pass, evaluated
+at the world's 16 steps), ``epg_onpolicy`` (EPG as ``recipes/quickstart.toml`` runs it: on-policy,
+3 points) and ``fdfo`` (32 pairs an iteration from shared noise, so 64 samples as the others); every other config runs there too when ``--configs`` names it. The six added for
 the compositional world (``chunk_grpo``, ``gspo``, ``mixgrpo``, ``awm``, ``dgpo``, ``dppo``) take their objective's
 keys from the recipes named in :data:`CONFIGS`; ``chunk_grpo``, ``gspo``, ``mixgrpo`` and ``dppo`` keep
 the regime's update (lr 5e-5, 2 passes, clip 5e-5 where a ratio is clipped), ``awm`` and ``dgpo`` run
@@ -116,6 +119,9 @@ REPLAY = ["replay.size=1", "replay.max_staleness=1", "replay.weight_level='unit'
 #: sampler, as NFT: dpm2m rollouts, one pass, each sample of a group from its own starting noise
 ODE_ROLLOUT = [*STEP, "selector.use='all'", "window.use='ode'", "window.solver='dpm2m'", "sampler.image_from='final'",
                "train.updates_per_rollout=1", "train.same_noise_in_group=false"]
+#: the ELBO objectives' rollouts (recipes/quickstart_epg.toml and its siblings): 10-step dpm2m ODE, one
+#: pass, the final image's ELBO as the likelihood, evaluated at the world's own step count
+ELBO_ROLLOUT = [*ODE_ROLLOUT, *NFT_FAST, "likelihood.use='elbo'"]
 #: config -> (what it is, the --set overrides of the world's base recipe). ``{dyn}`` in a description
 #: is the base recipe's dynamics chunks on that world, ``{eval_steps}`` in an override its evaluation steps.
 CONFIGS: dict[str, tuple[str, list[str]]] = {
@@ -169,10 +175,29 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {
              [*ODE_ROLLOUT, "loss.use='dgpo'", "loss.beta=100.0", "loss.timesteps=4"]),
     "dppo": ("Flow-DPPO as recipes/quickstart_dppo.toml: step units, half of them, KL threshold 1e-5",
              [*STEP, "selector.use='uniform'", "selector.fraction=0.5", "loss.use='dppo'", "loss.kl_threshold=1e-5"]),
+    # the 2026 objectives (docs/objectives.md): ELBO losses on 10-step dpm2m ODE rollouts, one pass,
+    # evaluated at the world's count as nft_fast is; FDFO on paired SDE rollouts of the world's sampler
+    "epg": ("EPG on the ELBO as recipes/quickstart_epg.toml: 10-step ODE rollouts, 4 points, trailing old policy (decay 1)",
+            [*ELBO_ROLLOUT, "loss.use='epg'", "likelihood.timesteps=4"]),
+    "epg_onpolicy": ("EPG as recipes/quickstart.toml runs it: on-policy (decay 0, no old-policy forward), 3 points",
+                     [*ELBO_ROLLOUT, "loss.use='epg'", "likelihood.timesteps=3", "likelihood.decay_type=0"]),
+    "pepg": ("PEPG on the ELBO as recipes/quickstart_pepg.toml (PAR has its gradient): 10-step ODE rollouts, 4 points",
+             [*ELBO_ROLLOUT, "loss.use='pepg'", "likelihood.timesteps=4"]),
+    "vgrpo": ("V-GRPO as recipes/quickstart_vgrpo.toml: one clipped ELBO ratio per sample, 4 group-shared stratified points",
+              [*ELBO_ROLLOUT, "loss.use='vgrpo'", "loss.eps=1e-3", "loss.adv_soft_clip=3.0", "likelihood.timesteps=4",
+               "likelihood.units='sample'", "likelihood.noise='group'", "likelihood.stratified=true"]),
+    "fdfo": ("FDFO as recipes/quickstart_fdfo.toml: 32 pairs from the same noise, 4 states per sample, clip 0.03",
+             [*STEP, "selector.use='all'", "loss.use='fdfo'", "loss.clip_range=0.03", "loss.timesteps=4",
+              "advantage.use='group_centred'", "train.group_size=2", "train.prompts_per_iteration=32",
+              "train.same_noise_in_group=true", "train.updates_per_rollout=1"]),
 }
 BASELINE = "flow_grpo"
 MAIN, SECOND = "verifier", "embedded_clip"
 ARTEFACT = "hf_share"  # the evaluation's high-frequency share (texture), shown beside
+
+
+#: the configurations added for the compositional world: on the shapes world only when --configs names them
+COMPOSE_ONLY = ("chunk_grpo", "gspo", "mixgrpo", "awm", "dgpo", "dppo", "epg", "epg_onpolicy", "pepg", "vgrpo", "fdfo")
 
 
 @dataclass(frozen=True)
@@ -200,7 +225,7 @@ WORLDS = {
     # today's benchmark: the first embedded world, the configurations of the runs recorded in
     # docs/benchmarks.md (the ones added for the compositional world run there only when --configs names them)
     "shapes": World(RECIPE, MAIN, SECOND, "verifier", "CLIP", 0.03, 33, "[2,2,4,8]",
-                    defaults=tuple(c for c in CONFIGS if c not in ("chunk_grpo", "gspo", "mixgrpo", "awm", "dgpo", "dppo")),
+                    defaults=tuple(c for c in CONFIGS if c not in COMPOSE_ONLY),
                     smoke=(BASELINE, "egrpo_replay"), smoke_num_eval=4),
     # the compositional world (docs/compose.md): GenEval's strict verdict over balanced held-out
     # categories (its mean is GenEval's overall), the tiny CLIP as the second judge. Every
@@ -212,7 +237,8 @@ WORLDS = {
     "compose": World("recipes/study_compose.toml", "compose_geneval_strict", "compose_clip", "GenEval strict (overall)",
                      "compose_clip", 0.10, 16, "[2,3,8,3]",
                      defaults=("flow_grpo", "dance_grpo", "chunk_grpo", "gcpo", "gspo", "mixgrpo", "nft", "nft_fast",
-                               "nft_fast4", "awm", "dgpo", "dppo", "branch_tree"),
+                               "nft_fast4", "awm", "dgpo", "dppo", "branch_tree", "epg", "epg_onpolicy", "pepg",
+                               "vgrpo", "fdfo"),
                      smoke=(BASELINE, "gcpo"), smoke_num_eval=6, not_applicable={}),
 }
 #: phases whose forwards and seconds are the cost of training (not evaluation or checkpoints)

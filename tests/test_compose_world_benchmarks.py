@@ -80,6 +80,20 @@ def test_the_compose_world(ttr):
     assert "log.eval_steps=16" in ttr.overrides("nft_fast", w)
 
 
+def test_the_compose_world_times_the_2026_objectives_as_their_recipes_run(ttr):
+    w = ttr.WORLDS["compose"]
+    results = ttr.check(["epg", "epg_onpolicy", "pepg", "vgrpo", "fdfo"], w)
+    assert set(results) <= set(w.defaults)
+    for name, loss in (("epg", "epg"), ("epg_onpolicy", "epg"), ("pepg", "pepg"), ("vgrpo", "vgrpo")):
+        assert results[name].startswith(f"ok: chunker=step, selector=all, loss={loss}"), results[name]
+        assert results[name].endswith("T=0")  # ODE rollouts: no SDE transition is trained
+        assert {"likelihood.use='elbo'", "sampler.steps=10", "log.eval_steps=16"} <= set(ttr.overrides(name, w))
+    assert "likelihood.decay_type=0" in ttr.overrides("epg_onpolicy", w)  # the quickstart's on-policy setting
+    assert results["fdfo"].endswith("loss=fdfo, kernel=flow, T=16")  # paired SDE rollouts of the world's sampler
+    # the shapes world's default set stays the runs it recorded
+    assert not set(ttr.COMPOSE_ONLY) & set(ttr.WORLDS["shapes"].defaults)
+
+
 def test_a_config_that_does_not_apply_is_skipped_with_its_reason(ttr, capsys):
     w = ttr.World(**{**ttr.WORLDS["compose"].__dict__, "not_applicable": {"gcpo": "tied to another profile"}})
     assert ttr.applicable(["flow_grpo", "gcpo"], w) == ["flow_grpo"]
