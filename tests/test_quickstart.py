@@ -70,3 +70,25 @@ def test_quickstart_variant_trains(name, tmp_path, monkeypatch):
     assert "eval/area/mean" in first and "eval/verifier/mean" in first
     assert (run_dir / "images" / "iter_000000.png").is_file()
     assert (run_dir / "checkpoints" / "latest.json").is_file()
+
+
+def test_the_quickstart_stays_on_policy_and_spends_no_old_policy_forward(tmp_path):
+    """The README's quickstart is EPG at decay 0: the rollouts come from the trained weights, so
+    in every iteration (not only the first, as at the paper's decay type 1) the ratio is 1, the
+    old policy's forward is skipped and the update costs one forward and backward per point."""
+    recipe = load_recipe(
+        REPO / "recipes" / "quickstart.toml",
+        [f"run.output_dir={json.dumps(str(tmp_path / 'run'))}", "train.iterations=3", "train.prompts_per_iteration=2",
+         "prompts.num_eval=2", "prompts.eval_seeds=1", "train.group_size=4", "train.micro_batch_size=4",
+         "log.progress=false", "log.image_every=0"],
+    )
+    from rich.console import Console
+
+    points = recipe.components["likelihood"].params.timesteps
+    rows = [r for r in read_metrics(train(recipe, console=Console(file=open(os.devnull, "w")))) if "loss" in r]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["elbo/old_forward"] == 0.0 and r["elbo/ratio_mean"] == 1.0 and r["elbo/decay"] == 0.0
+        assert r["compute/ratio"] == 1.0
+        live = 8 - 8 * r.get("groups/all_equal_fraction", 0.0)  # samples with an advantage: the forwards EPG needs
+        assert r["compute/update/forward"] == r["compute/update/backward"] == live * points
