@@ -417,6 +417,20 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def family(overrides_: list[str]) -> str:
+    """The config's kind of objective, for the chart's line style: the final image's ELBO, another
+    ODE-rollout objective (likelihood-free), FDFO's paired rollouts, or a ratio on SDE transitions."""
+    if "likelihood.use='elbo'" in overrides_:
+        return "elbo"
+    if "window.use='ode'" in overrides_:
+        return "ode"
+    return "fdfo" if "loss.use='fdfo'" in overrides_ else "sde"
+
+
+#: line style per family (a legend of 18 configs needs more than colour to tell them apart)
+STYLES = {"sde": "-", "ode": "--", "elbo": ":", "fdfo": "-."}
+
+
 def chart(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -424,16 +438,20 @@ def chart(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     world = WORLDS[report.get("world", "shapes")]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    colours = plt.get_cmap("tab20").colors
     for i, (name, e) in enumerate(report["configs"].items()):
+        style = STYLES[family(e["overrides"])]
         for k, r in enumerate(e["runs"].values()):
             xs, ys = zip(*r["curve"])
-            ax.plot(xs, [y - r["first"] for y in ys], color=f"C{i}", marker="o", ms=3, lw=1,
-                    label=name if k == 0 else None)
+            ax.plot(xs, [y - r["first"] for y in ys], color=colours[i % len(colours)], ls=style, marker="o", ms=3,
+                    lw=1.2, label=name if k == 0 else None)
     ax.axhline(report["target_rise"], color="k", ls="--", lw=1, label="target")
     ax.set_xlabel("train seconds (rollout, rewards, update, replay)")
     ax.set_ylabel(f"held-out {world.main_text} - first evaluation")
-    ax.legend(fontsize=8)
+    ax.set_title("solid: ratio on SDE transitions; dashed: ODE rollouts, likelihood-free; "
+                 "dotted: final-image ELBO; dash-dot: FDFO", fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
