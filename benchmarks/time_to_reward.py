@@ -74,17 +74,18 @@ half), ``gcpo`` (dynamics-guided chunks from the recipe's own profile,
 ``branch_tree``, and the 2026 objectives as their quickstart-world recipes run them: ``epg``,
 ``pepg`` and ``vgrpo`` on the final image's ELBO (10-step dpm2m ODE rollouts, one pass, evaluated
 at the world's 16 steps), ``epg_onpolicy`` (EPG as ``recipes/quickstart.toml`` runs it: on-policy,
-3 points) and ``fdfo`` (32 pairs an iteration from shared noise, so 64 samples as the others); every other config runs there too when ``--configs`` names it. The six added for
-the compositional world (``chunk_grpo``, ``gspo``, ``mixgrpo``, ``awm``, ``dgpo``, ``dppo``) take their objective's
-keys from the recipes named in :data:`CONFIGS`; ``chunk_grpo``, ``gspo``, ``mixgrpo`` and ``dppo`` keep
-the regime's update (lr 5e-5, 2 passes, clip 5e-5 where a ratio is clipped), ``awm`` and ``dgpo`` run
-as ``nft`` does (dpm2m ODE rollouts, one pass). On the shapes world they run only when
-``--configs`` names them, so the default shapes run is today's. Every config's overrides validate on both base recipes (``--check``); a config that
-does not apply on a world is listed in that world's ``not_applicable`` with its reason and skipped
-with that reason printed and kept in the report (none today). The report adds ``hf_share``'s change
-(the artefact measure) beside the second judge's on both worlds. On the compose world only a
-one-seed pilot of ``flow_grpo`` and ``nft_fast4`` has run (docs/benchmarks.md).
-"""
+3 points) and ``fdfo`` (32 pairs an iteration from shared noise, so 64 samples as the others);
+every other config runs there too when ``--configs`` names it. The six added for the compositional
+world (``chunk_grpo``, ``gspo``, ``mixgrpo``, ``awm``, ``dgpo``, ``dppo``) take their objective's
+keys from the recipes named in :data:`CONFIGS`; ``chunk_grpo``, ``gspo``, ``mixgrpo`` and ``dppo``
+keep the regime's update (lr 5e-5, 2 passes, clip 5e-5 where a ratio is clipped), ``awm`` and
+``dgpo`` run as ``nft`` does (dpm2m ODE rollouts, one pass). On the shapes world these and the 2026
+objectives (:data:`COMPOSE_ONLY`) run only when ``--configs`` names them, so the default shapes run is today's. Every config's overrides validate on
+both base recipes (``--check``); a config that does not apply on a world is listed in that world's
+``not_applicable`` with its reason and skipped with that reason printed and kept in the report (none
+today). The report adds ``hf_share``'s change (the artefact measure) beside the second judge's on
+both worlds. On the compose world every config has run on seed 42, and ``flow_grpo`` with the ten
+final-image objectives on seed 43 too; the 5-seed table has not (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

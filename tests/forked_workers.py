@@ -114,9 +114,11 @@ def fork_workers(work: Callable[[], int], num_processes: int, *, timeout: float,
         out = "".join(read(f"{rank}.out") for rank in range(num_processes))
         # each rank's stderr under its own header, a failed rank's last: a test's assertion shows the
         # tail, and a worker killed by a signal (an abort in a C++ thread) says why only in its own log
-        order = sorted(range(num_processes), key=lambda rank: codes[pids[rank]] != 0)
-        err = "".join(f"--- rank {rank} (exit {codes[pids[rank]]}) ---\n{read(f'{rank}.err')}" if num_processes > 1
-                      else read(f"{rank}.err") for rank in order)
+        if num_processes == 1:
+            err = read("0.err")
+        else:
+            order = sorted(range(num_processes), key=lambda rank: codes[pids[rank]] != 0)
+            err = "".join(f"--- rank {rank} (exit {codes[pids[rank]]}) ---\n{read(f'{rank}.err')}" for rank in order)
         shutil.rmtree(logs, ignore_errors=True)
     failed = [codes[pid] for pid in pids if codes[pid]]
     return subprocess.CompletedProcess(argv or ["workers"], failed[0] if failed else 0, out, err)

@@ -90,5 +90,6 @@ def test_the_quickstart_stays_on_policy_and_spends_no_old_policy_forward(tmp_pat
     for r in rows:
         assert r["elbo/old_forward"] == 0.0 and r["elbo/ratio_mean"] == 1.0 and r["elbo/decay"] == 0.0
         assert r["compute/ratio"] == 1.0
-        live = 8 - 8 * r.get("groups/all_equal_fraction", 0.0)  # samples with an advantage: the forwards EPG needs
+        samples = recipe.train.prompts_per_iteration * recipe.train.group_size
+        live = samples * (1 - r.get("groups/all_equal_fraction", 0.0))  # samples with an advantage: what EPG forwards
         assert r["compute/update/forward"] == r["compute/update/backward"] == live * points
