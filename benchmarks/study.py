@@ -7,6 +7,8 @@ docs/study.md, its tables and its figures.
     python benchmarks/study.py --smoke --out /tmp/smoke      # a 2-iteration rehearsal of the pipeline
     python benchmarks/study.py --report-only                 # rewrite the report from finished runs
     OMP_NUM_THREADS=1 python benchmarks/study.py --world compose              # the compositional world (below)
+    OMP_NUM_THREADS=1 python benchmarks/study.py --world compose --seed-list 47,48,49   # a later batch of seeds
+    python benchmarks/study.py --world compose --report-only   # the report from the archive (+ a sweep in runs/)
     python benchmarks/study.py --world compose --smoke --seeds 1 --jobs 1 --sweep-dir /tmp/sc --out /tmp/sc
 
 Run it from the repository root. It is resumable: run the same command again after an
@@ -60,8 +62,23 @@ compositional world (docs/compose.md) and writes ``study_compose.md`` and ``stud
   recipes/study_compose.toml --suite geneval --seed 0``), the same noise for every table: per
   variant the mean over seeds ± 95% t half-width per category, and each variant minus step-level
   paired by seed;
+- the GenEval tables take 2 passes over the suite's 312 held-out images (``--seeds 2``, 624
+  images, standard error about 0.018 on the overall; ``GENEVAL_PASSES``), fixed on 2026-11-30
+  after the first batch began and before any of its runs finished, and the paper's claims are
+  also judged on these tables' overall (the study's largest evaluation), beside the runs' own
+  192-image final evaluation, their area under the curve and equal wall time;
 - the clip fraction (and the other update diagnostics) per variant, as for shapes.
-No result on the compose world is recorded yet.
+
+Seeds in batches (compose world): the bar (paired half-widths <= 0.02) needs more seeds than one
+working session can run, and ``runs/`` does not outlive a session. So each finished seed (all 7
+variants done) is added to ``benchmarks/results/study_compose/`` (``--archive``): every run's
+metrics cut to the fields the report reads, its recipe, its GenEval table without per-image rows,
+a ``sweep.json`` that ``flowrl compare`` reads like a live sweep, and each batch's regime and
+machine. A later session runs new seeds with ``--seed-list`` and the report is written from the
+whole archive; a batch whose regime (recipe and profile sha256, overrides, variants, metrics,
+GenEval noise and passes) differs from the first batch's is refused. Seeds are paired within a
+batch (all of a seed's runs are in one), so the equal-wall-time comparison stays paired even when
+batches ran on different machines; the report lists each batch's CPU.
 """
 
 from __future__ import annotations
@@ -125,6 +142,7 @@ class World:
     sweep_dir: str
     report: str  # the report's file name under --out
     figures: str  # its tables' and figures' folder under --out
+    archive: str | None = None  # where finished seeds are kept across sessions (committed), if anywhere
 
 
 WORLDS = {
@@ -135,11 +153,15 @@ WORLDS = {
     # `flowrl sweep` validates every variant before the first run and stops on one that does not).
     "compose": World("recipes/study_compose.toml", "eval/compose_geneval_strict/mean", "eval/compose_clip/mean",
                      "GenEval strict", "compose_clip judge", "runs/study_compose", "study_compose.md",
-                     "study_compose"),
+                     "study_compose", archive="benchmarks/results/study_compose"),
 }
 #: the noise of every GenEval table (each run's final checkpoint and the base model): the same
 #: images for all, so a difference between two tables is the training's (docs/compose.md's base table)
 GENEVAL_SEED = 0
+#: passes over the suite's held-out images for each GenEval table: 2 x 312 = 624 images (standard
+#: error about 0.018 on the overall, against 0.035 for the runs' own 192-image evaluation); fixed
+#: on 2026-11-30 before the first compose study run finished, and recorded in every regime
+GENEVAL_PASSES = 2
 
 
 def flowrl(*args: str) -> subprocess.CompletedProcess:
@@ -181,12 +203,18 @@ def verdicts(result: dict, quantity: str) -> list[tuple[str, str, str]]:
 
 
 def verdicts_section(verdict_rows: dict, note: str) -> str:
-    """The report's rule and its three verdict tables (final evaluation, area, wall time)."""
+    """The report's rule and its verdict tables (the final checkpoints' GenEval table where there
+    is one, the final evaluation, the area under the curve, equal wall time)."""
+    geneval = f"""
+Equal iterations, the final checkpoints' GenEval table ({GENEVAL_PASSES} x 312 images, overall):
+
+{verdict_table(verdict_rows["geneval"])}
+""" if "geneval" in verdict_rows else ""
     return f"""Rule (fixed before the runs): a claim "held" if the 95% t interval of the paired difference
 lies wholly on the claimed side of 0, was "reversed" if it lies wholly on the other side, and
 "cannot be told apart" if it contains 0. {len(CLAIMS)} claims are tested at 95% each, without a
 correction for multiple comparisons.{note}
-
+{geneval}
 Equal iterations, final evaluation:
 
 {verdict_table(verdict_rows["final"])}
@@ -200,20 +228,32 @@ Equal wall time:
 {verdict_table(verdict_rows["wall"])}
 """
 
+def half_widths(result: dict, quantity: str) -> list[float]:
+    """The paired 95% half-width of every claim's difference (those with at least 2 seeds)."""
+    per_seed = {v["name"]: {r["seed"]: r[quantity] for r in v["runs"]} for v in result["variants"]}
+    out = []
+    for claim in CLAIMS:
+        a, b = (claim[1], claim[2]) if claim[0] == "~" else (claim[0], claim[1])
+        iv = paired_interval(per_seed[a], per_seed[b], result["confidence"])
+        if iv.half_width is not None:
+            out.append(iv.half_width)
+    return out
+
+
 def verdict_table(rows: list[tuple[str, str, str]]) -> str:
     lines = ["| paper's claim | paired difference (95% t interval) | here |", "|---|---|---|"]
     lines += [f"| {c} | {d} | {v} |" for c, d, v in rows]
     return "\n".join(lines)
 
 
-def load_runs(sweep_dir: Path, seeds: int, primary: str = PRIMARY) -> dict[tuple[str, int], tuple[list[dict], list[dict]]]:
-    """Each study run's metrics, read once: ``(variant, k) -> (evaluation rows, update rows)``."""
+def load_runs(sweep_dir: Path, seeds: list[int], primary: str = PRIMARY) -> dict[tuple[str, int], tuple[list[dict], list[dict]]]:
+    """Each study run's metrics, read once: ``(variant, seed) -> (evaluation rows, update rows)``."""
     runs = {}
     for name in VARIANTS:
-        for k in range(seeds):
-            text = (sweep_dir / "runs" / f"{name}_seed{42 + k}" / "metrics.jsonl").read_text()
+        for seed in seeds:
+            text = (sweep_dir / "runs" / f"{name}_seed{seed}" / "metrics.jsonl").read_text()
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-            runs[name, k] = ([r for r in rows if primary in r], [r for r in rows if "clip_fraction" in r])
+            runs[name, seed] = ([r for r in rows if primary in r], [r for r in rows if "clip_fraction" in r])
     return runs
 
 
@@ -224,7 +264,7 @@ def _cell(values: list[float], digits: int = 4, signed: bool = False, sci: bool 
     return fmt.format(iv.mean) + ("" if iv.half_width is None else f" ± {iv.half_width:.{digits}{kind}}")
 
 
-def diagnostics_table(runs: dict, seeds: int, world: World = WORLDS["shapes"]) -> str:
+def diagnostics_table(runs: dict, seeds: list[int], world: World = WORLDS["shapes"]) -> str:
     """Per variant, over seeds (mean ± 95% t half-width): the held-out rise of the optimised
     reward, the second judge's and the artefact measure's change from the first evaluation to
     the last, and what the update did: the clip fraction, the share of iterations in which the
@@ -239,8 +279,8 @@ def diagnostics_table(runs: dict, seeds: int, world: World = WORLDS["shapes"]) -
     for name in VARIANTS:
         cols: dict[str, list[float]] = {k: [] for k in ("v0", "v1", "rise", "clip_change", "hf0", "hf1", "clip",
                                                          "clipped", "spread", "lr_sd", "kl", "equal")}
-        for k in range(seeds):
-            evals, train = runs[name, k]
+        for seed in seeds:
+            evals, train = runs[name, seed]
             first, last = evals[0], evals[-1]
             cols["v0"].append(first[primary])
             cols["v1"].append(last[primary])
@@ -262,14 +302,22 @@ def diagnostics_table(runs: dict, seeds: int, world: World = WORLDS["shapes"]) -
     return "\n".join(lines)
 
 
-def worst_texture_figures(runs: dict, sweep_dir: Path, figures: Path) -> tuple[str, float, float]:
+def worst_texture_figures(runs: dict, sweep_dir: Path, figures: Path) -> tuple[str, float, float] | None:
     """Copy the first and final evaluation grids of the run whose ``hf_share`` rose the most
-    (the worst texture the study trained) next to the report; returns (run, first, final)."""
+    (the worst texture the study trained) next to the report; returns (run, first, final).
+    Only runs whose grids are in ``sweep_dir`` take part (an archive keeps no images: a report
+    written from it shows the worst run of the sweep at hand); None when no run has its grids."""
     import shutil
 
-    (name, k), (evals, _) = max(runs.items(), key=lambda kv: kv[1][0][-1][ARTEFACT] - kv[1][0][0][ARTEFACT])
-    run_dir, first, final = sweep_dir / "runs" / f"{name}_seed{42 + k}", evals[0][ARTEFACT], evals[-1][ARTEFACT]
-    grids = sorted((run_dir / "images" / "eval").glob("iter_*.png"))
+    def grids(name: str, seed: int) -> list[Path]:
+        return sorted((sweep_dir / "runs" / f"{name}_seed{seed}" / "images" / "eval").glob("iter_*.png"))
+
+    candidates = {key: value for key, value in runs.items() if len(grids(*key)) >= 2}
+    if not candidates:
+        return None
+    (name, seed), (evals, _) = max(candidates.items(), key=lambda kv: kv[1][0][-1][ARTEFACT] - kv[1][0][0][ARTEFACT])
+    run_dir, first, final = sweep_dir / "runs" / f"{name}_seed{seed}", evals[0][ARTEFACT], evals[-1][ARTEFACT]
+    grids = grids(name, seed)
     (REPO / figures).mkdir(parents=True, exist_ok=True)
     shutil.copyfile(grids[0], REPO / figures / "texture_first_eval.png")
     shutil.copyfile(grids[-1], REPO / figures / "texture_final_eval.png")
@@ -296,32 +344,35 @@ def regime_record(world: World, args, sweep_args: list[str]) -> dict:
             "recipe_text": recipe.read_text(), "profiles": {str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO)
                                                             else p: sha256(Path(p)) for p in profiles},
             "sets": list((SMOKE if args.smoke else []) + args.sets), "variants": VARIANTS, "baseline": BASELINE,
-            "seeds": [42 + k for k in range(args.seeds)], "primary": world.primary, "secondary": world.secondary,
-            "geneval_seed": GENEVAL_SEED, "commit": commit, "uncommitted_changes_to_recipe_or_profile": dirty,
+            "seeds": args.seed_values, "primary": world.primary, "secondary": world.secondary,
+            "geneval_seed": GENEVAL_SEED, "geneval_passes": GENEVAL_PASSES, "commit": commit, "uncommitted_changes_to_recipe_or_profile": dirty,
             "recorded": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "sweep_args": sweep_args}
 
 
 def geneval_tables(world: World, args, sweep_dir: Path) -> tuple[dict, dict[tuple[str, int], dict]]:
     """GenEval's table (per category and overall) of the base model and of each run's final
-    checkpoint, by ``flowrl eval ... --suite geneval --seed GENEVAL_SEED``: the same noise for
-    every table. Written to ``SWEEP/geneval/`` and reused when already there (for the run's
-    final iteration)."""
+    checkpoint, by ``flowrl eval ... --suite geneval --seed GENEVAL_SEED --seeds GENEVAL_PASSES``:
+    the same noise for every table. Written to ``SWEEP/geneval/`` and reused when already there
+    (for the run's final iteration and as many passes)."""
     folder = sweep_dir / "geneval"
     folder.mkdir(parents=True, exist_ok=True)
     sets = [a for s in (SMOKE if args.smoke else []) + args.sets for a in ("--set", s)]
     todo = {("base", -1): (["eval", world.recipe, *sets], folder / "base.json", None)}
     for name in VARIANTS:
-        for k in range(args.seeds):
-            run_dir = sweep_dir / "runs" / f"{name}_seed{42 + k}"
+        for seed in args.seed_values:
+            run_dir = sweep_dir / "runs" / f"{name}_seed{seed}"
             last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
             final = max(r["iteration"] for r in last)
-            todo[name, k] = (["eval", str(run_dir)], folder / f"{name}_seed{42 + k}.json", final)
+            todo[name, seed] = (["eval", str(run_dir)], folder / f"{name}_seed{seed}.json", final)
 
     def one(item):
         (cmd, path, final) = item
-        if path.is_file() and (final is None or json.loads(path.read_text()).get("iteration") == final):
-            return
-        proc = flowrl(*cmd, "--suite", "geneval", "--seed", str(GENEVAL_SEED), "-o", str(path))
+        if path.is_file():
+            table = json.loads(path.read_text())
+            if table["settings"].get("repeats") == GENEVAL_PASSES and (final is None or table.get("iteration") == final):
+                return
+        proc = flowrl(*cmd, "--suite", "geneval", "--seed", str(GENEVAL_SEED), "--seeds", str(GENEVAL_PASSES),
+                      "-o", str(path))
         if proc.returncode != 0:
             sys.exit(f"flowrl {' '.join(cmd)} --suite geneval failed with exit status {proc.returncode}")
 
@@ -331,7 +382,7 @@ def geneval_tables(world: World, args, sweep_dir: Path) -> tuple[dict, dict[tupl
     return tables.pop(("base", -1)), tables
 
 
-def category_tables(base: dict, tables: dict[tuple[str, int], dict], seeds: int) -> tuple[str, str]:
+def category_tables(base: dict, tables: dict[tuple[str, int], dict], seeds: list[int]) -> tuple[str, str]:
     """GenEval per category: (each variant's final accuracy, mean over seeds ± 95% t half-width,
     with the base model's row; each variant minus step-level, paired by seed, 95% t interval)."""
     cats = [*base["categories"], "overall"]
@@ -346,49 +397,185 @@ def category_tables(base: dict, tables: dict[tuple[str, int], dict], seeds: int)
         for c in cats) + " |"]
     diffs = [head.replace("| variant |", f"| variant - {BASELINE} |"), rule]
     for name in VARIANTS:
-        finals.append(f"| {name} | " + " | ".join(_cell([value(tables[name, k], c) for k in range(seeds)], 3)
+        finals.append(f"| {name} | " + " | ".join(_cell([value(tables[name, s], c) for s in seeds], 3)
                                                  for c in cats) + " |")
         if name == BASELINE:
             continue
         cells = []
         for c in cats:
-            iv = paired_interval({k: value(tables[name, k], c) for k in range(seeds)},
-                                 {k: value(tables[BASELINE, k], c) for k in range(seeds)})
+            iv = paired_interval({s: value(tables[name, s], c) for s in seeds},
+                                 {s: value(tables[BASELINE, s], c) for s in seeds})
             cells.append(f"{iv.mean:+.3f}" + ("" if iv.half_width is None else f" ± {iv.half_width:.3f}"))
         diffs.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(finals), "\n".join(diffs)
 
 
-def compose_report(*, world: World, args, command: str, sweep_dir: Path, sweep_seconds: float, regime: dict,
-                   regime_changed: list[str], runs: dict, equal_it: dict, md: str, md_clip: str, md_wall: str,
-                   budget: float, verdict_rows: dict, tally: dict, base: dict, tables: dict,
-                   worst: tuple[str, float, float]) -> str:
+def geneval_result(tables: dict[tuple[str, int], dict], seeds: list[int]) -> dict:
+    """The final checkpoints' GenEval overall in the shape :func:`verdicts` reads (a ``flowrl
+    compare`` result), so the paper's claims are also judged on the study's largest evaluation."""
+    return {"confidence": 0.95, "variants": [
+        {"name": name, "runs": [{"seed": s, "geneval": tables[name, s]["overall"]["mean"]} for s in seeds]}
+        for name in VARIANTS]}
+
+
+#: the per-iteration fields an archived run keeps (with every ``eval/`` and ``time/`` field): what
+#: the report, ``flowrl compare`` and the diagnostics read; the rest stays in the run's folder
+ARCHIVED_FIELDS = ("iteration", "final", "world_size", "clip_fraction", "ratio_min", "ratio_max", "ratio_mean",
+                   "approx_kl_old", "diag/log_ratio_std", "diag/unit_log_ratio_std", "groups/all_equal_fraction",
+                   "chunk_sizes", "trained_units", "num_units", "grad_norm", "loss", "lr", "nonfinite_steps",
+                   "reward/compose_geneval_exact/mean", "reward/compose_geneval_strict/mean", "reward/compose_clip/mean")
+#: what of the regime must agree for two batches of seeds to be one study
+REGIME_KEYS = ("recipe_sha256", "profiles", "sets", "variants", "primary", "secondary", "geneval_seed", "geneval_passes")
+
+
+def cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict, jobs: int,
+                  base: dict, tables: dict[tuple[str, int], dict]) -> list[int]:
+    """Add this sweep's finished seeds to the study's archive and return the seeds archived now.
+
+    ``runs/`` does not outlive a working session here, and the study needs more seeds than one
+    session can run, so every batch of seeds is kept in a slim, committed sweep: each run's
+    metrics cut to :data:`ARCHIVED_FIELDS`, its recipe and its GenEval table (without per-image
+    rows), and a ``sweep.json`` manifest that ``flowrl compare`` reads as it reads a live sweep.
+    A seed enters only with all its variants done (a partial seed would unbalance the pairs), and
+    only under the regime of the seeds already archived (``REGIME_KEYS``)."""
+    import shutil
+
+    regime = {**regime, "geneval_passes": GENEVAL_PASSES}  # the tables' own: geneval_tables made them so
+    manifest_path = archive / "sweep.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {
+        "kind": "benchmarks/study.py archive: one study, seeds added in batches", "runs": [], "batches": []}
+    if manifest["batches"]:
+        first = json.loads((archive / manifest["batches"][0]["regime"]).read_text())
+        differ = [k for k in REGIME_KEYS if first.get(k) != regime.get(k)]
+        if differ:
+            sys.exit(f"the regime of {sweep_dir} differs from the archived study's in {', '.join(differ)}: "
+                     f"archive it elsewhere (--archive DIR) or run the archived regime")
+    live = json.loads((sweep_dir / "sweep.json").read_text())
+    done = {(r["variant"], r["seed"]): r for r in live["runs"] if r["status"] == "done"}
+    have = {r["seed"] for r in manifest["runs"]}
+    new = [s for s in seeds if s not in have and all((v, s) in done for v in VARIANTS)]
+    if not new:
+        return []
+    for seed in new:
+        for name in VARIANTS:
+            run, src = done[name, seed], sweep_dir / done[name, seed]["dir"]
+            dst = archive / "runs" / f"{name}_seed{seed}"
+            rows = [json.loads(line) for line in (src / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            slim = [{k: v for k, v in r.items() if k in ARCHIVED_FIELDS or k.startswith(("eval/", "time/"))} for r in rows]
+            _write_atomic(dst / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in slim))
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / "recipe.toml", dst / "recipe.toml")
+            table = {k: v for k, v in tables[name, seed].items() if k != "per_image"}
+            _write_atomic(archive / "geneval" / f"{name}_seed{seed}.json", json.dumps(table, indent=1))
+            manifest["runs"].append({"id": f"{name}_seed{seed}", "variant": name, "seed": seed, "status": "done",
+                                     "dir": f"runs/{name}_seed{seed}", "wall_time_s": run.get("wall_time_s")})
+    if not (archive / "geneval" / "base.json").is_file():
+        _write_atomic(archive / "geneval" / "base.json",
+                      json.dumps({k: v for k, v in base.items() if k != "per_image"}, indent=1))
+    name = f"regimes/seeds_{new[0]}-{new[-1]}.json"
+    _write_atomic(archive / name, json.dumps(regime, indent=1))
+    manifest["batches"].append({"seeds": new, "regime": name, "recorded": regime["recorded"],
+                                "commit": regime["commit"], "cpu": cpu_model(), "jobs": jobs,
+                                "sweep_elapsed_s": live.get("elapsed_s"),
+                                "archived": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
+    manifest["elapsed_s"] = sum(b["sweep_elapsed_s"] or 0.0 for b in manifest["batches"])
+    _write_atomic(manifest_path, json.dumps(manifest, indent=1))
+    return new
+
+
+def archived(archive: Path) -> tuple[dict, list[int], dict, dict[tuple[str, int], dict]]:
+    """The archive's manifest, its seeds (every variant done), and its GenEval tables (base, runs)."""
+    manifest = json.loads((archive / "sweep.json").read_text())
+    seeds = sorted({r["seed"] for r in manifest["runs"]})
+    base = json.loads((archive / "geneval" / "base.json").read_text())
+    tables = {(name, s): json.loads((archive / "geneval" / f"{name}_seed{s}.json").read_text())
+              for name in VARIANTS for s in seeds}
+    return manifest, seeds, base, tables
+
+
+def compose_report(*, world: World, smoke: bool, command: str, report_dir: Path, batches: list[dict], regime: dict,
+                   regime_changed: list[str], runs: dict, seeds: list[int], equal_it: dict, md: str, md_clip: str,
+                   md_wall: str, budget: float, verdict_rows: dict, tally: dict, widths: dict[str, list[float]],
+                   base: dict, tables: dict, worst: tuple[str, float, float] | None) -> str:
     """The compositional world's study report (docs/study_compose.md by default)."""
     n_runs = sum(v["n"] for v in equal_it["variants"])
     rose = sum(evals[-1][world.primary] > evals[0][world.primary] for evals, _ in runs.values())
     clipped_runs = sum(sum(r["clip_fraction"] for r in train) > 0 for _, train in runs.values())
-    finals, diffs = category_tables(base, tables, args.seeds)
+    clip_by_variant = {name: [sum(r["clip_fraction"] for r in runs[name, s][1]) / len(runs[name, s][1]) for s in seeds]
+                       for name in VARIANTS}
+    finals, diffs = category_tables(base, tables, seeds)
     layouts = []
     for name, overrides in VARIANTS.items():
-        sizes = next((r["chunk_sizes"] for r in runs[name, 0][1] if "chunk_sizes" in r), None)
+        sizes = next((r["chunk_sizes"] for r in runs[name, seeds[0]][1] if "chunk_sizes" in r), None)
         layouts.append(f"| {name} | `{overrides or '(none: the base recipe)'}` | {sizes} |")
     profiles = ", ".join(f"`{p}` (sha256 `{h[:16]}…`)" for p, h in regime["profiles"].items()) or "none"
     changed = ("\n\n**The base recipe or its profile changed after the runs began** (" + ", ".join(regime_changed) +
                "): the runs used the recorded versions; this report's regime text is the recorded one.") \
         if regime_changed else ""
-    worst_run, worst_first, worst_final = worst
+    batch_rows = "\n".join(
+        f"| {', '.join(map(str, b['seeds']))} | {b['recorded']} | `{b['commit'][:12]}` | {b.get('cpu', 'unknown')} | "
+        f"{b['jobs']} | {(b['sweep_elapsed_s'] or 0.0) / 60:.1f} |" for b in batches)
+    sweep_minutes = sum(b["sweep_elapsed_s"] or 0.0 for b in batches) / 60
+    report_dir = report_dir.relative_to(REPO) if report_dir.is_relative_to(REPO) else report_dir
+
+    def width_line(key: str, label: str) -> str:
+        w = widths.get(key) or []
+        if not w:
+            return f"  - {label}: no interval yet (fewer than 2 seeds)."
+        worst_w = max(w)
+        needed = math.ceil(len(seeds) * (worst_w / 0.02) ** 2)
+        return (f"  - {label}: widest paired half-width {worst_w:.3f} (narrowest {min(w):.3f}); "
+                + ("**within 0.02**." if worst_w <= 0.02 else
+                   f"**wider than 0.02**: at this spread about {needed} seeds would bring it to 0.02 "
+                   "(the half-width shrinks as one over the square root of the seeds)."))
+
+    if worst is None:
+        texture = ("No run of this report's sweep has its evaluation grids on disk (the archive keeps no "
+                   "images), so no texture figure is shown.")
+    else:
+        worst_run, worst_first, worst_final = worst
+        texture = f"""The largest `hf_share` rise among the runs whose grids were at hand when the report was
+written, `{worst_run}` ({worst_first:.3f} -> {worst_final:.3f}): its first evaluation (the base
+model) and its final one, the same held-out prompts and noise.
+
+![first evaluation]({world.figures}/texture_first_eval.png)
+![final evaluation]({world.figures}/texture_final_eval.png)"""
     fig = world.figures
     return f"""# Study on the compositional world: chunk sizes and weighted sampling, with seeds
 
 Generated by `{command}` (`benchmarks/study.py`; its docstring lists every choice, and
 `{world.recipe}` the regime, all fixed before the runs). {n_runs} runs ({len(VARIANTS)} variants x
-{args.seeds} seeds), sweep time {sweep_seconds / 60:.1f} min with {args.jobs} runs at once.{" SMOKE REHEARSAL: not a result." if args.smoke else ""}
+{len(seeds)} seeds: {", ".join(map(str, seeds))}), {sweep_minutes:.1f} min of sweep time in {len(batches)} batch(es),
+read from `{report_dir}`.{" SMOKE REHEARSAL: not a result." if smoke else ""}
+
+| seeds | regime recorded | commit | CPU | runs at once | sweep min |
+|---|---|---|---|---|---|
+{batch_rows}
+
+A batch is the seeds one working session ran; its runs' slim records (metrics, recipe, GenEval
+table) are kept in `{report_dir}` so that later sessions add seeds to the same study. Every
+batch must carry the first batch's regime (the script refuses another).
 
 ## The regime, as recorded {regime.get("when", "before the first run")}
 
-Recorded in `{sweep_dir / "regime.json"}` on {regime["recorded"]} (commit `{regime["commit"][:12]}`{", with uncommitted changes to the recipe or profile" if regime["uncommitted_changes_to_recipe_or_profile"] else ""}):
+Recorded on {regime["recorded"]} (commit `{regime["commit"][:12]}`{", with uncommitted changes to the recipe or profile" if regime["uncommitted_changes_to_recipe_or_profile"] else ""}):
 the base recipe `{regime["recipe"]}` (sha256 `{regime["recipe_sha256"][:16]}…`), its profile {profiles},
-the overrides of every variant {("`" + " ".join(regime["sets"]) + "`") if regime["sets"] else "(none)"}, seeds {regime["seeds"]}.{changed}
+the overrides of every variant {("`" + " ".join(regime["sets"]) + "`") if regime["sets"] else "(none)"}.{changed}
 
 | variant | overrides of the base recipe | chunk sizes the runs used |
 |---|---|---|
@@ -398,8 +585,9 @@ the overrides of every variant {("`" + " ".join(regime["sets"]) + "`") if regime
   categories equally, so its mean is GenEval's overall); second judge, never optimised:
   `{world.secondary}`; artefact measure: `{ARTEFACT}`; baseline of the paired differences: {BASELINE}.
 - GenEval per category: each run's final checkpoint and the base model, by `flowrl eval RUN_DIR
-  --suite geneval --seed {GENEVAL_SEED}` (every held-out prompt, the suite's own images per prompt, 16 ODE
-  steps, the same noise for every table); the tables are in `{sweep_dir / "geneval"}`.
+  --suite geneval --seed {GENEVAL_SEED} --seeds {regime.get("geneval_passes", 1)}` (every held-out prompt,
+  the suite's own images per prompt, {regime.get("geneval_passes", 1)} pass(es), 16 ODE steps, the same
+  noise for every table); the tables are in `{report_dir / "geneval"}`.
 - Intervals: mean over seeds ± half-width of the 95% Student t interval; differences against
   {BASELINE} are paired by seed (same prompts, noise and chunk draws).
 
@@ -415,24 +603,26 @@ the overrides of every variant {("`" + " ".join(regime["sets"]) + "`") if regime
 
 - The held-out GenEval strict score rose from the first evaluation to the last in {rose} of
   {len(runs)} runs; the clip acted (a clip fraction above zero, averaged over the run) in
-  {clipped_runs} of {len(runs)} runs. Per variant: the next table, with the second judge and the
-  artefact measure beside the reward.
-- The paper's orderings at equal iterations (final evaluation): {tally["final"]["held"]} held,
-  {tally["final"]["reversed"]} reversed, {tally["final"]["cannot be told apart"]} cannot be told apart; at equal
-  wall time: {tally["wall"]["held"]} held, {tally["wall"]["reversed"]} reversed, {tally["wall"]["cannot be told apart"]} cannot be told apart.
+  {clipped_runs} of {len(runs)} runs, and in every variant on average: {", ".join(
+      f"{n} {sum(v) / len(v):.4f}" for n, v in clip_by_variant.items())}.
+- The paper's orderings on the final checkpoints' GenEval table: {tally["geneval"]["held"]} held,
+  {tally["geneval"]["reversed"]} reversed, {tally["geneval"]["cannot be told apart"]} cannot be told apart; on the final
+  evaluation of the runs: {tally["final"]["held"]} held, {tally["final"]["reversed"]} reversed,
+  {tally["final"]["cannot be told apart"]} cannot be told apart; at equal wall time: {tally["wall"]["held"]} held,
+  {tally["wall"]["reversed"]} reversed, {tally["wall"]["cannot be told apart"]} cannot be told apart.
+- Precision against the bar (every paired half-width at most 0.02):
+{width_line("geneval", "final checkpoints' GenEval table")}
+{width_line("final", "the runs' final evaluation")}
+{width_line("wall", "equal wall time")}
 
 ## What each variant did (first and last evaluation; update diagnostics over all iterations)
 
-{diagnostics_table(runs, args.seeds, world)}
+{diagnostics_table(runs, seeds, world)}
 
 "clip fraction" is the share of trained units whose ratio fell outside the clip range, averaged over the run's
 iterations; "iterations clipped" the share of iterations in which it cut any.
 
-The largest `hf_share` rise, `{worst_run}` ({worst_first:.3f} -> {worst_final:.3f}): its first evaluation
-(the base model) and its final one, the same held-out prompts and noise.
-
-![first evaluation]({fig}/texture_first_eval.png)
-![final evaluation]({fig}/texture_final_eval.png)
+{texture}
 
 ## GenEval per category, final checkpoints
 
@@ -449,7 +639,9 @@ Paired by seed against {BASELINE} (95% t interval of the per-seed differences):
 
 ## Equal wall time (budget {budget:g} s of train time: the smallest total over all runs)
 
-Train time is wall-clock time per phase: a run's train time includes its neighbours' load.
+Train time is wall-clock time per phase: a run's train time includes its neighbours' load, and
+batches may have run on different machines (the batch table), so read this comparison as noisier
+than the equal-iteration one; pairs are within a batch, as every seed's runs are.
 
 {md_wall}
 ![evaluation curves against train time]({fig}/equal_wall_time/compare.png)
@@ -467,7 +659,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world", choices=list(WORLDS), default="shapes",
                     help="shapes: recipes/study_embedded.toml (default); compose: recipes/study_compose.toml, "
                          "GenEval's strict verdict, per-category tables")
-    ap.add_argument("--seeds", type=int, default=5, help="seeds per variant (default 5)")
+    ap.add_argument("--seeds", type=int, default=5, help="seeds per variant: 42, 43, ... (default 5)")
+    ap.add_argument("--seed-list", default=None, metavar="S1,S2,...",
+                    help="these seeds instead of --seeds (a later batch of the same study, e.g. 47,48,49)")
+    ap.add_argument("--archive", default=None, metavar="DIR",
+                    help="where finished seeds are added and the report is read from (compose world: default "
+                         "benchmarks/results/study_compose; --smoke: none unless given; 'none': no archive)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: this machine's cores)")
     ap.add_argument("--sweep-dir", default=None,
                     help="the sweep directory (default runs/study; runs/study_compose with --world compose)")
@@ -479,17 +676,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs (no sweep)")
     args = ap.parse_args(argv)
     world = WORLDS[args.world]
+    if args.seed_list is not None:
+        try:
+            args.seed_values = sorted({int(x) for x in args.seed_list.split(",") if x.strip()})
+        except ValueError:
+            sys.exit(f"--seed-list takes whole numbers separated by commas, got '{args.seed_list}'")
+        if not args.seed_values:
+            sys.exit("--seed-list names no seed")
+    else:
+        args.seed_values = [42 + k for k in range(args.seeds)]
+    archive_arg = args.archive if args.archive is not None else (None if args.smoke else world.archive)
+    archive = None if archive_arg in (None, "none") else REPO / archive_arg
 
     sweep_dir = Path(args.sweep_dir or world.sweep_dir)
     out = Path(args.out)
-    sweep_args = [world.recipe, "--seeds", str(args.seeds), "--jobs", str(args.jobs), "-o", str(sweep_dir)]
+    has_sweep = (REPO / sweep_dir / "sweep.json").is_file()
+    if args.report_only and not has_sweep and archive is None:
+        sys.exit(f"--report-only: no sweep in {sweep_dir} and no archive to report from")
+    sweep_args = [world.recipe, "--seed-list", ",".join(map(str, args.seed_values)), "--jobs", str(args.jobs),
+                  "-o", str(sweep_dir)]
     for name, overrides in VARIANTS.items():
         sweep_args += ["--variant", f"{name}:{overrides}"]
     for s in (SMOKE if args.smoke else []) + args.sets:
         sweep_args += ["--set", s]
     start = time.monotonic()
     regime, regime_changed = None, []
-    if args.world != "shapes":  # the regime, recorded before the first run (shapes: docs/study.md has it)
+    if args.world != "shapes" and (has_sweep or not args.report_only):  # recorded before the first run
         path = REPO / sweep_dir / "regime.json"
         now = regime_record(world, args, sweep_args)
         if path.is_file():
@@ -507,49 +719,73 @@ def main(argv: list[str] | None = None) -> None:
         proc = subprocess.run([sys.executable, "-m", "flowrl", "sweep", *sweep_args], cwd=REPO)
         if proc.returncode != 0:
             sys.exit(f"flowrl sweep exited with {proc.returncode}; run this script again to resume")
-    sweep_seconds = json.loads((REPO / sweep_dir / "sweep.json").read_text())["elapsed_s"]
+        has_sweep = True
     primary, secondary, recipe = world.primary, world.secondary, world.recipe
 
+    # the compose world: GenEval tables of this sweep, its finished seeds into the archive, and the
+    # report from the archive (every batch so far), or from the sweep when there is no archive
+    report_dir, seeds, batches = sweep_dir, args.seed_values, []
+    if args.world != "shapes":
+        if has_sweep:
+            base, tables = geneval_tables(world, args, sweep_dir)
+            sweep_seconds = json.loads((REPO / sweep_dir / "sweep.json").read_text())["elapsed_s"]
+            batches = [{"seeds": args.seed_values, "recorded": regime["recorded"], "commit": regime["commit"],
+                        "cpu": cpu_model(), "jobs": args.jobs, "sweep_elapsed_s": sweep_seconds}]
+            if archive is not None:
+                added = archive_batch(REPO / sweep_dir, archive, args.seed_values, regime, args.jobs, base, tables)
+                print(f"archived seeds {added or 'none (already there, or not finished)'} in {archive}", flush=True)
+        if archive is not None:
+            manifest, seeds, base, tables = archived(archive)
+            report_dir, batches = archive, manifest["batches"]
+            regime = json.loads((archive / batches[0]["regime"]).read_text())
+            regime_changed = []
+    else:
+        sweep_seconds = json.loads((REPO / sweep_dir / "sweep.json").read_text())["elapsed_s"]
+
     figures = out / world.figures
-    equal_it = compare(sweep_dir, figures / "equal_iterations", primary)
-    compare(sweep_dir, figures / "equal_iterations_clip", secondary)  # writes the second judge's table and figure
+    equal_it = compare(report_dir, figures / "equal_iterations", primary)
+    compare(report_dir, figures / "equal_iterations_clip", secondary)  # writes the second judge's table and figure
     budget = min(r["train_time_s"] for v in equal_it["variants"] for r in v["runs"])
     budget = math.floor(budget * 10) / 10 if budget >= 1 else budget  # rounded down: every run reached it
-    equal_wall = compare(sweep_dir, figures / "equal_wall_time", primary, "--at-wall-time", str(budget))
+    equal_wall = compare(report_dir, figures / "equal_wall_time", primary, "--at-wall-time", str(budget))
 
     md = (REPO / figures / "equal_iterations" / "compare.md").read_text()
     md_clip = (REPO / figures / "equal_iterations_clip" / "compare.md").read_text()
     md_wall = (REPO / figures / "equal_wall_time" / "compare.md").read_text()
     command = "OMP_NUM_THREADS=1 python benchmarks/study.py" + (
         f" --world {args.world}" if args.world != "shapes" else "") + (" --smoke" if args.smoke else "") + (
-        f" --seeds {args.seeds}" if args.seeds != 5 else "")
+        f" --seeds {args.seeds}" if args.seeds != 5 and args.seed_list is None else "") + (
+        f" --seed-list {','.join(map(str, args.seed_values))}" if args.seed_list is not None else "")
     n_runs = sum(v["n"] for v in equal_it["variants"])
-    runs = load_runs(sweep_dir, args.seeds, primary)
-    worst_run, worst_first, worst_final = worst_texture_figures(runs, sweep_dir, figures)
+    runs = load_runs(report_dir, seeds, primary)
+    worst = worst_texture_figures(runs, sweep_dir, figures)
     rose = sum(evals[-1][primary] > evals[0][primary] for evals, _ in runs.values())
     n_runs_all = len(runs)
     clipped_runs = sum(sum(r["clip_fraction"] for r in train) > 0 for _, train in runs.values())
-    textured = sum(sum(runs[name, k][0][-1][ARTEFACT] - runs[name, k][0][0][ARTEFACT] for k in range(args.seeds)) > 0
+    textured = sum(sum(runs[name, s][0][-1][ARTEFACT] - runs[name, s][0][0][ARTEFACT] for s in seeds) > 0
                    for name in VARIANTS)
-    verdict_rows = {"final": verdicts(equal_it, "final"), "auc": verdicts(equal_it, "auc"),
-                    "wall": verdicts(equal_wall, "at_wall_time")}
+    results = {"final": (equal_it, "final"), "auc": (equal_it, "auc"), "wall": (equal_wall, "at_wall_time")}
+    if args.world != "shapes":
+        results = {"geneval": (geneval_result(tables, seeds), "geneval"), **results}
+    verdict_rows = {q: verdicts(result, quantity) for q, (result, quantity) in results.items()}
+    widths = {q: half_widths(result, quantity) for q, (result, quantity) in results.items()}
     tally = {q: {v: sum(r[2].split(":")[0].split(" (")[0] == v for r in rows)
                  for v in ("held", "reversed", "cannot be told apart", "no difference detected")}
              for q, rows in verdict_rows.items()}
     if args.world != "shapes":
-        base, tables = geneval_tables(world, args, sweep_dir)
-        text = compose_report(world=world, args=args, command=command, sweep_dir=sweep_dir,
-                              sweep_seconds=sweep_seconds, regime=regime, regime_changed=regime_changed, runs=runs,
+        text = compose_report(world=world, smoke=args.smoke, command=command, report_dir=report_dir,
+                              batches=batches, regime=regime, regime_changed=regime_changed, runs=runs, seeds=seeds,
                               equal_it=equal_it, md=md, md_clip=md_clip, md_wall=md_wall, budget=budget,
-                              verdict_rows=verdict_rows, tally=tally, base=base, tables=tables,
-                              worst=(worst_run, worst_first, worst_final))
+                              verdict_rows=verdict_rows, tally=tally, widths=widths, base=base, tables=tables,
+                              worst=worst)
         (REPO / out / world.report).write_text(text, encoding="utf-8")
         print(f"wrote {out / world.report} and {figures}/ in {(time.monotonic() - start) / 60:.1f} min")
         return
+    worst_run, worst_first, worst_final = worst or ("(no grids on disk)", float("nan"), float("nan"))
     text = f"""# Study: chunk sizes and weighted sampling on the embedded model, with seeds
 
 Generated by `{command}` (`benchmarks/study.py`; its docstring lists every choice, all fixed
-before the runs). {n_runs} runs ({len(VARIANTS)} variants x {args.seeds} seeds), sweep time
+before the runs). {n_runs} runs ({len(VARIANTS)} variants x {len(seeds)} seeds), sweep time
 {sweep_seconds / 60:.1f} min with {args.jobs} runs at once on this project's 2-core CPU machine.{" SMOKE REHEARSAL: not a result." if args.smoke else ""}
 
 ## In short
@@ -569,7 +805,7 @@ before the runs). {n_runs} runs ({len(VARIANTS)} variants x {args.seeds} seeds),
   {tally["final"]["reversed"]} reversed, {tally["final"]["cannot be told apart"]} cannot be told apart
   (the tie: {"no difference detected" if tally["final"]["no difference detected"] else "see the table"}); at equal wall time:
   {tally["wall"]["held"]} held, {tally["wall"]["reversed"]} reversed, {tally["wall"]["cannot be told apart"]} cannot be told apart.
-  With {args.seeds} seeds and gains of a few hundredths, differences between layouts smaller than about
+  With {len(seeds)} seeds and gains of a few hundredths, differences between layouts smaller than about
   the paired intervals' half-widths cannot be resolved here; that is a statement about this
   scale, not about FLUX.
 
@@ -600,7 +836,7 @@ The dynamics-guided chunks come from the profile of this very sampler
 
 ## What each variant did (first and last evaluation; update diagnostics over all iterations)
 
-{diagnostics_table(runs, args.seeds)}
+{diagnostics_table(runs, seeds)}
 
 The worst texture of the study, `{worst_run}`: its first evaluation (the base model) and its
 final one, the same held-out prompts and noise.
@@ -624,7 +860,7 @@ log-ratios, both per iteration and averaged.
   GSPO (one chunk [16], all of it), [8, 8], 8 x [2], 4 x [4] (half of the chunks per sample),
   dynamics-guided chunks [2, 2, 4, 8] (half trained), and the same with weighted sampling
   (chunk probability proportional to its mean L1rel).
-- Seeds: run.seed = 42 + k, k = 0..{args.seeds - 1}; differences are paired by seed.
+- Seeds: run.seed = {', '.join(map(str, seeds))}; differences are paired by seed.
 - Intervals: mean over seeds ± half-width of the 95% Student t interval (n - 1 degrees of
   freedom); paired differences against step-level use the same interval over the per-seed
   differences.

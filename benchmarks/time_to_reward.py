@@ -6,6 +6,7 @@ docs/study.md, seeds paired, with the second judge (CLIP) beside it.
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --configs flow_grpo egrpo_replay --seeds 2 --iterations 30
     python benchmarks/time_to_reward.py --smoke --out /tmp/ttr                   # 2 iterations, 2 configs, 1 seed
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose         # the compositional world (below)
+    OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose --eval-every 10 --jobs 2 --seeds 5
     python benchmarks/time_to_reward.py --world compose --check                   # validate every config there, run nothing
 
 Run from the repository root. Finished runs are reused (delete ``--out`` to start over); the
@@ -85,7 +86,15 @@ both base recipes (``--check``); a config that does not apply on a world is list
 ``not_applicable`` with its reason and skipped with that reason printed and kept in the report (none
 today). The report adds ``hf_share``'s change (the artefact measure) beside the second judge's on
 both worlds. On the compose world every config has run on seed 42, and ``flow_grpo`` with the ten
-final-image objectives on seed 43 too; the 5-seed table has not (docs/benchmarks.md)."""
+final-image objectives on seed 43 too; the 5-seed table has not (docs/benchmarks.md).
+
+The 5-seed table takes longer than a working session here, and ``runs/`` does not outlive one, so
+on the compose world every finished run's evaluation curve (:func:`curve`) is kept in
+``benchmarks/results/time_to_reward_compose/CONFIG_sSEED.json`` (``--archive``), with the settings
+that make it that run (overrides, iterations, evaluation interval, a hash of the base recipe and
+its profiles) and the machine and load it ran under. A later session asks for the same table
+(``--seeds 5``, or ``--seed-list``) and trains only the runs the archive does not hold under the
+same settings; the report is the same whether a run's curve comes from the archive or its folder."""
 
 from __future__ import annotations
 
@@ -286,10 +295,79 @@ def check(names: list[str], world: World) -> dict[str, str]:
     return out
 
 
-def run(name: str, seed: int, args) -> Path:
-    run_dir = args.out / f"{name}_s{seed}"
+#: where a world keeps every finished run's evaluation curve across working sessions (committed:
+#: ``runs/`` does not outlive a session, and the 5-seed table takes several); ``--archive`` overrides
+ARCHIVES = {"compose": "benchmarks/results/time_to_reward_compose"}
+
+
+def regime_sha256(world: World) -> str:
+    """One hash of what every run of a world is made of: its base recipe and the profiles it names."""
+    import hashlib
+
+    from flowrl.recipe import load_recipe, profile_keys
+
+    h = hashlib.sha256((REPO / world.recipe).read_bytes())
+    for _, path in sorted(profile_keys(load_recipe(REPO / world.recipe, []))):
+        if path:
+            h.update(Path(path).read_bytes())
+    return h.hexdigest()
+
+
+def run_identity(name: str, seed: int, args) -> dict:
+    """What an archived run must share with the one asked for to stand in for it."""
+    world = WORLDS[args.world]
+    return {"config": name, "seed": seed, "overrides": overrides(name, world), "iterations": args.iterations,
+            "eval_every": args.eval_every, "regime_sha256": args.regime_sha256}
+
+
+def archived_points(name: str, seed: int, args) -> list[dict] | None:
+    """The archived evaluation curve of this run, if the archive holds it under the same identity."""
+    if args.archive is None:
+        return None
+    path = args.archive / f"{name}_s{seed}.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if any(record.get(k) != v for k, v in run_identity(name, seed, args).items()):
+        print(f"  {path.name} in the archive is another run (other overrides, iterations or regime): running it",
+              flush=True)
+        return None
+    return record["points"]
+
+
+def archive_run(name: str, seed: int, args, run_dir: Path) -> None:
+    """Keep the finished run's evaluation curve (:func:`curve`: every evaluation with the train
+    seconds and forwards before it), with the machine and load it ran under."""
+    import platform
+    from datetime import datetime, timezone
+
+    if args.archive is None or archived_points(name, seed, args) is not None:
+        return
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else \
+        platform.processor()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True).stdout.strip()
+    record = {**run_identity(name, seed, args), "points": curve(run_dir, WORLDS[args.world].main),
+              "jobs": args.jobs, "cpu": cpu, "commit_when_archived": commit,
+              "archived": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    args.archive.mkdir(parents=True, exist_ok=True)
+    tmp = args.archive / f".{name}_s{seed}.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(args.archive / f"{name}_s{seed}.json")
+
+
+def finished(run_dir: Path) -> bool:
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and any(json.loads(line).get("final") for line in metrics.read_text().splitlines() if line):
+    return metrics.is_file() and any(json.loads(line).get("final") for line in metrics.read_text().splitlines() if line)
+
+
+def run(name: str, seed: int, args) -> Path | None:
+    """Train one run unless it is archived or already finished in ``--out``; archive it when done."""
+    run_dir = args.out / f"{name}_s{seed}"
+    if archived_points(name, seed, args) is not None:
+        return None
+    if finished(run_dir):
+        archive_run(name, seed, args, run_dir)
         return run_dir
     world = WORLDS[args.world]
     sets = [*overrides(name, world), f"run.output_dir='{run_dir}'", f"run.seed={seed}",
@@ -303,6 +381,7 @@ def run(name: str, seed: int, args) -> Path:
     if done.returncode:
         raise SystemExit(f"{name} seed {seed} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     print(f"  ran {name} seed {seed} in {time.time() - t0:.0f} s", flush=True)
+    archive_run(name, seed, args, run_dir)
     return run_dir
 
 
@@ -329,7 +408,7 @@ def reached(points: list[dict], target_rise: float, main: str = MAIN) -> dict | 
 def summarise(args) -> dict:
     world = WORLDS[args.world]
     main, second = world.main, world.second
-    seeds = [42 + k for k in range(args.seeds)]
+    seeds = args.seed_values
     report = {"world": args.world, "recipe": world.recipe, "metric": f"eval/{main}/mean",
               "second_judge": f"eval/{second}/mean", "target_rise": args.target_rise, "iterations": args.iterations,
               "eval_every": args.eval_every, "seeds": seeds, "jobs": args.jobs, "configs": {}}
@@ -339,7 +418,7 @@ def summarise(args) -> dict:
     for name in args.configs:
         per[name] = {}
         for s in seeds:
-            points = curve(args.out / f"{name}_s{s}", main)
+            points = archived_points(name, s, args) or curve(args.out / f"{name}_s{s}", main)
             hit = reached(points, args.target_rise, main)
             first, final = points[0], points[-1]
             d2, z2 = rise(first, final, second)
@@ -465,6 +544,10 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="*", default=None, choices=list(CONFIGS),
                    help="default: the world's set (shapes: the 16 of the recorded runs; compose: one per objective)")
     p.add_argument("--seeds", type=int, default=5, help="seeds 42 .. 42 + N - 1 (default 5)")
+    p.add_argument("--seed-list", default=None, metavar="S1,S2,...", help="these seeds instead of --seeds")
+    p.add_argument("--archive", type=Path, default=None,
+                   help="where finished runs' curves are kept and reused (compose: default "
+                        "benchmarks/results/time_to_reward_compose; shapes and --smoke: none; 'none': no archive)")
     p.add_argument("--iterations", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--target-rise", type=float, default=None, help="default: shapes 0.03, compose 0.10")
@@ -487,14 +570,28 @@ def main(argv=None) -> int:
             print(f"{name}: {verdict}")
         return 1 if any(v.startswith("error") for v in results.values()) else 0
     if args.smoke:
-        args.iterations, args.eval_every, args.seeds = 2, 1, 1
+        args.iterations, args.eval_every, args.seeds, args.seed_list = 2, 1, 1, None
         args.configs = args.configs or list(world.smoke)
+    if args.seed_list is not None:
+        try:
+            args.seed_values = sorted({int(x) for x in args.seed_list.split(",") if x.strip()})
+        except ValueError:
+            p.error(f"--seed-list takes whole numbers separated by commas, got '{args.seed_list}'")
+        if not args.seed_values:
+            p.error("--seed-list names no seed")
+    else:
+        args.seed_values = [42 + k for k in range(args.seeds)]
+    if args.archive is None and not args.smoke and args.world in ARCHIVES:
+        args.archive = REPO / ARCHIVES[args.world]
+    elif args.archive is not None and str(args.archive) == "none":
+        args.archive = None
+    args.regime_sha256 = regime_sha256(world)
     asked = args.configs or list(world.defaults)
     args.configs = applicable(asked, world)
     args.skipped = {c: world.not_applicable[c] for c in asked if c in world.not_applicable}
     args.out.mkdir(parents=True, exist_ok=True)
     # seed-major: with --jobs 2 the configs of one seed run side by side, under the same load
-    tasks = [(c, s) for s in range(42, 42 + args.seeds) for c in args.configs]
+    tasks = [(c, s) for s in args.seed_values for c in args.configs]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         list(pool.map(lambda t: run(*t, args), tasks))
     report = summarise(args)

@@ -153,3 +153,153 @@ def test_study_compose_smoke(study, tmp_path, flowrl_cli):
     assert regime["recipe"] == "recipes/study_compose.toml" and "recipes/profiles/compose_window16.json" in regime["profiles"]
     tables = sorted(p.name for p in (tmp_path / "sweep" / "geneval").glob("*.json"))
     assert len(tables) == 1 + len(study.VARIANTS) and "base.json" in tables
+
+
+def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str] | None = None) -> Path:
+    """A finished compose study sweep as `flowrl sweep` and `geneval_tables` leave it, without
+    training: every variant's metrics (evaluations at 0, 10, 20 and the final row, update rows
+    with the diagnostics the report reads), its recipe, and the GenEval tables (with per-image
+    rows, which the archive drops). Each variant's scores differ by a fixed step per variant plus
+    a per-seed offset, so paired differences are known."""
+    sweep = root / "sweep"
+    runs = []
+    cats = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+
+    def table(overall: float, iteration: int | None) -> dict:
+        return {"suite": "geneval", "iteration": iteration, "overall": {"mean": overall, "sem": 0.018},
+                "categories": {c: {"mean": overall, "sem": 0.05} for c in cats},
+                "settings": {"repeats": study.GENEVAL_PASSES, "images": 624}, "per_image": [{"score": 1}] * 624}
+
+    (sweep / "geneval").mkdir(parents=True)
+    (sweep / "geneval" / "base.json").write_text(json.dumps(table(0.45, None)))
+    for v, name in enumerate(study.VARIANTS):
+        for seed in seeds:
+            d = sweep / "runs" / f"{name}_seed{seed}"
+            d.mkdir(parents=True)
+            (d / "recipe.toml").write_text(f"[run]\nseed = {seed}\n")
+            rows = []
+            for it in range(21):
+                score = 0.43 + 0.001 * it * (v + 1) + 0.003 * (seed % 7)
+                evals = {"eval/compose_geneval_strict/mean": score, "eval/compose_geneval_strict/sem": 0.035,
+                         "eval/compose_clip/mean": 0.45, "eval/hf_share/mean": 0.15} if it % 10 == 0 else {}
+                if it < 20:
+                    rows.append({"iteration": it, **evals, "time/rollout": 2.0, "time/update": 6.0 + v,
+                                 "clip_fraction": 0.01 * (v + 1), "ratio_min": 0.99, "ratio_max": 1.01,
+                                 "diag/log_ratio_std": 1e-5, "approx_kl_old": 1e-10, "groups/all_equal_fraction": 0.1,
+                                 "chunk_sizes": [8, 8], "reward/compose_geneval_exact/std": 0.4})
+                else:
+                    rows.append({"iteration": it, "final": True, **evals})
+            (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            (sweep / "geneval" / f"{name}_seed{seed}.json").write_text(
+                json.dumps(table(0.45 + 0.01 * v + 0.002 * (seed % 7), 20)))
+            runs.append({"id": f"{name}_seed{seed}", "variant": name, "seed": seed, "status": "done",
+                         "dir": f"runs/{name}_seed{seed}", "wall_time_s": 100.0})
+    (sweep / "sweep.json").write_text(json.dumps({"runs": runs, "elapsed_s": 600.0}))
+    profile = "recipes/profiles/compose_window16.json"
+    regime = {"world": "compose", "recipe": "recipes/study_compose.toml",
+              "recipe_sha256": study.sha256(REPO / "recipes/study_compose.toml"),
+              "recipe_text": "[run]\nseed = 42\n", "profiles": {profile: study.sha256(REPO / profile)},
+              "sets": regime_sets or [], "variants": study.VARIANTS, "baseline": study.BASELINE, "seeds": seeds,
+              "primary": study.WORLDS["compose"].primary, "secondary": study.WORLDS["compose"].secondary,
+              "geneval_seed": study.GENEVAL_SEED, "commit": "0" * 40, "uncommitted_changes_to_recipe_or_profile": "",
+              "recorded": "2026-11-30 05:00 UTC", "sweep_args": []}
+    (sweep / "regime.json").write_text(json.dumps(regime))
+    return sweep
+
+
+def _report(study, flowrl_cli, monkeypatch, sweep: Path, archive: Path, out: Path, seeds: list[int]):
+    def in_process(*args):
+        (done,) = flowrl_cli.in_process([list(args)])
+        return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
+
+    monkeypatch.setattr(study, "flowrl", in_process)
+    study.main(["--world", "compose", "--report-only", "--seed-list", ",".join(map(str, seeds)),
+                "--sweep-dir", str(sweep), "--archive", str(archive), "--out", str(out)])
+    return " ".join((out / "study_compose.md").read_text().split())  # the report's words, unwrapped
+
+
+def test_study_seeds_accumulate_in_the_archive_across_batches(study, tmp_path, flowrl_cli, monkeypatch):
+    """A batch's finished seeds enter the committed archive (slim metrics, recipes, GenEval tables
+    without per-image rows) and the report reads every batch: a second session's seeds join the
+    first's, and the paired intervals are over all of them."""
+    archive, out = tmp_path / "archive", tmp_path / "out"
+    text = _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "a", [42, 43]), archive, out,
+                   [42, 43])
+    manifest = json.loads((archive / "sweep.json").read_text())
+    assert [b["seeds"] for b in manifest["batches"]] == [[42, 43]]
+    assert len(manifest["runs"]) == 2 * len(study.VARIANTS)
+    table = json.loads((archive / "geneval" / "dynamics_seed43.json").read_text())
+    assert "per_image" not in table and table["settings"]["repeats"] == study.GENEVAL_PASSES
+    assert json.loads((archive / manifest["batches"][0]["regime"]).read_text())["geneval_passes"] == study.GENEVAL_PASSES
+    row = json.loads((archive / "runs" / "step_seed42" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/compose_geneval_exact/std" not in row and row["clip_fraction"] == 0.01
+    assert "14 runs (7 variants x 2 seeds: 42, 43)" in text
+
+    # a later session: seeds 44 and 45 from a fresh sweep folder join the same study
+    text = _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "b", [44, 45]), archive, out,
+                   [44, 45])
+    manifest = json.loads((archive / "sweep.json").read_text())
+    assert [b["seeds"] for b in manifest["batches"]] == [[42, 43], [44, 45]]
+    assert "28 runs (7 variants x 4 seeds: 42, 43, 44, 45)" in text
+    # GenEval overall: variant v scores 0.01 * v above step on every seed, so each claim's paired
+    # difference is exact and its interval has zero width
+    assert "dynamics - chunks_8_8 = +0.0300 ± 0.0000 (n=4)" in text
+    assert "final checkpoints' GenEval table: widest paired half-width 0.000" in text and "**within 0.02**" in text
+
+    # archiving the same seeds again adds nothing; a batch under another regime is refused
+    _report(study, flowrl_cli, monkeypatch, tmp_path / "b" / "sweep", archive, out, [44, 45])
+    assert len(json.loads((archive / "sweep.json").read_text())["batches"]) == 2
+    other = _fake_study_sweep(study, tmp_path / "c", [46], regime_sets=["train.lr=1e-4"])
+    with pytest.raises(SystemExit, match="differs from the archived study's in sets"):
+        _report(study, flowrl_cli, monkeypatch, other, archive, out, [46])
+    assert len(json.loads((archive / "sweep.json").read_text())["runs"]) == 4 * len(study.VARIANTS)
+
+
+def _fake_ttr_run(run_dir: Path, rise_per_eval: float) -> None:
+    """A finished time-to-reward run's metrics: evaluations at 0, 10, 20 (and the final row),
+    10 train seconds and 100 forwards an iteration."""
+    rows = []
+    for it in range(21):
+        evals = {"eval/compose_geneval_strict/mean": 0.4 + rise_per_eval * it / 10,
+                 "eval/compose_geneval_strict/sem": 0.035, "eval/compose_clip/mean": 0.45,
+                 "eval/compose_clip/sem": 0.035, "eval/hf_share/mean": 0.15} if it % 10 == 0 else {}
+        rows.append({"iteration": it, "final": True, **evals} if it == 20 else
+                    {"iteration": it, **evals, "time/rollout": 4.0, "time/update": 6.0, "compute/rollout/forward": 100.0})
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_time_to_reward_keeps_finished_runs_in_its_archive(ttr, tmp_path, monkeypatch):
+    """A finished run's evaluation curve goes into the archive; a later session with no run
+    folder reuses it (no training) and summarises the same numbers; a run asked for with other
+    settings is not taken from the archive."""
+    import argparse
+
+    args = argparse.Namespace(world="compose", out=tmp_path / "runs", archive=tmp_path / "archive", iterations=20,
+                              eval_every=10, jobs=2, seed_values=[42], configs=["flow_grpo", "nft"],
+                              target_rise=0.10, regime_sha256=ttr.regime_sha256(ttr.WORLDS["compose"]))
+    _fake_ttr_run(args.out / "flow_grpo_s42", 0.06)
+    _fake_ttr_run(args.out / "nft_s42", 0.12)
+    monkeypatch.setattr(ttr.subprocess, "run", lambda cmd, **kw: pytest.fail(f"trained: {cmd}")
+                        if "train" in cmd else subprocess.CompletedProcess(cmd, 0, "", ""))
+    for name in args.configs:
+        ttr.run(name, 42, args)  # finished in --out: archived, not trained
+    from_runs = ttr.summarise(args)
+    record = json.loads((args.archive / "nft_s42.json").read_text())
+    assert record["overrides"] == ttr.overrides("nft", ttr.WORLDS["compose"]) and record["jobs"] == 2
+    assert [p["iteration"] for p in record["points"]] == [0, 10, 20] and record["points"][1]["seconds"] == 100.0
+
+    # the next session: no run folders, the same report from the archive alone
+    import shutil
+    shutil.rmtree(args.out)
+    for name in args.configs:
+        assert ttr.run(name, 42, args) is None
+    assert ttr.summarise(args) == from_runs
+    assert from_runs["configs"]["nft"]["runs"][42]["seconds"] == 100.0  # +0.12 at iteration 10
+    assert from_runs["configs"]["flow_grpo"]["runs"][42]["seconds"] == 200.0
+
+    # other settings: the archived curve does not stand in for the run
+    args.iterations = 30
+    assert ttr.archived_points("nft", 42, args) is None
+    args.iterations, args.regime_sha256 = 20, "0" * 64
+    assert ttr.archived_points("nft", 42, args) is None
