@@ -303,3 +303,20 @@ def test_time_to_reward_keeps_finished_runs_in_its_archive(ttr, tmp_path, monkey
     assert ttr.archived_points("nft", 42, args) is None
     args.iterations, args.regime_sha256 = 20, "0" * 64
     assert ttr.archived_points("nft", 42, args) is None
+
+
+def test_an_interrupted_study_batch_archives_only_its_finished_seeds(study, tmp_path, flowrl_cli, monkeypatch):
+    """A sweep stopped during its last seed: that seed is left out whole (never half its variants),
+    and its unfinished run gets no GenEval table."""
+    sweep = _fake_study_sweep(study, tmp_path / "a", [42, 43])
+    manifest = json.loads((sweep / "sweep.json").read_text())
+    for r in manifest["runs"]:
+        if r["id"] == "dynamics_seed43":
+            r["status"] = "running"
+    (sweep / "sweep.json").write_text(json.dumps(manifest))
+    (sweep / "geneval" / "dynamics_seed43.json").unlink()
+    archive = tmp_path / "archive"
+    text = _report(study, flowrl_cli, monkeypatch, sweep, archive, tmp_path / "out", [42, 43])
+    assert [b["seeds"] for b in json.loads((archive / "sweep.json").read_text())["batches"]] == [[42]]
+    assert not (archive / "runs" / "step_seed43").exists() and not (sweep / "geneval" / "dynamics_seed43.json").exists()
+    assert "7 runs (7 variants x 1 seed: 42)" in text and "no interval yet (fewer than 2 seeds)" in text
