@@ -1,6 +1,6 @@
 """Benchmark: one-step-off pipelining (``[pipeline]``) against the synchronous loop.
 
-Two measurements on the embedded model, in the learning regime of docs/study.md
+Two measurements on the embedded model, in the learning regime of docs/study_shapes.md
 (``recipes/study_embedded.toml``: 33 steps, SDE in the first 16, 4 prompts x 8 samples, two
 passes per rollout, full fine-tuning):
 

@@ -1,6 +1,7 @@
-"""The chunk-size study: the Chunk-GRPO paper's ablation on the embedded model, in a regime
-where GRPO learns and the chunk ratio's clip acts, with seeds and 95% intervals. Writes
-docs/study.md, its tables and its figures.
+"""The chunk-size study: the Chunk-GRPO paper's ablation on an embedded model, in a regime
+where GRPO learns and the chunk ratio's clip acts, with seeds and 95% intervals. On the
+compositional world (``--world compose``) it writes docs/study.md; on the first embedded world
+(shapes, the default) docs/study_shapes.md; each with its tables and figures.
 
     OMP_NUM_THREADS=1 python benchmarks/study.py            # the study: 7 variants x 5 seeds
     python benchmarks/study.py --jobs 2 --seeds 5            # the same, explicitly
@@ -14,7 +15,7 @@ docs/study.md, its tables and its figures.
 Run it from the repository root. It is resumable: run the same command again after an
 interruption (``flowrl sweep`` skips the finished runs and resumes the interrupted one).
 
-What is fixed before any run (and the same for every variant; docs/study.md says how it was
+What is fixed before any run (and the same for every variant; docs/study_shapes.md says how it was
 chosen):
 - the base recipe ``recipes/study_embedded.toml``: reward = the verifier's soft prompt
   correctness (weight 1); the embedded CLIP reward (a second judge, not optimised) and the area
@@ -43,7 +44,7 @@ chosen):
   equal-wall-time comparison measures the neighbours.
 
 ``--world compose`` runs the same 7 variants, seeds, claims and rules on the
-compositional world (docs/compose.md) and writes ``study_compose.md`` and ``study_compose/`` into
+compositional world (docs/compose.md) and writes ``study.md`` and ``study_compose/`` into
 ``--out`` (sweep: ``runs/study_compose``). What differs, fixed before any run:
 - the base recipe ``recipes/study_compose.toml`` (its comments give each choice): reward
   ``compose_geneval_exact`` (weight 1), ``compose_geneval_strict`` and ``compose_clip`` logged
@@ -95,7 +96,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from flowrl.stats import paired_interval, t_interval
+from flowrl.stats import paired_interval, seeds_for_half_width, t_interval
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -146,13 +147,14 @@ class World:
 
 
 WORLDS = {
-    "shapes": World(RECIPE, PRIMARY, SECONDARY, "verifier", "CLIP judge", "runs/study", "study.md", "study"),
+    "shapes": World(RECIPE, PRIMARY, SECONDARY, "verifier", "CLIP judge", "runs/study", "study_shapes.md",
+                    "study_shapes"),
     # The compositional world (docs/compose.md). All 7 variants apply unchanged: its base recipe has
     # T = 16 trainable transitions too (17 steps, SDE in the first 16), so [16], [8, 8], 8 x [2] and
     # 4 x [4] tile it, and the dynamics variants take its own profile (profiles/compose_window16.json;
     # `flowrl sweep` validates every variant before the first run and stops on one that does not).
     "compose": World("recipes/study_compose.toml", "eval/compose_geneval_strict/mean", "eval/compose_clip/mean",
-                     "GenEval strict", "compose_clip judge", "runs/study_compose", "study_compose.md",
+                     "GenEval strict", "compose_clip judge", "runs/study_compose", "study.md",
                      "study_compose", archive="benchmarks/results/study_compose"),
 }
 #: the noise of every GenEval table (each run's final checkpoint and the base model): the same
@@ -228,15 +230,15 @@ Equal wall time:
 {verdict_table(verdict_rows["wall"])}
 """
 
-def half_widths(result: dict, quantity: str) -> list[float]:
-    """The paired 95% half-width of every claim's difference (those with at least 2 seeds)."""
+def half_widths(result: dict, quantity: str) -> list:
+    """The paired 95% interval of every claim's difference (those with at least 2 seeds)."""
     per_seed = {v["name"]: {r["seed"]: r[quantity] for r in v["runs"]} for v in result["variants"]}
     out = []
     for claim in CLAIMS:
         a, b = (claim[1], claim[2]) if claim[0] == "~" else (claim[0], claim[1])
         iv = paired_interval(per_seed[a], per_seed[b], result["confidence"])
         if iv.half_width is not None:
-            out.append(iv.half_width)
+            out.append(iv)
     return out
 
 
@@ -313,7 +315,9 @@ def worst_texture_figures(runs: dict, sweep_dir: Path, figures: Path) -> tuple[s
         return sorted((sweep_dir / "runs" / f"{name}_seed{seed}" / "images" / "eval").glob("iter_*.png"))
 
     candidates = {key: value for key, value in runs.items() if len(grids(*key)) >= 2}
-    if not candidates:
+    if not candidates:  # no stale picture of an earlier report's run stays beside this one
+        for name in ("texture_first_eval.png", "texture_final_eval.png"):
+            (REPO / figures / name).unlink(missing_ok=True)
         return None
     (name, seed), (evals, _) = max(candidates.items(), key=lambda kv: kv[1][0][-1][ARTEFACT] - kv[1][0][0][ARTEFACT])
     run_dir, first, final = sweep_dir / "runs" / f"{name}_seed{seed}", evals[0][ARTEFACT], evals[-1][ARTEFACT]
@@ -463,6 +467,9 @@ def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict
     only under the regime of the seeds already archived (``REGIME_KEYS``)."""
     import shutil
 
+    if "when" in regime and regime["when"] != "before the first run":
+        sys.exit(f"{sweep_dir} has no regime recorded before its runs (regime.json was written with the report): "
+                 "its runs cannot be shown to be the archived study's, so they are not archived")
     regime = {**regime, "geneval_passes": GENEVAL_PASSES}  # the tables' own: geneval_tables made them so
     manifest_path = archive / "sweep.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {
@@ -496,12 +503,14 @@ def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict
         _write_atomic(archive / "geneval" / "base.json",
                       json.dumps({k: v for k, v in base.items() if k != "per_image"}, indent=1))
     name = f"regimes/seeds_{new[0]}-{new[-1]}.json"
-    _write_atomic(archive / name, json.dumps(regime, indent=1))
+    _write_atomic(archive / name, json.dumps({**regime, "seeds": new}, indent=1))
+    # the batch's cost: its own runs' wall time (a resumed sweep's running total would count the
+    # time of seeds archived earlier, or not at all, again)
+    run_seconds = sum(done[v, s].get("wall_time_s") or 0.0 for v in VARIANTS for s in new)
     manifest["batches"].append({"seeds": new, "regime": name, "recorded": regime["recorded"],
                                 "commit": regime["commit"], "cpu": cpu_model(), "jobs": jobs,
-                                "sweep_elapsed_s": live.get("elapsed_s"),
+                                "runs_wall_s": round(run_seconds, 1),
                                 "archived": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
-    manifest["elapsed_s"] = sum(b["sweep_elapsed_s"] or 0.0 for b in manifest["batches"])
     _write_atomic(manifest_path, json.dumps(manifest, indent=1))
     return new
 
@@ -522,7 +531,7 @@ def compose_report(*, world: World, smoke: bool, command: str, report_dir: Path,
                    regime_changed: list[str], runs: dict, seeds: list[int], equal_it: dict, md: str, md_clip: str,
                    md_wall: str, budget: float, verdict_rows: dict, tally: dict, widths: dict[str, list[float]],
                    base: dict, tables: dict, worst: tuple[str, float, float] | None) -> str:
-    """The compositional world's study report (docs/study_compose.md by default)."""
+    """The compositional world's study report (docs/study.md by default)."""
     n_runs = sum(v["n"] for v in equal_it["variants"])
     rose = sum(evals[-1][world.primary] > evals[0][world.primary] for evals, _ in runs.values())
     clipped_runs = sum(sum(r["clip_fraction"] for r in train) > 0 for _, train in runs.values())
@@ -539,20 +548,21 @@ def compose_report(*, world: World, smoke: bool, command: str, report_dir: Path,
         if regime_changed else ""
     batch_rows = "\n".join(
         f"| {', '.join(map(str, b['seeds']))} | {b['recorded']} | `{b['commit'][:12]}` | {b.get('cpu', 'unknown')} | "
-        f"{b['jobs']} | {(b['sweep_elapsed_s'] or 0.0) / 60:.1f} |" for b in batches)
-    sweep_minutes = sum(b["sweep_elapsed_s"] or 0.0 for b in batches) / 60
+        f"{b['jobs']} | {b['runs_wall_s'] / 60:.1f} |" for b in batches)
+    run_minutes = sum(b["runs_wall_s"] for b in batches) / 60
     report_dir = report_dir.relative_to(REPO) if report_dir.is_relative_to(REPO) else report_dir
 
     def width_line(key: str, label: str) -> str:
-        w = widths.get(key) or []
-        if not w:
+        ivs = widths.get(key) or []
+        if not ivs:
             return f"  - {label}: no interval yet (fewer than 2 seeds)."
-        worst_w = max(w)
-        needed = math.ceil(len(seeds) * (worst_w / 0.02) ** 2)
-        return (f"  - {label}: widest paired half-width {worst_w:.3f} (narrowest {min(w):.3f}); "
-                + ("**within 0.02**." if worst_w <= 0.02 else
-                   f"**wider than 0.02**: at this spread about {needed} seeds would bring it to 0.02 "
-                   "(the half-width shrinks as one over the square root of the seeds)."))
+        w = [iv.half_width for iv in ivs]
+        needed = max(seeds_for_half_width(iv.sd, 0.02) for iv in ivs)
+        return (f"  - {label}: widest paired half-width {max(w):.3f} (narrowest {min(w):.3f}); "
+                + ("**within 0.02**." if max(w) <= 0.02 else
+                   f"**wider than 0.02**: if the per-seed spread of the differences stays as measured (largest "
+                   f"sd {max(iv.sd for iv in ivs):.3f}), about {needed} seeds bring every one to 0.02 (t quantile "
+                   "of that many seeds)."))
 
     if worst is None:
         texture = ("No run of this report's sweep has its evaluation grids on disk (the archive keeps no "
@@ -570,10 +580,10 @@ model) and its final one, the same held-out prompts and noise.
 
 Generated by `{command}` (`benchmarks/study.py`; its docstring lists every choice, and
 `{world.recipe}` the regime, all fixed before the runs). {n_runs} runs ({len(VARIANTS)} variants x
-{len(seeds)} seed{"s" if len(seeds) != 1 else ""}: {", ".join(map(str, seeds))}), {sweep_minutes:.1f} min of sweep time in {len(batches)} batch(es),
+{len(seeds)} seed{"s" if len(seeds) != 1 else ""}: {", ".join(map(str, seeds))}), {run_minutes:.1f} min of run wall time (summed over runs) in {len(batches)} batch(es),
 read from `{report_dir}`.{" SMOKE REHEARSAL: not a result." if smoke else ""}
 
-| seeds | regime recorded | commit | CPU | runs at once | sweep min |
+| seeds | regime recorded | commit | CPU | runs at once | runs' wall time, summed (min) |
 |---|---|---|---|---|---|
 {batch_rows}
 
@@ -673,13 +683,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed-list", default=None, metavar="S1,S2,...",
                     help="these seeds instead of --seeds (a later batch of the same study, e.g. 47,48,49)")
     ap.add_argument("--archive", default=None, metavar="DIR",
-                    help="where finished seeds are added and the report is read from (compose world: default "
-                         "benchmarks/results/study_compose; --smoke: none unless given; 'none': no archive)")
+                    help="compose world: where finished seeds are added and the report is read from (default "
+                         "benchmarks/results/study_compose; with --smoke or 'none': a private one in the sweep)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: this machine's cores)")
     ap.add_argument("--sweep-dir", default=None,
                     help="the sweep directory (default runs/study; runs/study_compose with --world compose)")
     ap.add_argument("--out", default="docs",
-                    help="where study.md and study/ go (study_compose.md, study_compose/ with --world compose; default docs)")
+                    help="where the report and its figures go (shapes: study_shapes.md, study_shapes/; compose: "
+                         "study.md, study_compose/; default docs)")
     ap.add_argument("--smoke", action="store_true", help="a tiny rehearsal: 2 iterations, 1 prompt x 2 samples")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
                     help="a recipe override applied to EVERY variant (a retune of the whole study); repeatable")
@@ -695,14 +706,30 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit("--seed-list names no seed")
     else:
         args.seed_values = [42 + k for k in range(args.seeds)]
-    archive_arg = args.archive if args.archive is not None else (None if args.smoke else world.archive)
-    archive = None if archive_arg in (None, "none") else REPO / archive_arg
-
-    sweep_dir = Path(args.sweep_dir or world.sweep_dir)
+    sweep_dir = REPO / Path(args.sweep_dir or world.sweep_dir)
     out = Path(args.out)
-    has_sweep = (REPO / sweep_dir / "sweep.json").is_file()
-    if args.report_only and not has_sweep and archive is None:
-        sys.exit(f"--report-only: no sweep in {sweep_dir} and no archive to report from")
+    has_sweep = (sweep_dir / "sweep.json").is_file()
+    # the compose world reports from an archive of finished seeds: the committed one, or (a smoke
+    # rehearsal, --archive none) a private one inside the sweep, so that every report takes one path
+    archive = None
+    if args.world != "shapes":
+        if args.archive not in (None, "none"):
+            archive = REPO / args.archive
+        elif args.archive is None and not args.smoke and world.archive:
+            archive = REPO / world.archive
+        else:
+            archive = sweep_dir / "report"
+    if args.report_only and not has_sweep and (archive is None or not (archive / "sweep.json").is_file()):
+        sys.exit(f"--report-only: no sweep in {sweep_dir} and no archived seed to report from")
+    if args.report_only and has_sweep and args.seed_list is None:  # the sweep's own seeds, whatever they are
+        args.seed_values = json.loads((sweep_dir / "sweep.json").read_text())["spec"]["seeds"]
+    archived_seeds: set[int] = set()
+    if archive is not None and (archive / "sweep.json").is_file():
+        archived_seeds = {r["seed"] for r in json.loads((archive / "sweep.json").read_text())["runs"]}
+    if not args.report_only and not has_sweep and archived_seeds & set(args.seed_values):
+        print(f"seeds {sorted(archived_seeds & set(args.seed_values))} are archived in {archive} already: "
+              "not run again", flush=True)
+        args.seed_values = [s for s in args.seed_values if s not in archived_seeds]
     sweep_args = [world.recipe, "--seed-list", ",".join(map(str, args.seed_values)), "--jobs", str(args.jobs),
                   "-o", str(sweep_dir)]
     for name, overrides in VARIANTS.items():
@@ -711,9 +738,16 @@ def main(argv: list[str] | None = None) -> None:
         sweep_args += ["--set", s]
     start = time.monotonic()
     regime, regime_changed = None, []
-    if args.world != "shapes" and (has_sweep or not args.report_only):  # recorded before the first run
-        path = REPO / sweep_dir / "regime.json"
+    if args.world != "shapes" and (has_sweep or (not args.report_only and args.seed_values)):  # before the first run
+        path = sweep_dir / "regime.json"
         now = regime_record(world, args, sweep_args)
+        if archived_seeds:  # a new batch must be the archived study's: refuse before any run
+            first = json.loads((archive / json.loads((archive / "sweep.json").read_text())["batches"][0]["regime"])
+                               .read_text())
+            differ = [k for k in REGIME_KEYS if first.get(k) != {**now, "geneval_passes": GENEVAL_PASSES}.get(k)]
+            if differ:
+                sys.exit(f"this batch's regime differs from the study archived in {archive} in {', '.join(differ)}: "
+                         "run the archived regime, or give another --archive DIR")
         if path.is_file():
             regime = json.loads(path.read_text())
             regime_changed = [k for k in ("recipe_sha256", "profiles", "sets", "variants", "seeds") if regime[k] != now[k]]
@@ -725,37 +759,37 @@ def main(argv: list[str] | None = None) -> None:
                       if args.report_only else "before the first run"}
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(regime, indent=1))
-    if not args.report_only:
+    sweep_failed = None
+    if not args.report_only and args.seed_values:
         proc = subprocess.run([sys.executable, "-m", "flowrl", "sweep", *sweep_args], cwd=REPO)
-        if proc.returncode != 0:
-            sys.exit(f"flowrl sweep exited with {proc.returncode}; run this script again to resume")
+        if proc.returncode != 0:  # archive the seeds that did finish, then stop with the sweep's status
+            sweep_failed = f"flowrl sweep exited with {proc.returncode}; run this script again to resume"
+            print(sweep_failed, flush=True)
         has_sweep = True
     primary, secondary, recipe = world.primary, world.secondary, world.recipe
 
-    # the compose world: GenEval tables of this sweep, its finished seeds into the archive, and the
-    # report from the archive (every batch so far), or from the sweep when there is no archive
+    # the compose world: GenEval tables of this sweep's finished seeds, those seeds into the
+    # archive, and the report from the archive (every batch so far)
     report_dir, seeds, batches = sweep_dir, args.seed_values, []
     if args.world != "shapes":
         if has_sweep:
-            seeds = complete_seeds(REPO / sweep_dir, args.seed_values)
-            if not seeds and archive is None:
-                sys.exit(f"no seed of {sweep_dir} has all its variants finished: nothing to report")
-            if len(seeds) < len(args.seed_values):
-                print(f"reporting the finished seeds {seeds} of {args.seed_values}", flush=True)
-            base, tables = geneval_tables(world, args, sweep_dir, seeds)
-            sweep_seconds = json.loads((REPO / sweep_dir / "sweep.json").read_text())["elapsed_s"]
-            batches = [{"seeds": seeds, "recorded": regime["recorded"], "commit": regime["commit"],
-                        "cpu": cpu_model(), "jobs": args.jobs, "sweep_elapsed_s": sweep_seconds}]
-            if archive is not None:
-                added = archive_batch(REPO / sweep_dir, archive, seeds, regime, args.jobs, base, tables)
-                print(f"archived seeds {added or 'none (already there, or not finished)'} in {archive}", flush=True)
-        if archive is not None:
-            manifest, seeds, base, tables = archived(archive)
-            report_dir, batches = archive, manifest["batches"]
-            regime = json.loads((archive / batches[0]["regime"]).read_text())
-            regime_changed = []
+            finished = complete_seeds(sweep_dir, args.seed_values)
+            if len(finished) < len(args.seed_values):
+                print(f"the finished seeds: {finished} of {args.seed_values}", flush=True)
+            if finished:
+                base, tables = geneval_tables(world, args, sweep_dir, finished)
+                added = archive_batch(sweep_dir, archive, finished, regime, args.jobs, base, tables)
+                print(f"archived seeds {added or 'none (already there)'} in {archive}", flush=True)
+        if not (archive / "sweep.json").is_file():
+            sys.exit(sweep_failed or f"no seed of {sweep_dir} has all its variants finished: nothing to report")
+        manifest, seeds, base, tables = archived(archive)
+        report_dir, batches = archive, manifest["batches"]
+        regime = json.loads((archive / batches[0]["regime"]).read_text())
+        regime_changed = []
     else:
-        sweep_seconds = json.loads((REPO / sweep_dir / "sweep.json").read_text())["elapsed_s"]
+        if sweep_failed:
+            sys.exit(sweep_failed)
+        sweep_seconds = json.loads((sweep_dir / "sweep.json").read_text())["elapsed_s"]
 
     figures = out / world.figures
     equal_it = compare(report_dir, figures / "equal_iterations", primary)
@@ -769,8 +803,10 @@ def main(argv: list[str] | None = None) -> None:
     md_wall = (REPO / figures / "equal_wall_time" / "compare.md").read_text()
     command = "OMP_NUM_THREADS=1 python benchmarks/study.py" + (
         f" --world {args.world}" if args.world != "shapes" else "") + (" --smoke" if args.smoke else "") + (
-        f" --seeds {args.seeds}" if args.seeds != 5 and args.seed_list is None else "") + (
-        f" --seed-list {','.join(map(str, args.seed_values))}" if args.seed_list is not None else "")
+        f" --seeds {args.seeds}" if args.seeds != 5 and args.seed_list is None else "")
+    if args.world != "shapes":  # the report covers every archived batch, each run by its own seeds
+        command = (f"{command} --seed-list SEEDS` for each batch below, and `python benchmarks/study.py --world "
+                   f"{args.world}{' --smoke' if args.smoke else ''} --report-only")
     n_runs = sum(v["n"] for v in equal_it["variants"])
     runs = load_runs(report_dir, seeds, primary)
     worst = worst_texture_figures(runs, sweep_dir, figures)
@@ -795,6 +831,8 @@ def main(argv: list[str] | None = None) -> None:
                               worst=worst)
         (REPO / out / world.report).write_text(text, encoding="utf-8")
         print(f"wrote {out / world.report} and {figures}/ in {(time.monotonic() - start) / 60:.1f} min")
+        if sweep_failed:
+            sys.exit(sweep_failed)
         return
     worst_run, worst_first, worst_final = worst or ("(no grids on disk)", float("nan"), float("nan"))
     text = f"""# Study: chunk sizes and weighted sampling on the embedded model, with seeds
@@ -856,8 +894,8 @@ The dynamics-guided chunks come from the profile of this very sampler
 The worst texture of the study, `{worst_run}`: its first evaluation (the base model) and its
 final one, the same held-out prompts and noise.
 
-![first evaluation](study/texture_first_eval.png)
-![final evaluation](study/texture_final_eval.png)
+![first evaluation](study_shapes/texture_first_eval.png)
+![final evaluation](study_shapes/texture_final_eval.png)
 
 `hf_share` is the evaluation's artefact measure (share of high-frequency energy, base model
 about 0.05; the hacking recipe's checkerboard reaches about 0.5). "ratio max - min" is the spread
@@ -883,7 +921,7 @@ log-ratios, both per iteration and averaged.
 ## Equal iterations ({primary})
 
 {md}
-![evaluation curves](study/equal_iterations/compare.png)
+![evaluation curves](study_shapes/equal_iterations/compare.png)
 
 ## Equal wall time (budget {budget:g} s of train time: the smallest total over all runs)
 
@@ -892,7 +930,7 @@ Train time is wall-clock time per phase. These runs shared the 2-core machine wi
 neighbours' load; read this comparison as noisier than the equal-iteration one.
 
 {md_wall}
-![evaluation curves against train time](study/equal_wall_time/compare.png)
+![evaluation curves against train time](study_shapes/equal_wall_time/compare.png)
 
 ## The second judge ({secondary}, not trained on)
 
@@ -900,8 +938,8 @@ neighbours' load; read this comparison as noisier than the equal-iteration one.
 ## The paper's orderings, here
 
 {verdicts_section(verdict_rows, "")}"""
-    (REPO / out / "study.md").write_text(text, encoding="utf-8")
-    print(f"wrote {out / 'study.md'} and {figures}/ in {(time.monotonic() - start) / 60:.1f} min")
+    (REPO / out / world.report).write_text(text, encoding="utf-8")
+    print(f"wrote {out / world.report} and {figures}/ in {(time.monotonic() - start) / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """Time to reward: the wall time and the model forwards each configuration needs to
 reach a fixed rise of the held-out reward, on the embedded model in the learning regime of
-docs/study.md, seeds paired, with the second judge (CLIP) beside it.
+docs/study_shapes.md, seeds paired, with the second judge (CLIP) beside it.
 
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py                       # every config, 5 seeds
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --configs flow_grpo egrpo_replay --seeds 2 --iterations 30
     python benchmarks/time_to_reward.py --smoke --out /tmp/ttr                   # 2 iterations, 2 configs, 1 seed
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose         # the compositional world (below)
-    OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose --eval-every 10 --jobs 2 --seeds 5
+    OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose --seeds 5   # trains what the archive lacks
     python benchmarks/time_to_reward.py --world compose --check                   # validate every config there, run nothing
 
 Run from the repository root. Finished runs are reused (delete ``--out`` to start over); the
@@ -66,7 +66,8 @@ over: 17 steps with the SDE in the first 16, so T = 16 again; reward ``compose_g
 prompts x 8 samples; 96 held-out prompts x 2 noises, 16 a category, ODE at 16 steps), the held-out
 metric is ``eval/compose_geneval_strict/mean`` (GenEval's strict verdict; the categories are
 balanced, so its mean is GenEval's overall), the second judge ``eval/compose_clip/mean``, the
-target rise 0.10 by default, and the output ``runs/time_to_reward_compose``. Its default
+target rise 0.10, an evaluation every 10 iterations and two runs at a time by default, and the
+output ``runs/time_to_reward_compose``. Its default
 configurations are one per objective flowrl ships: ``flow_grpo`` (the paired baseline),
 ``dance_grpo``, ``chunk_grpo`` (GCPO's Chunk-GRPO with its released layout [2, 3, 4, 7], uniform
 half), ``gcpo`` (dynamics-guided chunks from the recipe's own profile,
@@ -229,6 +230,8 @@ class World:
     smoke: tuple[str, ...]
     smoke_num_eval: int
     not_applicable: dict[str, str] = field(default_factory=dict)
+    eval_every: int = 5  # --eval-every's default
+    jobs: int = 1  # --jobs' default: runs at once
 
 
 WORLDS = {
@@ -249,7 +252,9 @@ WORLDS = {
                      defaults=("flow_grpo", "dance_grpo", "chunk_grpo", "gcpo", "gspo", "mixgrpo", "nft", "nft_fast",
                                "nft_fast4", "awm", "dgpo", "dppo", "branch_tree", "epg", "epg_onpolicy", "pepg",
                                "vgrpo", "fdfo"),
-                     smoke=(BASELINE, "gcpo"), smoke_num_eval=6, not_applicable={}),
+                     smoke=(BASELINE, "gcpo"), smoke_num_eval=6, not_applicable={},
+                     # the archived runs' settings: 50 iterations, evaluated every 10, two runs at a time
+                     eval_every=10, jobs=2),
 }
 #: phases whose forwards and seconds are the cost of training (not evaluation or checkpoints)
 TRAIN_PHASES = ("rollout", "update", "reference", "replay", "profile")
@@ -301,80 +306,122 @@ ARCHIVES = {"compose": "benchmarks/results/time_to_reward_compose"}
 
 
 def regime_sha256(world: World) -> str:
-    """One hash of what every run of a world is made of: its base recipe and the profiles it names."""
+    """One hash of what every run of a world is made of: its base recipe as resolved (so an edited
+    comment does not count, a changed value does) and the profiles it names."""
     import hashlib
 
     from flowrl.recipe import load_recipe, profile_keys
 
-    h = hashlib.sha256((REPO / world.recipe).read_bytes())
-    for _, path in sorted(profile_keys(load_recipe(REPO / world.recipe, []))):
+    recipe = load_recipe(REPO / world.recipe, [])
+    h = hashlib.sha256(json.dumps(recipe.to_toml_dict(), sort_keys=True, default=str).encode())
+    for _, path in sorted(profile_keys(recipe)):
         if path:
             h.update(Path(path).read_bytes())
     return h.hexdigest()
 
 
 def run_identity(name: str, seed: int, args) -> dict:
-    """What an archived run must share with the one asked for to stand in for it."""
+    """What an archived run must share with the one asked for to stand in for it: its settings,
+    and the runs at once it was timed under (train seconds depend on the neighbours' load)."""
     world = WORLDS[args.world]
     return {"config": name, "seed": seed, "overrides": overrides(name, world), "iterations": args.iterations,
-            "eval_every": args.eval_every, "regime_sha256": args.regime_sha256}
+            "eval_every": args.eval_every, "jobs": args.jobs, "regime_sha256": args.regime_sha256}
+
+
+def _archived(name: str, seed: int, args) -> tuple[Path, dict | None] | None:
+    if args.archive is None:
+        return None
+    path = args.archive / f"{name}_s{seed}.json"
+    return path, (json.loads(path.read_text()) if path.is_file() else None)
+
+
+def _same_run(record: dict, name: str, seed: int, args) -> bool:
+    return all(record.get(k) == v for k, v in run_identity(name, seed, args).items())
 
 
 def archived_points(name: str, seed: int, args) -> list[dict] | None:
     """The archived evaluation curve of this run, if the archive holds it under the same identity."""
-    if args.archive is None:
+    found = _archived(name, seed, args)
+    if found is None or found[1] is None or not _same_run(found[1], name, seed, args):
         return None
-    path = args.archive / f"{name}_s{seed}.json"
-    if not path.is_file():
-        return None
-    record = json.loads(path.read_text())
-    if any(record.get(k) != v for k, v in run_identity(name, seed, args).items()):
-        print(f"  {path.name} in the archive is another run (other overrides, iterations or regime): running it",
-              flush=True)
-        return None
-    return record["points"]
+    return found[1]["points"]
 
 
 def archive_run(name: str, seed: int, args, run_dir: Path) -> None:
     """Keep the finished run's evaluation curve (:func:`curve`: every evaluation with the train
-    seconds and forwards before it), with the machine and load it ran under."""
+    seconds and forwards before it), with the machine it ran on. A record of the same run under
+    other settings is never overwritten (the run is then reported from its folder only), and a
+    folder is archived only if it is a finished run of exactly these settings."""
     import platform
     from datetime import datetime, timezone
 
-    if args.archive is None or archived_points(name, seed, args) is not None:
+    found = _archived(name, seed, args)
+    if found is None:
+        return
+    path, record = found
+    if record is not None:
+        if not _same_run(record, name, seed, args):
+            differ = [k for k, v in run_identity(name, seed, args).items() if record.get(k) != v]
+            print(f"  not archived: {path} holds {name} seed {seed} under other settings ({', '.join(differ)}); "
+                  "it is kept", flush=True)
+        return
+    if not finished_as_asked(name, seed, args, run_dir):
+        print(f"  not archived: {run_dir} is not a finished run of these settings", flush=True)
         return
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else \
         platform.processor()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True).stdout.strip()
     record = {**run_identity(name, seed, args), "points": curve(run_dir, WORLDS[args.world].main),
-              "jobs": args.jobs, "cpu": cpu, "commit_when_archived": commit,
+              "cpu": cpu, "commit_when_archived": commit,
               "archived": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    args.archive.mkdir(parents=True, exist_ok=True)
-    tmp = args.archive / f".{name}_s{seed}.json.tmp"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(args.archive / f"{name}_s{seed}.json")
+    tmp.replace(path)
 
 
-def finished(run_dir: Path) -> bool:
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.is_file() and any(json.loads(line).get("final") for line in metrics.read_text().splitlines() if line)
-
-
-def run(name: str, seed: int, args) -> Path | None:
-    """Train one run unless it is archived or already finished in ``--out``; archive it when done."""
-    run_dir = args.out / f"{name}_s{seed}"
-    if archived_points(name, seed, args) is not None:
-        return None
-    if finished(run_dir):
-        archive_run(name, seed, args, run_dir)
-        return run_dir
+def run_sets(name: str, seed: int, args, run_dir: Path) -> list[str]:
+    """The ``--set`` overrides of one run: the config's, then the benchmark's own."""
     world = WORLDS[args.world]
     sets = [*overrides(name, world), f"run.output_dir='{run_dir}'", f"run.seed={seed}",
             f"train.iterations={args.iterations}", f"log.eval_every={args.eval_every}", "log.every=1",
             "log.progress=false", "log.image_every=0", f"checkpoint.every={args.iterations}"]
     if args.smoke:
         sets += [f"prompts.num_eval={world.smoke_num_eval}", "prompts.eval_seeds=1"]
+    return sets
+
+
+def finished_as_asked(name: str, seed: int, args, run_dir: Path) -> bool:
+    """The run's folder holds a finished run made with exactly these settings: its saved recipe is
+    the one this run would resolve to (output folder aside), and its metrics reach the final row."""
+    import tomllib
+
+    from flowrl.recipe import load_recipe
+
+    metrics = run_dir / "metrics.jsonl"
+    if not (metrics.is_file() and (run_dir / "recipe.toml").is_file()):
+        return False
+    if not any(json.loads(line).get("final") for line in metrics.read_text().splitlines() if line):
+        return False
+    asked = load_recipe(REPO / WORLDS[args.world].recipe, run_sets(name, seed, args, run_dir)).to_toml_dict()
+    saved = tomllib.loads((run_dir / "recipe.toml").read_text())
+    for recipe in (asked, saved):
+        recipe.get("run", {}).pop("output_dir", None)
+    return json.loads(json.dumps(asked, default=str)) == json.loads(json.dumps(saved, default=str))
+
+
+def run(name: str, seed: int, args) -> Path | None:
+    """Train one run unless it is archived or already finished as asked in ``--out``; archive it
+    when done."""
+    run_dir = args.out / f"{name}_s{seed}"
+    if archived_points(name, seed, args) is not None:
+        return None
+    if finished_as_asked(name, seed, args, run_dir):
+        archive_run(name, seed, args, run_dir)
+        return run_dir
+    world = WORLDS[args.world]
+    sets = run_sets(name, seed, args, run_dir)
     cmd = [sys.executable, "-m", "flowrl", "train", world.recipe, "--overwrite", *[a for s in sets for a in ("--set", s)]]
     t0 = time.time()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -549,9 +596,10 @@ def main(argv=None) -> int:
                    help="where finished runs' curves are kept and reused (compose: default "
                         "benchmarks/results/time_to_reward_compose; shapes and --smoke: none; 'none': no archive)")
     p.add_argument("--iterations", type=int, default=50)
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every", type=int, default=None, help="default: shapes 5, compose 10")
     p.add_argument("--target-rise", type=float, default=None, help="default: shapes 0.03, compose 0.10")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (train time then includes the neighbour's load)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs at once (train time then includes the neighbour's load; default: shapes 1, compose 2)")
     p.add_argument("--out", type=Path, default=None, help="default: runs/time_to_reward (shapes), "
                                                           "runs/time_to_reward_compose (compose)")
     p.add_argument("--smoke", action="store_true", help="2 iterations, a few evaluation prompts x 1 noise, 1 seed")
@@ -561,6 +609,8 @@ def main(argv=None) -> int:
     world = WORLDS[args.world]
     if args.target_rise is None:
         args.target_rise = world.target_rise
+    args.eval_every = world.eval_every if args.eval_every is None else args.eval_every
+    args.jobs = world.jobs if args.jobs is None else args.jobs
     if args.out is None:
         args.out = REPO / "runs" / ("time_to_reward" if args.world == "shapes" else f"time_to_reward_{args.world}")
     if args.check:
@@ -583,8 +633,8 @@ def main(argv=None) -> int:
         args.seed_values = [42 + k for k in range(args.seeds)]
     if args.archive is None and not args.smoke and args.world in ARCHIVES:
         args.archive = REPO / ARCHIVES[args.world]
-    elif args.archive is not None and str(args.archive) == "none":
-        args.archive = None
+    elif args.archive is not None:
+        args.archive = None if str(args.archive) == "none" else REPO / args.archive  # a relative path: from the repository root
     args.regime_sha256 = regime_sha256(world)
     asked = args.configs or list(world.defaults)
     args.configs = applicable(asked, world)

@@ -1,5 +1,5 @@
 """Why an RL-trained embedded model draws triangles with a flared foot: does the verifier pay
-for it? (docs/study.md, "The triangles' foot")
+for it? (docs/study_shapes.md, "The triangles' foot")
 
     OMP_NUM_THREADS=1 python benchmarks/triangle_foot.py [--checkpoint RUN/checkpoints/iter_N] [--noises 4]
 

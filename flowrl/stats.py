@@ -164,6 +164,26 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
     return Interval(n, mean(values), sd, half, confidence)
 
 
+def seeds_for_half_width(sd: float, target: float, confidence: float = 0.95, limit: int = 100_000) -> int:
+    """The fewest values ``m >= 2`` whose t interval, at standard deviation ``sd``, has a half-width
+    of at most ``target``: the smallest m with ``t_{(1+c)/2, m-1} sd / sqrt(m) <= target``. The
+    quantile falls as m grows (12.7 at m = 2, 2.78 at m = 5 for 95%), so this is fewer than the
+    normal approximation's scaling of a small sample's half-width would suggest.
+
+    >>> seeds_for_half_width(0.05, 0.02)
+    27
+    """
+    if sd < 0 or target <= 0:
+        raise ValueError(f"need sd >= 0 and target > 0, got sd={sd}, target={target}")
+    z = t_quantile(0.5 + confidence / 2.0, 1e12)  # the normal quantile: t's exceeds it, so m >= (z sd / target)^2
+    m = max(2, math.floor((z * sd / target) ** 2))
+    while t_quantile(0.5 + confidence / 2.0, m - 1) * sd / math.sqrt(m) > target:
+        m += 1
+        if m > limit:
+            raise ArithmeticError(f"more than {limit} values needed (sd={sd}, target={target})")
+    return m
+
+
 def paired_differences(a: Mapping[Hashable, float], b: Mapping[Hashable, float]) -> dict[Hashable, float]:
     """``a[k] - b[k]`` for every key (seed) in both mappings, in the order of ``a``."""
     return {k: float(a[k]) - float(b[k]) for k in a if k in b}

@@ -145,7 +145,7 @@ def test_study_compose_smoke(study, tmp_path, flowrl_cli):
                           cwd=REPO, env=flowrl_cli.env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    text = (tmp_path / "out" / "study_compose.md").read_text()
+    text = (tmp_path / "out" / "study.md").read_text()
     assert "SMOKE REHEARSAL: not a result." in text
     assert "## GenEval per category, final checkpoints" in text and "| color_attr | overall |" in text
     assert "clip fraction" in text
@@ -155,13 +155,14 @@ def test_study_compose_smoke(study, tmp_path, flowrl_cli):
     assert len(tables) == 1 + len(study.VARIANTS) and "base.json" in tables
 
 
-def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str] | None = None) -> Path:
+def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str] | None = None,
+                      sweep: Path | None = None, failed: tuple[str, ...] = ()) -> Path:
     """A finished compose study sweep as `flowrl sweep` and `geneval_tables` leave it, without
     training: every variant's metrics (evaluations at 0, 10, 20 and the final row, update rows
     with the diagnostics the report reads), its recipe, and the GenEval tables (with per-image
     rows, which the archive drops). Each variant's scores differ by a fixed step per variant plus
     a per-seed offset, so paired differences are known."""
-    sweep = root / "sweep"
+    sweep = sweep or root / "sweep"
     runs = []
     cats = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
 
@@ -170,7 +171,7 @@ def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str
                 "categories": {c: {"mean": overall, "sem": 0.05} for c in cats},
                 "settings": {"repeats": study.GENEVAL_PASSES, "images": 624}, "per_image": [{"score": 1}] * 624}
 
-    (sweep / "geneval").mkdir(parents=True)
+    (sweep / "geneval").mkdir(parents=True, exist_ok=True)
     (sweep / "geneval" / "base.json").write_text(json.dumps(table(0.45, None)))
     for v, name in enumerate(study.VARIANTS):
         for seed in seeds:
@@ -192,9 +193,12 @@ def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
             (sweep / "geneval" / f"{name}_seed{seed}.json").write_text(
                 json.dumps(table(0.45 + 0.01 * v + 0.002 * (seed % 7), 20)))
-            runs.append({"id": f"{name}_seed{seed}", "variant": name, "seed": seed, "status": "done",
+            runs.append({"id": f"{name}_seed{seed}", "variant": name, "seed": seed,
+                         "status": "failed" if f"{name}_seed{seed}" in failed else "done",
                          "dir": f"runs/{name}_seed{seed}", "wall_time_s": 100.0})
-    (sweep / "sweep.json").write_text(json.dumps({"runs": runs, "elapsed_s": 600.0}))
+    (sweep / "sweep.json").write_text(json.dumps({"spec": {"seeds": seeds}, "runs": runs, "elapsed_s": 600.0}))
+    if (sweep / "regime.json").is_file():  # the study recorded it before the sweep began
+        return sweep
     profile = "recipes/profiles/compose_window16.json"
     regime = {"world": "compose", "recipe": "recipes/study_compose.toml",
               "recipe_sha256": study.sha256(REPO / "recipes/study_compose.toml"),
@@ -215,7 +219,7 @@ def _report(study, flowrl_cli, monkeypatch, sweep: Path, archive: Path, out: Pat
     monkeypatch.setattr(study, "flowrl", in_process)
     study.main(["--world", "compose", "--report-only", "--seed-list", ",".join(map(str, seeds)),
                 "--sweep-dir", str(sweep), "--archive", str(archive), "--out", str(out)])
-    return " ".join((out / "study_compose.md").read_text().split())  # the report's words, unwrapped
+    return " ".join((out / "study.md").read_text().split())  # the report's words, unwrapped
 
 
 def test_study_seeds_accumulate_in_the_archive_across_batches(study, tmp_path, flowrl_cli, monkeypatch):
@@ -255,9 +259,17 @@ def test_study_seeds_accumulate_in_the_archive_across_batches(study, tmp_path, f
     assert len(json.loads((archive / "sweep.json").read_text())["runs"]) == 4 * len(study.VARIANTS)
 
 
-def _fake_ttr_run(run_dir: Path, rise_per_eval: float) -> None:
-    """A finished time-to-reward run's metrics: evaluations at 0, 10, 20 (and the final row),
-    10 train seconds and 100 forwards an iteration."""
+def _fake_ttr_run(ttr, name: str, args, rise_per_eval: float, **recipe_sets) -> None:
+    """A finished time-to-reward run as `flowrl train` leaves it, without training: the recipe it
+    resolved to (``recipe_sets`` changes it, as a run made with other settings), evaluations at 0,
+    10, 20 and the final row, 10 train seconds and 100 forwards an iteration."""
+    from flowrl.recipe import dump_toml, load_recipe
+
+    run_dir = args.out / f"{name}_s42"
+    run_dir.mkdir(parents=True)
+    sets = ttr.run_sets(name, 42, args, run_dir) + [f"{k.replace('__', '.')}={v}" for k, v in recipe_sets.items()]
+    recipe = load_recipe(REPO / ttr.WORLDS["compose"].recipe, sets)
+    (run_dir / "recipe.toml").write_text(dump_toml(recipe.to_toml_dict()))
     rows = []
     for it in range(21):
         evals = {"eval/compose_geneval_strict/mean": 0.4 + rise_per_eval * it / 10,
@@ -265,44 +277,58 @@ def _fake_ttr_run(run_dir: Path, rise_per_eval: float) -> None:
                  "eval/compose_clip/sem": 0.035, "eval/hf_share/mean": 0.15} if it % 10 == 0 else {}
         rows.append({"iteration": it, "final": True, **evals} if it == 20 else
                     {"iteration": it, **evals, "time/rollout": 4.0, "time/update": 6.0, "compute/rollout/forward": 100.0})
-    run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def test_time_to_reward_keeps_finished_runs_in_its_archive(ttr, tmp_path, monkeypatch):
     """A finished run's evaluation curve goes into the archive; a later session with no run
-    folder reuses it (no training) and summarises the same numbers; a run asked for with other
-    settings is not taken from the archive."""
+    folder reuses it (no training) and summarises what the run folders gave; a run asked for with
+    other settings is not taken from the archive, and its record is never overwritten; a run
+    folder made with other settings is not archived as this run."""
     import argparse
+    import shutil
 
-    args = argparse.Namespace(world="compose", out=tmp_path / "runs", archive=tmp_path / "archive", iterations=20,
-                              eval_every=10, jobs=2, seed_values=[42], configs=["flow_grpo", "nft"],
-                              target_rise=0.10, regime_sha256=ttr.regime_sha256(ttr.WORLDS["compose"]))
-    _fake_ttr_run(args.out / "flow_grpo_s42", 0.06)
-    _fake_ttr_run(args.out / "nft_s42", 0.12)
-    monkeypatch.setattr(ttr.subprocess, "run", lambda cmd, **kw: pytest.fail(f"trained: {cmd}")
-                        if "train" in cmd else subprocess.CompletedProcess(cmd, 0, "", ""))
+    args = argparse.Namespace(world="compose", out=tmp_path / "runs", archive=None, iterations=20, eval_every=10,
+                              jobs=2, smoke=False, seed_values=[42], configs=["flow_grpo", "nft"], target_rise=0.10,
+                              regime_sha256=ttr.regime_sha256(ttr.WORLDS["compose"]))
+    _fake_ttr_run(ttr, "flow_grpo", args, 0.06)
+    _fake_ttr_run(ttr, "nft", args, 0.12)
+    trained = []
+    monkeypatch.setattr(ttr.subprocess, "run", lambda cmd, **kw: trained.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", "") if "train" in cmd else
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    from_runs = ttr.summarise(args)  # from the run folders alone
+    assert from_runs["configs"]["nft"]["runs"][42]["seconds"] == 100.0  # +0.12 at iteration 10
+    assert from_runs["configs"]["flow_grpo"]["runs"][42]["seconds"] == 200.0
+
+    args.archive = tmp_path / "archive"
     for name in args.configs:
-        ttr.run(name, 42, args)  # finished in --out: archived, not trained
-    from_runs = ttr.summarise(args)
+        assert ttr.run(name, 42, args) is not None  # finished as asked in --out: archived, not trained
+    assert not trained
     record = json.loads((args.archive / "nft_s42.json").read_text())
     assert record["overrides"] == ttr.overrides("nft", ttr.WORLDS["compose"]) and record["jobs"] == 2
     assert [p["iteration"] for p in record["points"]] == [0, 10, 20] and record["points"][1]["seconds"] == 100.0
 
     # the next session: no run folders, the same report from the archive alone
-    import shutil
     shutil.rmtree(args.out)
     for name in args.configs:
         assert ttr.run(name, 42, args) is None
-    assert ttr.summarise(args) == from_runs
-    assert from_runs["configs"]["nft"]["runs"][42]["seconds"] == 100.0  # +0.12 at iteration 10
-    assert from_runs["configs"]["flow_grpo"]["runs"][42]["seconds"] == 200.0
+    assert not trained and ttr.summarise(args) == from_runs
 
-    # other settings: the archived curve does not stand in for the run
-    args.iterations = 30
+    # other settings (here: one run at a time) are not taken from the archive; the run trains, and
+    # the record of the two-at-a-time run stays as it was
+    args.jobs = 1
     assert ttr.archived_points("nft", 42, args) is None
-    args.iterations, args.regime_sha256 = 20, "0" * 64
+    ttr.run("nft", 42, args)
+    assert len(trained) == 1 and json.loads((args.archive / "nft_s42.json").read_text()) == record
+    args.jobs, args.regime_sha256 = 2, "0" * 64
     assert ttr.archived_points("nft", 42, args) is None
+
+    # a finished folder made with other settings (lr) is retrained, not archived as this run
+    args.regime_sha256, args.archive = ttr.regime_sha256(ttr.WORLDS["compose"]), tmp_path / "archive2"
+    _fake_ttr_run(ttr, "nft", args, 0.12, train__lr=1e-3)
+    ttr.run("nft", 42, args)
+    assert len(trained) == 2 and not (args.archive / "nft_s42.json").exists()
 
 
 def test_an_interrupted_study_batch_archives_only_its_finished_seeds(study, tmp_path, flowrl_cli, monkeypatch):
@@ -320,3 +346,40 @@ def test_an_interrupted_study_batch_archives_only_its_finished_seeds(study, tmp_
     assert [b["seeds"] for b in json.loads((archive / "sweep.json").read_text())["batches"]] == [[42]]
     assert not (archive / "runs" / "step_seed43").exists() and not (sweep / "geneval" / "dynamics_seed43.json").exists()
     assert "7 runs (7 variants x 1 seed: 42)" in text and "no interval yet (fewer than 2 seeds)" in text
+
+
+def test_a_new_study_batch_runs_only_unarchived_seeds_and_refuses_another_regime_first(study, tmp_path, flowrl_cli,
+                                                                                       monkeypatch):
+    """The default command of a later session skips the archived seeds; a batch under another
+    regime is refused before any run; a sweep that fails still archives its finished seeds, writes
+    the report, and exits non-zero."""
+    archive, out = tmp_path / "archive", tmp_path / "out"
+    _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "a", [42, 43]), archive, out, [42, 43])
+    sweeps, real_run = [], subprocess.run
+
+    def fake_run(cmd, *a, **kw):
+        if "sweep" not in cmd:
+            return real_run(cmd, *a, **kw)
+        seeds = [int(x) for x in cmd[cmd.index("--seed-list") + 1].split(",")]
+        sweeps.append(seeds)
+        sweep_dir = Path(cmd[cmd.index("-o") + 1])
+        _fake_study_sweep(study, tmp_path, seeds, sweep=sweep_dir, failed=("gspo_16_seed47",))
+        return subprocess.CompletedProcess(cmd, 1 if 47 in seeds else 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    common = ["--world", "compose", "--archive", str(archive), "--out", str(out)]
+    study.main([*common, "--seeds", "4", "--sweep-dir", str(tmp_path / "b")])
+    assert sweeps == [[44, 45]]
+    manifest = json.loads((archive / "sweep.json").read_text())
+    assert [b["seeds"] for b in manifest["batches"]] == [[42, 43], [44, 45]]
+    assert manifest["batches"][1]["runs_wall_s"] == 2 * len(study.VARIANTS) * 100.0
+
+    with pytest.raises(SystemExit, match="differs from the study archived .* in sets"):
+        study.main([*common, "--seed-list", "46", "--set", "train.lr=1e-4", "--sweep-dir", str(tmp_path / "c")])
+    assert sweeps == [[44, 45]] and not (tmp_path / "c" / "sweep.json").exists()
+
+    with pytest.raises(SystemExit, match="flowrl sweep exited with 1"):
+        study.main([*common, "--seed-list", "46,47", "--sweep-dir", str(tmp_path / "d")])
+    manifest = json.loads((archive / "sweep.json").read_text())
+    assert [b["seeds"] for b in manifest["batches"]] == [[42, 43], [44, 45], [46]]
+    assert "35 runs (7 variants x 5 seeds: 42, 43, 44, 45, 46)" in " ".join((out / "study.md").read_text().split())

@@ -14,6 +14,7 @@ from flowrl.stats import (
     curve_auc,
     paired_differences,
     paired_interval,
+    seeds_for_half_width,
     t_cdf,
     t_interval,
     t_quantile,
@@ -106,6 +107,23 @@ def test_paired_interval_by_hand():
     assert iv.mean == pytest.approx(0.026, abs=1e-12)
     assert iv.sd == pytest.approx(0.0114018, abs=1e-7)
     assert iv.half_width == pytest.approx(0.0141572, abs=1e-7)
+
+
+def test_seeds_for_half_width_by_the_table():
+    # sd 0.05, target 0.02: 0.02 / 0.05 = 0.4 = t / sqrt(m). m = 26: t(25) = 2.059539, 2.059539 / 5.09902
+    # = 0.40391 > 0.4; m = 27: t(26) = 2.055529, 2.055529 / 5.196152 = 0.39559 <= 0.4. So 27, where
+    # scaling a 5-value half-width (2.776445 * 0.05 / sqrt(5) = 0.062083) by (0.062083 / 0.02)^2 * 5 gives 49.
+    assert seeds_for_half_width(0.05, 0.02) == 27
+    # sd 0.02, target 0.02: t(m-1) <= sqrt(m); m = 6: 2.570582 > 2.449490; m = 7: t(6) = 2.446912 <= 2.645751
+    assert seeds_for_half_width(0.02, 0.02) == 7
+    assert seeds_for_half_width(0.0, 0.02) == 2  # no spread: the fewest values an interval needs
+    for sd in (0.01, 0.03, 0.07, 0.2):  # the answer is the first m that meets the target
+        m = seeds_for_half_width(sd, 0.02)
+        assert t_interval_half(sd, m) <= 0.02 < (t_interval_half(sd, m - 1) if m > 2 else math.inf)
+
+
+def t_interval_half(sd: float, m: int) -> float:
+    return t_quantile(0.975, m - 1) * sd / math.sqrt(m)
 
 
 def test_curve_auc_by_hand():
