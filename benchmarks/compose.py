@@ -28,13 +28,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from flowrl.runlog import read_metrics  # noqa: E402
+from flowrl.processes import exits_with_parent  # noqa: E402  (no benchmark child outlives this script)
 
 #: the phases that train (as benchmarks/time_to_reward.py counts them): not evaluation, images or checkpoints
 TRAINING = ("encode", "decode", "reward", "advantage", "rollout", "update", "reference", "replay", "profile")
 
 
 def flowrl(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "flowrl", *args], cwd=REPO, capture_output=True, text=True, preexec_fn=exits_with_parent())
     if done.returncode:
         raise SystemExit(f"flowrl {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
 

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from flowrl.processes import exits_with_parent  # noqa: E402  (no benchmark child outlives this script)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -105,7 +106,7 @@ def launch(kind: str, procs: int, args, out: Path) -> dict:
     cmd = [sys.executable, *script] if procs == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", *script]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run(cmd, env=env, check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=exits_with_parent())
     return json.loads(out.read_text())
 
 

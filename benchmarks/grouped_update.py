@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from flowrl.runlog import read_metrics  # noqa: E402
+from flowrl.processes import exits_with_parent  # noqa: E402  (no benchmark child outlives this script)
 
 GROUPS = (1, 4)
 
@@ -41,7 +42,7 @@ def run_once(group: int, iterations: int, out: Path) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "flowrl",
            "train", str(REPO / "recipes" / "quickstart_hacking.toml"), *[a for s in sets for a in ("--set", s)]]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=exits_with_parent())
     rows = read_metrics(out)
     times = [r["time/update"] for r in rows if "time/update" in r and r.get("iteration", 0) >= 1]
     return statistics.median(times)

@@ -46,6 +46,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from flowrl.processes import exits_with_parent  # noqa: E402  (no benchmark child outlives this script)
 
 REPO = Path(__file__).resolve().parents[1]
 LEARN = ["quickstart", "quickstart_epg", "quickstart_pepg", "quickstart_par", "quickstart_vgrpo", "quickstart_fdfo",
@@ -67,7 +68,7 @@ def offline_table(recipe: str) -> None:
         return
     cmd = [sys.executable, "-m", "flowrl", "sample", f"recipes/{recipe}.toml", "--prompts", "recipes/prompts/shapes.csv",
            "--set", "prompts.eval_split=train", "--tables", *options]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=exits_with_parent())
     if done.returncode:
         raise SystemExit(f"the table for {recipe} could not be written:\n{done.stderr[-4000:]}")
 HACKING = ["quickstart", "quickstart_gardo", "quickstart_diversity"]
@@ -86,7 +87,7 @@ def run(recipe: str, seed: int, out: Path, smoke: bool, images: bool = False) ->
     if smoke:
         cmd += ["--set", "train.iterations=2", "--set", "prompts.num_eval=4"]
     t0 = time.time()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=exits_with_parent())
     if done.returncode:
         raise SystemExit(f"{recipe} seed {seed} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     print(f"  ran {recipe} seed {seed} in {time.time() - t0:.0f} s", flush=True)

@@ -96,6 +96,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flowrl.processes import exits_with_parent
 from flowrl.stats import paired_interval, seeds_for_half_width, t_interval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +170,7 @@ GENEVAL_PASSES = 2
 def flowrl(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "flowrl", *args]
     print("$ flowrl " + " ".join(args), flush=True)
-    return subprocess.run(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE)
+    return subprocess.run(cmd, cwd=REPO, text=True, stdout=subprocess.PIPE, preexec_fn=exits_with_parent())
 
 
 def compare(sweep_dir: Path, out: Path, metric: str, *extra: str) -> dict:
@@ -761,7 +762,9 @@ def main(argv: list[str] | None = None) -> None:
             path.write_text(json.dumps(regime, indent=1))
     sweep_failed = None
     if not args.report_only and args.seed_values:
-        proc = subprocess.run([sys.executable, "-m", "flowrl", "sweep", *sweep_args], cwd=REPO)
+        # killing this script stops the sweep as Ctrl-C does (its runs checkpoint): no orphan keeps training
+        proc = subprocess.run([sys.executable, "-m", "flowrl", "sweep", *sweep_args], cwd=REPO,
+                              preexec_fn=exits_with_parent())
         if proc.returncode != 0:  # archive the seeds that did finish, then stop with the sweep's status
             sweep_failed = f"flowrl sweep exited with {proc.returncode}; run this script again to resume"
             print(sweep_failed, flush=True)

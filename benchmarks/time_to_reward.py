@@ -112,6 +112,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from objectives import rise  # noqa: E402  (the held-out SE as benchmarks/objectives.py computes it)
 
+from flowrl.processes import exits_with_parent  # noqa: E402
 from flowrl.stats import paired_interval, t_interval  # noqa: E402
 
 RECIPE = "recipes/study_embedded.toml"
@@ -424,7 +425,7 @@ def run(name: str, seed: int, args) -> Path | None:
     sets = run_sets(name, seed, args, run_dir)
     cmd = [sys.executable, "-m", "flowrl", "train", world.recipe, "--overwrite", *[a for s in sets for a in ("--set", s)]]
     t0 = time.time()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=exits_with_parent())
     if done.returncode:
         raise SystemExit(f"{name} seed {seed} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     print(f"  ran {name} seed {seed} in {time.time() - t0:.0f} s", flush=True)

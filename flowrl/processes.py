@@ -26,6 +26,29 @@ def signal_on_parent_death(signum: int) -> bool:
     return True
 
 
+def exits_with_parent(signum: int = signal.SIGINT):
+    """A ``preexec_fn`` for :mod:`subprocess`: the child receives ``signum`` when the thread that
+    started it exits, so that killing a script which launches flowrl commands (the benchmarks)
+    leaves none of them running. SIGINT by default: a flowrl command then stops as on Ctrl-C (a
+    training run or a sweep after its checkpoint). Linux only; elsewhere the child is unchanged.
+
+    The prctl function is looked up here, in the parent: between fork and exec the child only
+    calls it (no library loading there, which another thread of the parent may hold a lock of)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+    except (OSError, AttributeError):
+        prctl = None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signum))
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(128 + int(signum))
+
+    return preexec
+
+
 def die_with_parent(parent_pid: int, signum: int = getattr(signal, "SIGKILL", signal.SIGTERM)) -> None:
     """Ask for ``signum`` when the parent exits, then exit at once if the parent (``parent_pid``)
     is already gone: it may have died before the request took effect, and then no signal comes."""

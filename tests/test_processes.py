@@ -1,9 +1,12 @@
-"""flowrl.processes: a stop that arrives while a child is being spawned."""
+"""flowrl.processes: a stop that arrives while a child is being spawned; a child started with
+``exits_with_parent`` does not outlive the script that started it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,3 +56,43 @@ def test_a_ctrl_c_between_a_childs_exec_and_its_data_is_raised_once_the_child_ha
     lines = proc.stdout.splitlines()
     assert "interrupted once started" in lines and "child ran" in lines, proc.stdout
     assert lines[-1] == "child exit 0 stopped [2]", proc.stdout
+
+
+LAUNCHER = """
+import subprocess, sys, threading
+from flowrl.processes import exits_with_parent
+
+def start():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                             preexec_fn=exits_with_parent())
+    print(child.pid, flush=True)
+    child.wait()
+
+# as the benchmarks start flowrl commands: from the main thread and from a worker thread
+threads = [threading.Thread(target=start) for _ in range(2)]
+for t in threads:
+    t.start()
+start()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_killed_launcher_leaves_no_child_started_with_exits_with_parent():
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+    pids = [int(launcher.stdout.readline()) for _ in range(3)]
+    for pid in pids:
+        os.kill(pid, 0)  # running
+    launcher.kill()  # SIGKILL: the launcher runs no handler of its own
+    launcher.wait(30)
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _alive(pid)]
+        time.sleep(0.1)
+    assert not alive, f"children outlived their launcher: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    from flowrl.processes import pid_alive
+
+    return pid_alive(pid)
