@@ -156,12 +156,13 @@ def test_study_compose_smoke(study, tmp_path, flowrl_cli):
 
 
 def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str] | None = None,
-                      sweep: Path | None = None, failed: tuple[str, ...] = ()) -> Path:
+                      sweep: Path | None = None, failed: tuple[str, ...] = (), jitter: float = 0.0) -> Path:
     """A finished compose study sweep as `flowrl sweep` and `geneval_tables` leave it, without
     training: every variant's metrics (evaluations at 0, 10, 20 and the final row, update rows
     with the diagnostics the report reads), its recipe, and the GenEval tables (with per-image
     rows, which the archive drops). Each variant's scores differ by a fixed step per variant plus
-    a per-seed offset, so paired differences are known."""
+    a per-seed offset, so paired differences are known; ``jitter`` moves chunks_8_8's GenEval
+    overall up on even seeds and down on odd ones."""
     sweep = sweep or root / "sweep"
     runs = []
     cats = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
@@ -191,8 +192,9 @@ def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str
                 else:
                     rows.append({"iteration": it, "final": True, **evals})
             (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            wobble = jitter * (1 if seed % 2 == 0 else -1) if name == "chunks_8_8" else 0.0
             (sweep / "geneval" / f"{name}_seed{seed}.json").write_text(
-                json.dumps(table(0.45 + 0.01 * v + 0.002 * (seed % 7), 20)))
+                json.dumps(table(0.45 + 0.01 * v + 0.002 * (seed % 7) + wobble, 20)))
             runs.append({"id": f"{name}_seed{seed}", "variant": name, "seed": seed,
                          "status": "failed" if f"{name}_seed{seed}" in failed else "done",
                          "dir": f"runs/{name}_seed{seed}", "wall_time_s": 100.0})
@@ -383,3 +385,21 @@ def test_a_new_study_batch_runs_only_unarchived_seeds_and_refuses_another_regime
     manifest = json.loads((archive / "sweep.json").read_text())
     assert [b["seeds"] for b in manifest["batches"]] == [[42, 43], [44, 45], [46]]
     assert "35 runs (7 variants x 5 seeds: 42, 43, 44, 45, 46)" in " ".join((out / "study.md").read_text().split())
+
+
+def test_the_report_says_how_many_seeds_the_bar_needs_when_an_interval_is_too_wide(study, tmp_path, flowrl_cli,
+                                                                                  monkeypatch):
+    """A claim whose paired differences spread: its half-width is reported against 0.02 with the
+    seeds that spread would need (the t quantile's own count, flowrl.stats.seeds_for_half_width)."""
+    from flowrl.stats import paired_interval, seeds_for_half_width
+
+    seeds = [42, 43, 44, 45]
+    sweep = _fake_study_sweep(study, tmp_path / "a", seeds, jitter=0.04)
+    text = _report(study, flowrl_cli, monkeypatch, sweep, tmp_path / "archive", tmp_path / "out", seeds)
+    # chunks_8_8 (v = 2) against dynamics (v = 5) and gspo_16 (v = 1): differences -0.01 -+ 0.04 / 0.01 +- 0.04
+    iv = paired_interval({s: 0.05 for s in seeds}, {s: 0.02 + 0.04 * (1 if s % 2 == 0 else -1) for s in seeds})
+    needed = seeds_for_half_width(iv.sd, 0.02)
+    assert f"final checkpoints' GenEval table: widest paired half-width {iv.half_width:.3f}" in text
+    assert f"**wider than 0.02**: if the per-seed spread of the differences stays as measured (largest sd {iv.sd:.3f}), " \
+           f"about {needed} seeds bring every one to 0.02" in text
+    assert needed > 4
