@@ -249,12 +249,14 @@ def verdict_table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def load_runs(sweep_dir: Path, seeds: list[int], primary: str = PRIMARY) -> dict[tuple[str, int], tuple[list[dict], list[dict]]]:
-    """Each study run's metrics, read once: ``(variant, seed) -> (evaluation rows, update rows)``."""
+def load_runs(sweep_dir: Path, seeds: list[int], primary: str = PRIMARY,
+              folder: str = "runs") -> dict[tuple[str, int], tuple[list[dict], list[dict]]]:
+    """Each study run's metrics, read once: ``(variant, seed) -> (evaluation rows, update rows)``
+    (``folder``: the sweep's ``runs``, or an archive's :data:`ARCHIVED_RUNS`)."""
     runs = {}
     for name in VARIANTS:
         for seed in seeds:
-            text = (sweep_dir / "runs" / f"{name}_seed{seed}" / "metrics.jsonl").read_text()
+            text = (sweep_dir / folder / f"{name}_seed{seed}" / "metrics.jsonl").read_text()
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
             runs[name, seed] = ([r for r in rows if primary in r], [r for r in rows if "clip_fraction" in r])
     return runs
@@ -327,6 +329,32 @@ def worst_texture_figures(runs: dict, sweep_dir: Path, figures: Path) -> tuple[s
     shutil.copyfile(grids[0], REPO / figures / "texture_first_eval.png")
     shutil.copyfile(grids[-1], REPO / figures / "texture_final_eval.png")
     return run_dir.name, first, final
+
+
+TEXTURE_FIGURES = ("texture_first_eval.png", "texture_final_eval.png")
+
+
+def archived_texture(archive: Path, figures: Path, worst: tuple[str, float, float] | None):
+    """The worst texture over every batch: the archive keeps the grids of the run whose
+    ``hf_share`` rose the most (``texture/``), replaced when this report's sweep has a worse one,
+    and puts them beside the report when the sweep at hand has no grids (a report from the
+    archive alone)."""
+    import shutil
+
+    folder = archive / "texture"
+    kept = json.loads((folder / "texture.json").read_text()) if (folder / "texture.json").is_file() else None
+    if worst is not None and (kept is None or worst[2] - worst[1] >= kept["final"] - kept["first"]):
+        for name in TEXTURE_FIGURES:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(REPO / figures / name, folder / name)
+        _write_atomic(folder / "texture.json", json.dumps({"run": worst[0], "first": worst[1], "final": worst[2]}))
+        return worst
+    if kept is None:
+        return worst
+    (REPO / figures).mkdir(parents=True, exist_ok=True)
+    for name in TEXTURE_FIGURES:
+        shutil.copyfile(folder / name, REPO / figures / name)
+    return kept["run"], kept["first"], kept["final"]
 
 
 def sha256(path: Path) -> str:
@@ -434,9 +462,12 @@ def geneval_result(tables: dict[tuple[str, int], dict], seeds: list[int]) -> dic
 #: the per-iteration fields an archived run keeps (with every ``eval/`` and ``time/`` field): what
 #: the report, ``flowrl compare`` and the diagnostics read; the rest stays in the run's folder
 ARCHIVED_FIELDS = ("iteration", "final", "world_size", "clip_fraction", "ratio_min", "ratio_max", "ratio_mean",
-                   "approx_kl_old", "diag/log_ratio_std", "diag/unit_log_ratio_std", "groups/all_equal_fraction",
-                   "chunk_sizes", "trained_units", "num_units", "grad_norm", "loss", "lr", "nonfinite_steps",
+                   "approx_kl_old", "diag/log_ratio_std", "groups/all_equal_fraction",
+                   "chunk_sizes", "num_units", "grad_norm", "loss", "lr", "nonfinite_steps",
                    "reward/compose_geneval_exact/mean", "reward/compose_geneval_strict/mean", "reward/compose_clip/mean")
+#: the archive's folder of runs: not `runs/`, which the repository ignores wherever it is (a test checks
+#: that git keeps every archived file)
+ARCHIVED_RUNS = "run_records"
 #: what of the regime must agree for two batches of seeds to be one study
 REGIME_KEYS = ("recipe_sha256", "profiles", "sets", "variants", "primary", "secondary", "geneval_seed", "geneval_passes")
 
@@ -490,7 +521,7 @@ def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict
     for seed in new:
         for name in VARIANTS:
             run, src = done[name, seed], sweep_dir / done[name, seed]["dir"]
-            dst = archive / "runs" / f"{name}_seed{seed}"
+            dst = archive / ARCHIVED_RUNS / f"{name}_seed{seed}"
             rows = [json.loads(line) for line in (src / "metrics.jsonl").read_text().splitlines() if line.strip()]
             slim = [{k: v for k, v in r.items() if k in ARCHIVED_FIELDS or k.startswith(("eval/", "time/"))} for r in rows]
             _write_atomic(dst / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in slim))
@@ -499,7 +530,7 @@ def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict
             table = {k: v for k, v in tables[name, seed].items() if k != "per_image"}
             _write_atomic(archive / "geneval" / f"{name}_seed{seed}.json", json.dumps(table, indent=1))
             manifest["runs"].append({"id": f"{name}_seed{seed}", "variant": name, "seed": seed, "status": "done",
-                                     "dir": f"runs/{name}_seed{seed}", "wall_time_s": run.get("wall_time_s")})
+                                     "dir": f"{ARCHIVED_RUNS}/{name}_seed{seed}", "wall_time_s": run.get("wall_time_s")})
     if not (archive / "geneval" / "base.json").is_file():
         _write_atomic(archive / "geneval" / "base.json",
                       json.dumps({k: v for k, v in base.items() if k != "per_image"}, indent=1))
@@ -566,13 +597,13 @@ def compose_report(*, world: World, smoke: bool, command: str, report_dir: Path,
                    "of that many seeds)."))
 
     if worst is None:
-        texture = ("No run of this report's sweep has its evaluation grids on disk (the archive keeps no "
-                   "images), so no texture figure is shown.")
+        texture = ("No run of this report has its evaluation grids on disk or in the archive, so no texture "
+                   "figure is shown.")
     else:
         worst_run, worst_first, worst_final = worst
-        texture = f"""The largest `hf_share` rise among the runs whose grids were at hand when the report was
-written, `{worst_run}` ({worst_first:.3f} -> {worst_final:.3f}): its first evaluation (the base
-model) and its final one, the same held-out prompts and noise.
+        texture = f"""The largest `hf_share` rise of the study, `{worst_run}` ({worst_first:.3f} -> {worst_final:.3f}; its
+grids are kept in the archive): its first evaluation (the base model) and its final one, the same
+held-out prompts and noise.
 
 ![first evaluation]({world.figures}/texture_first_eval.png)
 ![final evaluation]({world.figures}/texture_final_eval.png)"""
@@ -811,8 +842,10 @@ def main(argv: list[str] | None = None) -> None:
         command = (f"{command} --seed-list SEEDS` for each batch below, and `python benchmarks/study.py --world "
                    f"{args.world}{' --smoke' if args.smoke else ''} --report-only")
     n_runs = sum(v["n"] for v in equal_it["variants"])
-    runs = load_runs(report_dir, seeds, primary)
+    runs = load_runs(report_dir, seeds, primary, ARCHIVED_RUNS if args.world != "shapes" else "runs")
     worst = worst_texture_figures(runs, sweep_dir, figures)
+    if args.world != "shapes":
+        worst = archived_texture(archive, figures, worst)
     rose = sum(evals[-1][primary] > evals[0][primary] for evals, _ in runs.values())
     n_runs_all = len(runs)
     clipped_runs = sum(sum(r["clip_fraction"] for r in train) > 0 for _, train in runs.values())

@@ -237,7 +237,7 @@ def test_study_seeds_accumulate_in_the_archive_across_batches(study, tmp_path, f
     table = json.loads((archive / "geneval" / "dynamics_seed43.json").read_text())
     assert "per_image" not in table and table["settings"]["repeats"] == study.GENEVAL_PASSES
     assert json.loads((archive / manifest["batches"][0]["regime"]).read_text())["geneval_passes"] == study.GENEVAL_PASSES
-    row = json.loads((archive / "runs" / "step_seed42" / "metrics.jsonl").read_text().splitlines()[0])
+    row = json.loads((archive / study.ARCHIVED_RUNS / "step_seed42" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/compose_geneval_exact/std" not in row and row["clip_fraction"] == 0.01
     assert "14 runs (7 variants x 2 seeds: 42, 43)" in text
 
@@ -346,7 +346,7 @@ def test_an_interrupted_study_batch_archives_only_its_finished_seeds(study, tmp_
     archive = tmp_path / "archive"
     text = _report(study, flowrl_cli, monkeypatch, sweep, archive, tmp_path / "out", [42, 43])
     assert [b["seeds"] for b in json.loads((archive / "sweep.json").read_text())["batches"]] == [[42]]
-    assert not (archive / "runs" / "step_seed43").exists() and not (sweep / "geneval" / "dynamics_seed43.json").exists()
+    assert not (archive / study.ARCHIVED_RUNS / "step_seed43").exists() and not (sweep / "geneval" / "dynamics_seed43.json").exists()
     assert "7 runs (7 variants x 1 seed: 42)" in text and "no interval yet (fewer than 2 seeds)" in text
 
 
@@ -403,3 +403,15 @@ def test_the_report_says_how_many_seeds_the_bar_needs_when_an_interval_is_too_wi
     assert f"**wider than 0.02**: if the per-seed spread of the differences stays as measured (largest sd {iv.sd:.3f}), " \
            f"about {needed} seeds bring every one to 0.02" in text
     assert needed > 4
+
+
+@pytest.mark.parametrize("archive", ["benchmarks/results/study_compose", "benchmarks/results/time_to_reward_compose"])
+def test_git_keeps_every_file_of_the_committed_archives(archive):
+    """The archives exist to outlive `runs/`, which the repository ignores wherever it appears: no
+    archived file may fall under an ignore rule (the study's run records once did)."""
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = [str(p.relative_to(REPO)) for p in (REPO / archive).rglob("*") if p.is_file()]
+    assert files, f"{archive} is empty"
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=REPO, capture_output=True, text=True)
+    assert ignored.stdout == "", f"ignored by git: {ignored.stdout.split()[:5]}"
