@@ -62,10 +62,15 @@ LAUNCHER = """
 import subprocess, sys, threading
 from flowrl.processes import exits_with_parent
 
+lock = threading.Lock()  # one whole line per child: print() from two threads may interleave
+
+
 def start():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
                              preexec_fn=exits_with_parent())
-    print(child.pid, flush=True)
+    with lock:
+        sys.stdout.write(f"{child.pid}\\n")
+        sys.stdout.flush()
     child.wait()
 
 # as the benchmarks start flowrl commands: from the main thread and from a worker thread
