@@ -97,6 +97,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flowrl.processes import exits_with_parent
+from flowrl.errors import FlowrlError  # noqa: E402
+from flowrl.sweeps import parse_seed_list  # noqa: E402
 from flowrl.stats import paired_interval, seeds_for_half_width, t_interval
 
 REPO = Path(__file__).resolve().parents[1]
@@ -729,13 +731,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs (no sweep)")
     args = ap.parse_args(argv)
     world = WORLDS[args.world]
-    if args.seed_list is not None:
+    if args.seed_list is not None:  # as `flowrl sweep --seed-list` reads it
         try:
-            args.seed_values = sorted({int(x) for x in args.seed_list.split(",") if x.strip()})
-        except ValueError:
-            sys.exit(f"--seed-list takes whole numbers separated by commas, got '{args.seed_list}'")
-        if not args.seed_values:
-            sys.exit("--seed-list names no seed")
+            args.seed_values = sorted(parse_seed_list(args.seed_list))
+        except FlowrlError as e:
+            sys.exit(str(e))
     else:
         args.seed_values = [42 + k for k in range(args.seeds)]
     sweep_dir = REPO / Path(args.sweep_dir or world.sweep_dir)

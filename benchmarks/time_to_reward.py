@@ -113,6 +113,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from objectives import rise  # noqa: E402  (the held-out SE as benchmarks/objectives.py computes it)
 
 from flowrl.processes import exits_with_parent  # noqa: E402
+from flowrl.errors import FlowrlError  # noqa: E402
+from flowrl.sweeps import parse_seed_list  # noqa: E402
 from flowrl.stats import paired_interval, t_interval  # noqa: E402
 
 RECIPE = "recipes/study_embedded.toml"
@@ -623,13 +625,11 @@ def main(argv=None) -> int:
     if args.smoke:
         args.iterations, args.eval_every, args.seeds, args.seed_list = 2, 1, 1, None
         args.configs = args.configs or list(world.smoke)
-    if args.seed_list is not None:
+    if args.seed_list is not None:  # as `flowrl sweep --seed-list` reads it
         try:
-            args.seed_values = sorted({int(x) for x in args.seed_list.split(",") if x.strip()})
-        except ValueError:
-            p.error(f"--seed-list takes whole numbers separated by commas, got '{args.seed_list}'")
-        if not args.seed_values:
-            p.error("--seed-list names no seed")
+            args.seed_values = sorted(parse_seed_list(args.seed_list))
+        except FlowrlError as e:
+            p.error(str(e))
     else:
         args.seed_values = [42 + k for k in range(args.seeds)]
     if args.archive is None and not args.smoke and args.world in ARCHIVES:
