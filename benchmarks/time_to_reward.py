@@ -7,6 +7,7 @@ docs/study_shapes.md, seeds paired, with the second judge (CLIP) beside it.
     python benchmarks/time_to_reward.py --smoke --out /tmp/ttr                   # 2 iterations, 2 configs, 1 seed
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose         # the compositional world (below)
     OMP_NUM_THREADS=1 python benchmarks/time_to_reward.py --world compose --seeds 5   # trains what the archive lacks
+    python benchmarks/time_to_reward.py --world compose --seeds 5 --report-only       # trains nothing; names what is missing
     python benchmarks/time_to_reward.py --world compose --check                   # validate every config there, run nothing
 
 Run from the repository root. Finished runs are reused (delete ``--out`` to start over); the
@@ -95,7 +96,10 @@ on the compose world every finished run's evaluation curve (:func:`curve`) is ke
 that make it that run (overrides, iterations, evaluation interval, a hash of the base recipe and
 its profiles) and the machine and load it ran under. A later session asks for the same table
 (``--seeds 5``, or ``--seed-list``) and trains only the runs the archive does not hold under the
-same settings; the report is the same whether a run's curve comes from the archive or its folder."""
+same settings; the report is the same whether a run's curve comes from the archive or its folder.
+``--report-only`` trains nothing and reports what the archive and ``--out`` hold: each config over
+the seeds it has, paired with ``flow_grpo`` on the seeds both have, every missing run named (never
+imputed), and the bar left unjudged for a config that lacks an asked seed."""
 
 from __future__ import annotations
 
@@ -465,10 +469,16 @@ def summarise(args) -> dict:
     if getattr(args, "skipped", None):
         report["skipped"] = args.skipped
     per: dict[str, dict[int, dict]] = {}
+    missing: dict[str, list[int]] = {}
     for name in args.configs:
         per[name] = {}
         for s in seeds:
-            points = archived_points(name, s, args) or curve(args.out / f"{name}_s{s}", main)
+            points = archived_points(name, s, args)
+            if points is None and finished_as_asked(name, s, args, args.out / f"{name}_s{s}"):
+                points = curve(args.out / f"{name}_s{s}", main)
+            if points is None:  # only with --report-only: every asked run is made first otherwise
+                missing.setdefault(name, []).append(s)
+                continue
             hit = reached(points, args.target_rise, main)
             first, final = points[0], points[-1]
             d2, z2 = rise(first, final, second)
@@ -491,15 +501,18 @@ def summarise(args) -> dict:
                  "second_change": t_interval([r["second_change"] for r in runs.values()]).as_dict(),
                  "hf_share_change": t_interval(hf).as_dict() if hf else None}
         report["configs"][name] = entry
+    if missing:
+        report["missing"] = missing
     if BASELINE in per:
         base = per[BASELINE]
         for name in args.configs:
             if name == BASELINE:
                 continue
-            both = [s for s in seeds if per[name][s]["reached"] and base[s]["reached"]]
+            paired = [s for s in seeds if s in per[name] and s in base]
+            both = [s for s in paired if per[name][s]["reached"] and base[s]["reached"]]
             ratios = {s: per[name][s]["seconds"] / base[s]["seconds"] for s in both}
-            clip = paired_interval({s: per[name][s]["second_change"] for s in seeds},
-                                   {s: base[s]["second_change"] for s in seeds})
+            clip = paired_interval({s: per[name][s]["second_change"] for s in paired},
+                                   {s: base[s]["second_change"] for s in paired})
             entry = report["configs"][name]
             entry["time_ratio"] = t_interval(list(ratios.values())).as_dict() if ratios else None
             entry["time_ratio_per_seed"] = ratios
@@ -512,6 +525,8 @@ def summarise(args) -> dict:
                 "intervals_apart": apart,
                 "clip_no_worse": not (clip.hi is not None and clip.hi < 0),
             }
+            # a config without every asked seed (its own and the baseline's) is not judged
+            entry["bar"]["complete"] = len(paired) == len(seeds)
             entry["bar"]["met"] = all(entry["bar"].values())
     return report
 
@@ -519,6 +534,8 @@ def summarise(args) -> dict:
 def fmt(iv: dict | None, digits: int = 1) -> str:
     if not iv:
         return "not reached"
+    if iv.get("mean") is None:  # no run of this config yet (--report-only)
+        return "n/a"
     hw = iv.get("half_width")
     return f"{iv['mean']:.{digits}f}" + (f" ± {hw:.{digits}f}" if hw is not None else " (n=1)")
 
@@ -535,7 +552,8 @@ def markdown(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in report["configs"].items():
         ratio = fmt(e.get("time_ratio"), 2) if name != BASELINE else "baseline"
-        bar = ("met" if e["bar"]["met"] else "not met") if "bar" in e else ""
+        bar = ("" if "bar" not in e else "met" if e["bar"]["met"] else
+               "not met" if e["bar"].get("complete", True) else "not judged (seeds missing)")
         hf = fmt(e["hf_share_change"], 4) if e.get("hf_share_change") else "n/a"
         lines.append(f"| {name} | {e['what']} | {e['reached']} | {fmt(e['seconds'])} | {fmt(e['forwards'], 0)} | "
                      f"{fmt(e['final'], 4)} | {fmt(e['second_change'], 4)} | {hf} | {ratio} | {bar} |")
@@ -544,6 +562,8 @@ def markdown(report: dict) -> str:
               "change: final minus first evaluation."]
     for name, why in report.get("skipped", {}).items():
         lines.append(f"- {name}: not run on this world: {why}")
+    for name, absent in report.get("missing", {}).items():
+        lines.append(f"- {name}: seed(s) {', '.join(map(str, absent))} not run yet; left out, never imputed")
     return "\n".join(lines)
 
 
@@ -606,6 +626,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="default: runs/time_to_reward (shapes), "
                                                           "runs/time_to_reward_compose (compose)")
     p.add_argument("--smoke", action="store_true", help="2 iterations, a few evaluation prompts x 1 noise, 1 seed")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: report the runs the archive and --out hold, naming the ones missing")
     p.add_argument("--check", action="store_true",
                    help="validate every config's overrides on the world's base recipe, print, run nothing")
     args = p.parse_args(argv)
@@ -643,8 +665,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     # seed-major: with --jobs 2 the configs of one seed run side by side, under the same load
     tasks = [(c, s) for s in args.seed_values for c in args.configs]
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        list(pool.map(lambda t: run(*t, args), tasks))
+    if not args.report_only:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            list(pool.map(lambda t: run(*t, args), tasks))
     report = summarise(args)
     (args.out / "report.json").write_text(json.dumps(report, indent=1))
     text = markdown(report)

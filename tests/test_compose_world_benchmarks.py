@@ -261,15 +261,15 @@ def test_study_seeds_accumulate_in_the_archive_across_batches(study, tmp_path, f
     assert len(json.loads((archive / "sweep.json").read_text())["runs"]) == 4 * len(study.VARIANTS)
 
 
-def _fake_ttr_run(ttr, name: str, args, rise_per_eval: float, **recipe_sets) -> None:
+def _fake_ttr_run(ttr, name: str, args, rise_per_eval: float, seed: int = 42, **recipe_sets) -> None:
     """A finished time-to-reward run as `flowrl train` leaves it, without training: the recipe it
     resolved to (``recipe_sets`` changes it, as a run made with other settings), evaluations at 0,
     10, 20 and the final row, 10 train seconds and 100 forwards an iteration."""
     from flowrl.recipe import dump_toml, load_recipe
 
-    run_dir = args.out / f"{name}_s42"
+    run_dir = args.out / f"{name}_s{seed}"
     run_dir.mkdir(parents=True)
-    sets = ttr.run_sets(name, 42, args, run_dir) + [f"{k.replace('__', '.')}={v}" for k, v in recipe_sets.items()]
+    sets = ttr.run_sets(name, seed, args, run_dir) + [f"{k.replace('__', '.')}={v}" for k, v in recipe_sets.items()]
     recipe = load_recipe(REPO / ttr.WORLDS["compose"].recipe, sets)
     (run_dir / "recipe.toml").write_text(dump_toml(recipe.to_toml_dict()))
     rows = []
@@ -331,6 +331,34 @@ def test_time_to_reward_keeps_finished_runs_in_its_archive(ttr, tmp_path, monkey
     _fake_ttr_run(ttr, "nft", args, 0.12, train__lr=1e-3)
     ttr.run("nft", 42, args)
     assert len(trained) == 2 and not (args.archive / "nft_s42.json").exists()
+
+
+def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_missing(ttr, tmp_path, monkeypatch):
+    """`--report-only` between sessions: the report holds the finished runs (archive or folder),
+    pairs each config with the baseline on the seeds both have, names each missing run, and does
+    not judge the bar of a config that lacks an asked seed."""
+    import argparse
+
+    args = argparse.Namespace(world="compose", out=tmp_path / "runs", iterations=20, eval_every=10, jobs=2,
+                              smoke=False, regime_sha256=ttr.regime_sha256(ttr.WORLDS["compose"]))
+    _fake_ttr_run(ttr, "flow_grpo", args, 0.06, seed=42)
+    _fake_ttr_run(ttr, "flow_grpo", args, 0.06, seed=43)
+    _fake_ttr_run(ttr, "nft", args, 0.12, seed=42)
+    (args.out / "nft_s43").mkdir()  # a run stopped before it wrote anything
+    monkeypatch.setattr(ttr.subprocess, "run", lambda cmd, **kw: pytest.fail(f"trained: {cmd}"))
+    out = args.out
+    assert ttr.main(["--world", "compose", "--report-only", "--seed-list", "42,43", "--configs", "flow_grpo", "nft",
+                     "gcpo", "--archive", "none", "--iterations", "20", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["missing"] == {"nft": [43], "gcpo": [42, 43]}
+    nft = report["configs"]["nft"]
+    assert nft["reached"] == "1/1" and nft["time_ratio_per_seed"] == {"42": 0.5}
+    assert nft["bar"]["complete"] is False and nft["bar"]["met"] is False
+    assert report["configs"]["flow_grpo"]["reached"] == "2/2" and report["configs"]["gcpo"]["reached"] == "0/0"
+    text = (out / "report.md").read_text()
+    assert "| nft |" in text and "not judged (seeds missing)" in text
+    assert "- nft: seed(s) 43 not run yet; left out, never imputed" in text
+    assert "- gcpo: seed(s) 42, 43 not run yet" in text
 
 
 def test_an_interrupted_study_batch_archives_only_its_finished_seeds(study, tmp_path, flowrl_cli, monkeypatch):
