@@ -582,26 +582,57 @@ STYLES = {"sde": "-", "ode": "--", "elbo": ":", "fdfo": "-."}
 
 
 def chart(report: dict, path: Path) -> None:
+    """One seed: every run's curve. Several: each config's mean curve over its seeds (the rise at
+    each evaluation against the mean train seconds before it), and beside it the final rise over
+    the first evaluation with its 95% interval, so that 18 configs x 5 seeds stay readable."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     world = WORLDS[report.get("world", "shapes")]
-    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    configs = {name: e for name, e in report["configs"].items() if e["runs"]}
+    several = any(len(e["runs"]) > 1 for e in configs.values())
+    if several:
+        fig, (ax, fx) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(9.5, 4.5))
     colours = plt.get_cmap("tab20").colors
-    for i, (name, e) in enumerate(report["configs"].items()):
-        style = STYLES[family(e["overrides"])]
-        for k, r in enumerate(e["runs"].values()):
+    for i, (name, e) in enumerate(configs.items()):
+        style, colour = STYLES[family(e["overrides"])], colours[i % len(colours)]
+        runs = list(e["runs"].values())
+        if several:  # evaluations sit at the same iterations in every run of a config
+            k = min(len(r["curve"]) for r in runs)
+            xs = [sum(r["curve"][j][0] for r in runs) / len(runs) for j in range(k)]
+            ys = [sum(r["curve"][j][1] - r["first"] for r in runs) / len(runs) for j in range(k)]
+            ax.plot(xs, ys, color=colour, ls=style, marker="o", ms=3, lw=1.2, label=f"{name} (n={len(runs)})")
+            continue
+        for k, r in enumerate(runs):
             xs, ys = zip(*r["curve"])
-            ax.plot(xs, [y - r["first"] for y in ys], color=colours[i % len(colours)], ls=style, marker="o", ms=3,
+            ax.plot(xs, [y - r["first"] for y in ys], color=colour, ls=style, marker="o", ms=3,
                     lw=1.2, label=name if k == 0 else None)
     ax.axhline(report["target_rise"], color="k", ls="--", lw=1, label="target")
-    ax.set_xlabel("train seconds (rollout, rewards, update, replay)")
-    ax.set_ylabel(f"held-out {world.main_text} - first evaluation")
+    ax.set_xlabel("train seconds (rollout, rewards, update, replay)" + (", mean over seeds" if several else ""))
+    ax.set_ylabel(f"held-out {world.main_text} - first evaluation" + (" (mean)" if several else ""))
     ax.set_title("solid: ratio on SDE transitions; dashed: ODE rollouts, likelihood-free; "
                  "dotted: final-image ELBO; dash-dot: FDFO", fontsize=8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if several:
+        # the forest's labels, in each config's colour, are the legend: the curves stay uncovered
+        order = sorted(configs, key=lambda n: t_interval([r["final"] - r["first"] for r in configs[n]["runs"].values()]).mean)
+        for y, name in enumerate(order):
+            iv = t_interval([r["final"] - r["first"] for r in configs[name]["runs"].values()])
+            colour = colours[list(configs).index(name) % len(colours)]
+            err = None if iv.half_width is None else [[iv.half_width], [iv.half_width]]
+            fx.errorbar([iv.mean], [y], xerr=err, fmt="o", color=colour, capsize=3, ms=4)
+        fx.set_yticks(range(len(order)), [f"{n} (n={len(configs[n]['runs'])})" for n in order], fontsize=7)
+        for label, name in zip(fx.get_yticklabels(), order):
+            label.set_color(colours[list(configs).index(name) % len(colours)])
+        fx.axvline(0, color="grey", lw=0.8)
+        fx.axvline(report["target_rise"], color="k", ls="--", lw=1)
+        fx.set_xlabel("final - first evaluation, mean and 95% t interval over seeds")
+        fx.set_title("where each config ends (labels: the curves' colours; no bar: one seed)", fontsize=8)
+    else:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

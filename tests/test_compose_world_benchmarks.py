@@ -359,6 +359,7 @@ def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_miss
     assert "| nft |" in text and "not judged (seeds missing)" in text
     assert "- nft: seed(s) 43 not run yet; left out, never imputed" in text
     assert "- gcpo: seed(s) 42, 43 not run yet" in text
+    assert (out / "time_to_reward.png").stat().st_size > 10_000  # the several-seed chart, gcpo (no runs) left out
 
 
 def test_an_interrupted_study_batch_archives_only_its_finished_seeds(study, tmp_path, flowrl_cli, monkeypatch):
