@@ -53,7 +53,9 @@ A run that never reaches it is reported as such and left out of the intervals (n
 Statistics: mean over seeds ± the half-width of the 95% Student t interval (``flowrl.stats``);
 the comparison with ``flow_grpo`` is paired by seed (the ratio of times, seed by seed). The bar:
 the fastest configuration reaches the target in at most half of ``flow_grpo``'s
-time on every paired seed, the two time intervals do not overlap, and its CLIP change (final
+time on every paired seed (a seed where ``flow_grpo`` never reached counts when the config reached
+within half of ``flow_grpo``'s whole run: the censored ratio, :func:`ratio_bound`), the two time
+intervals (each over its own seeds that reached) do not overlap, and its CLIP change (final
 minus first evaluation) is no worse (the paired difference's interval is not wholly below 0).
 The second judge's change is also given in standard errors as ``benchmarks/objectives.py``
 computes them (``rise``).
@@ -516,12 +518,16 @@ def summarise(args) -> dict:
             entry = report["configs"][name]
             entry["time_ratio"] = t_interval(list(ratios.values())).as_dict() if ratios else None
             entry["time_ratio_per_seed"] = ratios
+            entry["time_ratio_bounds"] = {s: ratio_bound(per[name][s], base[s]) for s in paired}
             entry["clip_vs_baseline"] = clip.as_dict()
             mine, theirs = entry["seconds"], report["configs"][BASELINE]["seconds"]
             apart = bool(mine and theirs and mine.get("hi") is not None and theirs.get("lo") is not None
                          and mine["hi"] < theirs["lo"])
             entry["bar"] = {
-                "half_time_every_seed": bool(ratios) and len(both) == len(seeds) and all(r <= 0.5 for r in ratios.values()),
+                # a seed where only the config reached counts when even the baseline's whole run was
+                # more than twice the config's time to target
+                "half_time_every_seed": len(paired) == len(seeds) and all(
+                    b is not None and b[0] in ("=", "<") and b[1] <= 0.5 for b in entry["time_ratio_bounds"].values()),
                 "intervals_apart": apart,
                 "clip_no_worse": not (clip.hi is not None and clip.hi < 0),
             }
@@ -529,6 +535,29 @@ def summarise(args) -> dict:
             entry["bar"]["complete"] = len(paired) == len(seeds)
             entry["bar"]["met"] = all(entry["bar"].values())
     return report
+
+
+def ratio_bound(mine: dict, baseline: dict) -> tuple[str, float] | None:
+    """A config's time to target over the baseline's on one seed, censoring kept: ``("=", r)``
+    when both reached; ``("<", r)`` when only the config did (the baseline needs more than its
+    whole run, so the ratio is below the config's time over that); ``(">", r)`` when only the
+    baseline did; None when neither."""
+    if mine["reached"] and baseline["reached"]:
+        return "=", mine["seconds"] / baseline["seconds"]
+    if mine["reached"]:
+        return "<", mine["seconds"] / baseline["total_seconds"]
+    if baseline["reached"]:
+        return ">", mine["total_seconds"] / baseline["seconds"]
+    return None
+
+
+def fmt_bounds(bounds: dict) -> str:
+    """The censored seeds of a ratio column: e.g. ``; < 0.31 (s44)``."""
+    parts = [f"{b[0]} {b[1]:.2f} (s{s})" for s, b in bounds.items() if b is not None and b[0] != "="]
+    none = [f"s{s}" for s, b in bounds.items() if b is None]
+    if none:
+        parts.append(f"neither reached on {', '.join(none)}")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def fmt(iv: dict | None, digits: int = 1) -> str:
@@ -551,7 +580,9 @@ def markdown(report: dict) -> str:
              "hf_share change | time / flow_grpo (paired) | bar |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in report["configs"].items():
-        ratio = fmt(e.get("time_ratio"), 2) if name != BASELINE else "baseline"
+        ratio = "baseline" if name == BASELINE else \
+            (fmt(e.get("time_ratio"), 2) if e.get("time_ratio") else "") + fmt_bounds(e.get("time_ratio_bounds", {}))
+        ratio = ratio.removeprefix("; ") or "not reached"
         bar = ("" if "bar" not in e else "met" if e["bar"]["met"] else
                "not met" if e["bar"].get("complete", True) else "not judged (seeds missing)")
         hf = fmt(e["hf_share_change"], 4) if e.get("hf_share_change") else "n/a"
@@ -559,7 +590,9 @@ def markdown(report: dict) -> str:
                      f"{fmt(e['final'], 4)} | {fmt(e['second_change'], 4)} | {hf} | {ratio} | {bar} |")
     lines += ["", "mean ± half-width of the 95% Student t interval over seeds (n = 1: no interval); the time and "
               "forwards of a config are over the seeds that reached the target; the second judge's and hf_share's "
-              "change: final minus first evaluation."]
+              "change: final minus first evaluation. The paired time ratio's interval is over the seeds where both "
+              "reached; a seed where only one did gives a bound (`<`: only the config reached, so the ratio is below "
+              "its time over the baseline's whole run; `>`: only the baseline did)."]
     for name, why in report.get("skipped", {}).items():
         lines.append(f"- {name}: not run on this world: {why}")
     for name, absent in report.get("missing", {}).items():

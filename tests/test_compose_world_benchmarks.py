@@ -342,24 +342,45 @@ def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_miss
     args = argparse.Namespace(world="compose", out=tmp_path / "runs", iterations=20, eval_every=10, jobs=2,
                               smoke=False, regime_sha256=ttr.regime_sha256(ttr.WORLDS["compose"]))
     _fake_ttr_run(ttr, "flow_grpo", args, 0.06, seed=42)
-    _fake_ttr_run(ttr, "flow_grpo", args, 0.06, seed=43)
+    _fake_ttr_run(ttr, "flow_grpo", args, 0.04, seed=43)  # +0.08 after 20 iterations: never reaches +0.10
     _fake_ttr_run(ttr, "nft", args, 0.12, seed=42)
+    for seed in (42, 43):
+        _fake_ttr_run(ttr, "dgpo", args, 0.12, seed=seed)
     (args.out / "nft_s43").mkdir()  # a run stopped before it wrote anything
     monkeypatch.setattr(ttr.subprocess, "run", lambda cmd, **kw: pytest.fail(f"trained: {cmd}"))
     out = args.out
     assert ttr.main(["--world", "compose", "--report-only", "--seed-list", "42,43", "--configs", "flow_grpo", "nft",
-                     "gcpo", "--archive", "none", "--iterations", "20", "--out", str(out)]) == 0
+                     "gcpo", "dgpo", "--archive", "none", "--iterations", "20", "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["missing"] == {"nft": [43], "gcpo": [42, 43]}
     nft = report["configs"]["nft"]
     assert nft["reached"] == "1/1" and nft["time_ratio_per_seed"] == {"42": 0.5}
     assert nft["bar"]["complete"] is False and nft["bar"]["met"] is False
-    assert report["configs"]["flow_grpo"]["reached"] == "2/2" and report["configs"]["gcpo"]["reached"] == "0/0"
+    assert report["configs"]["flow_grpo"]["reached"] == "1/2" and report["configs"]["gcpo"]["reached"] == "0/0"
+    # dgpo: half of flow_grpo's time on seed 42; on 43 flow_grpo's whole run (200 s) was twice dgpo's time
+    dgpo = report["configs"]["dgpo"]
+    assert dgpo["time_ratio_bounds"] == {"42": ["=", 0.5], "43": ["<", 0.5]} and dgpo["time_ratio"]["n"] == 1
+    assert dgpo["bar"]["half_time_every_seed"] is True and dgpo["bar"]["complete"] is True
+    assert "| 0.50 (n=1); < 0.50 (s43) |" in (out / "report.md").read_text()
     text = (out / "report.md").read_text()
     assert "| nft |" in text and "not judged (seeds missing)" in text
     assert "- nft: seed(s) 43 not run yet; left out, never imputed" in text
     assert "- gcpo: seed(s) 42, 43 not run yet" in text
     assert (out / "time_to_reward.png").stat().st_size > 10_000  # the several-seed chart, gcpo (no runs) left out
+
+
+def test_time_to_reward_ratio_keeps_censored_seeds_as_bounds(ttr):
+    """A seed where only one of the pair reached the target is a bound on the ratio, not a gap:
+    the config's time over the baseline's whole run (the baseline would need more) and the
+    reverse; the half-time bar counts a bound below 0.5 and never one above."""
+    hit = lambda t, total=500.0: {"reached": True, "seconds": t, "total_seconds": total}  # noqa: E731
+    miss = lambda total: {"reached": False, "seconds": None, "total_seconds": total}  # noqa: E731
+    assert ttr.ratio_bound(hit(100.0), hit(400.0)) == ("=", 0.25)
+    assert ttr.ratio_bound(hit(100.0), miss(800.0)) == ("<", 0.125)
+    assert ttr.ratio_bound(miss(300.0), hit(150.0)) == (">", 2.0)
+    assert ttr.ratio_bound(miss(300.0), miss(800.0)) is None
+    text = ttr.fmt_bounds({42: ("=", 0.25), 43: ("<", 0.125), 44: None})
+    assert text == "; < 0.12 (s43); neither reached on s44"
 
 
 def test_an_interrupted_study_batch_archives_only_its_finished_seeds(study, tmp_path, flowrl_cli, monkeypatch):
