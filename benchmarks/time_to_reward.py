@@ -520,6 +520,8 @@ def summarise(args) -> dict:
             entry["time_ratio_per_seed"] = ratios
             entry["time_ratio_bounds"] = {s: ratio_bound(per[name][s], base[s]) for s in paired}
             entry["clip_vs_baseline"] = clip.as_dict()
+            entry["final_vs_baseline"] = paired_interval({s: per[name][s]["final"] for s in paired},
+                                                         {s: base[s]["final"] for s in paired}).as_dict()
             mine, theirs = entry["seconds"], report["configs"][BASELINE]["seconds"]
             apart = bool(mine and theirs and mine.get("hi") is not None and theirs.get("lo") is not None
                          and mine["hi"] < theirs["lo"])
@@ -576,9 +578,9 @@ def markdown(report: dict) -> str:
              f"{report['iterations']} iterations, evaluation every {report['eval_every']}; seeds {report['seeds']}; "
              f"{report['jobs']} run(s) at a time",
              "",
-             f"| config | what | reached | train s to target | forwards to target | final {main} | {second} change | "
-             "hf_share change | time / flow_grpo (paired) | bar |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| config | what | reached | train s to target | forwards to target | final {main} | final - flow_grpo's "
+             f"(paired) | {second} change | hf_share change | time / flow_grpo (paired) | bar |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, e in report["configs"].items():
         ratio = "baseline" if name == BASELINE else \
             (fmt(e.get("time_ratio"), 2) if e.get("time_ratio") else "") + fmt_bounds(e.get("time_ratio_bounds", {}))
@@ -586,8 +588,9 @@ def markdown(report: dict) -> str:
         bar = ("" if "bar" not in e else "met" if e["bar"]["met"] else
                "not met" if e["bar"].get("complete", True) else "not judged (seeds missing)")
         hf = fmt(e["hf_share_change"], 4) if e.get("hf_share_change") else "n/a"
+        versus = "" if name == BASELINE else fmt(e.get("final_vs_baseline"), 4)
         lines.append(f"| {name} | {e['what']} | {e['reached']} | {fmt(e['seconds'])} | {fmt(e['forwards'], 0)} | "
-                     f"{fmt(e['final'], 4)} | {fmt(e['second_change'], 4)} | {hf} | {ratio} | {bar} |")
+                     f"{fmt(e['final'], 4)} | {versus} | {fmt(e['second_change'], 4)} | {hf} | {ratio} | {bar} |")
     lines += ["", "mean ± half-width of the 95% Student t interval over seeds (n = 1: no interval); the time and "
               "forwards of a config are over the seeds that reached the target; the second judge's and hf_share's "
               "change: final minus first evaluation. The paired time ratio's interval is over the seeds where both "

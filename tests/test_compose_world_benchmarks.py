@@ -362,6 +362,9 @@ def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_miss
     assert dgpo["time_ratio_bounds"] == {"42": ["=", 0.5], "43": ["<", 0.5]} and dgpo["time_ratio"]["n"] == 1
     assert dgpo["bar"]["half_time_every_seed"] is True and dgpo["bar"]["complete"] is True
     assert "| 0.50 (n=1); < 0.50 (s43) |" in (out / "report.md").read_text()
+    # finals paired by seed: 0.64 against flow_grpo's 0.52 and 0.48
+    assert dgpo["final_vs_baseline"]["n"] == 2 and dgpo["final_vs_baseline"]["mean"] == pytest.approx(0.14)
+    assert nft["final_vs_baseline"]["n"] == 1  # its seed 43 is missing
     text = (out / "report.md").read_text()
     assert "| nft |" in text and "not judged (seeds missing)" in text
     assert "- nft: seed(s) 43 not run yet; left out, never imputed" in text
