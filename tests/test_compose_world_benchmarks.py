@@ -133,7 +133,7 @@ def test_time_to_reward_compose_smoke(ttr, tmp_path, flowrl_cli):
         "compose", "eval/compose_geneval_strict/mean", 0.10)
     assert list(report["configs"]) == list(ttr.WORLDS["compose"].smoke)
     assert "held-out GenEval strict (overall)" in (out / "report.md").read_text()
-    assert (out / "time_to_reward.png").is_file()
+    assert (out / "time_to_reward.png").is_file() and "missing" not in report
     rows = read_metrics(out / "gcpo_s42")
     assert str(next(r["chunk_sizes"] for r in rows if "chunk_sizes" in r)).replace(" ", "") == ttr.WORLDS["compose"].dyn
 
@@ -336,22 +336,33 @@ def test_time_to_reward_keeps_finished_runs_in_its_archive(ttr, tmp_path, monkey
 def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_missing(ttr, tmp_path, monkeypatch):
     """`--report-only` between sessions: the report holds the finished runs (archive or folder),
     pairs each config with the baseline on the seeds both have, names each missing run, and does
-    not judge the bar of a config that lacks an asked seed."""
+    not judge the bar of a config that lacks an asked seed. A seed the baseline never reached
+    counts for a config that reached within half its whole run; one neither reached, or a ratio
+    above 0.5, fails the half-time test. The same report comes from the archive alone; without
+    --report-only a missing run is an error, never a silent gap."""
     import argparse
+    import shutil
 
-    args = argparse.Namespace(world="compose", out=tmp_path / "runs", iterations=20, eval_every=10, jobs=2,
-                              smoke=False, regime_sha256=ttr.regime_sha256(ttr.WORLDS["compose"]))
+    args = argparse.Namespace(world="compose", out=tmp_path / "runs", archive=tmp_path / "archive", iterations=20,
+                              eval_every=10, jobs=2, smoke=False,
+                              regime_sha256=ttr.regime_sha256(ttr.WORLDS["compose"]))
     _fake_ttr_run(ttr, "flow_grpo", args, 0.06, seed=42)
     _fake_ttr_run(ttr, "flow_grpo", args, 0.04, seed=43)  # +0.08 after 20 iterations: never reaches +0.10
     _fake_ttr_run(ttr, "nft", args, 0.12, seed=42)
+    _fake_ttr_run(ttr, "awm", args, 0.06, seed=42)  # flow_grpo's own pace on 42
+    _fake_ttr_run(ttr, "awm", args, 0.04, seed=43)  # neither reached on 43
     for seed in (42, 43):
         _fake_ttr_run(ttr, "dgpo", args, 0.12, seed=seed)
     (args.out / "nft_s43").mkdir()  # a run stopped before it wrote anything
-    monkeypatch.setattr(ttr.subprocess, "run", lambda cmd, **kw: pytest.fail(f"trained: {cmd}"))
+    real_run = subprocess.run
+    monkeypatch.setattr(ttr.subprocess, "run", lambda cmd, **kw: pytest.fail(f"trained: {cmd}") if "train" in cmd
+                        else real_run(cmd, **kw))
     out = args.out
-    assert ttr.main(["--world", "compose", "--report-only", "--seed-list", "42,43", "--configs", "flow_grpo", "nft",
-                     "gcpo", "dgpo", "--archive", "none", "--iterations", "20", "--out", str(out)]) == 0
+    argv = ["--world", "compose", "--report-only", "--seed-list", "42,43", "--configs", "flow_grpo", "nft", "gcpo",
+            "dgpo", "awm", "--archive", str(args.archive), "--iterations", "20", "--out", str(out)]
+    assert ttr.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
+    assert not args.archive.exists()  # a report archives nothing
     assert report["missing"] == {"nft": [43], "gcpo": [42, 43]}
     nft = report["configs"]["nft"]
     assert nft["reached"] == "1/1" and nft["time_ratio_per_seed"] == {"42": 0.5}
@@ -360,7 +371,13 @@ def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_miss
     # dgpo: half of flow_grpo's time on seed 42; on 43 flow_grpo's whole run (200 s) was twice dgpo's time
     dgpo = report["configs"]["dgpo"]
     assert dgpo["time_ratio_bounds"] == {"42": ["=", 0.5], "43": ["<", 0.5]} and dgpo["time_ratio"]["n"] == 1
-    assert dgpo["bar"]["half_time_every_seed"] is True and dgpo["bar"]["complete"] is True
+    # its bar is met: flow_grpo's time interval counts seed 43 at its whole run (200 s), above dgpo's 100 s
+    assert dgpo["bar"] == {"half_time_every_seed": True, "intervals_apart": True, "clip_no_worse": True,
+                           "complete": True, "met": True}
+    assert report["configs"]["flow_grpo"]["seconds_censored_low"]["mean"] == 200.0
+    awm = report["configs"]["awm"]
+    assert awm["time_ratio_bounds"] == {"42": ["=", 1.0], "43": None} and awm["bar"]["half_time_every_seed"] is False
+    assert "| 1.00 (n=1); neither reached on s43 |" in (out / "report.md").read_text()
     assert "| 0.50 (n=1); < 0.50 (s43) |" in (out / "report.md").read_text()
     # finals paired by seed: 0.64 against flow_grpo's 0.52 and 0.48
     assert dgpo["final_vs_baseline"]["n"] == 2 and dgpo["final_vs_baseline"]["mean"] == pytest.approx(0.14)
@@ -370,6 +387,22 @@ def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_miss
     assert "- nft: seed(s) 43 not run yet; left out, never imputed" in text
     assert "- gcpo: seed(s) 42, 43 not run yet" in text
     assert (out / "time_to_reward.png").stat().st_size > 10_000  # the several-seed chart, gcpo (no runs) left out
+    assert "| gcpo |" in text and text.split("| gcpo |")[1].split("\n")[0].count("n/a") >= 6  # no run: n/a, not "not reached"
+
+    # the next session: the runs archived, their folders gone, the same report
+    for name, seed in (("flow_grpo", 42), ("flow_grpo", 43), ("nft", 42), ("awm", 42), ("awm", 43), ("dgpo", 42),
+                       ("dgpo", 43)):
+        assert ttr.run(name, seed, args) is not None  # finished as asked: archived, not trained
+    shutil.rmtree(out)
+    assert ttr.main(argv) == 0
+    assert json.loads((out / "report.json").read_text()) == report
+
+    # without --report-only every asked run is made (or taken) first; one that still is not there
+    # stops the report instead of leaving a silent gap
+    args.report_only, args.seed_values, args.configs = False, [42, 43], ["flow_grpo", "nft"]
+    args.target_rise = 0.10
+    with pytest.raises(SystemExit, match="nft seed 43: neither the archive nor .* holds a finished run"):
+        ttr.summarise(args)
 
 
 def test_time_to_reward_ratio_keeps_censored_seeds_as_bounds(ttr):
