@@ -79,7 +79,16 @@ class NotActionable(logging.Filter):
     - diffusers, when importing, where torchao (the ``fp8`` extra) cannot load its compiled
       kernels (a CPU machine): "Unable to import `torchao` Tensor objects. This may affect
       loading checkpoints serialized with `torchao`": flowrl loads no torchao-serialized
-      checkpoint (its FP8 rollouts quantise at run time).
+      checkpoint (its FP8 rollouts quantise at run time);
+    - torch (2.13 on), when torchao is imported (with diffusers, wherever the ``fp8`` extra is
+      installed): "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by
+      torch.compile as an opaque value type. Calling register_constant() on Enum subclasses is
+      deprecated ...": torchao's registration of its own enums, nothing a user calls or can change;
+    - torchao, when imported, for each of its compiled extensions that cannot load here (built for
+      another Python, or for CUDA kernels this machine lacks): "Failed to load .../torchao/_C_mxfp8...so:
+      Could not load this library: ...": flowrl's FP8 rollouts run on torch's own scaled matmul
+      (per-row float8 through ``quantize_``), none of torchao's extensions, and a machine that cannot
+      run them is refused by ``[sampler].rollout_precision``'s own check with one message.
     """
 
     PATTERNS = (
@@ -88,6 +97,9 @@ class NotActionable(logging.Filter):
         re.compile(r"^The following part of your input was truncated because .*: \[(?:'', )*''\]$", re.S),
         re.compile(r"^Unable to import `torchao` Tensor objects\. This may affect loading checkpoints serialized "
                    r"with `torchao`$"),
+        re.compile(r"^<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile as an opaque "
+                   r"value type\. Calling register_constant\(\) on Enum subclasses is deprecated"),
+        re.compile(r"^Failed to load \S*[/\\]torchao[/\\]_C\w*(?:\.[\w-]+)*\.so: Could not load this library"),
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -99,10 +111,11 @@ _quiet = NotActionable()
 #: the loggers that emit the messages above (diffusers' pipelines log through their own loggers,
 #: so the library's handlers are filtered too, once diffusers has created them)
 _LOGGERS = ("transformers.utils.import_utils", "diffusers.models.modeling_utils",
-            # logs while diffusers is being imported, before its handlers exist: filtered on the
-            # logger itself, from the import of this module on
-            "diffusers.quantizers.torchao.torchao_quantizer")
-logging.getLogger(_LOGGERS[-1]).addFilter(_quiet)
+            # log while diffusers (and so torchao) is being imported, before diffusers' handlers
+            # exist: filtered on the loggers themselves, from the import of this module on
+            "diffusers.quantizers.torchao.torchao_quantizer", "torch.utils._pytree", "torchao")
+for _name in _LOGGERS[-3:]:
+    logging.getLogger(_name).addFilter(_quiet)
 
 
 def quiet_library_messages() -> None:

@@ -90,6 +90,16 @@ QUIET = [
     # logged while diffusers is imported where torchao's kernels cannot load (this CPU machine)
     ("diffusers.quantizers.torchao.torchao_quantizer",
      "Unable to import `torchao` Tensor objects. This may affect loading checkpoints serialized with `torchao`"),
+    # torch 2.13 on torchao's import (torchao registers its own enums)
+    ("torch.utils._pytree",
+     "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an opaque value "
+     "type. Calling register_constant() on Enum subclasses is deprecated and will be an error in a future release."),
+    # torchao's compiled extensions that cannot load on this machine (flowrl's FP8 path uses none)
+    ("torchao", "Failed to load /venv/lib/python3.11/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+                "Could not load this library: /venv/lib/python3.11/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-"
+                "linux-gnu.so"),
+    ("torchao", "Failed to load /venv/lib/python3.11/site-packages/torchao/_C_cutlass_90a.abi3.so: Could not load this "
+                "library: /venv/lib/python3.11/site-packages/torchao/_C_cutlass_90a.abi3.so"),
 ]
 KEPT = [
     ("diffusers.models.modeling_utils",
@@ -99,6 +109,10 @@ KEPT = [
      "The following part of your input was truncated because `max_sequence_length` is set to  16 tokens: ['a red fox']"),
     ("transformers.utils.import_utils", "`CLIPImageProcessor` requires torchvision; install it"),
     ("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao`: install torchao>=0.16"),
+    ("torch.utils._pytree", "<class 'MyConfig'> is already registered as a pytree node"),
+    ("torchao", "Skipping import of cpp extensions due to incompatible torch version. Please upgrade to torch >= 2.11.0 "
+                "(found 2.9.0)."),
+    ("torchao", "Failed to load /venv/lib/python3.11/site-packages/other/_C.so: Could not load this library"),
 ]
 
 
