@@ -405,6 +405,18 @@ def test_time_to_reward_report_only_trains_nothing_and_names_the_runs_still_miss
         ttr.summarise(args)
 
 
+def test_the_documented_compose_table_is_the_archives_report(ttr, tmp_path):
+    """docs/benchmarks.md's time-to-reward table on the compositional world is what the documented
+    `--report-only` command writes from the committed archive (seeds as the prose says), cell for cell."""
+    doc = (REPO / "docs" / "benchmarks.md").read_text()
+    command = "python benchmarks/time_to_reward.py --world compose --report-only --out runs/ttr_compose_report"
+    assert command in doc and "`--report-only` command above with `--seed-list 42,43,44,45`" in doc
+    assert ttr.main([*command.split()[2:], "--seed-list", "42,43,44,45", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "report.md").read_text().strip().split("\n\n", 1)[1]
+    assert table.split("\n\n")[0] in doc  # the table itself
+    assert "missing" not in json.loads((tmp_path / "report.json").read_text())
+
+
 def test_time_to_reward_ratio_keeps_censored_seeds_as_bounds(ttr):
     """A seed where only one of the pair reached the target is a bound on the ratio, not a gap:
     the config's time over the baseline's whole run (the baseline would need more) and the
