@@ -318,6 +318,18 @@ def check(names: list[str], world: World) -> dict[str, str]:
 ARCHIVES = {"compose": "benchmarks/results/time_to_reward_compose"}
 
 
+def _checkout_relative(value):
+    """The resolved recipe with every absolute path inside this checkout made relative to it, so
+    that the same regime hashes the same in any clone (the archive must serve every checkout)."""
+    if isinstance(value, dict):
+        return {k: _checkout_relative(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_checkout_relative(v) for v in value]
+    if isinstance(value, str) and Path(value).is_absolute() and Path(value).is_relative_to(REPO):
+        return Path(value).relative_to(REPO).as_posix()
+    return value
+
+
 def regime_sha256(world: World) -> str:
     """One hash of what every run of a world is made of: its base recipe as resolved (so an edited
     comment does not count, a changed value does) and the profiles it names."""
@@ -326,7 +338,7 @@ def regime_sha256(world: World) -> str:
     from flowrl.recipe import load_recipe, profile_keys
 
     recipe = load_recipe(REPO / world.recipe, [])
-    h = hashlib.sha256(json.dumps(recipe.to_toml_dict(), sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps(_checkout_relative(recipe.to_toml_dict()), sort_keys=True, default=str).encode())
     for _, path in sorted(profile_keys(recipe)):
         if path:
             h.update(Path(path).read_bytes())

@@ -417,6 +417,24 @@ def test_the_documented_compose_table_is_the_archives_report(ttr, tmp_path):
     assert "missing" not in json.loads((tmp_path / "report.json").read_text())
 
 
+def test_the_regime_hash_is_the_same_in_any_checkout(ttr, tmp_path, monkeypatch):
+    """The archive serves every clone: the recipe resolves to absolute paths (prompts, profile),
+    which the hash takes relative to the checkout (a clean clone once found no archived run)."""
+    import shutil
+
+    here = ttr.regime_sha256(ttr.WORLDS["compose"])
+    shutil.copytree(REPO / "recipes", tmp_path / "elsewhere" / "recipes")
+    monkeypatch.setattr(ttr, "REPO", tmp_path / "elsewhere")
+    assert ttr.regime_sha256(ttr.WORLDS["compose"]) == here
+    # and a changed value still changes it
+    recipe = tmp_path / "elsewhere" / ttr.WORLDS["compose"].recipe
+    recipe.write_text(recipe.read_text().replace("num_eval = 96", "num_eval = 95"))
+    assert ttr.regime_sha256(ttr.WORLDS["compose"]) != here
+    # every archived record carries this regime
+    records = list((REPO / "benchmarks/results/time_to_reward_compose").glob("*.json"))
+    assert records and {json.loads(r.read_text())["regime_sha256"] for r in records} == {here}
+
+
 def test_time_to_reward_ratio_keeps_censored_seeds_as_bounds(ttr):
     """A seed where only one of the pair reached the target is a bound on the ratio, not a gap:
     the config's time over the baseline's whole run (the baseline would need more) and the
