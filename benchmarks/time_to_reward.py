@@ -657,9 +657,10 @@ def chart(report: dict, path: Path) -> None:
         fig, (ax, fx) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     else:
         fig, ax = plt.subplots(figsize=(9.5, 4.5))
-    colours = plt.get_cmap("tab20").colors
-    for i, (name, e) in enumerate(configs.items()):
-        style, colour = STYLES[family(e["overrides"])], colours[i % len(colours)]
+    palette = plt.get_cmap("tab20").colors
+    colours = {name: palette[i % len(palette)] for i, name in enumerate(configs)}
+    for name, e in configs.items():
+        style, colour = STYLES[family(e["overrides"])], colours[name]
         runs = list(e["runs"].values())
         if several:  # evaluations sit at the same iterations in every run of a config
             k = min(len(r["curve"]) for r in runs)
@@ -678,15 +679,15 @@ def chart(report: dict, path: Path) -> None:
                  "dotted: final-image ELBO; dash-dot: FDFO", fontsize=8)
     if several:
         # the forest's labels, in each config's colour, are the legend: the curves stay uncovered
-        order = sorted(configs, key=lambda n: t_interval([r["final"] - r["first"] for r in configs[n]["runs"].values()]).mean)
+        ends = {n: t_interval([r["final"] - r["first"] for r in e["runs"].values()]) for n, e in configs.items()}
+        order = sorted(configs, key=lambda n: ends[n].mean)
         for y, name in enumerate(order):
-            iv = t_interval([r["final"] - r["first"] for r in configs[name]["runs"].values()])
-            colour = colours[list(configs).index(name) % len(colours)]
+            iv = ends[name]
             err = None if iv.half_width is None else [[iv.half_width], [iv.half_width]]
-            fx.errorbar([iv.mean], [y], xerr=err, fmt="o", color=colour, capsize=3, ms=4)
-        fx.set_yticks(range(len(order)), [f"{n} (n={len(configs[n]['runs'])})" for n in order], fontsize=7)
+            fx.errorbar([iv.mean], [y], xerr=err, fmt="o", color=colours[name], capsize=3, ms=4)
+        fx.set_yticks(range(len(order)), [f"{n} (n={ends[n].n})" for n in order], fontsize=7)
         for label, name in zip(fx.get_yticklabels(), order):
-            label.set_color(colours[list(configs).index(name) % len(colours)])
+            label.set_color(colours[name])
         fx.axvline(0, color="grey", lw=0.8)
         fx.axvline(report["target_rise"], color="k", ls="--", lw=1)
         fx.set_xlabel("final - first evaluation, mean and 95% t interval over seeds")

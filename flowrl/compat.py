@@ -110,11 +110,11 @@ class NotActionable(logging.Filter):
 _quiet = NotActionable()
 #: the loggers that emit the messages above (diffusers' pipelines log through their own loggers,
 #: so the library's handlers are filtered too, once diffusers has created them)
-_LOGGERS = ("transformers.utils.import_utils", "diffusers.models.modeling_utils",
-            # log while diffusers (and so torchao) is being imported, before diffusers' handlers
-            # exist: filtered on the loggers themselves, from the import of this module on
-            "diffusers.quantizers.torchao.torchao_quantizer", "torch.utils._pytree", "torchao")
-for _name in _LOGGERS[-3:]:
+#: these log while diffusers (and so torchao) is being imported, before diffusers' handlers exist:
+#: filtered on the loggers themselves, from the import of this module on
+_LOGGING_AT_IMPORT = ("diffusers.quantizers.torchao.torchao_quantizer", "torch.utils._pytree", "torchao")
+_LOGGERS = ("transformers.utils.import_utils", "diffusers.models.modeling_utils", *_LOGGING_AT_IMPORT)
+for _name in _LOGGING_AT_IMPORT:
     logging.getLogger(_name).addFilter(_quiet)
 
 
