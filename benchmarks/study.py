@@ -45,7 +45,8 @@ chosen):
 
 ``--world compose`` runs the same 7 variants, seeds, claims and rules on the
 compositional world (docs/compose.md) and writes ``study.md`` and ``study_compose/`` into
-``--out`` (sweep: ``runs/study_compose``). What differs, fixed before any run:
+``--out`` (sweep: ``runs/study_compose_seeds_46-47`` for ``--seed-list 46,47``: each batch of seeds
+its own). What differs, fixed before any run:
 - the base recipe ``recipes/study_compose.toml`` (its comments give each choice): reward
   ``compose_geneval_exact`` (weight 1), ``compose_geneval_strict`` and ``compose_clip`` logged
   with weight 0; the six categories visited equally; 96 held-out prompts (16 a category) x 2
@@ -382,6 +383,18 @@ def regime_record(world: World, args, sweep_args: list[str]) -> dict:
             "seeds": args.seed_values, "primary": world.primary, "secondary": world.secondary,
             "geneval_seed": GENEVAL_SEED, "geneval_passes": GENEVAL_PASSES, "commit": commit, "uncommitted_changes_to_recipe_or_profile": dirty,
             "recorded": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "sweep_args": sweep_args}
+
+
+def batch_sweep_dir(world: World, seeds: list[int]) -> str:
+    """The default sweep directory of a batch: a world that keeps an archive (several batches,
+    often in one machine's ``runs/``) gives each batch of seeds its own, named by the seeds asked
+    for, so that running the same command again resumes it and a later batch starts beside it;
+    the shapes world has one sweep."""
+    if world.archive is None or not seeds:
+        return world.sweep_dir
+    contiguous = seeds == list(range(seeds[0], seeds[0] + len(seeds))) if seeds else False
+    label = f"{seeds[0]}-{seeds[-1]}" if contiguous and len(seeds) > 1 else "_".join(map(str, seeds))
+    return f"{world.sweep_dir}_seeds_{label}"
 
 
 def complete_seeds(sweep_dir: Path, seeds: list[int]) -> list[int]:
@@ -721,7 +734,8 @@ def main(argv: list[str] | None = None) -> None:
                          "benchmarks/results/study_compose; with --smoke or 'none': a private one in the sweep)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (default 2: this machine's cores)")
     ap.add_argument("--sweep-dir", default=None,
-                    help="the sweep directory (default runs/study; runs/study_compose with --world compose)")
+                    help="the sweep directory (default runs/study; with --world compose each batch its own, "
+                         "runs/study_compose_seeds_46-47 for --seed-list 46,47)")
     ap.add_argument("--out", default="docs",
                     help="where the report and its figures go (shapes: study_shapes.md, study_shapes/; compose: "
                          "study.md, study_compose/; default docs)")
@@ -738,7 +752,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(str(e))
     else:
         args.seed_values = [42 + k for k in range(args.seeds)]
-    sweep_dir = REPO / Path(args.sweep_dir or world.sweep_dir)
+    sweep_dir = REPO / Path(args.sweep_dir or batch_sweep_dir(world, args.seed_values))
     out = Path(args.out)
     has_sweep = (sweep_dir / "sweep.json").is_file()
     # the compose world reports from an archive of finished seeds: the committed one, or (a smoke
@@ -758,6 +772,15 @@ def main(argv: list[str] | None = None) -> None:
     archived_seeds: set[int] = set()
     if archive is not None and (archive / "sweep.json").is_file():
         archived_seeds = {r["seed"] for r in json.loads((archive / "sweep.json").read_text())["runs"]}
+    if has_sweep and not args.report_only:
+        # resuming: the sweep holds the seeds asked for, less those archived when it began; any
+        # other sweep is refused here (`flowrl sweep` would refuse it only after this script's checks)
+        live = sorted(json.loads((sweep_dir / "sweep.json").read_text())["spec"]["seeds"])
+        if not set(live) <= set(args.seed_values) or not set(args.seed_values) - set(live) <= archived_seeds:
+            sys.exit(f"{sweep_dir} holds the sweep of seeds {live}, and this batch asks for {args.seed_values}: "
+                     f"give the same seeds to resume it, or another --sweep-dir (by default each batch of seeds "
+                     f"has its own: {batch_sweep_dir(world, args.seed_values)})")
+        args.seed_values = live
     if not args.report_only and not has_sweep and archived_seeds & set(args.seed_values):
         print(f"seeds {sorted(archived_seeds & set(args.seed_values))} are archived in {archive} already: "
               "not run again", flush=True)

@@ -503,6 +503,48 @@ def test_a_new_study_batch_runs_only_unarchived_seeds_and_refuses_another_regime
     assert "35 runs (7 variants x 5 seeds: 42, 43, 44, 45, 46)" in " ".join((out / "study.md").read_text().split())
 
 
+def test_each_study_batch_has_its_own_default_sweep_and_another_batchs_sweep_is_refused(study, tmp_path,
+                                                                                       flowrl_cli, monkeypatch):
+    """A later batch on a machine whose runs/ still holds the last batch's sweep starts its own
+    (the default directory is named by its seeds) instead of failing on the old one; the same
+    seeds resume their sweep, also after some of them were archived; a --sweep-dir that holds
+    another batch is refused before any run, saying how to go on."""
+    compose = study.WORLDS["compose"]
+    assert study.batch_sweep_dir(compose, [42, 43, 44, 45]) == "runs/study_compose_seeds_42-45"
+    assert study.batch_sweep_dir(compose, [46, 47]) == "runs/study_compose_seeds_46-47"
+    assert study.batch_sweep_dir(compose, [46, 49]) == "runs/study_compose_seeds_46_49"
+    assert study.batch_sweep_dir(compose, [50]) == "runs/study_compose_seeds_50"
+    assert study.batch_sweep_dir(study.WORLDS["shapes"], [42, 43]) == "runs/study"  # one sweep, no archive
+
+    archive, out = tmp_path / "archive", tmp_path / "out"
+    _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "a", [42, 43]), archive, out, [42, 43])
+    sweeps, real_run = [], subprocess.run
+
+    def fake_run(cmd, *a, **kw):
+        if "sweep" not in cmd:
+            return real_run(cmd, *a, **kw)
+        seeds = [int(x) for x in cmd[cmd.index("--seed-list") + 1].split(",")]
+        sweeps.append(seeds)
+        sweep_dir = Path(cmd[cmd.index("-o") + 1])
+        if not (sweep_dir / "sweep.json").exists():
+            _fake_study_sweep(study, tmp_path, seeds, sweep=sweep_dir)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    common = ["--world", "compose", "--archive", str(archive), "--out", str(out)]
+    old = tmp_path / "a" / "sweep"  # holds seeds 42 and 43, archived
+    with pytest.raises(SystemExit, match=r"holds the sweep of seeds \[42, 43\], and this batch asks for \[44, 45\]: "
+                                         r"give the same seeds to resume it, or another --sweep-dir .*seeds_44-45"):
+        study.main([*common, "--seed-list", "44,45", "--sweep-dir", str(old)])
+    assert sweeps == []
+
+    # --seeds 4 asks for 42-45 and runs 44 and 45; the same command again resumes that sweep
+    study.main([*common, "--seeds", "4", "--sweep-dir", str(tmp_path / "b")])
+    study.main([*common, "--seeds", "4", "--sweep-dir", str(tmp_path / "b")])
+    assert sweeps == [[44, 45], [44, 45]]
+    assert [b["seeds"] for b in json.loads((archive / "sweep.json").read_text())["batches"]] == [[42, 43], [44, 45]]
+
+
 def test_the_report_says_how_many_seeds_the_bar_needs_when_an_interval_is_too_wide(study, tmp_path, flowrl_cli,
                                                                                   monkeypatch):
     """A claim whose paired differences spread: its half-width is reported against 0.02 with the
