@@ -278,6 +278,11 @@ def _pid_is_run(pid: int | None, run_dir: Path) -> bool:
 # ----------------------------------------------------------------------------- child processes
 
 
+#: The signal a run's process asks the kernel for when its sweep dies (:func:`follow_the_sweep`):
+#: not one of the signals a run stops on (SIGINT, SIGTERM, SIGHUP), which count each delivery.
+PARENT_DEATH_SIGNAL = getattr(signal, "SIGUSR2", signal.SIGTERM)
+
+
 def follow_the_sweep() -> None:
     """Start of a run's process, before it runs the flowrl CLI (:data:`_CHILD`): on Linux, ask
     for a signal when the sweep dies, turned into ONE SIGINT (so a killed sweep's runs checkpoint
@@ -285,8 +290,11 @@ def follow_the_sweep() -> None:
 
     The kernel sends the parent-death signal each time the thread the run is attached to exits,
     and a dying multi-threaded sweep may hand the run from thread to thread: a second SIGINT
-    would stop the run without its checkpoint. So the death signal is SIGHUP, and only the first
-    one becomes a SIGINT.
+    would stop the run without its checkpoint. So only the first death signal becomes a SIGINT,
+    and the death signal is one that no other part of a run handles (:data:`PARENT_DEATH_SIGNAL`):
+    were it SIGHUP, the run's own stop handler (flowrl/train/stopping.py, for which SIGHUP is the
+    terminal closing) would take the second one as a second stop and abort without a checkpoint,
+    as a slow lane run on a loaded machine once did.
     """
     parent = int(os.environ.get("FLOWRL_SWEEP_PID", "0") or 0)
     if sys.platform.startswith("linux"):
@@ -298,8 +306,8 @@ def follow_the_sweep() -> None:
                 print("flowrl sweep: the sweep process died; this run stops after a checkpoint", file=sys.stderr, flush=True)
                 signal.raise_signal(signal.SIGINT)
 
-        signal.signal(signal.SIGHUP, on_parent_death)
-        signal_on_parent_death(signal.SIGHUP)
+        signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
+        signal_on_parent_death(PARENT_DEATH_SIGNAL)
     if parent and os.getppid() != parent:  # the sweep died before prctl took effect
         sys.exit(130)
 

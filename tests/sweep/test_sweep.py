@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -146,6 +147,35 @@ def test_sweep_killed_by_sigkill_resumes_without_repeating_finished_runs(tiny, f
     # one uninterrupted-looking log: every iteration once, then the final evaluation
     assert _iterations(long_dir) == [(i, False) for i in range(10)] + [(10, True)]
     assert "resume at iteration" in proc.stdout
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR2"), reason="the parent-death signal is Linux's")
+def test_a_dying_sweeps_repeated_death_signals_stop_a_run_once_with_its_checkpoint(tmp_path):
+    """The kernel may send a run its parent-death signal once per exiting sweep thread: the run,
+    already inside its stop handler, must see one stop request (it checkpoints), never a second
+    signal (which aborts without a checkpoint). The slow lane's SIGKILL test caught the run
+    aborting when the death signal was SIGHUP, one of the signals a run stops on."""
+    script = """
+import os, signal, sys
+from pathlib import Path
+from flowrl.distributed import DistContext
+from flowrl.sweeps import PARENT_DEATH_SIGNAL, follow_the_sweep
+from flowrl.train.stopping import Aborted, RunStop
+os.environ["FLOWRL_SWEEP_PID"] = str(os.getppid())
+follow_the_sweep()
+said = []
+try:
+    with RunStop(Path(sys.argv[1]), DistContext(), said.append) as stop:
+        for _ in range(3):  # as a dying multi-threaded sweep may send it
+            os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
+        print(stop.requested, stop.signals, said[0].split(":")[0])
+except Aborted:
+    print("aborted")
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "1", "Ctrl-C"]  # one stop, taken as the first Ctrl-C
+    assert proc.stderr.count("the sweep process died; this run stops after a checkpoint") == 1
 
 
 @pytest.mark.slow
