@@ -538,11 +538,16 @@ def test_each_study_batch_has_its_own_default_sweep_and_another_batchs_sweep_is_
         study.main([*common, "--seed-list", "44,45", "--sweep-dir", str(old)])
     assert sweeps == []
 
-    # --seeds 4 asks for 42-45 and runs 44 and 45; the same command again resumes that sweep
-    study.main([*common, "--seeds", "4", "--sweep-dir", str(tmp_path / "b")])
+    # --seeds 4 asks for 42-45 and runs 44 and 45; the same command again resumes that sweep. What
+    # ran beside a batch is kept with it and shown in the batch table
+    note = "the slow test lane beside the first runs"
+    study.main([*common, "--seeds", "4", "--sweep-dir", str(tmp_path / "b"), "--batch-note", note])
     study.main([*common, "--seeds", "4", "--sweep-dir", str(tmp_path / "b")])
     assert sweeps == [[44, 45], [44, 45]]
-    assert [b["seeds"] for b in json.loads((archive / "sweep.json").read_text())["batches"]] == [[42, 43], [44, 45]]
+    batches = json.loads((archive / "sweep.json").read_text())["batches"]
+    assert [b["seeds"] for b in batches] == [[42, 43], [44, 45]] and batches[1]["note"] == note
+    table = (out / "study.md").read_text()
+    assert "| load beside the runs |" in table and f"| 2 | 23.3 | {note} |" in table and "| not recorded |" in table
 
 
 def test_the_report_says_how_many_seeds_the_bar_needs_when_an_interval_is_too_wide(study, tmp_path, flowrl_cli,
