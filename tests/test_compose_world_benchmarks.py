@@ -417,6 +417,21 @@ def test_the_documented_compose_table_is_the_archives_report(ttr, tmp_path):
     assert "missing" not in json.loads((tmp_path / "report.json").read_text())
 
 
+def test_docs_study_md_is_the_archives_report(study, tmp_path, flowrl_cli, monkeypatch):
+    """docs/study.md is what `python benchmarks/study.py --world compose --report-only` writes from
+    the committed archive, word for word: a batch added to the archive without the page written
+    again (or a page edited by hand) fails here."""
+    def in_process(*args):
+        (done,) = flowrl_cli.in_process([list(args)])
+        return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
+
+    monkeypatch.setattr(study, "flowrl", in_process)
+    study.main(["--world", "compose", "--report-only", "--sweep-dir", str(tmp_path / "no_sweep"),
+                "--out", str(tmp_path / "out")])
+    written = (tmp_path / "out" / "study.md").read_text()
+    assert written == (REPO / "docs" / "study.md").read_text()
+
+
 def test_the_regime_hash_is_the_same_in_any_checkout(ttr, tmp_path, monkeypatch):
     """The archive serves every clone: the recipe resolves to absolute paths (prompts, profile),
     which the hash takes relative to the checkout (a clean clone once found no archived run)."""
