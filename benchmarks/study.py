@@ -392,8 +392,8 @@ def batch_sweep_dir(world: World, seeds: list[int]) -> str:
     the shapes world has one sweep."""
     if world.archive is None or not seeds:
         return world.sweep_dir
-    contiguous = seeds == list(range(seeds[0], seeds[0] + len(seeds))) if seeds else False
-    label = f"{seeds[0]}-{seeds[-1]}" if contiguous and len(seeds) > 1 else "_".join(map(str, seeds))
+    contiguous = len(seeds) > 1 and seeds == list(range(seeds[0], seeds[0] + len(seeds)))
+    label = f"{seeds[0]}-{seeds[-1]}" if contiguous else "_".join(map(str, seeds))
     return f"{world.sweep_dir}_seeds_{label}"
 
 

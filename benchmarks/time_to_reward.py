@@ -91,8 +91,8 @@ objectives (:data:`COMPOSE_ONLY`) run only when ``--configs`` names them, so the
 both base recipes (``--check``); a config that does not apply on a world is listed in that world's
 ``not_applicable`` with its reason and skipped with that reason printed and kept in the report (none
 today). The report adds ``hf_share``'s change (the artefact measure) beside the second judge's on
-both worlds. On the compose world every config has run on seeds 42-45 (docs/benchmarks.md);
-seed 46 completes the 5-seed table.
+both worlds. On the compose world every config has run on seeds 42-46, the 5-seed table
+(docs/benchmarks.md).
 
 The 5-seed table takes longer than a working session here, and ``runs/`` does not outlive one, so
 on the compose world every finished run's evaluation curve (:func:`curve`) is kept in

@@ -213,12 +213,38 @@ def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str
     return sweep
 
 
-def _report(study, flowrl_cli, monkeypatch, sweep: Path, archive: Path, out: Path, seeds: list[int]):
+def _flowrl_in_process(study, flowrl_cli, monkeypatch) -> None:
+    """The study's `flowrl compare` calls run in this process (no interpreter start-up each)."""
     def in_process(*args):
         (done,) = flowrl_cli.in_process([list(args)])
         return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
 
     monkeypatch.setattr(study, "flowrl", in_process)
+
+
+def _fake_sweeps(study, tmp_path: Path, monkeypatch, failing_seed: int | None = None) -> list[list[int]]:
+    """`flowrl sweep` replaced by a finished fake sweep of the seeds asked for (made once per
+    directory; a resumed one is left as it is); with ``failing_seed``, that seed's gspo_16 run
+    fails and the sweep exits 1. Returns the seed lists the study asked for, in order."""
+    sweeps, real_run = [], subprocess.run
+
+    def fake_run(cmd, *a, **kw):
+        if "sweep" not in cmd:
+            return real_run(cmd, *a, **kw)
+        seeds = [int(x) for x in cmd[cmd.index("--seed-list") + 1].split(",")]
+        sweeps.append(seeds)
+        sweep_dir = Path(cmd[cmd.index("-o") + 1])
+        if not (sweep_dir / "sweep.json").exists():
+            failed = (f"gspo_16_seed{failing_seed}",) if failing_seed is not None else ()
+            _fake_study_sweep(study, tmp_path, seeds, sweep=sweep_dir, failed=failed)
+        return subprocess.CompletedProcess(cmd, 1 if failing_seed in seeds else 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    return sweeps
+
+
+def _report(study, flowrl_cli, monkeypatch, sweep: Path, archive: Path, out: Path, seeds: list[int]):
+    _flowrl_in_process(study, flowrl_cli, monkeypatch)
     study.main(["--world", "compose", "--report-only", "--seed-list", ",".join(map(str, seeds)),
                 "--sweep-dir", str(sweep), "--archive", str(archive), "--out", str(out)])
     return " ".join((out / "study.md").read_text().split())  # the report's words, unwrapped
@@ -421,11 +447,7 @@ def test_docs_study_md_is_the_archives_report(study, tmp_path, flowrl_cli, monke
     """docs/study.md is what `python benchmarks/study.py --world compose --report-only` writes from
     the committed archive, word for word: a batch added to the archive without the page written
     again (or a page edited by hand) fails here."""
-    def in_process(*args):
-        (done,) = flowrl_cli.in_process([list(args)])
-        return subprocess.CompletedProcess(args, done.returncode, done.stdout, done.stderr)
-
-    monkeypatch.setattr(study, "flowrl", in_process)
+    _flowrl_in_process(study, flowrl_cli, monkeypatch)
     study.main(["--world", "compose", "--report-only", "--sweep-dir", str(tmp_path / "no_sweep"),
                 "--out", str(tmp_path / "out")])
     written = (tmp_path / "out" / "study.md").read_text()
@@ -488,18 +510,7 @@ def test_a_new_study_batch_runs_only_unarchived_seeds_and_refuses_another_regime
     the report, and exits non-zero."""
     archive, out = tmp_path / "archive", tmp_path / "out"
     _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "a", [42, 43]), archive, out, [42, 43])
-    sweeps, real_run = [], subprocess.run
-
-    def fake_run(cmd, *a, **kw):
-        if "sweep" not in cmd:
-            return real_run(cmd, *a, **kw)
-        seeds = [int(x) for x in cmd[cmd.index("--seed-list") + 1].split(",")]
-        sweeps.append(seeds)
-        sweep_dir = Path(cmd[cmd.index("-o") + 1])
-        _fake_study_sweep(study, tmp_path, seeds, sweep=sweep_dir, failed=("gspo_16_seed47",))
-        return subprocess.CompletedProcess(cmd, 1 if 47 in seeds else 0)
-
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    sweeps = _fake_sweeps(study, tmp_path, monkeypatch, failing_seed=47)
     common = ["--world", "compose", "--archive", str(archive), "--out", str(out)]
     study.main([*common, "--seeds", "4", "--sweep-dir", str(tmp_path / "b")])
     assert sweeps == [[44, 45]]
@@ -533,19 +544,7 @@ def test_each_study_batch_has_its_own_default_sweep_and_another_batchs_sweep_is_
 
     archive, out = tmp_path / "archive", tmp_path / "out"
     _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "a", [42, 43]), archive, out, [42, 43])
-    sweeps, real_run = [], subprocess.run
-
-    def fake_run(cmd, *a, **kw):
-        if "sweep" not in cmd:
-            return real_run(cmd, *a, **kw)
-        seeds = [int(x) for x in cmd[cmd.index("--seed-list") + 1].split(",")]
-        sweeps.append(seeds)
-        sweep_dir = Path(cmd[cmd.index("-o") + 1])
-        if not (sweep_dir / "sweep.json").exists():
-            _fake_study_sweep(study, tmp_path, seeds, sweep=sweep_dir)
-        return subprocess.CompletedProcess(cmd, 0)
-
-    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    sweeps = _fake_sweeps(study, tmp_path, monkeypatch)
     common = ["--world", "compose", "--archive", str(archive), "--out", str(out)]
     old = tmp_path / "a" / "sweep"  # holds seeds 42 and 43, archived
     with pytest.raises(SystemExit, match=r"holds the sweep of seeds \[42, 43\], and this batch asks for \[44, 45\]: "
