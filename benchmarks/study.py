@@ -10,6 +10,7 @@ compositional world (``--world compose``) it writes docs/study.md; on the first 
     OMP_NUM_THREADS=1 python benchmarks/study.py --world compose              # the compositional world (below)
     OMP_NUM_THREADS=1 python benchmarks/study.py --world compose --seed-list 47,48,49   # a later batch of seeds
     python benchmarks/study.py --world compose --report-only   # the report from the archive (+ a sweep in runs/)
+    python benchmarks/study.py --world compose --amend-note --seed-list 48 --batch-note "CI beside it"  # then the report
     python benchmarks/study.py --world compose --smoke --seeds 1 --jobs 1 --sweep-dir /tmp/sc --out /tmp/sc
 
 Run it from the repository root. It is resumable: run the same command again after an
@@ -392,9 +393,30 @@ def batch_sweep_dir(world: World, seeds: list[int]) -> str:
     the shapes world has one sweep."""
     if world.archive is None or not seeds:
         return world.sweep_dir
+    return f"{world.sweep_dir}_seeds_{seeds_label(seeds)}"
+
+
+def seeds_label(seeds: list[int]) -> str:
+    """A batch's seeds in a file name: ``46-47`` for a run of consecutive seeds, ``46_49`` for
+    others, ``50`` for one."""
     contiguous = len(seeds) > 1 and seeds == list(range(seeds[0], seeds[0] + len(seeds)))
-    label = f"{seeds[0]}-{seeds[-1]}" if contiguous else "_".join(map(str, seeds))
-    return f"{world.sweep_dir}_seeds_{label}"
+    return f"{seeds[0]}-{seeds[-1]}" if contiguous else "_".join(map(str, seeds))
+
+
+def amend_batch_note(archive: Path, seeds: list[int], note: str) -> None:
+    """Set the note of the archived batch of exactly ``seeds``: what ran beside a batch is known
+    for sure only once its runs have ended."""
+    manifest_path = archive / "sweep.json"
+    if not manifest_path.is_file():
+        sys.exit(f"--amend-note: no seed is archived in {archive} yet")
+    manifest = json.loads(manifest_path.read_text())
+    batch = next((b for b in manifest["batches"] if sorted(b["seeds"]) == sorted(seeds)), None)
+    if batch is None:
+        sys.exit(f"--amend-note: no archived batch holds exactly the seeds {seeds}; the batches are "
+                 + "; ".join(",".join(map(str, b["seeds"])) for b in manifest["batches"])
+                 + " (give one of them with --seed-list)")
+    batch["note"] = note
+    _write_atomic(manifest_path, json.dumps(manifest, indent=1))
 
 
 def complete_seeds(sweep_dir: Path, seeds: list[int]) -> list[int]:
@@ -549,7 +571,7 @@ def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict
     if not (archive / "geneval" / "base.json").is_file():
         _write_atomic(archive / "geneval" / "base.json",
                       json.dumps({k: v for k, v in base.items() if k != "per_image"}, indent=1))
-    name = f"regimes/seeds_{new[0]}-{new[-1]}.json"
+    name = f"regimes/seeds_{seeds_label(new)}.json"
     _write_atomic(archive / name, json.dumps({**regime, "seeds": new}, indent=1))
     # the batch's cost: its own runs' wall time (a resumed sweep's running total would count the
     # time of seeds archived earlier, or not at all, again)
@@ -746,9 +768,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="compose world: what else ran on the machine beside this batch's runs, kept with the batch "
                          "and shown in the report's batch table (the runs' train times, and so the equal-wall-time "
                          "comparison, include that load)")
+    ap.add_argument("--amend-note", action="store_true",
+                    help="compose world: set the --batch-note of the archived batch of --seed-list (once its runs "
+                         "have ended and what ran beside them is known), then write the report as --report-only")
     ap.add_argument("--report-only", action="store_true", help="write the report from the finished runs (no sweep)")
     args = ap.parse_args(argv)
     world = WORLDS[args.world]
+    if args.amend_note and (world.archive is None or args.seed_list is None or not args.batch_note):
+        sys.exit("--amend-note sets the note of an archived batch of the compose world: give --world compose, "
+                 "the batch's seeds (--seed-list) and the note (--batch-note TEXT)")
     if args.seed_list is not None:  # as `flowrl sweep --seed-list` reads it
         try:
             args.seed_values = sorted(parse_seed_list(args.seed_list))
@@ -769,6 +797,10 @@ def main(argv: list[str] | None = None) -> None:
             archive = REPO / world.archive
         else:
             archive = sweep_dir / "report"
+    if args.amend_note:
+        amend_batch_note(archive, args.seed_values, args.batch_note)
+        print(f"the note of the batch of seeds {args.seed_values} in {archive}: {args.batch_note}", flush=True)
+        args.report_only, has_sweep = True, False  # the report from the archive alone
     if args.report_only and not has_sweep and (archive is None or not (archive / "sweep.json").is_file()):
         sys.exit(f"--report-only: no sweep in {sweep_dir} and no archived seed to report from")
     if args.report_only and has_sweep and args.seed_list is None:  # the sweep's own seeds, whatever they are

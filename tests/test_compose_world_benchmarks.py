@@ -564,6 +564,31 @@ def test_each_study_batch_has_its_own_default_sweep_and_another_batchs_sweep_is_
     assert "| load beside the runs |" in table and f"| 2 | 23.3 | {note} |" in table and "| not recorded |" in table
 
 
+def test_a_batch_note_is_amended_after_its_runs_and_the_report_shows_it(study, tmp_path, flowrl_cli, monkeypatch):
+    """What ran beside a batch is known for sure only once it has ended: --amend-note sets the
+    note of the archived batch of exactly --seed-list and writes the report, running nothing; a
+    batch that is not archived is refused, naming the ones that are."""
+    archive, out = tmp_path / "archive", tmp_path / "out"
+    _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "a", [42, 43]), archive, out, [42, 43])
+    sweeps = _fake_sweeps(study, tmp_path, monkeypatch)
+    common = ["--world", "compose", "--archive", str(archive), "--out", str(out)]
+    (out / "study.md").unlink()
+    note = "a clean-clone CI run beside the last runs"
+    study.main([*common, "--amend-note", "--seed-list", "42,43", "--batch-note", note])
+    assert sweeps == []
+    manifest = json.loads((archive / "sweep.json").read_text())
+    assert [b.get("note") for b in manifest["batches"]] == [note]
+    assert f"| {note} |" in (out / "study.md").read_text()
+    assert manifest["batches"][0]["regime"] == "regimes/seeds_42-43.json"
+    assert (archive / manifest["batches"][0]["regime"]).is_file()
+    with pytest.raises(SystemExit, match=r"no archived batch holds exactly the seeds \[42\]; the batches are 42,43"):
+        study.main([*common, "--amend-note", "--seed-list", "42", "--batch-note", note])
+    with pytest.raises(SystemExit, match="give --world compose, the batch's seeds"):
+        study.main([*common, "--amend-note", "--seed-list", "42,43"])
+    assert study.seeds_label([48]) == "48" and study.seeds_label([46, 47]) == "46-47"
+    assert study.seeds_label([46, 49]) == "46_49"
+
+
 def test_the_report_says_how_many_seeds_the_bar_needs_when_an_interval_is_too_wide(study, tmp_path, flowrl_cli,
                                                                                   monkeypatch):
     """A claim whose paired differences spread: its half-width is reported against 0.02 with the
