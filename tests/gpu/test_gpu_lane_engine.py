@@ -93,3 +93,18 @@ def test_the_run_used_the_lane_device(lane, quickstart):
     assert info["device"] == str(lane.device), info
     if lane.cuda:  # it allocated on the GPU (the CPU allocator keeps no count)
         assert torch.cuda.max_memory_allocated(lane.device) > 0
+
+
+def test_the_rows_carry_the_runs_peak_device_memory(lane, quickstart):
+    """A CUDA run logs the allocator's high-water marks (flowrl.train.device_memory): positive,
+    never falling from row to row, reserved at least allocated, below the device's memory; a CPU
+    run logs none."""
+    _, rows = quickstart
+    logged = [r for r in rows if not r.get("final")]
+    if not lane.cuda:
+        assert not any(k.startswith("memory/") for r in logged for k in r)
+        return
+    allocated = [r["memory/peak_allocated_gib"] for r in logged]
+    reserved = [r["memory/peak_reserved_gib"] for r in logged]
+    total = torch.cuda.get_device_properties(lane.device).total_memory / 2**30
+    assert 0 < allocated[0] and allocated == sorted(allocated) and all(a <= r < total for a, r in zip(allocated, reserved))

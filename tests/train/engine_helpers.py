@@ -33,8 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: The training tests' recipe as TOML text, ``tiny_recipe(ENGINE)`` (tests/gpu imports it from here).
 TINY_RECIPE = tiny_recipe(ENGINE)
 
-#: Keys whose values are wall-clock times: never compared.
-TIMING_PREFIX = "time/"
+#: Keys never compared between runs: wall-clock times, and (CUDA) the allocator's peaks, which
+#: depend on the process (a resumed run starts a new one).
+TIMING_PREFIX = ("time/", "memory/")
 
 
 def load(path: Path, *overrides: str):
