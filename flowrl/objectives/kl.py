@@ -120,24 +120,33 @@ class ReferencePolicy:
 class KLSettings:
     """A ``[loss]``'s KL term: its weight ``beta`` (0: no KL term), its ``kind`` (docs/api.md §8)
     and the ``reference`` policy it is taken to (None for ``old_policy_k3``, which needs none, and
-    without a KL term)."""
+    without a KL term or a monitor). ``monitor_every``: ``[log].kl_every``, the KL measured
+    without gradient every that many iterations when there is no term (0: never)."""
 
     beta: float = 0.0
     kind: str = "gaussian_exact"
     reference: ReferencePolicy | None = None
+    monitor_every: int = 0
 
     @classmethod
-    def of(cls, loss, model) -> KLSettings:
+    def of(cls, loss, model, monitor_every: int = 0) -> KLSettings:
         """The KL term of the ``[loss]`` component (:class:`flowrl.interfaces.KLRegularised`, else
-        none). Fixes the reference to ``model``'s current weights, so call it before any update
-        (and before a resume loads trained weights) and before the denoiser is sharded (a frozen
-        copy is a plain module)."""
+        none), and its monitor (``[log].kl_every``; validation allows it only on the
+        policy-gradient family, with a reference kind). Fixes the reference to ``model``'s current
+        weights, so call it before any update (and before a resume loads trained weights) and
+        before the denoiser is sharded (a frozen copy is a plain module)."""
         if not isinstance(loss, KLRegularised):
             # an objective with a KL term of its own (NFT) still gets the one reference the engine places
             wants = isinstance(loss, NeedsReferencePolicy) and loss.needs_reference()
             return cls(reference=ReferencePolicy(model)) if wants else cls()
         beta, kind = float(loss.beta or 0.0), loss.kl
-        return cls(beta, kind, ReferencePolicy(model) if beta > 0 and kind != "old_policy_k3" else None)
+        wants = (beta > 0 or monitor_every > 0) and kind != "old_policy_k3"
+        return cls(beta, kind, ReferencePolicy(model) if wants else None, monitor_every if beta == 0 else 0)
+
+    def monitors(self, iteration: int) -> bool:
+        """Whether the KL is measured (not optimised) in this iteration's update."""
+        return self.beta == 0 and self.reference is not None and self.monitor_every > 0 \
+            and iteration % self.monitor_every == 0
 
 
 def step_kl(kind: str, out, ref_out, log_ratio: torch.Tensor, sigma, sigma_next, kernel=None,
@@ -198,12 +207,12 @@ class KLTerm:
         self.weights = None if sample_weights is None else sample_weights.to(self.per_sample.device)[batch_idx]
         self.total, self.count, self.term = 0.0, 0, 0.0
 
-    def _step(self, t: int, rows: torch.Tensor):
+    def _step(self, t: int, rows: torch.Tensor, grad: bool = True):
         """The policy's re-scored step (with grad) and its KL ``[len(rows)]`` at position ``t``:
         the reference forward first, then the policy's."""
         tr = self.scorer.trajectory.position(t, rows)
         ref_out = None if self.kind == "old_policy_k3" else self.scorer.step(t, rows, grad=False, reference=True)
-        out = self.scorer.step(t, rows, grad=True)
+        out = self.scorer.step(t, rows, grad=grad)
         kl = step_kl(self.kind, out, ref_out, out.log_prob - self.old_lp[rows, t], tr.sigma, tr.sigma_next, tr.kernel,
                      self.direction)
         return out, kl
@@ -244,6 +253,24 @@ class KLTerm:
                 continue
             self.term += float(weighted.detach())
             self.total += float(kl.detach().sum())
+            self.count += kl.numel()
+        return self.result()
+
+    @torch.no_grad()
+    def measure(self, lockstep=None) -> tuple[float, float]:
+        """The term's KL over the micro-batch's trained transitions, measured without gradient
+        (``[log].kl_every`` with ``beta = 0``: nothing is back-propagated), position by position
+        as :meth:`backward` visits them, with the same stand-in rows under ``lockstep``; returns
+        :meth:`result` (its term 0: nothing was optimised)."""
+        for t in range(self.scorer.trajectory.num_trainable):
+            b = torch.nonzero(self.trans[:, t], as_tuple=False).flatten()
+            if not any_process(bool(b.numel()), lockstep):
+                continue
+            b, stand_in = pad_rows(b)
+            _, kl = self._step(t, self.batch_idx[b], grad=False)
+            if stand_in:
+                continue
+            self.total += float(kl.sum())
             self.count += kl.numel()
         return self.result()
 

@@ -257,14 +257,18 @@ class PolicyGradient:
         batch, idx = micro.batch, micro.rows
         mask = select_units(ctx.selector, ctx.seed, batch, idx, micro.sizes, micro.epoch)
         idx_d, mask_d = idx.to(ctx.device), mask.to(ctx.device)
-        _expect_work(ctx, batch.advantages[idx_d], mask_d, micro.sizes)
+        _expect_work(ctx, batch.advantages[idx_d], mask_d, micro.sizes, batch.iteration)
         self.recorder.start(len(idx))
         loss, m, kl = self._units_backward(ctx, batch.advantages, idx_d, mask_d, micro.sizes, micro.probe,
                                            fast=micro.first and ctx.fast_path, normaliser=micro.normaliser)
+        if kl is None and ctx.kl.monitors(batch.iteration):  # [log].kl_every: measured, not optimised
+            with ctx.counter.phase("kl_monitor"):
+                kl = KLTerm(self.scorer, idx_d, mask_d, micro.sizes, self.old_lp, ctx.kl.kind, 0.0, micro.normaliser,
+                            direction=self.kl_direction).measure(ctx.lockstep)
         self.recorder.finish(mask)
         metrics = {} if kl is None else {f"kl/{ctx.kl.kind}": kl[0]}  # the order rows have always had
         metrics.update({k: float(v) for k, v in m.items()})
-        losses = (float(loss),) if kl is None else (float(loss), ctx.kl.beta * kl[1])
+        losses = (float(loss),) if kl is None or ctx.kl.beta == 0 else (float(loss), ctx.kl.beta * kl[1])
         return MicroBatchResult(losses=losses, metrics=metrics, trained=mask)
 
     def end_rollout(self, ctx: UpdateContext, batch: Batch) -> dict:
@@ -329,16 +333,18 @@ def select_units(selector, seed: int, batch: Batch, idx: torch.Tensor, sizes, ep
     return selector.select(len(idx), sizes, gens).cpu()
 
 
-def _expect_work(ctx: UpdateContext, advantages: torch.Tensor, mask: torch.Tensor, sizes) -> None:
+def _expect_work(ctx: UpdateContext, advantages: torch.Tensor, mask: torch.Tensor, sizes, iteration: int) -> None:
     """The minimum work of a micro-batch: each trained transition whose gradient is not zero
     (non-zero advantage, or any with a KL term) once forward and backward; one reference
-    forward per trained transition for the reference KL kinds."""
+    forward per trained transition for the reference KL kinds, also when the KL is only measured
+    (``[log].kl_every``; the policy's forwards of that measurement count as ``kl_monitor``, as
+    evaluation's count as ``eval``: outside the ratio)."""
     size = torch.tensor(sizes, device=mask.device)
     adv = advantages if advantages.ndim == 2 else advantages[:, None].expand(mask.shape)
     trained = int((mask * size).sum())
     live = trained if ctx.kl.beta > 0 else int((mask & (adv != 0)).mul(size).sum())
     ctx.counter.expect("update", live * ctx.rows_per_sample)
-    if ctx.kl.beta > 0 and ctx.kl.reference is not None:
+    if ctx.kl.reference is not None and (ctx.kl.beta > 0 or ctx.kl.monitors(iteration)):
         ctx.counter.expect("reference", trained * ctx.rows_per_sample)
 
 

@@ -256,6 +256,14 @@ class LogConfig:
         "with few steps and an evaluation with more, as Flow-GRPO does (10 and 40).", min=0, max=10_000,
     )
     progress: bool = param(True, "Show a rich progress bar.")
+    kl_every: int = param(
+        0, "Log kl/<kind>, the KL of the policy to the reference (the [loss]'s kl kind), every N iterations "
+        "also when the loss has no KL term (beta = 0), to watch the drift before choosing a beta: on those "
+        "iterations one policy and one reference forward per trained transition, without gradient, after "
+        "each micro-batch's backward (nothing trained changes). The reference is the base with the adapter "
+        "off under LoRA, a frozen copy of the denoiser under full fine-tuning (flowrl plan counts it). "
+        "0 = off (with beta > 0 the KL is logged every iteration anyway).", min=0,
+    )
 
 
 @dataclasses.dataclass

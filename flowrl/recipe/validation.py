@@ -31,6 +31,7 @@ from ..interfaces import (
     WarpsTime,
     trains_on_units,
 )
+from ..objectives.policy_gradient import PolicyGradient, objective_for
 from ..plugins import Registry, get_registry
 from ..sampling.branching import BranchConfig, steps_of_highest_dynamics
 from ..sampling.plans import PlanContext
@@ -156,6 +157,7 @@ def cross_check(recipe: Recipe, registry: Registry) -> None:
     _check_context_parallel(recipe)
     _check_data(recipe, registry)
     _check_reference_copy_needed(recipe, registry)
+    _check_kl_monitor(recipe, registry)
     _check_memory_knobs(recipe, registry)  # every objective's (NFT's too, which trains no units)
     _check_replay(recipe, registry, T)
     _check_pipeline(recipe, registry)
@@ -326,15 +328,17 @@ def no_reference_copy_because(recipe: Recipe, registry: Registry | None = None) 
     """Why the run keeps no frozen copy of the denoiser as its KL reference, as ``(key, reason,
     how to get one)``, or None when it keeps one: as :class:`flowrl.objectives.kl.KLSettings` and
     :class:`~flowrl.objectives.kl.ReferencePolicy` decide it (a reference only with a loss of
-    ``beta > 0`` and a reference KL kind, or an objective that runs one itself and says so,
+    ``beta > 0`` and a reference KL kind, or ``[log].kl_every`` measuring against one, or an
+    objective that runs one itself and says so,
     :class:`flowrl.interfaces.NeedsReferencePolicy`: DiffusionNFT with ``beta_kl > 0``; a copy
     only without LoRA, whose reference is the base with the adapter off)."""
     loss = recipe.components["loss"].params
-    if isinstance(loss, KLRegularised):
-        wants = float(loss.beta or 0.0) > 0 and loss.kl != "old_policy_k3"
+    if isinstance(loss, KLRegularised):  # a KL term, or [log].kl_every's measurement, to a reference
+        wants = (float(loss.beta or 0.0) > 0 or recipe.log.kl_every > 0) and loss.kl != "old_policy_k3"
     else:  # the built objective says whether it runs a reference of its own
         built = build_loss(recipe, registry or get_registry())
-        wants = isinstance(built, NeedsReferencePolicy) and built.needs_reference()
+        wants = isinstance(built, NeedsReferencePolicy) and built.needs_reference() or (
+            recipe.log.kl_every > 0 and isinstance(built, KLRegularised) and built.kl != "old_policy_k3")
     if not wants:
         return ("[loss].beta", "the [loss] has no KL term to a reference model (beta = 0 or kl = 'old_policy_k3'; "
                 "nft: beta_kl = 0)", "give the [loss] beta > 0 and kl = 'flow_grpo' or 'gaussian_exact' (nft: beta_kl > 0)")
@@ -367,6 +371,28 @@ def _check_reference_copy_needed(recipe: Recipe, registry: Registry) -> None:
         f"the current weights), and this recipe keeps none: {reason}",
         where=f"{recipe.source}: {key}", hint=f"{fix} with this loss, or use another [loss]",
     )
+
+
+def _check_kl_monitor(recipe: Recipe, registry: Registry) -> None:
+    """``[log].kl_every`` measures the KL to the reference of the policy-gradient family (the
+    ratio-based update around a ``[loss]`` with ``beta`` and ``kl``), in a kind that has a
+    reference: refused elsewhere, where it would do nothing."""
+    if recipe.log.kl_every == 0:
+        return
+    name, where = recipe.components["loss"].use, f"{recipe.source}: [log].kl_every"
+    built = build_loss(recipe, registry)
+    if not (isinstance(built, KLRegularised) and isinstance(objective_for(built), PolicyGradient)):
+        raise RecipeError(
+            f"kl_every = {recipe.log.kl_every}, but loss '{name}' is not a ratio-based policy gradient with a KL "
+            "kind to measure (it keeps its own KL settings, e.g. nft's or awm's beta_kl, or trains on an ELBO)",
+            where=where, hint="remove kl_every, or use a loss with beta and kl (clipped, guard, dppo) on the "
+                              "trajectory likelihood")
+    if built.kl == "old_policy_k3":
+        raise RecipeError(
+            f"kl_every = {recipe.log.kl_every}, but [loss].kl = 'old_policy_k3' measures against the rollout "
+            "policy, not a reference (every run logs that as approx_kl_old)",
+            where=where, hint="set [loss].kl = 'gaussian_exact' or 'flow_grpo' to log the KL to the reference, "
+                              "or remove kl_every")
 
 
 def _check_memory_knobs(recipe: Recipe, registry: Registry) -> None:

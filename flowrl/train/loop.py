@@ -37,7 +37,6 @@ from .checkpoint import checkpoint_iteration, latest_checkpoint
 from .collect import assign_advantages, collect
 from .ema import WeightEMA
 from .evaluate import RunEvaluator, evaluation_set
-from .device_memory import peak_memory
 from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .pipeline import Pipeline
@@ -131,7 +130,6 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
                         outputs.write_group_grid(batch, geometry.group_size, last)  # every [log].image_every
                         speed = throughput.measure(timer.seconds, outcome.trained, layout.sizes, state.iteration)
                         if iteration % cfg.log.every == 0 or last or outcome.skipped:
-                            record.update(peak_memory(device))  # CUDA: the allocator's high-water marks
                             outputs.write_iteration(record, {**timer.seconds, **saver.take_seconds()}, speed)
                         if saver.due(last):
                             saver()

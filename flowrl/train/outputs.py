@@ -37,6 +37,7 @@ from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
 from ..video import filmstrip, is_clip, mp4_available, write_gif, write_mp4
+from .device_memory import peak_memory
 from .run_dir import LOCK_NAME
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
@@ -60,6 +61,7 @@ class RunOutputs:
         self.image_every = session.recipe.log.image_every
         self.trackers = session.components.trackers
         self.decode = session.model.decode  # the group grid's pictures when training decoded nothing
+        self.device = session.device  # memory/* of CUDA runs
         self.metrics: MetricsLog | None = None
         if not self.enabled:
             return
@@ -100,7 +102,8 @@ class RunOutputs:
 
     def write_iteration(self, record: dict[str, Any], seconds: dict[str, float],
                         speed: dict[str, float] | None = None) -> None:
-        """Append one iteration's metrics row (``seconds`` per phase as ``time/<phase>``), on disk
+        """Append one iteration's metrics row (``seconds`` per phase as ``time/<phase>``; on CUDA the
+        run's peak memory as ``memory/*``), on disk
         when this returns, then hand it to the trackers (which also get ``speed``, the
         iteration's throughput; it is not written to the row).
 
@@ -108,6 +111,7 @@ class RunOutputs:
         loses the row of an iteration that a checkpoint says is complete (resume drops rows
         from the checkpoint's iteration on)."""
         record.update({f"time/{k}": v for k, v in seconds.items()})
+        record.update(peak_memory(self.device))  # CUDA: the allocator's high-water marks (flowrl.train.device_memory)
         if not self.enabled:
             return
         self.metrics.write(record)

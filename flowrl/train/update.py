@@ -83,7 +83,7 @@ class PolicyUpdate:
         # KL regularisation: the reference is fixed now, before any update (and before a resume
         # loads trained weights), and before sharding (a frozen copy is a plain module). The
         # old-policy kind needs no reference model.
-        kl = KLSettings.of(loss, model)
+        kl = KLSettings.of(loss, model, session.recipe.log.kl_every)  # [log].kl_every: a reference to measure against
         # [distributed]: the denoiser placed, replicated or sharded, and the optimizer rebound to
         # the parameters as the strategy holds them (docs/distributed.md)
         self.strategy = Strategy.from_recipe(session.recipe.distributed, session.device, ctx,

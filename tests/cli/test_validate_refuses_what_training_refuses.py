@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-QUICKSTART = REPO / "recipes" / "quickstart.toml"  # DiffusionNFT: no trajectory units, a CSV of grammar prompts
+QUICKSTART = REPO / "recipes" / "quickstart.toml"  # EPG on the ELBO: no trajectory units, a CSV of grammar prompts
 HACKING = REPO / "recipes" / "quickstart_hacking.toml"  # a clipped GRPO loss
 
 SD3 = """
@@ -294,3 +294,41 @@ def test_any_key_declared_required_is_checked_for_every_kind_of_table(validate, 
     monkeypatch.setattr(field, "metadata", types.MappingProxyType({**field.metadata, "required": True}))
     code, err = validate(QUICKSTART)
     one_error(code, err, where, f"key '{key}' is required, and it is empty", flag)
+
+
+# ----------------------------------------------------------------------------- [log].kl_every
+
+
+@pytest.mark.parametrize("recipe, overrides, fragments", [
+    (QUICKSTART, (), ("loss 'epg' is not a ratio-based policy gradient", "trains on an ELBO", "remove kl_every")),
+    (HACKING, ('loss.use="nft"',), ("loss 'nft' is not a ratio-based policy gradient", "nft's or awm's beta_kl")),
+    (HACKING, ('loss.kl="old_policy_k3"',), ("measures against the rollout policy", "approx_kl_old",
+                                            "set [loss].kl = 'gaussian_exact' or 'flow_grpo'")),
+], ids=["epg_on_the_elbo", "nft", "old_policy_k3"])
+def test_kl_every_where_there_is_no_reference_kl_to_measure(validate, recipe, overrides, fragments):
+    """[log].kl_every would do nothing here: one message, not a run that silently logs no KL."""
+    code, err = validate(recipe, "log.kl_every=5", *overrides)
+    one_error(code, err, "[log].kl_every", *fragments)
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_kl_every_keeps_the_reference_the_engine_measures_against(validate, finetune):
+    """With beta = 0, [log].kl_every gives the run the reference the engine measures against
+    (KLSettings.of), and the memory plan's rule (keeps_reference_copy) says the same: a frozen
+    copy with full fine-tuning, the adapter off with LoRA."""
+    from flowrl.commands.base import load, registry
+    from flowrl.objectives.kl import KLSettings
+    from flowrl.recipe import build_loss, keeps_reference_copy
+    from flowrl.train.finetune import prepare_trainable
+
+    sets = [f'train.finetune="{finetune}"', "log.kl_every=5"]
+    code, err = validate(HACKING, *sets)
+    assert code == 0, err
+    recipe = load(HACKING, sets)
+    choice = recipe.components["model"]
+    model = registry().get("model", choice.use).build(choice.params)
+    prepare_trainable(model, recipe.train)
+    kl = KLSettings.of(build_loss(recipe, registry()), model, recipe.log.kl_every)
+    assert kl.beta == 0 and kl.reference is not None and kl.monitors(10) and not kl.monitors(11)
+    assert (kl.reference.frozen is not None) == keeps_reference_copy(recipe) == (finetune == "full")
+    assert not keeps_reference_copy(load(HACKING, [f'train.finetune="{finetune}"']))

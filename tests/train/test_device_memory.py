@@ -8,7 +8,7 @@ import torch
 from engine_helpers import comparable, load, quiet_console
 from tiny_recipe import write_recipe
 
-import flowrl.train.loop as loop
+import flowrl.train.outputs as outputs
 from flowrl.runlog import read_metrics
 from flowrl.train import train
 from flowrl.train.device_memory import peak_memory
@@ -38,7 +38,7 @@ def test_every_logged_row_carries_the_peaks_of_the_run_so_far(tmp_path, monkeypa
         seen.append(device)
         return {"memory/peak_allocated_gib": float(len(seen)), "memory/peak_reserved_gib": 2.0 * len(seen)}
 
-    monkeypatch.setattr(loop, "peak_memory", fake)
+    monkeypatch.setattr(outputs, "peak_memory", fake)
     run = train(load(write_recipe(tmp_path), f"run.output_dir={str(tmp_path / 'run')!r}"), console=quiet_console())
     rows = [r for r in read_metrics(run) if "loss" in r]
     assert [r["memory/peak_allocated_gib"] for r in rows] == [1.0, 2.0, 3.0, 4.0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import load, quiet_console
+from engine_helpers import final_weights, load, quiet_console
 from tiny_recipe import write_recipe
 
 from flowrl.chunking import chunk_index
@@ -126,6 +126,74 @@ def test_training_with_kl_logs_it_and_starts_at_zero(tmp_path):
     kls = [r["kl/gaussian_exact"] for r in records if "kl/gaussian_exact" in r]
     assert len(kls) == 2
     assert kls[0] < 1e-10 < kls[1]  # the policy starts at the reference, then moves away
+
+
+@pytest.mark.parametrize("kind", ["gaussian_exact", "flow_grpo"])
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_the_measured_kl_is_the_terms_without_any_gradient(kind, finetune):
+    """[log].kl_every's measurement (KLTerm.measure) gives the same mean KL as the optimised
+    term's pass over the same transitions, and leaves every gradient as it was."""
+    model, params, reference, text, traj = _setup(finetune)
+    sizes, idx = (2, 2), torch.arange(4)
+    mask = torch.tensor([[True, False], [True, True], [False, True], [True, True]])
+    scorer = TransitionScorer(model, traj, text, reference)
+    for p in params:
+        p.grad = None
+    value, term = KLTerm(scorer, idx, mask, sizes, traj.trainable_log_probs, kind, 0.0, 4.0).measure()
+    assert term == 0.0 and all(p.grad is None for p in params)
+    optimised, _ = KLTerm(scorer, idx, mask, sizes, traj.trainable_log_probs, kind, 0.3, 4.0).backward()
+    assert value > 0 and value == pytest.approx(optimised, rel=1e-6)
+
+
+def _kl_monitor_run(tmp_path, name, *sets):
+    recipe = load(write_recipe(tmp_path), f"run.output_dir={str(tmp_path / name)!r}", "loss.kl='gaussian_exact'",
+                  "train.iterations=3", *sets)
+    run = train(recipe, console=quiet_console())
+    return run, read_metrics(run)
+
+
+def test_kl_every_logs_the_kl_at_beta_0_and_trains_exactly_as_without(tmp_path):
+    """With beta = 0, [log].kl_every = 2 logs kl/<kind> on iterations 0 and 2 only; everything
+    the run trains and every other metric is bit for bit the run without it; the measurement
+    itself equals the optimised term's KL of a run whose beta is too small to move a weight
+    (a second route through the fast and chunk-graph paths); its reference forwards are expected
+    work (compute/ratio stays 1) and its policy forwards are counted apart."""
+    plain, plain_rows = _kl_monitor_run(tmp_path, "plain")
+    watched, rows = _kl_monitor_run(tmp_path, "watched", "log.kl_every=2")
+    assert [("kl/gaussian_exact" in r) for r in rows if "loss" in r] == [True, False, True]
+    first, last = rows[0]["kl/gaussian_exact"], rows[2]["kl/gaussian_exact"]
+    assert 0 <= first < last  # the policy drifts from the reference it started as
+    for a, b in zip(plain_rows, rows):
+        keys = {k for k in a if not k.startswith(("time/", "compute/"))}
+        assert keys == {k for k in b if not k.startswith(("time/", "compute/", "kl/"))}
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    weights, watched_weights = final_weights(plain), final_weights(watched)
+    assert weights.keys() == watched_weights.keys() and all(torch.equal(weights[k], watched_weights[k]) for k in weights)
+    ref = rows[0]["compute/reference/forward"]
+    assert ref > 0 and "compute/reference/forward" not in plain_rows[0]
+    assert rows[0]["compute/minimum"] == plain_rows[0]["compute/minimum"] + ref
+    assert rows[0]["compute/ratio"] == plain_rows[0]["compute/ratio"] == 1.0
+    assert rows[0]["compute/kl_monitor/forward"] == ref and "compute/kl_monitor/forward" not in plain_rows[0]
+    assert "compute/reference/forward" not in rows[1]  # not measured in iteration 1
+
+    _, tiny_beta = _kl_monitor_run(tmp_path, "tiny_beta", "loss.beta=1e-30")
+    assert tiny_beta[0]["kl/gaussian_exact"] == pytest.approx(first, rel=1e-5, abs=1e-12)
+
+
+def test_the_docs_kl_every_example_trains_and_logs_the_kl_on_its_iterations(tmp_path):
+    """docs/recipes.md's [log].kl_every example, as written, on the training tests' recipe."""
+    import re
+    import tomllib
+
+    from engine_helpers import REPO
+    from tiny_recipe import ENGINE, tiny_recipe
+
+    text = (REPO / "docs" / "recipes.md").read_text()
+    block = tomllib.loads(re.search(r"```toml\n(\[loss\]\nuse = \"clipped\"\nbeta = 0\.0\n.*?)```", text, re.S).group(1))
+    assert block["log"] == {"kl_every": 5}
+    path = write_recipe(tmp_path, tiny_recipe(ENGINE, **block, train={"iterations": 6}))
+    rows = read_metrics(train(load(path, f"run.output_dir={str(tmp_path / 'run')!r}"), console=quiet_console()))
+    assert [r["iteration"] for r in rows if "kl/gaussian_exact" in r] == [0, 5]
 
 
 def test_frozen_copy_is_made_in_the_asked_dtype_and_keeps_the_module_as_it_was():
