@@ -60,7 +60,11 @@ def plugin_path(plugin_site):
 @pytest.mark.parametrize("sets", [
     ["distributed.strategy='ddp'", "train.update_mode='lean'"],
     ["distributed.strategy='fsdp2'", "train.update_mode='chunk_graph'", "loss.beta=0.05"],
-], ids=["ddp_lean", "fsdp2_chunk_graph_kl"])
+    # the KL measured at beta = 0 ([log].kl_every), each process training its own half of the chunks,
+    # so that at some positions one process has rows to measure and the other forwards a stand-in
+    ["distributed.strategy='fsdp2'", "train.update_mode='lean'", "log.kl_every=1", "selector.use='uniform'",
+     "selector.fraction=0.5"],
+], ids=["ddp_lean", "fsdp2_chunk_graph_kl", "fsdp2_lean_kl_measured"])
 def test_a_process_with_nothing_to_do_keeps_step(tmp_path, plugin_path, sets):
     recipe = write_recipe(tmp_path)
     recipe.write_text(recipe.read_text().replace('use = "area"', 'use = "tied_on_process_1"'))
@@ -79,6 +83,8 @@ def test_a_process_with_nothing_to_do_keeps_step(tmp_path, plugin_path, sets):
         assert "on_policy/max_abs_log_ratio" in row  # checked, though process 1 fed the probe nothing
         assert row["on_policy/max_abs_log_ratio"] <= 1e-4
         assert "eval/tied_on_process_1/mean" in row and "compute/minimum" in row
+        if "log.kl_every=1" in sets:
+            assert row["kl/gaussian_exact"] >= 0 and row["compute/kl_monitor/forward"] > 0
     for it in (1, 2):
         state = json.loads((out / "checkpoints" / f"iter_{it:06d}" / "state.json").read_text())
         assert state["world_size"] == 2
