@@ -124,6 +124,8 @@ def test_the_docs_doctor_command_for_two_nodes_runs_as_written(flowrl_cli):
     number; not this machine, so its port is not bound here) and the run directory, which does
     not exist on this one machine, lies on a local file system: warned."""
     text = (REPO / "docs" / "distributed.md").read_text(encoding="utf-8")
+    flat = " ".join(text.split())
+    assert f"(at least {nodes.MIN_OPEN_FILES}: sockets" in flat and f"(at least {nodes.MIN_SHM_BYTES // 1024**3} GiB:" in flat
     block, = [b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "flowrl doctor" in b]
     words = shlex.split(block)
     env = dict(w.split("=", 1) for w in words[:words.index("flowrl")])

@@ -20,6 +20,7 @@ from flowrl.testing.conformance import ConformanceOptions, check_adapter, check_
 pytestmark = pytest.mark.skipif(find_spec("bitsandbytes") is None, reason="needs bitsandbytes (the 'quant' extra)")
 
 RECIPE = "recipes/flux2_klein_nf4_24gb.toml"
+FLUX_RECIPE = "recipes/flow_grpo_pickscore_flux_nf4_24gb.toml"  # FLUX.1-dev, the same scheme of fitting
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +99,9 @@ def test_plan_counts_the_bytes_bitsandbytes_holds(make, tiny_klein):
 
 
 @pytest.mark.slow
-def test_full_size_plan_fits_a_24_gb_card(request):
-    out = subprocess.run([sys.executable, "-m", "flowrl", "plan", RECIPE, "--num-processes", "1", "--gpu-memory", "24"],
+@pytest.mark.parametrize("recipe", [RECIPE, FLUX_RECIPE])
+def test_full_size_plan_fits_a_24_gb_card(request, recipe):
+    out = subprocess.run([sys.executable, "-m", "flowrl", "plan", recipe, "--num-processes", "1", "--gpu-memory", "24"],
                          capture_output=True, text=True, cwd=request.config.rootpath, env={"COLUMNS": "250",
                          "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stdout + out.stderr
@@ -148,6 +150,32 @@ def test_the_24gb_recipe_trains_two_iterations(tiny_klein, tmp_path, request, mo
             "train.lora_alpha=8.0", "train.lr=0.05", "train.max_grad_norm=0", f'run.output_dir="{tmp_path / "run"}"']
     run = train(load_recipe(RECIPE, sets), console=Console(quiet=True))
     records = read_metrics(run)
+    assert [r["iteration"] for r in records] == [0, 1]
+    assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
+    state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))
+    assert state and all("lora_" in k for k in state)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in state.items()), "LoRA B never moved"
+
+
+def test_the_flux_24gb_recipe_trains_two_iterations(tiny_flux, tiny_overrides, tmp_path, request, monkeypatch):
+    """Flow-GRPO's PickScore run on an NF4 FLUX.1-dev base, shrunk to the tiny FLUX pipeline: its
+    sampler, kernel, EMA and LoRA targets as shipped, the blocks quantised; only the LoRA trains."""
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from flowrl.recipe import load_recipe
+    from flowrl.train import train
+
+    monkeypatch.chdir(request.config.rootpath)
+    recipe = load_recipe(FLUX_RECIPE)
+    assert recipe.components["model"].params.quantize == "nf4" and recipe.train.finetune == "lora"
+    sets = [f"model.path={tiny_flux}", *tiny_overrides, "model.gradient_checkpointing=false", "train.iterations=2",
+            "train.prompts_per_iteration=1", "train.group_size=2", "train.micro_batch_size=2",
+            "train.optimizer_steps_per_update=1", "rewards.0.use=brightness", "log.progress=false",
+            "log.image_every=0", "prompts.num_eval=2", "run.device=cpu", "sampler.batch_size=1", "train.lora_rank=4",
+            "train.lora_alpha=8.0", "train.lr=0.05", f'run.output_dir="{tmp_path / "run"}"']
+    run = train(load_recipe(FLUX_RECIPE, sets), console=Console(quiet=True))
+    records = [r for r in read_metrics(run) if "trained_units" in r]
     assert [r["iteration"] for r in records] == [0, 1]
     assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
     state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))
