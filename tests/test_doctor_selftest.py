@@ -299,3 +299,26 @@ def test_doctor_says_where_the_weights_come_from(doctor):
     local = _checks(doctor["local_dir"])["recipe/weights"]
     assert local["status"] == "fail" and "without model_index.json" in local["detail"]
     assert "weights:" not in doctor["quickstart"].stdout
+
+
+def test_the_tested_releases_are_the_ones_the_tests_run_with():
+    """doctor's TESTED_RELEASES names what CI installs: the environment these tests run in. When a
+    fresh install brings another release, this fails, and the table (and the release notes) move."""
+    from importlib import metadata
+
+    from flowrl.diagnostics.doctor import TESTED_RELEASES
+
+    assert {name: metadata.version(name) for name in TESTED_RELEASES} == TESTED_RELEASES
+    listed = ", ".join(f"{name} {version}" for name, version in TESTED_RELEASES.items())
+    assert f"`flowrl/diagnostics/doctor.py`: {listed})" in DOC.read_text(encoding="utf-8")  # docs/install.md
+
+
+def test_an_untested_release_is_a_warning_naming_the_tested_one():
+    from flowrl.diagnostics.doctor import TESTED_RELEASES, release_check
+
+    tested = TESTED_RELEASES["diffusers"]
+    assert release_check("diffusers", tested).status == "ok"
+    other = release_check("diffusers", "0.99.0")
+    assert other.status == "warn" and f"not the release flowrl's CI tests ({tested})" in other.detail
+    assert f"pip install diffusers=={tested}" in other.detail
+    assert release_check("numpy", "2.0.0").status == "ok"  # not a library doctor judges

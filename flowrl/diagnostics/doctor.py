@@ -24,6 +24,11 @@ from .report import Check
 GB = 1024**3
 #: the libraries flowrl runs on, reported with their versions (torchvision: open_clip, image processors)
 PACKAGES = ("torchvision", "diffusers", "transformers", "peft", "accelerate")
+#: the releases of the libraries flowrl's CI installs and tests (`bash .ci/run`); another release
+#: may well work, but diffusers, transformers and peft have changed behaviour between releases
+#: before, so `flowrl doctor` says which ones were not tested (tests/test_doctor_selftest.py holds
+#: this table to the environment the tests run in)
+TESTED_RELEASES = {"diffusers": "0.42.1", "transformers": "5.24.0", "peft": "0.21.2", "accelerate": "1.15.0"}
 #: what torchrun, `flowrl train --num-processes` and `accelerate launch` set for each process
 LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 ACCELERATE_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
@@ -163,8 +168,18 @@ def package_checks() -> list[Check]:
         except Exception as exc:  # any import failure is this line's finding, not a crash of the report
             checks.append(Check("packages", name, "fail", f"{version}, but import fails: {type(exc).__name__}: {exc}"))
             continue
-        checks.append(Check("packages", name, "ok", version, {"version": version}))
+        checks.append(release_check(name, version))
     return checks
+
+
+def release_check(name: str, version: str) -> Check:
+    """``ok`` for the release CI tests, else a ``warn`` naming it and how to install it."""
+    tested = TESTED_RELEASES.get(name)
+    figures = {"version": version, "tested": tested}
+    if tested is None or version == tested:
+        return Check("packages", name, "ok", version, figures)
+    return Check("packages", name, "warn", f"{version}, not the release flowrl's CI tests ({tested}); if something "
+                 f"breaks, try it: pip install {name}=={tested}", figures)
 
 
 def _cpu_bf16() -> str:
