@@ -342,6 +342,13 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool, ol
     if old_policy:  # swapped in by storage: the copy itself, no transient (flowrl.objectives.old_policy)
         lines.append(Line(where, "old policy (trailing copy)", trainable * tbytes / n,
                           "a copy of the trained parameters that draws the rollouts" + per))
+    ema = recipe.ema
+    if ema.enabled:  # a float32 shadow of every trained weight (flowrl.train.ema), sharded like them
+        lines.append(Line("cpu" if ema.on_cpu else where, "EMA weights", trainable * 4 / n,
+                          "float32 shadow of the trained parameters ([ema])" + per))
+        if ema.evaluate:  # the evaluation samples as the rollout does, the trained weights set aside on the device
+            lines.append(Line("rollout", "trained weights set aside (EMA evaluation)", trainable * tbytes / n,
+                              "[ema].evaluate: the EMA is swapped in, a copy of the trained weights waits" + per))
     if reference:
         ref_where = "cpu" if recipe.train.reference_on_cpu else "persistent"
         ref_bytes = mm.reference_bytes if mm.reference_bytes is not None else mm.denoiser_bytes

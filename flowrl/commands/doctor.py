@@ -56,7 +56,8 @@ def doctor(
     checks += attention_checks()
     checks += launcher_checks(resolved, devices)
     nodes = num_nodes or launched_nodes()
-    processes = max(resolved.distributed.num_processes if resolved is not None else 1, nodes, launched_processes())
+    gpus = sum(1 for d in devices if d["device"].startswith("cuda"))  # a later launch's processes, at least
+    processes = max(resolved.distributed.num_processes if resolved is not None else 1, nodes, launched_processes(), gpus)
     checks += node_checks(processes, nodes, resolved.output_dir if resolved is not None else None)
     if resolved is not None:
         checks += plan_checks(resolved, devices, registry())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,7 +63,7 @@ def node_checks(processes: int, nodes: int, run_dir: Path | None, env: Mapping[s
     the text of ``/proc/mounts`` (read when None)."""
     env = os.environ if env is None else env
     checks = [open_files_check(processes), shared_memory_check(processes)]
-    checks += rendezvous_checks(env)
+    checks += rendezvous_checks(env, nodes)
     if run_dir is not None and nodes > 1:
         checks.append(run_directory_check(run_dir, nodes, mounts))
     return [c for c in checks if c is not None]
@@ -94,20 +95,24 @@ def shared_memory_check(processes: int, path: str = "/dev/shm") -> Check | None:
         stat = os.statvfs(path)
     except OSError:  # no /dev/shm (macOS): nothing to say
         return None
-    size = stat.f_blocks * stat.f_frsize
-    shown = f"{path}: {size / 1024**3:.1f} GiB"
+    size, free = stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
+    shown = f"{path}: {size / 1024**3:.1f} GiB, {free / 1024**3:.1f} GiB free"
+    figures = {"bytes": size, "free_bytes": free}
     if processes > 1 and size < MIN_SHM_BYTES:
         return Check("launcher", "shared memory", "warn", f"{shown}, below {MIN_SHM_BYTES / 1024**3:.0f} GiB for "
                      f"{processes} processes (NCCL's buffers and torch's shared tensors live there: 'unhandled system "
-                     "error' or a bus error); in a container: docker run --shm-size=16g, or --ipc=host",
-                     {"bytes": size})
-    return Check("launcher", "shared memory", "ok", shown, {"bytes": size})
+                     "error' or a bus error); in a container: docker run --shm-size=16g, or --ipc=host", figures)
+    if processes > 1 and free < MIN_SHM_BYTES:
+        return Check("launcher", "shared memory", "warn", f"{shown}: less than {MIN_SHM_BYTES / 1024**3:.0f} GiB "
+                     f"free for {processes} processes (segments left by killed runs? ls -la {path})", figures)
+    return Check("launcher", "shared memory", "ok", shown, figures)
 
 
-def rendezvous_checks(env: Mapping[str, str]) -> list[Check]:
-    """``MASTER_ADDR`` resolves; ``MASTER_PORT`` is a port, and free where this node would host
-    the rendezvous and no launcher has started yet (a launched process finds its own store
-    there)."""
+def rendezvous_checks(env: Mapping[str, str], nodes: int = 1) -> list[Check]:
+    """``MASTER_ADDR`` resolves, and for a run over several ``nodes`` not only to a loopback
+    address (which every node would take for itself); ``MASTER_PORT`` is a port, and free where
+    this node would host the rendezvous and no launcher has started yet (a launched process finds
+    its own store there)."""
     addr, port_text = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if addr is None and port_text is None:
         return []
@@ -121,6 +126,9 @@ def rendezvous_checks(env: Mapping[str, str]) -> list[Check]:
                           f"({exc}): give the first node's address or a name every node resolves")]
         figures["resolved"] = resolved
         local = any(_is_this_machine(a) for a in resolved)
+        if nodes > 1 and all(_is_loopback(a) for a in resolved):
+            problems.append(f"it resolves only to the loopback address ({', '.join(resolved)}), which every one of "
+                            f"the {nodes} nodes takes for itself: give the first node's network address")
     port = None
     if port_text is not None:
         if not port_text.strip().isdigit() or not 0 < int(port_text) < 65536:
@@ -128,7 +136,8 @@ def rendezvous_checks(env: Mapping[str, str]) -> list[Check]:
         else:
             port = int(port_text)
     launched = "RANK" in env
-    if port is not None and (addr is None or local) and not launched and not _port_free(port):
+    six = addr is not None and all(":" in a for a in figures["resolved"])
+    if port is not None and (addr is None or local) and not launched and not _port_free(port, six):
         problems.append(f"port {port} is in use on this node (another run's rendezvous?): choose another "
                         "--master_port / --main_process_port")
     where = f"MASTER_ADDR={addr}" if addr is not None else "MASTER_ADDR unset (this node)"
@@ -137,6 +146,13 @@ def rendezvous_checks(env: Mapping[str, str]) -> list[Check]:
     shown = where + (f", MASTER_PORT={port_text}" if port_text is not None else "")
     return [Check("launcher", "rendezvous", "fail" if problems else "ok",
                   shown + (f": {'; '.join(problems)}" if problems else ""), figures)]
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _is_this_machine(address: str) -> bool:
@@ -154,29 +170,46 @@ def _is_this_machine(address: str) -> bool:
         return False
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _port_free(port: int, ipv6: bool = False) -> bool:
+    """Whether a listening socket can take ``port``: bound as torch's TCPStore binds it, with
+    SO_REUSEADDR, so that a port whose last connections are in TIME_WAIT (the minute after the
+    previous run's rendezvous closed) counts as free, as it is for the launch."""
+    with socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("", port))
+            s.bind(("::" if ipv6 else "", port))
         except OSError:
             return False
     return True
 
 
+def _unescape_mount(field: str) -> str:
+    """A path as /proc/mounts writes it: space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def file_system_type(path: Path, mounts: str) -> tuple[str, str] | None:
     """``(mount point, type)`` of the mount holding ``path`` (its nearest existing ancestor),
     from the text of ``/proc/mounts``; None when no mount matches."""
-    path = Path(os.path.abspath(path))
+    path = _real(Path(path))
     best: tuple[str, str] | None = None
     for line in mounts.splitlines():
         fields = line.split()
         if len(fields) < 3:
             continue
-        point = fields[1].replace("\\040", " ")
+        point = _unescape_mount(fields[1])
         if path == Path(point) or Path(point) in path.parents:
             if best is None or len(point) >= len(best[0]):
                 best = (point, fields[2])
     return best
+
+
+def _real(path: Path) -> Path:
+    """``path`` with the symbolic links of its nearest existing ancestor resolved (``/shared``
+    may be a link into a Lustre mount): the rest, not yet created, appended as given."""
+    path = Path(os.path.abspath(path))
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    return Path(os.path.realpath(existing)) / path.relative_to(existing)
 
 
 def run_directory_check(run_dir: Path, nodes: int, mounts: str | None = None) -> Check | None:

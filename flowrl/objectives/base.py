@@ -155,7 +155,7 @@ class MicroBatch:
     on this process (divide the summed per-sample losses by it); ``first``: the first optimizer
     step after the rollout (exactly on-policy); ``probe``: the :class:`OnPolicyProbe` to feed
     the re-scored log-probs of that step (None otherwise; objectives without log-probs leave it
-    unfed)."""
+    unfed); ``replayed``: a kept rollout of an earlier iteration trained again (``[replay]``)."""
 
     batch: Batch
     rows: torch.Tensor
@@ -164,6 +164,7 @@ class MicroBatch:
     normaliser: float
     first: bool
     probe: OnPolicyProbe | None = None
+    replayed: bool = False
 
 
 @dataclasses.dataclass

@@ -257,13 +257,15 @@ class PolicyGradient:
         batch, idx = micro.batch, micro.rows
         mask = select_units(ctx.selector, ctx.seed, batch, idx, micro.sizes, micro.epoch)
         idx_d, mask_d = idx.to(ctx.device), mask.to(ctx.device)
-        _expect_work(ctx, batch.advantages[idx_d], mask_d, micro.sizes, batch.iteration)
+        _expect_work(ctx, batch.advantages[idx_d], mask_d, micro.sizes, batch.iteration, micro.replayed)
         self.recorder.start(len(idx))
         loss, m, kl = self._units_backward(ctx, batch.advantages, idx_d, mask_d, micro.sizes, micro.probe,
                                            fast=micro.first and ctx.fast_path, normaliser=micro.normaliser)
-        if kl is None and ctx.kl.monitors(batch.iteration):  # [log].kl_every: measured, not optimised
+        if kl is None and not micro.replayed and ctx.kl.monitors(batch.iteration):  # [log].kl_every: measured
+            # through a scorer of its own, so that nothing an objective records of its re-scoring changes
+            scorer = TransitionScorer(ctx.model, batch.trajectory, batch.text, ctx.kl.reference, ctx.counter)
             with ctx.counter.phase("kl_monitor"):
-                kl = KLTerm(self.scorer, idx_d, mask_d, micro.sizes, self.old_lp, ctx.kl.kind, 0.0, micro.normaliser,
+                kl = KLTerm(scorer, idx_d, mask_d, micro.sizes, self.old_lp, ctx.kl.kind, 0.0, micro.normaliser,
                             direction=self.kl_direction).measure(ctx.lockstep)
         self.recorder.finish(mask)
         metrics = {} if kl is None else {f"kl/{ctx.kl.kind}": kl[0]}  # the order rows have always had
@@ -333,7 +335,8 @@ def select_units(selector, seed: int, batch: Batch, idx: torch.Tensor, sizes, ep
     return selector.select(len(idx), sizes, gens).cpu()
 
 
-def _expect_work(ctx: UpdateContext, advantages: torch.Tensor, mask: torch.Tensor, sizes, iteration: int) -> None:
+def _expect_work(ctx: UpdateContext, advantages: torch.Tensor, mask: torch.Tensor, sizes, iteration: int,
+                 replayed: bool = False) -> None:
     """The minimum work of a micro-batch: each trained transition whose gradient is not zero
     (non-zero advantage, or any with a KL term) once forward and backward; one reference
     forward per trained transition for the reference KL kinds, also when the KL is only measured
@@ -344,7 +347,7 @@ def _expect_work(ctx: UpdateContext, advantages: torch.Tensor, mask: torch.Tenso
     trained = int((mask * size).sum())
     live = trained if ctx.kl.beta > 0 else int((mask & (adv != 0)).mul(size).sum())
     ctx.counter.expect("update", live * ctx.rows_per_sample)
-    if ctx.kl.reference is not None and (ctx.kl.beta > 0 or ctx.kl.monitors(iteration)):
+    if ctx.kl.reference is not None and (ctx.kl.beta > 0 or (not replayed and ctx.kl.monitors(iteration))):
         ctx.counter.expect("reference", trained * ctx.rows_per_sample)
 
 

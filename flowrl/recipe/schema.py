@@ -105,7 +105,7 @@ class TrainConfig:
     reference_on_cpu: bool = param(
         False,
         "Keep the KL reference (the frozen copy of the denoiser that full fine-tuning with a "
-        "reference KL keeps: [loss].beta > 0, or nft's beta_kl > 0) in CPU memory; its blocks visit "
+        "reference KL keeps: [loss].beta > 0 or [log].kl_every > 0, or nft's beta_kl > 0) in CPU memory; its blocks visit "
         "the GPU for each reference forward "
         "(fsdp2: its shards are CPU-offloaded). Saves the copy's GPU memory for host-to-device traffic.",
     )

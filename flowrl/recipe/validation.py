@@ -340,8 +340,10 @@ def no_reference_copy_because(recipe: Recipe, registry: Registry | None = None) 
         wants = isinstance(built, NeedsReferencePolicy) and built.needs_reference() or (
             recipe.log.kl_every > 0 and isinstance(built, KLRegularised) and built.kl != "old_policy_k3")
     if not wants:
-        return ("[loss].beta", "the [loss] has no KL term to a reference model (beta = 0 or kl = 'old_policy_k3'; "
-                "nft: beta_kl = 0)", "give the [loss] beta > 0 and kl = 'flow_grpo' or 'gaussian_exact' (nft: beta_kl > 0)")
+        return ("[loss].beta", "the [loss] has no KL term to a reference model and measures none (beta = 0 or "
+                "kl = 'old_policy_k3', and no [log].kl_every; nft: beta_kl = 0)",
+                "give the [loss] beta > 0 (or [log].kl_every > 0) and kl = 'flow_grpo' or 'gaussian_exact' "
+                "(nft: beta_kl > 0)")
     if recipe.train.finetune != "full":
         return ("[train].finetune", f"finetune = '{recipe.train.finetune}': the reference is the base with the "
                 "adapter off, not a copy of the weights", "use finetune = 'full'")
@@ -390,9 +392,15 @@ def _check_kl_monitor(recipe: Recipe, registry: Registry) -> None:
     if built.kl == "old_policy_k3":
         raise RecipeError(
             f"kl_every = {recipe.log.kl_every}, but [loss].kl = 'old_policy_k3' measures against the rollout "
-            "policy, not a reference (every run logs that as approx_kl_old)",
+            "policy, not a reference (every run logs a k3 estimate to the rollout policy as approx_kl_old)",
             where=where, hint="set [loss].kl = 'gaussian_exact' or 'flow_grpo' to log the KL to the reference, "
                               "or remove kl_every")
+    every = recipe.log.every
+    if recipe.log.kl_every % every:
+        raise RecipeError(
+            f"kl_every = {recipe.log.kl_every} is not a multiple of [log].every = {every}: the KL of an iteration "
+            "whose metrics row is not written would be measured and thrown away",
+            where=where, hint=f"use a multiple of {every}, e.g. kl_every = {every * max(1, recipe.log.kl_every // every)}")
 
 
 def _check_memory_knobs(recipe: Recipe, registry: Registry) -> None:
@@ -402,7 +410,8 @@ def _check_memory_knobs(recipe: Recipe, registry: Registry) -> None:
         if not keeps_reference_copy(recipe, registry):
             raise RecipeError(
                 "reference_on_cpu = true, but this recipe keeps no reference copy (only full fine-tuning with a "
-                "KL term to a reference does: [loss].beta > 0 and a reference KL kind, or nft's beta_kl > 0; "
+                "KL term to a reference does: [loss].beta > 0 and a reference KL kind, or [log].kl_every measuring "
+                "one, or nft's beta_kl > 0; "
                 "LoRA's reference is the base with the adapter off)",
                 where=f"{recipe.source}: [train].reference_on_cpu", hint="remove it",
             )

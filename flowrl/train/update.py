@@ -178,7 +178,8 @@ class PolicyUpdate:
                 idx = rows[start : start + g.micro_batch_size]
                 # the objective owns the micro-batch's forward and backward (flowrl.objectives)
                 res = self.objective.backward(self.context, MicroBatch(batch, idx, tuple(sizes), epoch, per_step,
-                                                                       check_on_policy, probe))
+                                                                       check_on_policy, probe,
+                                                                       replayed=epoch >= g.updates_per_rollout))
                 if first_pass:
                     out.trained[idx] = res.trained.cpu()
                 for term in res.losses:  # in order, as the terms were always summed

@@ -34,12 +34,20 @@ def test_the_open_file_limit_is_warned_below_4096_for_several_processes(monkeypa
 
 def test_a_containers_small_shared_memory_is_warned_for_several_processes(monkeypatch):
     class Stat:
-        f_blocks, f_frsize = 64 * 1024**2 // 4096, 4096
+        f_blocks = f_bavail = 64 * 1024**2 // 4096
+        f_frsize = 4096
 
     monkeypatch.setattr(nodes.os, "statvfs", lambda path: Stat())
     warned = nodes.shared_memory_check(8)
     assert warned.status == "warn" and "0.1 GiB" in warned.detail and "--shm-size" in warned.detail
     assert nodes.shared_memory_check(1).status == "ok"
+
+    class Full:
+        f_blocks, f_bavail, f_frsize = 16 * 1024**3 // 4096, 100, 4096
+
+    monkeypatch.setattr(nodes.os, "statvfs", lambda path: Full())
+    full = nodes.shared_memory_check(8)
+    assert full.status == "warn" and "less than 1 GiB free" in full.detail and "16.0 GiB" in full.detail
 
     def missing(path):
         raise FileNotFoundError(path)
@@ -82,6 +90,30 @@ def test_a_busy_port_fails_on_the_hosting_node_before_launch_only():
     assert nodes.rendezvous_checks({}) == []
 
 
+def test_a_port_in_time_wait_after_the_last_run_is_free_as_the_launch_finds_it():
+    """The minute after a rendezvous closes, its port's connections sit in TIME_WAIT; torch's
+    store binds with SO_REUSEADDR and gets it, so the check must too."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server side closes first: its end of the connection enters TIME_WAIT
+        client.close()
+    assert nodes._port_free(port)
+    check, = nodes.rendezvous_checks({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert check.status == "ok", check.detail
+
+
+def test_a_loopback_address_fails_for_a_run_over_several_nodes():
+    one, = nodes.rendezvous_checks({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, nodes=1)
+    assert "loopback" not in one.detail
+    two, = nodes.rendezvous_checks({"MASTER_ADDR": "localhost", "RANK": "0"}, nodes=2)
+    assert two.status == "fail" and "resolves only to the loopback address" in two.detail, two.detail
+
+
 MOUNTS = """\
 overlay / overlay rw,relatime 0 0
 proc /proc proc rw 0 0
@@ -89,6 +121,7 @@ tmpfs /dev/shm tmpfs rw 0 0
 10.0.0.5:/export /shared nfs4 rw,vers=4.2 0 0
 /dev/nvme0n1 /shared/scratch ext4 rw 0 0
 /dev/sdb1 /mnt/my\\040disk xfs rw 0 0
+server:/x /mnt/tab\\011here nfs rw 0 0
 """
 
 
@@ -97,10 +130,20 @@ tmpfs /dev/shm tmpfs rw 0 0
     ("/shared/scratch/run", ("/shared/scratch", "ext4")),  # the deepest mount holding it
     ("/sharedfoo/run", ("/", "overlay")),  # a prefix of the name is not a parent
     ("/mnt/my disk/run", ("/mnt/my disk", "xfs")),  # /proc/mounts writes a space as \040
+    ("/mnt/tab\there/run", ("/mnt/tab\there", "nfs")),  # and a tab as \011
     ("/tmp/run", ("/", "overlay")),
 ])
 def test_the_file_system_of_a_run_directory_is_its_deepest_mount(path, mount):
     assert nodes.file_system_type(Path(path), MOUNTS) == mount
+
+
+def test_a_run_directory_under_a_link_is_judged_where_the_link_leads(tmp_path):
+    """``/shared`` may be a symbolic link into a shared mount: the mount of the real path counts."""
+    real = tmp_path / "lustre"
+    real.mkdir()
+    (tmp_path / "shared").symlink_to(real)
+    mounts = f"overlay / overlay rw 0 0\nmds:/fs {real} lustre rw 0 0\n"
+    assert nodes.file_system_type(tmp_path / "shared" / "runs" / "flux", mounts) == (str(real), "lustre")
 
 
 def test_a_run_over_several_nodes_is_warned_off_a_local_file_system():

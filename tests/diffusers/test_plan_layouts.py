@@ -94,6 +94,30 @@ def test_the_kl_reference_is_sharded_like_the_denoiser_or_kept_on_the_cpu():
         kl + ["distributed.strategy=ddp"], 8)[1]  # on the GPU for good: counted as held
 
 
+def test_kl_every_keeps_and_counts_the_reference_at_beta_0():
+    """[log].kl_every measures the KL to the reference at beta = 0: full fine-tuning then keeps
+    the same frozen copy a KL term does, and the plan counts it."""
+    mm, by, _ = _plan(["loss.kl=gaussian_exact", "log.kl_every=10"], 8)
+    assert by["reference copy (KL)"].bytes == pytest.approx(2 * mm.denoiser_params / 8)
+    assert "reference copy (KL)" not in _plan(["loss.kl=gaussian_exact"], 8)[1]
+
+
+def test_the_ema_shadow_is_counted_in_float32_sharded_like_the_weights_or_on_the_cpu():
+    """[ema] keeps a float32 shadow of every trained parameter (flowrl.train.ema): on the device
+    (sharded under fsdp2) or in CPU memory; evaluating it sets the trained weights aside."""
+    mm, by, lines = _plan(["ema.enabled=true"], 8)
+    p = mm.denoiser_params  # full fine-tuning: every parameter is trained
+    assert by["EMA weights"].bytes == pytest.approx(4 * p / 8) and by["EMA weights"].phase == "persistent"
+    assert "trained weights set aside (EMA evaluation)" not in by
+    _, off, off_lines = _plan([], 8)
+    assert "EMA weights" not in off and peak(lines)[0] > peak(off_lines)[0]
+    _, lora, _ = _plan(["ema.enabled=true", "ema.on_cpu=true", "ema.evaluate=true"], 1,
+                       recipe="recipes/chunk_grpo_flux_lora.toml")
+    assert lora["EMA weights"].phase == "cpu"
+    assert lora["EMA weights"].bytes == pytest.approx(lora["LoRA weights"].bytes)  # fp32 LoRA: the same size
+    assert lora["trained weights set aside (EMA evaluation)"].bytes == pytest.approx(lora["LoRA weights"].bytes)
+
+
 def test_nfts_velocity_kl_reference_is_counted_like_the_kl_terms():
     """DiffusionNFT with ``beta_kl > 0`` runs the engine's frozen reference (NeedsReferencePolicy),
     which the plan did not count: it is a copy of the denoiser like a KL term's, sharded under

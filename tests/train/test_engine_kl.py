@@ -180,6 +180,29 @@ def test_kl_every_logs_the_kl_at_beta_0_and_trains_exactly_as_without(tmp_path):
     assert tiny_beta[0]["kl/gaussian_exact"] == pytest.approx(first, rel=1e-5, abs=1e-12)
 
 
+def test_a_replayed_rollout_is_not_measured_again(tmp_path):
+    """[replay] trains kept rollouts again in later iterations: the KL is measured on each
+    iteration's own rollout only (no replay/kl/*), and the replayed update trains as without it."""
+    sets = ["replay.size=2", "replay.max_staleness=2", "train.optimizer_steps_per_update=1"]
+    plain, plain_rows = _kl_monitor_run(tmp_path, "plain", *sets)
+    watched, rows = _kl_monitor_run(tmp_path, "watched", *sets, "log.kl_every=1")
+    trained = [r for r in rows if "loss" in r]
+    assert all("kl/gaussian_exact" in r for r in trained)
+    assert any(k.startswith("replay/") for r in trained for k in r), "nothing was replayed"
+    assert not any(k.startswith("replay/kl/") for r in rows for k in r)
+    weights, watched_weights = final_weights(plain), final_weights(watched)
+    assert all(torch.equal(weights[k], watched_weights[k]) for k in weights)
+
+
+def test_kl_every_must_fall_on_logged_iterations(tmp_path):
+    from flowrl.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"kl_every = 5 is not a multiple of \[log\].every = 2") as err:
+        load(write_recipe(tmp_path), "log.kl_every=5", "log.every=2")
+    assert "kl_every = 4" in err.value.hint
+    assert load(write_recipe(tmp_path), "log.kl_every=4", "log.every=2").log.kl_every == 4
+
+
 def test_the_docs_kl_every_example_trains_and_logs_the_kl_on_its_iterations(tmp_path):
     """docs/recipes.md's [log].kl_every example, as written, on the training tests' recipe."""
     import re
