@@ -330,15 +330,26 @@ def _checkout_relative(value):
     return value
 
 
+#: recipe keys added after the archive's runs whose default changes nothing a run computes or
+#: measures: left out of the regime's hash while they hold that default (any other value counts),
+#: so that adding such a setting to flowrl does not orphan the archive
+NEUTRAL_AT_DEFAULT = {("log", "kl_every"): 0}  # the KL measured at beta = 0: off
+
+
 def regime_sha256(world: World) -> str:
     """One hash of what every run of a world is made of: its base recipe as resolved (so an edited
-    comment does not count, a changed value does) and the profiles it names."""
+    comment does not count, a changed value does; :data:`NEUTRAL_AT_DEFAULT` aside) and the
+    profiles it names."""
     import hashlib
 
     from flowrl.recipe import load_recipe, profile_keys
 
     recipe = load_recipe(REPO / world.recipe, [])
-    h = hashlib.sha256(json.dumps(_checkout_relative(recipe.to_toml_dict()), sort_keys=True, default=str).encode())
+    resolved = recipe.to_toml_dict()
+    for (table, key), default in NEUTRAL_AT_DEFAULT.items():
+        if resolved.get(table, {}).get(key) == default:
+            del resolved[table][key]
+    h = hashlib.sha256(json.dumps(_checkout_relative(resolved), sort_keys=True, default=str).encode())
     for _, path in sorted(profile_keys(recipe)):
         if path:
             h.update(Path(path).read_bytes())

@@ -216,8 +216,8 @@ def render_models_figures(rows: list[Row], replicated_gb: float) -> str:
         f"Qwen-Image-Edit LoRA {gb('qwen_image_edit_lora.toml')} (the rollout in 32-sample micro-batches);",
         f"`flux2_klein_nf4_24gb` {gb('flux2_klein_nf4_24gb.toml')} on ONE GPU ({card('flux2_klein_nf4_24gb.toml')};",
         "`flowrl plan recipes/flux2_klein_nf4_24gb.toml --gpu-memory 24`), and Flow-GRPO's PickScore run on",
-        f"FLUX.1-dev with an NF4 base, `flow_grpo_pickscore_flux_nf4_24gb`, "
-        f"{gb('flow_grpo_pickscore_flux_nf4_24gb.toml')} ({card('flow_grpo_pickscore_flux_nf4_24gb.toml')}). "
+        f"FLUX.1-dev with an NF4 base, `flux_nf4_24gb`, "
+        f"{gb('flux_nf4_24gb.toml')} ({card('flux_nf4_24gb.toml')}). "
         "The FLUX paper recipes",
         f"(full fine-tuning sharded with FSDP2 over {processes} GPUs in bf16): {gb('chunk_grpo_flux.toml')} per GPU"
         + (f" ({by['chunk_grpo_flux.toml'].sync_peaks['micro_batch']:.1f} GB with gradients reduce-scattered after every "

@@ -467,6 +467,11 @@ def test_the_regime_hash_is_the_same_in_any_checkout(ttr, tmp_path, monkeypatch)
     recipe = tmp_path / "elsewhere" / ttr.WORLDS["compose"].recipe
     recipe.write_text(recipe.read_text().replace("num_eval = 96", "num_eval = 95"))
     assert ttr.regime_sha256(ttr.WORLDS["compose"]) != here
+    # a setting added since, at its neutral default, leaves it alone; at another value it counts
+    recipe.write_text(recipe.read_text().replace("num_eval = 95", "num_eval = 96"))
+    assert ttr.regime_sha256(ttr.WORLDS["compose"]) == here
+    recipe.write_text(recipe.read_text().replace("[log]\n", "[log]\nkl_every = 10\n", 1))
+    assert "kl_every = 10" in recipe.read_text() and ttr.regime_sha256(ttr.WORLDS["compose"]) != here
     # every archived record carries this regime
     records = list((REPO / "benchmarks/results/time_to_reward_compose").glob("*.json"))
     assert records and {json.loads(r.read_text())["regime_sha256"] for r in records} == {here}

@@ -67,7 +67,7 @@ EVERY_RECIPE = {
     "dance_grpo_flux.toml": (STEP, T2I), "fdfo_pickscore_sd3.toml": ("FDFO", T2I), "fixed_chunk_flux.toml": (FIXED, T2I),
     "flow_grpo_geneval_flux.toml": (STEP, T2I), "flow_grpo_geneval_sd3.toml": (STEP, T2I),
     "flow_grpo_ocr_flux.toml": (STEP, T2I), "flow_grpo_ocr_sd3.toml": (STEP, T2I),
-    "flow_grpo_pickscore_flux.toml": (STEP, T2I), "flow_grpo_pickscore_flux_nf4_24gb.toml": (STEP, T2I),
+    "flow_grpo_pickscore_flux.toml": (STEP, T2I), "flux_nf4_24gb.toml": (STEP, T2I),
     "flow_grpo_pickscore_sd3.toml": (STEP, T2I),
     "flux2_klein_lora.toml": (STEP, T2I), "flux2_klein_nf4_24gb.toml": (STEP, T2I), "gspo_flux.toml": (GSPO, T2I),
     "kontext_edit_lora.toml": (STEP, I2I), "lora_single_gpu_sd3.toml": (STEP, T2I), "ltx_lora.toml": (CHUNK, T2V),

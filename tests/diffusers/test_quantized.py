@@ -20,7 +20,7 @@ from flowrl.testing.conformance import ConformanceOptions, check_adapter, check_
 pytestmark = pytest.mark.skipif(find_spec("bitsandbytes") is None, reason="needs bitsandbytes (the 'quant' extra)")
 
 RECIPE = "recipes/flux2_klein_nf4_24gb.toml"
-FLUX_RECIPE = "recipes/flow_grpo_pickscore_flux_nf4_24gb.toml"  # FLUX.1-dev, the same scheme of fitting
+FLUX_RECIPE = "recipes/flux_nf4_24gb.toml"  # FLUX.1-dev, the same scheme of fitting
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -472,13 +473,17 @@ def _code_blocks(lang: str) -> list[str]:
 
 
 def _commands() -> list[list[str]]:
+    """The page's bash command lines, each without the VAR=value assignments before it."""
     import shlex
 
     out = []
     for block in _code_blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
             if line.strip() and not line.lstrip().startswith("#"):
-                out.append(shlex.split(line))
+                argv = shlex.split(line)
+                while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+                    argv = argv[1:]
+                out.append(argv)
     return out
 
 
@@ -496,8 +501,9 @@ def _accelerate_env(argv: list[str]) -> dict[str, str]:
 
 
 def _flowrl_recipe(argv: list[str]):
-    """The validated recipe of a `flowrl train RECIPE --set ...` command line."""
-    args = argv[argv.index("train") + 1:]
+    """The validated recipe of a `flowrl train RECIPE --set ...` (or `flowrl doctor RECIPE ...`)
+    command line."""
+    args = argv[argv.index("train" if "train" in argv else "doctor") + 1:]
     sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
     return load_recipe(REPO / args[0], sets)
 
@@ -525,8 +531,9 @@ def test_docs_fsdp2_yaml_agrees_with_the_docs_table(tmp_path):
 
 
 def test_docs_command_lines_agree_with_their_recipes():
-    """Every launch command of the page: its recipe and --set overrides validate, and for
-    `accelerate launch` the environment accelerate exports agrees with the recipe."""
+    """Every launch command of the page (and the doctor command run before one): its recipe and
+    --set overrides validate, and for `accelerate launch` the environment accelerate exports
+    agrees with the recipe."""
     commands = _commands()
     launchers = {argv[0] for argv in commands}
     assert launchers == {"flowrl", "torchrun", "accelerate"}, launchers
