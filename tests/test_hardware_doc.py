@@ -113,6 +113,8 @@ NOT_ESTIMATES = {
     ("docs/install.md", "/dev/shm: 23.5 GiB"): "the machine's shared memory in a sample of `flowrl doctor`'s output",
     ("docs/distributed.md", "`/dev/shm` (at least 1 GiB"): "doctor's threshold for shared memory "
                                                            "(tests/diagnostics/test_nodes.py holds it to the code)",
+    ("docs/install.md", "below 4096 files and 1 GiB"): "doctor's thresholds (tests/diagnostics/test_nodes.py holds "
+                                                        "them to the code)",
     ("docs/reference.md", "saves ~9.5 GB"): "the T5 encoder's size, in a model field's help text (from its code)",
     ("docs/reference.md", "downloads HPSv3.safetensors, 16.5 GB"): "a download's size",
     ("docs/rewards.md", "downloads 16.5 GB"): "a download's size",

@@ -169,6 +169,8 @@ def test_the_docs_doctor_command_for_two_nodes_runs_as_written(flowrl_cli):
     text = (REPO / "docs" / "distributed.md").read_text(encoding="utf-8")
     flat = " ".join(text.split())
     assert f"(at least {nodes.MIN_OPEN_FILES}: sockets" in flat and f"(at least {nodes.MIN_SHM_BYTES // 1024**3} GiB:" in flat
+    install = " ".join((REPO / "docs" / "install.md").read_text(encoding="utf-8").split())
+    assert f"below {nodes.MIN_OPEN_FILES} files and {nodes.MIN_SHM_BYTES // 1024**3} GiB" in install
     block, = [b.replace("\\\n", " ") for b in re.findall(r"```bash\n(.*?)```", text, re.S) if "flowrl doctor" in b]
     words = shlex.split(block)
     env = dict(w.split("=", 1) for w in words[:words.index("flowrl")])
