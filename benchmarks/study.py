@@ -658,7 +658,9 @@ read from `{report_dir}`.{" SMOKE REHEARSAL: not a result." if smoke else ""}
 
 A batch is the seeds one working session ran; its runs' slim records (metrics, recipe, GenEval
 table) are kept in `{report_dir}` so that later sessions add seeds to the same study. Every
-batch must carry the first batch's regime (the script refuses another).
+batch must carry the first batch's regime (the script refuses another). What else ran on the
+machine beside a batch's runs is its note (`--batch-note TEXT`, or `--amend-note` once the runs
+have ended): their train times, and so the equal-wall-time comparison, include that load.
 
 ## The regime, as recorded {regime.get("when", "before the first run")}
 
