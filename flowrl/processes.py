@@ -35,13 +35,17 @@ def exits_with_parent(signum: int = signal.SIGINT):
     The prctl function is looked up here, in the parent: between fork and exec the child only
     calls it (no library loading there, which another thread of the parent may hold a lock of)."""
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+        libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+        prctl, set_disposition = (libc.prctl, libc.signal) if libc is not None else (None, None)
     except (OSError, AttributeError):
-        prctl = None
+        prctl = set_disposition = None
     parent = os.getpid()
 
     def preexec() -> None:
         if prctl is not None:
+            # a signal ignored by an ancestor stays ignored across exec (a script started with `&`
+            # from a non-interactive shell ignores SIGINT): the child would never see its parent die
+            set_disposition(int(signum), 0)  # SIG_DFL
             prctl(PR_SET_PDEATHSIG, int(signum))
         if os.getppid() != parent:  # the parent died before the request took effect
             os._exit(128 + int(signum))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -81,9 +82,18 @@ start()
 """
 
 
+def _ignoring_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_a_killed_launcher_leaves_no_child_started_with_exits_with_parent():
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_a_killed_launcher_leaves_no_child_started_with_exits_with_parent(sigint):
+    """Also when the launcher ignores SIGINT, as a script started with `&` from a non-interactive
+    shell does (and a pytest worker may): an ignored signal survives exec, so exits_with_parent
+    gives the child its default action back."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=_ignoring_sigint if sigint == "ignored" else None)
     pids = [int(launcher.stdout.readline()) for _ in range(3)]
     for pid in pids:
         os.kill(pid, 0)  # running
