@@ -148,17 +148,22 @@ def rendezvous_checks(env: Mapping[str, str], nodes: int = 1) -> list[Check]:
                   shown + (f": {'; '.join(problems)}" if problems else ""), figures)]
 
 
-def _is_loopback(address: str) -> bool:
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP of a resolved address (an IPv6 zone such as ``%eth0`` dropped); None if not one."""
     try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+        return ipaddress.ip_address(address.split("%")[0])
     except ValueError:
-        return False
+        return None
+
+
+def _is_loopback(address: str) -> bool:
+    ip = _ip(address)
+    return ip is not None and ip.is_loopback
 
 
 def _is_this_machine(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address.split("%")[0])
-    except ValueError:
+    ip = _ip(address)
+    if ip is None:
         return False
     if ip.is_loopback or ip.is_unspecified:
         return True

@@ -30,13 +30,17 @@ class CountsCompute(Protocol):
     """The compute accounting an objective reports to (:class:`flowrl.train.compute.ComputeCounter`):
     ``expect(phase, rows)`` adds to the algorithmic minimum of a phase (``update``, ``reference``),
     ``phase(name)`` counts the forwards inside it under ``name``, ``paused()`` counts none (work
-    the engine does for itself, such as measuring memory)."""
+    the engine does for itself, such as measuring memory), ``measuring(name)`` counts them under
+    ``name`` and reports its seconds as ``time/<name>``, apart from the training phase around it
+    (measuring the policy without training it, as the KL monitor does)."""
 
     def expect(self, phase: str, rows: int) -> None: ...
 
     def phase(self, name: str) -> AbstractContextManager[None]: ...
 
     def paused(self) -> AbstractContextManager[None]: ...
+
+    def measuring(self, name: str) -> AbstractContextManager[None]: ...
 
 
 @dataclasses.dataclass

@@ -264,7 +264,7 @@ class PolicyGradient:
         if kl is None and not micro.replayed and ctx.kl.monitors(batch.iteration):  # [log].kl_every: measured
             # through a scorer of its own, so that nothing an objective records of its re-scoring changes
             scorer = TransitionScorer(ctx.model, batch.trajectory, batch.text, ctx.kl.reference, ctx.counter)
-            with ctx.counter.phase("kl_monitor"):
+            with ctx.counter.measuring("kl_monitor"):
                 kl = KLTerm(scorer, idx_d, mask_d, micro.sizes, self.old_lp, ctx.kl.kind, 0.0, micro.normaliser,
                             direction=self.kl_direction).measure(ctx.lockstep)
         self.recorder.finish(mask)

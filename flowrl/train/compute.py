@@ -26,6 +26,7 @@ VAE, or the model's own decoder): the samples, or 0 when every reward scores lat
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -45,6 +46,12 @@ def network_rows_per_sample(model) -> int:
     return int(model.forwards_per_velocity) if isinstance(model, CountsForwards) else 1
 
 
+def _synchronize() -> None:
+    """Wait for the GPU's queued work, when this process has used CUDA (real seconds)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class ComputeCounter:
     """Forward and backward rows through the watched modules, by phase."""
 
@@ -56,6 +63,7 @@ class ComputeCounter:
         self.minimum: dict[str, int] = defaultdict(int)
         self.saving: dict[str, int] = defaultdict(int)
         self.decodes = 0
+        self.measured_seconds: dict[str, float] = defaultdict(float)
         self._handles = []
         for module in modules:
             self.watch(module)
@@ -70,6 +78,26 @@ class ComputeCounter:
             yield
         finally:
             self.current = previous
+
+    @contextlib.contextmanager
+    def measuring(self, name: str) -> Iterator[None]:
+        """Work that measures the policy inside a training phase without training it (the KL
+        monitor of ``[log].kl_every``): its forwards count under ``name`` and its seconds are kept
+        apart, for the phase timer around it to report as ``time/<name>`` rather than as the
+        enclosing phase's (so ``speed/*`` does not dip on the iterations that measure)."""
+        _synchronize()
+        start = time.perf_counter()
+        try:
+            with self.phase(name):
+                yield
+        finally:
+            _synchronize()
+            self.measured_seconds[name] += time.perf_counter() - start
+
+    def take_measured_seconds(self) -> dict[str, float]:
+        """The seconds of :meth:`measuring` since the last call, by name (then forgotten)."""
+        taken, self.measured_seconds = dict(self.measured_seconds), defaultdict(float)
+        return taken
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -18,7 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 class PhaseTimer:
     """Seconds per phase for this iteration (synchronising CUDA so the numbers are real); with a
-    :class:`~flowrl.train.compute.ComputeCounter`, the model work is counted under the same phase;
+    :class:`~flowrl.train.compute.ComputeCounter`, the model work is counted under the same phase,
+    and the seconds of a measurement inside it (the counter's ``measuring(name)``) are moved from
+    the phase to ``name``;
     ``on_phase(name)`` is told when a phase starts (the progress bar shows it)."""
 
     def __init__(self, device: torch.device, counter=None, on_phase: Callable[[str], None] | None = None):
@@ -43,7 +45,13 @@ class PhaseTimer:
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.seconds[phase] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            # measurement inside the phase (the counter's ``measuring``) is its own phase, not this one
+            if self.counter is not None:
+                for name, seconds in self.counter.take_measured_seconds().items():
+                    elapsed -= seconds
+                    self.seconds[name] += seconds
+            self.seconds[phase] += elapsed
 
 
 def write_stderr(text: str) -> None:

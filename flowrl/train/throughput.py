@@ -192,7 +192,7 @@ class Throughput:
     """Per-iteration speed and the run constants behind it (see the module docstring)."""
 
     #: Phases that are measurement or upkeep, not training.
-    NOT_TRAINING = ("eval", "profile", "checkpoint")
+    NOT_TRAINING = ("eval", "profile", "checkpoint", "kl_monitor")
 
     def __init__(self, run: Run, prompt: str, start_iteration: int, counter=None):
         session, geometry = run.session, run.geometry

@@ -51,6 +51,9 @@ class Counter:
     def phase(self, name):
         return contextlib.nullcontext()
 
+    def measuring(self, name):
+        return contextlib.nullcontext()
+
 
 class Ctx:
     """The update context (flowrl.objectives.base.UpdateContext) an objective uses, on the CPU."""

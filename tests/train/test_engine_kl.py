@@ -175,6 +175,9 @@ def test_kl_every_logs_the_kl_at_beta_0_and_trains_exactly_as_without(tmp_path):
     assert rows[0]["compute/ratio"] == plain_rows[0]["compute/ratio"] == 1.0
     assert rows[0]["compute/kl_monitor/forward"] == ref and "compute/kl_monitor/forward" not in plain_rows[0]
     assert "compute/reference/forward" not in rows[1]  # not measured in iteration 1
+    # its seconds are reported apart, outside the update's and the throughput's
+    assert rows[0]["time/kl_monitor"] > 0 and "time/kl_monitor" not in rows[1]
+    assert not any("time/kl_monitor" in r for r in plain_rows)
 
     _, tiny_beta = _kl_monitor_run(tmp_path, "tiny_beta", "loss.beta=1e-30")
     assert tiny_beta[0]["kl/gaussian_exact"] == pytest.approx(first, rel=1e-5, abs=1e-12)
