@@ -527,10 +527,12 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
     builds the denoiser without weights and receives each block from rank 0 as it is sharded
     (:mod:`flowrl.train.parallel`), so a node holds one copy, not one per process. Under ``none``
     and ``ddp`` every process loads the whole model. Text encoders and VAE that stay on the GPU are
-    loaded by every process before they move there (offloaded ones are counted as held)."""
+    loaded by every process before they move there (offloaded ones are counted as held). A
+    quantised base (``denoiser_weight_bytes`` set) is loaded in its storage dtype and quantised
+    in CPU memory, layer by layer, before it is placed: the transient is the unquantised weights."""
     per_node = world_size // max(num_nodes, 1)
     node = f" x {per_node} processes" if per_node > 1 else ""
-    weights = mm.denoiser_weight_bytes if mm.denoiser_weight_bytes is not None else mm.denoiser_params * mm.denoiser_bytes
+    weights = mm.denoiser_params * mm.denoiser_bytes  # as loaded, before any quantisation
     frozen = sum(p * b for p, b in mm.frozen.values())
     out = []
     held = cpu_bytes(lines) + (frozen if mm.offload_frozen else 0.0)
@@ -553,6 +555,8 @@ def host_lines(recipe, mm: ModelMemory, lines: list[Line], world_size: int, num_
         return out
     loading = weights + each
     what = "the whole model loaded into CPU memory before placing it"
+    if mm.denoiser_weight_bytes is not None:
+        what += " (the transformer in dtype, quantised there)"
     if reference and sharded:  # one process under fsdp2: the reference's copy is taken in CPU memory too
         loading += reference_copy_bytes(mm)
         what += ", and the KL reference's copy taken there before sharding"

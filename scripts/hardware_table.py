@@ -36,7 +36,7 @@ END = "<!-- end of plan figures -->"
 #: docs/models.md's figures besides the table's: (what, recipe, --set overrides)
 REPLICATED = ("chunk_grpo_flux.toml", ['distributed.strategy="ddp"'])
 COMMAND = "python scripts/hardware_table.py"
-GPU_SIZES_GB = (24, 40, 80)
+GPU_SIZES_GB = (24, 32, 40, 80)  # consumer (RTX 4090, RTX 5090), A100 40 GB, 80 GB
 
 @dataclass
 class Row:
@@ -217,8 +217,9 @@ def render_models_figures(rows: list[Row], replicated_gb: float) -> str:
         f"`flux2_klein_nf4_24gb` {gb('flux2_klein_nf4_24gb.toml')} on ONE GPU ({card('flux2_klein_nf4_24gb.toml')};",
         "`flowrl plan recipes/flux2_klein_nf4_24gb.toml --gpu-memory 24`), and Flow-GRPO's PickScore run on",
         f"FLUX.1-dev with an NF4 base, `flux_nf4_24gb`, "
-        f"{gb('flux_nf4_24gb.toml')} ({card('flux_nf4_24gb.toml')}). "
-        "The FLUX paper recipes",
+        f"{gb('flux_nf4_24gb.toml')} ({card('flux_nf4_24gb.toml')}); Wan 2.1 T2V 14B with an NF4 base,",
+        f"17 frames at 480p, `wan21_14b_nf4_32gb`, {gb('wan21_14b_nf4_32gb.toml')} "
+        f"({card('wan21_14b_nf4_32gb.toml')}). The FLUX paper recipes",
         f"(full fine-tuning sharded with FSDP2 over {processes} GPUs in bf16): {gb('chunk_grpo_flux.toml')} per GPU"
         + (f" ({by['chunk_grpo_flux.toml'].sync_peaks['micro_batch']:.1f} GB with gradients reduce-scattered after every "
            "backward, which `gradient_sync = \"auto\"` takes on a 40 GB card)"

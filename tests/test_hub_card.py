@@ -89,7 +89,8 @@ EVERY_RECIPE = {
     "quickstart_video_nft.toml": ("DiffusionNFT", T2V), "qwen_image_edit_lora.toml": (STEP, I2I),
     "qwen_image_lora.toml": (STEP, T2I), "study_compose.toml": (CHUNK, T2I), "study_embedded.toml": (CHUNK, T2I),
     "study_latent.toml": (CHUNK, T2I), "vgrpo_geneval_sd3.toml": ("V-GRPO", T2I), "wan21_14b_lora.toml": (CHUNK, T2V),
-    "wan21_1p3b_lora.toml": (CHUNK, T2V), "wan21_1p3b_videoalign.toml": (CHUNK, T2V), "wan22_5b_lora.toml": (CHUNK, T2V),
+    "wan21_14b_nf4_32gb.toml": (CHUNK, T2V), "wan21_1p3b_lora.toml": (CHUNK, T2V),
+    "wan21_1p3b_videoalign.toml": (CHUNK, T2V), "wan22_5b_lora.toml": (CHUNK, T2V),
     "wan22_a14b_lora.toml": (CHUNK, T2V), "zimage_lora.toml": (STEP, T2I),
 }
 

@@ -60,6 +60,9 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
             "there is nothing to merge", where="--merge",
             hint="export without --merge: the full weights are exported as they are",
         )
+    quantised = getattr(src.recipe.components["model"].params, "quantize", "none")
+    if merge and quantised not in (None, "none"):
+        raise FlowrlError(_QUANTISED_MERGE.format(kind=quantised), where="--merge", hint=_QUANTISED_MERGE_HINT)
     out = Path(out) if out is not None else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
     out.mkdir(parents=True, exist_ok=True)
     model = load_policy(src, "cpu")
@@ -127,6 +130,11 @@ def _save_lora(model, out: Path) -> str:
     return "peft_state_dict"
 
 
+_QUANTISED_MERGE = ("the base is quantised ({kind}): merging the LoRA into it would bake the quantisation into the "
+                    "exported model")
+_QUANTISED_MERGE_HINT = "export the LoRA without --merge and load it onto the unquantised base (pipe.load_lora_weights)"
+
+
 def _merge_lora(model) -> None:
     from ..interfaces import DiffusersLoraModule
 
@@ -134,6 +142,9 @@ def _merge_lora(model) -> None:
     if not isinstance(denoiser, DiffusersLoraModule):
         raise FlowrlError("--merge needs a diffusers denoiser (fuse_lora / unload_lora)", where="--merge",
                           hint="export the LoRA without --merge")
+    held = sorted({str(p.dtype) for p in denoiser.parameters() if not p.is_floating_point()})
+    if held:  # a quantised base that no recipe key named (a third-party adapter's)
+        raise FlowrlError(_QUANTISED_MERGE.format(kind=", ".join(held)), where="--merge", hint=_QUANTISED_MERGE_HINT)
     denoiser.fuse_lora()
     denoiser.unload_lora()
 

@@ -608,12 +608,23 @@ def _check_context_parallel(recipe: Recipe) -> None:
                           "run unsplit", where=where, hint="set context_parallel = 1, or remove that setting")
 
 
+#: A base quantised by bitsandbytes (``[model].quantize``) keeps its quantisation statistics outside
+#: its parameters, which FSDP2 shards; its forward then fails. DDP replicates it and works.
+QUANTISED_UNDER_FSDP2 = ("a quantised base (model.quantize) cannot be sharded by FSDP2: bitsandbytes keeps its "
+                         "quantisation statistics beside the weights, not in them")
+QUANTISED_UNDER_FSDP2_HINT = ("use strategy = 'ddp' (each process holds the quantised base, small by design) or "
+                              "'none' on one process, or set quantize = 'none' to shard the bf16 base")
+
+
 def _check_sharding(recipe: Recipe) -> None:
     """What cannot work beside sharded (DTensor) weights, refused before any model loads; the
     optimizer and :meth:`flowrl.train.ema.WeightEMA.attach` would refuse it only after. (With
     strategy 'auto' a launcher may still choose fsdp2: training checks again then.)"""
     if recipe.distributed.strategy != "fsdp2":
         return
+    if getattr(recipe.components["model"].params, "quantize", "none") not in (None, "none"):
+        raise RecipeError(QUANTISED_UNDER_FSDP2, where=f"{recipe.source}: [distributed].strategy",
+                          hint=QUANTISED_UNDER_FSDP2_HINT)
     if recipe.train.optimizer == "adamw_8bit":
         raise RecipeError(
             "optimizer = 'adamw_8bit' cannot hold sharded (DTensor) parameters",

@@ -59,6 +59,7 @@ from ..distributed import DistContext, choose_strategy, flag_setting
 from ..errors import FlowrlError
 from ..interfaces import HasShardableBlocks
 from ..recipe import DistributedConfig
+from ..recipe.validation import QUANTISED_UNDER_FSDP2, QUANTISED_UNDER_FSDP2_HINT
 from .context_parallel import apply_context_parallel
 
 __all__ = [
@@ -229,6 +230,9 @@ class Strategy:
             raise RuntimeError("Strategy.prepare() was already called")
         if any(optimizer.state.values()):
             raise RuntimeError("prepare() needs an optimizer that has not stepped yet (load its state after prepare)")
+        if self.kind == "fsdp2" and any(not p.is_floating_point() for p in module.parameters()):
+            # validation refuses it when the recipe names fsdp2; here when strategy 'auto' chose it
+            raise FlowrlError(QUANTISED_UNDER_FSDP2, where="[distributed].strategy", hint=QUANTISED_UNDER_FSDP2_HINT)
         if self.context_parallel > 1:
             # what attention computes in: FSDP2's mixed precision casts the weights to bf16, DDP's
             # and a single process's run a float32 model under autocast

@@ -50,6 +50,7 @@ from flowrl.errors import FlowrlError
 from .common import DiffusersAdapter, preset_targets
 from .editing import encode_condition_frame
 from .memory.ltx import ltx_memory_spec
+from .quantize import QUANTIZE_HELP
 
 LTX_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
 LTX_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2"]
@@ -100,6 +101,7 @@ class LTXConfig:
         "self- and cross-attention of every block) or 'attention_ff' = attention + ff.net.0.proj, ff.net.2.",
     )
     vae_batch_size: int = param(1, "Clips decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
     image_to_video: bool = param(
         False, "Image-to-video: the first frame is each prompt's condition image ([prompts].condition_column), "
         "as LTXImageToVideoPipeline does (the image's latent frame kept clean, at timestep 0).",

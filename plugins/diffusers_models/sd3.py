@@ -20,6 +20,7 @@ from flowrl.config import param
 
 from .common import DiffusersAdapter
 from .memory.sd3 import sd3_memory_spec
+from .quantize import QUANTIZE_HELP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,7 @@ class SD3Config:
         "attention", "Default LoRA targets when train.lora_targets is empty (Flow-GRPO SD3: attention)."
     )
     vae_batch_size: int = param(4, "Images decoded per VAE call (bounds decode memory).", min=1)
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
 
     def memory_spec(self):
         """What ``flowrl plan`` needs, from the published configuration (no weights)."""

@@ -49,6 +49,7 @@ from flowrl.sampling.schedules import shifted_sigmas
 from .common import DiffusersAdapter, preset_targets
 from .editing import encode_condition_frame
 from .memory.wan import wan_memory_spec
+from .quantize import QUANTIZE_HELP
 
 #: every Wan block's self-attention (attn1) and cross-attention to the text (attn2)
 WAN_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -110,6 +111,7 @@ class WanConfig:
     vae_dtype: Literal["auto", "fp32"] = param(
         "fp32", "Storage and compute dtype of the VAE: 'fp32' (as Wan's diffusers examples load it) or 'auto' = dtype."
     )
+    quantize: Literal["none", "nf4", "int8"] = param("none", QUANTIZE_HELP)
 
     def __post_init__(self):
         if (self.num_frames - 1) % 4:

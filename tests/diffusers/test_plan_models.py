@@ -24,6 +24,7 @@ def _flat(text: str) -> str:
     ("flux2_klein_nf4_24gb", "3.876e9 params, 0.591 B each on average (quantised)"),
     ("wan21_1p3b_lora", "1.419e9 params x 2 B"),           # Wan 2.1 T2V 1.3B
     ("wan21_14b_lora", "14.289e9 params x 2 B"),           # Wan 2.1 T2V 14B
+    ("wan21_14b_nf4_32gb", "14.289e9 params, 0.541 B each on average (quantised)"),
     ("wan22_5b_lora", "5.000e9 params x 2 B"),             # Wan 2.2 TI2V-5B
     ("wan22_a14b_lora", "28.578e9 params x 2 B / 8 shards"),  # Wan 2.2 T2V A14B: both 14B experts
     ("ltx_lora", "1.923e9 params x 2 B"),                  # LTX-Video 2B

@@ -293,13 +293,16 @@ def packed_facts(config):
     return cfgs, cfgs["transformer"], compute, storage, scale, decode, img
 
 
-def with_quantization(t: dict[str, Any], config, spec: ModelMemory) -> ModelMemory:
+def with_quantization(t: dict[str, Any] | None, config, spec: ModelMemory,
+                      shapes: dict[str, tuple[int, int]] | None = None) -> ModelMemory:
     """``spec`` with the denoiser's bytes for a quantised base (``model.quantize``): the block
-    Linear weights in bitsandbytes' storage (:func:`quantize.storage_model`), the rest in dtype."""
+    Linear weights in bitsandbytes' storage (:func:`quantize.storage_model`), the rest in dtype.
+    The Linear layers are those of the transformer config ``t``, or ``shapes`` (name -> (in, out))
+    for a denoiser of several transformers (Wan 2.2 A14B's two experts)."""
     kind = getattr(config, "quantize", "none")
     if kind == "none":
         return spec
-    qbytes, qparams = quantized_weight_bytes(linear_shapes(t), kind)
+    qbytes, qparams = quantized_weight_bytes(linear_shapes(t) if shapes is None else shapes, kind)
     spec.denoiser_weight_bytes = qbytes + (spec.denoiser_params - qparams) * spec.compute_bytes
     spec.notes.append(f"quantised base ({kind}, bitsandbytes): {qparams / 1e9:.3f}e9 block weights at "
                       f"{qbytes / qparams:.4f} B each, {(spec.denoiser_params - qparams) / 1e6:.1f}e6 others at "

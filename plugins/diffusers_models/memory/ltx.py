@@ -26,6 +26,7 @@ from .common import (
     pipeline_configs,
     replica_constants,
     saved_elements,
+    with_quantization,
 )
 
 #: Lightricks/LTX-Video's transformer (1.923e9 parameters)
@@ -92,7 +93,7 @@ def ltx_memory_spec(config, lora_targets: list[str]):
     hw = config.height * config.width
     dec = list(vae.get("decoder_block_out_channels", vae.get("block_out_channels", [128, 256, 512, 512])))
     decode = 6 * config.num_frames * hw // 16 * int(dec[0]) * compute + config.num_frames * 3 * hw * 4
-    return ModelMemory(
+    return with_quantization(t, config, ModelMemory(
         **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=frozen_components(cfgs, ("text_encoder", "vae"), compute), offload_frozen=config.offload_encoders,
         lora_shapes=linear_shapes(t), default_lora_targets=list(lora_targets),
@@ -104,4 +105,4 @@ def ltx_memory_spec(config, lora_targets: list[str]):
         gradient_checkpointing=config.gradient_checkpointing,
         notes=[measured_note(f"{video} video tokens ({f_lat} latent frames{', a timestep per token' if per_token else ''})"
                              f" with {txt} text tokens as cross-attention keys, x{cfg} for true CFG", consts)],
-    )
+    ))

@@ -25,6 +25,7 @@ from .common import (
     pipeline_configs,
     saved_elements,
     vae_facts,
+    with_quantization,
 )
 
 CLIP_G = {
@@ -110,7 +111,7 @@ def sd3_memory_spec(config):
     consts = _sd3_constants(key)
     dual = len(t.get("dual_attention_layers") or [])
     cfg_factor = 2 if config.cfg_scale != 1.0 else 1
-    return ModelMemory(
+    return with_quantization(t, config, ModelMemory(
         **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen=frozen_components(cfgs, ("text_encoder", "text_encoder_2", "text_encoder_3", "vae"), compute),
         offload_frozen=config.offload_encoders, lora_shapes=linear_shapes(t),
@@ -125,4 +126,4 @@ def sd3_memory_spec(config):
         notes=[f"{img_tokens} image + {txt_tokens} text tokens per sample, x{cfg_factor} for true CFG; activation "
                f"constants measured on a one-block replica: {', '.join(f'{k} {v:.1f}' for k, v in consts.per_block.items())} "
                "widths per token"],
-    )
+    ))

@@ -25,6 +25,7 @@ from .common import (
     peak_forward_bytes,
     pipeline_configs,
     replica_constants,
+    with_quantization,
 )
 
 UMT5_XXL = {
@@ -160,6 +161,12 @@ def wan_video_tokens(config, t: dict[str, Any], vae: dict[str, Any]) -> tuple[in
 def wan_memory_spec(config, lora_targets: list[str]):
     """:class:`flowrl.memory_plan.ModelMemory` of the ``wan`` adapter, without weights. A "sample" is
     a clip: its latents, its decode and its tokens cover all its frames."""
+    t = pipeline_configs(config.path, config.revision)["transformer"]
+    return with_quantization(t, config, _wan_memory_spec(config, lora_targets))
+
+
+def _wan_memory_spec(config, lora_targets: list[str]):
+    """:func:`wan_memory_spec` with the transformer's weights in ``dtype`` (``model.quantize`` not applied)."""
     cfgs = pipeline_configs(config.path, config.revision)
     t, vae = cfgs["transformer"], cfgs.get("vae", WAN_VAE)
     compute, storage = compute_and_storage_bytes(config)
@@ -209,17 +216,19 @@ def wan_a14b_memory_spec(config, lora_targets: list[str], trained: tuple[str, ..
     parameters; one expert runs per forward, so the activations are one expert's. ``trained``
     names the experts that train: LoRA is counted on their layers only, and full fine-tuning
     counts their parameters as trainable."""
-    one = wan_memory_spec(config, lora_targets)
+    one = _wan_memory_spec(config, lora_targets)
     cfgs = pipeline_configs(config.path, config.revision)
     experts = [name for name in ("transformer", "transformer_2") if name in cfgs]
     shapes = {f"{name}.{layer}": shape for name in trained if name in cfgs
               for layer, shape in linear_shapes(cfgs[name]).items()}
+    held = {f"{name}.{layer}": shape for name in experts for layer, shape in linear_shapes(cfgs[name]).items()}
     counts = {name: denoiser_counts(cfgs[name]) for name in experts}
-    return dataclasses.replace(
+    # model.quantize quantises both experts' blocks, the frozen one's too
+    return with_quantization(None, config, dataclasses.replace(
         one,
         denoiser_params=sum(c["denoiser_params"] for c in counts.values()),
         outside_block_params=sum(c["outside_block_params"] for c in counts.values()),
         trainable_params=sum(counts[name]["denoiser_params"] for name in trained if name in counts),
         lora_shapes=shapes,
         notes=[*one.notes, f"two experts held ({', '.join(experts)}), one runs per step; trained: {', '.join(trained)}"],
-    )
+    ), shapes=held)
