@@ -325,3 +325,17 @@ def test_the_start_up_transient_is_the_base_before_quantisation():
     assert loading.bytes == mm.denoiser_params * 2 and "quantised there" in loading.note
     gpu = next(l.bytes for l in lines if l.item == "denoiser weights")
     assert gpu == mm.denoiser_weight_bytes < loading.bytes / 3
+
+
+def test_fsdp2_chosen_by_the_launcher_is_refused_too(module_cli, monkeypatch, tiny_flux, tiny_overrides, tmp_path):
+    """strategy = 'auto' passes validation; an accelerate FSDP2 config then picks fsdp2 at launch,
+    and the strategy refuses the quantised base with the same message before sharding it."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    sets = [f"model.path={tiny_flux}", *tiny_overrides, "train.iterations=1", "train.prompts_per_iteration=1",
+            "train.group_size=2", "train.micro_batch_size=2", "train.optimizer_steps_per_update=1",
+            "rewards.0.use=brightness", "log.progress=false", "run.device=cpu", "train.lora_rank=4", "prompts.num_eval=2",
+            "ema.on_cpu=false", "sampler.batch_size=1"]
+    code, text = module_cli.merged("train", FLUX_RECIPE, *[a for s in sets for a in ("--set", s)], "-o", tmp_path / "run")
+    assert code == 2 and "a quantised base (model.quantize) cannot be sharded by FSDP2" in text, text
+    assert "[distributed].strategy" in text and "Traceback" not in text
