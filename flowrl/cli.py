@@ -16,6 +16,7 @@ from rich.markup import escape
 # Importing a command module adds its command(s) to the app.
 from .commands import (  # noqa: F401
     compare,
+    diagnose,
     doctor,
     evaluate,
     export,

@@ -87,7 +87,7 @@ def train(
                 raise
             raise error from exc
     if finished is not None and os.environ.get("RANK", "0") == "0":  # the main process of a launched run
-        for line in evaluation_summary(resolved, finished):
+        for line in evaluation_summary(resolved, finished) + warning_signs(resolved, finished):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
@@ -122,6 +122,22 @@ def evaluation_summary(resolved, run_dir: Path) -> list[str]:
         note = "optimised" if label in optimised else "not optimised"
         out.append(f"  {label:<{width}}  {m0:.4f} ± {s0:.4f} -> {m1:.4f} ± {s1:.4f}  {change}  ({note})")
     return out
+
+
+def warning_signs(resolved, run_dir: Path) -> list[str]:
+    """The run's warning signs (:mod:`flowrl.diagnostics.run_health`), a line each, under a
+    heading that names the command printing all its checks; nothing for a healthy run."""
+    from ..diagnostics.run_health import run_health
+    from ..runlog import read_metrics
+
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        return []
+    warned = [c for c in run_health(read_metrics(run_dir), [r.label for r in resolved.rewards if r.weight])
+              if c.status != "ok"]
+    if not warned:
+        return []
+    return [f"warning signs (all checks: flowrl diagnose {run_dir}):",
+            *(f"  {c.name}: {c.detail}" for c in warned)]
 
 
 def check_this_machine(resolved, launching: int | None) -> None:
