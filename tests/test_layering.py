@@ -33,11 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[set[str]] = [
     {"flowrl", "flowrl.errors", "flowrl.files", "flowrl.hookspecs", "flowrl.config", "flowrl.seeding",
      "flowrl.compat", "flowrl.checks", "flowrl.checkpoint_dirs", "flowrl.processes", "flowrl.stop_points",
-     "flowrl.geneval"},
+     "flowrl.geneval", "flowrl.check_result"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
      "flowrl.offline", "flowrl.batch",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
-     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
+     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.run_health", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
      "flowrl.video", "flowrl.suites", "flowrl.comparison", "flowrl.sweeps",
      "flowrl.serving", "flowrl.serving.*"},
     {"flowrl.recipe", "flowrl.recipe.*", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.*", "flowrl.hub"},

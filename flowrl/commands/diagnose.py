@@ -8,7 +8,7 @@
 
 It reads ``RUN_DIR/metrics.jsonl`` and the run's recipe (which rewards it optimises), during a
 run or after it, and loads no model. The checks and their thresholds:
-:mod:`flowrl.diagnostics.run_health`; docs/diagnosis.md shows them on the hacking lesson.
+:mod:`flowrl.run_health`; docs/diagnosis.md shows them on the hacking lesson.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def diagnose(
 ) -> None:
     """Read a run's metrics for the signs of an unhealthy run: hacking, artefacts, collapse, saturation."""
     from ..diagnostics.report import print_report, report_json
-    from ..diagnostics.run_health import run_health
+    from ..run_health import run_health
     from ..errors import FlowrlError
     from ..runlog import read_metrics
 

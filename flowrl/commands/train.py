@@ -125,9 +125,9 @@ def evaluation_summary(resolved, run_dir: Path) -> list[str]:
 
 
 def warning_signs(resolved, run_dir: Path) -> list[str]:
-    """The run's warning signs (:mod:`flowrl.diagnostics.run_health`), a line each, under a
+    """The run's warning signs (:mod:`flowrl.run_health`), a line each, under a
     heading that names the command printing all its checks; nothing for a healthy run."""
-    from ..diagnostics.run_health import run_health
+    from ..run_health import run_health
     from ..runlog import read_metrics
 
     if not (Path(run_dir) / "metrics.jsonl").is_file():

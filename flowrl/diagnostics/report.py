@@ -17,23 +17,9 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-STYLES = {"ok": "green", "pass": "green", "warn": "yellow", "skip": "yellow", "fail": "bold red"}
+from ..check_result import STYLES, Check
 
-
-@dataclasses.dataclass
-class Check:
-    """One line of a report. ``figures``: measured numbers (``seconds``, ``images_per_second``,
-    ``peak_memory_gb``, ``plan_gb``, ...), printed after the detail and kept as numbers in JSON."""
-
-    section: str
-    name: str
-    status: str
-    detail: str
-    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.status not in STYLES:
-            raise ValueError(f"unknown check status {self.status!r} (one of {', '.join(STYLES)})")
+__all__ = ["STYLES", "Check", "counts", "failed", "format_figures", "print_report", "report_json"]
 
 
 def failed(checks: list[Check]) -> bool:

@@ -27,6 +27,7 @@ from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sampling.rollout import ode_sample
 from ..seeding import generator
 from ..stop_points import stop_point, stoppable
+from .warning_signs import WarningSigns
 
 
 def evaluation_set(recipe, model) -> list[str]:
@@ -93,10 +94,13 @@ class RunEvaluator:
     """A training run's evaluation on its fixed set (see the module docstring); ``prompts``
     empty: the run does not evaluate."""
 
-    def __init__(self, session, prompts: list[str], ctx, outputs, ema=None, lockstep: bool = False):
+    def __init__(self, session, prompts: list[str], ctx, outputs, ema=None, lockstep: bool = False,
+                 say: Callable[[str], None] | None = None):
         self.session, self.prompts, self.ctx, self.outputs = session, prompts, ctx, outputs
         self.ema = ema if session.recipe.ema.evaluate else None
         self.lockstep = lockstep  # FSDP2: the other processes make the same denoiser calls
+        # every evaluation's warning signs, said above the progress bar as they appear (main process)
+        self.signs = WarningSigns(outputs.run_dir, session.recipe, say if ctx.is_main else None) if prompts else None
 
     def due(self, iteration: int) -> bool:
         return bool(self.prompts) and iteration % self.session.recipe.log.eval_every == 0
@@ -122,4 +126,7 @@ class RunEvaluator:
                               recipe.prompts.eval_seeds, recipe.run.seed, session.cache,
                               recipe.train.micro_batch_size * 4, on_images=keep)
         self.outputs.write_eval_grids(iteration, self.prompts, torch.cat(images).float() / 255, scores, final)
-        return eval_metrics(scores)
+        metrics = eval_metrics(scores)
+        if self.signs is not None:
+            self.signs({"iteration": iteration, **metrics})
+        return metrics

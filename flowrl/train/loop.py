@@ -85,8 +85,8 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
             return nothing_to_do(console, ctx, run_dir, train_cfg.iterations)
         throughput = Throughput(run, prompts[0], state.iteration, update.counter)  # FLOPs, once
         outputs = RunOutputs(run_dir, session, ctx, state.iteration, throughput.constants())  # creates the run dir
-        evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, lockstep=update.strategy.lockstep)
         display = RunDisplay(console, cfg.log.progress and ctx.is_main, train_cfg, state.iteration, shown_reward(recipe.rewards))
+        evaluator = RunEvaluator(session, eval_set, ctx, outputs, ema, update.strategy.lockstep, display.say)
         saver = Checkpointer(run_dir, run, state, update, layout, ema, replay, pipeline, on_write=display.phase)
         try:  # the run's stop (signals, the STOP file): flowrl.train.stopping
             with display, RunStop(run_dir, ctx, display.say if ctx.is_main else None) as stop, kernels, pipeline or contextlib.nullcontext():

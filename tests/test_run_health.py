@@ -1,4 +1,4 @@
-"""`flowrl diagnose RUN_DIR` (flowrl/diagnostics/run_health.py): the signs of an unhealthy run,
+"""`flowrl diagnose RUN_DIR` (flowrl/run_health.py): the signs of an unhealthy run,
 read from its metrics. The hacking lesson's recorded metrics (tests/fixtures/reference: the area
 reward rises, the verifier judge falls) must be flagged; the other signs on rows built to cross
 each threshold, and to stay just inside it."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.diagnostics.run_health import (
+from flowrl.run_health import (
     CLIP_ACTIVE,
     EQUAL_GROUPS,
     HF_SHARE_RISE,
@@ -20,7 +20,7 @@ from flowrl.diagnostics.run_health import (
 )
 from flowrl.files import read_jsonl
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "tests" / "fixtures" / "reference"
 
 

@@ -37,7 +37,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .report import Check
+from .check_result import Check
 
 #: |change| in standard errors (the two evaluations' combined in quadrature) that counts as a change
 SIGNIFICANT_SE = 2.0
@@ -125,7 +125,8 @@ def evaluation_checks(rows: list[dict[str, Any]], optimised: Sequence[str]) -> l
         else:
             detail = "rose" if moved > 0 else "no change beyond the noise"
         checks.append(Check(HELD_OUT, f"{label} (judge, not optimised)", "warn" if moved < 0 else "ok",
-                            f"{_shown(m0, m1, se)}: {detail}", _numbers(first=m0, last=m1, change_se=se)))
+                            f"{_shown(m0, m1, se)}: {detail}",
+                            {**_numbers(first=m0, last=m1, change_se=se), "hacking": bool(moved < 0 and rose)}))
     if ARTEFACT in labels:
         m0, m1, _ = _change(first, last, ARTEFACT)
         grew = m1 >= HF_SHARE_FACTOR * m0 and m1 - m0 >= HF_SHARE_RISE
