@@ -38,6 +38,7 @@ from flowrl import distributed
 from flowrl.batch import Batch
 from flowrl.objectives.advantages import group_means
 from flowrl.objectives.base import MicroBatch, MicroBatchResult, UpdateContext
+from flowrl.objectives.kl import live_state
 from flowrl.objectives.policy_gradient import PolicyGradient
 
 __all__ = [
@@ -241,7 +242,7 @@ class GatedKLPolicyGradient(PolicyGradient):
 
     def tensors(self) -> dict:
         # the reference as the last reset left it (the live tensors: a sharded resume loads into them)
-        ref = self.reference.frozen.state_dict() if self.reference is not None else {}
+        ref = live_state(self.reference.frozen) if self.reference is not None else {}
         return {f"reference.{k}": v for k, v in ref.items()}
 
     def load_state(self, state, tensors) -> None:
@@ -249,7 +250,7 @@ class GatedKLPolicyGradient(PolicyGradient):
         self.compensator.load_state_dict(state["compensator"])
         ref = {k[len("reference."):]: v for k, v in tensors.items() if k.startswith("reference.")}
         if ref and self.reference is not None:
-            live = self.reference.frozen.state_dict()
+            live = live_state(self.reference.frozen)
             with torch.no_grad():
                 for k, v in ref.items():
                     if live[k] is not v:

@@ -66,6 +66,19 @@ def frozen_copy(module: torch.nn.Module, dtype: torch.dtype | None = None) -> to
     return copy.deepcopy(module, memo).requires_grad_(False).eval()
 
 
+#: The attribute a module kept in CPU memory by accelerate's ``cpu_offload`` carries (set by
+#: :meth:`flowrl.train.parallel.Strategy.prepare_frozen`): the dict of CPU tensors its hooks read.
+#: Its parameters are then on the meta device, so reading or writing them would do nothing.
+OFFLOADED_WEIGHTS = "flowrl_offloaded_weights"
+
+
+def live_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors that hold ``module``'s weights, by state-dict name: its ``state_dict()``, or,
+    for a module offloaded to CPU memory, the CPU tensors each forward copies to the device."""
+    offloaded = getattr(module, OFFLOADED_WEIGHTS, None)
+    return offloaded if offloaded is not None else module.state_dict()
+
+
 class ReferencePolicy:
     """``velocity(x, sigma, text)`` of the reference model, without gradient."""
 
@@ -98,6 +111,12 @@ class ReferencePolicy:
     @torch.no_grad()
     def reset_to_current(self) -> None:
         """The reference becomes the current policy (GARDO's reset; a frozen copy only)."""
+        offloaded = getattr(self.frozen, OFFLOADED_WEIGHTS, None)
+        if offloaded is not None:  # its parameters are meta: the weights its forwards read are these
+            current = self.model.denoiser.state_dict()
+            for name, tensor in offloaded.items():
+                tensor.copy_(current[name])
+            return
         self.frozen.load_state_dict(self.model.denoiser.state_dict())
         drop_gathered_weights(self.frozen)  # under FSDP2 its root still holds the weights gathered before
 

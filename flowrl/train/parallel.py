@@ -59,6 +59,7 @@ from ..distributed import DistContext, choose_strategy, flag_setting
 from ..errors import FlowrlError
 from ..interfaces import HasShardableBlocks
 from ..recipe import DistributedConfig
+from ..objectives.kl import OFFLOADED_WEIGHTS
 from ..recipe.validation import QUANTISED_UNDER_FSDP2, QUANTISED_UNDER_FSDP2_HINT
 from .context_parallel import apply_context_parallel
 
@@ -355,7 +356,10 @@ class Strategy:
             return module.to(self.device)
         from accelerate import cpu_offload
 
-        return cpu_offload(module.to("cpu"), execution_device=self.device)
+        weights = {name: tensor.to("cpu") for name, tensor in module.state_dict().items()}
+        module = cpu_offload(module.to("cpu"), execution_device=self.device, state_dict=weights)
+        setattr(module, OFFLOADED_WEIGHTS, weights)  # its parameters are meta now: GARDO resets and saves these
+        return module
 
     # ------------------------------------------------------------------------ one optimizer step
 

@@ -67,6 +67,27 @@ def test_reference_on_cpu_gives_the_same_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_gardos_reset_reference_on_cpu_gives_the_same_run(tmp_path):
+    """GARDO resets its reference to the current weights; kept in CPU memory by accelerate's
+    cpu_offload the reference's parameters are meta, so the reset (and the checkpoint that saves
+    the reset reference) goes to the CPU tensors the offloaded forwards read: the same run and the
+    same saved reference as on the device. (The checkpoint used to fail: no data in a meta tensor.)"""
+    from engine_helpers import REPO
+
+    recipe = REPO / "recipes" / "quickstart_gardo.toml"
+    sets = ("train.iterations=3", "train.prompts_per_iteration=2", "train.group_size=4", "train.micro_batch_size=8",
+            "prompts.num_eval=2", "log.image_every=0", "checkpoint.every=1", "loss.reset_every=1", "sampler.steps=9",
+            "chunker.sizes=[2, 2, 4]")
+    on_device = train(load(recipe, *sets, f"run.output_dir={str(tmp_path / 'a')!r}"), console=quiet_console())
+    on_cpu = train(load(recipe, *sets, "train.reference_on_cpu=true", f"run.output_dir={str(tmp_path / 'b')!r}"),
+                   console=quiet_console())
+    assert _metrics(on_device) == _metrics(on_cpu)
+    a, b = (load_checkpoint(latest_checkpoint(run))["objective"] for run in (on_device, on_cpu))
+    assert sorted(a) == sorted(b) and any(k.startswith("reference.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
 def test_nfts_reference_on_cpu_is_placed_there_and_gives_the_same_run(tmp_path):
     """DiffusionNFT's velocity KL (``beta_kl > 0``, flowrl.interfaces.NeedsReferencePolicy) runs the
     engine's frozen reference: [train].reference_on_cpu now validates for it and keeps that copy in

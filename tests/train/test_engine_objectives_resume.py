@@ -27,6 +27,9 @@ CASES = {
     "nft": ("quickstart_nft.toml", ["sampler.steps=9", "loss.timesteps=4"]),
     # a reset of the reference before the interrupt, so the reset reference must be restored
     "gardo": ("quickstart_gardo.toml", ["loss.reset_every=1", "sampler.steps=9", "chunker.sizes=[2, 2, 4]"]),
+    # the reference kept in CPU memory (accelerate's cpu_offload: its parameters are meta), reset and saved
+    "gardo_reference_on_cpu": ("quickstart_gardo.toml", ["loss.reset_every=1", "sampler.steps=9",
+                                                         "chunker.sizes=[2, 2, 4]", "train.reference_on_cpu=true"]),
     "awm": ("quickstart_awm.toml", [*SHAPES, "sampler.steps=9", "train.updates_per_rollout=2", "loss.timesteps=3"]),
     "dppo": ("quickstart_dppo.toml", [*SHAPES, "sampler.steps=17", "sampler.sde_window=[0, 4]",
                                       "loss.kl_threshold=1e-8"]),
