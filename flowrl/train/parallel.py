@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -154,21 +155,28 @@ def declared_blocks(adapter) -> list[nn.Module] | None:
     return list(adapter.shardable_blocks()) if isinstance(adapter, HasShardableBlocks) else None
 
 
+def _checkpointed_forward(block: nn.Module, forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(block, *args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, block, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
     """Activation checkpointing: each block's forward (with grad) keeps only its inputs and
     recomputes the rest in the backward (non-reentrant ``torch.utils.checkpoint``). Parameter
-    names do not change. Applying it twice does nothing."""
+    names do not change. Applying it twice does nothing.
+
+    The block is an argument of its new forward (a ``functools.partial``), not captured in a
+    closure: a deep copy of the module (the rollout copy of ``[pipeline]``, FP8 rollouts) then
+    runs its own weights. A closure over the original's bound ``forward`` made the copy run the
+    original's weights, the ones being trained."""
     for block in blocks:
         if getattr(block, "flowrl_checkpointed", False):
             continue
         forward = block.forward
-
-        def checkpointed(*args, _forward=forward, **kwargs):
-            if not torch.is_grad_enabled():
-                return _forward(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-
-        block.forward = checkpointed
+        if getattr(forward, "__self__", None) is not block:
+            raise TypeError(f"activation checkpointing needs {type(block).__name__}'s own forward, found {forward!r}")
+        block.forward = functools.partial(_checkpointed_forward, block, forward.__func__)
         block.flowrl_checkpointed = True
 
 

@@ -189,6 +189,28 @@ def test_activation_checkpointing_keeps_names_outputs_and_gradients():
         assert torch.equal(plain(x), ckpt(x))
 
 
+def test_a_copy_of_a_checkpointed_model_runs_its_own_weights():
+    """[pipeline]'s rollout copy and FP8 rollouts deep-copy the prepared denoiser: each copied
+    block's checkpointed forward must run the copy's weights, not the original's (a closure over
+    the original's bound forward made the rollouts follow the weights being trained)."""
+    import copy
+
+    torch.manual_seed(0)
+    original = Tower()
+    checkpoint_blocks(transformer_blocks(original))
+    rollout_copy = copy.deepcopy(original)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        before = rollout_copy(x)
+        for p in original.parameters():
+            p.add_(1.0)
+        assert torch.equal(rollout_copy(x), before)
+        assert not torch.equal(original(x), before)
+    rollout_copy(x).square().sum().backward()  # the copy's gradients land on the copy
+    assert all(p.grad is not None for p in rollout_copy.parameters())
+    assert all(p.grad is None for p in original.parameters())
+
+
 def test_one_process_strategy_steps_like_plain_torch():
     """strategy 'none': accumulate() adds nothing, clip_grad_norm_ equals torch's."""
     from accelerate.state import AcceleratorState
