@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..distributed import resolve_device
+from ..distributed import choose_strategy, flag_setting, resolve_device
 from ..dynamics.profile_file import read_profile
 from ..errors import FlowrlError, RecipeError
 from ..offline import read_offline_rows
@@ -25,7 +25,7 @@ from ..plugins import Registry, get_registry
 from ..prompts import TABLE_SUFFIXES, distinct_rows, read_prompts
 from ..sampling.precision import check_rollout_precision
 from .schema import SECTIONS, ComponentChoice, Recipe
-from .validation import DATA_HINT, build_component, data_kind, plan_context, window_plans
+from .validation import DATA_HINT, build_component, check_launched_strategy, data_kind, plan_context, window_plans
 
 
 def check_startable(recipe: Recipe, registry: Registry | None = None, *, devices: bool = True) -> None:
@@ -35,13 +35,16 @@ def check_startable(recipe: Recipe, registry: Registry | None = None, *, devices
     prompt file exists and holds a prompt, ``source = "model"`` names a model that ships prompts,
     every key declared required holds a value, every input path exists, every reward that
     declares which prompts it scores accepts the prompt files', and every tracker can be built (a
-    tracker checks its extra when it is built)."""
+    tracker checks its extra when it is built). Under a launcher (``devices``), what ``strategy =
+    "auto"`` became is checked as if the recipe had named it (:func:`check_launched_strategy`)."""
     registry = registry or get_registry()
     if devices:
         check_devices(recipe)
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)  # a launched process: the launcher's choice
+        check_launched_strategy(recipe, registry, choose_strategy(
+            recipe.distributed.strategy, world, bool(flag_setting(os.environ, "ACCELERATE_USE_FSDP"))))
         if recipe.sampler.rollout_precision != "train":
-            check_rollout_precision(recipe.sampler.rollout_precision, resolve_device(recipe.run.device),
-                                    int(os.environ.get("WORLD_SIZE", "1") or 1),
+            check_rollout_precision(recipe.sampler.rollout_precision, resolve_device(recipe.run.device), world,
                                     where=f"{recipe.source}: [sampler].rollout_precision")
     p = recipe.prompts
     model = recipe.components["model"].use

@@ -468,6 +468,23 @@ def _refuse_off_policy(recipe: Recipe, registry: Registry, what: str, where: str
                           f"{kept} yet)", where=where, hint="use strategy 'ddp' or 'none'")
 
 
+def check_launched_strategy(recipe: Recipe, registry: Registry, strategy: str) -> None:
+    """What validation refuses beside ``strategy = "fsdp2"``, checked again when the recipe says
+    ``"auto"`` and the launcher chose FSDP2 (an accelerate FSDP config): sharded weights beside 8-bit
+    AdamW, a CPU EMA or a quantised base, and the off-policy features whose state a sharded
+    checkpoint cannot hold ([replay], [pipeline]). ``strategy``: the one the launch resolved."""
+    if strategy != "fsdp2" or recipe.distributed.strategy == "fsdp2":
+        return
+    sharded = dataclasses.replace(recipe, distributed=dataclasses.replace(recipe.distributed, strategy="fsdp2"))
+    try:
+        _check_sharding(sharded)
+        _check_replay(sharded, registry, recipe.num_trainable)
+        _check_pipeline(sharded, registry)
+    except RecipeError as exc:
+        raise RecipeError(f"{exc.message} (strategy = 'auto' became 'fsdp2': the launcher's accelerate config asks "
+                          "for FSDP)", where=exc.where, hint=f"{exc.hint}; or launch without FSDP (DDP)") from exc
+
+
 def _tree_from_profile(recipe: Recipe, T: int) -> None:
     """``[window] use = "branch"`` with ``profile``: fill in its ``steps`` (the ``count`` trainable
     transitions where the profile's l1rel curve is highest, in step order) and ``factors`` (2

@@ -127,3 +127,24 @@ def test_nfts_reference_on_cpu_is_placed_there_and_gives_the_same_run(tmp_path):
 def test_knobs_that_cannot_apply_are_refused_at_validation(tmp_path, overrides, match):
     with pytest.raises(FlowrlError, match=match):
         load(write_recipe(tmp_path), *overrides)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (("pipeline.staleness=1",), "[pipeline] staleness = 1 is not supported with strategy = 'fsdp2'"),
+    (("replay.size=2", "replay.max_staleness=2"), "[replay] is not supported with strategy = 'fsdp2'"),
+    ((EIGHT_BIT,), "optimizer = 'adamw_8bit' cannot hold sharded (DTensor) parameters"),
+])
+def test_what_fsdp2_refuses_is_refused_when_the_launcher_makes_auto_fsdp2(tmp_path, monkeypatch, sets, message):
+    """strategy = 'auto' validates; an accelerate FSDP2 config then makes it fsdp2 at launch, and
+    the same refusals apply before anything loads, naming why."""
+    from engine_helpers import REPO
+
+    from flowrl.recipe import check_startable
+
+    recipe = load(REPO / "recipes" / "quickstart_step.toml", *sets)
+    assert recipe.distributed.strategy == "auto"
+    check_startable(recipe)  # one process, no launcher: fine
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(FlowrlError, match=r"strategy = 'auto' became 'fsdp2'") as err:
+        check_startable(recipe)
+    assert message in err.value.message and "launch without FSDP" in err.value.hint
