@@ -275,12 +275,17 @@ class Strategy:
 
     def _replicate(self, module: nn.Module) -> nn.Module:
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
 
         if holds_meta_tensors(module):
             raise FlowrlError(f"the denoiser was built without weights, which only fsdp2 fills in (strategy {self.kind!r})",
                               where="[distributed].strategy",
                               hint="only an fsdp2 run builds it empty on the processes other than rank 0")
 
+        # accelerate keeps one mixed precision per process and refuses another: a second run in the
+        # same interpreter (a notebook, flowrl's tests) with another setting starts it afresh
+        # (the process group's part of its state is kept)
+        AcceleratorState._reset_state()
         self.accelerator = Accelerator(cpu=self.device.type == "cpu", mixed_precision=self.config.mixed_precision)
         if self.kind == "ddp" and self.topology.world_size > 1 and self.accelerator.num_processes != self.topology.world_size:
             raise FlowrlError(f"accelerate sees {self.accelerator.num_processes} processes, torch.distributed "
@@ -361,12 +366,17 @@ class Strategy:
             return module
         _broadcast_module(module, self.topology.world_size)
         if not on_cpu:
-            return module.to(self.device)
-        from accelerate import cpu_offload
+            module = module.to(self.device)
+        else:
+            from accelerate import cpu_offload
 
-        weights = {name: tensor.to("cpu") for name, tensor in module.state_dict().items()}
-        module = cpu_offload(module.to("cpu"), execution_device=self.device, state_dict=weights)
-        setattr(module, OFFLOADED_WEIGHTS, weights)  # its parameters are meta now: GARDO resets and saves these
+            weights = {name: tensor.to("cpu") for name, tensor in module.state_dict().items()}
+            module = cpu_offload(module.to("cpu"), execution_device=self.device, state_dict=weights)
+            setattr(module, OFFLOADED_WEIGHTS, weights)  # its parameters are meta now: GARDO resets and saves these
+        if self.accelerator is not None and self.accelerator.native_amp:
+            # the policy computes under bf16 autocast: so must its reference, or the KL at equal
+            # weights is the two precisions' difference (and is trained on)
+            module = self.accelerator.prepare_model(module, device_placement=False, evaluation_mode=True)
         return module
 
     # ------------------------------------------------------------------------ one optimizer step

@@ -247,3 +247,20 @@ def test_frozen_copy_is_made_in_the_asked_dtype_and_keeps_the_module_as_it_was()
     with torch.device("meta"):
         empty = torch.nn.Linear(4, 4)
     assert frozen_copy(empty, torch.bfloat16).weight.is_meta
+
+
+@pytest.mark.parametrize("on_cpu", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_under_bf16_autocast_the_reference_computes_as_the_policy_does(tmp_path, on_cpu):
+    """mixed_precision = 'bf16' (none/ddp) runs the policy under autocast; the frozen reference
+    must run under it too, or the KL at the first step, where policy and reference are the same
+    weights, is the two precisions' difference (it was 7e-6, and trained on). Also with the
+    reference kept in CPU memory."""
+    from engine_helpers import REPO
+
+    sets = ["loss.beta=0.05", "loss.kl='gaussian_exact'", "distributed.mixed_precision='bf16'",
+            "train.on_policy_tolerance=1e-2", "train.iterations=1", "prompts.num_eval=2", "log.image_every=0",
+            f"train.reference_on_cpu={str(on_cpu).lower()}", f"run.output_dir={str(tmp_path / 'run')!r}"]
+    recipe = load(REPO / "recipes" / "quickstart_step.toml", *sets)
+    assert recipe.train.finetune == "full" and recipe.train.optimizer_steps_per_update == 1
+    (row,) = [r for r in read_metrics(train(recipe, console=quiet_console())) if "loss" in r]
+    assert row["kl/gaussian_exact"] == 0.0
