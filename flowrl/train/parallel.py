@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -72,6 +73,7 @@ __all__ = [
     "transformer_blocks",
     "declared_blocks",
     "checkpoint_blocks",
+    "autocast_like_accelerate",
     "holds_meta_tensors",
     "materialise_meta",
 ]
@@ -153,6 +155,19 @@ def declared_blocks(adapter) -> list[nn.Module] | None:
     """The blocks a model adapter names (:class:`HasShardableBlocks`), or None: then
     :func:`transformer_blocks` finds them. Pass the result to :meth:`Strategy.prepare`."""
     return list(adapter.shardable_blocks()) if isinstance(adapter, HasShardableBlocks) else None
+
+
+def autocast_like_accelerate(module: nn.Module, device: torch.device) -> None:
+    """``module``'s forward under bf16 autocast with float32 outputs, as accelerate's
+    ``prepare_model`` wraps the learner's denoiser for ``mixed_precision = "bf16"`` (none/ddp), for a
+    copy of the policy built where no Accelerator is (the rollout worker process): the same
+    arithmetic, so that its rollouts' log-probs are the learner's."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = module.forward.__func__ if hasattr(module.forward, "__func__") else module.forward
+    autocast = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+    wrapped = convert_outputs_to_fp32(autocast(forward))
+    module.forward = types.MethodType(wrapped, module) if hasattr(module.forward, "__func__") else wrapped
 
 
 def _checkpointed_forward(block: nn.Module, forward, *args, **kwargs):

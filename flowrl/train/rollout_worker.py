@@ -43,6 +43,7 @@ from .accel import attention_backend, check_attention_backend
 from .collect import collect
 from .compute import ComputeCounter
 from .finetune import prepare_trainable
+from .parallel import autocast_like_accelerate
 from .progress import PhaseTimer
 from .run import Run
 from .session import Session
@@ -227,6 +228,8 @@ def _build(recipe, geometry, ctx, device: torch.device):
     prepare_trainable(session.model, recipe.train, recipe.run.seed)
     session.model.to(device)  # LoRA matrices are created on the CPU
     session.model.denoiser.requires_grad_(False)
+    if recipe.distributed.mixed_precision == "bf16":  # the learner's policy computes under accelerate's autocast
+        autocast_like_accelerate(session.model.denoiser, device)
     counter = ComputeCounter(session.model.denoiser)
     return Run(session, geometry, ctx), counter
 

@@ -157,6 +157,20 @@ def test_resumes_bit_for_bit_with_the_behaviour_weights_in_a_rollout_process(tmp
 
 
 @pytest.mark.slow
+def test_under_bf16_autocast_the_rollout_process_draws_as_the_thread_does(tmp_path):
+    """mixed_precision = 'bf16': the learner's policy computes under accelerate's autocast, and so
+    must the rollout process's copy, which no Accelerator prepares; it drew in float32 before
+    (rollout 0's rewards and ratios differed from the thread's). Now the same run, row for row."""
+    recipe = write_recipe(tmp_path)
+    sets = [*ON, "distributed.mixed_precision='bf16'", "train.on_policy_tolerance=1e-2"]
+    thread = run(recipe, tmp_path / "thread", *sets)
+    process = run(recipe, tmp_path / "process", *sets, *PROCESS, "pipeline.device='cpu'")
+    assert [comparable(r) for r in read_metrics(process)] == [comparable(r) for r in read_metrics(thread)]
+    a, b = final_weights(process), final_weights(thread)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     recipe = write_recipe(tmp_path, tiny_recipe(ENGINE, rewards=[{"use": "brightness"}]))
     # one optimizer step per pass (loop.py); evaluation, grids and checkpoints on, as in the other 2-process tests;
