@@ -339,3 +339,30 @@ def test_fsdp2_chosen_by_the_launcher_is_refused_too(module_cli, monkeypatch, ti
     code, text = module_cli.merged("train", FLUX_RECIPE, *[a for s in sets for a in ("--set", s)], "-o", tmp_path / "run")
     assert code == 2 and "a quantised base (model.quantize) cannot be sharded by FSDP2" in text, text
     assert "[distributed].strategy" in text and "Traceback" not in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_gradient_checkpointing_over_a_quantised_base_trains_the_same_lora(tiny_flux, tiny_overrides, tmp_path, kind):
+    """The shipped quantised recipes checkpoint the transformer's blocks: recomputing bitsandbytes'
+    layers in the backward gives the LoRA the same gradients, so the same weights, as keeping
+    the activations."""
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from flowrl.recipe import load_recipe
+    from flowrl.train import train
+
+    sets = [f"model.path={tiny_flux}", *tiny_overrides, f"model.quantize={kind}", "train.iterations=2",
+            "train.prompts_per_iteration=1", "train.group_size=2", "train.micro_batch_size=2",
+            "train.optimizer_steps_per_update=1", "rewards.0.use=brightness", "log.progress=false", "log.image_every=0",
+            "prompts.num_eval=2", "run.device=cpu", "sampler.batch_size=1", "train.lora_rank=4", "train.lora_alpha=8.0",
+            "train.lr=0.05"]
+    weights = []
+    for checkpointing in ("true", "false"):
+        run = train(load_recipe(FLUX_RECIPE, [*sets, f"model.gradient_checkpointing={checkpointing}",
+                                              f'run.output_dir="{tmp_path / checkpointing}"']), console=Console(quiet=True))
+        weights.append(load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors")))
+    on, off = weights
+    assert sorted(on) == sorted(off) and all(torch.equal(on[k], off[k]) for k in on)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in on.items())
