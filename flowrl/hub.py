@@ -103,13 +103,28 @@ def eval_summary(run_dir: Path | None) -> list[str]:
     return out
 
 
+#: diffusers' LoRA file of a pipeline's transformer, and the name flowrl gives a second transformer's
+#: (Wan 2.2 A14B's low-noise expert, loaded with ``load_into_transformer_2=True``)
+DEFAULT_LORA_FILE = "pytorch_lora_weights.safetensors"
+SECOND_TRANSFORMER_LORA_FILE = "pytorch_lora_weights_transformer_2.safetensors"
+
+
 def how_to_load(info: dict, repo: str) -> list[str]:
     """Markdown: how to load the uploaded weights, by export format."""
     fmt, base = info["format"], info.get("base") or "BASE_MODEL"
-    if fmt in ("diffusers_lora", "diffusers_pipeline"):
-        code = (f'pipe = DiffusionPipeline.from_pretrained("{base}")\npipe.load_lora_weights("{repo}")'
-                if fmt == "diffusers_lora" else f'pipe = DiffusionPipeline.from_pretrained("{repo}")')
-        return ["```python", "from diffusers import DiffusionPipeline", "", code, "```"]
+    if fmt == "diffusers_lora":
+        # the files the export wrote: a two-transformer pipeline's (Wan 2.2 A14B) second LoRA, or
+        # its only one when only the low-noise expert trained, goes into transformer_2
+        files = info.get("weights") or [DEFAULT_LORA_FILE]
+        loads = [f'pipe.load_lora_weights("{repo}")' if name == DEFAULT_LORA_FILE else
+                 f'pipe.load_lora_weights("{repo}", weight_name="{name}", load_into_transformer_2=True)'
+                 if name == SECOND_TRANSFORMER_LORA_FILE else f'pipe.load_lora_weights("{repo}", weight_name="{name}")'
+                 for name in files]
+        return ["```python", "from diffusers import DiffusionPipeline", "",
+                f'pipe = DiffusionPipeline.from_pretrained("{base}")', *loads, "```"]
+    if fmt == "diffusers_pipeline":
+        return ["```python", "from diffusers import DiffusionPipeline", "",
+                f'pipe = DiffusionPipeline.from_pretrained("{repo}")', "```"]
     where = {
         "diffusers_model_lora": "`pytorch_lora_weights.safetensors`: the denoiser's LoRA in diffusers' model format "
                                 "(`load_lora_adapter` of the base model's denoiser)",

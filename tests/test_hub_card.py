@@ -116,3 +116,28 @@ def test_every_shipped_recipes_card_names_its_algorithm_task_rewards_and_compone
     assert f"loss `{resolved.components['loss'].use}`" in training
     # the chunk layout is named only where the objective lays units out
     assert ("chunker `" in training) == uses_units(resolved, get_registry())
+
+
+@pytest.mark.parametrize("trained, files, loads", [
+    ("both", ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"],
+     ['pipe.load_lora_weights("me/x")',
+      'pipe.load_lora_weights("me/x", weight_name="pytorch_lora_weights_transformer_2.safetensors", '
+      'load_into_transformer_2=True)']),
+    ("low", ["pytorch_lora_weights_transformer_2.safetensors"],
+     ['pipe.load_lora_weights("me/x", weight_name="pytorch_lora_weights_transformer_2.safetensors", '
+      'load_into_transformer_2=True)']),
+    (None, None, ['pipe.load_lora_weights("me/x")']),  # an export from before the files were recorded
+])
+def test_the_card_loads_every_lora_file_the_export_wrote(trained, files, loads):
+    """Wan 2.2 A14B exports a LoRA per trained expert; the card's snippet loads each into its
+    transformer (it loaded only the default file, which an export of the low-noise expert lacks)."""
+    from flowrl.hub import DEFAULT_LORA_FILE, SECOND_TRANSFORMER_LORA_FILE, how_to_load
+    from flowrl_plugins.diffusers_models.wan_a14b import LORA_FILES
+
+    assert LORA_FILES == {"transformer": DEFAULT_LORA_FILE, "transformer_2": SECOND_TRANSFORMER_LORA_FILE}
+    info = {"format": "diffusers_lora", "base": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
+    if files is not None:
+        info["weights"] = files
+    lines = how_to_load(info, "me/x")
+    assert lines[3] == 'pipe = DiffusionPipeline.from_pretrained("Wan-AI/Wan2.2-T2V-A14B-Diffusers")'
+    assert lines[4:-1] == loads

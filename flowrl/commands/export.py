@@ -90,6 +90,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         "ema": ema,
         "model_table": src.recipe.components["model"].as_table(),
     }
+    info["weights"] = sorted(p.name for p in out.glob("*.safetensors"))  # what a loader names (the model card)
     if finetune == "lora":
         t = src.recipe.train
         info["lora"] = {"rank": t.lora_rank, "alpha": t.lora_alpha,

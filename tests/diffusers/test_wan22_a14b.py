@@ -238,6 +238,14 @@ def test_lora_export_loads_into_both_experts_and_reproduces_the_policy(lora_run,
          .replace('"export_dir"', repr(str(out))), namespace)
     tuned = _pipe_frames(_euler_on_flowrl_grid(namespace["pipe"]), PROMPTS[:1], noise)
     assert (tuned - base).abs().max() > 1e-3, "the exported LoRA does not change the pipeline's output"
+    # the hub model card's snippet (flowrl export --push-to-hub), the repository being the export
+    from flowrl.hub import how_to_load
+
+    card = "\n".join(how_to_load(info, "me/x")[1:-1]).replace('"me/x"', repr(str(out)))
+    assert "load_into_transformer_2=True" in card and repr(str(tiny_a14b)) in card.replace('"', "'")
+    exec(card, carded := {})
+    torch.testing.assert_close(_pipe_frames(_euler_on_flowrl_grid(carded["pipe"]), PROMPTS[:1], noise), tuned,
+                               atol=0, rtol=0)
     policy = load_policy(resolve_source(lora_run, None, [], None), "cpu")
     torch.testing.assert_close(tuned, _ode_frames(policy, PROMPTS[:1], noise), atol=1e-5, rtol=0)
 
