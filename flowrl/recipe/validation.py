@@ -261,6 +261,13 @@ def _check_rollout_precision(recipe: Recipe, registry: Registry, plans: bool) ->
     if reads is not None:
         raise RecipeError(f"rollout_precision = 'fp8' corrects the plain rollout's log-probs, and {reads}",
                           where=where, hint="remove rollout_precision (rollouts then run in the training precision)")
+    # FP8 layers hold bfloat16 scales and take bfloat16 activations: a float32 forward cannot call them
+    bf16_base = recipe.train.finetune == "lora" and getattr(recipe.components["model"].params, "dtype", None) == "bf16"
+    if recipe.distributed.mixed_precision != "bf16" and not bf16_base:
+        raise RecipeError("rollout_precision = 'fp8' needs a run that computes in bfloat16 (its FP8 layers take "
+                          "bfloat16 activations), and this one computes in float32",
+                          where=where, hint="set [distributed] mixed_precision = 'bf16' (or train a LoRA on a model "
+                                            "with dtype = 'bf16'), or remove rollout_precision")
 
 
 def _check_paired_rollouts(recipe: Recipe, registry: Registry, T: int) -> None:

@@ -55,14 +55,34 @@ def fp8_support(device: torch.device) -> str | None:
     return None
 
 
-def fp8_quantiser() -> Quantiser:
-    """torchao's FP8 quantisation of a module's linear layers, in place: float8 activations and
-    weights, scaled per row (``pip install "flowrl-diffusion[fp8]"``)."""
+#: peft's adapter matrices inside a LoRA layer (``...to_q.lora_A.default``): left out of FP8
+LORA_PARTS = frozenset({"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"})
+
+
+def fp8_layers(module: torch.nn.Module) -> set[str]:
+    """The qualified names of the Linear layers an FP8 rollout copy quantises: every one but a LoRA
+    adapter's own matrices, which are small, trained in float32, and which torchao's per-row FP8
+    would refuse (it takes bfloat16 weights only); the LoRA's base layer is quantised."""
+    return {name for name, sub in module.named_modules()
+            if isinstance(sub, torch.nn.Linear) and not LORA_PARTS.intersection(name.split("."))}
+
+
+def fp8_quantiser(config=None) -> Quantiser:
+    """torchao's FP8 quantisation of a module's linear layers (:func:`fp8_layers`), in place:
+    float8 activations and weights, scaled per row (``pip install "flowrl-diffusion[fp8]"``);
+    ``config``: another torchao config (the tests' weight-only FP8 on the CPU). A layer stored in
+    float32 (full fine-tuning's master weights) is cast to bfloat16 first, in the copy: per-row FP8
+    takes bfloat16 weights, and the run computes in bfloat16 (validation requires it)."""
     require("torchao", extra="fp8", purpose="FP8 rollouts ([sampler].rollout_precision = 'fp8')")
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
+    config = config if config is not None else Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+
     def quantise(module: torch.nn.Module) -> torch.nn.Module:
-        quantize_(module, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        names = fp8_layers(module)
+        for name in names:
+            module.get_submodule(name).to(torch.bfloat16)
+        quantize_(module, config, filter_fn=lambda layer, fqn: fqn in names)
         return module
 
     return quantise

@@ -98,6 +98,39 @@ def test_what_fp8_rollouts_cannot_correct_is_refused(precision_key, extra, match
     assert match in err.value.message
 
 
+def test_fp8_rollouts_need_a_run_that_computes_in_bf16():
+    """FP8 layers take bfloat16 activations: a float32 run (no autocast, a float32 base) is refused
+    before anything loads; bf16 mixed precision, or a LoRA on a bf16 base, is not."""
+    from flowrl.recipe import load_recipe
+
+    with pytest.raises(RecipeError, match="needs a run that computes in bfloat16") as err:
+        validate(tiny_recipe_data(ENGINE, sampler={"rollout_precision": "fp8"}))
+    assert "mixed_precision = 'bf16'" in err.value.hint
+    validate(tiny_recipe_data(ENGINE, sampler={"rollout_precision": "fp8"}, distributed={"mixed_precision": "bf16"}))
+    lora = load_recipe(REPO / "recipes" / "chunk_grpo_flux_lora.toml", ["sampler.rollout_precision='fp8'"])
+    assert lora.components["model"].params.dtype == "bf16" and lora.distributed.mixed_precision != "bf16"
+
+
+def test_the_fp8_copy_quantises_the_base_layers_not_the_lora_matrices():
+    """torchao's per-row FP8 takes bfloat16 weights only: a LoRA's float32 matrices (and a float32
+    master copy's layers, cast first) would fail its check on the GPU. The copy quantises every
+    Linear but the adapters' own, casting float32 ones to bfloat16; it runs under bf16 autocast."""
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization import Float8WeightOnlyConfig
+
+    trained = get_peft_model(Velocity(), LoraConfig(r=16, target_modules=["net.0"]))
+    assert precision.fp8_layers(trained) == {"base_model.model.net.0.base_layer", "base_model.model.net.2"}
+    copy = precision.copy_for_rollout(trained, precision.fp8_quantiser(Float8WeightOnlyConfig()))
+    kinds = {n: (type(p).__name__, p.dtype) for n, p in copy.named_parameters()}
+    assert kinds["base_model.model.net.0.base_layer.weight"][0] == "Float8Tensor"
+    assert kinds["base_model.model.net.2.weight"][0] == "Float8Tensor"
+    assert kinds["base_model.model.net.0.lora_A.default.weight"] == ("Parameter", torch.float32)
+    assert all(p.dtype == torch.float32 for p in trained.parameters())  # the trained module is untouched
+    x, s = torch.randn(5, 3, 4), torch.full((5,), 0.5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (copy(x, s).float() - trained(x, s)).abs().max() < 0.05
+
+
 def test_fp8_rollouts_of_an_already_quantised_base_are_refused():
     from flowrl.recipe import load_recipe
 
@@ -119,8 +152,11 @@ def fp8_here(monkeypatch):
     simulated quantisation."""
     import flowrl.train.collect as collect
 
+    from torchao.quantization import Float8WeightOnlyConfig
+
     monkeypatch.setattr(precision, "fp8_support", lambda device: None)
-    monkeypatch.setattr(collect, "fp8_quantiser", lambda: weight_only_fp8)
+    # the run's own quantiser (its choice of layers, float32 ones cast to bfloat16), with the CPU's FP8
+    monkeypatch.setattr(collect, "fp8_quantiser", lambda: precision.fp8_quantiser(Float8WeightOnlyConfig()))
 
 
 def _train(tmp_path, name, **sampler):
@@ -131,8 +167,9 @@ def _train(tmp_path, name, **sampler):
     from flowrl.runlog import read_metrics
     from flowrl.train import train
 
-    path = write_recipe(tmp_path / name, tiny_recipe(ENGINE, sampler=sampler,
-                                                     train={"iterations": 1, "optimizer_steps_per_update": 1}))
+    path = write_recipe(tmp_path / name, tiny_recipe(ENGINE, sampler=sampler, distributed={"mixed_precision": "bf16"},
+                                                     train={"iterations": 1, "optimizer_steps_per_update": 1,
+                                                            "on_policy_tolerance": 1e-4}))
     recipe = load_recipe(path, [f"run.output_dir={str(tmp_path / name / 'run')!r}", "checkpoint.every=1"])
     run_dir = train(recipe, console=quiet_console())
     from flowrl.train.checkpoint import read_model_weights
@@ -163,6 +200,7 @@ def test_fp8_rollouts_train_with_either_correction(tmp_path, fp8_here):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without FP8")
 def test_flowrl_validate_refuses_fp8_rollouts_here_in_one_message(validate):
-    code, err = validate(REPO / "recipes" / "quickstart_step.toml", "sampler.rollout_precision='fp8'")
+    code, err = validate(REPO / "recipes" / "quickstart_step.toml", "sampler.rollout_precision='fp8'",
+                         "distributed.mixed_precision='bf16'")  # a run FP8 suits, on a machine without FP8
     assert code == 2 and err.startswith("error:") and "Traceback" not in err, err
     assert "[sampler].rollout_precision: rollout_precision = 'fp8': this run's device is cpu" in err
