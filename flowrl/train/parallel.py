@@ -263,8 +263,10 @@ class Strategy:
             half = any(p.dtype in (torch.bfloat16, torch.float16) for p in module.parameters())
             precision = ("half" if half or (self.config.mixed_precision == "bf16" and self.kind == "fsdp2") else
                          "autocast" if self.config.mixed_precision == "bf16" else "float32")
-            apply_context_parallel(module, self.context_parallel, self.device, *tokens,
-                                   ring=self.config.context_parallel_ring, attention=attention, precision=precision)
+            # kept for the KL reference's frozen copy (prepare_frozen), which splits its sequences alike
+            self._split = dict(image_tokens=tokens[0], text_tokens=tokens[1], ring=self.config.context_parallel_ring,
+                               attention=attention, precision=precision)
+            apply_context_parallel(module, self.context_parallel, self.device, **self._split)
         found = transformer_blocks(module, blocks)
         if self.config.activation_checkpointing:
             if not found:
@@ -374,8 +376,12 @@ class Strategy:
         :meth:`prepare`: fsdp2 shards it over the same mesh, block by block (``on_cpu``: its
         shards stay in CPU memory, FSDP2's CPU offload); otherwise it is placed on the device
         (``on_cpu``: kept in CPU memory, each submodule visiting the device for its forward,
-        accelerate's ``cpu_offload``). Every process holds rank 0's weights."""
+        accelerate's ``cpu_offload``). Every process holds rank 0's weights. Under context
+        parallelism its sequences are split like the policy's: unsplit, every process of a group
+        would run the whole reference forward (the group's compute and activations, each)."""
         module.requires_grad_(False).eval()
+        if self.context_parallel > 1:
+            apply_context_parallel(module, self.context_parallel, self.device, **self._split)
         if self.kind == "fsdp2":  # placed block by block as it is sharded (_fully_shard)
             self._fully_shard(module, [module.get_submodule(n) for n in self.block_names], on_cpu)
             return module

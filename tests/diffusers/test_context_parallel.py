@@ -130,6 +130,51 @@ def test_two_processes_in_a_ring_train_as_one(name, tiny_models, tmp_path):
     _assert_same(ring, one)
 
 
+REFERENCE_RECORD = '''
+import json
+import os
+
+from flowrl.train.context_parallel import parallel_transformers
+from flowrl.train.parallel import Strategy
+
+_prepare_frozen = Strategy.prepare_frozen
+
+
+def prepare_frozen(self, module, on_cpu=False):
+    out = _prepare_frozen(self, module, on_cpu=on_cpu)
+    split = [t._parallel_config is not None for t in parallel_transformers(out)]
+    with open(os.path.join(os.environ["FLOWRL_TEST_RECORD"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump(split, f)
+    return out
+
+
+Strategy.prepare_frozen = prepare_frozen
+'''
+
+
+@pytest.mark.slow
+def test_the_kl_reference_splits_its_sequences_like_the_policy(tiny_models, tmp_path, plugin_site):
+    """Full fine-tuning with a KL term keeps a frozen copy of the denoiser: under context
+    parallelism it splits every sequence like the policy (before, each process of a group ran the
+    whole reference forward), and the run with its KL is the one-process run."""
+    import json
+
+    recipe, sets = _sets("flux", tiny_models["flux"], "train.iterations=2", "loss.beta=0.01",
+                         "loss.kl='gaussian_exact'")
+    one, two, record = tmp_path / "one", tmp_path / "two", tmp_path / "record"
+    record.mkdir()
+    train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
+    site = plugin_site("reference_record_plugin", REFERENCE_RECORD)
+    args = [a for s in (*sets, "distributed.context_parallel=2", "distributed.num_processes=2")
+            for a in ("--set", s)]
+    proc = run_forked_workers(["train", recipe, *args, "-o", two], 2, timeout=400,
+                              env={"PYTHONPATH": str(site), "FLOWRL_TEST_RECORD": str(record)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert [json.loads((record / f"rank{r}.json").read_text()) for r in (0, 1)] == [[True], [True]]
+    assert any(r.get("kl/gaussian_exact", 0) > 0 for r in read_metrics(two))
+    _assert_same(two, one)
+
+
 @pytest.mark.slow  # four processes on the CI machine's two cores
 def test_a_ring_of_two_times_two_head_splits_trains_as_one(tiny_models, tmp_path):
     # one group of four processes: two ring positions, two processes splitting heads in each
