@@ -14,8 +14,10 @@ SETS = ["train.iterations=1", "train.prompts_per_iteration=2", "train.group_size
         "prompts.num_eval=0", "log.image_every=0", "checkpoint.every=1"]
 
 
-@pytest.mark.parametrize("correction", ["rescore", "importance"])
-def test_fp8_rollouts_train_an_iteration_with_each_correction(lane, tmp_path, correction):
+@pytest.mark.parametrize("correction, finetune", [("rescore", "full"), ("importance", "full"), ("rescore", "lora")])
+def test_fp8_rollouts_train_an_iteration_with_each_correction(lane, tmp_path, correction, finetune):
+    """Full fine-tuning's float32 master weights are cast to bfloat16 in the FP8 copy; a LoRA's own
+    float32 matrices stay out of it (torchao's per-row FP8 takes bfloat16 weights only)."""
     from engine_helpers import REPO
 
     from flowrl.sampling.precision import fp8_support
@@ -26,7 +28,8 @@ def test_fp8_rollouts_train_an_iteration_with_each_correction(lane, tmp_path, co
         pytest.skip(why)
     pytest.importorskip("torchao", reason="flowrl-diffusion[fp8] installs torchao")
     run = train_run(REPO / "recipes" / "quickstart_step.toml", tmp_path / "run", *lane.placed(), *SETS,
-                    "sampler.rollout_precision='fp8'", f"sampler.rollout_correction={correction!r}")
+                    "sampler.rollout_precision='fp8'", f"sampler.rollout_correction={correction!r}",
+                    f"train.finetune={finetune!r}")
     row = read_rows(run)[0]
     assert not finite_numbers(row), finite_numbers(row)
     assert row["compute/ratio"] == 1.0 and row["grad_norm"] > 0
