@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from flowrl import hookimpl
+from flowrl.runlog import is_phase_seconds
 
 RECIPE = """
 [run]
@@ -239,7 +240,7 @@ def main() -> None:
             # (log.inside also counts the replay below; it is reset at the next engine iteration)
             steps = recipe.train.updates_per_rollout * recipe.train.optimizer_steps_per_update
             base = [baseline_iteration(model, opt, calls, steps) for calls in per_iteration_calls]
-            phases = {k[5:]: statistics.mean(r[k] for r in records) for k in records[0] if k.startswith("time/")}
+            phases = {k[5:]: statistics.mean(r[k] for r in records) for k in records[0] if is_phase_seconds(k)}
             row = {
                 "engine_wall_s": statistics.mean(t[0] for t in times), "engine_cpu_s": statistics.mean(t[1] for t in times),
                 "baseline_wall_s": statistics.mean(t[0] for t in base), "baseline_cpu_s": statistics.mean(t[1] for t in base),

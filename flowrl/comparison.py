@@ -25,6 +25,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from .errors import FlowrlError, suggest
 from .files import read_jsonl
+from .runlog import is_phase_seconds
 from .stats import Interval, cumulative, curve_auc, paired_interval, t_interval, value_at_budget
 from .sweeps import MANIFEST
 
@@ -149,7 +150,7 @@ def load_curve(ref: RunRef, metric: str) -> RunCurve:
             points[it] = float(r[metric])
         if not r.get("final"):
             step_cost[it] = sum(float(v) for k, v in r.items()
-                                if k.startswith("time/") and k != "time/eval" and isinstance(v, (int, float)))
+                                if is_phase_seconds(k) and k != "time/eval" and isinstance(v, (int, float)))
     if not points:
         available = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("/mean")})
         raise FlowrlError(f"run {ref.dir} has no '{metric}' values", where="--metric",

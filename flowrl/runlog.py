@@ -45,6 +45,12 @@ def _jsonable(value):
     raise TypeError(type(value).__name__)
 
 
+def is_phase_seconds(key: str) -> bool:
+    """Whether a metrics key is a phase's seconds, ``time/<phase>``: the phases of a row add up to
+    its iteration's time. A breakdown inside a phase (``time/update/<part>``) is not one."""
+    return key.startswith("time/") and key.count("/") == 1
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of a run's ``metrics.jsonl``, in order (:func:`flowrl.files.read_jsonl`)."""
     return read_jsonl(Path(run_dir) / "metrics.jsonl")

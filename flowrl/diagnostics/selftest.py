@@ -51,7 +51,7 @@ from ..memory_plan import CUDA_OVERHEAD, GB, estimate, peak
 from ..objectives import policy_gradient as update_paths
 from ..plugins import temporary_plugin
 from ..recipe import load_recipe
-from ..runlog import read_metrics
+from ..runlog import is_phase_seconds, read_metrics
 from ..testing.tiny_pipelines import TINY_PROMPTS, build_tiny_flux
 from ..train import train
 from ..train.accel import SDPA_BACKENDS, attention_backend
@@ -323,7 +323,7 @@ def seconds_per_phase(rows: list[dict]) -> dict[str, float]:
     totals: dict[str, float] = {}
     for row in rows:
         for key, value in row.items():
-            if key.startswith("time/"):
+            if is_phase_seconds(key):
                 totals[key[5:]] = totals.get(key[5:], 0.0) + value
     return dict(sorted(((k, v / len(rows)) for k, v in totals.items()), key=lambda kv: -kv[1]))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,15 @@ from .optimizer import make_optimizer, make_scheduler
 from .parallel import Strategy, Topology, declared_blocks, resolve_strategy
 from .replay import replay_optimizer_steps
 from .run import Run
+
+
+#: Seconds inside the update (``time/update/<part>``, a breakdown of ``time/update``, so not a phase of its own), each summed over the iteration's optimizer
+#: steps, then averaged over processes: ``micro_batches`` (the objective's forwards and backwards,
+#: re-scoring included, the KL monitor's ``time/kl_monitor`` not), ``gradient_sync`` (the gradients'
+#: reduction over processes once the step's micro-batches are done: DDP's all-reduce, FSDP2's
+#: reduce-scatter; FSDP2 with ``gradient_sync = "micro_batch"`` reduces inside the backwards),
+#: ``optimizer`` (clipping with its norm's all-reduce, the skip decision, AdamW and the LR schedule).
+UPDATE_TIME = "time/update/"
 
 
 def update_aggregate(key: str) -> str:
@@ -156,7 +166,8 @@ class PolicyUpdate:
                 first = epoch == first_epoch and opt_step == 0 and not self.behaviour_differs
                 if not self._optimizer_step(batch, rows, sizes, epoch, out, metrics, first, epoch == first_epoch):
                     out.skipped = True
-        local = {k: {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
+        local = {k: sum(v) if k.startswith(UPDATE_TIME) else
+                 {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
                  for k, v in metrics.items()}
         out.metrics = distributed.reduce_metrics(local, {k: update_aggregate(k) for k in local}, self.ctx)
         if batch.trainable:
@@ -167,11 +178,12 @@ class PolicyUpdate:
         """One AdamW step over ``rows`` (this process's samples of the step, in micro-batches;
         every process has as many, so the run may stop before each: :mod:`flowrl.stop_points`).
         Returns False when it was skipped for a non-finite loss or gradient."""
-        g, train = self.geometry, self.session.recipe.train
+        g = self.geometry
         per_step = g.micro_batch_size * g.grad_accumulation
         self.strategy.zero_grad()
         probe = OnPolicyProbe() if check_on_policy else None
         step_loss = 0.0
+        began, measured = self._now(), self._measured()
         with self.strategy.accumulate():  # gradients are reduced once, on leaving the block
             for start in range(0, len(rows), g.micro_batch_size):
                 stop_point()
@@ -186,6 +198,18 @@ class PolicyUpdate:
                     step_loss += term
                 for k, v in res.metrics.items():
                     metrics[k].append(float(v))
+            computed = self._now()
+        reduced = self._now()
+        metrics[UPDATE_TIME + "micro_batches"].append(computed - began - (self._measured() - measured))
+        metrics[UPDATE_TIME + "gradient_sync"].append(reduced - computed)
+        try:
+            return self._step(step_loss, probe, out, metrics)
+        finally:
+            metrics[UPDATE_TIME + "optimizer"].append(self._now() - reduced)
+
+    def _step(self, step_loss, probe, out, metrics) -> bool:
+        """Clip, decide together whether the step is finite, then step AdamW and the LR schedule."""
+        train = self.session.recipe.train
         if probe is not None:  # on every process: one whose rows all have zero advantage fed nothing
             out.on_policy = self._check_on_policy(probe)
         grad_norm = self.strategy.clip_grad_norm_(train.max_grad_norm if train.max_grad_norm > 0 else float("inf"))
@@ -200,6 +224,16 @@ class PolicyUpdate:
         metrics["loss"].append(step_loss)
         metrics["grad_norm"].append(float(grad_norm))
         return True
+
+    def _now(self) -> float:
+        """A time stamp after the device's queued work (on CUDA: synchronised, so the parts are real)."""
+        if self.session.device.type == "cuda":
+            torch.cuda.synchronize(self.session.device)
+        return time.perf_counter()
+
+    def _measured(self) -> float:
+        """Seconds the objective's measurements took so far (the KL monitor: ``time/kl_monitor``)."""
+        return sum(self.counter.measured_seconds.values())
 
     def _check_on_policy(self, probe: OnPolicyProbe) -> float | None:
         """The largest deviation any process saw (None when no process re-scored anything). A

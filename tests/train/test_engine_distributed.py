@@ -59,6 +59,8 @@ def test_two_processes_equal_one(tmp_path, reference_run, two_process_iteration)
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer.safetensors").is_file()
     assert not (ckpt / "sharded").exists() and "format" not in state
     rec2.pop("world_size"), rec1.pop("world_size")
+    # the update's time, broken down: the 2 processes' all-reduce of the gradients is their own part
+    assert rec2["time/update/gradient_sync"] > max(rec1["time/update/gradient_sync"], 0.0)
     assert len(rec2["trained_units"]) == 12  # gathered from both processes, in global order
     assert_records_close(rec2, rec1, rtol=1e-4, atol=1e-6)
     assert_weights_close(final_weights(two), final_weights(one), atol=1e-6)

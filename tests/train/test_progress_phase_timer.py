@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from flowrl.train.compute import ComputeCounter
@@ -46,3 +47,29 @@ def test_throughput_counts_the_training_phases_not_measurement_or_upkeep():
     out = speed.measure(seconds, trained, [1, 1], done=1)
     assert out["speed/images_per_second"] == 4 / 2.0
     assert out["speed/model_tflops_per_second"] == (4 * 2 * 1.0 + 8 * 3.0) / 2.0 / 1e12
+
+
+def test_the_update_is_broken_down_into_its_parts(tmp_path):
+    """time/update/{micro_batches, gradient_sync, optimizer}: the objective's forwards and
+    backwards, the gradients' reduction, the optimizer step; parts of time/update (the KL monitor's
+    measurement is its own time/kl_monitor, in neither), and not phases: the train time that
+    `flowrl compare` sums counts time/update once."""
+    from engine_helpers import REPO, load, quiet_console
+
+    from flowrl.comparison import _plain_run, load_curve
+    from flowrl.runlog import is_phase_seconds, read_metrics
+    from flowrl.train import train
+
+    recipe = load(REPO / "recipes" / "quickstart_step.toml", "train.iterations=2", "prompts.num_eval=2",
+                  "log.image_every=0", "loss.kl='gaussian_exact'", "log.kl_every=1",
+                  f"run.output_dir={str(tmp_path / 'run')!r}")
+    run_dir = train(recipe, console=quiet_console())
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    for row in rows:
+        parts = [row[f"time/update/{p}"] for p in ("micro_batches", "gradient_sync", "optimizer")]
+        assert all(p >= 0 for p in parts) and parts[0] > 0 and parts[2] > 0
+        assert sum(parts) <= row["time/update"] and row["time/kl_monitor"] > 0
+        assert not any(is_phase_seconds(k) for k in row if k.startswith("time/update/"))
+    assert is_phase_seconds("time/update") and not is_phase_seconds("time/pipeline/rollout")
+    phases = sum(v for r in rows for k, v in r.items() if is_phase_seconds(k) and k != "time/eval")
+    assert load_curve(_plain_run(run_dir, "run"), "eval/area/mean").train_time_s == pytest.approx(phases)
