@@ -180,6 +180,10 @@ class Checkpointer:
         return {} if seconds is None else {"checkpoint": seconds}
 
     def ensure_current(self) -> None:
-        """After an early stop: the last completed iteration has a checkpoint (main process)."""
-        if self.run.ctx.is_main and checkpoint_iteration(latest_checkpoint(self.run_dir)) != self.state.iteration:
+        """After an early stop: the last completed iteration has a checkpoint. The main process
+        decides, every process writes: a sharded (FSDP2) checkpoint and the replay buffer's
+        gathered rollouts are collective, so a write by the main process alone waited for
+        processes that had left (and crashed when they tore the group down)."""
+        stale = self.run.ctx.is_main and checkpoint_iteration(latest_checkpoint(self.run_dir)) != self.state.iteration
+        if distributed.any_rank(stale, self.run.ctx):
             self()

@@ -147,3 +147,24 @@ def test_fsdp2_diffusion_nft_with_evaluation_equals_one_process(tmp_path):
     # into weight differences: measured 1.35e-5 (1.4% of lr) after 2 steps for ddp as for fsdp2,
     # against 1-process. Without the fix the rewards of the second iteration already differ.
     assert_weights_close(weights(two), weights(one), atol=0.05 * 1e-3)
+
+
+@pytest.mark.slow
+def test_a_sharded_run_stopped_between_checkpoints_writes_one_and_resumes(tmp_path, reference_run):
+    """A STOP file (or a signal) between checkpoints: every process writes the sharded checkpoint
+    of the last completed iteration (a collective write; the main process writing it alone crashed
+    when the others had left), the run exits 130, and it resumes to the end."""
+    recipe_path, _, _ = reference_run
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "STOP").touch()  # found at the first stop point: no iteration completes
+    sets = ["train.iterations=2", "checkpoint.every=100", "distributed.strategy='fsdp2'"]
+    args = [a for s in sets for a in ("--set", s)]
+    proc = run_cli(["train", str(recipe_path), *args, "-o", str(out), "--num-processes", "2"], timeout=600)
+    assert proc.returncode == 130, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "checkpoint written" in " ".join(proc.stdout.split()) and "Traceback" not in proc.stdout + proc.stderr
+    ckpt = latest_checkpoint(out)
+    assert ckpt.name == "iter_000000" and (ckpt / "sharded").is_dir()
+    proc = run_cli(["train", str(recipe_path), *args, "--resume", str(out), "--num-processes", "2"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert [r["iteration"] for r in read_metrics(out) if "loss" in r] == [0, 1]
