@@ -269,6 +269,7 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
     the main process, in item order."""
     from ..artefacts import ARTEFACT_MEASURES
     from ..interfaces import scores_latents
+    from ..prompts import reward_metadata
     from ..rewards import score
     from .inference import generate, save_png, shard
 
@@ -279,7 +280,9 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
                                   batch_size=plan.batch_size, hybrid_steps=hybrid_steps, base=base,
                                   noise_of=plan.noise_of, with_latents=True):
         batch_prompts = [it.prompt for it in batch]
-        scores = {label: score(r, latents if scores_latents(r) else images, batch_prompts, name=label).scores.tolist()
+        metadata = reward_metadata(batch_prompts, images)  # condition images, as the run's evaluation gives them
+        scores = {label: score(r, latents if scores_latents(r) else images, batch_prompts, metadata,
+                               name=label).scores.tolist()
                   for label, r in rewards}
         scores.update({label: measure(images).tolist() for label, measure in ARTEFACT_MEASURES.items()})
         for j, it in enumerate(batch):
