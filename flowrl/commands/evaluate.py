@@ -102,24 +102,6 @@ def custom_options(given: dict[str, bool]) -> list[str]:
     return [flag for flag, was_given in given.items() if was_given]
 
 
-def refuse_run_without_checkpoint(source: Optional[Path], checkpoint: Optional[Path]) -> None:
-    """A run directory before its first checkpoint has no trained weights: evaluating it would
-    score the base model under the run's name (and then ask for -o)."""
-    from ..train.checkpoint import MARKER, latest_checkpoint
-
-    if source is None or checkpoint is not None:
-        return
-    path = Path(source)
-    if not path.is_dir() or (path / MARKER).is_file() or not (path / "recipe.toml").is_file():
-        return
-    if latest_checkpoint(path) is None:
-        raise FlowrlError(
-            f"{path} has no checkpoint yet, so there are no trained weights to evaluate", where="SOURCE",
-            hint=f"wait for its first checkpoint ([checkpoint].every), or evaluate the base model with "
-                 f"`flowrl eval {path / 'recipe.toml'} -o base_eval.json`",
-        )
-
-
 def refuse_suite_options(reward_set, suite_prompts, limit) -> None:
     """The options of ``--suite`` without it."""
     suite_only = [flag for flag, given in (("--reward-set", bool(reward_set)),
@@ -224,7 +206,9 @@ def evaluate(
                          suite_prompts=suite_prompts, limit=limit)
     refuse_suite_options(reward_set, suite_prompts, limit)
     check_arguments(source, model, reward, output)
-    refuse_run_without_checkpoint(source, checkpoint)
+    from .inference import refuse_run_without_checkpoint  # a run before its first checkpoint
+
+    refuse_run_without_checkpoint(source, checkpoint, "evaluate", "flowrl eval {recipe} -o base_eval.json")
     custom = custom_options({
         "--prompt": bool(prompt), "--prompts": prompts is not None, "--num-prompts": num_prompts is not None,
         "--seeds": seeds is not None, "--seed": seed is not None, "--steps": steps is not None,
@@ -383,7 +367,9 @@ def check_suite_arguments(name: str, source, model, checkpoint, output, reward: 
     if output is None and (source is None or Path(source).suffix == ".toml"):
         raise FlowrlError("without a checkpoint there is nowhere beside it to write", where="-o",
                           hint=f"pass -o {name}.json")
-    refuse_run_without_checkpoint(source, checkpoint)
+    from .inference import refuse_run_without_checkpoint  # a run before its first checkpoint
+
+    refuse_run_without_checkpoint(source, checkpoint, "evaluate", "flowrl eval {recipe} -o base_eval.json")
 
 
 def load_suite(name: str, source, set_, model, checkpoint, device, reward: list[str], reward_set: list[str],

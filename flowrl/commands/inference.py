@@ -35,6 +35,26 @@ class Source:
     label: str
 
 
+def refuse_run_without_checkpoint(source: Optional[Path], checkpoint: Optional[Path], verb: str,
+                                  base_command: str) -> None:
+    """A run directory before its first checkpoint has no trained weights: to ``verb`` it
+    (evaluate, sample) would use the base model under the run's name. ``base_command``: how to
+    do it with the base model instead, ``{recipe}`` standing for the run's recipe."""
+    from ..train.checkpoint import MARKER, latest_checkpoint
+
+    if source is None or checkpoint is not None:
+        return
+    path = Path(source)
+    if not path.is_dir() or (path / MARKER).is_file() or not (path / "recipe.toml").is_file():
+        return
+    if latest_checkpoint(path) is None:
+        raise FlowrlError(
+            f"{path} has no checkpoint yet, so there are no trained weights to {verb}", where="SOURCE",
+            hint=f"wait for its first checkpoint ([checkpoint].every), or {verb} the base model with "
+                 f"`{base_command.format(recipe=path / 'recipe.toml')}`",
+        )
+
+
 def resolve_source(source: Optional[Path], model: Optional[str], overrides: list[str], checkpoint: Optional[Path]) -> Source:
     """A run directory, a checkpoint directory, a recipe file, or ``--model NAME``."""
     from ..recipe import load_recipe

@@ -76,6 +76,7 @@ from .inference import (
     make_items,
     prepare,
     read_prompt_list,
+    refuse_run_without_checkpoint,
     resolve_sigmas,
     save_clip,
     save_png,
@@ -139,6 +140,9 @@ def sample(
 
     def refuse_earlier_sample(src: Source) -> None:
         check_output(output or default_output(labelled(src), "samples"), overwrite)
+
+    if weights is None:  # a run before its first checkpoint: the base model under the run's name
+        refuse_run_without_checkpoint(source, checkpoint, "sample", "flowrl sample {recipe}")
 
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, ema, compare_base,
                                           before_load=refuse_earlier_sample)

@@ -106,3 +106,18 @@ def test_evaluation_grids_caption_every_reward(run_and_grids):
             lines = cap.split("\n")
             assert lines[0].endswith("background") and [line.split()[0] for line in lines[1:]] == ["area", "verifier"], cap
         assert "mean area " in title and ", verifier " in title, title
+
+
+def test_a_run_before_its_first_checkpoint_is_refused(tmp_path, flowrl_cli):
+    """No trained weights yet: sampling it would draw the base model under the run's name (into
+    runs/samples/<run>, its settings saying checkpoint null). Refused, as `flowrl eval` refuses it,
+    with the command that samples the base model."""
+    run = tmp_path / "early_run"
+    run.mkdir()
+    (run / "recipe.toml").write_text(tiny_recipe(CLI, run={"name": "early_run"}), encoding="utf-8")
+    (result,) = flowrl_cli.in_process([["sample", run, "--prompt", "a red circle", "-o", tmp_path / "out"]])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    flat = " ".join(result.stderr.split())
+    assert "has no checkpoint yet, so there are no trained weights to sample" in flat
+    assert f"flowrl sample {run / 'recipe.toml'}" in flat
+    assert not (tmp_path / "out").exists()
