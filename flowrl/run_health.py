@@ -179,6 +179,15 @@ def training_checks(rows: list[dict[str, Any]], optimised: Sequence[str]) -> lis
     return checks
 
 
+def optimised_labels(recipe) -> list[str]:
+    """The labels of the rewards a run trains on: a weight, or weights per chunk (``chunk_weights``);
+    none for an offline run (``[data]``: SFT / DPO on a table), whose evaluated rewards are all
+    judges."""
+    if recipe.data.enabled:
+        return []
+    return [r.label for r in recipe.rewards if r.weight or any(r.chunk_weights)]
+
+
 def run_health(rows: list[dict[str, Any]], optimised: Sequence[str]) -> list[Check]:
     """Every check of a run's metrics rows; ``optimised``: the labels of the rewards it trains on
     (weight != 0)."""

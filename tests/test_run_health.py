@@ -149,3 +149,21 @@ def test_train_ends_with_the_warnings_and_the_command_that_shows_every_check():
     assert [line.split(":")[0].strip() for line in lines[1:]] == ["verifier (judge, not optimised)",
                                                                    "high-frequency share"]
     assert warning_signs(load(run / "recipe.toml"), REPO / "benchmarks") == []  # no metrics.jsonl there: nothing
+
+
+def test_what_a_run_optimises_counts_chunk_weights_and_nothing_offline():
+    """A reward with weight 0 but chunk weights is trained on, not a judge; an offline run (SFT /
+    DPO on a table) trains on no reward, so every evaluated one is a judge, and a falling one is
+    not called hacking."""
+    from flowrl.recipe import load_recipe
+    from flowrl.run_health import optimised_labels
+
+    hacking = load_recipe(REPO / "tests" / "fixtures" / "hacking_run" / "recipe.toml")
+    assert optimised_labels(hacking) == ["area"]
+    chunked = load_recipe(REPO / "tests" / "fixtures" / "hacking_run" / "recipe.toml",
+                          ["rewards.0.weight=0.0", "rewards.0.chunk_weights=[1.0, 1.0, 0.5, 0.0]"])
+    assert optimised_labels(chunked) == ["area"]
+    offline = load_recipe(REPO / "recipes" / "offline_sft.toml")
+    assert offline.data.enabled and optimised_labels(offline) == []
+    checks = run_health(_rows(eval_last={"eval/r/mean": 0.4, "eval/judge/mean": 0.45}), optimised_labels(offline))
+    assert _status(checks, "r (judge, not optimised)")[1].endswith("fell")

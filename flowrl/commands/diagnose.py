@@ -30,7 +30,7 @@ def diagnose(
 ) -> None:
     """Read a run's metrics for the signs of an unhealthy run: hacking, artefacts, collapse, saturation."""
     from ..diagnostics.report import print_report, report_json
-    from ..run_health import run_health
+    from ..run_health import optimised_labels, run_health
     from ..errors import FlowrlError
     from ..runlog import read_metrics
 
@@ -41,8 +41,7 @@ def diagnose(
             raise FlowrlError(f"{run_dir} is not a run directory (no {path.name})", where="RUN_DIR",
                               hint="pass the directory `flowrl train` writes (its -o / [run].output_dir)")
     recipe = load(recipe_path)
-    optimised = [r.label for r in recipe.rewards if r.weight]
-    checks = run_health(read_metrics(run_dir), optimised)
+    checks = run_health(read_metrics(run_dir), optimised_labels(recipe))
     if as_json:
         print(report_json("diagnose", checks, run_dir=str(run_dir)))
     else:

@@ -94,10 +94,11 @@ def train(
 def evaluation_summary(resolved, run_dir: Path) -> list[str]:
     """The run's first and last evaluation, every evaluated reward on one line (mean ± standard
     error, and the change in standard errors of the two combined in quadrature), the optimised ones
-    (weight != 0) first and marked: what the README's quickstart table reports. Nothing when the run
-    has fewer than two evaluations."""
+    (a weight or chunk weights; none in an offline run) first and marked: what the README's
+    quickstart table reports. Nothing when the run has fewer than two evaluations."""
     import math
 
+    from ..run_health import optimised_labels
     from ..runlog import read_metrics
 
     if not (Path(run_dir) / "metrics.jsonl").is_file():
@@ -107,7 +108,7 @@ def evaluation_summary(resolved, run_dir: Path) -> list[str]:
         return []
     first, last = rows[0], rows[-1]
     labels = [k.split("/")[1] for k in last if k.startswith("eval/") and k.endswith("/mean") and k.count("/") == 2]
-    optimised = [r.label for r in resolved.rewards if r.weight and r.label in labels]
+    optimised = [label for label in optimised_labels(resolved) if label in labels]
     labels = optimised + sorted(set(labels) - set(optimised))
     p = resolved.prompts
     held_out = bool(p.split_column) and p.train_split != p.eval_split
@@ -127,12 +128,12 @@ def evaluation_summary(resolved, run_dir: Path) -> list[str]:
 def warning_signs(resolved, run_dir: Path) -> list[str]:
     """The run's warning signs (:mod:`flowrl.run_health`), a line each, under a
     heading that names the command printing all its checks; nothing for a healthy run."""
-    from ..run_health import run_health
+    from ..run_health import optimised_labels, run_health
     from ..runlog import read_metrics
 
     if not (Path(run_dir) / "metrics.jsonl").is_file():
         return []
-    warned = [c for c in run_health(read_metrics(run_dir), [r.label for r in resolved.rewards if r.weight])
+    warned = [c for c in run_health(read_metrics(run_dir), optimised_labels(resolved))
               if c.status != "ok"]
     if not warned:
         return []

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..run_health import evaluation_checks
+from ..run_health import evaluation_checks, optimised_labels
 from ..runlog import read_metrics
 
 
@@ -29,7 +29,7 @@ class WarningSigns:
 
     def __init__(self, run_dir: Path, recipe, say: Callable[[str], None] | None):
         self.run_dir, self.say = Path(run_dir), say
-        self.optimised = [r.label for r in recipe.rewards if r.weight]
+        self.optimised = optimised_labels(recipe)
         self.said: set[tuple[str, bool]] = set()
         metrics = self.run_dir / "metrics.jsonl"
         self.first = next((r for r in read_metrics(self.run_dir) if _is_evaluation(r)), None) \
