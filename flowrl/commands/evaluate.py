@@ -215,6 +215,11 @@ def evaluate(
         "--schedule": schedule != "auto", "--hybrid-steps": hybrid_steps > 0, "--reward": bool(reward),
         "--batch-size": batch_size is not None, "--set": bool(set_)})
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
+    ema = src.checkpoint is not None and src.from_recipe and src.recipe.ema.enabled and src.recipe.ema.evaluate
+    if ema:  # the run evaluated its EMA weights ([ema] evaluate = true): so does its evaluation here
+        from ..train.ema import load_ema_weights
+
+        load_ema_weights(policy.denoiser, src.checkpoint)
     path = output or default_eval_path(src, name, custom)
     rewards = build_rewards(src, list(reward or []))
     if steps is None and src.from_recipe and src.recipe.log.eval_steps:
@@ -238,7 +243,8 @@ def evaluate(
             "model": src.recipe.components["model"].use, "steps": len(sigmas) - 1, "sigmas": sigmas.cpu().tolist(),
             "protocol": plan.protocol, "seed": base_seed, "seeds_per_prompt": plan.seeds,
             "num_prompts": len(plan.prompts), "batch_size": plan.batch_size,
-            "hybrid_steps": hybrid_steps, "world_size": ctx.world_size,
+            "hybrid_steps": hybrid_steps, "world_size": ctx.world_size, "ema": ema,
+            "mixed_precision": src.recipe.distributed.mixed_precision,
         },
         "per_image": records,
         "elapsed_s": time.perf_counter() - start_time,

@@ -278,6 +278,12 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
 
         load_ema_weights(model.denoiser, src.checkpoint)
     base = base_model_for_hybrid(src, model, dev) if hybrid_steps else None
+    if src.from_recipe and src.recipe.distributed.mixed_precision == "bf16":
+        # the run's policy computed under bf16 autocast: so does this one (its evaluation reproduced)
+        from ..train.parallel import autocast_like_accelerate
+
+        for denoiser in (model.denoiser, *([base.denoiser] if base is not None else [])):
+            autocast_like_accelerate(denoiser, dev)
     return src, dev, ctx, model, base
 
 
