@@ -289,6 +289,10 @@ def write_tables(out: Path, records: list[dict], recipe, batch_size: int) -> tup
     from ..recipe import build_component
     from ..rewards import score
 
+    if any("video" in r for r in records):
+        raise FlowrlError("--tables writes tables of images for offline training ([data]: SFT, DPO), and this "
+                          "model makes clips", where="--tables",
+                          hint=f"the clips are written in {out}; sample without --tables")
     entries = [(i, r) for i, r in enumerate(recipe.rewards) if r.weight]
     rewards = [(r.label, r.weight, build_component(recipe, get_registry(), "rewards", i)) for i, r in entries]
     for label, _, reward in rewards:

@@ -27,3 +27,18 @@ def test_sample_writes_clips(tmp_path, flowrl_cli):
             assert rec["video"][0].endswith(".gif") and gif.n_frames == 4 and gif.size == (128, 128)
         assert any(v.endswith(".mp4") for v in rec["video"]) == mp4_available()
     assert (out / "grid.png").is_file()
+
+
+def test_tables_of_clips_are_refused_after_the_clips_are_written(tmp_path, flowrl_cli):
+    """--tables writes image rows for offline training; a video model's clips were reloaded as
+    filmstrips and failed inside the clip reward ("scores clips [B, F, 3, H, W] ... got shape")."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "tables"
+    call = ["sample", str(repo / "recipes" / "quickstart_video.toml"), "--set", "model.random_init=true", "--tables",
+            "--num-prompts", "1", "--seeds", "2", "--steps", "3", "-o", str(out)]
+    (r,) = flowrl_cli.in_process([call], cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--tables writes tables of images" in " ".join(r.stderr.split())
+    assert len(list((out / "images").glob("*.gif"))) == 2  # the clips themselves are kept
