@@ -118,6 +118,11 @@ def restore_training_state(run_dir: Path, run: Run, update, layout, console: Con
             part.load_state_dict(state, tensors)
         else:
             part.load_state_dict(state)
+    moved = update.follow_schedule()  # a resume with another number of iterations: its schedule, at once
+    if moved is not None and ctx.is_main:
+        console.print(f"[yellow]note:[/yellow] the LR schedule ('{run.session.recipe.train.lr_schedule}') now spans "
+                      f"{run.session.recipe.train.iterations} iterations: its LR at this step is {moved[1]:.4g} "
+                      f"(the run's schedule had {moved[0]:.4g})")
     saved_world = state.get("world_size", ctx.world_size)
     if saved_world != ctx.world_size and run.session.recipe.train.optimizer_steps_per_update > 1 and ctx.is_main:
         console.print(

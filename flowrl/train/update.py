@@ -270,6 +270,22 @@ class PolicyUpdate:
         tensors = self.objective.tensors() if isinstance(self.objective, CheckpointsState) else {}
         return {OBJECTIVE: tensors} if tensors else {}
 
+    def follow_schedule(self) -> tuple[float, float] | None:
+        """After a resume: the LR the schedule gives this step now. A checkpoint keeps the schedule's
+        position, not its length, so a resume with more (or fewer) iterations plans a decaying
+        schedule (cosine, linear) over the new length, and the optimizer's LR, restored as the old
+        schedule left it, would jump to the new one only after the first step. It is set to the new
+        schedule's at once; returns ``(restored, now)`` when they differ, None when not."""
+        s = self.scheduler
+        now = [base * f(s.last_epoch) for base, f in zip(s.base_lrs, s.lr_lambdas)]
+        restored = [group["lr"] for group in self.optimizer.param_groups]
+        if all(math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0) for a, b in zip(restored, now)):
+            return None
+        for group, lr in zip(self.optimizer.param_groups, now):
+            group["lr"] = lr
+        s._last_lr = list(now)  # what get_last_lr() reports (the first resumed row's lr)
+        return restored[0], now[0]
+
     def load_state_dict(self, state: dict[str, Any], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
         """Continue from a checkpoint's ``state.json`` and named tensors (as written above)."""
         self.scheduler.load_state_dict(state["lr_scheduler"])

@@ -108,3 +108,30 @@ def test_kill_right_after_a_checkpoint_is_published_loses_no_metrics_row(tmp_pat
     train(recipe, resume=run_dir, console=quiet_console())
     assert [r["iteration"] for r in read_metrics(run_dir)] == [0, 1, 2, 3]
     _assert_same_run(run_dir, ref_dir, ref)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_resuming_with_more_iterations_follows_the_longer_schedule_from_its_first_step(tmp_path, schedule):
+    """A checkpoint keeps the LR schedule's position, not its length: resumed with 4 iterations
+    instead of 2, a decaying schedule spans 4, and the first resumed step already takes its LR
+    (the restored optimizer had kept the 2-iteration schedule's for one more step: a finished
+    linear run took a step at LR 0 and then jumped). A note says so."""
+    import io
+    import math
+
+    from rich.console import Console
+
+    from flowrl.train.optimizer import lr_lambda
+
+    path = write_recipe(tmp_path, tiny_recipe(ENGINE, train={"lr_schedule": schedule, "warmup_steps": 0}))
+    sets = [f"run.output_dir={str(tmp_path / 'run')!r}", "checkpoint.every=1"]
+    run_dir = train(load(path, *sets, "train.iterations=2"), console=quiet_console())
+    out = io.StringIO()
+    recipe = load(path, *sets, "train.iterations=4")
+    train(recipe, resume=run_dir, console=Console(file=out, width=300))
+    rows = [r for r in read_metrics(run_dir) if "lr" in r]
+    steps = recipe.train.updates_per_rollout * recipe.train.optimizer_steps_per_update
+    f = lr_lambda(recipe.train, 4 * steps)
+    assert [r["lr"] for r in rows[2:]] == pytest.approx([recipe.train.lr * f(i * steps) for i in (2, 3)], rel=1e-9)
+    assert not math.isclose(rows[2]["lr"], recipe.train.lr * lr_lambda(recipe.train, 2 * steps)(2 * steps))
+    assert f"the LR schedule ('{schedule}') now spans 4 iterations" in " ".join(out.getvalue().split())
