@@ -256,7 +256,7 @@ def main(argv=None) -> int:
 
     from flowrl.plugins import temporary_plugin
     from flowrl.recipe import load_recipe, read_toml
-    from flowrl.runlog import read_metrics
+    from flowrl.runlog import is_phase_seconds, read_metrics
     from flowrl.train import train
 
     cuda = args.device.startswith("cuda")
@@ -313,7 +313,8 @@ def main(argv=None) -> int:
                 "flops": {"counted": counted, "hand": hand, "hand_equals_counted": all(
                     hand[k] == v for k, v in counted.items())},
                 "compute": {k: v for k, v in last.items() if k.startswith("compute/")},
-                "phase_seconds": {k: v for k, v in last.items() if k.startswith("time/")},
+                "phase_seconds": {k: v for k, v in last.items() if is_phase_seconds(k)},
+                "update_seconds": {k: v for k, v in last.items() if k.startswith("time/update/")},
             }
             if cuda:
                 entry["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30

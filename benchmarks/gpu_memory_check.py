@@ -484,7 +484,7 @@ def quiet_console():
 def run_configuration(cfg: Configuration, args, work: Path) -> dict[str, Any]:
     """Plan, build, train, measure one configuration; raises on failure (the caller records it)."""
     from flowrl.recipe import load_recipe
-    from flowrl.runlog import read_metrics
+    from flowrl.runlog import is_phase_seconds, read_metrics
     from flowrl.train import train
 
     cuda = measuring(args.device)
@@ -529,7 +529,8 @@ def run_configuration(cfg: Configuration, args, work: Path) -> dict[str, Any]:
     rows = [r for r in read_metrics(run_dir) if "lr" in r]
     entry["iterations"] = len(rows)
     if rows:
-        entry["phase_seconds"] = {k: v for k, v in rows[-1].items() if k.startswith("time/")}
+        entry["phase_seconds"] = {k: v for k, v in rows[-1].items() if is_phase_seconds(k)}
+        entry["update_seconds"] = {k: v for k, v in rows[-1].items() if k.startswith("time/update/")}
         entry["compute"] = {k: v for k, v in rows[-1].items() if k.startswith("compute/")}
     if cuda:
         measured = max(peaks.allocated.values()) - baseline

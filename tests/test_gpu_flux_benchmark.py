@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowrl.runlog import is_phase_seconds
 from flowrl.train.throughput import Throughput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,6 +84,8 @@ def test_the_benchmark_reports_the_runs_own_mfu_and_the_hand_flop_count(tmp_path
     counted = entry["flops"]["counted"]
     f, fb = counted["velocity_forward"], counted["velocity_forward_backward"]
     compute, seconds = entry["compute"], entry["phase_seconds"]
+    assert all(is_phase_seconds(k) for k in seconds)  # the update's parts are apart, in update_seconds
+    assert set(entry["update_seconds"]) == {f"time/update/{p}" for p in ("micro_batches", "gradient_sync", "optimizer")}
     t_train = sum(v for k, v in seconds.items() if k.split("/")[1] not in Throughput.NOT_TRAINING)
     model_flops = compute["compute/rollout/forward"] * f + compute["compute/update/backward"] * fb
     assert entry["mfu"] == pytest.approx(model_flops / t_train / 1e12 / 0.5, rel=1e-6)

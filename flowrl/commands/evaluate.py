@@ -193,7 +193,7 @@ def evaluate(
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="With --suite: only its first N prompts (smoke runs); the result is named <suite>-firstN.")] = None,
 ) -> None:
     """Score a checkpoint as the run evaluates it (or given prompts and seeds); JSON beside it."""
-    from .inference import prepare, resolve_sigmas
+    from .inference import prepare, refuse_run_without_checkpoint, resolve_sigmas
 
     start_time = time.perf_counter()
     if suite is not None:
@@ -206,8 +206,6 @@ def evaluate(
                          suite_prompts=suite_prompts, limit=limit)
     refuse_suite_options(reward_set, suite_prompts, limit)
     check_arguments(source, model, reward, output)
-    from .inference import refuse_run_without_checkpoint  # a run before its first checkpoint
-
     refuse_run_without_checkpoint(source, checkpoint, "evaluate", "flowrl eval {recipe} -o base_eval.json")
     custom = custom_options({
         "--prompt": bool(prompt), "--prompts": prompts is not None, "--num-prompts": num_prompts is not None,
@@ -215,11 +213,7 @@ def evaluate(
         "--schedule": schedule != "auto", "--hybrid-steps": hybrid_steps > 0, "--reward": bool(reward),
         "--batch-size": batch_size is not None, "--set": bool(set_)})
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
-    ema = src.checkpoint is not None and src.from_recipe and src.recipe.ema.enabled and src.recipe.ema.evaluate
-    if ema:  # the run evaluated its EMA weights ([ema] evaluate = true): so does its evaluation here
-        from ..train.ema import load_ema_weights
-
-        load_ema_weights(policy.denoiser, src.checkpoint)
+    ema = evaluated_ema(src, policy)
     path = output or default_eval_path(src, name, custom)
     rewards = build_rewards(src, list(reward or []))
     if steps is None and src.from_recipe and src.recipe.log.eval_steps:
@@ -252,6 +246,17 @@ def evaluate(
     if output is None and name is None and custom:
         console.print(f"an ad-hoc evaluation ({', '.join(custom)}), kept apart from the run's own "
                       f"{src.checkpoint.name}.eval.json (written by `flowrl eval` without these options)")
+
+
+def evaluated_ema(src, policy) -> bool:
+    """Load the checkpoint's EMA weights into ``policy`` when the run evaluated them (``[ema]
+    evaluate = true``), so that its evaluation here is the run's own; whether it did."""
+    if not (src.checkpoint is not None and src.from_recipe and src.recipe.ema.enabled and src.recipe.ema.evaluate):
+        return False
+    from ..train.ema import load_ema_weights
+
+    load_ema_weights(policy.denoiser, src.checkpoint)
+    return True
 
 
 def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, hybrid_steps: int, save_images) -> list[dict]:

@@ -139,19 +139,16 @@ def sample(
         return dataclasses.replace(src, label=Path(weights).resolve().name) if export is not None else src
 
     def refuse_earlier_sample(src: Source) -> None:
+        if export is None:  # a run before its first checkpoint: the base model under the run's name
+            refuse_run_without_checkpoint(source, checkpoint, "sample", "flowrl sample {recipe}")
         check_output(output or default_output(labelled(src), "samples"), overwrite)
-
-    if weights is None:  # a run before its first checkpoint: the base model under the run's name
-        refuse_run_without_checkpoint(source, checkpoint, "sample", "flowrl sample {recipe}")
 
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, ema, compare_base,
                                           before_load=refuse_earlier_sample)
     src = labelled(src)
     if export is not None:
         load_exported_weights(policy, Path(weights), export)
-    if tables and not any(r.weight for r in (src.recipe.rewards if src.from_recipe else [])):
-        raise FlowrlError("--tables scores the images with the recipe's [[rewards]]; this source names no reward "
-                          "with a weight", where="--tables", hint="sample from a recipe with a [[rewards]] entry")
+    check_tables_source(tables, src)
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
@@ -274,6 +271,13 @@ def load_exported_weights(policy, folder: Path, info: dict) -> None:
         raise FlowrlError(f"the weights in {folder} do not fit the rebuilt '{info['model']}': "
                           f"{len(missing)} of its weights missing (e.g. {missing[:1]}), {len(unexpected)} unexpected "
                           f"(e.g. {unexpected[:1]})", where="--weights")
+
+
+def check_tables_source(tables: bool, src: Source) -> None:
+    """``--tables`` scores the images with the recipe's weighted rewards: a source must name one."""
+    if tables and not any(r.weight for r in (src.recipe.rewards if src.from_recipe else [])):
+        raise FlowrlError("--tables scores the images with the recipe's [[rewards]]; this source names no reward "
+                          "with a weight", where="--tables", hint="sample from a recipe with a [[rewards]] entry")
 
 
 def write_tables(out: Path, records: list[dict], recipe, batch_size: int) -> tuple[Path, Path]:
