@@ -320,12 +320,16 @@ def check_latest_checkpoint_reads(run_dir: Path) -> None:
 #: ``[pipeline]`` keys that place the rollout (a thread or a process, which device) without
 #: changing a draw: a resumed run may change them.
 RESUMABLE_PIPELINE_KEYS = ("overlap", "worker", "device")
+#: ``[train]`` keys that place state without changing what is computed: where the KL reference is
+#: kept (a run whose only reference was ``[log] kl_every``'s, resumed without it, must drop it)
+RESUMABLE_TRAIN_KEYS = ("iterations", "reference_on_cpu")
 
 
 def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) -> None:
     """A resumed run must use the recipe that wrote it; only iterations, [log], [checkpoint]
-    and [[trackers]] (what is recorded, never what is trained) and where ``[pipeline]`` draws
-    (:data:`RESUMABLE_PIPELINE_KEYS`) may change. A difference names
+    and [[trackers]] (what is recorded, never what is trained), where ``[pipeline]`` draws
+    (:data:`RESUMABLE_PIPELINE_KEYS`) and where the KL reference is kept
+    (:data:`RESUMABLE_TRAIN_KEYS`) may change. A difference names
     every differing key with the run's value and the new one."""
     saved = run_dir / "recipe.toml"
     if not saved.is_file():
@@ -338,7 +342,8 @@ def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) ->
         old.pop(section, None)
         new.pop(section, None)
     for d in (old, new):
-        d["train"].pop("iterations", None)
+        for key in RESUMABLE_TRAIN_KEYS:
+            d["train"].pop(key, None)
         d["run"].pop("output_dir", None)
         for key in RESUMABLE_PIPELINE_KEYS:
             d.get("pipeline", {}).pop(key, None)
@@ -350,7 +355,7 @@ def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) ->
             f"the recipe differs from the one that started {run_dir} in {len(diff)} key(s): " + "; ".join(shown) + more,
             where="--resume",
             hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log], [checkpoint], "
-                     "[[trackers]] and where [pipeline] draws may change)",
+                     "[[trackers]], where [pipeline] draws and train.reference_on_cpu may change)",
         )
 
 

@@ -148,3 +148,21 @@ def test_what_fsdp2_refuses_is_refused_when_the_launcher_makes_auto_fsdp2(tmp_pa
     with pytest.raises(FlowrlError, match=r"strategy = 'auto' became 'fsdp2'") as err:
         check_startable(recipe)
     assert message in err.value.message and "launch without FSDP" in err.value.hint
+
+
+def test_a_run_measuring_kl_resumes_without_it_and_its_reference(tmp_path):
+    """A run whose only KL reference is [log] kl_every's, kept in CPU memory, resumed with
+    kl_every = 0: validation refuses reference_on_cpu without a reference, so it must be dropped
+    too, and where the reference is kept may change on resume (it computes nothing else)."""
+    from engine_helpers import REPO
+
+    recipe = REPO / "recipes" / "quickstart_step.toml"
+    sets = ["train.iterations=1", "prompts.num_eval=2", "log.image_every=0", "checkpoint.every=1",
+            "loss.kl='gaussian_exact'", f"run.output_dir={str(tmp_path / 'run')!r}"]
+    run_dir = train(load(recipe, *sets, "log.kl_every=1", "train.reference_on_cpu=true"), console=quiet_console())
+    with pytest.raises(FlowrlError, match="keeps no reference copy"):
+        load(recipe, *sets, "train.reference_on_cpu=true")  # kl_every = 0: no reference to keep
+    resumed = load(recipe, *[s for s in sets if not s.startswith("train.iterations")], "train.iterations=2")
+    train(resumed, resume=run_dir, console=quiet_console())
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [("kl/gaussian_exact" in r) for r in rows] == [True, False]
