@@ -237,6 +237,7 @@ def update_record(outcome, batch, state: TrainState, layout: ChunkLayout, update
         record["skipped_nonfinite"] = True
     record["nonfinite_steps"] = state.nonfinite_steps
     record.update(outcome.metrics)
+    record.update(update.take_seconds())  # time/update/<part>: replayed rollouts' updates included
     if batch.advantages is not None:  # something was trained
         everyone = distributed.all_gather_cat(outcome.trained, ctx)  # [S, K], global sample order
         record["trained_units"] = [torch.nonzero(row).flatten().tolist() for row in everyone]

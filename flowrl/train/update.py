@@ -43,8 +43,9 @@ from .replay import replay_optimizer_steps
 from .run import Run
 
 
-#: Seconds inside the update (``time/update/<part>``, a breakdown of ``time/update``, so not a phase of its own), each summed over the iteration's optimizer
-#: steps, then averaged over processes: ``micro_batches`` (the objective's forwards and backwards,
+#: Seconds inside the update (``time/update/<part>``, a breakdown of ``time/update``, so not a phase
+#: of its own), each summed over the iteration's optimizer steps (a replayed rollout's included),
+#: on this process as its ``time/*`` are: ``micro_batches`` (the objective's forwards and backwards,
 #: re-scoring included, the KL monitor's ``time/kl_monitor`` not), ``gradient_sync`` (the gradients'
 #: reduction over processes once the step's micro-batches are done: DDP's all-reduce, FSDP2's
 #: reduce-scatter; FSDP2 with ``gradient_sync = "micro_batch"`` reduces inside the backwards),
@@ -108,6 +109,7 @@ class PolicyUpdate:
         self.scheduler = make_scheduler(self.optimizer, train, geometry,
                                         replay_optimizer_steps(session.recipe.replay, train.iterations, geometry))
         self.counter = ComputeCounter(session.model.denoiser)
+        self.seconds: dict[str, float] = defaultdict(float)  # the update's parts (take_seconds)
         if kl.reference is not None and kl.reference.frozen is not None:
             self.counter.watch(kl.reference.frozen)
         self.context = UpdateContext(
@@ -166,8 +168,7 @@ class PolicyUpdate:
                 first = epoch == first_epoch and opt_step == 0 and not self.behaviour_differs
                 if not self._optimizer_step(batch, rows, sizes, epoch, out, metrics, first, epoch == first_epoch):
                     out.skipped = True
-        local = {k: sum(v) if k.startswith(UPDATE_TIME) else
-                 {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
+        local = {k: {"min": min, "max": max, "sum": sum}.get(update_aggregate(k), lambda xs: sum(xs) / len(xs))(v)
                  for k, v in metrics.items()}
         out.metrics = distributed.reduce_metrics(local, {k: update_aggregate(k) for k in local}, self.ctx)
         if batch.trainable:
@@ -200,12 +201,18 @@ class PolicyUpdate:
                     metrics[k].append(float(v))
             computed = self._now()
         reduced = self._now()
-        metrics[UPDATE_TIME + "micro_batches"].append(computed - began - (self._measured() - measured))
-        metrics[UPDATE_TIME + "gradient_sync"].append(reduced - computed)
+        self.seconds["micro_batches"] += computed - began - (self._measured() - measured)
+        self.seconds["gradient_sync"] += reduced - computed
         try:
             return self._step(step_loss, probe, out, metrics)
         finally:
-            metrics[UPDATE_TIME + "optimizer"].append(self._now() - reduced)
+            self.seconds["optimizer"] += self._now() - reduced
+
+    def take_seconds(self) -> dict[str, float]:
+        """``time/update/<part>`` since the last call (:data:`UPDATE_TIME`): the iteration's update,
+        its replayed rollouts' included; then forgotten."""
+        taken, self.seconds = {UPDATE_TIME + k: v for k, v in self.seconds.items()}, defaultdict(float)
+        return taken
 
     def _step(self, step_loss, probe, out, metrics) -> bool:
         """Clip, decide together whether the step is finite, then step AdamW and the LR schedule."""
