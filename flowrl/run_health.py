@@ -98,10 +98,10 @@ def evaluation_checks(rows: list[dict[str, Any]], optimised: Sequence[str]) -> l
     """The held-out evaluation's signs: each optimised reward, each judge, the artefact measure."""
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     labels = sorted({k.split("/")[1] for r in evals for k in r if k.startswith("eval/") and k.endswith("/mean")})
-    if len(evals) < 2:
-        return [Check(HELD_OUT, "evaluations", "warn" if not evals else "ok",
-                      "none logged: set [log].eval_every so that the run evaluates held-out prompts" if not evals else
-                      "one so far: nothing to compare yet")]
+    if len(evals) < 2:  # a recipe that evaluates nothing chose so ([prompts].num_eval = 0): said, not warned
+        return [Check(HELD_OUT, "evaluations", "ok",
+                      "none logged: nothing held out to judge the run by ([prompts].num_eval, [log].eval_every)"
+                      if not evals else "one so far: nothing to compare yet")]
     first, last = evals[0], evals[-1]
     span = f"iteration {first['iteration']} -> {last['iteration']}"
     checks, rose = [], []

@@ -278,8 +278,10 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
 
         load_ema_weights(model.denoiser, src.checkpoint)
     base = base_model_for_hybrid(src, model, dev) if hybrid_steps else None
-    if src.from_recipe and src.recipe.distributed.mixed_precision == "bf16":
-        # the run's policy computed under bf16 autocast: so does this one (its evaluation reproduced)
+    d = src.recipe.distributed
+    if src.from_recipe and d.mixed_precision == "bf16" and d.strategy != "fsdp2":
+        # the run's policy computed under accelerate's bf16 autocast (none / ddp; FSDP2 casts its
+        # sharded weights instead): so does this one (its evaluation reproduced)
         from ..train.parallel import autocast_like_accelerate
 
         for denoiser in (model.denoiser, *([base.denoiser] if base is not None else [])):
