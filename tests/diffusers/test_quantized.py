@@ -198,6 +198,18 @@ def test_missing_bitsandbytes_names_the_extra(make):
     assert out.stdout.strip() == '[model].quantize | pip install "flowrl-diffusion[quant]"', out.stdout + out.stderr
 
 
+def _assert_trained_a_lora_two_iterations(run) -> None:
+    """Two iterations, each on-policy at fp32 rounding, and a checkpoint holding only a LoRA that moved."""
+    from safetensors.torch import load_file
+
+    records = [r for r in read_metrics(run) if "trained_units" in r]
+    assert [r["iteration"] for r in records] == [0, 1]
+    assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
+    state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))
+    assert state and all("lora_" in k for k in state)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in state.items()), "LoRA B never moved"
+
+
 def test_the_24gb_recipe_trains_two_iterations(tiny_klein, tmp_path, request, monkeypatch):
     from rich.console import Console
     from safetensors.torch import load_file
@@ -227,7 +239,6 @@ def test_the_flux_24gb_recipe_trains_two_iterations(tiny_flux, tiny_overrides, t
     """Flow-GRPO's PickScore run on an NF4 FLUX.1-dev base, shrunk to the tiny FLUX pipeline: its
     sampler, kernel, EMA and LoRA targets as shipped, the blocks quantised; only the LoRA trains."""
     from rich.console import Console
-    from safetensors.torch import load_file
 
     from flowrl.recipe import load_recipe
     from flowrl.train import train
@@ -240,21 +251,13 @@ def test_the_flux_24gb_recipe_trains_two_iterations(tiny_flux, tiny_overrides, t
             "train.optimizer_steps_per_update=1", "rewards.0.use=brightness", "log.progress=false",
             "log.image_every=0", "prompts.num_eval=2", "run.device=cpu", "sampler.batch_size=1", "train.lora_rank=4",
             "train.lora_alpha=8.0", "train.lr=0.05", f'run.output_dir="{tmp_path / "run"}"']
-    run = train(load_recipe(FLUX_RECIPE, sets), console=Console(quiet=True))
-    records = [r for r in read_metrics(run) if "trained_units" in r]
-    assert [r["iteration"] for r in records] == [0, 1]
-    assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
-    state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))
-    assert state and all("lora_" in k for k in state)
-    assert any("lora_B" in k and v.abs().max() > 0 for k, v in state.items()), "LoRA B never moved"
+    _assert_trained_a_lora_two_iterations(train(load_recipe(FLUX_RECIPE, sets), console=Console(quiet=True)))
 
 
 def test_the_wan_32gb_recipe_trains_two_iterations(tiny_dir, tmp_path, module_cli):
     """Chunk-GRPO on an NF4 Wan 2.1 14B, shrunk to the tiny Wan pipeline: the recipe's sampler,
     chunks, CFG and LoRA targets as shipped, the blocks quantised; only the LoRA trains, and its
     export is a LoRA (a merged export is refused)."""
-    from safetensors.torch import load_file
-
     from flowrl.recipe import load_recipe
     from flowrl.testing.tiny_pipelines import build_tiny_wan
 
@@ -271,12 +274,7 @@ def test_the_wan_32gb_recipe_trains_two_iterations(tiny_dir, tmp_path, module_cl
     run = tmp_path / "run"
     code, text = module_cli.merged("train", WAN_RECIPE, *[a for s in sets for a in ("--set", s)], "-o", run)
     assert code == 0, text
-    records = [r for r in read_metrics(run) if "trained_units" in r]
-    assert [r["iteration"] for r in records] == [0, 1]
-    assert all(r["on_policy/max_abs_log_ratio"] <= 1e-6 for r in records)
-    state = load_file(str(run / "checkpoints" / "iter_000002" / "model.safetensors"))
-    assert state and all("lora_" in k for k in state)
-    assert any("lora_B" in k and v.abs().max() > 0 for k, v in state.items()), "LoRA B never moved"
+    _assert_trained_a_lora_two_iterations(run)
     code, text = module_cli.merged("export", run, "-o", tmp_path / "merged", "--merge")
     assert code == 2 and "the base is quantised (nf4)" in text and "Traceback" not in text, text
     assert not (tmp_path / "merged").exists()  # refused before anything is loaded or written
