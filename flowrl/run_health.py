@@ -57,6 +57,11 @@ ARTEFACT = "hf_share"
 HELD_OUT, TRAINING = "held-out evaluation", "training"
 
 
+def is_evaluation(row: dict[str, Any]) -> bool:
+    """Whether a metrics row holds a held-out evaluation (``eval/*``)."""
+    return any(k.startswith("eval/") for k in row)
+
+
 def _numbers(**figures: float) -> dict[str, float | None]:
     """A check's figures, a missing one (nan) as None: the JSON report stays valid JSON."""
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in figures.items()}
@@ -96,7 +101,7 @@ def _shown(m0: float, m1: float, se: float) -> str:
 
 def evaluation_checks(rows: list[dict[str, Any]], optimised: Sequence[str]) -> list[Check]:
     """The held-out evaluation's signs: each optimised reward, each judge, the artefact measure."""
-    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    evals = [r for r in rows if is_evaluation(r)]
     labels = sorted({k.split("/")[1] for r in evals for k in r if k.startswith("eval/") and k.endswith("/mean")})
     if len(evals) < 2:  # a recipe that evaluates nothing chose so ([prompts].num_eval = 0): said, not warned
         return [Check(HELD_OUT, "evaluations", "ok",

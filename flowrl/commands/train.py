@@ -98,12 +98,12 @@ def evaluation_summary(resolved, run_dir: Path) -> list[str]:
     quickstart table reports. Nothing when the run has fewer than two evaluations."""
     import math
 
-    from ..run_health import optimised_labels
+    from ..run_health import is_evaluation, optimised_labels
     from ..runlog import read_metrics
 
     if not (Path(run_dir) / "metrics.jsonl").is_file():
         return []
-    rows = [r for r in read_metrics(run_dir) if any(k.startswith("eval/") for k in r)]
+    rows = [r for r in read_metrics(run_dir) if is_evaluation(r)]
     if len(rows) < 2:
         return []
     first, last = rows[0], rows[-1]

@@ -1,7 +1,7 @@
 """A held-out evaluation's warning signs, said while the run goes on.
 
-After each evaluation the run compares it with its first one (:func:`flowrl.diagnostics.
-run_health.evaluation_checks`: an optimised reward falling, a judge falling while it rises, the
+After each evaluation the run compares it with its first one (:func:`flowrl.run_health.
+evaluation_checks`: an optimised reward falling, a judge falling while it rises, the
 images' high-frequency share growing) and says each sign once, above the progress bar, the
 iteration it first showed at (a judge that fell once more when an optimised reward has risen:
 the hacking signature): a hacking run is seen when it starts, not after hours. Everything
@@ -15,12 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..run_health import evaluation_checks, optimised_labels
+from ..run_health import evaluation_checks, is_evaluation, optimised_labels
 from ..runlog import read_metrics
-
-
-def _is_evaluation(row: dict[str, Any]) -> bool:
-    return any(k.startswith("eval/") for k in row)
 
 
 class WarningSigns:
@@ -32,11 +28,11 @@ class WarningSigns:
         self.optimised = optimised_labels(recipe)
         self.said: set[tuple[str, bool]] = set()
         metrics = self.run_dir / "metrics.jsonl"
-        self.first = next((r for r in read_metrics(self.run_dir) if _is_evaluation(r)), None) \
+        self.first = next((r for r in read_metrics(self.run_dir) if is_evaluation(r)), None) \
             if say is not None and metrics.is_file() else None
 
     def __call__(self, record: dict[str, Any]) -> None:
-        if self.say is None or not _is_evaluation(record):
+        if self.say is None or not is_evaluation(record):
             return
         if self.first is None:
             self.first = dict(record)
