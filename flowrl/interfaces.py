@@ -83,11 +83,16 @@ class ModelAdapter(Protocol):
 @runtime_checkable
 class EncodesImages(Protocol):
     """An adapter that turns images back into its clean latents (the "VAE" encoder): what
-    training from an offline dataset of images needs (:mod:`flowrl.offline`). Optional: only the
-    embedded model implements it so far (its pixel "VAE" is exact: decode(encode(x)) = x up to float rounding)."""
+    training from an offline dataset of images needs (:mod:`flowrl.offline`). Optional: the image
+    models implement it (the embedded ones exactly: their pixel "VAE" gives decode(encode(x)) = x up
+    to float rounding; the diffusers ones through their VAE, whose round trip loses detail)."""
+
+    #: ``(height, width)`` in pixels of the images it encodes (offline images are resized to it)
+    image_size: tuple[int, int]
 
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """Clean latents ``[B, *L]`` (``L = latent_shape``) of images ``[B, 3, H, W]`` in [0, 1]."""
+        """Clean latents ``[B, *L]`` (``L = latent_shape``) of images ``[B, 3, H, W]`` in [0, 1]
+        at :attr:`image_size`."""
 
 
 @runtime_checkable

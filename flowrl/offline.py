@@ -7,9 +7,10 @@ One schema, two kinds (decided by the columns present):
   the first preferred) -- preference (DPO) data.
 
 Other columns (e.g. ``score``, ``chosen_score``) are kept but not used. The table is JSONL,
-CSV or Parquet; relative image paths are read against the table's folder. Images are encoded
-into clean latents by the model adapter (:class:`flowrl.interfaces.EncodesImages`), so an
-offline run needs no rollout and no reward model.
+CSV or Parquet; relative image paths are read against the table's folder. Images of another size
+than the model's are resized (shorter side, bicubic) and centre-cropped to it, as diffusers'
+training scripts prepare theirs; then the model adapter encodes them into clean latents
+(:class:`flowrl.interfaces.EncodesImages`), so an offline run needs no rollout and no reward model.
 
 Which rows an iteration trains is drawn from a generator seeded by (seed, "offline", iteration):
 the same on a resume.
@@ -109,14 +110,31 @@ def read_offline_rows(source: str | Path, where: str = "offline data") -> Offlin
     return OfflineRows(kind, prompts, images)
 
 
-def load_image(path: Path) -> torch.Tensor:
-    """An image file as float32 ``[3, H, W]`` in [0, 1]."""
+def load_image(path: Path, size: tuple[int, int] | None = None) -> torch.Tensor:
+    """An image file as float32 ``[3, H, W]`` in [0, 1]; with ``size = (H, W)`` first resized so that
+    it covers ``size`` (bicubic, aspect ratio kept) and centre-cropped to it. An image already of
+    that size is read as it is."""
     from PIL import Image
 
     with Image.open(path) as im:
-        data = torch.frombuffer(bytearray(im.convert("RGB").tobytes()), dtype=torch.uint8)
+        im = im.convert("RGB")
+        if size is not None and (im.height, im.width) != tuple(size):
+            im = _cover_and_crop(im, size)
+        data = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
         w, h = im.size
     return data.reshape(h, w, 3).permute(2, 0, 1).to(torch.float32) / 255.0
+
+
+def _cover_and_crop(im, size: tuple[int, int]):
+    """``im`` scaled by the smallest factor that covers ``size = (H, W)``, then its centre ``H x W``."""
+    from PIL import Image
+
+    height, width = size
+    scale = max(height / im.height, width / im.width)
+    w, h = max(width, round(im.width * scale)), max(height, round(im.height * scale))
+    im = im.resize((w, h), Image.Resampling.BICUBIC)
+    left, top = (w - width) // 2, (h - height) // 2
+    return im.crop((left, top, left + width, top + height))
 
 
 def iteration_rows(num_rows: int, *, seed: int, iteration: int, count: int) -> list[int]:
@@ -129,13 +147,14 @@ def iteration_rows(num_rows: int, *, seed: int, iteration: int, count: int) -> l
 
 
 def encode_rows(data: OfflineRows, model, rows: list[int], device: torch.device | str = "cpu") -> OfflineBatch:
-    """These rows of the table, their images loaded and encoded by ``model`` (:class:`EncodesImages`)."""
+    """These rows of the table, their images loaded at the model's ``image_size`` and encoded by
+    ``model`` (:class:`EncodesImages`)."""
     if not isinstance(model, EncodesImages):
         raise FlowrlError(f"{type(model).__name__} cannot encode images, so it cannot train on offline data",
                           hint="the adapter needs encode_images (flowrl.interfaces.EncodesImages)")
     latents = {}
     for column, paths in data.images.items():
-        images = torch.stack([load_image(paths[r]) for r in rows]).to(device)
+        images = torch.stack([load_image(paths[r], model.image_size) for r in rows]).to(device)
         with torch.no_grad():
             latents[column] = model.encode_images(images).to(torch.float32)
     return OfflineBatch(list(rows), [data.prompts[r] for r in rows], latents)

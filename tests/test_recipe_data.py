@@ -11,6 +11,8 @@ import tomllib
 
 import pytest
 
+from flowrl import hookimpl
+from flowrl.plugins import temporary_plugin
 from flowrl.recipe import dump_toml, load_recipe, validate as validate_dict
 
 from test_recipes import REPO
@@ -58,6 +60,12 @@ def test_the_offline_recipes_validate_with_their_tables(validate, tables):
     (SFT, ["data.path=TABLE_best", "train.prompts_per_iteration=32"], "[train].prompts_per_iteration",
      "holds 16 rows, fewer than an iteration trains"),
     (SFT, ["data.path=TABLE_noimage"], "[data].path", "row 1: image image not found"),
+    (SFT, ["data.path=TABLE_best", "model.use='embedded_video'"], "[data]",
+     "model 'embedded_video' cannot train on an offline table of images: its task is text-to-video"),
+    (DPO, ["data.path=TABLE_pairs", "model.use='wan'"], "[data]",
+     "model 'wan' cannot train on an offline table of images: its task is text-to-video"),
+    (SFT, ["data.path=TABLE_best", "model.use='flux_kontext'"], "[data]",
+     "model 'flux_kontext' cannot train on an offline table of images: its task is image-to-image"),
 ])
 def test_a_combination_that_cannot_train_is_one_message_naming_the_table(validate, tables, recipe, sets, where, says):
     (tables / "noimage.jsonl").write_text(json.dumps({"prompt": "p", "image": "gone.png"}) + "\n")
@@ -77,3 +85,25 @@ def test_a_resolved_offline_recipe_round_trips_without_group_size(tables):
     assert "group_size" not in tomllib.loads(text)["train"]
     again = validate_dict(tomllib.loads(text), source=recipe.source)
     assert again.to_toml_dict() == recipe.to_toml_dict()
+
+
+class ImageModelWithoutEncoder:
+    """A third-party text-to-image adapter that cannot turn images into latents."""
+
+    @hookimpl
+    def register_models(self, register):
+        from flowrl_plugins.embedded.plugin import EmbeddedModel
+
+        class Model(EmbeddedModel):
+            encode_images = None  # what a subclass without an encoder looks like to the registry
+
+        register("no_encoder", Model)
+
+
+def test_an_image_model_without_an_encoder_is_refused_naming_those_with_one(validate, tables):
+    with temporary_plugin(ImageModelWithoutEncoder(), name="no-encoder"):
+        code, err = validate(SFT, data(tables / "best.jsonl"), "model.use='no_encoder'")
+    assert code == 2, err
+    assert "model 'no_encoder' cannot train on an offline table of images: its adapter cannot turn images" in err
+    assert "embedded, embedded_compose, flux, flux2_klein, qwen_image, sd3, zimage" in err, err
+    assert "Traceback" not in err

@@ -275,13 +275,34 @@ def _step_span(steps: list[int]) -> str:
     return f"steps {steps}"
 
 
+def _check_model_encodes_images(recipe: Recipe, registry: Registry) -> None:
+    """An offline table holds prompts and images: the model must generate images from text alone
+    (no clips, no condition image) and encode images into its latents."""
+    model = recipe.components["model"].use
+    factory = registry.get("model", model).factory
+    task = getattr(factory, "task", "text-to-image")
+    encoders = [n for n in registry.names("model")
+                if callable(getattr(registry.get("model", n).factory, "encode_images", None))
+                and getattr(registry.get("model", n).factory, "task", "text-to-image") == "text-to-image"]
+    if task != "text-to-image" or not callable(getattr(factory, "encode_images", None)):
+        why = (f"its task is {task}, the table's text-to-image" if task != "text-to-image"
+               else "its adapter cannot turn images into latents (no encode_images)")
+        raise RecipeError(f"model '{model}' cannot train on an offline table of images: {why}",
+                          where=f"{recipe.source}: [data]",
+                          hint=f"an offline run ([data]) trains a text-to-image model that encodes images: "
+                               f"{', '.join(encoders)}; or remove [data] and [loss] '{recipe.components['loss'].use}' "
+                               "for an online run")
+
+
 def _check_data_table(recipe: Recipe, registry: Registry) -> None:
     """The ``[data]`` table exists, is of the kind the ``[loss]`` trains on (and ``kind`` states),
-    every image it names exists, and it holds at least an iteration's rows."""
+    every image it names exists, and it holds at least an iteration's rows; and the model turns
+    images into latents (:class:`~flowrl.interfaces.EncodesImages`) of a text-to-image task."""
     data = recipe.data
     if not data.enabled:
         return
     where, name = f"{recipe.source}: [data].path", recipe.components["loss"].use
+    _check_model_encodes_images(recipe, registry)
     if not Path(data.path).is_file():
         raise RecipeError(f"offline data not found: {data.path}", where=where,
                           hint=f"build it from the model's own samples of the TRAINING prompts: `flowrl sample {recipe.source} "

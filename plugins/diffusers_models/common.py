@@ -308,6 +308,41 @@ class DiffusersAdapter:
         return lambda z: vae.decode((z / cfg.scaling_factor + (cfg.shift_factor or 0.0)).to(vae.dtype),
                                     return_dict=False)[0]
 
+    # ---- images back into latents (offline data) ----------------------------------------------
+
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels of the images the model generates (and encodes)."""
+        return self.config.height, self.config.width
+
+    @torch.no_grad()
+    def _encode_with_vae(self, images: torch.Tensor) -> torch.Tensor:
+        """Clean latents ``[B, *latent_shape]`` float32 of images ``[B, 3, H, W]`` in ``[0, 1]`` at
+        :attr:`image_size`: the VAE's mode (deterministic, as the editing pipelines encode their
+        condition images; a sample would make the latents depend on a generator), ``vae_batch_size``
+        images at a time, then :meth:`_from_vae`, the inverse of the decoder's scaling and packing.
+        An image adapter's ``encode_images`` (:class:`flowrl.interfaces.EncodesImages`) is this."""
+        if tuple(images.shape[-2:]) != self.image_size:
+            raise FlowrlError(f"images of {tuple(images.shape[-2:])} pixels, the model encodes {self.image_size}",
+                              where=self.where, hint="resize them to the model's height and width first")
+        vae = self.pipe.vae
+        out = []
+        with self._visiting(vae):
+            for chunk in images.split(self.config.vae_batch_size):
+                pixels = (chunk.to(self.device, torch.float32) * 2 - 1).to(vae.dtype)
+                out.append(self._from_vae(vae, self._vae_mode(vae, pixels).float()))
+        return torch.cat(out)
+
+    def _vae_mode(self, vae, pixels: torch.Tensor) -> torch.Tensor:
+        """The mode of the VAE's latent distribution for pixels in ``[-1, 1]``."""
+        return vae.encode(pixels, return_dict=False)[0].mode()
+
+    def _from_vae(self, vae, z: torch.Tensor) -> torch.Tensor:
+        """The VAE's own latents -> the model's: ``(z - shift_factor) * scaling_factor`` (the inverse
+        of :meth:`_decoder`'s scaling); adapters that pack or normalise otherwise override it."""
+        cfg = vae.config
+        return (z - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
+
     def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
         return [p for p in self.denoiser.parameters() if p.requires_grad]
 

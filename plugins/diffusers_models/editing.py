@@ -147,8 +147,7 @@ class FluxKontextModel(FluxModel):
         vae = self.pipe.vae
         with self._visiting(vae):
             z = vae.encode(pixels.to(self.device, self.dtype), return_dict=False)[0].mode()
-        z = (z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-        return self.pack(z).to(self.device)
+        return self._from_vae(vae, z).to(self.device)
 
     def _image_inputs(self, latents, text):
         cond = text["condition_latents"].to(self.device, latents.dtype)
@@ -237,12 +236,9 @@ class QwenImageEditModel(QwenImageModel):
         h, w = self.condition_size
         pixels = self.pipe.image_processor.preprocess(pictures, h, w).unsqueeze(2)
         vae = self.pipe.vae
-        cfg = vae.config
         with self._visiting(vae):
             z = vae.encode(pixels.to(self.device, self.dtype), return_dict=False)[0].mode().float()
-        mean = torch.tensor(cfg.latents_mean, device=z.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(cfg.latents_std, device=z.device).view(1, -1, 1, 1, 1)
-        return self.pack((z - mean) / std).to(self.device, self.dtype)
+        return self._from_vae(vae, z).to(self.device, self.dtype)
 
     def _image_inputs(self, x, text):
         cond = text["condition_latents"].to(self.device, x.dtype)

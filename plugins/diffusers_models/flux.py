@@ -141,5 +141,12 @@ class FluxModel(DiffusersAdapter):
         scaled = super()._decoder(vae)  # the VAE's own latents once unpacked
         return lambda z: scaled(self.unpack(z))
 
+    def encode_images(self, images):
+        """Clean latents of images in ``[0, 1]`` (:class:`flowrl.interfaces.EncodesImages`: offline data)."""
+        return self._encode_with_vae(images)
+
+    def _from_vae(self, vae, z):
+        return self.pack(super()._from_vae(vae, z))
+
     def sigmas(self, num_steps):
         return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=True)

@@ -217,6 +217,17 @@ class Flux2KleinModel(DiffusersAdapter):
         return lambda z: vae.decode(self.unpatchify(self.tokens_to_grid(z) * std + mean).to(vae.dtype),
                                     return_dict=False)[0]
 
+    def encode_images(self, images):
+        """Clean latents of images in ``[0, 1]`` (:class:`flowrl.interfaces.EncodesImages`: offline data)."""
+        return self._encode_with_vae(images)
+
+    def _from_vae(self, vae, z):
+        """Patchified tokens normalised by the VAE's batch-norm statistics: the inverse of :meth:`_decoder`."""
+        bn = vae.bn
+        mean = bn.running_mean.to(z.device, torch.float32).view(1, 1, -1)
+        std = torch.sqrt(bn.running_var.to(z.device, torch.float32) + vae.config.batch_norm_eps).view(1, 1, -1)
+        return (self.pack(z) - mean) / std
+
     def sigmas(self, num_steps):
         mu = flux2_empirical_mu(self.image_seq_len, num_steps)
         return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=True, mu=mu)

@@ -201,5 +201,18 @@ class QwenImageModel(DiffusersAdapter):
         # per channel de-normalised, one frame of the Wan-style 3-D VAE
         return lambda z: vae.decode((self.unpack(z) * std + mean).to(vae.dtype), return_dict=False)[0][:, :, 0]
 
+    def encode_images(self, images):
+        """Clean latents of images in ``[0, 1]`` (:class:`flowrl.interfaces.EncodesImages`: offline data)."""
+        return self._encode_with_vae(images)
+
+    def _vae_mode(self, vae, pixels):
+        return super()._vae_mode(vae, pixels.unsqueeze(2))  # one frame of the 3-D VAE
+
+    def _from_vae(self, vae, z):
+        """``(z - latents_mean) / latents_std`` per channel, packed: the inverse of :meth:`_decoder`."""
+        mean = torch.tensor(vae.config.latents_mean, dtype=z.dtype, device=z.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, dtype=z.dtype, device=z.device).view(1, -1, 1, 1, 1)
+        return self.pack((z - mean) / std)
+
     def sigmas(self, num_steps):
         return self._scheduler_sigmas(num_steps, self.image_seq_len, flux_style=True)

@@ -74,6 +74,10 @@ class SD3Model(DiffusersAdapter):
         self.image_seq_len = (h // patch) * (w // patch)
         self.uses_cfg = config.cfg_scale != 1.0
 
+    def encode_images(self, images):
+        """Clean latents of images in ``[0, 1]`` (:class:`flowrl.interfaces.EncodesImages`: offline data)."""
+        return self._encode_with_vae(images)
+
     def _load_kwargs(self):
         if self.config.use_t5:
             return {}

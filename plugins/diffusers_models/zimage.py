@@ -125,6 +125,10 @@ class ZImageModel(DiffusersAdapter):
         self.image_seq_len = (h // self.patch_size) * (w // self.patch_size)
         self.uses_cfg = config.cfg_scale > 0.0
 
+    def encode_images(self, images):
+        """Clean latents of images in ``[0, 1]`` (:class:`flowrl.interfaces.EncodesImages`: offline data)."""
+        return self._encode_with_vae(images)
+
     def shardable_blocks(self):
         """Z-Image keeps its blocks in ``noise_refiner``, ``context_refiner``, ``siglip_refiner``
         (Omni only) and ``layers``: names flowrl's ``*blocks`` rule would not find."""

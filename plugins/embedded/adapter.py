@@ -83,6 +83,7 @@ class PixelImageAdapter(EmbeddedAdapter):
 
     latent_shape = (64, 48)
     image_seq_len = 64
+    image_size = (32, 32)
 
     def velocity(self, latents, sigma, text):
         return self._transformer(latents, sigma, text)
