@@ -117,3 +117,19 @@ def test_the_sd3_offline_dpo_recipe_trains_from_a_table(pairs, tiny_sd3, cli, tm
 def test_the_recipe_says_how_to_build_its_table():
     text = (REPO / "recipes" / "offline_dpo_sd3.toml").read_text()
     assert "flowrl sample recipes/offline_dpo_sd3.toml" in text and "--tables" in text
+
+
+def test_the_recipes_table_command_builds_a_pairs_table_it_accepts(tiny_sd3, cli, tmp_path):
+    """The header's `flowrl sample ... --tables` on the tiny SD3 (brightness for PickScore), then the table validates."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\na dog\n")
+    sets = [f"model.path={tiny_sd3}", *TINY_MODEL, "rewards.0.use=brightness", "run.device=cpu"]
+    flags = [a for s in sets for a in ("--set", s)]
+    code, out, err = cli("sample", "recipes/offline_dpo_sd3.toml", "--prompts", prompts, "--seeds", "3", "--steps", "2",
+                         "--no-grid", "--tables", "-o", tmp_path / "sampled", *flags)
+    assert code == 0, out + err
+    rows = [json.loads(line) for line in (tmp_path / "sampled" / "pairs.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["a cat", "a dog"] and all(r["chosen"] != r["rejected"] for r in rows)
+    code, out, err = cli("validate", "recipes/offline_dpo_sd3.toml", *flags, "--set",
+                         f"data.path={str(tmp_path / 'sampled' / 'pairs.jsonl')!r}", "--set", "train.prompts_per_iteration=2")
+    assert code == 0, out + err
