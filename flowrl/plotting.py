@@ -154,8 +154,84 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     return output
 
 
+#: Rewards whose largest values differ by more than this factor get panels of their own: on one
+#: axis a PickScore near 22 would flatten a brightness in [0, 1] into a line.
+SCALE_RATIO = 10.0
+
+
+def scale_groups(records: list[dict], keys: list[str], ratio: float = SCALE_RATIO) -> list[list[str]]:
+    """``keys`` in groups that share an axis: sorted by their largest absolute value over the run, a
+    new group starting where a key's is more than ``ratio`` times its group's smallest (a key that
+    is zero throughout joins the smallest group)."""
+    magnitude = {k: max((abs(float(r[k])) for r in records if k in r), default=0.0) for k in keys}
+    groups: list[list[str]] = []
+    floor = 0.0
+    for key in sorted(keys, key=lambda k: (magnitude[k], k)):
+        m = magnitude[key]
+        if groups and (floor == 0.0 or m <= ratio * floor):
+            groups[-1].append(key)
+            floor = floor or m
+        else:
+            groups.append([key])
+            floor = m
+    return groups
+
+
+def _label(key: str) -> str:
+    """``reward/pickscore/mean`` -> ``pickscore``."""
+    return key.split("/", 1)[1].rsplit("/", 1)[0]
+
+
+def _plot_training(records, keys, ax, title) -> None:
+    for key in keys:
+        xs = [r["iteration"] for r in records if key in r]
+        ys = [r[key] for r in records if key in r]
+        sd = [r.get(key[: -len("mean")] + "std", 0.0) for r in records if key in r]
+        (line,) = ax.plot(xs, ys, label=_label(key))
+        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.15, color=line.get_color())
+    ax.set_title(title)
+    ax.set_xlabel("iteration")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
+def _plot_evaluation(records, keys, artefact_keys, ax, title) -> None:
+    for key in keys:
+        xs = [r["iteration"] for r in records if key in r]
+        ys = [r[key] for r in records if key in r]
+        sem = [r.get(key[: -len("mean")] + "sem", 0.0) for r in records if key in r]
+        (line,) = ax.plot(xs, ys, marker="o", ms=3, label=_label(key))
+        ax.fill_between(xs, [y - s for y, s in zip(ys, sem)], [y + s for y, s in zip(ys, sem)], alpha=0.15,
+                        color=line.get_color())
+    ax.set_title(title)
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+    if not artefact_keys:
+        ax.legend()
+        return
+    twin = ax.twinx()  # the texture a policy may learn, on its own scale, against the first evaluation
+    for key in artefact_keys:
+        xs = [r["iteration"] for r in records if key in r]
+        ys = [r[key] for r in records if key in r]
+        twin.plot(xs, ys, color="0.4", ls="--", marker="x", ms=4, label=f"{_label(key)} (artefacts, right axis)")
+    twin.set_ylim(0.0, max(0.2, 1.2 * max(r[k] for r in records for k in artefact_keys if k in r)))
+    twin.set_ylabel("artefact measure", color="0.4")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = twin.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, fontsize=8)
+
+
+def _titled(groups: list[list[str]], title: str) -> list[tuple[list[str], str]]:
+    """One panel per scale group; with several, each title names its rewards on a second line."""
+    if len(groups) <= 1:
+        return [(g, title) for g in groups]
+    return [(g, f"{title}\n{', '.join(_label(k) for k in g)}") for g in groups]
+
+
 def run_figure(records: list[dict], title: str):
-    """The figure ``flowrl plot`` saves, for a run's metrics rows."""
+    """The figure ``flowrl plot`` saves, for a run's metrics rows: the training and the evaluation
+    rewards (a panel per scale, :func:`scale_groups`), the objective's own metrics, and the ratio
+    diagnostics of an off-policy run."""
     import matplotlib.pyplot as plt
 
     train_keys = sorted({k for r in records for k in r if k.startswith("reward/") and k.endswith("/mean")})
@@ -166,56 +242,25 @@ def run_figure(records: list[dict], title: str):
                              if k.startswith(OBJECTIVE_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)})
     logged = any(k in r for r in records for k in DIAGNOSTICS)
     diag = logged and _off_policy(records)
-    top = ["train"] + (["eval"] if eval_keys else []) + (["objective"] if objective_keys else []) + (["units"] if diag else [])
-    cols = max(len(top), 3 if diag else 1)
-    rows = 2 if diag else 1
+    train_panels = _titled(scale_groups(records, train_keys) or [[]], "training reward (rollout mean ± std)")
+    eval_panels = _titled(scale_groups(records, eval_keys), "evaluation reward (fixed prompts and seeds, ODE) ± sem")
+    top = (len(train_panels) + len(eval_panels) + (1 if objective_keys else 0) + (1 if diag else 0))
+    cols = 3 if diag or top >= 3 else top  # at most 3 a row: the panels wrap
+    top_rows = -(-top // cols)
+    rows = top_rows + (1 if diag else 0)
     fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 8.0), 4 * rows), squeeze=False)
-    panel = {name: axes[0][i] for i, name in enumerate(top)}
-    for ax in axes[0][len(top):]:
-        ax.axis("off")
-    if diag:
-        plot_unit_ratios(records, panel["units"])
-        plot_diagnostics(records, axes[1])
+    row = iter([ax for r in axes[:top_rows] for ax in r])
+    for keys, name in train_panels:
+        _plot_training(records, keys, next(row), name)
+    for i, (keys, name) in enumerate(eval_panels):
+        _plot_evaluation(records, keys, artefact_keys if i == 0 else [], next(row), name)
     if objective_keys:
-        plot_objective(records, objective_keys, panel["objective"])
-    ax = axes[0][0]
-    for key in train_keys:
-        xs = [r["iteration"] for r in records if key in r]
-        ys = [r[key] for r in records if key in r]
-        std_key = key[: -len("mean")] + "std"
-        sd = [r.get(std_key, 0.0) for r in records if key in r]
-        (line,) = ax.plot(xs, ys, label=key[len("reward/") : -len("/mean")])
-        ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.15, color=line.get_color())
-    ax.set_title("training reward (rollout mean ± std)")
-    ax.set_xlabel("iteration")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    if eval_keys:
-        ax = panel["eval"]
-        for key in eval_keys:
-            xs = [r["iteration"] for r in records if key in r]
-            ys = [r[key] for r in records if key in r]
-            sem = [r.get(key[: -len("mean")] + "sem", 0.0) for r in records if key in r]
-            (line,) = ax.plot(xs, ys, marker="o", ms=3, label=key[len("eval/") : -len("/mean")])
-            ax.fill_between(xs, [y - s for y, s in zip(ys, sem)], [y + s for y, s in zip(ys, sem)], alpha=0.15,
-                            color=line.get_color())
-        ax.set_title("evaluation reward (fixed prompts and seeds, ODE) ± sem")
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-        if artefact_keys:  # the texture a policy may learn, on its own scale, against the first evaluation
-            twin = ax.twinx()
-            for key in artefact_keys:
-                xs = [r["iteration"] for r in records if key in r]
-                ys = [r[key] for r in records if key in r]
-                twin.plot(xs, ys, color="0.4", ls="--", marker="x", ms=4,
-                          label=f"{key[len('eval/') : -len('/mean')]} (artefacts, right axis)")
-            twin.set_ylim(0.0, max(0.2, 1.2 * max(r[k] for r in records for k in artefact_keys if k in r)))
-            twin.set_ylabel("artefact measure", color="0.4")
-            lines, labels = ax.get_legend_handles_labels()
-            more, more_labels = twin.get_legend_handles_labels()
-            ax.legend(lines + more, labels + more_labels, fontsize=8)
-        else:
-            ax.legend()
+        plot_objective(records, objective_keys, next(row))
+    if diag:
+        plot_unit_ratios(records, next(row))
+        plot_diagnostics(records, axes[-1])
+    for ax in row:
+        ax.axis("off")
     note = "\non-policy: every ratio diagnostic was float rounding (< 1e-6), not drawn" if logged and not diag else ""
     fig.suptitle(title + note)
     for ax in axes.flat:

@@ -62,3 +62,42 @@ def test_the_objectives_own_metrics_get_a_panel_and_iterations_are_integers(keys
                 assert isinstance(locator, MaxNLocator) and locator._integer
     finally:
         plt.close(fig)
+
+
+def test_rewards_of_different_scales_get_panels_of_their_own():
+    rows = [{"iteration": i, "reward/pickscore/mean": 21.0 + 0.1 * i, "reward/pickscore/std": 0.5,
+             "reward/brightness/mean": 0.4 + 0.01 * i, "reward/brightness/std": 0.05,
+             "reward/area/mean": 0.3, "reward/area/std": 0.05,
+             "eval/pickscore/mean": 21.0 + 0.1 * i, "eval/pickscore/sem": 0.1,
+             "eval/brightness/mean": 0.4, "eval/brightness/sem": 0.01} for i in range(4)]
+    fig = run_figure(rows, "scales")
+    try:
+        lines = {ax.get_title(): sorted(line.get_label() for line in ax.get_lines()) for ax in fig.axes if ax.get_title()}
+        assert lines == {
+            "training reward (rollout mean ± std)\narea, brightness": ["area", "brightness"],
+            "training reward (rollout mean ± std)\npickscore": ["pickscore"],
+            "evaluation reward (fixed prompts and seeds, ODE) ± sem\nbrightness": ["brightness"],
+            "evaluation reward (fixed prompts and seeds, ODE) ± sem\npickscore": ["pickscore"],
+        }, lines
+    finally:
+        plt.close(fig)
+
+
+def test_rewards_of_one_scale_share_a_panel_whose_title_names_none():
+    rows = [{"iteration": i, "reward/verifier/mean": 0.8, "reward/area/mean": 0.2, "reward/zero/mean": 0.0}
+            for i in range(3)]
+    fig = run_figure(rows, "one scale")
+    try:
+        (panel,) = [ax for ax in fig.axes if ax.get_title().startswith("training reward")]
+        assert panel.get_title() == "training reward (rollout mean ± std)"
+        assert sorted(line.get_label() for line in panel.get_lines()) == ["area", "verifier", "zero"]
+    finally:
+        plt.close(fig)
+
+
+def test_scale_groups_split_where_magnitudes_differ_tenfold():
+    from flowrl.plotting import scale_groups
+
+    rows = [{"a": 0.0, "b": 0.05, "c": 0.4, "d": 0.6, "e": 3.9, "f": 22.0, "g": -30.0}]
+    # b (0.05) starts a group that reaches 0.5: c joins, d (0.6) does not; e (3.9) joins d's; f (22) starts anew
+    assert scale_groups(rows, list("abcdefg")) == [["a", "b", "c"], ["d", "e"], ["f", "g"]]
