@@ -344,7 +344,8 @@ class ProfilingChunker(Protocol):
     """A chunker whose boundaries come from profiling the model with the training sampler
     (the ``dynamics`` chunker). ``needs_model`` is True while it has no profile: recipe
     validation then cannot check its sizes, and training calls :meth:`profile_at_start` first
-    (and saves the profile into the run directory with :meth:`save_profile`)."""
+    (and saves the profile into the run directory with :meth:`save_profile`); a resumed run reads
+    that file back with :meth:`load_profile` instead of measuring the same profile again."""
 
     needs_model: bool
 
@@ -354,6 +355,10 @@ class ProfilingChunker(Protocol):
 
     def save_profile(self, path: Path) -> None:
         """Write the profile in use (``profile.json`` layout) to ``path``."""
+
+    def load_profile(self, path: Path) -> None:
+        """Use the profile :meth:`save_profile` wrote (a resumed run's start profile); afterwards
+        :meth:`sizes` answers as after the :meth:`profile_at_start` that measured it."""
 
 
 @runtime_checkable

@@ -239,6 +239,11 @@ class DynamicsChunker:
             raise ValueError("no profile to save yet")
         write_profile(path, self.profile_data)
 
+    def load_profile(self, path) -> None:
+        """Use the start profile a run wrote (``RUN_DIR/profile.json``) rather than measuring it again."""
+        self._data = read_profile(path, where=str(path))
+        self._source = f"the start-of-training profile ({path})"
+
     def _measure(self, model, sigmas, kernels, prompts, *, image_from, seed, num_seeds, batch_size, purpose):
         c = self.config
         chosen = pick_prompts(prompts, c.num_prompts, seed)

@@ -10,6 +10,8 @@ The sizes in use and the selector's curve are checkpointed, so a resumed run con
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .. import distributed
@@ -20,14 +22,21 @@ from ..interfaces import AdaptiveChunker, CurveSource, CurveWeightedSelector, Pr
 class ChunkLayout:
     """The chunk sizes in use (``sizes``, summing to T), broadcast from the main process."""
 
-    def __init__(self, session, prompts: list[str], ctx):
+    def __init__(self, session, prompts: list[str], ctx, resumed: Path | None = None):
         self.session, self.prompts, self.ctx = session, prompts, ctx
         self.chunker = session.components.chunker
         self.selector = session.components.selector
         recipe, sampler = session.recipe, session.sampler
         if isinstance(self.chunker, ProfilingChunker) and self.chunker.needs_model:
-            self.chunker.profile_at_start(session.model, sampler.sigmas, sampler.kernels, prompts,
-                                          image_from=sampler.image_from, seed=recipe.run.seed)
+            # A resumed run's start profile is in its directory: measuring it again (the same seed,
+            # model and prompts give the same curve) would spend the forwards twice. Every process
+            # takes the same branch: under FSDP2 the measuring forwards are collective.
+            saved = resumed / "profile.json" if resumed is not None else None
+            if distributed.broadcast_object(bool(saved and saved.is_file()), ctx):
+                self.chunker.load_profile(saved)
+            else:
+                self.chunker.profile_at_start(session.model, sampler.sigmas, sampler.kernels, prompts,
+                                              image_from=sampler.image_from, seed=recipe.run.seed)
         if not trains_on_units(session.components.loss):  # no units to lay out (DiffusionNFT)
             self.sizes = ()
             return

@@ -73,7 +73,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         run = Run(session, geometry, ctx)
         prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
         update = PolicyUpdate(run)
-        layout = ChunkLayout(session, prompts, ctx)  # a dynamics chunker profiles the placed model first
+        layout = ChunkLayout(session, prompts, ctx, run_dir if resume else None)  # a dynamics chunker profiles first
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
         replay, pipeline = Replay.attach(run, prompts), Pipeline.attach(run, prompts, update.counter)  # None when off

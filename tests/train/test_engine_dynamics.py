@@ -51,3 +51,6 @@ def test_profiles_at_start_reprofiles_and_resumes(tmp_path):
     for a, b in zip(records, resumed):
         assert comparable(a).get("reward/area/mean") == comparable(b).get("reward/area/mean")
         assert comparable(a).get("trained_units") == comparable(b).get("trained_units")
+        # the resumed run read its start profile back rather than measuring it again: its first
+        # row counts no more forwards outside the training phases than the uninterrupted run's
+        assert a.get("compute/other/forward", 0) == b.get("compute/other/forward", 0), a["iteration"]
