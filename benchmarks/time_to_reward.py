@@ -333,7 +333,8 @@ def _checkout_relative(value):
 #: recipe keys added after the archive's runs whose default changes nothing a run computes or
 #: measures: left out of the regime's hash while they hold that default (any other value counts),
 #: so that adding such a setting to flowrl does not orphan the archive
-NEUTRAL_AT_DEFAULT = {("log", "kl_every"): 0}  # the KL measured at beta = 0: off
+NEUTRAL_AT_DEFAULT = {("log", "kl_every"): 0,  # the KL measured at beta = 0: off
+                      ("prompts", "embeddings"): ""}  # prompts encoded as they come (the same embeddings)
 
 
 def regime_sha256(world: World) -> str:

@@ -18,6 +18,7 @@ from .commands import (  # noqa: F401
     compare,
     diagnose,
     doctor,
+    embed,
     evaluate,
     export,
     plan,

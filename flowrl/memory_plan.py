@@ -173,11 +173,19 @@ def lora_parameter_count(shapes: dict[str, tuple[int, int]], targets: list[str],
 
 
 def model_memory(recipe, registry) -> ModelMemory:
-    """The model's memory facts: from its params' ``memory_spec()``, or measured."""
+    """The model's memory facts: from its params' ``memory_spec()``, or measured. With prompt
+    embeddings from a store (``[prompts] embeddings``) the text encoders are not loaded: only the
+    VAE stays of the frozen components."""
     choice = recipe.components["model"]
     if isinstance(choice.params, PlansMemory):
-        return choice.params.memory_spec()
-    return measured_memory(registry.get("model", choice.use).build(choice.params))
+        mm = choice.params.memory_spec()
+    else:
+        mm = measured_memory(registry.get("model", choice.use).build(choice.params))
+    if not recipe.prompts.embeddings or not mm.frozen.keys() - set(mm.vae_names):
+        return mm
+    kept = {k: v for k, v in mm.frozen.items() if k in mm.vae_names}
+    return dataclasses.replace(mm, frozen=kept, notes=[*mm.notes, "text encoders not loaded: the prompt embeddings "
+                                                       "are read from [prompts].embeddings"])
 
 
 def count_prompts(source: str, config=None) -> int | None:
@@ -440,7 +448,7 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
     tw = tokens * mm.width * compute * mm.forwards_per_velocity
     lines = []
     encoders = {k: v for k, v in mm.frozen.items() if k not in mm.vae_names}
-    if mm.offload_frozen:
+    if mm.offload_frozen and encoders:  # none with prompt embeddings from a store
         enc_bytes = sum(p * b for p, b in encoders.values())
         lines.append(Line("encode", "text encoders (visiting)", enc_bytes, f"{enc_bytes / GB:.1f} GB moved in to encode"))
     s = geometry.samples_per_process

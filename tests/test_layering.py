@@ -35,7 +35,7 @@ LAYERS: list[set[str]] = [
      "flowrl.compat", "flowrl.checks", "flowrl.checkpoint_dirs", "flowrl.processes", "flowrl.stop_points",
      "flowrl.geneval", "flowrl.check_result"},
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
-     "flowrl.offline", "flowrl.batch",
+     "flowrl.offline", "flowrl.embeddings", "flowrl.batch",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
      "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.run_health", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
      "flowrl.video", "flowrl.suites", "flowrl.comparison", "flowrl.sweeps",

@@ -264,7 +264,7 @@ def _measure(session, prompts, kwargs, settings, label):
         task = progress.add_task(label, total=total)
         try:
             return profile_model(
-                session.model, session.sampler.sigmas, session.sampler.kernels, prompts, settings=settings,
+                session.encoding_model, session.sampler.sigmas, session.sampler.kernels, prompts, settings=settings,
                 progress=lambda done, _: progress.update(task, completed=done), **kwargs,
             )
         except ValueError as exc:

@@ -240,6 +240,11 @@ class PromptsConfig:
     )
     train_split: str = param("train", "The split training reads (a split column's value, or a dataset's split).")
     eval_split: str = param("test", "The split evaluation reads (a split column's value, or a dataset's split).")
+    embeddings: str = param(
+        "", "A directory of prompt embeddings written by `flowrl embed` for this [model] configuration: prompts "
+        "are read from it, not encoded, and the diffusers models load no text encoder. Every prompt the run "
+        "uses must be in it. Empty = encode prompts as they come.", path=True,
+    )
 
     def __post_init__(self):
         if not self.text_column:

@@ -20,9 +20,10 @@ import torch
 from ..distributed import choose_strategy, flag_setting, resolve_device
 from ..dynamics.profile_file import read_profile
 from ..errors import FlowrlError, RecipeError
+from ..embeddings import open_store
 from ..offline import read_offline_rows
 from ..plugins import Registry, get_registry
-from ..prompts import TABLE_SUFFIXES, distinct_rows, read_prompts
+from ..prompts import TABLE_SUFFIXES, distinct_rows, evaluation_prompts, read_prompts
 from ..sampling.precision import check_rollout_precision
 from .schema import SECTIONS, ComponentChoice, Recipe
 from .validation import DATA_HINT, build_component, check_launched_strategy, data_kind, plan_context, window_plans
@@ -67,6 +68,7 @@ def check_startable(recipe: Recipe, registry: Registry | None = None, *, devices
     _check_prompt_tables(recipe, registry)
     _check_profiles(recipe, registry)
     _check_data_table(recipe, registry)
+    _check_embeddings(recipe, registry)
     for i in range(len(recipe.trackers)):
         build_component(recipe, registry, "trackers", i)
 
@@ -231,6 +233,41 @@ def _check_prompt_tables(recipe: Recipe, registry: Registry) -> None:
                         hint=f"give prompts that '{label}' can score (with the embedded model: source = \"model\"), "
                              f"or another reward",
                     ) from exc
+
+
+def _check_embeddings(recipe: Recipe, registry: Registry) -> None:
+    """The ``[prompts] embeddings`` store is one for this ``[model]`` configuration
+    (:mod:`flowrl.embeddings`), the prompts carry no condition image (the store keys text only),
+    and it holds every prompt the local prompt files give training and the evaluation."""
+    p = recipe.prompts
+    if not p.embeddings:
+        return
+    where = f"{recipe.source}: [prompts].embeddings"
+    model = recipe.components["model"].use
+    task = getattr(registry.get("model", model).factory, "task", "text-to-image")
+    if p.condition_column or not task.startswith("text-to-"):
+        raise RecipeError(f"prompt embeddings are kept per prompt text, and the prompts of this run carry condition images "
+                          f"({'[prompts].condition_column' if p.condition_column else f'model {model!r} is {task}'})",
+                          where=where, hint="leave [prompts].embeddings empty: the conditions are encoded as they come")
+    if not Path(p.embeddings).is_dir():
+        raise RecipeError(f"prompt embeddings not found: {p.embeddings}", where=where,
+                          hint=f"write them with `flowrl embed {recipe.source} -o DIR` (relative to the recipe file)")
+    try:
+        store = open_store(recipe)
+    except FlowrlError as exc:
+        raise RecipeError(exc.message, where=where, hint=exc.hint) from exc
+    used: list[str] = []
+    for key, source, role in [("source", p.source, "train")] + ([("eval_source", p.eval_source or p.source, "eval")]
+                                                                 if p.num_eval else []):
+        if source == "model" or source.startswith("hf:") or not Path(source).is_file():
+            continue  # the engine checks these once it has read them (flowrl.train.session.PromptCache)
+        rows = [str(r) for r in read_prompts(source, None, f"{recipe.source}: [prompts].{key}", p, role=role)]
+        used += rows if role == "train" else evaluation_prompts(rows, recipe.run.seed, p.num_eval)
+    missing = store.missing(used)
+    if missing:
+        raise RecipeError(f"{len(missing)} prompt(s) the run uses are not in {p.embeddings}, e.g. {missing[0]!r}",
+                          where=where, hint=f"write the store again with them: `flowrl embed {recipe.source} -o NEW_DIR` "
+                                            "embeds the recipe's training and evaluation prompts")
 
 
 def profile_keys(recipe: Recipe) -> list[tuple[str, str]]:

@@ -35,7 +35,7 @@ class ChunkLayout:
             if distributed.broadcast_object(bool(saved and saved.is_file()), ctx):
                 self.chunker.load_profile(saved)
             else:
-                self.chunker.profile_at_start(session.model, sampler.sigmas, sampler.kernels, prompts,
+                self.chunker.profile_at_start(session.encoding_model, sampler.sigmas, sampler.kernels, prompts,
                                               image_from=sampler.image_from, seed=recipe.run.seed)
         if not trains_on_units(session.components.loss):  # no units to lay out (DiffusionNFT)
             self.sizes = ()
@@ -66,7 +66,7 @@ class ChunkLayout:
         """Re-profile the current policy and move the boundaries; returns the metrics entry
         ``chunk_sizes_changed`` (empty when they did not move) and says so on the console."""
         sampler, seed, old = self.session.sampler, self.session.recipe.run.seed, self.sizes
-        _, new = self.chunker.reprofile(self.session.model, sampler.sigmas, sampler.kernels, self.prompts,
+        _, new = self.chunker.reprofile(self.session.encoding_model, sampler.sigmas, sampler.kernels, self.prompts,
                                         image_from=sampler.image_from, seed=seed)
         new = distributed.broadcast_object(tuple(new), self.ctx)
         self.chunker.set_sizes(new)

@@ -30,13 +30,12 @@ from ..geometry import resolve_geometry
 from ..interfaces import PlansMemory, SamplesTrees
 from ..memory_plan import GB, estimate, peak
 from ..plugins import Registry, get_registry
-from ..prompts import read_prompts
 from ..recipe import Recipe, build_component, check_startable
 from .accel import prepare_kernels
 from .checkpoint import checkpoint_iteration, latest_checkpoint
 from .collect import assign_advantages, collect
 from .ema import WeightEMA
-from .evaluate import RunEvaluator, evaluation_set
+from .evaluate import RunEvaluator
 from .layout import ChunkLayout
 from .outputs import RunOutputs
 from .pipeline import Pipeline
@@ -71,13 +70,12 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         # ---- Build: components (fsdp2 shards the denoiser onto the device), prompts, update, EMA -
         session = Session.open(recipe, registry, device=device, **session_options(recipe, ctx))
         run = Run(session, geometry, ctx)
-        prompts = read_prompts(cfg.prompts.source, session.model, f"{cfg.source}: [prompts].source", cfg.prompts)
+        prompts, eval_set = session.run_prompts()  # with [prompts] embeddings: refused unless it holds them all
         update = PolicyUpdate(run)
         layout = ChunkLayout(session, prompts, ctx, run_dir if resume else None)  # a dynamics chunker profiles first
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source)  # [train].compile; attention in the loop
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
         replay, pipeline = Replay.attach(run, prompts), Pipeline.attach(run, prompts, update.counter)  # None when off
-        eval_set = evaluation_set(cfg, session.model)
 
         # ---- Resume: weights, optimizer, LR schedule, RNG, chunk layout, EMA, counters ----------
         state = restore_training_state(run_dir, run, update, layout, console, ema, replay, pipeline) if resume else TrainState()

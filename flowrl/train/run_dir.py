@@ -329,7 +329,8 @@ def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) ->
     """A resumed run must use the recipe that wrote it; only iterations, [log], [checkpoint]
     and [[trackers]] (what is recorded, never what is trained), where ``[pipeline]`` draws
     (:data:`RESUMABLE_PIPELINE_KEYS`) and where the KL reference is kept
-    (:data:`RESUMABLE_TRAIN_KEYS`) may change. A difference names
+    (:data:`RESUMABLE_TRAIN_KEYS`) and where the prompt embeddings come from (``[prompts]
+    embeddings``: a store holds what encoding gives, bit for bit) may change. A difference names
     every differing key with the run's value and the new one."""
     saved = run_dir / "recipe.toml"
     if not saved.is_file():
@@ -347,6 +348,7 @@ def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) ->
         d["run"].pop("output_dir", None)
         for key in RESUMABLE_PIPELINE_KEYS:
             d.get("pipeline", {}).pop(key, None)
+        d.get("prompts", {}).pop("embeddings", None)
     if old != new:
         diff = recipe_differences(old, new)
         shown = [f"{key}: {a} in the run, {b} now" for key, a, b in diff[:6]]
@@ -355,7 +357,7 @@ def check_resumable_recipe(recipe: Recipe, run_dir: Path, registry: Registry) ->
             f"the recipe differs from the one that started {run_dir} in {len(diff)} key(s): " + "; ".join(shown) + more,
             where="--resume",
             hint=f"resume with `flowrl train {saved} --resume {run_dir}` (only iterations, [log], [checkpoint], "
-                     "[[trackers]], where [pipeline] draws and train.reference_on_cpu may change)",
+                     "[[trackers]], where [pipeline] draws, train.reference_on_cpu and prompts.embeddings may change)",
         )
 
 

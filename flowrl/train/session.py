@@ -15,20 +15,24 @@ import functools
 import dataclasses
 from collections import OrderedDict
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ..distributed import resolve_device, weights_from_rank_zero
+from ..embeddings import EmbeddingStore, open_store, without_text_encoders
+from ..errors import FlowrlError
 from ..interfaces import TextEmbeddings, WarpsTime
 from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
-from ..prompts import CACHED_PROMPTS
+from ..prompts import CACHED_PROMPTS, read_prompts
 from ..recipe import Recipe, build_loss
 from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
 from .accel import default_attention
 from .checkpoint import read_model_weights
+from .evaluate import evaluation_set
 from .finetune import load_trainable_state_dict, prepare_trainable
 
 
@@ -131,12 +135,30 @@ class PromptCache:
     (:data:`flowrl.prompts.CACHED_PROMPTS`, which ``flowrl plan`` counts), so a large prompt set
     (HPDv2 has 100k+) neither fills the GPU nor grows without bound; an evicted prompt is
     re-encoded to the identical embedding. Only a batch's rows (:meth:`get`) go to the device.
+
+    With a ``store`` (``[prompts] embeddings``, :mod:`flowrl.embeddings`) a prompt not cached is
+    read from it instead of encoded: the store holds what :meth:`encode` gives, bit for bit.
     """
 
-    def __init__(self, model, max_prompts: int = CACHED_PROMPTS):
+    def __init__(self, model, max_prompts: int = CACHED_PROMPTS, store: EmbeddingStore | None = None):
         self.model = model
         self.max_prompts = max_prompts
+        self.store = store
         self.cache: OrderedDict[str, TextEmbeddings] = OrderedDict()
+
+    @torch.no_grad()
+    def encode(self, prompt: str) -> TextEmbeddings:
+        """One prompt's embeddings as the cache keeps them (``[1, ...]`` each, on the CPU)."""
+        return {k: v[:1].cpu() for k, v in self.model.encode_prompts([prompt]).items()}
+
+    def require(self, prompts, what: str) -> None:
+        """With a store, refuse (one message) when it lacks any of ``prompts`` (the ``what`` of the run)."""
+        missing = self.store.missing(str(p) for p in prompts) if self.store is not None else []
+        if missing:
+            raise FlowrlError(f"{len(missing)} of the {what} are not in the prompt embeddings of "
+                              f"{self.store.directory}, e.g. {missing[0]!r}",
+                              hint="write the store again with them (`flowrl embed RECIPE -o NEW_DIR` embeds the "
+                                   "recipe's training and evaluation prompts), or remove [prompts] embeddings")
 
     def get(self, prompts: list[str], device: torch.device | str = "cpu") -> TextEmbeddings:
         rows = {}
@@ -144,13 +166,27 @@ class PromptCache:
             if p in self.cache:
                 self.cache.move_to_end(p)
             else:
-                with torch.no_grad():
-                    self.cache[p] = {k: v[:1].cpu() for k, v in self.model.encode_prompts([p]).items()}
+                self.cache[p] = self.store.get(str(p)) if self.store is not None else self.encode(p)
                 if len(self.cache) > self.max_prompts:
                     self.cache.popitem(last=False)
             rows[p] = self.cache[p]
         keys = rows[prompts[0]].keys()
         return {k: torch.cat([rows[p][k] for p in prompts]).to(device) for k in keys}
+
+
+class StoreEncodedModel:
+    """The model, with ``encode_prompts`` answered by a run's prompt store (through its cache):
+    what code that encodes prompts itself (the temporal-dynamics profile) is given when the
+    model loaded no text encoder. Everything else is the model's."""
+
+    def __init__(self, model, cache: PromptCache, device: torch.device):
+        self._model, self._cache, self._device = model, cache, device
+
+    def encode_prompts(self, prompts) -> TextEmbeddings:
+        return self._cache.get(list(prompts), self._device)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
 
 
 @dataclasses.dataclass
@@ -188,17 +224,36 @@ class Session:
         if not isinstance(device, torch.device):
             device = resolve_device(device or recipe.run.device)
         default_attention(device)  # no faulting attention kernel before the loop's own context
-        with weights_from_rank_zero(receive_weights):
+        store = open_store(recipe)  # [prompts] embeddings: the model then loads no text encoder
+        with weights_from_rank_zero(receive_weights), without_text_encoders(store is not None):
             components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
         with contextlib.nullcontext() if place_denoiser else staying_in_place(components.model.denoiser):
             components.model.to(device)
         sampler = build_sampler(recipe, components, device)
-        return cls(recipe, registry, components, device, sampler, PromptCache(components.model),
+        return cls(recipe, registry, components, device, sampler, PromptCache(components.model, store=store),
                    plan_context(recipe, components, sampler))
 
     @property
     def model(self):
         return self.components.model
+
+    def run_prompts(self) -> tuple[Sequence[str], list[str]]:
+        """The training prompts (``[prompts].source``) and the fixed evaluation set; with a prompt
+        store, one message when it lacks any of them (before the first iteration, not at the first
+        batch that draws one)."""
+        cfg = self.recipe
+        prompts = read_prompts(cfg.prompts.source, self.model, f"{cfg.source}: [prompts].source", cfg.prompts)
+        eval_set = evaluation_set(cfg, self.model)
+        self.cache.require([*prompts, *eval_set], "run's prompts")
+        return prompts, eval_set
+
+    @property
+    def encoding_model(self):
+        """The model for code that encodes prompts itself: the model, or with a prompt store
+        (``[prompts] embeddings``) the model with its prompts read from the store."""
+        if self.cache.store is None:
+            return self.model
+        return StoreEncodedModel(self.model, self.cache, self.device)
 
     @functools.cached_property
     def eval_sigmas(self) -> torch.Tensor:

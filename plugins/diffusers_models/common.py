@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from flowrl.compat import ensure_torchvision_importable
 from flowrl.distributed import receives_weights
+from flowrl.embeddings import loading_text_encoders
 from flowrl.errors import FlowrlError
 from flowrl.objectives.kl import frozen_copy
 
@@ -204,8 +206,18 @@ class DiffusersAdapter:
         empty = receives_weights() and getattr(self.config, "quantize", "none") == "none"
         return load_pipeline(
             self.pipeline_class, self.config.path, where=f"{self.where}.path", revision=self.config.revision,
-            empty=self.empty_components if empty else (), **dtype_kwarg(self.dtype), **self._load_kwargs(),
+            empty=self.empty_components if empty else (), **dtype_kwarg(self.dtype),
+            **{**self._load_kwargs(), **self._without_text_encoders()},
         )
+
+    def _without_text_encoders(self) -> dict:
+        """``{component: None}`` for the pipeline's text encoders and tokenizers when the run reads
+        its prompt embeddings from a store (:func:`flowrl.embeddings.without_text_encoders`): none
+        of them is loaded, and ``encode_prompts`` is never called."""
+        if loading_text_encoders():
+            return {}
+        names = inspect.signature(self.pipeline_class.__init__).parameters
+        return {n: None for n in names if n.startswith(("text_encoder", "tokenizer"))}
 
     def _denoiser_of(self, pipe) -> torch.nn.Module:
         """The module that is trained: the pipeline's transformer (a two-expert pipeline wraps both)."""

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import REPO
+
 from flowrl.errors import FlowrlError
+
+REPO_RECIPES = REPO / "recipes"
 
 GB = 1024**3
 
@@ -218,3 +222,26 @@ def test_the_prompt_embedding_cache_is_planned_in_cpu_memory_at_most_the_cache_s
     flat = _flat(out)
     assert "fits in 80 GB" in flat and "does not fit" not in flat
     assert f"{CACHED_PROMPTS} prompts x" in flat and "25432 prompts" not in flat
+
+
+def test_a_run_with_a_prompt_store_plans_no_text_encoder(tmp_path):
+    """FLUX.1-dev's text encoders (T5-XXL and CLIP, 9.1 GB) leave the plan with [prompts] embeddings."""
+    from flowrl.memory_plan import GB, estimate, host_lines, peak
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+
+    recipe = REPO_RECIPES / "flow_grpo_pickscore_flux.toml"
+    registry = get_registry()
+    plans = {}
+    for name, sets in (("encodes", []), ("store", [f"prompts.embeddings={str(tmp_path)!r}"])):
+        r = load_recipe(recipe, sets)
+        _, mm, lines = estimate(r, registry, world_size=1)
+        plans[name] = (mm, lines, host_lines(r, mm, lines, 1))
+    (mm, lines, host), (mm_s, lines_s, host_s) = plans["encodes"], plans["store"]
+    encoders = sum(p * b for k, (p, b) in mm.frozen.items() if k not in mm.vae_names)
+    assert encoders > 9 * GB and set(mm_s.frozen) == set(mm.vae_names) & set(mm.frozen)
+    assert any(line.item == "text encoders (visiting)" for line in lines)
+    assert not any(line.item == "text encoders (visiting)" for line in lines_s)
+    held, held_s = (sum(line.bytes for line in h if line.phase == "held") for h in (host, host_s))
+    assert held - held_s == pytest.approx(encoders)
+    assert peak(lines_s)[0] <= peak(lines)[0] and "prompt embeddings" in mm_s.notes[-1]
