@@ -13,7 +13,7 @@ from tiny_recipe import ENGINE, tiny_recipe, write_recipe
 from flowrl.errors import FlowrlError
 from flowrl.runlog import read_metrics
 from flowrl.train import train
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, read_model_weights
 
 #: dynamics chunks profiled at start (the profile encodes its prompts too), an evaluation of 2
 #: prompts x 2 seeds every iteration, image grids and checkpoints
@@ -99,3 +99,26 @@ def test_a_run_started_encoding_resumes_from_the_store_exactly(stored, tmp_path)
     assert [comparable(r) for r in read_metrics(parts)] == [comparable(r) for r in read_metrics(whole)]
     got, want = (load_checkpoint(latest_checkpoint(d))["model"] for d in (parts, whole))
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_reading_the_store_equal_two_that_encode(stored, tmp_path, strategy):
+    """Each process reads the store (the dynamics profile too, every process taking the same
+    branch), with evaluation, images and checkpoints on: the same metrics and weights as the two
+    processes that encode."""
+    from engine_helpers import run_cli
+
+    path, store = stored
+    runs = {}
+    for name, extra in (("encoded", []), ("read", [f"prompts.embeddings={str(store)!r}"])):
+        args = [a for s in (f"distributed.strategy='{strategy}'", *extra) for a in ("--set", s)]
+        proc = run_cli(["train", str(path), *args, "-o", str(tmp_path / name), "--num-processes", "2"], timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        runs[name] = tmp_path / name
+    a, b = read_metrics(runs["encoded"]), read_metrics(runs["read"])
+    assert len(a) == 3 and [r["world_size"] for r in a[:-1]] == [2, 2]
+    assert [comparable(r) for r in a] == [comparable(r) for r in b]
+    assert (runs["read"] / "images" / "eval" / "iter_000002.png").is_file()
+    got, want = (read_model_weights(latest_checkpoint(d)) for d in (runs["read"], runs["encoded"]))  # DCP under fsdp2
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
