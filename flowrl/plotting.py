@@ -137,7 +137,7 @@ def plot_diagnostics(records, axes) -> None:
     ax.set_title("clipping, KL to the old policy, zero-advantage groups")
 
 
-def plot_run(run_dir: Path, output: Path | None = None) -> Path:
+def plot_run(run_dir: Path, output: Path | None = None, reference: dict | None = None) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise FlowrlError(f"no metrics.jsonl in {run_dir}", hint="pass the run directory of a `flowrl train` run")
@@ -147,7 +147,7 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = run_figure(read_metrics(run_dir), run_dir.name)
+    fig = run_figure(read_metrics(run_dir), run_dir.name, reference)
     output = Path(output) if output else run_dir / "rewards.png"
     fig.savefig(output, dpi=110)
     plt.close(fig)
@@ -195,7 +195,7 @@ def _plot_training(records, keys, ax, title) -> None:
     ax.grid(alpha=0.3)
 
 
-def _plot_evaluation(records, keys, artefact_keys, ax, title) -> None:
+def _plot_evaluation(records, keys, artefact_keys, ax, title, reference=None) -> None:
     for key in keys:
         xs = [r["iteration"] for r in records if key in r]
         ys = [r[key] for r in records if key in r]
@@ -203,6 +203,12 @@ def _plot_evaluation(records, keys, artefact_keys, ax, title) -> None:
         (line,) = ax.plot(xs, ys, marker="o", ms=3, label=_label(key))
         ax.fill_between(xs, [y - s for y, s in zip(ys, sem)], [y + s for y, s in zip(ys, sem)], alpha=0.15,
                         color=line.get_color())
+        curve = (reference or {}).get("metrics", {}).get(key)
+        if curve:  # the reference seeds' range behind the run, their mean dotted
+            ax.fill_between(curve["iterations"], curve["low"], curve["high"], color=line.get_color(), alpha=0.07,
+                            hatch="//", linewidth=0)
+            ax.plot(curve["iterations"], curve["mean"], ls=":", color=line.get_color(),
+                    label=f"{_label(key)}: reference, {len(reference['seeds'])} seeds (range)")
     ax.set_title(title)
     ax.set_xlabel("iteration")
     ax.grid(alpha=0.3)
@@ -228,10 +234,11 @@ def _titled(groups: list[list[str]], title: str) -> list[tuple[list[str], str]]:
     return [(g, f"{title}\n{', '.join(_label(k) for k in g)}") for g in groups]
 
 
-def run_figure(records: list[dict], title: str):
+def run_figure(records: list[dict], title: str, reference: dict | None = None):
     """The figure ``flowrl plot`` saves, for a run's metrics rows: the training and the evaluation
     rewards (a panel per scale, :func:`scale_groups`), the objective's own metrics, and the ratio
-    diagnostics of an off-policy run."""
+    diagnostics of an off-policy run; a ``reference`` (:mod:`flowrl.reference_curves`) behind
+    the evaluation."""
     import matplotlib.pyplot as plt
 
     train_keys = sorted({k for r in records for k in r if k.startswith("reward/") and k.endswith("/mean")})
@@ -253,7 +260,7 @@ def run_figure(records: list[dict], title: str):
     for keys, name in train_panels:
         _plot_training(records, keys, next(row), name)
     for i, (keys, name) in enumerate(eval_panels):
-        _plot_evaluation(records, keys, artefact_keys if i == 0 else [], next(row), name)
+        _plot_evaluation(records, keys, artefact_keys if i == 0 else [], next(row), name, reference)
     if objective_keys:
         plot_objective(records, objective_keys, next(row))
     if diag:

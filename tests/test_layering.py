@@ -37,7 +37,7 @@ LAYERS: list[set[str]] = [
     {"flowrl.plugins", "flowrl.interfaces", "flowrl.rewards", "flowrl.chunking", "flowrl.selection", "flowrl.prompts",
      "flowrl.offline", "flowrl.embeddings", "flowrl.batch",
      "flowrl.sampling", "flowrl.sampling.*", "flowrl.objectives", "flowrl.objectives.*",
-     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.run_health", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
+     "flowrl.distributed", "flowrl.geometry", "flowrl.runlog", "flowrl.run_health", "flowrl.reference_curves", "flowrl.artefacts", "flowrl.plotting", "flowrl.stats",
      "flowrl.video", "flowrl.suites", "flowrl.comparison", "flowrl.sweeps",
      "flowrl.serving", "flowrl.serving.*"},
     {"flowrl.recipe", "flowrl.recipe.*", "flowrl.memory_plan", "flowrl.dynamics", "flowrl.dynamics.*", "flowrl.hub"},

@@ -14,7 +14,7 @@ run or after it, and loads no model. The checks and their thresholds:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -27,9 +27,13 @@ def diagnose(
                                                  "recipe.toml).")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 when any check warns.")] = False,
+    reference: Annotated[Optional[Path], typer.Option(
+        "--reference", help="A reference file to hold the run's last evaluation against (default: the recipe's "
+                            "shipped one, when the run's settings are its own).")] = None,
 ) -> None:
     """Read a run's metrics for the signs of an unhealthy run: hacking, artefacts, collapse, saturation."""
     from ..diagnostics.report import print_report, report_json
+    from ..reference_curves import reference_checks, reference_for
     from ..run_health import optimised_labels, run_health
     from ..errors import FlowrlError
     from ..runlog import read_metrics
@@ -41,7 +45,13 @@ def diagnose(
             raise FlowrlError(f"{run_dir} is not a run directory (no {path.name})", where="RUN_DIR",
                               hint="pass the directory `flowrl train` writes (its -o / [run].output_dir)")
     recipe = load(recipe_path)
-    checks = run_health(read_metrics(run_dir), optimised_labels(recipe))
+    rows = read_metrics(run_dir)
+    checks = run_health(rows, optimised_labels(recipe))
+    ref, note = reference_for(run_dir, reference)
+    if ref is not None:
+        checks += reference_checks(rows, ref, note.removeprefix("reference: "))
+    elif note and not as_json:
+        console.print(note, markup=False)
     if as_json:
         print(report_json("diagnose", checks, run_dir=str(run_dir)))
     else:
