@@ -44,11 +44,16 @@ __all__ = ["FORMAT", "NOT_ENCODING", "SHARD_BYTES", "EmbeddingStore", "encoder_f
 FORMAT = 1
 #: A shard is closed once it holds this many bytes (safetensors files are read by memory-mapping).
 SHARD_BYTES = 1 << 30
-#: [model] settings that do not change a prompt's embeddings.
+#: [model] settings that do not change a prompt's embeddings: the image or clip's size, memory and
+#: LoRA settings, and what only the denoiser, the sampler's schedule or the VAE reads (FLUX's
+#: embedded guidance, Wan's flow shift and VAE dtype, Z-Image's CFG normalisation and truncation,
+#: Qwen-Image's padding trim, LTX-Video's decode timestep). ``cfg_scale``
+#: counts: whether CFG is on decides whether the negative prompt is encoded.
 NOT_ENCODING = frozenset({
     "height", "width", "num_frames", "frame_rate", "gradient_checkpointing", "offload_encoders", "lora_preset",
     "vae_batch_size", "quantize", "denoiser_dtype", "attention", "condition_height", "condition_width",
-    "train_experts", "timestep_conditioning",
+    "train_experts", "timestep_conditioning", "guidance", "flow_shift", "vae_dtype", "cfg_normalization",
+    "cfg_truncation", "trim_text_padding", "decode_timestep",
 })
 INDEX = "index.json"
 
@@ -114,7 +119,7 @@ def write_store(directory: Path, rows: Iterable[tuple[str, dict[str, torch.Tenso
                 flush()
         flush()
         index = {"format": FORMAT, "fingerprint": fingerprint, "keys": keys or [], "shards": shards, "prompts": prompts}
-        (work / INDEX).write_text(json.dumps(index, ensure_ascii=False) + "\n")
+        (work / INDEX).write_text(json.dumps(index, ensure_ascii=False) + "\n", encoding="utf-8")
         give_ordinary_mode(work / INDEX)
         os.chmod(work, 0o777 & ~process_umask())  # mkdtemp makes it 0700
         os.replace(work, directory)
@@ -134,7 +139,7 @@ class EmbeddingStore:
         self.directory = Path(directory)
         where = where or str(self.directory)
         try:
-            index = json.loads((self.directory / INDEX).read_text())
+            index = json.loads((self.directory / INDEX).read_text(encoding="utf-8"))
             prompts, shards, keys = index["prompts"], int(index["shards"]), list(index["keys"])
         except FileNotFoundError:
             raise FlowrlError(f"{self.directory} holds no prompt embeddings ({INDEX} missing)", where=where,
@@ -205,8 +210,10 @@ _SKIP_TEXT_ENCODERS: contextvars.ContextVar[bool] = contextvars.ContextVar("skip
 
 @contextlib.contextmanager
 def without_text_encoders(skip: bool = True) -> Iterator[None]:
-    """Within it, model adapters that can (the diffusers ones) load no text encoder or tokenizer:
-    the run's prompt embeddings come from a store. The engine builds the model inside it."""
+    """Within it, model adapters that can (the diffusers ones; an adapter says so with a class
+    attribute ``loads_without_text_encoders = True``, which ``flowrl plan`` reads) load no text
+    encoder or tokenizer: the run's prompt embeddings come from a store. The engine builds the
+    model inside it."""
     token = _SKIP_TEXT_ENCODERS.set(skip)
     try:
         yield

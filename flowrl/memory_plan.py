@@ -174,14 +174,16 @@ def lora_parameter_count(shapes: dict[str, tuple[int, int]], targets: list[str],
 
 def model_memory(recipe, registry) -> ModelMemory:
     """The model's memory facts: from its params' ``memory_spec()``, or measured. With prompt
-    embeddings from a store (``[prompts] embeddings``) the text encoders are not loaded: only the
-    VAE stays of the frozen components."""
+    embeddings from a store (``[prompts] embeddings``) an adapter that honours it
+    (``loads_without_text_encoders``, the diffusers ones) loads no text encoder: only the VAE stays
+    of the frozen components."""
     choice = recipe.components["model"]
     if isinstance(choice.params, PlansMemory):
         mm = choice.params.memory_spec()
     else:
         mm = measured_memory(registry.get("model", choice.use).build(choice.params))
-    if not recipe.prompts.embeddings or not mm.frozen.keys() - set(mm.vae_names):
+    honours = getattr(registry.get("model", choice.use).factory, "loads_without_text_encoders", False)
+    if not recipe.prompts.embeddings or not honours or not mm.frozen.keys() - set(mm.vae_names):
         return mm
     kept = {k: v for k, v in mm.frozen.items() if k in mm.vae_names}
     return dataclasses.replace(mm, frozen=kept, notes=[*mm.notes, "text encoders not loaded: the prompt embeddings "

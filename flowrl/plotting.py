@@ -196,6 +196,7 @@ def _plot_training(records, keys, ax, title) -> None:
 
 
 def _plot_evaluation(records, keys, artefact_keys, ax, title, reference=None) -> None:
+    said = False  # one legend entry for the reference, however many metrics it draws behind
     for key in keys:
         xs = [r["iteration"] for r in records if key in r]
         ys = [r[key] for r in records if key in r]
@@ -208,7 +209,8 @@ def _plot_evaluation(records, keys, artefact_keys, ax, title, reference=None) ->
             ax.fill_between(curve["iterations"], curve["low"], curve["high"], color=line.get_color(), alpha=0.07,
                             hatch="//", linewidth=0)
             ax.plot(curve["iterations"], curve["mean"], ls=":", color=line.get_color(),
-                    label=f"{_label(key)}: reference, {len(reference['seeds'])} seeds (range)")
+                    label="_nolegend_" if said else f"reference: {len(reference['seeds'])} seeds' mean (dotted), range (hatched)")
+            said = True
     ax.set_title(title)
     ax.set_xlabel("iteration")
     ax.grid(alpha=0.3)

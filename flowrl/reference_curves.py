@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .artefacts import ARTEFACT_MEASURES
 from .check_result import Check
 from .errors import FlowrlError
 from .files import write_text_atomic
@@ -203,9 +204,13 @@ def reference_checks(rows: list[dict[str, Any]], reference: dict[str, Any], sour
         value, low, high, mean = float(last[key]), curve["low"][i], curve["high"][i], curve["mean"][i]
         label = key[len("eval/"):-len("/mean")]
         band = f"{low:.3f} to {high:.3f} over the reference's {seeds_text(reference)}, mean {mean:.3f}"
-        if math.isnan(value) or value < low:
-            status, said = "warn", (f"{value:.3f} at iteration {last['iteration']}, below {band}: this run is behind "
-                                    f"every reference seed; compare the settings and open the images")
+        if label in ARTEFACT_MEASURES:  # lower is cleaner: above the range is the sign
+            bad, why = value > high, "more high-frequency energy than every reference seed's images; open the images"
+        else:
+            bad, why = value < low, "this run is behind every reference seed; compare the settings and open the images"
+        if math.isnan(value) or bad:
+            status, said = "warn", (f"{value:.3f} at iteration {last['iteration']}, "
+                                    f"{'above' if label in ARTEFACT_MEASURES else 'below'} {band}: {why}")
         else:
             status, said = "ok", f"{value:.3f} at iteration {last['iteration']}, " + (
                 f"above {band}" if value > high else f"within {band}")

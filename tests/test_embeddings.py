@@ -114,3 +114,18 @@ def test_text_encoders_are_skipped_only_inside_the_context():
             assert loading_text_encoders()
         assert not loading_text_encoders()
     assert loading_text_encoders()
+
+
+def test_the_plan_keeps_an_embedded_models_text_encoder_which_it_still_loads(tmp_path):
+    """Only adapters that load without their encoders (loads_without_text_encoders) lose them in the plan."""
+    from flowrl.memory_plan import model_memory
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+
+    from test_recipes import REPO
+
+    registry = get_registry()
+    plain = model_memory(load_recipe(REPO / "recipes" / "quickstart.toml", []), registry)
+    stored = model_memory(load_recipe(REPO / "recipes" / "quickstart.toml", [f"prompts.embeddings={str(tmp_path)!r}"]),
+                          registry)
+    assert stored.frozen == plain.frozen and not any("embeddings" in n for n in stored.notes)

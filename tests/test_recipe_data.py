@@ -100,10 +100,43 @@ class ImageModelWithoutEncoder:
         register("no_encoder", Model)
 
 
-def test_an_image_model_without_an_encoder_is_refused_naming_those_with_one(validate, tables):
-    with temporary_plugin(ImageModelWithoutEncoder(), name="no-encoder"):
+class ImageModelWithoutSize:
+    """A third-party adapter with encode_images but no image_size: EncodesImages needs both."""
+
+    @hookimpl
+    def register_models(self, register):
+        from flowrl_plugins.embedded.plugin import EmbeddedConfig
+
+        class Model:
+            Config = EmbeddedConfig
+
+            def __init__(self, config):
+                self.config = config
+
+            def encode_images(self, images):
+                return images
+
+        register("no_encoder", Model)
+
+
+@pytest.mark.parametrize("plugin", [ImageModelWithoutEncoder, ImageModelWithoutSize])
+def test_an_image_model_without_an_encoder_is_refused_naming_those_with_one(validate, tables, plugin):
+    with temporary_plugin(plugin(), name="no-encoder"):
         code, err = validate(SFT, data(tables / "best.jsonl"), "model.use='no_encoder'")
     assert code == 2, err
     assert "model 'no_encoder' cannot train on an offline table of images: its adapter cannot turn images" in err
     assert "embedded, embedded_compose, flux, flux2_klein, qwen_image, sd3, zimage" in err, err
     assert "Traceback" not in err
+
+
+def test_an_offline_runs_table_prompts_are_embedded_and_checked_against_a_store(validate, tables, flowrl_cli, tmp_path):
+    """`flowrl embed` of an offline recipe embeds its [data] table's prompts; a store without them is refused."""
+    sets = ["--set", data(tables / "best.jsonl")]
+    (r,) = flowrl_cli.in_process([["embed", str(SFT), *sets, "-o", str(tmp_path / "store")]], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    code, err = validate(SFT, data(tables / "best.jsonl"), f"prompts.embeddings={str(tmp_path / 'store')!r}")
+    assert code == 0, err
+    other = tables / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt": f"q{i}", "image": "a.png"}) + "\n" for i in range(16)))
+    code, err = validate(SFT, data(other), f"prompts.embeddings={str(tmp_path / 'store')!r}")
+    assert code == 2 and "16 prompt(s) the run uses are not in" in err and "'q0'" in err, err

@@ -132,7 +132,7 @@ def test_plot_draws_the_reference_behind_the_evaluation_and_diagnose_holds_the_r
     fig = run_figure(read_metrics(run_dir), "run", _reference())
     try:
         (panel,) = [ax for ax in fig.axes if ax.get_title().startswith("evaluation")]
-        assert "verifier: reference, 3 seeds (range)" in [line.get_label() for line in panel.get_lines()]
+        assert "reference: 3 seeds' mean (dotted), range (hatched)" in [line.get_label() for line in panel.get_lines()]
     finally:
         plt.close(fig)
     rc.write_reference(tmp_path / "ref.json", _reference())
@@ -166,3 +166,19 @@ def test_the_script_makes_a_reference_from_a_finished_sweep_that_applies_to_its_
     reference, note = rc.reference_for(tmp_path / "sweep" / "runs" / "tiny_seed43", tmp_path / "ref.json")
     assert reference == ref and note.endswith("2 seeds (42, 43)")
     assert script.main([str(tmp_path), "-o", str(tmp_path / "x.json")]) == 2  # not a sweep: one message
+
+
+def test_an_artefact_measure_warns_above_the_reference_not_below():
+    runs = []
+    for seed, shift in ((42, 0.0), (43, 0.01)):
+        rows = _rows([0.4, 0.5, 0.6], shift)
+        for row in rows:
+            if "eval/verifier/mean" in row:
+                row["eval/hf_share/mean"] = 0.05 + shift
+        runs.append((seed, RESOLVED, rows))
+    ref = rc.build_reference(runs, recipe="quick", measured="")
+    for value, status in ((0.02, "ok"), (0.055, "ok"), (0.2, "warn")):
+        rows = _rows([0.4, 0.5, 0.6])
+        rows[-1]["eval/hf_share/mean"] = value
+        (check,) = [c for c in rc.reference_checks(rows, ref, "ref") if c.name.startswith("hf_share")]
+        assert check.status == status, (value, check.detail)

@@ -6,8 +6,10 @@
     flowrl train recipes/chunk_grpo_flux.toml --set prompts.embeddings=runs/embeddings/chunk_grpo_flux
 
 It loads the recipe's model as training does, encodes every distinct prompt of the training
-source and of the evaluation pool (and of each ``--prompts`` file) one at a time, exactly as a
-run's prompt cache would, and writes them as a store (:mod:`flowrl.embeddings`). A recipe with
+source, of the evaluation pool, of an offline run's ``[data]`` table and of each ``--prompts``
+file, one at a time, exactly as a
+run's prompt cache would (under the recipe's ``[train].attention_backend``, as in the training
+loop), and writes them as a store (:mod:`flowrl.embeddings`). A recipe with
 ``[prompts] embeddings = "DIR"`` then reads them back: the diffusers models load no text encoder
 or tokenizer (FLUX.1's T5-XXL alone is 9.5 GB in bf16), and the run equals one that encodes.
 """
@@ -37,7 +39,9 @@ def embed(
 
     from ..embeddings import recipe_fingerprint, write_store
     from ..errors import FlowrlError
+    from ..offline import read_offline_rows
     from ..prompts import read_prompts
+    from ..train.accel import attention_backend, check_attention_backend
     from ..train.session import Session
 
     output = Path(output)
@@ -56,10 +60,13 @@ def embed(
     if p.num_eval or p.eval_source:  # the whole evaluation pool: `flowrl eval` and `sample` read it too
         texts += [str(x) for x in read_prompts(p.eval_source or p.source, model, f"{cfg.source}: [prompts]", p,
                                                role="eval")]
+    if cfg.data.enabled:  # an offline run trains on its table's prompts
+        texts += read_offline_rows(cfg.data.path, f"{cfg.source}: [data].path").prompts
     for extra in prompts_file or []:
         texts += [str(x) for x in read_prompts(str(extra), model, "--prompts", p, role="eval")]
     texts = list(dict.fromkeys(texts))
-    with Progress(TextColumn("[bold]embedding prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    check_attention_backend(cfg.train.attention_backend, session.device, cfg.source)
+    with attention_backend(cfg.train.attention_backend, session.device, cfg.source), Progress(TextColumn("[bold]embedding prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("embed", total=len(texts))
 

@@ -94,7 +94,10 @@ def resolve_source(source: Optional[Path], model: Optional[str], overrides: list
         ckpt = Path(checkpoint)
         if not (ckpt / MARKER).is_file():
             raise FlowrlError(f"{ckpt} is not a checkpoint directory (no {MARKER})", where="--checkpoint")
-    recipe = load_recipe(recipe_path, overrides, registry=registry())
+    # Sampling, evaluation and export load the text encoders and encode prompts as they come, from
+    # a run that trained from a prompt store too: their prompts (--prompt, a suite) need not be in
+    # it, and an exported pipeline needs its encoders.
+    recipe = load_recipe(recipe_path, [*overrides, "prompts.embeddings=''"], registry=registry())
     label = source.name if ckpt is None else f"{(run_dir or ckpt).name}/{ckpt.name}"
     return Source(recipe, True, ckpt, run_dir, label)
 

@@ -232,7 +232,10 @@ def measure_dynamics(
     n = sig.numel() - 1
     shape = tuple(model.latent_shape)
     unique = list(dict.fromkeys(prompts))
-    encoded = model.encode_prompts(unique)
+    # one prompt at a time, as training's prompt cache encodes them and a prompt store holds them
+    # (a batch may round otherwise): the profile is the same with a store and without
+    each = [model.encode_prompts([p]) for p in unique]
+    encoded = {key: torch.cat([e[key][:1] for e in each]) for key in each[0]}
     row = {p: i for i, p in enumerate(unique)}
     items = [(k, j) for k in range(num_seeds) for j in range(len(prompts))]
     out = {c: torch.zeros(num_seeds, len(prompts), n) for c in CURVES}

@@ -263,6 +263,8 @@ def _check_embeddings(recipe: Recipe, registry: Registry) -> None:
             continue  # the engine checks these once it has read them (flowrl.train.session.PromptCache)
         rows = [str(r) for r in read_prompts(source, None, f"{recipe.source}: [prompts].{key}", p, role=role)]
         used += rows if role == "train" else evaluation_prompts(rows, recipe.run.seed, p.num_eval)
+    if recipe.data.enabled:  # an offline run trains on its table's prompts (the table is checked above)
+        used += read_offline_rows(recipe.data.path, f"{recipe.source}: [data].path").prompts
     missing = store.missing(used)
     if missing:
         raise RecipeError(f"{len(missing)} prompt(s) the run uses are not in {p.embeddings}, e.g. {missing[0]!r}",
@@ -318,12 +320,15 @@ def _check_model_encodes_images(recipe: Recipe, registry: Registry) -> None:
     model = recipe.components["model"].use
     factory = registry.get("model", model).factory
     task = getattr(factory, "task", "text-to-image")
-    encoders = [n for n in registry.names("model")
-                if callable(getattr(registry.get("model", n).factory, "encode_images", None))
+
+    def encodes(f) -> bool:  # flowrl.interfaces.EncodesImages, read from the class
+        return callable(getattr(f, "encode_images", None)) and hasattr(f, "image_size")
+
+    encoders = [n for n in registry.names("model") if encodes(registry.get("model", n).factory)
                 and getattr(registry.get("model", n).factory, "task", "text-to-image") == "text-to-image"]
-    if task != "text-to-image" or not callable(getattr(factory, "encode_images", None)):
+    if task != "text-to-image" or not encodes(factory):
         why = (f"its task is {task}, the table's text-to-image" if task != "text-to-image"
-               else "its adapter cannot turn images into latents (no encode_images)")
+               else "its adapter cannot turn images into latents (no encode_images and image_size)")
         raise RecipeError(f"model '{model}' cannot train on an offline table of images: {why}",
                           where=f"{recipe.source}: [data]",
                           hint=f"an offline run ([data]) trains a text-to-image model that encodes images: "

@@ -26,6 +26,7 @@ from ..errors import FlowrlError
 from ..interfaces import TextEmbeddings, WarpsTime
 from ..sampling.plans import PlanContext
 from ..plugins import Registry, get_registry
+from ..offline import read_offline_rows
 from ..prompts import CACHED_PROMPTS, read_prompts
 from ..recipe import Recipe, build_loss
 from ..rewards import for_clips
@@ -244,7 +245,8 @@ class Session:
         cfg = self.recipe
         prompts = read_prompts(cfg.prompts.source, self.model, f"{cfg.source}: [prompts].source", cfg.prompts)
         eval_set = evaluation_set(cfg, self.model)
-        self.cache.require([*prompts, *eval_set], "run's prompts")
+        table = read_offline_rows(cfg.data.path, f"{cfg.source}: [data].path").prompts if cfg.data.enabled else []
+        self.cache.require([*prompts, *eval_set, *table], "run's prompts")
         return prompts, eval_set
 
     @property

@@ -106,6 +106,8 @@ class DiffusersAdapter:
     empty_components: tuple[str, ...] = ("transformer",)
     #: the pipeline's frozen components (text encoders, VAE), in the order they are moved and frozen
     frozen_names: tuple[str, ...] = ("text_encoder", "vae")
+    #: built inside :func:`flowrl.embeddings.without_text_encoders`, it loads no text encoder
+    loads_without_text_encoders: bool = True
 
     @property
     def forwards_per_velocity(self) -> int:
@@ -123,6 +125,7 @@ class DiffusersAdapter:
             self.dtype if config.denoiser_dtype == "auto" else resolve_dtype(config.denoiser_dtype, f"{where}.denoiser_dtype")
         )
         self.device = torch.device("cpu")
+        self.text_encoders_loaded = loading_text_encoders()  # not with prompt embeddings from a store
         self.pipe = self._load()
         self.denoiser = self._denoiser_of(self.pipe)
         if self.denoiser_dtype != self.dtype:
@@ -214,7 +217,7 @@ class DiffusersAdapter:
         """``{component: None}`` for the pipeline's text encoders and tokenizers when the run reads
         its prompt embeddings from a store (:func:`flowrl.embeddings.without_text_encoders`): none
         of them is loaded, and ``encode_prompts`` is never called."""
-        if loading_text_encoders():
+        if self.text_encoders_loaded:
             return {}
         names = inspect.signature(self.pipeline_class.__init__).parameters
         return {n: None for n in names if n.startswith(("text_encoder", "tokenizer"))}
@@ -459,6 +462,10 @@ class DiffusersAdapter:
                 where=f"{self.where}.quantize",
                 hint="export the LoRA (flowrl export without --merge) and load it onto the full-precision base",
             )
+        if not self.text_encoders_loaded:
+            raise FlowrlError("the pipeline was loaded without its text encoders (prompt embeddings from a store): "
+                              "it cannot be saved whole", where=f"{self.where}",
+                              hint="load it with its encoders (no [prompts] embeddings), as `flowrl export` does")
         self._denoiser_into_pipeline()
         self.pipe.save_pretrained(str(out_dir))
 

@@ -13,6 +13,7 @@ import torch
 from conftest import REPO, TINY_MODEL
 
 from flowrl.embeddings import without_text_encoders
+from flowrl.errors import FlowrlError
 from flowrl.runlog import read_metrics
 
 ADAPTERS = {  # builder, module, config, model, settings
@@ -27,7 +28,7 @@ ADAPTERS = {  # builder, module, config, model, settings
 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
-def test_an_adapter_built_without_text_encoders_denoises_from_stored_embeddings(name, tiny_dir):
+def test_an_adapter_built_without_text_encoders_denoises_from_stored_embeddings(name, tiny_dir, tmp_path):
     from flowrl.testing import tiny_pipelines
 
     builder, module, config, model, settings = ADAPTERS[name]
@@ -46,6 +47,9 @@ def test_an_adapter_built_without_text_encoders_denoises_from_stored_embeddings(
     sigma = torch.tensor([0.7])
     with torch.no_grad():
         torch.testing.assert_close(reading.velocity(x, sigma, text), encoding.velocity(x, sigma, text), rtol=0, atol=0)
+    with pytest.raises(FlowrlError, match="loaded without its text encoders"):  # a pipeline without them is no pipeline
+        reading.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def _doc_commands() -> list[list[str]]:
@@ -80,3 +84,15 @@ def test_the_docs_commands_on_the_tiny_flux_equal_the_run_that_encodes_and_load_
     store = relocate([train[-1]])[0]
     session = Session.open(load_recipe(REPO / embed[1], [*sets, store]), rewards=False)
     assert session.model.pipe.text_encoder is None and session.model.pipe.text_encoder_2 is None
+
+    # sampling (a prompt the store lacks too), the run's evaluation and a whole-pipeline export of
+    # the run that trained from the store load the encoders, and diffusers loads the export
+    run = tmp_path / "read"
+    for argv in (["sample", run, "--prompt", "a prompt no store holds", "--steps", "2", "--no-grid", "-o", tmp_path / "s"],
+                 ["eval", run], ["export", run, "-o", tmp_path / "exported"]):
+        code, out, err = cli(*argv)
+        assert code == 0, (argv[0], out + err)
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(tmp_path / "exported")
+    assert pipe.text_encoder is not None and pipe.tokenizer_2 is not None
