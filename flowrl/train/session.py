@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import dataclasses
 from collections import OrderedDict
@@ -146,6 +147,9 @@ class PromptCache:
         self.max_prompts = max_prompts
         self.store = store
         self.cache: OrderedDict[str, TextEmbeddings] = OrderedDict()
+        # [pipeline] worker = "thread" draws rollouts beside the main thread's evaluation: both read
+        # and evict here, and an OrderedDict is not safe to change from two threads at once
+        self._lock = threading.Lock()
 
     @torch.no_grad()
     def encode(self, prompt: str) -> TextEmbeddings:
@@ -163,14 +167,15 @@ class PromptCache:
 
     def get(self, prompts: list[str], device: torch.device | str = "cpu") -> TextEmbeddings:
         rows = {}
-        for p in dict.fromkeys(prompts):
-            if p in self.cache:
-                self.cache.move_to_end(p)
-            else:
-                self.cache[p] = self.store.get(str(p)) if self.store is not None else self.encode(p)
+        with self._lock:
+            for p in dict.fromkeys(prompts):
+                if p in self.cache:
+                    self.cache.move_to_end(p)
+                    rows[p] = self.cache[p]
+                    continue
+                rows[p] = self.cache[p] = self.store.get(str(p)) if self.store is not None else self.encode(p)
                 if len(self.cache) > self.max_prompts:
                     self.cache.popitem(last=False)
-            rows[p] = self.cache[p]
         keys = rows[prompts[0]].keys()
         return {k: torch.cat([rows[p][k] for p in prompts]).to(device) for k in keys}
 

@@ -122,3 +122,4 @@ def test_two_processes_reading_the_store_equal_two_that_encode(stored, tmp_path,
     assert (runs["read"] / "images" / "eval" / "iter_000002.png").is_file()
     got, want = (read_model_weights(latest_checkpoint(d)) for d in (runs["read"], runs["encoded"]))  # DCP under fsdp2
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
