@@ -168,3 +168,39 @@ def test_a_sharded_run_stopped_between_checkpoints_writes_one_and_resumes(tmp_pa
     proc = run_cli(["train", str(recipe_path), *args, "--resume", str(out), "--num-processes", "2"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert [r["iteration"] for r in read_metrics(out) if "loss" in r] == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_compiled_denoiser_under_fsdp2_equals_one_compiled_process(tmp_path, reference_run, monkeypatch):
+    """[train] compile with FSDP2 on 2 processes (compiled after sharding) against 1 compiled
+    process. Dynamo's aot_eager backend stands in for inductor (no C++ in minutes), wrapped so that
+    every process that compiles a graph leaves a marker: the forked workers inherit the patch."""
+    import os
+
+    import torch
+
+    markers = tmp_path / "compiled"
+    markers.mkdir()
+    original = torch.nn.Module.compile
+
+    def backend(gm, example_inputs):
+        (markers / str(os.getpid())).touch()
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    def compile_marked(self, *args, **kwargs):
+        kwargs.pop("mode", None)
+        return original(self, *args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_marked)
+    recipe_path, _, _ = reference_run
+    two, one = tmp_path / "two", tmp_path / "one"
+    torch._dynamo.reset()
+    try:
+        run_two(recipe_path, two, "train.compile='default'")
+        forked = {p.name for p in markers.iterdir()}
+        train(load(recipe_path, *TWO_STEPS, "train.compile='default'", f"run.output_dir={str(one)!r}"),
+              console=quiet_console())
+    finally:
+        torch._dynamo.reset()
+    assert len(forked - {str(os.getpid())}) == 2, forked  # both workers compiled
+    assert_two_equal_one(two, one)
