@@ -21,6 +21,8 @@ the update hands them micro-batches of the iteration's table rows (``batch.data`
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from flowrl.batch import Batch
@@ -50,6 +52,24 @@ def offline_points(seed: int, tag: str, iteration: int, rows: list[int], x0: tor
             es.append(torch.randn(tuple(x0.shape[1:]), generator=g))
             idx.append(j)
     return torch.stack(ss), torch.stack(es), torch.tensor(idx, dtype=torch.long)
+
+
+@contextlib.contextmanager
+def conditional_velocity(model):
+    """The model's conditional velocity for the block: true classifier-free guidance off
+    (``uses_cfg``, the diffusers adapters' switch), for the policy and for the reference alike (both
+    run through the same adapter). SFT is then the pretraining loss and DPO Diffusion-DPO's, which
+    train the conditional prediction; the guided velocity, a policy that the online objectives
+    train, would give the unconditional branch a gradient of weight ``1 - w``. Sampling (the
+    evaluation) keeps the model's guidance."""
+    if not getattr(model, "uses_cfg", False):
+        yield
+        return
+    model.uses_cfg = False
+    try:
+        yield
+    finally:
+        model.uses_cfg = True
 
 
 def points_of(x0: torch.Tensor, sigma: torch.Tensor, eps: torch.Tensor, idx: torch.Tensor) -> ForwardPoints:
@@ -129,8 +149,8 @@ class OfflineObjective:
         sigma, eps, idx = offline_points(ctx.seed, self.tag, micro.batch.iteration, table_rows, first, data.sigmas,
                                          self.K)
         text = select_embeddings(micro.batch.text, rows[idx].to(device))
-        ctx.counter.expect("update", len(idx) * self.sides * ctx.rows_per_sample)
-        with torch.enable_grad():
+        ctx.counter.expect("update", len(idx) * self.sides)  # one network row a point: no CFG (below)
+        with torch.enable_grad(), conditional_velocity(ctx.model):
             loss, metrics = self.loss(ctx, latents, text, sigma, eps, idx)
             scaled = loss * (len(rows) / micro.normaliser)  # the mean over the step's rows, summed over micro-batches
             scaled.backward()
@@ -165,7 +185,7 @@ class OfflineDPO(OfflineObjective):
         self.reference = ctx.kl.reference
 
     def loss(self, ctx, latents, text, sigma, eps, idx):
-        ctx.counter.expect("reference", len(idx) * 2 * ctx.rows_per_sample)
+        ctx.counter.expect("reference", len(idx) * 2)
 
         def reference(x, s, t):
             with ctx.counter.phase("reference"):

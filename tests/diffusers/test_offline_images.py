@@ -110,6 +110,9 @@ def test_the_sd3_offline_dpo_recipe_trains_from_a_table(pairs, tiny_sd3, cli, tm
     # the first step is at the reference (the LoRA starts at zero): margin 0, loss softplus(0)
     assert abs(trained[0]["dpo/margin"]) < 1e-6 and abs(trained[0]["dpo/loss"] - 0.6931472) < 1e-5
     assert trained[1]["dpo/margin"] != 0.0  # the LoRA moved
+    # the conditional velocity (CFG 4.5 off in training, as Diffusion-DPO trains): one network row
+    # per point, 2 rows x 2 sides x 1 point, for the policy and for the reference (8 each with CFG)
+    assert trained[0]["compute/update/forward"] == 4 and trained[0]["compute/reference/forward"] == 4
     assert "eval/brightness/mean" in trained[0]
     assert latest_checkpoint(run).name == "iter_000002"
 
