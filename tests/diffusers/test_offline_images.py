@@ -117,9 +117,18 @@ def test_the_sd3_offline_dpo_recipe_trains_from_a_table(pairs, tiny_sd3, cli, tm
     assert latest_checkpoint(run).name == "iter_000002"
 
 
-def test_the_recipe_says_how_to_build_its_table():
+def test_the_recipe_says_how_to_build_its_table_from_prompts_its_evaluation_never_sees():
+    from flowrl.prompts import read_prompts
+    from flowrl.recipe import load_recipe
+    from flowrl.train.evaluate import evaluation_set
+
+    recipe = load_recipe(REPO / "recipes" / "offline_dpo_sd3.toml")
+    p = recipe.prompts
+    training = set(read_prompts(p.source, None, "source", p, role="train"))
+    held_out = evaluation_set(recipe, None)
+    assert len(training) == 48 and len(held_out) == 16 and not training & set(held_out)
     text = (REPO / "recipes" / "offline_dpo_sd3.toml").read_text()
-    assert "flowrl sample recipes/offline_dpo_sd3.toml" in text and "--tables" in text
+    assert "flowrl sample recipes/offline_dpo_sd3.toml" in text and "--tables" in text and "eval_split=train" in text
 
 
 def test_the_recipes_table_command_builds_a_pairs_table_it_accepts(tiny_sd3, cli, tmp_path):
