@@ -289,9 +289,20 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
     lines += _reward_lines(recipe)
     group = recipe.train.update_group if uses_units(recipe, registry) else 1  # [train].update_group: steps per forward
     lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None),
-                         group)
+                         group, offline_points(recipe, registry))
     lines.append(Line("persistent", "CUDA context + allocator slack", CUDA_OVERHEAD))
     return geometry, lines
+
+
+def offline_points(recipe, registry) -> int:
+    """Points an offline objective forwards per table row in one forward (its sides, 2 for a
+    preference pair, times ``[loss].timesteps``), without CFG (flowrl.objectives.offline); 0 for
+    an online run."""
+    if not recipe.data.enabled:
+        return 0
+    choice = recipe.components["loss"]
+    loss = registry.get("loss", choice.use).build(choice.params)  # a plain object: no model is built
+    return int(getattr(loss, "sides", 1)) * int(getattr(loss, "K", getattr(choice.params, "timesteps", 1)))
 
 
 def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
@@ -439,9 +450,10 @@ def saved_widths(recipe, mm: ModelMemory) -> tuple[dict[str, float], float]:
 
 
 def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Line | None = None,
-                group: int = 1) -> list[Line]:
+                group: int = 1, points: int = 0) -> list[Line]:
     """The largest transient of each phase: encode, rollout, decode and the update's forward with
-    grad (``group`` steps of a chunk per forward: ``[train].update_group``); under fsdp2 the
+    grad (``group`` steps of a chunk per forward: ``[train].update_group``; an offline run's
+    ``points`` per table row in one forward, without CFG: :func:`offline_points`); under fsdp2 the
     start-up's (``reference``: the KL reference copy's line, if any)."""
     compute = 2 if layout.bf16 else mm.compute_bytes
     # context parallelism: each process of the group holds its share of every sequence's tokens
@@ -481,8 +493,10 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
     else:
         widths = sum(per_block[k] * c for k, c in mm.blocks.items()) + outside
         how = f"{widths:.0f} widths per token saved over {total_blocks} blocks" if mm.width > 1 else "measured per sample"
-    per = f"micro-batch {m}" + (f" x {group} steps per forward ([train].update_group)" if group > 1 else "")
-    lines.append(Line("update", "activations, forward with grad", group * m * tw * widths, f"{per}; {how}"))
+    rows, per = group * m * tw, f"micro-batch {m}" + (f" x {group} steps per forward ([train].update_group)" if group > 1 else "")
+    if points:  # offline SFT / DPO: every point of a row in one forward, the conditional velocity alone
+        rows, per = points * m * tw / mm.forwards_per_velocity, f"micro-batch {m} rows x {points} points per forward, no CFG"
+    lines.append(Line("update", "activations, forward with grad", rows * widths, f"{per}; {how}"))
     if layout.strategy == "fsdp2":
         # shard before moving: one block (or the root's own parameters) whole on the device at a
         # time, in the storage dtype, on top of the shards placed so far

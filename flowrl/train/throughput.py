@@ -20,7 +20,10 @@ each in the rollout), ``P`` the passes over the rollout (``updates_per_rollout``
 transitions sample ``s`` trains in the first pass (the sizes of its selected chunks; later passes
 are assumed to train as many), and ``t_train`` the seconds of the iteration's training phases
 (encode, rollout, decode, reward, advantage, update; not evaluation, re-profiling or the
-checkpoint).
+checkpoint). An offline run (SFT or DPO on a ``[data]`` table) has no rollout: its model FLOPs
+are ``P * S * p * F_fb`` (plus ``P * S * p * F_f`` for DPO's reference), with ``S`` the table rows
+and ``p`` the points a row forwards (sides times ``[loss].timesteps``), the FLOPs counted on the
+conditional velocity the offline objectives train.
 
 MFU counts the model's FLOPs, not recomputation (the PaLM paper's definition, Chowdhery et al.
 2022, appendix B); HFU ("hardware FLOPs utilisation") counts the checkpointed forwards again,
@@ -59,6 +62,8 @@ from typing import NamedTuple
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from ..interfaces import NeedsReferencePolicy, TrainsOnData
+from ..objectives.offline import conditional_velocity
 from .accel import attention_backend
 from .run import Run
 
@@ -193,6 +198,8 @@ class Throughput:
 
     #: Phases that are measurement or upkeep, not training.
     NOT_TRAINING = ("eval", "profile", "checkpoint", "kl_monitor")
+    #: an offline objective's points per table row (0: an online run), and whether a reference forwards them too
+    points, reference = 0, False
 
     def __init__(self, run: Run, prompt: str, start_iteration: int, counter=None):
         session, geometry = run.session, run.geometry
@@ -200,8 +207,14 @@ class Throughput:
         self.samples = geometry.samples_per_process
         self.steps = recipe.sampler.steps
         self.passes = geometry.updates_per_rollout
+        # an offline objective (a [data] table): no rollout; each row's points (sides x timesteps) go
+        # through the conditional velocity once with gradient, and once more through the reference
+        loss = session.components.loss
+        self.points = loss.sides * loss.K if isinstance(loss, TrainsOnData) else 0
+        self.reference = bool(self.points) and isinstance(loss, NeedsReferencePolicy) and loss.needs_reference()
         # measuring, not training; on the loop's attention kernels (what torch would pick otherwise may fault)
         with counter.paused() if counter is not None else contextlib.nullcontext(), \
+                conditional_velocity(session.model) if self.points else contextlib.nullcontext(), \
                 attention_backend(recipe.train.attention_backend, session.device, recipe.source):
             self.forward, self.forward_backward, self.forward_backward_with_recompute = \
                 count_velocity_flops(session, prompt)
@@ -217,7 +230,8 @@ class Throughput:
             "sampling_steps": self.steps, "passes_per_rollout": self.passes,
             "flops": {"velocity_forward": self.forward, "velocity_forward_backward": self.forward_backward,
                       "velocity_forward_backward_with_recompute": self.forward_backward_with_recompute,
-                      "rollout_per_iteration": self.samples * self.steps * self.forward,
+                      "rollout_per_iteration": 0 if self.points else self.samples * self.steps * self.forward,
+                      "offline_points_per_row": self.points,
                       "counted_with": "torch.utils.flop_counter.FlopCounterMode, one sample; "
                                       "velocity_forward_backward without the forwards activation "
                                       "checkpointing recomputes (MFU), _with_recompute with them (HFU)"},
@@ -227,10 +241,16 @@ class Throughput:
         """``speed/*`` of an iteration: ``seconds`` per phase, ``trained [S, K]`` the chunks each
         sample trained, ``done`` the iterations completed so far."""
         t_train = sum(v for k, v in seconds.items() if k not in self.NOT_TRAINING)
-        transitions = float((trained.float() * torch.tensor(sizes, dtype=torch.float32)).sum())
-        rollout = self.samples * self.steps * self.forward
-        flops = rollout + self.passes * transitions * self.forward_backward
-        hardware = rollout + self.passes * transitions * self.forward_backward_with_recompute
+        if self.points:  # offline: the table's rows, every point forwarded with gradient (and by the reference)
+            points = self.passes * self.samples * self.points
+            extra = points * self.forward if self.reference else 0
+            flops = points * self.forward_backward + extra
+            hardware = points * self.forward_backward_with_recompute + extra
+        else:
+            transitions = float((trained.float() * torch.tensor(sizes, dtype=torch.float32)).sum())
+            rollout = self.samples * self.steps * self.forward
+            flops = rollout + self.passes * transitions * self.forward_backward
+            hardware = rollout + self.passes * transitions * self.forward_backward_with_recompute
         elapsed = time.monotonic() - self.started
         left = self.total - done
         out = {

@@ -245,3 +245,23 @@ def test_a_run_with_a_prompt_store_plans_no_text_encoder(tmp_path):
     held, held_s = (sum(line.bytes for line in h if line.phase == "held") for h in (host, host_s))
     assert held - held_s == pytest.approx(encoders)
     assert peak(lines_s)[0] <= peak(lines)[0] and "prompt embeddings" in mm_s.notes[-1]
+
+
+def test_an_offline_runs_update_activations_count_every_point_it_forwards():
+    """Offline DPO forwards 2 sides x [loss].timesteps points per table row in one forward, without
+    CFG: the plan's update activations scale with both (they once counted one row a row)."""
+    from flowrl.memory_plan import estimate, offline_points
+    from flowrl.plugins import get_registry
+    from flowrl.recipe import load_recipe
+
+    registry = get_registry()
+
+    def update(k):
+        r = load_recipe(REPO_RECIPES / "offline_dpo_sd3.toml", [f"loss.timesteps={k}", "model.gradient_checkpointing=false"])
+        _, _, lines = estimate(r, registry, world_size=1)
+        return offline_points(r, registry), next(l.bytes for l in lines if l.item == "activations, forward with grad")
+
+    (p1, a1), (p3, a3) = update(1), update(3)
+    assert (p1, p3) == (2, 6) and a3 == pytest.approx(3 * a1)
+    online = load_recipe(REPO_RECIPES / "lora_single_gpu_sd3.toml", ["model.gradient_checkpointing=false"])
+    assert offline_points(online, registry) == 0

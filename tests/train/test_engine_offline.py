@@ -77,6 +77,8 @@ def test_flowrl_train_runs_each_offline_recipe_without_rollout_or_reward(sampled
     if loss == "offline_dpo":  # the first step is at the reference: a zero margin, loss softplus(0)
         assert abs(trained[0]["dpo/margin"]) < 1e-6 and abs(trained[0]["dpo/loss"] - 0.6931472) < 1e-5
     assert (run_dir / "recipe.toml").is_file() and latest_checkpoint(run_dir).name == "iter_000002"
+    flops = json.loads((run_dir / "run_info.json").read_text())["flops"]  # no rollout; 2 points a row, 2 sides for DPO
+    assert flops["rollout_per_iteration"] == 0 and flops["offline_points_per_row"] == (4 if loss == "offline_dpo" else 2)
     assert (run_dir / "images" / "eval" / "iter_000002.png").is_file()  # the final evaluation's grid
 
 
@@ -129,3 +131,22 @@ def test_two_processes_equal_one(sampled, tmp_path, loss, strategy):
         assert_records_close(a, b, rtol=1e-4, atol=1e-6)
     assert_weights_close(read_model_weights(latest_checkpoint(two)), read_model_weights(latest_checkpoint(one)),
                          atol=5e-6)
+
+
+def test_an_offline_iterations_model_flops_are_its_points_not_a_rollout():
+    """speed/model_tflops_per_second of an offline run: rows x points x F_fb, plus one reference
+    forward a point for DPO; nothing for a rollout it does not draw."""
+    import time
+    from types import SimpleNamespace
+
+    from flowrl.train.throughput import Throughput
+
+    def measured(points, reference):
+        run = SimpleNamespace(points=points, reference=reference, passes=1, samples=8, steps=17, forward=10.0,
+                              forward_backward=30.0, forward_backward_with_recompute=40.0, peak=None,
+                              started=time.monotonic(), total=4, first=0, NOT_TRAINING=Throughput.NOT_TRAINING)
+        out = Throughput.measure(run, {"update": 1e-12}, torch.zeros(8, 1, dtype=torch.bool), [4], 1)
+        return out["speed/model_tflops_per_second"]  # TFLOP/s over 1e-12 s of training: the FLOPs themselves
+
+    assert measured(2, False) == pytest.approx(8 * 2 * 30.0)  # SFT, 2 timesteps
+    assert measured(4, True) == pytest.approx(8 * 4 * (30.0 + 10.0))  # DPO, 2 sides x 2 timesteps, and the reference
