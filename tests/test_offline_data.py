@@ -103,3 +103,36 @@ def test_sample_tables_need_a_source_with_a_reward(flowrl_cli, tmp_path):
             "--no-grid", "-o", str(tmp_path / "out")]
     (r,) = flowrl_cli.in_process([argv], cwd=tmp_path)
     assert r.returncode == 2 and "--tables scores the images with the recipe's [[rewards]]" in r.stderr, r.stderr
+
+
+def test_each_table_image_is_encoded_once_alone_and_its_latent_kept(tmp_path):
+    """A row drawn again reads its latent from the cache; every image goes through the encoder
+    alone (a batch of one), so a latent does not depend on its batch mates; a full cache drops
+    the least recently used and encodes it again to the same latent."""
+    from flowrl.offline import LatentCache, encode_rows
+
+    from PIL import Image
+
+    rows_json = []
+    for i in range(3):
+        Image.new("RGB", (8, 8), (40 * i, 10, 200)).save(tmp_path / f"{i}.png")
+        rows_json.append(json.dumps({"prompt": f"p{i}", "image": f"{i}.png"}))
+    (tmp_path / "t.jsonl").write_text("\n".join(rows_json) + "\n")
+    table = read_offline_rows(tmp_path / "t.jsonl")
+
+    class Model:
+        image_size = (8, 8)
+        calls: list[int] = []
+
+        def encode_images(self, images):
+            self.calls.append(images.shape[0])
+            return images.flatten(1) * 2
+
+    model, cache = Model(), LatentCache(max_items=2)
+    first = encode_rows(table, model, [0, 1], cache=cache).latents["image"]
+    again = encode_rows(table, model, [1, 0], cache=cache).latents["image"]
+    assert Model.calls == [1, 1] and torch.equal(again, first.flip(0))  # both read back
+    encode_rows(table, model, [2], cache=cache)  # evicts row 1's (the least recently used)
+    assert Model.calls == [1, 1, 1] and set(cache.items) == {(0, "image"), (2, "image")}
+    assert torch.equal(encode_rows(table, model, [1], cache=cache).latents["image"][0], first[1])
+    assert Model.calls == [1, 1, 1, 1]

@@ -102,7 +102,7 @@ def collect_rows(run: Run, iteration: int, timer) -> Batch:
     with timer("encode"):
         everyone = iteration_rows(len(run.data), seed=session.recipe.run.seed, iteration=iteration,
                                   count=geometry.prompts_per_iteration)
-        rows = encode_rows(run.data, session.model, [everyone[j] for j in local], session.device)
+        rows = encode_rows(run.data, session.model, [everyone[j] for j in local], session.device, run.table_latents)
         rows.sigmas = session.sampler.sigmas
         text = session.cache.get(rows.prompts, session.device)
     return Batch(iteration=iteration, indices=local, prompts=rows.prompts, group_ids=torch.tensor(list(local)),

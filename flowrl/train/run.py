@@ -7,7 +7,7 @@ import functools
 
 from ..distributed import DistContext
 from ..geometry import Geometry
-from ..offline import OfflineRows, read_offline_rows
+from ..offline import LatentCache, OfflineRows, read_offline_rows
 from .session import Session
 
 
@@ -27,3 +27,8 @@ class Run:
         None for an online run."""
         recipe = self.session.recipe
         return read_offline_rows(recipe.data.path, f"{recipe.source}: [data].path") if recipe.data.enabled else None
+
+    @functools.cached_property
+    def table_latents(self) -> LatentCache:
+        """An offline run's table images as clean latents, each encoded once (:class:`LatentCache`)."""
+        return LatentCache()
