@@ -113,13 +113,13 @@ def read_offline_rows(source: str | Path, where: str = "offline data") -> Offlin
 
 
 def load_image(path: Path, size: tuple[int, int] | None = None) -> torch.Tensor:
-    """An image file as float32 ``[3, H, W]`` in [0, 1]; with ``size = (H, W)`` first resized so that
-    it covers ``size`` (bicubic, aspect ratio kept) and centre-cropped to it. An image already of
-    that size is read as it is."""
-    from PIL import Image
+    """An image file as float32 ``[3, H, W]`` in [0, 1], upright (a camera's EXIF orientation
+    applied); with ``size = (H, W)`` first resized so that it covers ``size`` (bicubic, aspect ratio
+    kept) and centre-cropped to it. An image already of that size is read as it is."""
+    from PIL import Image, ImageOps
 
     with Image.open(path) as im:
-        im = im.convert("RGB")
+        im = ImageOps.exif_transpose(im).convert("RGB")
         if size is not None and (im.height, im.width) != tuple(size):
             im = _cover_and_crop(im, size)
         data = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)

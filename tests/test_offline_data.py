@@ -136,3 +136,18 @@ def test_each_table_image_is_encoded_once_alone_and_its_latent_kept(tmp_path):
     assert Model.calls == [1, 1, 1] and set(cache.items) == {(0, "image"), (2, "image")}
     assert torch.equal(encode_rows(table, model, [1], cache=cache).latents["image"][0], first[1])
     assert Model.calls == [1, 1, 1, 1]
+
+
+def test_a_photo_is_read_upright_and_resized_to_cover_then_centre_cropped(tmp_path):
+    from PIL import Image
+
+    im = Image.new("RGB", (40, 20), (255, 0, 0))
+    im.paste((0, 0, 255), (0, 0, 20, 20))  # left half blue, right half red
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored rotated: displayed turned 90 degrees clockwise
+    im.save(tmp_path / "photo.jpg", exif=exif, quality=100)
+    upright = load_image(tmp_path / "photo.jpg")
+    assert upright.shape == (3, 40, 20)  # portrait, as a viewer shows it
+    assert upright[2, 5, 10] > 0.9 and upright[0, 35, 10] > 0.9  # blue on top, red below
+    square = load_image(tmp_path / "photo.jpg", (16, 16))  # cover 16 x 16 (scale 0.8 -> 16 x 32), crop the centre
+    assert square.shape == (3, 16, 16)
