@@ -13,9 +13,9 @@ from .runlog import read_metrics
 DIAGNOSTICS = ("diag/log_ratio_std", "clip_fraction", "approx_kl_old", "diag/step_log_ratio_std")
 
 
-#: Scalars an objective logs about itself (DiffusionNFT, GARDO, the KL terms, the ELBO estimator, FDFO):
+#: Scalars an objective logs about itself (DiffusionNFT, GARDO, the KL terms, the ELBO estimator, FDFO, DPO, SFT):
 #: their own panel.
-OBJECTIVE_PREFIXES = ("nft/", "gardo/", "kl/", "elbo/", "fdfo/")
+OBJECTIVE_PREFIXES = ("nft/", "gardo/", "kl/", "elbo/", "fdfo/", "dpo/", "sft/")
 
 #: Below this, a run's ratio diagnostics are float rounding: every re-scoring was on-policy.
 ROUNDING = 1e-6
@@ -251,8 +251,10 @@ def run_figure(records: list[dict], title: str, reference: dict | None = None):
                              if k.startswith(OBJECTIVE_PREFIXES) and isinstance(v, (int, float)) and not isinstance(v, bool)})
     logged = any(k in r for r in records for k in DIAGNOSTICS)
     diag = logged and _off_policy(records)
-    train_panels = _titled(scale_groups(records, train_keys) or [[]], "training reward (rollout mean ± std)")
     eval_panels = _titled(scale_groups(records, eval_keys), "evaluation reward (fixed prompts and seeds, ODE) ± sem")
+    # an offline run (a [data] table) has no training reward: no empty panel for it, unless nothing else shows
+    train_panels = _titled(scale_groups(records, train_keys) or ([] if eval_panels else [[]]),
+                           "training reward (rollout mean ± std)")
     top = (len(train_panels) + len(eval_panels) + (1 if objective_keys else 0) + (1 if diag else 0))
     cols = 3 if diag or top >= 3 else top  # at most 3 a row: the panels wrap
     top_rows = -(-top // cols)

@@ -101,3 +101,16 @@ def test_scale_groups_split_where_magnitudes_differ_tenfold():
     rows = [{"a": 0.0, "b": 0.05, "c": 0.4, "d": 0.6, "e": 3.9, "f": 22.0, "g": -30.0}]
     # b (0.05) starts a group that reaches 0.5: c joins, d (0.6) does not; e (3.9) joins d's; f (22) starts anew
     assert scale_groups(rows, list("abcdefg")) == [["a", "b", "c"], ["d", "e"], ["f", "g"]]
+
+
+def test_an_offline_run_draws_no_empty_training_reward_panel():
+    rows = [{"iteration": i, "sft/fm_loss": 0.5 - 0.01 * i,
+             **({"eval/verifier/mean": 0.8 + 0.01 * i, "eval/verifier/sem": 0.01} if i % 2 == 0 else {})}
+            for i in range(4)]
+    fig = run_figure(rows, "offline")
+    try:
+        titles = _titles(fig)
+        assert not any(t.startswith("training reward") for t in titles), titles
+        assert any(t.startswith("evaluation reward") for t in titles) and "objective: sft" in titles
+    finally:
+        plt.close(fig)
