@@ -37,6 +37,7 @@ from flowrl.distributed import choose_strategy
 from flowrl.errors import FlowrlError
 from flowrl.geometry import resolve_geometry
 from flowrl.interfaces import HasLoraTargets, PlansMemory, PlansRewardMemory, RewardPlacement
+from flowrl.offline import CACHED_LATENTS
 from flowrl.plugins import get_registry
 from flowrl.prompts import CACHED_PROMPTS, TABLE_SUFFIXES, distinct_rows, read_prompts
 from flowrl.recipe import build_component, build_loss, keeps_reference_copy, uses_units
@@ -285,7 +286,7 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
     layout = Layout.from_recipe(recipe, mm, world_size, num_nodes, gradient_sync)
     lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry),
                             old_policy=keeps_old_policy(recipe, registry))
-    lines += _frozen_and_data(recipe, mm, geometry)
+    lines += _frozen_and_data(recipe, mm, geometry, offline_sides(recipe, registry))
     lines += _reward_lines(recipe)
     group = recipe.train.update_group if uses_units(recipe, registry) else 1  # [train].update_group: steps per forward
     lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None),
@@ -294,15 +295,18 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
     return geometry, lines
 
 
-def offline_points(recipe, registry) -> int:
-    """Points an offline objective forwards per table row in one forward (its sides, 2 for a
-    preference pair, times ``[loss].timesteps``), without CFG (flowrl.objectives.offline); 0 for
-    an online run."""
+def offline_sides(recipe, registry) -> int:
+    """Images per table row of an offline objective (2 for a preference pair); 0 for an online run."""
     if not recipe.data.enabled:
         return 0
     choice = recipe.components["loss"]
-    loss = registry.get("loss", choice.use).build(choice.params)  # a plain object: no model is built
-    return int(getattr(loss, "sides", 1)) * int(getattr(loss, "K", getattr(choice.params, "timesteps", 1)))
+    return int(getattr(registry.get("loss", choice.use).build(choice.params), "sides", 1))  # a plain object
+
+
+def offline_points(recipe, registry) -> int:
+    """Points an offline objective forwards per table row in one forward (its sides times
+    ``[loss].timesteps``), without CFG (flowrl.objectives.offline); 0 for an online run."""
+    return offline_sides(recipe, registry) * int(getattr(recipe.components["loss"].params, "timesteps", 1))
 
 
 def _trainable(recipe, mm: ModelMemory) -> tuple[int, int, str]:
@@ -388,8 +392,9 @@ def _denoiser_state(recipe, mm: ModelMemory, layout: Layout, reference: bool, ol
     return lines
 
 
-def _frozen_and_data(recipe, mm: ModelMemory, geometry) -> list[Line]:
-    """Text encoders and VAE (unless offloaded), stored trajectories, the text embeddings of the
+def _frozen_and_data(recipe, mm: ModelMemory, geometry, sides: int = 0) -> list[Line]:
+    """Text encoders and VAE (unless offloaded), stored trajectories (an offline run's table rows:
+    ``sides`` clean latents a row, and their cache in CPU memory), the text embeddings of the
     iteration's samples (on the device) and the prompt-embedding cache (in CPU memory)."""
     lines = []
     if not mm.offload_frozen:
@@ -397,8 +402,14 @@ def _frozen_and_data(recipe, mm: ModelMemory, geometry) -> list[Line]:
             lines.append(Line("persistent", k, p * b, f"{p / 1e9:.3f}e9 params"))
     s = geometry.samples_per_process
     n = recipe.sampler.steps
-    lines.append(Line("persistent", "trajectories", s * (n + 1) * mm.latent_elements * 4,
-                      f"{s} samples x {n + 1} fp32 latents"))
+    if sides:  # flowrl.offline.LatentCache: each table image's latent, kept once encoded
+        lines.append(Line("persistent", "table latents", s * sides * mm.latent_elements * 4,
+                          f"{s} rows x {sides} fp32 clean latents"))
+        lines.append(Line("cpu", "table latent cache", CACHED_LATENTS * mm.latent_elements * 4,
+                          f"at most {CACHED_LATENTS} latents in CPU memory (the most recently used)"))
+    else:
+        lines.append(Line("persistent", "trajectories", s * (n + 1) * mm.latent_elements * 4,
+                          f"{s} samples x {n + 1} fp32 latents"))
     if recipe.pipeline.enabled:  # the next iteration's, drawn while this one trains
         lines.append(Line("persistent", "pending rollout (pipeline)", s * (n + 1) * mm.latent_elements * 4,
                           "the next iteration's trajectories"))

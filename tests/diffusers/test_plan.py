@@ -263,5 +263,8 @@ def test_an_offline_runs_update_activations_count_every_point_it_forwards():
 
     (p1, a1), (p3, a3) = update(1), update(3)
     assert (p1, p3) == (2, 6) and a3 == pytest.approx(3 * a1)
+    r = load_recipe(REPO_RECIPES / "offline_dpo_sd3.toml")
+    items = {l.item for l in estimate(r, registry, world_size=1)[2]}
+    assert {"table latents", "table latent cache"} <= items and "trajectories" not in items  # no rollout is stored
     online = load_recipe(REPO_RECIPES / "lora_single_gpu_sd3.toml", ["model.gradient_checkpointing=false"])
     assert offline_points(online, registry) == 0
