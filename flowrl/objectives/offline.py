@@ -37,15 +37,17 @@ __all__ = ["offline_points", "sft_loss", "offline_dpo_loss", "OfflineSFT", "Offl
 
 
 def offline_points(seed: int, tag: str, iteration: int, rows: list[int], x0: torch.Tensor, sigmas: torch.Tensor,
-                   timesteps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   timesteps: int, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sigma [n K], eps [n K, *L], point rows [n K])`` for the latents ``x0 [n, *L]`` of table
     rows ``rows``: ``K = min(timesteps, len(sigmas) - 1)`` sigmas drawn without replacement from
-    ``sigmas[:-1]`` (the schedule without its final 0), each with its own noise."""
+    ``sigmas[:-1]`` (the schedule without its final 0), each with its own noise. Each pass over the
+    iteration's rows (``epoch``, ``[train].updates_per_rollout``) draws points of its own, as
+    Diffusion-DPO draws fresh noise at every step; the first pass's are keyed as they always were."""
     grid = sigmas[:-1].to(torch.float32).cpu()
     K = min(int(timesteps), grid.numel())
     ss, es, idx = [], [], []
     for j, r in enumerate(rows):
-        g = generator(seed, tag, iteration, int(r))
+        g = generator(seed, tag, iteration, int(r)) if not epoch else generator(seed, tag, iteration, int(r), "pass", epoch)
         pick = torch.randperm(grid.numel(), generator=g)[:K]
         for k in range(K):
             ss.append(grid[int(pick[k])])
@@ -147,7 +149,7 @@ class OfflineObjective:
         latents = {k: v[rows.to(v.device)] for k, v in data.latents.items()}
         first = next(iter(latents.values()))
         sigma, eps, idx = offline_points(ctx.seed, self.tag, micro.batch.iteration, table_rows, first, data.sigmas,
-                                         self.K)
+                                         self.K, micro.epoch)
         text = select_embeddings(micro.batch.text, rows[idx].to(device))
         ctx.counter.expect("update", len(idx) * self.sides)  # one network row a point: no CFG (below)
         with torch.enable_grad(), conditional_velocity(ctx.model):

@@ -29,6 +29,11 @@ def test_points_are_shared_per_row_and_seeded():
     assert bool((s > 0).all()) and len(set(s[:3].tolist())) == 3  # no sigma 0, drawn without replacement
     c = offline_points(0, "t", 5, [9], x0[:1], sig, 3)  # a row's points do not depend on the others
     assert torch.equal(c[0], s[3:]) and torch.equal(c[1], e[3:])
+    # a second pass over the iteration's rows ([train].updates_per_rollout = 2) draws new points;
+    # the first pass's are the ones every earlier run drew
+    assert all(torch.equal(u, v) for u, v in zip(offline_points(0, "t", 5, [7, 9], x0, sig, 3, epoch=0), a))
+    again = offline_points(0, "t", 5, [7, 9], x0, sig, 3, epoch=1)
+    assert not torch.equal(again[1], e) and torch.equal(again[2], idx)
 
 
 def test_sft_loss_is_the_mean_flow_matching_error():
