@@ -287,7 +287,8 @@ def _estimate(recipe, mm: ModelMemory, world_size: int, num_nodes: int, gradient
     lines = _denoiser_state(recipe, mm, layout, keeps_reference_copy(recipe, registry),
                             old_policy=keeps_old_policy(recipe, registry))
     lines += _frozen_and_data(recipe, mm, geometry, offline_sides(recipe, registry))
-    lines += _reward_lines(recipe)
+    samples = not recipe.data.enabled or recipe.prompts.num_eval > 0  # an offline run samples only to evaluate
+    lines += _reward_lines(recipe) if samples else []
     group = recipe.train.update_group if uses_units(recipe, registry) else 1  # [train].update_group: steps per forward
     lines += _transients(recipe, mm, layout, geometry, next((l for l in lines if l.item == "reference copy (KL)"), None),
                          group, offline_points(recipe, registry))
@@ -484,7 +485,8 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
         shape = f"{mm.tokens} tokens x width {mm.width}"
     else:
         shape = f"{tokens} of {mm.tokens} tokens x width {mm.width} (context parallel {cp})"
-    rolled = min(s, recipe.sampler.batch_size) if recipe.sampler.batch_size else s  # [sampler].batch_size
+    rolled = min(s, recipe.sampler.batch_size or s)  # [sampler].batch_size; an offline run samples only to evaluate
+    rolled = 0 if points and not recipe.prompts.num_eval else rolled
     lines.append(Line("rollout", "activations, no grad", rolled * tw * infer,
                       f"{rolled} samples x {mm.forwards_per_velocity} forward(s), {shape}"))
     if recipe.sampler.rollout_precision == "fp8":  # flowrl.sampling.precision: copied, then quantised
@@ -493,7 +495,7 @@ def _transients(recipe, mm: ModelMemory, layout: Layout, geometry, reference: Li
                           "quantised to 1 byte per linear weight"))
     vae_bytes = sum(p * b for k, (p, b) in mm.frozen.items() if k in mm.vae_names)
     decode = (vae_bytes if mm.offload_frozen else 0) + min(s, mm.vae_batch) * mm.decode_bytes_per_image
-    lines.append(Line("decode", "VAE + decode activations", decode, f"{mm.vae_batch} images per VAE call"))
+    lines.append(Line("decode", "VAE + decode activations", decode if rolled else 0.0, f"{mm.vae_batch} images per VAE call"))
     m = recipe.train.micro_batch_size
     total_blocks = sum(mm.blocks.values())
     per_block, outside = saved_widths(recipe, mm)
