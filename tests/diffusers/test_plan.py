@@ -268,6 +268,10 @@ def test_an_offline_runs_update_activations_count_every_point_it_forwards():
     assert {"table latents", "table latent cache"} <= items and "trajectories" not in items  # no rollout is stored
     quiet = estimate(load_recipe(REPO_RECIPES / "offline_dpo_sd3.toml", ["prompts.num_eval=0", "rewards.0.offload=false"]),
                      registry, world_size=1)[2]  # evaluating nothing, it samples, decodes and scores nothing
-    assert all(l.bytes == 0 for l in quiet if l.phase in ("rollout", "decode")) and not [l for l in quiet if l.phase == "reward"]
+    assert all(l.bytes == 0 for l in quiet if l.phase in ("rollout", "decode"))
+    assert not [l for l in quiet if l.item.startswith("reward '")]
+    evaluating = estimate(load_recipe(REPO_RECIPES / "offline_dpo_sd3.toml", ["rewards.0.offload=false"]), registry,
+                          world_size=1)[2]
+    assert [l.phase for l in evaluating if l.item.startswith("reward '")] == ["persistent"]
     online = load_recipe(REPO_RECIPES / "lora_single_gpu_sd3.toml", ["model.gradient_checkpointing=false"])
     assert offline_points(online, registry) == 0
