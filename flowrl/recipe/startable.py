@@ -321,12 +321,12 @@ def _check_model_encodes_images(recipe: Recipe, registry: Registry) -> None:
     factory = registry.get("model", model).factory
     task = getattr(factory, "task", "text-to-image")
 
-    def encodes(f) -> bool:  # flowrl.interfaces.EncodesImages, read from the class
-        return callable(getattr(f, "encode_images", None)) and hasattr(f, "image_size")
+    def suits(f) -> bool:  # a text-to-image flowrl.interfaces.EncodesImages, read from the class
+        return (getattr(f, "task", "text-to-image") == "text-to-image" and callable(getattr(f, "encode_images", None))
+                and hasattr(f, "image_size"))
 
-    encoders = [n for n in registry.names("model") if encodes(registry.get("model", n).factory)
-                and getattr(registry.get("model", n).factory, "task", "text-to-image") == "text-to-image"]
-    if task != "text-to-image" or not encodes(factory):
+    if not suits(factory):
+        encoders = [n for n in registry.names("model") if suits(registry.get("model", n).factory)]
         why = (f"its task is {task}, the table's text-to-image" if task != "text-to-image"
                else "its adapter cannot turn images into latents (no encode_images and image_size)")
         raise RecipeError(f"model '{model}' cannot train on an offline table of images: {why}",
