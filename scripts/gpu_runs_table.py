@@ -10,6 +10,8 @@ The rows come from the files in benchmarks/results/ that GPU runs wrote, and fro
   training iteration, one entry per variant);
 - ``sdpa_backends_*.jsonl``: the lines ``benchmarks/sdpa_backends.py`` prints (one per attention
   backend, ``ok`` or its error);
+- ``gpu_memory_check_*.json``: ``benchmarks/gpu_memory_check.py`` (the plan against the measured
+  peak, per configuration and phase);
 - ``gpu_check_*.json``: ``flowrl selftest --gpu`` (``"kind": "flowrl-gpu-check"``: the device,
   versions, and each step's status and figures).
 
@@ -38,7 +40,7 @@ COMMAND = "python scripts/gpu_runs_table.py"
 NOT_RECORDED = "not recorded"
 #: the file name patterns of GPU results, and which reader each takes
 PATTERNS = {"gpu_flux_iteration_*.json": "flux_iteration", "sdpa_backends_*.jsonl": "sdpa_backends",
-            "gpu_check_*.json": "gpu_check"}
+            "gpu_check_*.json": "gpu_check", "gpu_memory_check_*.json": "memory_check"}
 CHECK_KIND, CHECK_STATUSES = "flowrl-gpu-check", ("pass", "fail", "skip", "timeout")
 #: GPU model names as they appear in device names and in prose ("NVIDIA H100 80GB HBM3" -> "H100")
 GPU_MODEL = re.compile(r"(?<![A-Za-z0-9])(H100|H200|H20|A100|A10G|B200|B100|GB200|L40S|L4|RTX ?\d{4})(?![A-Za-z0-9])",
@@ -63,12 +65,13 @@ PLANNED = (
             "(`benchmarks/gpu_flux_iteration.py --variants step fp8_rollout`) and the GPU lane's FP8 test",
             "objectives.md", "Rollouts in FP8, and the update's correction",
             "No GPU was lent to this work, so the FP8 matmul path has not run."),
-    Said("`flowrl plan`'s peak memory for the GPU recipes (FLUX.1-dev LoRA and full fine-tuning, SD3.5-M, "
-            "Qwen-Image, FLUX.2 [klein], Z-Image, the editing models, Wan, LTX-Video; docs/hardware.md) against "
-            "`torch.cuda.max_memory_allocated` on a GPU; the plans are checked against torch's memory tracker "
-            "on fake tensors only",
+    Said("`flowrl plan`'s peak memory against `torch.cuda.max_memory_allocated` for the GPU recipes other than "
+            "the three LoRA ones measured (FLUX.1-dev full fine-tuning, Qwen-Image, FLUX.2 [klein], Z-Image, the "
+            "editing models, Wan 2.1 14B, Wan 2.2, LTX-Video; docs/hardware.md), and SD3.5-M's and Wan 2.1 1.3B's "
+            "since the start-up fix",
             "benchmarks.md", "`flowrl plan` against torch's memory accounting (`benchmarks/memory_plan.py`)",
-            "No GPU was lent to this task, so no plan was compared with `torch.cuda.max_memory_allocated`."),
+            "The other recipes' plans have not been compared with `torch.cuda.max_memory_allocated`, nor SD3.5-M's "
+            "and Wan's since the fix."),
     Said("the FLUX.1-dev recipes as written (real weights, their own resolution, group and reward; the Chunk-GRPO "
             "iteration at group 12 against `flowrl plan`) and any run of 2 or more processes on GPUs",
             "benchmarks.md", "H100",
@@ -86,19 +89,22 @@ PLANNED = (
     Said("the batched group rollout against one sample at a time",
             "benchmarks.md", "Batched group rollout vs one sample at a time (`benchmarks/rollout.py`)",
             "No GPU was available, so the GPU figure is unmeasured."),
-    Said("SD3.5-M, Qwen-Image, FLUX.2 [klein], Z-Image and the editing models (FLUX.1 Kontext, "
-            "Qwen-Image-Edit): no run of their adapters on a GPU",
+    Said("Qwen-Image, FLUX.2 [klein], Z-Image and the editing models (FLUX.1 Kontext, Qwen-Image-Edit) at full "
+            "size, and any recipe trained with real weights",
             "models.md", "Recipes",
-            "Of the adapters here only `flux` has run on a GPU, and only on FLUX.1-dev's transformer with random "
-            "weights; no recipe has been trained on a GPU as written."),
-    Said("Wan 2.1 text-to-video (1.3B, 14B)", "models.md", "Video: Wan 2.1 text-to-video",
-            "No GPU run of this adapter has been made yet"),
-    Said("Wan 2.2 TI2V-5B", "models.md", "Video: Wan 2.2 TI2V-5B (text- and image-to-video)",
-            "No GPU run of this adapter has been made yet"),
-    Said("Wan 2.2 T2V A14B (two experts)", "models.md", "Video: Wan 2.2 T2V A14B (two experts)",
-            "No GPU run of this adapter has been made yet"),
-    Said("LTX-Video", "models.md", "Video: LTX-Video",
-            "No GPU run of this adapter has been made yet"),
+            "Qwen-Image, FLUX.2 [klein], Z-Image and the editing models have not run at full size, and no recipe has "
+            "been trained on a GPU as written, with real weights."),
+    Said("Qwen-Image, FLUX.2 [klein] and Z-Image at full size (their conformance suites ran on tiny pipelines)",
+            "models.md", "Qwen-Image, FLUX.2 [klein] and Z-Image",
+            "On a GPU only their conformance suites have run, on tiny pipelines; no run at full size"),
+    Said("Wan 2.1 text-to-video 14B", "models.md", "Video: Wan 2.1 text-to-video", "the 14B has not run"),
+    Said("Wan 2.2 TI2V-5B at full size", "models.md", "Video: Wan 2.2 TI2V-5B (text- and image-to-video)",
+            "On a GPU only its conformance suite has run, on a tiny pipeline; no run at full size"),
+    Said("Wan 2.2 A14B (two experts) at full size, and its image-to-video adapter on a GPU at all", "models.md",
+            "Video: Wan 2.2 T2V A14B (two experts)",
+            "On a GPU only the text-to-video adapter's conformance suite has run, on a tiny pipeline"),
+    Said("LTX-Video at full size", "models.md", "Video: LTX-Video",
+            "On a GPU only its conformance suite has run, on a tiny pipeline; no run at full size"),
     Said("context parallelism (`[distributed] context_parallel`, Ulysses and the ring's flash and cuDNN kernels) "
             "on two or more GPUs",
             "distributed.md", "Context parallelism: splitting every sequence",
@@ -176,6 +182,19 @@ def _error(text: str) -> str:
 def _number(x: float) -> str:
     """A figure as the table prints it: 4 significant digits (22.706 -> 22.71, 60.0 -> 60)."""
     return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.0f}"
+
+
+def _figure(value) -> str:
+    """A step's figure for the table: numbers to 4 digits; a dict as its flat entries in brackets
+    (deeper ones left to the JSON); a list as its length."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, dict, list)):
+        return str(value)
+    if isinstance(value, (int, float)):
+        return _number(value)
+    if isinstance(value, list):
+        return f"({len(value)})"
+    flat = [f"{k} {_figure(v)}" for k, v in value.items() if not isinstance(v, (dict, list)) and v is not None]
+    return "(" + ", ".join(flat) + ")"
 
 
 def read_flux_iteration(path: Path) -> Run:
@@ -257,8 +276,7 @@ def read_gpu_check(path: Path) -> Run:
             text += f" ({_number(step['seconds'])} s)"
         figures = step.get("figures") or {}
         if figures:
-            text += ": " + ", ".join(f"{k} {_number(v) if isinstance(v, (int, float)) else v}"
-                                     for k, v in figures.items())
+            text += ": " + ", ".join(f"{k} {_figure(v)}" for k, v in figures.items())
         if status != "pass" and step.get("error"):
             text += f" ({_error(step['error'])})"
         steps.append(text)
@@ -270,7 +288,31 @@ def read_gpu_check(path: Path) -> Run:
     return run
 
 
-READERS = {"flux_iteration": read_flux_iteration, "sdpa_backends": read_sdpa_backends, "gpu_check": read_gpu_check}
+def read_memory_check(path: Path) -> Run:
+    """``benchmarks/gpu_memory_check.py``'s JSON: per configuration the plan's peak against
+    ``max_memory_allocated``, and the phase that held the measured peak."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    run = Run(_relative(path), *_device(data.get("device"), path), values=numbers(data))
+    run.date = data.get("date") or NOT_RECORDED
+    run.versions = ", ".join(f"{k} {data[k]}" for k in ("torch", "cuda", "diffusers", "transformers", "peft")
+                             if data.get(k)) or NOT_RECORDED
+    parts = []
+    for name, item in (data.get("configurations") or {}).items():
+        if item.get("measured_gib") is None:
+            parts.append(f"`{name}` {item.get('status') or 'no result'}"
+                         + (f" ({_error(item['error'])})" if item.get("error") else ""))
+            continue
+        phases = item.get("measured_phases_gib") or {}
+        at = max(phases, key=phases.get) if phases else None
+        parts.append(f"`{name}` ({item.get('title', name)}): planned {_number(item['planned_gib'])} GiB, measured "
+                     f"{_number(item['measured_gib'])} GiB" + (f" (peak in `{at}`)" if at else ""))
+    run.ran = ["`flowrl plan` against `torch.cuda.max_memory_allocated`, full size, random weights, "
+               "`benchmarks/gpu_memory_check.py`: " + ("; ".join(parts) or "no configuration recorded")]
+    return run
+
+
+READERS = {"flux_iteration": read_flux_iteration, "sdpa_backends": read_sdpa_backends, "gpu_check": read_gpu_check,
+           "memory_check": read_memory_check}
 
 
 def _relative(path: Path) -> str:

@@ -140,3 +140,17 @@ def test_command_help_mentions_its_options(name, capsys, monkeypatch):
             assert p.help, f"option {p.opts} of `flowrl {name}` has no help text"
         else:
             assert p.name.upper() in out.upper(), f"`flowrl {name} --help` does not show argument {p.name}"
+
+
+def test_what_diffusers_pipelines_import_unguarded_is_a_dependency():
+    # diffusers' Wan image-to-video pipeline calls ftfy.fix_text without checking it is installed
+    # (a NameError on an H200 image without ftfy); its text-to-video pipeline skips the cleaning
+    # without it, so the same prompt would embed differently on two installs
+    import re
+
+    import diffusers
+
+    source = (Path(diffusers.__file__).parent / "pipelines" / "wan" / "pipeline_wan_i2v.py").read_text()
+    assert "ftfy.fix_text" in source
+    declared = {re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0].lower() for d in PYPROJECT["project"]["dependencies"]}
+    assert "ftfy" in declared

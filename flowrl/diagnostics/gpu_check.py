@@ -8,20 +8,20 @@ check. The steps, in order:
 ========================  ====  =====================================================================
 step                      s     what it runs and what it reports
 ========================  ====  =====================================================================
-``doctor``                15    ``flowrl doctor --json``: torch build, driver, packages, kernels
-``selftest``              80    ``flowrl selftest --device cuda --json``: a tiny FLUX trained,
+``doctor``                20    ``flowrl doctor --json``: torch build, driver, packages, kernels
+``selftest``              75    ``flowrl selftest --device cuda --json``: a tiny FLUX trained,
                                 resumed, every attention backend, ``torch.compile``
-``gpu_lane``              120   ``pytest -m gpu tests/gpu -n 4`` (the repository's GPU test lane):
+``gpu_lane``              110   ``pytest -m gpu tests/gpu -n 4`` (the repository's GPU test lane):
                                 passed / failed / skipped and the failing tests' names
-``quickstart``            50    ``flowrl train recipes/quickstart.toml`` on CUDA: wall seconds and
+``quickstart``            35    ``flowrl train recipes/quickstart.toml`` on CUDA: wall seconds and
                                 the held-out verifier's rise in standard errors (the README's bar
                                 on the CPU is >= 5), the second judge and ``hf_share`` beside it
-``flux_iteration``        95    ``benchmarks/gpu_flux_iteration.py``: one full-size FLUX.1-dev
+``flux_iteration``        85    ``benchmarks/gpu_flux_iteration.py``: one full-size FLUX.1-dev
                                 LoRA iteration with random weights: seconds, peak GiB, MFU
-``memory``                85    ``benchmarks/gpu_memory_check.py``: ``flowrl plan``'s peak against
+``memory``                80    ``benchmarks/gpu_memory_check.py``: ``flowrl plan``'s peak against
                                 ``torch.cuda.max_memory_allocated`` for FLUX.1-dev LoRA,
                                 SD3.5-Medium and Wan 2.1 1.3B at full size, random weights
-``attention``             30    ``benchmarks/sdpa_backends.py``: every attention backend once,
+``attention``             75    ``benchmarks/sdpa_backends.py``: every attention backend once,
                                 forward and backward at FLUX.1's head shape
 ========================  ====  =====================================================================
 
@@ -153,7 +153,7 @@ def _report_figures(stdout: str) -> dict[str, Any]:
 
 
 def doctor_step() -> Step:
-    return Step("doctor", "flowrl doctor", 15, lambda s: s.flowrl("doctor", "--json"),
+    return Step("doctor", "flowrl doctor", 20, lambda s: s.flowrl("doctor", "--json"),
                 lambda s, out: _report_figures(out))
 
 
@@ -170,7 +170,7 @@ def selftest_step() -> Step:
             raise StepFailed("; ".join(failing), base)
         return base
 
-    return Step("selftest", "flowrl selftest on CUDA (tiny FLUX: train, resume, kernels, compile)", 80,
+    return Step("selftest", "flowrl selftest on CUDA (tiny FLUX: train, resume, kernels, compile)", 75,
                 lambda s: s.flowrl("selftest", "--device", s.device, "--json"), figures)
 
 
@@ -199,7 +199,7 @@ def junit_figures(path: Path) -> dict[str, Any]:
 def gpu_lane_step() -> Step:
     command = from_repo("tests/gpu", lambda s, lane: [s.python, "-m", "pytest", "-m", "gpu", str(lane), "-q", "-n", "4",
                                                       "-p", "no:cacheprovider", "--junitxml", str(s.workdir / "gpu_lane.xml")])
-    return Step("gpu_lane", "GPU test lane (pytest -m gpu tests/gpu)", 120, command,
+    return Step("gpu_lane", "GPU test lane (pytest -m gpu tests/gpu)", 110, command,
                 lambda s, out: junit_figures(s.workdir / "gpu_lane.xml"))
 
 
@@ -228,7 +228,7 @@ def quickstart_step() -> Step:
     command = from_repo("recipes/quickstart.toml", lambda s, recipe: s.flowrl(
         "train", str(recipe), "--set", f"run.device={s.device}", "--output-dir", str(s.workdir / "quickstart"),
         "--overwrite"))
-    return Step("quickstart", "the README's quickstart on CUDA (learns as on the CPU?)", 50, command,
+    return Step("quickstart", "the README's quickstart on CUDA (learns as on the CPU?)", 35, command,
                 lambda s, out: quickstart_figures(read_metrics(s.workdir / "quickstart")))
 
 
@@ -254,7 +254,7 @@ def flux_figures(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def flux_step() -> Step:
-    return Step("flux_iteration", "FLUX.1-dev iteration (full size, random weights, LoRA r64, 512 x 512)", 95,
+    return Step("flux_iteration", "FLUX.1-dev iteration (full size, random weights, LoRA r64, 512 x 512)", 85,
                 _benchmark("gpu_flux_iteration.py", "--variants", "step", "--iterations", "2",
                            "--json", "{work}/flux_iteration.json"),
                 lambda s, out: flux_figures(json.loads((s.workdir / "flux_iteration.json").read_text())))
@@ -280,8 +280,8 @@ def memory_figures(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def memory_step() -> Step:
-    return Step("memory", "flowrl plan against max_memory_allocated: FLUX.1-dev LoRA, SD3.5-M, Wan 2.1 1.3B", 85,
-                _benchmark("gpu_memory_check.py", "--json", "{work}/memory.json", "--budget-s", "75"),
+    return Step("memory", "flowrl plan against max_memory_allocated: FLUX.1-dev LoRA, SD3.5-M, Wan 2.1 1.3B", 80,
+                _benchmark("gpu_memory_check.py", "--json", "{work}/memory.json", "--budget-s", "70"),
                 lambda s, out: memory_figures(json.loads((s.workdir / "memory.json").read_text())))
 
 
@@ -312,7 +312,7 @@ def attention_figures(stdout: str) -> dict[str, Any]:
 
 
 def attention_step() -> Step:
-    return Step("attention", "every attention backend once (FLUX.1 head shape, forward and backward)", 30,
+    return Step("attention", "every attention backend once (FLUX.1 head shape, forward and backward)", 75,
                 _benchmark("sdpa_backends.py"), lambda s, out: attention_figures(out))
 
 

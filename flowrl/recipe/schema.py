@@ -129,9 +129,10 @@ class TrainConfig:
     attention_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = param(
         "auto",
         "The only scaled-dot-product attention backend torch may use (torch.nn.attention.sdpa_kernel) "
-        "during rollout, update and evaluation; 'auto' lets torch choose (on CUDA among flash, efficient and "
-        "math: cudnn faulted on FLUX.1-dev's attention on an H100 and runs only when named). CPU: math, flash. CUDA: "
-        "math, flash, efficient, cudnn (flash and cudnn need fp16/bf16 and a recent GPU).",
+        "in the denoiser during rollout, update and evaluation (the VAE and the text encoders attend as 'auto'); "
+        "'auto' lets torch choose (on CUDA among flash, efficient and math: cudnn faulted on FLUX.1-dev's attention "
+        "on an H100 and runs only when named, after a probe on the run's model finds it agrees with math). "
+        "CPU: math, flash. CUDA: math, flash, efficient, cudnn (flash and cudnn need fp16/bf16 and a recent GPU).",
     )
     adamw_impl: Literal["auto", "for-loop", "foreach", "fused"] = param(
         "auto",

@@ -13,7 +13,12 @@ speed switch, ``adamw_impl``, is the optimizer's: :func:`flowrl.train.optimizer.
   (24 heads of 128, bf16; an illegal memory access, then every later kernel failed), where the
   other three ran (``benchmarks/sdpa_backends.py``, docs/benchmarks.md);
 - :func:`default_attention`: the same ``auto`` as the process's default, for what runs outside
-  the loop's context (the session and the inference commands call it when they place a model).
+  the loop's context (the session and the inference commands call it when they place a model);
+- :func:`auxiliary_attention`: ``auto``'s backends for the text encoders and the VAE inside the
+  loop: the recipe's backend is the denoiser's alone;
+- :func:`probe_cudnn_attention`: a recipe naming ``cudnn`` trains only if cuDNN agrees with math
+  attention on its model;
+- :func:`exact_float32`: an fp32 denoiser on CUDA gets fp32 (not TF32) convolutions.
 
 Each checks the device first and raises a :class:`~flowrl.errors.FlowrlError` naming the recipe
 field when the switch cannot work there (an attention backend the device lacks, compile without a
@@ -79,6 +84,20 @@ def attention_backend(name: str, device: torch.device, source: str = "<recipe>")
         yield
 
 
+@contextlib.contextmanager
+def auxiliary_attention() -> Iterator[None]:
+    """Text encoders and the VAE attend as ``auto`` would (every backend but cuDNN), whatever
+    ``[train].attention_backend`` names: the recipe's backend is the denoiser's. On an H200 a run
+    naming ``flash`` or ``efficient`` failed in T5's attention ("No available kernel": its position
+    bias is an attention mask, which flash takes no more than an fp32 VAE takes flash), and
+    ``cudnn`` faulted there too. The training loop encodes prompts and decodes images inside its
+    attention context; those calls go through this."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        yield
+
+
 _SDPA_SWITCHES = {"math": "enable_math_sdp", "flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp",
                   "cudnn": "enable_cudnn_sdp"}
 
@@ -96,11 +115,71 @@ def default_attention(device: torch.device) -> None:
             getattr(torch.backends.cuda, switch)(False)
 
 
-def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>"):
+def exact_float32(device: torch.device, denoiser: torch.nn.Module, mixed_precision: str = "no") -> bool:
+    """An fp32 denoiser on CUDA computes its convolutions in fp32: torch lets cuDNN use TF32 for
+    them by default (``torch.backends.cudnn.allow_tf32``; its matmuls already default to full fp32).
+    With TF32, Wan's Conv3d patch embedding and the editing models' VAE-encoded condition images
+    depended on the batch they came in: on an H200 a sample alone differed from it in a batch by
+    3e-4 of |v|, and the on-policy log-ratio of a tiny Wan reached 4e-6 against the 1e-6 an fp32
+    recipe allows, so re-scoring a rollout in another micro-batch would stop the run. Process-wide
+    (cuDNN's switch has no narrower scope); left alone for bf16/fp16 denoisers and mixed precision,
+    whose convolutions are not fp32, so a bf16 Wan keeps its fp32 VAE's TF32 speed. Returns
+    whether it switched TF32 off."""
+    floats = [p.dtype for p in denoiser.parameters() if p.dtype.is_floating_point]
+    if device.type != "cuda" or mixed_precision != "no" or not floats or any(d != torch.float32 for d in floats):
+        return False
+    torch.backends.cudnn.allow_tf32 = False
+    return True
+
+
+#: largest relative deviation of cuDNN attention's velocity and input gradient from math's that a
+#: run naming ``cudnn`` accepts (the self-test's bf16 bound; cuDNN attention has no fp32 kernel)
+CUDNN_TOLERANCE = 5e-2
+
+
+def _velocity_and_gradient(model, x: torch.Tensor, sigma: torch.Tensor, text) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.clone().requires_grad_(True)
+    velocity = model.velocity(x, sigma, text)
+    (gradient,) = torch.autograd.grad(velocity.float().square().mean(), x)
+    return velocity.detach().float(), gradient.float()
+
+
+def probe_cudnn_attention(model, device: torch.device, text, source: str = "<recipe>") -> float:
+    """A recipe naming ``cudnn`` on CUDA trains only if cuDNN attention agrees with math attention
+    on this model: one sample's velocity and its gradient with respect to the latents (no weight
+    gradient is kept), under each backend. With torch 2.11 cuDNN attention faulted at FLUX.1-dev's
+    shapes on an H100 and returned non-finite values for a tiny FLUX on an H200, so it is checked on
+    the run's own model before the first rollout rather than trusted. Returns the deviation."""
+    where = _where(source, "attention_backend")
+    x = torch.randn((1, *model.latent_shape), generator=torch.Generator().manual_seed(0)).to(device)
+    sigma = torch.full((1,), 0.5, device=device)
+    found, cuda = {}, [device] if device.type == "cuda" else []
+    for name in ("math", "cudnn"):
+        try:
+            with attention_backend(name, device, source), torch.random.fork_rng(devices=cuda):
+                found[name] = _velocity_and_gradient(model, x, sigma, text)
+        except RuntimeError as exc:  # no cuDNN kernel for this dtype or shape
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise FlowrlError(f"attention_backend = 'cudnn' cannot run this model here: {reason}", where=where,
+                              hint="use 'auto' (flash, efficient or math; never cuDNN)") from None
+    deviation = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(found["cudnn"], found["math"]))
+    if not deviation <= CUDNN_TOLERANCE:  # NaN fails too
+        raise FlowrlError(f"attention_backend = 'cudnn' disagrees with math attention on this model: relative "
+                          f"deviation {deviation:.3g} > {CUDNN_TOLERANCE:g} (torch {torch.__version__}, "
+                          f"{torch.cuda.get_device_name(device)})", where=where,
+                          hint="use 'auto' (flash, efficient or math; never cuDNN)")
+    return deviation
+
+
+def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>", probe_text=None):
     """What the training loop calls once the update is built: check ``[train].attention_backend``
-    against the device, compile the denoiser as ``[train].compile`` says, and return the
-    attention context (:func:`attention_backend`) for the loop to run in."""
+    against the device (``cudnn`` is probed on the model: :func:`probe_cudnn_attention`, given
+    ``probe_text()``, one prompt's embeddings on the device), compile the denoiser as
+    ``[train].compile`` says, and return the attention context (:func:`attention_backend`) for the
+    loop to run in."""
     check_attention_backend(train.attention_backend, device, source)
+    if train.attention_backend == "cudnn" and device.type == "cuda" and probe_text is not None:
+        probe_cudnn_attention(model, device, probe_text(), source)
     compile_denoiser(model, train.compile, device, source)
     return attention_backend(train.attention_backend, device, source)
 

@@ -195,6 +195,21 @@ def checkpoint_blocks(blocks: Sequence[nn.Module]) -> None:
         block.flowrl_checkpointed = True
 
 
+def _reduce_scatter_unused_params(module: nn.Module, world_size: int) -> None:
+    """Make FSDP2 reduce-scatter a zero gradient for a parameter a rank did not use, so that every
+    rank joins the same collectives (an expert or a chunk one rank never reaches would otherwise
+    hang the others). ``FSDPModule.set_reduce_scatter_unused_params`` is newer than some torch
+    builds (torch 2.11, the H200 image's, lacks it): alone a process has no one to disagree with,
+    so it shards without; several processes are refused on such a torch rather than risk a hang."""
+    if hasattr(module, "set_reduce_scatter_unused_params"):
+        module.set_reduce_scatter_unused_params(True)
+    elif world_size > 1:
+        raise FlowrlError(
+            f"strategy = 'fsdp2' over {world_size} processes needs FSDPModule.set_reduce_scatter_unused_params, "
+            f"which torch {torch.__version__} lacks (without it a parameter one rank leaves unused hangs the others)",
+            where="[distributed].strategy", hint="install a newer torch (flowrl's pin: torch==2.13.0), or use strategy = 'ddp'")
+
+
 class Strategy:
     """The denoiser's layout over processes, and everything that depends on it (module
     docstring). Build it with :meth:`from_recipe`, then call :meth:`prepare` once."""
@@ -324,7 +339,7 @@ class Strategy:
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         self._fully_shard(module, blocks, self.config.cpu_offload)
         # a trainable tensor without a gradient on one rank still joins its group's reduce-scatter
-        module.set_reduce_scatter_unused_params(True)
+        _reduce_scatter_unused_params(module, self.topology.world_size)
         # FSDP2 warns on every process that diffusers' transformers return a view. Only an
         # in-place op on it would be harmful; flowrl's adapters and kernels use the velocity
         # out of place, and tests/train/test_engine_fsdp2.py checks the gradients equal one

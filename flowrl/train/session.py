@@ -32,7 +32,7 @@ from ..prompts import CACHED_PROMPTS, read_prompts
 from ..recipe import Recipe, build_loss
 from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
-from .accel import default_attention
+from .accel import auxiliary_attention, default_attention, exact_float32
 from .checkpoint import read_model_weights
 from .evaluate import evaluation_set
 from .finetune import load_trainable_state_dict, prepare_trainable
@@ -154,7 +154,8 @@ class PromptCache:
     @torch.no_grad()
     def encode(self, prompt: str) -> TextEmbeddings:
         """One prompt's embeddings as the cache keeps them (``[1, ...]`` each, on the CPU)."""
-        return {k: v[:1].cpu() for k, v in self.model.encode_prompts([prompt]).items()}
+        with auxiliary_attention():  # the recipe's attention backend is the denoiser's, not the text encoders'
+            return {k: v[:1].cpu() for k, v in self.model.encode_prompts([prompt]).items()}
 
     def require(self, prompts, what: str) -> None:
         """With a store, refuse (one message) when it lacks any of ``prompts`` (the ``what`` of the run)."""
@@ -235,6 +236,7 @@ class Session:
             components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
         with contextlib.nullcontext() if place_denoiser else staying_in_place(components.model.denoiser):
             components.model.to(device)
+        exact_float32(device, components.model.denoiser, recipe.distributed.mixed_precision)
         sampler = build_sampler(recipe, components, device)
         return cls(recipe, registry, components, device, sampler, PromptCache(components.model, store=store),
                    plan_context(recipe, components, sampler))

@@ -7,7 +7,16 @@ and ``F_fb+r`` for a forward and backward with the forwards that activation chec
 recomputes in the backward (``[distributed].activation_checkpointing``, a model's
 ``gradient_checkpointing``). They are run constants, written to ``RUN_DIR/run_info.json``
 (``flops``: ``velocity_forward``, ``velocity_forward_backward``,
-``velocity_forward_backward_with_recompute``). Per iteration, on each process::
+``velocity_forward_backward_with_recompute``). The count runs the model on fake latents
+(:class:`torch._subclasses.fake_tensor.FakeTensorMode`: shapes, dtypes and devices without data),
+which the counter counts as it counts real ones (its formulas read shapes): no activation takes
+memory and nothing is computed but the model's small tensors made without the latents (the
+timestep embedding, the text tokens' own layers). A real forward and
+backward of one sample at the run's resolution was the run's memory peak on an H200 (Wan 2.1
+1.3B LoRA at 832 x 480 x 33: 74.7 GiB, against 13.1 GiB in training; FLUX.1-dev LoRA 37.2 against
+27.1), so a run ``flowrl plan`` fitted could run out of memory before training. A model that
+cannot run on fake tensors (one that reads an activation's value into Python) is counted on real
+ones, with a warning. Per iteration, on each process::
 
     images/s per process = S / t_train
     model FLOPs          = S * N * F_f  +  P * sum_s(t_s) * F_fb
@@ -53,6 +62,7 @@ stay those of the run's results.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -60,12 +70,15 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..interfaces import NeedsReferencePolicy, TrainsOnData
 from ..objectives.offline import conditional_velocity
 from .accel import attention_backend
 from .run import Run
+
+_log = logging.getLogger(__name__)
 
 #: Dense bf16 tensor-core peaks in TFLOP/s (bf16 inputs, fp32 accumulation, no 2:4 sparsity), by
 #: the model in the device's name as torch reports it (``torch.cuda.get_device_name``: "NVIDIA H100
@@ -168,22 +181,69 @@ def count_flops(velocity: Callable[[], torch.Tensor]) -> VelocityFlops:
     return VelocityFlops(int(forward.get_total_flops()), total - recomputed.flops, total)
 
 
-def count_velocity_flops(session, prompt: str) -> VelocityFlops:
-    """:class:`VelocityFlops` of the session's model, for one sample of ``prompt``. Draws no random
-    numbers and leaves no gradient behind."""
+def count_velocity_flops(session, prompt: str, *, fake: bool = True) -> VelocityFlops:
+    """:class:`VelocityFlops` of the session's model, for one sample of ``prompt``, on fake tensors
+    (shapes without data: no activation memory, no arithmetic; ``fake=False``: on real ones, as
+    the count ran before, a run's memory peak). Leaves the run's random numbers as they were and no
+    gradient behind."""
     model, device = session.model, session.device
-    x = torch.zeros((1, *model.latent_shape), device=device)
-    sigma = torch.full((1,), 0.5, device=device)
     text = session.cache.get([prompt], device)
     params = [p for p in model.denoiser.parameters() if p.requires_grad]
     cuda = [device] if device.type == "cuda" else []
     # a model that draws random numbers leaves the run's RNG as it was; and a compiled denoiser runs
     # eagerly here: a first call under FlopCounterMode would leave torch.compile never compiling it
-    with torch.random.fork_rng(devices=cuda), torch.compiler.set_stance("force_eager"):
-        counted = count_flops(lambda: model.velocity(x, sigma, text))
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.compiler.set_stance("force_eager"):
+            counted = _count_on_fake_tensors(model, device, text) if fake else None
+            if counted is None:
+                _forget_gradients(params)  # what a fake count that failed half-way left
+                counted = count_flops(_one_sample(model, device, text, None))
+        return counted
+    finally:
+        _forget_gradients(params)
+
+
+def _forget_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Drop the counting backward's gradients: real ones, or fake ones left on real parameters
+    (the run's first real backward would accumulate into them)."""
     for p in params:
         p.grad = None
-    return counted
+
+
+def _count_on_fake_tensors(model, device: torch.device, text) -> VelocityFlops | None:
+    """:func:`count_flops` on fake inputs; None (and a warning) where the model cannot run on them.
+    FlopCounterMode counts from the operators' shapes, which fake tensors carry: the same count."""
+    try:
+        return count_flops(_one_sample(model, device, text, FakeTensorMode(allow_non_fake_inputs=True)))
+    except Exception as error:  # any: an error of the model's own comes back from the real count
+        # a value read into Python (.item(), a branch on a tensor), an output shape that depends on
+        # values, a kernel outside torch's operators that reads the data: the caller counts on real
+        # tensors, as before, at the cost of a real forward and backward (and their memory)
+        _log.warning("flowrl: the model's FLOPs could not be counted on fake tensors (%s: %s); counting "
+                     "them on real ones, one forward and backward of one sample", type(error).__name__, error)
+        return None
+
+
+def _one_sample(model, device: torch.device, text, mode: FakeTensorMode | None) -> Callable[[], torch.Tensor]:
+    """``velocity()`` of one sample at the middle of the path, on latents that ``mode`` fakes
+    (None: real ones).
+
+    Only the latents are fake, and the mode is not entered for the forward. Every activation of the
+    latent tokens (the memory: the image or video sequence through every block, kept for the
+    backward) derives from them and so is fake too: a real parameter, or a real tensor, meets a fake
+    one as a fake (the mode allows non-fake inputs), and the backward of a fake is fake. What a model
+    computes without the latents stays real and small: the timestep embedding, the text tokens' own
+    layers (until they join the image tokens; cross-attention's keys and values of the text), position
+    ids, rotary tables. Real because models read them into Python (Qwen-Image trims the text padding
+    by its mask, Z-Image cuts captions at their lengths and reads sigma for CFG: ``.item()`` on a
+    fake raises), and because models keep such tensors across calls (the diffusers adapters'
+    ``_device_constant``, Qwen-Image's ``lru_cache``d rotary frequencies): made inside a fake mode
+    they would be kept fake (FLUX's ids and guidance: its next forward on real latents returned a
+    fake velocity)."""
+    with mode if mode is not None else contextlib.nullcontext():
+        x = torch.zeros((1, *model.latent_shape), device=device)
+    sigma = torch.full((1,), 0.5, device=device)
+    return lambda: model.velocity(x, sigma, text)
 
 
 def velocity_flops(session, prompt: str) -> tuple[int, int]:

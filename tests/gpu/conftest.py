@@ -75,7 +75,7 @@ def lane_tiny_dir(tmp_path_factory):
 def tiny_pipeline(lane_tiny_dir):
     """``tiny_pipeline(name) -> path``: a tiny offline pipeline (``flux``, ``flux_schnell``, ``sd3``,
     ``flux_kontext``, ``qwen_image``, ``qwen_image_edit``, ``flux2_klein``, ``flux2_klein_distilled``,
-    ``zimage``, ``wan``, ``wan22``, ``ltx``), each written once per session."""
+    ``zimage``, ``wan``, ``wan22``, ``wan22_a14b``, ``wan22_a14b_i2v``, ``ltx``), each written once per session."""
     from flowrl.testing import tiny_pipelines as tp
 
     builders = {
@@ -90,6 +90,8 @@ def tiny_pipeline(lane_tiny_dir):
         "zimage": lambda p: tp.build_tiny_zimage(p),
         "wan": lambda p: tp.build_tiny_wan(p),
         "wan22": lambda p: tp.build_tiny_wan22(p),
+        "wan22_a14b": lambda p: tp.build_tiny_wan22_a14b(p),
+        "wan22_a14b_i2v": lambda p: tp.build_tiny_wan22_a14b(p, image_to_video=True),
         "ltx": lambda p: tp.build_tiny_ltx(p),
     }
     built: dict[str, Path] = {}

@@ -289,29 +289,46 @@ SDPA_FLAGS = {"flash": "flash_sdp_enabled", "efficient": "mem_efficient_sdp_enab
               "cudnn": "cudnn_sdp_enabled"}
 
 
+_DENOISER = f"diffusers{os.sep}models{os.sep}transformers{os.sep}"
+_AUXILIARY = (f"diffusers{os.sep}models{os.sep}autoencoders{os.sep}", f"{os.sep}transformers{os.sep}models{os.sep}")
+
+
+def _caller_kind() -> str | None:
+    """``denoiser`` (a diffusers transformer), ``auxiliary`` (the VAE, a transformers text encoder)
+    or None, from the frames that led to an attention call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if _DENOISER in name:
+            return "denoiser"
+        if any(part in name for part in _AUXILIARY):
+            return "auxiliary"
+        frame = frame.f_back
+    return None
+
+
 def attention_run(recipe: Path, backend: str, out: Path) -> dict:
     """Train ``recipe`` with ``[train].attention_backend = backend`` into ``out``, recording at every
-    scaled-dot-product attention call diffusers makes (the denoiser's, the VAE's) which backends
-    torch may use there. Returns (and writes to
-    ``out / "attention.json"``, for a run in another process) ``{"outcome": "ran" | "refused",
-    "error", "where", "calls", "allowed": [sorted backend sets seen], "rows"}``; any other error
-    propagates."""
+    scaled-dot-product attention call which backends torch may use there: the denoiser's calls
+    (``calls``, ``allowed``) apart from the VAE's and the text encoders' (``auxiliary_calls``,
+    ``auxiliary_allowed``), which attend as ``auto`` whatever the recipe names. Returns (and writes
+    to ``out / "attention.json"``, for a run in another process) ``{"outcome": "ran" | "refused",
+    "error", "where", "calls", "allowed": [sorted backend sets seen], "auxiliary_calls",
+    "auxiliary_allowed", "rows"}``; any other error propagates."""
     import json
 
     import torch.nn.functional as F
 
     from flowrl.errors import FlowrlError
 
-    calls, allowed = [0], set()
+    calls, allowed = {"denoiser": 0, "auxiliary": 0}, {"denoiser": set(), "auxiliary": set()}
     original = F.scaled_dot_product_attention
 
     def recorded(*args, **kwargs):
-        # the denoiser's (and the VAE's) attention, which diffusers calls; the text encoders'
-        # (transformers) run partly outside the loop, where the process default applies
-        if f"{os.sep}diffusers{os.sep}" not in sys._getframe(1).f_code.co_filename:
-            return original(*args, **kwargs)
-        calls[0] += 1
-        allowed.add(tuple(sorted(n for n, flag in SDPA_FLAGS.items() if getattr(torch.backends.cuda, flag)())))
+        kind = _caller_kind()
+        if kind is not None:
+            calls[kind] += 1
+            allowed[kind].add(tuple(sorted(n for n, flag in SDPA_FLAGS.items() if getattr(torch.backends.cuda, flag)())))
         return original(*args, **kwargs)
 
     result = {"backend": backend, "outcome": "ran", "error": "", "where": "", "rows": []}
@@ -323,6 +340,7 @@ def attention_run(recipe: Path, backend: str, out: Path) -> dict:
         result.update(outcome="refused", error=exc.message, where=exc.where or "")
     finally:
         F.scaled_dot_product_attention = original
-    result.update(calls=calls[0], allowed=[list(a) for a in sorted(allowed)])
+    result.update(calls=calls["denoiser"], allowed=[list(a) for a in sorted(allowed["denoiser"])],
+                  auxiliary_calls=calls["auxiliary"], auxiliary_allowed=[list(a) for a in sorted(allowed["auxiliary"])])
     (Path(out) / "attention.json").write_text(json.dumps(result))
     return result

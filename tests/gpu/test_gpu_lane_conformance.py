@@ -6,7 +6,10 @@ the device with ``adapter.to(device)`` as the engine places it.
 
 fp32, with the suite's default tolerances: those are the engine's own for fp32 recipes (the
 on-policy check's 1e-6 is ``[train].on_policy_tolerance``'s default), so a check that fails here
-on a GPU fails fp32 training runs of that model there too. Measured on the 2-core CPU: 35 s for
+on a GPU fails fp32 training runs of that model there too. The adapter gets what ``Session.open``
+gives an fp32 denoiser on CUDA (:func:`flowrl.train.accel.exact_float32`: no TF32 convolutions):
+without it, on an H200, Wan's on-policy log-ratio reached 4e-6 and the editing models' condition
+latents depended on the batch (2e-4). Measured on the 2-core CPU: 35 s for
 the 23 tests, pipelines written included; not yet timed on a GPU.
 """
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from flowrl.testing.conformance import CHECK_NAMES, check_adapter
+from flowrl.train.accel import exact_float32
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +34,8 @@ TINY = {
     "zimage": dict(dtype="fp32", height=32, width=32, max_sequence_length=64),
     "wan": dict(dtype="fp32", height=32, width=32, num_frames=5, max_sequence_length=16),
     "wan22": dict(dtype="fp32", height=32, width=32, num_frames=5, max_sequence_length=16),
+    "wan22_a14b": dict(dtype="fp32", height=32, width=32, num_frames=5, max_sequence_length=16, flow_shift=5.0),
+    "wan22_a14b_i2v": dict(dtype="fp32", height=32, width=32, num_frames=5, max_sequence_length=16, flow_shift=5.0),
     "ltx": dict(dtype="fp32", height=32, width=64, num_frames=9, max_sequence_length=16),
 }
 
@@ -55,6 +61,8 @@ CASES = {
     "wan_no_cfg": ("wan", "wan", dict(cfg_scale=1.0)),
     "wan22_t2v": ("wan22", "wan22", {}),
     "wan22_i2v": ("wan22", "wan22", dict(image_to_video=True)),
+    "wan22_a14b": ("wan22_a14b", "wan22_a14b", {}),
+    "wan22_a14b_i2v": ("wan22_a14b_i2v", "wan22_a14b_i2v", dict(cfg_scale=4.0, cfg_scale_2=3.0)),
     "ltx_t2v": ("ltx", "ltx", {}),
     "ltx_i2v": ("ltx", "ltx", dict(image_to_video=True)),
 }
@@ -84,6 +92,7 @@ def test_every_registered_model_has_a_case():
 def test_adapter_conforms_on_the_lane_device(lane, tiny_pipeline, case):
     adapter = _make(case, tiny_pipeline)
     adapter.to(lane.device)
+    exact_float32(lane.device, adapter.denoiser)  # what Session.open does for an fp32 denoiser
     report = check_adapter(adapter)  # raises with every check's line on any failure
     assert [r.name for r in report.results] == list(CHECK_NAMES) and report.passed, report.summary()
     on = {p.device.type for p in adapter.denoiser.parameters()}

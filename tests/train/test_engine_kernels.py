@@ -219,3 +219,60 @@ def test_the_docs_example_validates():
     recipe = validate({**tomllib.loads(block), "rewards": [{"use": "brightness"}]}, source="docs/recipes.md")
     assert recipe.sampler.overlap_rewards and recipe.sampler.batch_size == 8
     assert (recipe.train.compile, recipe.train.attention_backend, recipe.train.adamw_impl) == ("default", "auto", "fused")
+
+
+class _BackendSensitiveModel:
+    """A velocity that depends on which backend the probe's context named (the probe's own check)."""
+
+    latent_shape = (2, 4)
+
+    def __init__(self, under_cudnn):
+        self.under_cudnn, self.backend = under_cudnn, None
+
+    def velocity(self, x, sigma, text):
+        return self.under_cudnn(x) if self.backend == "cudnn" else 2 * x
+
+
+def _probe(monkeypatch, model):
+    import contextlib
+
+    from flowrl.train import accel
+
+    @contextlib.contextmanager
+    def named(name, device, source="<recipe>"):
+        model.backend = name
+        yield
+
+    monkeypatch.setattr(accel, "attention_backend", named)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    return accel.probe_cudnn_attention(model, CPU, text={}, source="r.toml")
+
+
+def test_cudnn_is_probed_on_the_model_and_refused_when_it_disagrees_with_math(monkeypatch):
+    assert _probe(monkeypatch, _BackendSensitiveModel(lambda x: 2 * x)) == 0.0  # agrees: trains
+    with pytest.raises(FlowrlError) as caught:  # non-finite, as cuDNN gave for a tiny FLUX on an H200
+        _probe(monkeypatch, _BackendSensitiveModel(lambda x: x * float("inf")))
+    assert "disagrees with math attention" in caught.value.message
+    assert caught.value.where == "r.toml: [train].attention_backend"
+    with pytest.raises(FlowrlError, match="disagrees"):  # finite but 10% off
+        _probe(monkeypatch, _BackendSensitiveModel(lambda x: 2.2 * x))
+
+    def no_kernel(x):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    with pytest.raises(FlowrlError, match="cannot run this model here: No available kernel"):
+        _probe(monkeypatch, _BackendSensitiveModel(no_kernel))
+
+
+def test_an_fp32_denoiser_on_cuda_gets_fp32_convolutions_and_nothing_else_changes():
+    from flowrl.train.accel import exact_float32
+
+    cuda, before = torch.device("cuda"), torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cudnn.allow_tf32 = True
+        assert not exact_float32(CPU, torch.nn.Linear(2, 2)) and torch.backends.cudnn.allow_tf32
+        assert not exact_float32(cuda, torch.nn.Linear(2, 2).to(torch.bfloat16)) and torch.backends.cudnn.allow_tf32
+        assert not exact_float32(cuda, torch.nn.Linear(2, 2), mixed_precision="bf16") and torch.backends.cudnn.allow_tf32
+        assert exact_float32(cuda, torch.nn.Linear(2, 2)) and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32 = before
