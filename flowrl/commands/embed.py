@@ -8,8 +8,8 @@
 It loads the recipe's model as training does, encodes every distinct prompt of the training
 source, of the evaluation pool, of an offline run's ``[data]`` table and of each ``--prompts``
 file, one at a time, exactly as a
-run's prompt cache would (under the recipe's ``[train].attention_backend``, as in the training
-loop), and writes them as a store (:mod:`flowrl.embeddings`). A recipe with
+run's prompt cache would (through :meth:`flowrl.train.session.PromptCache.encode`: the text
+encoders attend as ``auto``, whatever the denoiser's ``[train].attention_backend``), and writes them as a store (:mod:`flowrl.embeddings`). A recipe with
 ``[prompts] embeddings = "DIR"`` then reads them back: the diffusers models load no text encoder
 or tokenizer (FLUX.1's T5-XXL alone is 9.5 GB in bf16), and the run equals one that encodes.
 """
