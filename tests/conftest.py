@@ -28,6 +28,23 @@ if str(REPO / "tests" / "train") not in sys.path:
     sys.path.append(str(REPO / "tests" / "train"))
 
 
+_SDPA_SWITCHES = ("flash", "mem_efficient", "math", "cudnn")
+
+
+@pytest.fixture(autouse=True)
+def _torch_switches_restored():
+    """A run on CUDA sets torch switches for its whole process (cuDNN attention off,
+    flowrl.train.accel.default_attention; fp32 convolutions for an fp32 denoiser, exact_float32):
+    each test gets them back as they were, so what a test sees does not depend on which run came
+    before it in its worker (on an H200, two attention tests failed after a CUDA run in theirs)."""
+    sdpa = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in _SDPA_SWITCHES}
+    tf32 = torch.backends.cudnn.allow_tf32
+    yield
+    for name, on in sdpa.items():
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
 def _load_hypothesis_profile() -> None:
     """Property tests (hypothesis) are reproducible in CI: the default ``ci`` profile
     derandomizes them (the same 120 examples per test on every run and machine, no example

@@ -223,7 +223,7 @@ def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hy
     late = (model.reference_velocity if base is None else base.velocity) if hybrid_steps else None
     for start in range(0, len(items), batch_size):
         batch = items[start : start + batch_size]
-        text = cache.get([it.prompt for it in batch])
+        text = cache.get([it.prompt for it in batch], device)  # on the model's device: not every adapter moves it
         noise = torch.stack([noise_of(it) if noise_of else noise_for(model, seed, it.prompt, it.seed_index)
                              for it in batch]).to(device)
 

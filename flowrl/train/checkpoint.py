@@ -117,18 +117,24 @@ def optimizer_from_files(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
 
 
 def rng_state() -> dict[str, torch.Tensor]:
+    """The CPU generator's state, and each GPU's once this process has started CUDA: a process
+    that never did (a CPU run on a GPU machine) has drawn nothing there, and asking would start a
+    CUDA context on every visible GPU (memory held, and no fork afterwards)."""
     out = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             out[f"torch_cuda_{i}"] = s
     return out
 
 
 def set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    """Restore :func:`rng_state`'s states: the GPUs' in index order (``torch_cuda_10`` after
+    ``torch_cuda_9``), as many as both the checkpoint and this machine have."""
     torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    cuda = sorted((int(k.removeprefix("torch_cuda_")), v) for k, v in tensors.items() if k.startswith("torch_cuda_"))
     if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+        for index, state in cuda[: torch.cuda.device_count()]:
+            torch.cuda.set_rng_state(state, index)
 
 
 def save_checkpoint(

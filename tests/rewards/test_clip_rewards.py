@@ -34,7 +34,8 @@ def reference_cosine(model_dir, images, prompts):
 
 @pytest.fixture(scope="module")
 def pickscore(tiny_clip_dir):
-    return PickScore(PickScoreConfig(model=str(tiny_clip_dir), processor=str(tiny_clip_dir), batch_size=4))
+    # on the CPU in fp32, where the reference is computed ('auto' is CUDA and bf16 on a GPU machine)
+    return PickScore(PickScoreConfig(model=str(tiny_clip_dir), processor=str(tiny_clip_dir), batch_size=4, device="cpu"))
 
 
 def test_pickscore_matches_independent_computation(pickscore, tiny_clip_dir):

@@ -77,7 +77,9 @@ def files(tmp_path_factory, tiny_clip_dir):
 
 
 def make(files, **kw):
-    params = {"detector": files["detector"], "clip": files["clip"], "metadata": files["metadata"], "batch_size": 8}
+    # on the CPU in fp32, as the references here are computed ('auto' is CUDA and bf16 on a GPU machine)
+    params = {"detector": files["detector"], "clip": files["clip"], "metadata": files["metadata"], "batch_size": 8,
+              "device": "cpu"}
     return GenEval(GenEvalConfig(**{**params, **kw}))
 
 
