@@ -426,7 +426,7 @@ def check_attention(setup: Setup) -> list[Check]:
                   + ("" if ok else f" > {tolerance:g}"))
         if name == "cudnn" and not ok:  # what a run naming it meets too: refused by its probe, never used
             checks.append(Check("attention", name, "skip", f"{detail}: flowrl refuses attention_backend = 'cudnn' "
-                                "here (flowrl.train.accel.probe_cudnn_attention); 'auto' never uses it", figures))
+                                "here (flowrl.train.accel.probe_attention_backend); 'auto' never uses it", figures))
             continue
         checks.append(Check("attention", name, "pass" if ok else "fail", detail, figures))
     return checks

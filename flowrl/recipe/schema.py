@@ -128,10 +128,11 @@ class TrainConfig:
     )
     attention_backend: Literal["auto", "math", "flash", "efficient", "cudnn"] = param(
         "auto",
-        "The only scaled-dot-product attention backend torch may use (torch.nn.attention.sdpa_kernel) "
-        "in the denoiser during rollout, update and evaluation (the VAE and the text encoders attend as 'auto'); "
-        "'auto' lets torch choose (on CUDA among flash, efficient and math: cudnn faulted on FLUX.1-dev's attention "
-        "on an H100 and runs only when named, after a probe on the run's model finds it agrees with math). "
+        "The scaled-dot-product attention backend (torch.nn.attention.sdpa_kernel) of the denoiser during "
+        "rollout, update and evaluation, probed at start to run the model's attention alone; calls it has no kernel "
+        "for (text encoders' masked attention, an fp32 VAE, reward models) fall back to math. 'auto' lets torch "
+        "choose (on CUDA among flash, efficient and math: cudnn faulted on FLUX.1-dev's attention on an H100 and runs "
+        "only when named, after the probe finds it agrees with memory-efficient attention on the run's model). "
         "CPU: math, flash. CUDA: math, flash, efficient, cudnn (flash and cudnn need fp16/bf16 and a recent GPU).",
     )
     adamw_impl: Literal["auto", "for-loop", "foreach", "fused"] = param(

@@ -7,17 +7,18 @@ speed switch, ``adamw_impl``, is the optimizer's: :func:`flowrl.train.optimizer.
   built the KL reference (an uncompiled copy) and the strategy has placed or sharded the
   denoiser (FSDP2 wants ``fully_shard`` before ``compile``);
 - :func:`attention_backend`: a context manager that restricts scaled-dot-product attention to
-  one backend (``torch.nn.attention.sdpa_kernel``) for the training loop. ``auto`` lets torch
+  one backend (``torch.nn.attention.sdpa_kernel``; the probe, the self-test and doctor use it
+  strictly). ``auto`` lets torch
   choose, on CUDA among flash, memory-efficient and math only: cuDNN attention runs only when
   named, because with torch 2.11 (CUDA 13.0) on an H100 it faulted on FLUX.1-dev's attention
   (24 heads of 128, bf16; an illegal memory access, then every later kernel failed), where the
   other three ran (``benchmarks/sdpa_backends.py``, docs/benchmarks.md);
 - :func:`default_attention`: the same ``auto`` as the process's default, for what runs outside
   the loop's context (the session and the inference commands call it when they place a model);
-- :func:`auxiliary_attention`: ``auto``'s backends for the text encoders and the VAE inside the
-  loop: the recipe's backend is the denoiser's alone;
-- :func:`probe_cudnn_attention`: a recipe naming ``cudnn`` trains only if cuDNN agrees with math
-  attention on its model;
+- :func:`loop_attention`: the training loop's context: the named backend, and math for the
+  calls it has no kernel for (T5's masked attention, an fp32 VAE, reward models);
+- :func:`probe_attention_backend`: a named backend must run the denoiser's attention alone, and
+  ``cudnn`` must agree with memory-efficient attention on the run's model;
 - :func:`exact_float32`: an fp32 denoiser on CUDA gets fp32 (not TF32) convolutions.
 
 Each checks the device first and raises a :class:`~flowrl.errors.FlowrlError` naming the recipe
@@ -85,16 +86,23 @@ def attention_backend(name: str, device: torch.device, source: str = "<recipe>")
 
 
 @contextlib.contextmanager
-def auxiliary_attention() -> Iterator[None]:
-    """Text encoders and the VAE attend as ``auto`` would (every backend but cuDNN), whatever
-    ``[train].attention_backend`` names: the recipe's backend is the denoiser's. On an H200 a run
-    naming ``flash`` or ``efficient`` failed in T5's attention ("No available kernel": its position
-    bias is an attention mask, which flash takes no more than an fp32 VAE takes flash), and
-    ``cudnn`` faulted there too. The training loop encodes prompts and decodes images inside its
-    attention context; those calls go through this."""
+def loop_attention(name: str, device: torch.device, source: str = "<recipe>") -> Iterator[None]:
+    """The training loop's attention: ``name`` where it can run, math for the calls it cannot
+    serve. The denoiser's attention runs on ``name`` (torch prefers any other allowed backend to
+    math, and :func:`probe_attention_backend` has checked that ``name`` runs the denoiser alone);
+    the text encoders, the VAE and the reward models fall back to math where ``name`` has no kernel
+    (on an H200 a run naming ``flash`` died in T5's attention, whose position bias is a mask, with
+    "No available kernel"; an fp32 VAE has no flash kernel either). One set for the whole process:
+    torch's switches are global, so a set that changed per component would change under the
+    rollout and reward threads too. ``auto`` and ``math``: as :func:`attention_backend`."""
+    if name in ("auto", "math"):
+        with attention_backend(name, device, source):
+            yield
+        return
+    check_attention_backend(name, device, source)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+    with sdpa_kernel([getattr(SDPBackend, _SDPA_NAMES[name]), SDPBackend.MATH]):
         yield
 
 
@@ -132,56 +140,79 @@ def exact_float32(device: torch.device, denoiser: torch.nn.Module, mixed_precisi
     return True
 
 
-#: largest relative deviation of cuDNN attention's velocity and input gradient from math's that a
-#: run naming ``cudnn`` accepts (the self-test's bf16 bound; cuDNN attention has no fp32 kernel)
-CUDNN_TOLERANCE = 5e-2
+#: largest relative deviation from a reference kernel's velocity (and, for cuDNN, its gradient)
+#: that a run naming a backend accepts (the self-test's bf16 bound)
+PROBE_TOLERANCE = 5e-2
 
 
-def _velocity_and_gradient(model, x: torch.Tensor, sigma: torch.Tensor, text) -> tuple[torch.Tensor, torch.Tensor]:
+def _velocity_and_gradient(model, x: torch.Tensor, sigma: torch.Tensor, text, backward: bool):
+    if not backward:
+        with torch.no_grad():
+            return (model.velocity(x, sigma, text).float(),)
     x = x.clone().requires_grad_(True)
     velocity = model.velocity(x, sigma, text)
     (gradient,) = torch.autograd.grad(velocity.float().square().mean(), x)
     return velocity.detach().float(), gradient.float()
 
 
-def probe_cudnn_attention(model, device: torch.device, text, source: str = "<recipe>") -> float:
-    """A recipe naming ``cudnn`` on CUDA trains only if cuDNN attention agrees with math attention
-    on this model: one sample's velocity and its gradient with respect to the latents (no weight
-    gradient is kept), under each backend. With torch 2.11 cuDNN attention faulted at FLUX.1-dev's
-    shapes on an H100 and returned non-finite values for a tiny FLUX on an H200, so it is checked on
-    the run's own model before the first rollout rather than trusted. Returns the deviation."""
-    where = _where(source, "attention_backend")
+def _probe_pass(model, name: str, device: torch.device, inputs, backward: bool, source: str):
+    """One sample through the denoiser with ``name`` the only backend; a refusal naming the field
+    when it has no kernel for the model (an out-of-memory error is left as it is)."""
+    cuda = [device] if device.type == "cuda" else []
+    try:
+        with attention_backend(name, device, source), torch.random.fork_rng(devices=cuda):
+            found = _velocity_and_gradient(model, *inputs, backward)
+            if device.type == "cuda":  # a kernel's fault surfaces here, not later outside the try
+                torch.cuda.synchronize(device)
+            return found
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise FlowrlError(f"attention_backend = {name!r} cannot run this model's attention here: {reason}",
+                          where=_where(source, "attention_backend"), hint="use 'auto'") from None
+
+
+def probe_attention_backend(model, name: str, device: torch.device, text, source: str = "<recipe>") -> float | None:
+    """A backend a recipe names must run the denoiser's attention by itself (the loop lets math
+    serve only what it cannot: :func:`loop_attention`): one sample's velocity, without gradient,
+    with that backend alone, else the run is refused by name before the first rollout. ``cudnn``
+    must also agree with a reference kernel (memory-efficient attention on CUDA: no score matrix
+    the size of the sequence squared), the velocity and its gradient with respect to the latents:
+    with torch 2.11 cuDNN attention faulted at FLUX.1-dev's shapes on an H100 and returned
+    non-finite values for a tiny FLUX on an H200. Returns cuDNN's deviation (None otherwise)."""
+    if name in ("auto", "math"):
+        return None
     x = torch.randn((1, *model.latent_shape), generator=torch.Generator().manual_seed(0)).to(device)
-    sigma = torch.full((1,), 0.5, device=device)
-    found, cuda = {}, [device] if device.type == "cuda" else []
-    for name in ("math", "cudnn"):
-        try:
-            with attention_backend(name, device, source), torch.random.fork_rng(devices=cuda):
-                found[name] = _velocity_and_gradient(model, x, sigma, text)
-        except RuntimeError as exc:  # no cuDNN kernel for this dtype or shape
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise FlowrlError(f"attention_backend = 'cudnn' cannot run this model here: {reason}", where=where,
-                              hint="use 'auto' (flash, efficient or math; never cuDNN)") from None
-    deviation = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(found["cudnn"], found["math"]))
-    if not deviation <= CUDNN_TOLERANCE:  # NaN fails too
-        raise FlowrlError(f"attention_backend = 'cudnn' disagrees with math attention on this model: relative "
-                          f"deviation {deviation:.3g} > {CUDNN_TOLERANCE:g} (torch {torch.__version__}, "
-                          f"{torch.cuda.get_device_name(device)})", where=where,
+    inputs = (x, torch.full((1,), 0.5, device=device), text)
+    if name != "cudnn":
+        _probe_pass(model, name, device, inputs, False, source)
+        return None
+    reference = "efficient" if device.type == "cuda" else "math"
+    found = {b: _probe_pass(model, b, device, inputs, True, source) for b in (reference, "cudnn")}
+    for p in model.denoiser.parameters():  # FSDP2 leaves zeros on the parameters the backward passed
+        p.grad = None
+    deviation = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for a, b in zip(found["cudnn"], found[reference]))
+    if not deviation <= PROBE_TOLERANCE:  # NaN fails too
+        where = _where(source, "attention_backend")
+        raise FlowrlError(f"attention_backend = 'cudnn' disagrees with {reference} attention on this model: relative "
+                          f"deviation {deviation:.3g} > {PROBE_TOLERANCE:g} (torch {torch.__version__})", where=where,
                           hint="use 'auto' (flash, efficient or math; never cuDNN)")
     return deviation
 
 
-def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>", probe_text=None):
+def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>", probe_text=None, counter=None):
     """What the training loop calls once the update is built: check ``[train].attention_backend``
-    against the device (``cudnn`` is probed on the model: :func:`probe_cudnn_attention`, given
-    ``probe_text()``, one prompt's embeddings on the device), compile the denoiser as
-    ``[train].compile`` says, and return the attention context (:func:`attention_backend`) for the
-    loop to run in."""
+    against the device and probe a named one on the model (:func:`probe_attention_backend`, given
+    ``probe_text()``, one prompt's embeddings on the device; not counted by ``counter``), compile
+    the denoiser as ``[train].compile`` says, and return the attention context
+    (:func:`loop_attention`) for the loop to run in."""
     check_attention_backend(train.attention_backend, device, source)
-    if train.attention_backend == "cudnn" and device.type == "cuda" and probe_text is not None:
-        probe_cudnn_attention(model, device, probe_text(), source)
+    if train.attention_backend not in ("auto", "math") and probe_text is not None:
+        with counter.paused() if counter is not None else contextlib.nullcontext():
+            probe_attention_backend(model, train.attention_backend, device, probe_text(), source)
     compile_denoiser(model, train.compile, device, source)
-    return attention_backend(train.attention_backend, device, source)
+    return loop_attention(train.attention_backend, device, source)
 
 
 def compile_denoiser(model, mode: str, device: torch.device, source: str = "<recipe>") -> bool:

@@ -38,7 +38,6 @@ from ..sampling.rollout import rollout
 from ..seeding import generator, sample_generators
 from ..sampling.trajectory import Trajectory
 from ..stop_points import stoppable
-from .accel import auxiliary_attention
 from .compute import network_rows_per_sample
 from .overlap import OverlappedScoring, score_part
 from .run import Run
@@ -85,7 +84,7 @@ def collect(run: Run, prompts: list[str], iteration: int, timer) -> Batch:
         with timer("rescore"):  # FP8 rollouts: the trained policy's log-probs replace the rollout's
             rescore(session, batch, timer)
     if decodes_in_training(session):  # rewards that all score latents need no images
-        with timer("decode"), auxiliary_attention():
+        with timer("decode"):
             batch.images = session.model.decode(batch.trajectory.image_latents)
         count_decoded(timer, len(batch.images))
     with timer("reward"):
@@ -103,8 +102,7 @@ def collect_rows(run: Run, iteration: int, timer) -> Batch:
     with timer("encode"):
         everyone = iteration_rows(len(run.data), seed=session.recipe.run.seed, iteration=iteration,
                                   count=geometry.prompts_per_iteration)
-        with auxiliary_attention():  # the VAE attends as "auto" would, whatever the denoiser's backend
-            rows = encode_rows(run.data, session.model, [everyone[j] for j in local], session.device, run.table_latents)
+        rows = encode_rows(run.data, session.model, [everyone[j] for j in local], session.device, run.table_latents)
         rows.sigmas = session.sampler.sigmas
         text = session.cache.get(rows.prompts, session.device)
     return Batch(iteration=iteration, indices=local, prompts=rows.prompts, group_ids=torch.tensor(list(local)),

@@ -27,7 +27,6 @@ from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sampling.rollout import ode_sample
 from ..seeding import generator
 from ..stop_points import stop_point, stoppable
-from .accel import auxiliary_attention
 from .warning_signs import WarningSigns
 
 
@@ -69,8 +68,7 @@ def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: in
         text = cache.get(ps, sigmas.device)
         noise = evaluation_noise(model.latent_shape, seed, range(start, start + len(part))).to(sigmas.device)
         latents = ode_sample(stoppable(lambda i, x, s: model.velocity(x, s, text)), noise, sigmas)
-        with auxiliary_attention():  # the recipe's attention backend is the denoiser's
-            images = model.decode(latents)  # for the grids and the artefact measures, whatever the rewards score
+        images = model.decode(latents)  # for the grids and the artefact measures, whatever the rewards score
         metadata = reward_metadata(ps, images)
         if on_images is not None:
             on_images(images)

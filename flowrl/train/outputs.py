@@ -37,7 +37,6 @@ from ..interfaces import NeedsRunDir, ProfilingChunker
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
 from ..video import filmstrip, is_clip, mp4_available, write_gif, write_mp4
-from .accel import auxiliary_attention
 from .device_memory import peak_memory
 from .run_dir import LOCK_NAME
 
@@ -154,7 +153,7 @@ class RunOutputs:
     def _decoded(self, latents: torch.Tensor) -> torch.Tensor:
         """The group's images for its grid when training decoded nothing (every reward scores
         latents): only the samples shown, and not counted as training's decode."""
-        with torch.no_grad(), auxiliary_attention():
+        with torch.no_grad():
             return self.decode(latents)
 
     def write_eval_grids(self, iteration: int, prompts: list[str], images: torch.Tensor,

@@ -37,7 +37,6 @@ from ..interfaces import scores_latents
 from ..rewards import needs_images, score
 from ..prompts import reward_metadata
 from ..stop_points import carried, stop_point, wait_for
-from .accel import auxiliary_attention
 
 
 class RewardFailedError(FlowrlError):
@@ -132,7 +131,7 @@ class OverlappedScoring:
     def _decode_and_score(self, image_latents, prompts, what):
         images = None
         if self.decode:  # rewards that all score latents need no decode
-            with torch.no_grad(), auxiliary_attention():
+            with torch.no_grad():
                 images = self.model.decode(image_latents)
         scores, extras = score_part(self.rewards, images, prompts, what, latents=image_latents)
         return images, scores, extras

@@ -39,7 +39,7 @@ import torch
 
 from ..errors import FlowrlError
 from ..processes import die_with_parent, spawned_children_ignore_sigint
-from .accel import attention_backend, check_attention_backend
+from .accel import check_attention_backend, loop_attention
 from .collect import collect
 from .compute import ComputeCounter
 from .finetune import prepare_trainable
@@ -241,7 +241,7 @@ def _draw(run: Run, counter: ComputeCounter, prompts, iteration: int):
     recipe = run.session.recipe
     timer = PhaseTimer(run.session.device, counter=counter)
     start = time.perf_counter()
-    with torch.no_grad(), attention_backend(recipe.train.attention_backend, run.session.device, recipe.source):
+    with torch.no_grad(), loop_attention(recipe.train.attention_backend, run.session.device, recipe.source):
         batch = collect(run, prompts, iteration, timer)
     seconds = {**timer.seconds, "total": time.perf_counter() - start}
     counts = counter.counts()

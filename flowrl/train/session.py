@@ -32,7 +32,7 @@ from ..prompts import CACHED_PROMPTS, read_prompts
 from ..recipe import Recipe, build_loss
 from ..rewards import for_clips
 from ..sampling.rollout import Sampler, make_kernels, trainable_mask
-from .accel import auxiliary_attention, default_attention, exact_float32
+from .accel import default_attention, exact_float32
 from .checkpoint import read_model_weights
 from .evaluate import evaluation_set
 from .finetune import load_trainable_state_dict, prepare_trainable
@@ -154,8 +154,7 @@ class PromptCache:
     @torch.no_grad()
     def encode(self, prompt: str) -> TextEmbeddings:
         """One prompt's embeddings as the cache keeps them (``[1, ...]`` each, on the CPU)."""
-        with auxiliary_attention():  # the recipe's attention backend is the denoiser's, not the text encoders'
-            return {k: v[:1].cpu() for k, v in self.model.encode_prompts([prompt]).items()}
+        return {k: v[:1].cpu() for k, v in self.model.encode_prompts([prompt]).items()}
 
     def require(self, prompts, what: str) -> None:
         """With a store, refuse (one message) when it lacks any of ``prompts`` (the ``what`` of the run)."""

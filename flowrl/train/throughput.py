@@ -75,7 +75,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from ..interfaces import NeedsReferencePolicy, TrainsOnData
 from ..objectives.offline import conditional_velocity
-from .accel import attention_backend
+from .accel import loop_attention
 from .run import Run
 
 _log = logging.getLogger(__name__)
@@ -275,7 +275,7 @@ class Throughput:
         # measuring, not training; on the loop's attention kernels (what torch would pick otherwise may fault)
         with counter.paused() if counter is not None else contextlib.nullcontext(), \
                 conditional_velocity(session.model) if self.points else contextlib.nullcontext(), \
-                attention_backend(recipe.train.attention_backend, session.device, recipe.source):
+                loop_attention(recipe.train.attention_backend, session.device, recipe.source):
             self.forward, self.forward_backward, self.forward_backward_with_recompute = \
                 count_velocity_flops(session, prompt)
         self.peak = peak_tflops(session.device)

@@ -228,12 +228,13 @@ class _BackendSensitiveModel:
 
     def __init__(self, under_cudnn):
         self.under_cudnn, self.backend = under_cudnn, None
+        self.denoiser = torch.nn.Linear(2, 2)
 
     def velocity(self, x, sigma, text):
         return self.under_cudnn(x) if self.backend == "cudnn" else 2 * x
 
 
-def _probe(monkeypatch, model):
+def _probe(monkeypatch, model, name="cudnn"):
     import contextlib
 
     from flowrl.train import accel
@@ -244,15 +245,14 @@ def _probe(monkeypatch, model):
         yield
 
     monkeypatch.setattr(accel, "attention_backend", named)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
-    return accel.probe_cudnn_attention(model, CPU, text={}, source="r.toml")
+    return accel.probe_attention_backend(model, name, CPU, text={}, source="r.toml")
 
 
 def test_cudnn_is_probed_on_the_model_and_refused_when_it_disagrees_with_math(monkeypatch):
     assert _probe(monkeypatch, _BackendSensitiveModel(lambda x: 2 * x)) == 0.0  # agrees: trains
     with pytest.raises(FlowrlError) as caught:  # non-finite, as cuDNN gave for a tiny FLUX on an H200
         _probe(monkeypatch, _BackendSensitiveModel(lambda x: x * float("inf")))
-    assert "disagrees with math attention" in caught.value.message
+    assert "disagrees with math attention" in caught.value.message  # on CUDA: memory-efficient attention
     assert caught.value.where == "r.toml: [train].attention_backend"
     with pytest.raises(FlowrlError, match="disagrees"):  # finite but 10% off
         _probe(monkeypatch, _BackendSensitiveModel(lambda x: 2.2 * x))
@@ -260,8 +260,37 @@ def test_cudnn_is_probed_on_the_model_and_refused_when_it_disagrees_with_math(mo
     def no_kernel(x):
         raise RuntimeError("No available kernel. Aborting execution.")
 
-    with pytest.raises(FlowrlError, match="cannot run this model here: No available kernel"):
+    with pytest.raises(FlowrlError, match="cannot run this model's attention here: No available kernel"):
         _probe(monkeypatch, _BackendSensitiveModel(no_kernel))
+
+
+def test_a_named_backend_must_run_the_denoiser_alone_and_auto_or_math_are_not_probed(monkeypatch):
+    class NoFlash(_BackendSensitiveModel):
+        def velocity(self, x, sigma, text):
+            if self.backend == "flash":
+                raise RuntimeError("No available kernel. Aborting execution.")
+            return 2 * x
+
+    with pytest.raises(FlowrlError) as caught:
+        _probe(monkeypatch, NoFlash(lambda x: x), name="flash")
+    assert caught.value.where == "r.toml: [train].attention_backend"
+    assert "attention_backend = 'flash' cannot run this model's attention here" in caught.value.message
+    assert _probe(monkeypatch, _BackendSensitiveModel(lambda x: 2 * x), name="flash") is None  # ran: no deviation kept
+    for name in ("auto", "math"):
+        model = NoFlash(lambda x: x)
+        assert _probe(monkeypatch, model, name=name) is None and model.backend is None  # nothing ran
+
+
+def test_the_loop_allows_the_named_backend_and_math_for_what_it_cannot_run():
+    from flowrl.train.accel import loop_attention
+
+    q, mask = torch.randn(1, 2, 8, 4), torch.zeros(1, 1, 8, 8)
+    with loop_attention("flash", CPU):
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
+        F.scaled_dot_product_attention(q, q, q, attn_mask=mask)  # a masked call: math serves it
+    with loop_attention("math", CPU):
+        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
 
 
 def test_an_fp32_denoiser_on_cuda_gets_fp32_convolutions_and_nothing_else_changes():
