@@ -276,7 +276,7 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
         if wanted and src.checkpoint is None:
             raise FlowrlError(f"{flag} needs a trained checkpoint (a run or checkpoint directory)", where=flag)
     model = load_policy(src, dev)
-    exact_float32(dev, model.denoiser, src.recipe.distributed.mixed_precision)  # as the run sampled
+    exact_float32(dev, model.denoiser, src.recipe.distributed.mixed_precision, getattr(model, "dtype", None))
     if ema:
         from ..train.ema import load_ema_weights
 

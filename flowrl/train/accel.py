@@ -123,7 +123,8 @@ def default_attention(device: torch.device) -> None:
             getattr(torch.backends.cuda, switch)(False)
 
 
-def exact_float32(device: torch.device, denoiser: torch.nn.Module, mixed_precision: str = "no") -> bool:
+def exact_float32(device: torch.device, denoiser: torch.nn.Module, mixed_precision: str = "no",
+                  compute_dtype: torch.dtype | None = None) -> bool:
     """An fp32 denoiser on CUDA computes its convolutions in fp32: torch lets cuDNN use TF32 for
     them by default (``torch.backends.cudnn.allow_tf32``; its matmuls already default to full fp32).
     With TF32, Wan's Conv3d patch embedding and the editing models' VAE-encoded condition images
@@ -131,10 +132,13 @@ def exact_float32(device: torch.device, denoiser: torch.nn.Module, mixed_precisi
     3e-4 of |v|, and the on-policy log-ratio of a tiny Wan reached 4e-6 against the 1e-6 an fp32
     recipe allows, so re-scoring a rollout in another micro-batch would stop the run. Process-wide
     (cuDNN's switch has no narrower scope); left alone for bf16/fp16 denoisers and mixed precision,
-    whose convolutions are not fp32, so a bf16 Wan keeps its fp32 VAE's TF32 speed. Returns
-    whether it switched TF32 off."""
+    whose convolutions are not fp32, so a bf16 Wan keeps its fp32 VAE's TF32 speed; so too for fp32
+    weights an adapter computes with in another ``compute_dtype`` (its own autocast: a diffusers
+    model's ``dtype`` below its ``denoiser_dtype``). Returns whether it switched TF32 off."""
     floats = [p.dtype for p in denoiser.parameters() if p.dtype.is_floating_point]
     if device.type != "cuda" or mixed_precision != "no" or not floats or any(d != torch.float32 for d in floats):
+        return False
+    if compute_dtype is not None and compute_dtype != torch.float32:
         return False
     torch.backends.cudnn.allow_tf32 = False
     return True

@@ -235,7 +235,8 @@ class Session:
             components = build_components(recipe, registry, rewards=rewards, trackers=trackers)
         with contextlib.nullcontext() if place_denoiser else staying_in_place(components.model.denoiser):
             components.model.to(device)
-        exact_float32(device, components.model.denoiser, recipe.distributed.mixed_precision)
+        exact_float32(device, components.model.denoiser, recipe.distributed.mixed_precision,
+                      getattr(components.model, "dtype", None))  # a diffusers model's compute dtype
         sampler = build_sampler(recipe, components, device)
         return cls(recipe, registry, components, device, sampler, PromptCache(components.model, store=store),
                    plan_context(recipe, components, sampler))

@@ -302,6 +302,9 @@ def test_an_fp32_denoiser_on_cuda_gets_fp32_convolutions_and_nothing_else_change
         assert not exact_float32(CPU, torch.nn.Linear(2, 2)) and torch.backends.cudnn.allow_tf32
         assert not exact_float32(cuda, torch.nn.Linear(2, 2).to(torch.bfloat16)) and torch.backends.cudnn.allow_tf32
         assert not exact_float32(cuda, torch.nn.Linear(2, 2), mixed_precision="bf16") and torch.backends.cudnn.allow_tf32
-        assert exact_float32(cuda, torch.nn.Linear(2, 2)) and not torch.backends.cudnn.allow_tf32
+        # fp32 master weights an adapter computes with in bf16 (its own autocast): not fp32 convolutions
+        assert not exact_float32(cuda, torch.nn.Linear(2, 2), compute_dtype=torch.bfloat16)
+        assert torch.backends.cudnn.allow_tf32
+        assert exact_float32(cuda, torch.nn.Linear(2, 2), compute_dtype=torch.float32) and not torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32 = before

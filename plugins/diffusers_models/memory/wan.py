@@ -74,6 +74,9 @@ PIPELINES = {
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": {"transformer": WAN22_5B, "text_encoder": UMT5_XXL, "vae": WAN22_VAE},
 }
 
+#: maps of the decoder's width per 4 decoded frames that the Wan VAE's decode holds (measured; see below)
+DECODE_MAPS = 15
+
 
 def _wan_spatial(vae: dict[str, Any]) -> int:
     """Pixels per latent of a Wan VAE: 2 per down-sampling stage, times Wan 2.2's pixel folding."""
@@ -180,15 +183,19 @@ def _wan_memory_spec(config, lora_targets: list[str]):
     consts = _wan_constants(*args)  # full fine-tuning: every weight trainable
     lora = _wan_constants(*args, tuple(lora_targets))  # LoRA, as every shipped Wan recipe trains
     # The Wan VAE decodes one latent frame (4 frames) at a time with a cache of the causal
-    # convolutions: about six maps of the decoder's width for 4 frames at its last stage's
-    # resolution (full; Wan 2.2's folds 2 x 2 pixels, so a quarter), plus the clip.
+    # convolutions: about fifteen maps of the decoder's width for 4 frames at its last stage's
+    # resolution (full; Wan 2.2's folds 2 x 2 pixels, so a quarter), plus the clip. Measured on an
+    # H200 with Wan 2.1's VAE at 832 x 480 x 33 in fp32 (benchmarks/results/gpu_memory_check_h200.json:
+    # the decode phase peaked 9.02 GiB above the step before it, where six maps planned 4.05 GiB with
+    # the visiting VAE and the clip): cuDNN's convolution workspaces count there too. Wan 2.2's VAE
+    # takes the same factor, unmeasured.
     tokens_note = (f"{video} video tokens ({f_lat} latent frames) with {txt} text tokens as cross-attention keys, "
                    f"x{cfg} for true CFG")
     vae_bytes = 4 if config.vae_dtype == "fp32" else compute
     hw = config.height * config.width
     fold = int(vae.get("patch_size") or 1) ** 2
     dec_dim = int(vae.get("decoder_base_dim") or vae.get("base_dim", 96))
-    decode = 6 * 4 * hw // fold * dec_dim * vae_bytes + config.num_frames * 3 * hw * 4
+    decode = DECODE_MAPS * 4 * hw // fold * dec_dim * vae_bytes + config.num_frames * 3 * hw * 4
     return ModelMemory(
         **denoiser_counts(t), denoiser_bytes=storage, compute_bytes=compute, reference_bytes=compute,
         frozen={**frozen_components(cfgs, ("text_encoder",), compute), **frozen_components(cfgs, ("vae",), vae_bytes)},
