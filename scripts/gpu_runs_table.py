@@ -64,7 +64,8 @@ PLANNED = (
     Said("FP8 rollouts (`[sampler].rollout_precision = \"fp8\"`): their time against bf16 rollouts "
             "(`benchmarks/gpu_flux_iteration.py --variants step fp8_rollout`) and the GPU lane's FP8 test",
             "objectives.md", "Rollouts in FP8, and the update's correction",
-            "No GPU was lent to this work, so the FP8 matmul path has not run."),
+            "The FP8 matmul path has not run on a GPU: the H200 that ran the GPU lane had no torchao, and its three "
+            "FP8 tests skipped."),
     Said("`flowrl plan`'s peak memory against `torch.cuda.max_memory_allocated` for the GPU recipes other than "
             "the three LoRA ones measured (FLUX.1-dev full fine-tuning, Qwen-Image, FLUX.2 [klein], Z-Image, the "
             "editing models, Wan 2.1 14B, Wan 2.2, LTX-Video; docs/hardware.md), and SD3.5-M's and Wan 2.1 1.3B's "
