@@ -40,6 +40,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..distributed import any_rank
 from ..errors import FlowrlError
 
 #: attention backends that exist per device type (``auto`` is always allowed)
@@ -205,16 +206,27 @@ def probe_attention_backend(model, name: str, device: torch.device, text, source
     return deviation
 
 
-def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>", probe_text=None, counter=None):
+def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>", probe_text=None, counter=None,
+                    ctx=None):
     """What the training loop calls once the update is built: check ``[train].attention_backend``
     against the device and probe a named one on the model (:func:`probe_attention_backend`, given
-    ``probe_text()``, one prompt's embeddings on the device; not counted by ``counter``), compile
-    the denoiser as ``[train].compile`` says, and return the attention context
+    ``probe_text()``, one prompt's embeddings on the device; not counted by ``counter``; a refusal
+    on any of ``ctx``'s processes refuses on all, so none waits for the others in a collective), compile the denoiser as ``[train].compile`` says, and return the attention context
     (:func:`loop_attention`) for the loop to run in."""
     check_attention_backend(train.attention_backend, device, source)
     if train.attention_backend not in ("auto", "math") and probe_text is not None:
+        refusal = None
         with counter.paused() if counter is not None else contextlib.nullcontext():
-            probe_attention_backend(model, train.attention_backend, device, probe_text(), source)
+            try:
+                probe_attention_backend(model, train.attention_backend, device, probe_text(), source)
+            except FlowrlError as error:
+                refusal = error
+        if ctx is not None and any_rank(refusal is not None, ctx) and refusal is None:
+            refusal = FlowrlError(f"attention_backend = {train.attention_backend!r} was refused by another process's "
+                                  "probe (its message says why)", where=_where(source, "attention_backend"),
+                                  hint="use 'auto'")
+        if refusal is not None:
+            raise refusal
     compile_denoiser(model, train.compile, device, source)
     return loop_attention(train.attention_backend, device, source)
 

@@ -74,7 +74,7 @@ def train(recipe: Recipe, *, resume: Path | None = None, dry_run: bool = False,
         update = PolicyUpdate(run)
         layout = ChunkLayout(session, prompts, ctx, run_dir if resume else None)  # a dynamics chunker profiles first
         kernels = prepare_kernels(session.model, train_cfg, device, cfg.source,  # [train].compile; attention in the loop
-                                  probe_text=lambda: session.cache.get([prompts[0]], device), counter=update.counter)
+                                  probe_text=lambda: session.cache.get([prompts[0]], device), counter=update.counter, ctx=ctx)
         ema = WeightEMA.attach(session, update.optimizer)  # None unless [ema] enabled
         replay, pipeline = Replay.attach(run, prompts), Pipeline.attach(run, prompts, update.counter)  # None when off
 

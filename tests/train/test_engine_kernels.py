@@ -308,3 +308,26 @@ def test_an_fp32_denoiser_on_cuda_gets_fp32_convolutions_and_nothing_else_change
         assert exact_float32(cuda, torch.nn.Linear(2, 2), compute_dtype=torch.float32) and not torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cudnn.allow_tf32 = before
+
+
+def test_a_probe_refused_on_one_process_refuses_on_all(monkeypatch):
+    # every process decides together: one that went on would wait for the others in a collective
+    from types import SimpleNamespace
+
+    from flowrl.train import accel
+
+    def refuse(model, name, device, text, source="<recipe>"):
+        raise FlowrlError("attention_backend = 'flash' cannot run this model's attention here: no kernel",
+                          where=f"{source}: [train].attention_backend")
+
+    train = SimpleNamespace(attention_backend="flash", compile="off")
+    anyone = SimpleNamespace(process_count=2)  # what the other process said: distributed.any_rank, faked
+    monkeypatch.setattr("flowrl.distributed.dist.all_reduce", lambda t, op=None: t.fill_(1.0))
+    monkeypatch.setattr(accel, "probe_attention_backend", lambda *a, **k: None)
+    with pytest.raises(FlowrlError, match="refused by another process's probe"):  # this one passed, another did not
+        accel.prepare_kernels(None, train, CPU, "r.toml", probe_text=lambda: {}, ctx=anyone)
+    with accel.prepare_kernels(None, train, CPU, "r.toml", probe_text=lambda: {}, ctx=SimpleNamespace(process_count=1)):
+        pass  # alone, and nobody refused: the loop's context
+    monkeypatch.setattr(accel, "probe_attention_backend", refuse)
+    with pytest.raises(FlowrlError, match="cannot run this model's attention here"):  # its own reason, not another's
+        accel.prepare_kernels(None, train, CPU, "r.toml", probe_text=lambda: {}, ctx=anyone)
