@@ -152,7 +152,8 @@ def _gpu_check(gpu: bool, dry_run: bool, device: str, output: Optional[Path], on
                                   say=lambda text: err_console.print(f"[dim]{text}[/dim]", highlight=False))
     result = gpu_check.report(results, gpu_check.device_facts(device), gpu_check.versions(), total,
                               time.perf_counter() - started, date)
-    json_path, md_path = gpu_check.write_report(result, directory)
+    part = [s.name for s in chosen] if len(chosen) < len(gpu_check.steps()) else None  # --only / --skip
+    json_path, md_path = gpu_check.write_report(result, directory, part)
     console.print(gpu_check.markdown(result), markup=False, highlight=False, soft_wrap=True)
     console.print(f"written: {json_path} and {md_path}; each step's output in {workdir}", highlight=False)
     if any(r.status in ("fail", "timeout") for r in results):

@@ -475,10 +475,14 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(result: dict[str, Any], directory: Path) -> tuple[Path, Path]:
-    """``gpu_check_<device>_<date>.json`` and ``.md``, each published atomically."""
+def write_report(result: dict[str, Any], directory: Path, part: list[str] | None = None) -> tuple[Path, Path]:
+    """``gpu_check_<device>_<date>.json`` and ``.md``, each published atomically; a check of only
+    some steps (``part``, their names) is ``gpu_check_<device>_<date>_only-<steps>``, so that running
+    the failed steps again the same day does not replace the whole check's results."""
     directory.mkdir(parents=True, exist_ok=True)
     stem = f"gpu_check_{slug(result['device']['name'])}_{result['date'][:10]}"
+    if part:
+        stem += "_only-" + "-".join(part)
     json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
     write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
     write_text_atomic(md_path, markdown(result))

@@ -176,3 +176,6 @@ def test_the_report_is_written_as_json_and_a_markdown_table(tmp_path):
     assert saved["kind"] == "flowrl-gpu-check" and saved["steps"][0]["status"] == "pass"
     table = md_path.read_text()
     assert "| ok | pass |" in table and "NVIDIA H100 80GB HBM3" in table
+    # the failed steps run again the same day leave the whole check's files alone
+    again, _ = gpu_check.write_report(report, tmp_path / "results", ["gpu_lane", "memory"])
+    assert again.name == "gpu_check_h100_80gb_hbm3_2026-11-29_only-gpu_lane-memory.json" and json_path.is_file()
