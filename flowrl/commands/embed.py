@@ -8,8 +8,9 @@
 It loads the recipe's model as training does, encodes every distinct prompt of the training
 source, of the evaluation pool, of an offline run's ``[data]`` table and of each ``--prompts``
 file, one at a time, exactly as a
-run's prompt cache would (through :meth:`flowrl.train.session.PromptCache.encode`: the text
-encoders attend as ``auto``, whatever the denoiser's ``[train].attention_backend``), and writes them as a store (:mod:`flowrl.embeddings`). A recipe with
+run's prompt cache would (under the training loop's attention,
+:func:`flowrl.train.accel.loop_attention`: the recipe's ``[train].attention_backend`` with math
+for what it has no kernel for), and writes them as a store (:mod:`flowrl.embeddings`). A recipe with
 ``[prompts] embeddings = "DIR"`` then reads them back: the diffusers models load no text encoder
 or tokenizer (FLUX.1's T5-XXL alone is 9.5 GB in bf16), and the run equals one that encodes.
 """
@@ -41,7 +42,7 @@ def embed(
     from ..errors import FlowrlError
     from ..offline import read_offline_rows
     from ..prompts import read_prompts
-    from ..train.accel import attention_backend, check_attention_backend
+    from ..train.accel import check_attention_backend, loop_attention
     from ..train.session import Session
 
     output = Path(output)
@@ -66,7 +67,7 @@ def embed(
         texts += [str(x) for x in read_prompts(str(extra), model, "--prompts", p, role="eval")]
     texts = list(dict.fromkeys(texts))
     check_attention_backend(cfg.train.attention_backend, session.device, cfg.source)
-    with attention_backend(cfg.train.attention_backend, session.device, cfg.source), Progress(TextColumn("[bold]embedding prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with loop_attention(cfg.train.attention_backend, session.device, cfg.source), Progress(TextColumn("[bold]embedding prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("embed", total=len(texts))
 
