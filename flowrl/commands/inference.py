@@ -263,7 +263,7 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
     and the base for hybrid inference). ``before_load(src)``: a check that refuses before any
     model loads (and before any process is started)."""
     from .. import distributed
-    from ..train.accel import default_attention, exact_float32
+    from ..train.accel import default_attention
 
     src = resolve_source(source, model_name, list(set_ or []), checkpoint)
     if before_load is not None:
@@ -276,7 +276,6 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
         if wanted and src.checkpoint is None:
             raise FlowrlError(f"{flag} needs a trained checkpoint (a run or checkpoint directory)", where=flag)
     model = load_policy(src, dev)
-    exact_float32(dev, model.denoiser, src.recipe.distributed.mixed_precision, getattr(model, "dtype", None))
     if ema:
         from ..train.ema import load_ema_weights
 

@@ -137,9 +137,9 @@ def exact_float32(device: torch.device, denoiser: torch.nn.Module, mixed_precisi
     weights an adapter computes with in another ``compute_dtype`` (its own autocast: a diffusers
     model's ``dtype`` below its ``denoiser_dtype``). Returns whether it switched TF32 off."""
     floats = [p.dtype for p in denoiser.parameters() if p.dtype.is_floating_point]
-    if device.type != "cuda" or mixed_precision != "no" or not floats or any(d != torch.float32 for d in floats):
-        return False
-    if compute_dtype is not None and compute_dtype != torch.float32:
+    computes_fp32 = compute_dtype in (None, torch.float32)
+    fp32 = bool(floats) and set(floats) == {torch.float32} and computes_fp32
+    if device.type != "cuda" or mixed_precision != "no" or not fp32:
         return False
     torch.backends.cudnn.allow_tf32 = False
     return True
@@ -211,7 +211,8 @@ def prepare_kernels(model, train, device: torch.device, source: str = "<recipe>"
     """What the training loop calls once the update is built: check ``[train].attention_backend``
     against the device and probe a named one on the model (:func:`probe_attention_backend`, given
     ``probe_text()``, one prompt's embeddings on the device; not counted by ``counter``; a refusal
-    on any of ``ctx``'s processes refuses on all, so none waits for the others in a collective), compile the denoiser as ``[train].compile`` says, and return the attention context
+    on any of ``ctx``'s processes refuses on all, so none waits for the others in a collective),
+    compile the denoiser as ``[train].compile`` says, and return the attention context
     (:func:`loop_attention`) for the loop to run in."""
     check_attention_backend(train.attention_backend, device, source)
     if train.attention_backend not in ("auto", "math") and probe_text is not None:
