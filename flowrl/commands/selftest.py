@@ -7,6 +7,7 @@
     flowrl selftest --json
     flowrl selftest --gpu              # the whole GPU check, at most 8 minutes: JSON + table in benchmarks/results/
     flowrl selftest --gpu --dry-run    # its steps, budgets and commands; runs nothing
+    flowrl selftest --gpu --only suite # the whole test suite with CUDA visible, failures with tracebacks
 
 Builds a tiny FLUX-architecture pipeline offline (no download) and checks: a 2-iteration
 training run through the fast path and the chunk-graph update, the on-policy check, kill and
@@ -22,6 +23,7 @@ backend, each step in its own time budget.
 from __future__ import annotations
 
 import os
+import shlex
 import tempfile
 import time
 from pathlib import Path
@@ -119,14 +121,18 @@ def _gpu_check(gpu: bool, dry_run: bool, device: str, output: Optional[Path], on
     directory = Path(output) if output is not None else (repo / "benchmarks" / "results" if repo else Path("gpu_check"))
     if dry_run:
         setting = gpu_check.Setting(repo=repo, workdir=Path("<scratch>"), python="python", device=device)
-        console.print(f"flowrl selftest --gpu: {len(chosen)} steps, {sum(s.budget_s for s in chosen)} s of budgets, "
+        console.print(f"flowrl selftest --gpu: {len(chosen)} step(s), {sum(s.budget_s for s in chosen)} s of budgets, "
                       f"at most {total:.0f} s in all; results to {directory}/gpu_check_<device>_<date>.json and .md",
                       highlight=False, soft_wrap=True)
         for step in chosen:
             command = step.command(setting)
-            shown = f"skipped here: {command}" if isinstance(command, str) else " ".join(command)
+            shown = f"skipped here: {command}" if isinstance(command, str) else shlex.join(command)
             console.print(f"  {step.name:<15} {step.budget_s:>4} s  {step.title}\n{'':>24}{shown}",
                           highlight=False, soft_wrap=True, markup=False)
+        for step in gpu_check.steps():
+            if step.on_request and step.name not in {c.name for c in chosen}:
+                console.print(f"  on request (--only {step.name}): {step.name}, {step.budget_s} s: {step.title}",
+                              highlight=False, soft_wrap=True, markup=False)
         return
     import torch
 
@@ -152,7 +158,8 @@ def _gpu_check(gpu: bool, dry_run: bool, device: str, output: Optional[Path], on
                                   say=lambda text: err_console.print(f"[dim]{text}[/dim]", highlight=False))
     result = gpu_check.report(results, gpu_check.device_facts(device), gpu_check.versions(), total,
                               time.perf_counter() - started, date)
-    part = [s.name for s in chosen] if len(chosen) < len(gpu_check.steps()) else None  # --only / --skip
+    names = [s.name for s in chosen]
+    part = names if names != [s.name for s in gpu_check.default_steps()] else None  # --only / --skip
     json_path, md_path = gpu_check.write_report(result, directory, part)
     console.print(gpu_check.markdown(result), markup=False, highlight=False, soft_wrap=True)
     console.print(f"written: {json_path} and {md_path}; each step's output in {workdir}", highlight=False)

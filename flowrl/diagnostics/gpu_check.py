@@ -25,6 +25,12 @@ step                      s     what it runs and what it reports
                                 forward and backward at FLUX.1's head shape
 ========================  ====  =====================================================================
 
+One step runs only when named (``--only suite``), since it alone outlasts the 8 minutes:
+``suite`` (420 s), the whole test suite with CUDA visible (``pytest -n auto -m "not slow and not
+gpu"``): passed, failed and skipped, and every failing test with the end of its traceback, each
+written the moment pytest knows it (:mod:`flowrl.diagnostics.failure_log`), so a suite stopped at
+its budget still says what failed and why.
+
 The steps that need the repository (the test lane and the benchmarks) are skipped, with the
 reason, when flowrl runs from an installed package without its checkout. Everything measured
 goes into one JSON (device, driver, versions, each step's status, seconds, figures and error)
@@ -43,6 +49,7 @@ import math
 import os
 import re
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -56,6 +63,7 @@ from .. import __version__
 from ..errors import FlowrlError
 from ..files import write_text_atomic
 from ..runlog import read_metrics
+from .failure_log import summarise
 
 #: The whole check's wall-clock budget: the steps' budgets add up to at most this.
 TOTAL_BUDGET_S = 480
@@ -90,6 +98,8 @@ class Step:
     budget_s: int
     command: Callable[[Setting], list[str] | str]
     figures: Callable[[Setting, str], dict[str, Any]]
+    #: Runs only when ``--only`` names it (longer than the whole check's budget).
+    on_request: bool = False
 
 
 class StepFailed(Exception):
@@ -316,10 +326,36 @@ def attention_step() -> Step:
                 _benchmark("sdpa_backends.py"), lambda s, out: attention_figures(out))
 
 
+def suite_figures(path: Path) -> dict[str, Any]:
+    """Counts and failures of the whole suite from its outcome log (complete or cut at the budget)."""
+    if not path.is_file():
+        raise StepFailed("pytest wrote no outcome (did collection fail? see the step's output)")
+    figures = summarise(path)
+    if not any(figures[k] for k in ("passed", "failed", "skipped")):
+        raise StepFailed("the suite ran no test", figures)
+    if figures["failed"]:
+        names = ", ".join(f["test"] for f in figures["failures"][:10])
+        raise StepFailed(f"{figures['failed']} test(s) failed: {names}", figures)
+    return figures
+
+
+def suite_step() -> Step:
+    command = from_repo("tests", lambda s, tests: [
+        s.python, "-m", "pytest", str(tests), "-m", "not slow and not gpu", "-n", "auto", "-q", "-p", "no:cacheprovider",
+        "-p", "flowrl.diagnostics.failure_log", "--outcome-log", str(s.workdir / "suite.jsonl")])
+    return Step("suite", "the whole test suite with CUDA visible (pytest -n auto), failures with tracebacks", 420,
+                command, lambda s, out: suite_figures(s.workdir / "suite.jsonl"), on_request=True)
+
+
 def steps() -> list[Step]:
-    """The check's steps, in the order they run."""
+    """The check's steps, in the order they run (those run only on request last)."""
     return [doctor_step(), selftest_step(), gpu_lane_step(), quickstart_step(), flux_step(), memory_step(),
-            attention_step()]
+            attention_step(), suite_step()]
+
+
+def default_steps() -> list[Step]:
+    """What ``flowrl selftest --gpu`` runs without ``--only``."""
+    return [s for s in steps() if not s.on_request]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +382,7 @@ def run_step(step: Step, setting: Setting, budget_s: float) -> StepResult:
     command = step.command(setting)
     if isinstance(command, str):
         return StepResult(step.name, step.title, step.budget_s, "skip", 0.0, command, {}, "")
-    shown = " ".join(command)
+    shown = shlex.join(command)
     out_path, err_path = setting.workdir / f"{step.name}.out", setting.workdir / f"{step.name}.err"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     started = time.perf_counter()
@@ -363,7 +399,8 @@ def run_step(step: Step, setting: Setting, budget_s: float) -> StepResult:
     stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
     if timed_out:
         return StepResult(step.name, step.title, step.budget_s, "timeout", seconds,
-                          f"stopped at its budget of {budget_s:.0f} s; last output:\n{_tail(stderr or stdout)}", {}, shown)
+                          f"stopped at its budget of {budget_s:.0f} s; last output:\n{_tail(stderr or stdout)}",
+                          _partial_figures(step, setting, stdout), shown)
     try:
         figures = step.figures(setting, stdout)
     except StepFailed as exc:
@@ -376,6 +413,16 @@ def run_step(step: Step, setting: Setting, budget_s: float) -> StepResult:
         return StepResult(step.name, step.title, step.budget_s, "fail", seconds,
                           f"exit status {returncode}: {_tail(stderr or stdout)}", figures, shown)
     return StepResult(step.name, step.title, step.budget_s, "pass", seconds, None, figures, shown)
+
+
+def _partial_figures(step: Step, setting: Setting, stdout: str) -> dict[str, Any]:
+    """What a step stopped at its budget had measured so far (the suite's outcome log), if anything."""
+    try:
+        return step.figures(setting, stdout)
+    except StepFailed as exc:
+        return exc.figures
+    except Exception:  # noqa: BLE001 - a cut step's half-written files are no error of their own
+        return {}
 
 
 def device_facts(device: str = "cuda") -> dict[str, Any]:
@@ -490,7 +537,8 @@ def write_report(result: dict[str, Any], directory: Path, part: list[str] | None
 
 
 def choose(names: str | None, skip: str | None) -> list[Step]:
-    """The steps ``--only`` and ``--skip`` leave, in the check's order; an unknown name is an error."""
+    """The steps ``--only`` and ``--skip`` leave, in the check's order (a step run only on request
+    only when ``--only`` names it); an unknown name is an error."""
     every = steps()
     known = [s.name for s in every]
     for option, value in (("--only", names), ("--skip", skip)):
@@ -500,7 +548,7 @@ def choose(names: str | None, skip: str | None) -> list[Step]:
                                   hint="the steps are " + ", ".join(known))
     only = {n.strip() for n in (names or "").split(",") if n.strip()}
     skipped = {n.strip() for n in (skip or "").split(",") if n.strip()}
-    return [s for s in every if (not only or s.name in only) and s.name not in skipped]
+    return [s for s in every if (s.name in only if only else not s.on_request) and s.name not in skipped]
 
 
 def find_repo(start: Path | None = None) -> Path | None:

@@ -22,11 +22,14 @@ RESULTS = REPO / "benchmarks" / "results"
 def test_dry_run_lists_every_step_with_its_budget_within_eight_minutes(flowrl_cli):
     (result,) = flowrl_cli.in_process([["selftest", "--gpu", "--dry-run"]])
     assert result.returncode == 0, result.stderr
-    budgets = {s.name: s.budget_s for s in gpu_check.steps()}
+    budgets = {s.name: s.budget_s for s in gpu_check.default_steps()}
     assert list(budgets) == ["doctor", "selftest", "gpu_lane", "quickstart", "flux_iteration", "memory", "attention"]
     assert sum(budgets.values()) <= 8 * 60
     for name, budget in budgets.items():
         assert f"{name}" in result.stdout and f"{budget} s" in result.stdout, (name, result.stdout)
+    # the whole suite outlasts the 8 minutes: listed as run on request, not run
+    assert "on request (--only suite): suite, 420 s" in result.stdout
+    assert "-m 'not slow and not gpu'" not in result.stdout
     # from the checkout, every step has its files: nothing is skipped for a missing lane or script
     assert "skipped here" not in result.stdout, result.stdout
     assert "pytest -m gpu" in result.stdout and "gpu_flux_iteration.py" in result.stdout
@@ -56,6 +59,70 @@ def test_bad_gpu_check_options_are_one_message(flowrl_cli, argv, expected):
 def test_only_and_skip_choose_steps_in_the_check_order():
     assert [s.name for s in gpu_check.choose("attention,doctor", None)] == ["doctor", "attention"]
     assert "memory" not in [s.name for s in gpu_check.choose(None, "memory")]
+    assert "suite" not in [s.name for s in gpu_check.choose(None, None)]
+    assert [s.name for s in gpu_check.choose("suite,doctor", None)] == ["doctor", "suite"]
+
+
+def test_the_suite_step_runs_the_whole_suite_with_its_outcome_log(flowrl_cli):
+    (result,) = flowrl_cli.in_process([["selftest", "--gpu", "--dry-run", "--only", "suite"]])
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.split("suite", 2)[-1]
+    assert "1 step(s), 420 s of budgets" in result.stdout
+    assert "-m 'not slow and not gpu' -n auto" in command and "-p flowrl.diagnostics.failure_log" in command
+    assert "--outcome-log '<scratch>/suite.jsonl'" in command
+
+
+def _suite_files(directory: Path) -> Path:
+    """A tiny test suite: a pass, a failure with a reason, a skip, a set-up error, and a test that
+    outlasts any budget the tests give."""
+    directory.mkdir()
+    (directory / "test_tiny.py").write_text(
+        "import time, pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n"
+        "    raise RuntimeError('fixture could not start')\n"
+        "def test_passes():\n    assert True\n"
+        "def test_fails():\n    assert 1 + 1 == 3, 'the real reason'\n"
+        "def test_skips():\n    pytest.skip('not here')\n"
+        "def test_errors(broken):\n    pass\n"
+        "def test_zz_hangs():\n    time.sleep(60)\n")
+    return directory
+
+
+def _suite_step(tests: Path, extra: tuple[str, ...] = ()) -> Step:
+    return Step("suite", "suite", 60, lambda s: [
+        sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-p", "flowrl.diagnostics.failure_log",
+        "--outcome-log", str(s.workdir / "suite.jsonl"), *extra],
+        lambda s, out: gpu_check.suite_figures(s.workdir / "suite.jsonl"), on_request=True)
+
+
+def test_a_suite_cut_at_its_budget_still_says_what_failed_and_why(tmp_path):
+    """Under xdist, as the step runs it: the controller writes each worker's outcomes as they come."""
+    tests = _suite_files(tmp_path / "suite")
+    work = tmp_path / "work"
+    work.mkdir()
+    result = gpu_check.run_step(_suite_step(tests, ("-n", "2")), Setting(None, work), 15)
+    assert result.status == "timeout", result
+    figures = result.figures
+    assert (figures["passed"], figures["failed"], figures["skipped"]) == (1, 2, 1), figures
+    failures = {f["test"].split("::")[-1]: f for f in figures["failures"]}
+    assert set(failures) == {"test_fails", "test_errors"}
+    assert "the real reason" in failures["test_fails"]["traceback"] and failures["test_fails"]["when"] == "call"
+    assert "fixture could not start" in failures["test_errors"]["traceback"] and failures["test_errors"]["when"] == "setup"
+    lines = (work / "suite.jsonl").read_text().splitlines()
+    assert len(lines) == len({(json.loads(line)["test"], json.loads(line)["when"]) for line in lines})  # none twice
+
+
+def test_a_finished_suite_with_failures_fails_the_step_with_their_names(tmp_path):
+    tests = _suite_files(tmp_path / "suite")
+    (tests / "test_tiny.py").write_text((tests / "test_tiny.py").read_text().replace("time.sleep(60)", "pass"))
+    work = tmp_path / "work"
+    work.mkdir()
+    result = gpu_check.run_step(_suite_step(tests), Setting(None, work), 60)
+    assert result.status == "fail" and result.error.startswith("2 test(s) failed:") and "test_fails" in result.error
+    assert result.figures["passed"] == 2
+    table = gpu_check.markdown(gpu_check.report([result], {"name": "GPU"}, {}, 60, 1.0, "2026-12-01T00:00:00Z"))
+    assert "failures: 2" in table and "the real reason" not in table  # tracebacks stay in the JSON
 
 
 def _python_step(name: str, code: str, figures=lambda s, out: {"said": out.strip()}, budget: int = 30) -> Step:
