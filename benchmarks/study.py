@@ -12,6 +12,12 @@ compositional world (``--world compose``) it writes docs/study.md; on the first 
     python benchmarks/study.py --world compose --report-only   # the report from the archive (+ a sweep in runs/)
     python benchmarks/study.py --world compose --amend-note --seed-list 48 --batch-note "CI beside it"  # then the report
     python benchmarks/study.py --world compose --smoke --seeds 1 --jobs 1 --sweep-dir /tmp/sc --out /tmp/sc
+    # on a GPU machine the runs compute on CUDA ([run].device = "auto"): another study, its own archive
+    python benchmarks/study.py --world compose --seeds 20 --jobs 16 \
+        --archive benchmarks/results/study_compose_h200 --out benchmarks/results/study_compose_h200/report
+
+The regime records the device the runs compute on (``cpu``, or ``cuda (<GPU name>)``); an
+archive holds one device's seeds and refuses another's (the numbers differ by device).
 
 Run it from the repository root. It is resumable: run the same command again after an
 interruption (``flowrl sweep`` skips the finished runs and resumes the interrupted one).
@@ -361,6 +367,17 @@ def archived_texture(archive: Path, figures: Path, worst: tuple[str, float, floa
     return kept["run"], kept["first"], kept["final"]
 
 
+def runs_device(name: str) -> str:
+    """Where the runs compute: ``cpu``, or ``cuda (<GPU name>)`` where ``[run].device`` reaches a GPU
+    (``auto`` does on a GPU machine). One study's seeds must share it: the numbers differ by device."""
+    import torch
+
+    from flowrl.distributed import resolve_device
+
+    device = resolve_device(name)
+    return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -377,7 +394,8 @@ def regime_record(world: World, args, sweep_args: list[str]) -> dict:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", world.recipe, *profiles], cwd=REPO, text=True,
                            capture_output=True).stdout.strip()
-    return {"world": args.world, "recipe": world.recipe, "recipe_sha256": sha256(recipe),
+    return {"world": args.world, "device": runs_device(resolved.run.device), "recipe": world.recipe,
+            "recipe_sha256": sha256(recipe),
             "recipe_text": recipe.read_text(), "profiles": {str(Path(p).relative_to(REPO)) if Path(p).is_relative_to(REPO)
                                                             else p: sha256(Path(p)) for p in profiles},
             "sets": list((SMOKE if args.smoke else []) + args.sets), "variants": VARIANTS, "baseline": BASELINE,
@@ -557,6 +575,11 @@ def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict
         if differ:
             sys.exit(f"the regime of {sweep_dir} differs from the archived study's in {', '.join(differ)}: "
                      f"archive it elsewhere (--archive DIR) or run the archived regime")
+        # batches recorded before the device was recorded all ran on this project's CPUs
+        if first.get("device", "cpu") != regime.get("device", "cpu"):
+            sys.exit(f"the runs of {sweep_dir} computed on {regime.get('device', 'cpu')}, the archived study's on "
+                     f"{first.get('device', 'cpu')}: one study's seeds share a device (the numbers differ by "
+                     "device); archive these elsewhere (--archive DIR, and --out DIR for their report)")
     live = json.loads((sweep_dir / "sweep.json").read_text())
     done = {(r["variant"], r["seed"]): r for r in live["runs"] if r["status"] == "done"}
     have = {r["seed"] for r in manifest["runs"]}
@@ -585,7 +608,8 @@ def archive_batch(sweep_dir: Path, archive: Path, seeds: list[int], regime: dict
     # time of seeds archived earlier, or not at all, again)
     run_seconds = sum(done[v, s].get("wall_time_s") or 0.0 for v in VARIANTS for s in new)
     manifest["batches"].append({"seeds": new, "regime": name, "recorded": regime["recorded"],
-                                "commit": regime["commit"], "cpu": cpu_model(), "jobs": jobs,
+                                "commit": regime["commit"], "cpu": cpu_model(),
+                                "device": regime.get("device", "cpu"), "jobs": jobs,
                                 "runs_wall_s": round(run_seconds, 1), **({"note": note} if note else {}),
                                 "archived": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")})
     _write_atomic(manifest_path, json.dumps(manifest, indent=1))
@@ -625,7 +649,8 @@ def compose_report(*, world: World, smoke: bool, command: str, report_dir: Path,
                "): the runs used the recorded versions; this report's regime text is the recorded one.") \
         if regime_changed else ""
     batch_rows = "\n".join(
-        f"| {', '.join(map(str, b['seeds']))} | {b['recorded']} | `{b['commit'][:12]}` | {b.get('cpu', 'unknown')} | "
+        f"| {', '.join(map(str, b['seeds']))} | {b['recorded']} | `{b['commit'][:12]}` | {b.get('cpu', 'unknown')}"
+        f"{'' if b.get('device', 'cpu') == 'cpu' else ', runs on ' + b['device']} | "
         f"{b['jobs']} | {b['runs_wall_s'] / 60:.1f} | {b.get('note') or 'not recorded'} |" for b in batches)
     run_minutes = sum(b["runs_wall_s"] for b in batches) / 60
     report_dir = report_dir.relative_to(REPO) if report_dir.is_relative_to(REPO) else report_dir

@@ -151,12 +151,14 @@ def test_study_compose_smoke(study, tmp_path, flowrl_cli):
     assert "clip fraction" in text
     regime = json.loads((tmp_path / "sweep" / "regime.json").read_text())
     assert regime["recipe"] == "recipes/study_compose.toml" and "recipes/profiles/compose_window16.json" in regime["profiles"]
+    assert regime["device"] == "cpu"  # where the runs computed: one study never mixes devices
     tables = sorted(p.name for p in (tmp_path / "sweep" / "geneval").glob("*.json"))
     assert len(tables) == 1 + len(study.VARIANTS) and "base.json" in tables
 
 
 def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str] | None = None,
-                      sweep: Path | None = None, failed: tuple[str, ...] = (), jitter: float = 0.0) -> Path:
+                      sweep: Path | None = None, failed: tuple[str, ...] = (), jitter: float = 0.0,
+                      device: str | None = None) -> Path:
     """A finished compose study sweep as `flowrl sweep` and `geneval_tables` leave it, without
     training: every variant's metrics (evaluations at 0, 10, 20 and the final row, update rows
     with the diagnostics the report reads), its recipe, and the GenEval tables (with per-image
@@ -209,6 +211,8 @@ def _fake_study_sweep(study, root: Path, seeds: list[int], regime_sets: list[str
               "primary": study.WORLDS["compose"].primary, "secondary": study.WORLDS["compose"].secondary,
               "geneval_seed": study.GENEVAL_SEED, "commit": "0" * 40, "uncommitted_changes_to_recipe_or_profile": "",
               "recorded": "2026-11-30 05:00 UTC", "sweep_args": []}
+    if device is not None:  # regimes recorded before the device was had none (the archived CPU batches)
+        regime["device"] = device
     (sweep / "regime.json").write_text(json.dumps(regime))
     return sweep
 
@@ -285,6 +289,17 @@ def test_study_seeds_accumulate_in_the_archive_across_batches(study, tmp_path, f
     with pytest.raises(SystemExit, match="differs from the archived study's in sets"):
         _report(study, flowrl_cli, monkeypatch, other, archive, out, [46])
     assert len(json.loads((archive / "sweep.json").read_text())["runs"]) == 4 * len(study.VARIANTS)
+    # seeds run on a GPU are another study: refused from the CPU one, accepted by their own archive
+    on_gpu = _fake_study_sweep(study, tmp_path / "d", [47], device="cuda (NVIDIA H200)")
+    with pytest.raises(SystemExit, match=r"computed on cuda \(NVIDIA H200\), the archived study's on cpu"):
+        _report(study, flowrl_cli, monkeypatch, on_gpu, archive, out, [47])
+    assert len(json.loads((archive / "sweep.json").read_text())["runs"]) == 4 * len(study.VARIANTS)
+    text = _report(study, flowrl_cli, monkeypatch, on_gpu, tmp_path / "gpu_archive", tmp_path / "gpu_out", [47])
+    assert "runs on cuda (NVIDIA H200)" in text
+    # a CPU batch recorded with its device joins the CPU study recorded without one
+    _report(study, flowrl_cli, monkeypatch, _fake_study_sweep(study, tmp_path / "e", [48], device="cpu"), archive,
+            out, [48])
+    assert [b["seeds"] for b in json.loads((archive / "sweep.json").read_text())["batches"]][-1] == [48]
 
 
 def _fake_ttr_run(ttr, name: str, args, rise_per_eval: float, seed: int = 42, **recipe_sets) -> None:
