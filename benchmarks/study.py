@@ -13,7 +13,7 @@ compositional world (``--world compose``) it writes docs/study.md; on the first 
     python benchmarks/study.py --world compose --amend-note --seed-list 48 --batch-note "CI beside it"  # then the report
     python benchmarks/study.py --world compose --smoke --seeds 1 --jobs 1 --sweep-dir /tmp/sc --out /tmp/sc
     # on a GPU machine the runs compute on CUDA ([run].device = "auto"): another study, its own archive
-    python benchmarks/study.py --world compose --seeds 20 --jobs 16 \
+    OMP_NUM_THREADS=1 python benchmarks/study.py --world compose --seeds 20 --jobs 16 \
         --archive benchmarks/results/study_compose_h200 --out benchmarks/results/study_compose_h200/report
 
 The regime records the device the runs compute on (``cpu``, or ``cuda (<GPU name>)``); an
