@@ -82,8 +82,8 @@ building 12e9 random parameters, LoRA, and once per process CUDA's warm-up), sca
 - ``wan`` about 25 s: 2 clips of 14040 tokens x 2 rows (about 0.35 s per sample forward, half of
   it attention), and the Wan VAE decoding 4 clips of 33 frames at 832 x 480 in float32;
 
-with imports about 80 s in all, under the 90 s that ``flowrl selftest --gpu`` gives it
-(``--budget-s 90``: the configurations run in the order above, each started only if its estimate
+with imports about 80 s in all, under the 100 s that ``flowrl selftest --gpu`` gives it
+(``--budget-s 100``: the configurations run in the order above, each started only if its estimate
 still fits). Each configuration's measured ``seconds`` (and ``plan_seconds``, ``train_seconds``,
 ``phase_seconds``) are in the JSON, to correct these estimates.
 

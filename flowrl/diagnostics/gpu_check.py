@@ -18,11 +18,12 @@ step                      s     what it runs and what it reports
                                 on the CPU is >= 5), the second judge and ``hf_share`` beside it
 ``flux_iteration``        85    ``benchmarks/gpu_flux_iteration.py``: one full-size FLUX.1-dev
                                 LoRA iteration with random weights: seconds, peak GiB, MFU
-``memory``                80    ``benchmarks/gpu_memory_check.py``: ``flowrl plan``'s peak against
+``memory``                110   ``benchmarks/gpu_memory_check.py``: ``flowrl plan``'s peak against
                                 ``torch.cuda.max_memory_allocated`` for FLUX.1-dev LoRA,
                                 SD3.5-Medium and Wan 2.1 1.3B at full size, random weights
-``attention``             75    ``benchmarks/sdpa_backends.py``: every attention backend once,
-                                forward and backward at FLUX.1's head shape
+``attention``             45    ``benchmarks/sdpa_backends.py``: every attention backend once,
+                                forward and backward at FLUX.1's head shape, the backends'
+                                processes side by side, each stopped at 40 s
 ========================  ====  =====================================================================
 
 One step runs only when named (``--only suite``), since it alone outlasts the 8 minutes:
@@ -290,8 +291,8 @@ def memory_figures(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def memory_step() -> Step:
-    return Step("memory", "flowrl plan against max_memory_allocated: FLUX.1-dev LoRA, SD3.5-M, Wan 2.1 1.3B", 80,
-                _benchmark("gpu_memory_check.py", "--json", "{work}/memory.json", "--budget-s", "70"),
+    return Step("memory", "flowrl plan against max_memory_allocated: FLUX.1-dev LoRA, SD3.5-M, Wan 2.1 1.3B", 110,
+                _benchmark("gpu_memory_check.py", "--json", "{work}/memory.json", "--budget-s", "100"),
                 lambda s, out: memory_figures(json.loads((s.workdir / "memory.json").read_text())))
 
 
@@ -322,8 +323,8 @@ def attention_figures(stdout: str) -> dict[str, Any]:
 
 
 def attention_step() -> Step:
-    return Step("attention", "every attention backend once (FLUX.1 head shape, forward and backward)", 75,
-                _benchmark("sdpa_backends.py"), lambda s, out: attention_figures(out))
+    return Step("attention", "every attention backend once (FLUX.1 head shape, forward and backward)", 45,
+                _benchmark("sdpa_backends.py", "--per-backend-s", "40"), lambda s, out: attention_figures(out))
 
 
 def suite_figures(path: Path) -> dict[str, Any]:
