@@ -34,7 +34,7 @@ from .commands import (  # noqa: F401
     validate,
 )
 from .commands.base import app, err_console, options
-from .errors import FlowrlError
+from .errors import FlowrlError, printable
 
 
 def _print_version(value: bool) -> None:
@@ -98,6 +98,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)
+    except OSError as exc:
+        # A path the user named that cannot be read or written, met where no command checked it
+        # first: one message, not a traceback (--debug shows where).
+        if debug or not exc.filename:
+            raise
+        err_console.print(f"[bold red]error:[/bold red] {escape(printable(str(exc.filename)))}: "
+                          f"{escape(exc.strerror or type(exc).__name__)}\n  hint: check the path (it must exist to be "
+                          "read, its folder must be writable to be written); --debug shows where it was met",
+                          highlight=False, soft_wrap=True)
+        sys.exit(1)
     if isinstance(code, int) and not isinstance(code, bool) and code != 0:
         sys.exit(code)
 

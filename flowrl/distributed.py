@@ -209,14 +209,24 @@ def choose_strategy(requested: str, world_size: int, launcher_fsdp: bool = False
     return strategy
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+def resolve_device(name: str, where: str = "[run].device") -> torch.device:
+    """``auto`` (CUDA when available, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``; a CUDA device
+    this machine lacks is one message here, not torch's assertion once a tensor is placed."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError as exc:
-        raise FlowrlError(f"invalid device '{name}'", where="[run].device", hint="'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
+        raise FlowrlError(f"invalid device '{name}'", where=where, hint="'auto', 'cpu', 'cuda' or 'cuda:N'") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise FlowrlError(f"device '{name}' names a CUDA GPU, and torch {torch.__version__} sees none", where=where,
+                              hint="use 'cpu' or 'auto' (the GPU where there is one); `flowrl doctor` says why no GPU is seen")
+        if device.index is not None and device.index >= count:
+            raise FlowrlError(f"device '{name}': this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}",
+                              where=where, hint="name one of them")
+    return device
 
 
 def start(device_name: str, settings=None) -> tuple[torch.device, DistContext]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +81,62 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every record of a JSON-lines file, in order, blank lines skipped; a line that is not JSON
-    is a :class:`~flowrl.errors.FlowrlError` naming the file and the line."""
+    """Every record (a JSON object a line) of a JSON-lines file, in order, blank lines skipped.
+
+    A last line without its newline that does not parse is a record still being written (a live
+    run's metrics, read while it trains) and is left out. Anything else that is not one object a
+    line (binary data, a cut line inside the file, an array) is a
+    :class:`~flowrl.errors.FlowrlError` naming the file and the line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise FlowrlError(f"is not UTF-8 text, so not a JSON-lines file (byte {exc.start} cannot be decoded)",
+                          where=str(path), hint="point at the run's own metrics.jsonl, or restore it from a copy") from None
+    lines = text.splitlines()
     records = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise FlowrlError(f"line {n} is not JSON ({exc})", where=str(path)) from exc
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if n == len(lines) and not text.endswith("\n"):
+                break  # the record being written now
+            raise FlowrlError(f"line {n} is not JSON ({exc})", where=str(path),
+                              hint="a file cut mid-line by a crash: delete that line (the records after it are "
+                                   "intact) or restore the file") from None
+        if not isinstance(record, dict):
+            raise FlowrlError(f"line {n} is a JSON {type(record).__name__}, not an object of named values",
+                              where=str(path), hint="every line of a metrics file is one JSON object, as flowrl "
+                                                    "train writes them") from None
+        records.append(record)
     return records
+
+
+def ensure_writable(path: Path, *, where: str, directory: bool, suffix: str = ".json") -> Path:
+    """Fail now, with one message, when ``path`` cannot be written: as a directory (``directory``)
+    or as a file. Commands call it before their work, so that an unwritable output costs no
+    evaluation or sampling. A file path that is a directory, a directory path that is a file, a
+    parent that is a file, and a location the process may not write (or that does not hold files,
+    as under ``/proc``) are each a :class:`~flowrl.errors.FlowrlError` naming ``where``. Creates
+    nothing (a probe file in the nearest existing folder comes and goes). ``suffix``: the file
+    name's ending the hint suggests."""
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise FlowrlError(f"{path} is a file, not a directory", where=where, hint="give a directory path")
+    if not directory and path.is_dir():
+        raise FlowrlError(f"{path} is a directory; a file path is expected", where=where,
+                          hint=f"name a file, e.g. {path / ('output' + suffix)}")
+    folder = path if directory else path.parent
+    existing = next((a for a in [folder, *folder.parents] if a.exists()), Path("."))
+    if not existing.is_dir():
+        raise FlowrlError(f"cannot write {path}: {existing} is a file, not a directory", where=where,
+                          hint="choose a path whose parent folders are folders")
+    try:  # the nearest folder that exists must take a new entry (the rest are created beneath it)
+        handle, probe = tempfile.mkstemp(prefix=".flowrl-write-test-", dir=existing)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise FlowrlError(f"cannot write {path}: {exc.strerror or exc}", where=where,
+                          hint="choose a location this user may write") from None
+    return path

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .artefacts import ARTEFACT_MEASURES
 from .errors import FlowrlError, require
+from .files import ensure_writable
 from .runlog import read_metrics
 
 #: The ratio-based update diagnostics. Their row of panels appears when a run logs them and they
@@ -137,6 +138,18 @@ def plot_diagnostics(records, axes) -> None:
     ax.set_title("clipping, KL to the old policy, zero-advantage groups")
 
 
+def check_figure_path(path: Path, *, where: str) -> None:
+    """A figure's file: a format matplotlib writes (named by its suffix) in a writable folder."""
+    from matplotlib.figure import Figure
+
+    ensure_writable(path, where=where, directory=False, suffix=".png")
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise FlowrlError(f"{path}: {'.' + suffix if suffix else 'no suffix'} is not a figure format matplotlib writes",
+                          where=where, hint="end the name in " + ", ".join(f".{f}" for f in ("png", "pdf", "svg")))
+
+
 def plot_run(run_dir: Path, output: Path | None = None, reference: dict | None = None) -> Path:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
@@ -147,8 +160,10 @@ def plot_run(run_dir: Path, output: Path | None = None, reference: dict | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = run_figure(read_metrics(run_dir), run_dir.name, reference)
     output = Path(output) if output else run_dir / "rewards.png"
+    check_figure_path(output, where="--output" if output != run_dir / "rewards.png" else "the run's rewards.png")
+    fig = run_figure(read_metrics(run_dir), run_dir.name, reference)
+    output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return output

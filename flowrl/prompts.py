@@ -170,7 +170,12 @@ def read_prompts(source: str, model, where: str, config=None, *, role: str = "tr
         raise FlowrlError(f"{path} is a text file, with no column {columns.balance!r} to balance", where=where,
                           hint="give a table (.csv, .jsonl, .parquet) with that column, or leave "
                                "[prompts].balance_column empty")
-    prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise FlowrlError(f"prompt file {path} is not UTF-8 text (byte {exc.start} cannot be decoded)", where=where,
+                          hint="a text file of one prompt a line, or a table (.csv, .tsv, .jsonl, .parquet)") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise FlowrlError(f"prompt file {path} is empty", where=where)
     return prompts
@@ -335,10 +340,14 @@ class LineTableRows(TableRows):
         self.offsets = array("q")
         self.header: list[str] | None = None
         with path.open("rb") as f:
-            if kind == "jsonl":
-                self.scan_jsonl(f)
-            else:
-                self.scan_csv(f)
+            try:
+                if kind == "jsonl":
+                    self.scan_jsonl(f)
+                else:
+                    self.scan_csv(f)
+            except UnicodeDecodeError as exc:
+                raise FlowrlError(f"prompt table {path} is not UTF-8 text ({exc.reason} at byte {exc.start} of a "
+                                  "row)", where=where, hint="save the table as UTF-8") from None
 
     def parse_json(self, line: bytes, index: int) -> dict:
         try:

@@ -91,6 +91,10 @@ def compare(
         raise FlowrlError(f"unknown format '{fmt}'", where="--format", hint=suggest(fmt, FORMATS))
     if output_dir is not None and figure:
         require("matplotlib", extra="plot", purpose="the figure of flowrl compare (or pass --no-figure)")
+    if output_dir is not None:
+        from ..files import ensure_writable
+
+        ensure_writable(output_dir, where="--output-dir", directory=True)
     notes: list[str] = []
     refs = discover(list(dirs), notes)
     if not refs:

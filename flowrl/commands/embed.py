@@ -55,7 +55,10 @@ def embed(
         raise FlowrlError("the prompts carry condition images ([prompts].condition_column): a store keeps prompt "
                           "text only", where=f"{cfg.source}: [prompts].condition_column",
                           hint="image-editing runs encode their prompts as they come")
-    session = Session.open(cfg, rewards=False, trackers=False, device=device or cfg.run.device)
+    from ..distributed import resolve_device
+
+    session = Session.open(cfg, rewards=False, trackers=False,
+                           device=resolve_device(device, where="--device") if device else cfg.run.device)
     model = session.model
     texts = [str(x) for x in read_prompts(p.source, model, f"{cfg.source}: [prompts].source", p)]
     if p.num_eval or p.eval_source:  # the whole evaluation pool: `flowrl eval` and `sample` read it too

@@ -215,6 +215,7 @@ def evaluate(
     src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
     ema = evaluated_ema(src, policy)
     path = output or default_eval_path(src, name, custom)
+    check_outputs(Path(path), output is not None, save_images)  # before the evaluation's minutes
     rewards = build_rewards(src, list(reward or []))
     if steps is None and src.from_recipe and src.recipe.log.eval_steps:
         steps = src.recipe.log.eval_steps  # the run's own evaluation, reproduced
@@ -246,6 +247,16 @@ def evaluate(
     if output is None and name is None and custom:
         console.print(f"an ad-hoc evaluation ({', '.join(custom)}), kept apart from the run's own "
                       f"{src.checkpoint.name}.eval.json (written by `flowrl eval` without these options)")
+
+
+def check_outputs(path: Path, named: bool, save_images: Path | None) -> None:
+    """The result's file and the images' folder can be written: one message now, not a traceback
+    after the evaluation."""
+    from ..files import ensure_writable
+
+    ensure_writable(path, where="--output" if named else "the evaluation's file beside the checkpoint", directory=False)
+    if save_images is not None:
+        ensure_writable(Path(save_images), where="--save-images", directory=True)
 
 
 def evaluated_ema(src, policy) -> bool:
@@ -322,6 +333,8 @@ def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule,
         default_name += f"-first{limit}"
     sigmas = resolve_sigmas(schedule, steps or run.steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
+    path = Path(output) if output is not None else default_eval_path(src, result_name or default_name, [])
+    check_outputs(path, output is not None, save_images)  # before the suite's images are drawn
     records, image_size = sample_suite(run, policy, sigmas, ctx, base_seed, repeats, batch_size, save_images)
     if not ctx.is_main:
         return
@@ -330,7 +343,6 @@ def run_suite(name: str, source, set_, model, checkpoint, seed, steps, schedule,
     from ..train.checkpoint import checkpoint_iteration
 
     table = run.tabulate(records)
-    path = Path(output) if output is not None else default_eval_path(src, result_name or default_name, [])
     sampled = model_sampling(src, image_size)
     result = {
         "suite": name, "source": src.label, "checkpoint": str(src.checkpoint) if src.checkpoint else None,

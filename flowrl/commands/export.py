@@ -42,9 +42,14 @@ from .base import SetOpt, app, console
 
 
 def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | None = None,
-               overrides: list[str] | None = None, merge: bool = False, ema: bool = False) -> Path:
-    """Export a run's checkpoint (the latest by default); returns the output directory."""
-    from ..files import file_identities, give_ordinary_mode_since
+               overrides: list[str] | None = None, merge: bool = False, ema: bool = False,
+               overwrite: bool = False) -> Path:
+    """Export a run's checkpoint (the latest by default); returns the output directory. A folder
+    that holds an earlier export is refused unless ``overwrite`` (then it is emptied first: an
+    export's model card, weights and recipe must all be one export's)."""
+    import shutil
+
+    from ..files import ensure_writable, file_identities, give_ordinary_mode_since
     from ..interfaces import HasLoraTargets
     from ..train.checkpoint import checkpoint_iteration
     from .inference import load_policy, resolve_source
@@ -63,7 +68,15 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     quantised = getattr(src.recipe.components["model"].params, "quantize", "none")
     if merge and quantised not in (None, "none"):
         raise FlowrlError(_QUANTISED_MERGE.format(kind=quantised), where="--merge", hint=_QUANTISED_MERGE_HINT)
-    out = Path(out) if out is not None else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
+    named = out is not None
+    out = Path(out) if named else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
+    where = "--output" if named else "the export folder"
+    if (out / "flowrl_export.json").is_file():
+        if not overwrite:
+            raise FlowrlError(f"{out} already holds an export; a new one would mix with its files", where=where,
+                              hint="pass another -o DIR, or replace it with --overwrite (deletes that folder first)")
+        shutil.rmtree(out)
+    ensure_writable(out, where=where, directory=True)
     out.mkdir(parents=True, exist_ok=True)
     model = load_policy(src, "cpu")
     before = file_identities(out)
@@ -178,12 +191,15 @@ def export(
     private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repository private.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push-to-hub: write the folder and its model card, upload nothing.")] = False,
     ema: Annotated[bool, typer.Option("--ema", help="Export the checkpoint's EMA weights (runs with [ema] enabled).")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an earlier export in the output folder (the folder is deleted first).")] = False,
 ) -> None:
     """Export the trained weights: LoRA for pipe.load_lora_weights, or a full save_pretrained pipeline."""
     if (private or dry_run) and push_to_hub is None:
         raise FlowrlError(f"{'--private' if private else '--dry-run'} applies to --push-to-hub", where="flowrl export",
                           hint="flowrl export RUN_DIR --push-to-hub OWNER/NAME [--private] [--dry-run]")
-    out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge, ema=ema)
+    out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge, ema=ema,
+                     overwrite=overwrite)
     info = json.loads((out / "flowrl_export.json").read_text())
     console.print(f"exported {info['checkpoint']} ({info['format']}) to {out}")
     if info["format"] == "diffusers_lora":

@@ -268,7 +268,7 @@ def prepare(source, model_name, set_, checkpoint, device, hybrid_steps, ema: boo
     src = resolve_source(source, model_name, list(set_ or []), checkpoint)
     if before_load is not None:
         before_load(src)
-    dev = distributed.resolve_device(device or src.recipe.run.device)
+    dev = distributed.resolve_device(device or src.recipe.run.device, where="--device" if device else "[run].device")
     ctx = dist_context(dev)
     dev = distributed.process_device(dev, ctx)
     default_attention(dev)  # [train].attention_backend's 'auto' (no cuDNN attention on CUDA)

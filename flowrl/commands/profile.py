@@ -63,8 +63,13 @@ def profile(
     resolved, overrides = _resolve_recipe(recipe, compare, model, set_, steps, shift, kernel, noise, model_param)
     seg = _segmentation_settings(resolved, num_chunks, min_size, max_size, curve)
     seed = resolved.run.seed if seed is None else seed
+    name = resolved.run.name if recipe is not None else resolved.components["model"].use
+    _check_output(output, compare, Path("profiles") / name)  # before the model loads and samples
     # Rewards and trackers play no part in sampling and can be heavy: leave them out.
-    session = Session.open(resolved, registry(), device=device, rewards=False, trackers=False)
+    from ..distributed import resolve_device
+
+    session = Session.open(resolved, registry(), device=resolve_device(device, where="--device") if device else None,
+                           rewards=False, trackers=False)
     source = prompts or resolved.prompts.source
     chosen = pick_prompts(read_prompts(source, session.model, "--prompts"), num_prompts, seed)
     recipe_used = str(compare / "recipe.toml") if compare else (str(recipe) if recipe else None)
@@ -74,7 +79,6 @@ def profile(
                   min_size=seg["min_size"], max_size=seg["max_size"] or None)
     measure = functools.partial(_measure_profile, session, chosen, kwargs, settings, t_start)
     if compare is None:
-        name = resolved.run.name if recipe is not None else resolved.components["model"].use
         _write_profile(measure("profiling"), output, Path("profiles") / name, seg["curve"], plot)
     else:
         _write_comparison(measure, session, compare, output, seg["curve"], plot)
@@ -239,8 +243,6 @@ def _write_comparison(measure, session, run_dir: Path, output: Optional[Path], c
     ckpt = _load_trained(session, run_dir)
     trained = measure(f"checkpoint {ckpt.name}", weights=str(ckpt))
     out_dir = output if output is not None else run_dir / "profile"
-    if out_dir.suffix == ".json":
-        raise FlowrlError("--compare writes several files: give a directory", where="--output")
     write_profile(out_dir / "base.json", base)
     write_profile(out_dir / "trained.json", trained)
     summary = compare_profiles(base, trained)
@@ -288,6 +290,19 @@ def _finish(result, t_start: float) -> dict[str, Any]:
         "wall_s_since_command_start": round(time.perf_counter() - t_start, 2),
     })
     return data
+
+
+def _check_output(output: Optional[Path], compare: Optional[Path], default_dir: Path) -> None:
+    """Where the profile goes can be written (and --compare's several files go to a folder)."""
+    from ..files import ensure_writable
+
+    where = "--output" if output is not None else "the default output"
+    if compare is None:
+        ensure_writable(_paths(output, default_dir, "profile")[0], where=where, directory=False)
+        return
+    if output is not None and output.suffix == ".json":
+        raise FlowrlError("--compare writes several files: give a directory", where="--output")
+    ensure_writable(output if output is not None else compare / "profile", where=where, directory=True)
 
 
 def _paths(output: Optional[Path], default_dir: Path, stem: str) -> tuple[Path, Path]:

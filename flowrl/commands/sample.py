@@ -363,6 +363,9 @@ def earlier_sample(out: Path) -> bool:
 def check_output(out: Path, overwrite: bool) -> None:
     """Refuse to mix with, or silently replace, an earlier sample in ``out`` (as ``flowrl train``
     refuses an earlier run): ``--overwrite`` replaces it."""
+    from ..files import ensure_writable
+
+    ensure_writable(out, where="--output", directory=True)
     if not overwrite and earlier_sample(out):
         raise FlowrlError(f"{out} already holds a sample; a new one would overwrite it", where="--output",
                           hint="pass another -o DIR, or replace it with --overwrite (deletes the earlier sample's files)")

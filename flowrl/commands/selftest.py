@@ -76,7 +76,7 @@ def selftest(
     for option, value, allowed in choices:
         if value not in allowed:
             raise FlowrlError(f"{option} {value!r} is not one of {', '.join(allowed)}", where=option)
-    where = resolve_device(device)
+    where = resolve_device(device, where="--device")
     if where.type == "cuda" and not torch.cuda.is_available():
         raise FlowrlError(f"--device {device}: no GPU is visible to torch {torch.__version__}",
                           where="--device", hint="run `flowrl doctor` to see why, or use --device cpu")
@@ -84,7 +84,12 @@ def selftest(
     chosen = choose_dtype(where, dtype)
     name = torch.cuda.get_device_name(where) if where.type == "cuda" else "CPU"
     title = f"flowrl selftest on {where} ({name}), {chosen}, torch {torch.__version__}"
-    directory = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="flowrl-selftest-"))
+    if workdir is not None:
+        from ..files import ensure_writable
+
+        ensure_writable(Path(workdir), where="--workdir", directory=True)
+    # absolute: the self-test writes recipes that name files in it, and a recipe reads paths from its own folder
+    directory = Path(workdir).resolve() if workdir is not None else Path(tempfile.mkdtemp(prefix="flowrl-selftest-"))
     directory.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:

@@ -83,6 +83,11 @@ def sweep(
         sweep_dir, manifest = resume, resumed_manifest(resume)
     else:
         sweep_dir, spec = define_sweep(recipe, grid, variant, seeds, seed_list, output_dir, set_, load)
+        if not dry_run:
+            from ..files import ensure_writable
+
+            ensure_writable(sweep_dir, where="--output-dir" if output_dir is not None else "the sweep directory",
+                            directory=True)
         manifest = open_sweep(recipe, sweep_dir, spec, load, write=not dry_run)
     if dry_run:
         _print_plan(manifest)

@@ -327,6 +327,8 @@ def damaged_file_error(file: Path, why: str) -> FlowrlError:
 def read_tensors(file: Path) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint's safetensors file; a damaged file is one message
     (:func:`damaged_file_error`), not safetensors' error."""
+    if not Path(file).is_file():
+        raise damaged_file_error(Path(file), "is missing")
     try:
         return load_file(str(file))
     except SafetensorError as exc:
