@@ -43,6 +43,7 @@ def doctor(
         plan_checks,
         probe_devices,
         python_checks,
+        recipe_device_checks,
         torch_checks,
         weights_checks,
     )
@@ -60,6 +61,7 @@ def doctor(
     processes = max(resolved.distributed.num_processes if resolved is not None else 1, nodes, launched_processes(), gpus)
     checks += node_checks(processes, nodes, resolved.output_dir if resolved is not None else None)
     if resolved is not None:
+        checks += recipe_device_checks(resolved)
         checks += plan_checks(resolved, devices, registry())
         checks += weights_checks(resolved)
     if as_json:

@@ -18,6 +18,7 @@ from ..compat import ensure_torchvision_importable
 from ..distributed import check_launch_environment
 from ..errors import DISTRIBUTION, FlowrlError
 from ..memory_plan import estimate, peak
+from ..recipe import check_devices
 from ..train.accel import SDPA_BACKENDS, attention_backend
 from .report import Check
 
@@ -316,6 +317,16 @@ def launcher_checks(recipe, devices: list[dict]) -> list[Check]:
     if nccl:
         checks.append(Check("launcher", "NCCL settings", "ok", ", ".join(f"{k}={v}" for k, v in nccl.items())))
     return checks
+
+
+def recipe_device_checks(recipe) -> list[Check]:
+    """Every device the recipe names is one this machine has (what ``flowrl validate`` and
+    ``flowrl train`` refuse, :func:`flowrl.recipe.check_devices`), as a check."""
+    try:
+        check_devices(recipe)
+    except FlowrlError as exc:
+        return [Check("recipe", "devices", "fail", exc.format().replace("\n  ", " "))]
+    return [Check("recipe", "devices", "ok", "every device the recipe names is on this machine")]
 
 
 def plan_checks(recipe, devices: list[dict], registry) -> list[Check]:

@@ -162,3 +162,12 @@ def test_an_os_error_on_a_named_path_no_command_checked_is_one_message(run, flow
     assert result.stderr.startswith("error: /srv/shared/rewards.png: Permission denied"), result.stderr
     (debug,) = flowrl_cli.in_process([["plot", str(run / "run"), "--debug"]])
     assert "Traceback" in debug.stderr and "PermissionError" in debug.stderr
+
+
+def test_doctor_fails_a_recipe_that_names_a_gpu_this_machine_lacks(run, flowrl_cli):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (result,) = flowrl_cli.in_process([["doctor", str(run / "tiny.toml"), "--set", "run.device=cuda", "--json"]])
+    report = json.loads(result.stdout[result.stdout.find("{"):])
+    (devices,) = [c for c in report["checks"] if c["section"] == "recipe" and c["name"] == "devices"]
+    assert result.returncode == 1 and devices["status"] == "fail" and "names a CUDA device" in devices["detail"]
