@@ -214,7 +214,8 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FlowrlError(f"{path} is not a valid sweep manifest ({exc})", where=str(path)) from exc
-    if manifest.get("version") != MANIFEST_VERSION or "spec" not in manifest or "runs" not in manifest:
+    if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION or "spec" not in manifest \
+            or "runs" not in manifest:
         raise FlowrlError(f"{path} is not a flowrl sweep manifest (version {MANIFEST_VERSION})", where=str(path))
     return manifest
 

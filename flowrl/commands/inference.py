@@ -88,7 +88,8 @@ def resolve_source(source: Optional[Path], model: Optional[str], overrides: list
     elif source.suffix == ".toml":
         recipe_path, ckpt = source, None
     else:
-        raise FlowrlError(f"not found: {source}", where="SOURCE",
+        what = "not found" if not source.exists() else "is a file but not a .toml recipe"
+        raise FlowrlError(f"{source}: {what}", where="SOURCE",
                           hint="a run directory, a checkpoint directory, or a .toml recipe")
     if checkpoint is not None:
         ckpt = Path(checkpoint)

@@ -218,6 +218,9 @@ def read_export(folder: Path, source, model: str | None) -> dict:
                           hint="give the folder `flowrl export RUN_DIR [-o OUT]` wrote") from None
     except (OSError, ValueError) as exc:
         raise FlowrlError(f"cannot read {info_path}: {exc}", where="--weights") from None
+    if not isinstance(info, dict):
+        raise FlowrlError(f"{info_path} holds a JSON {type(info).__name__}, not the object `flowrl export` writes",
+                          where="--weights", hint="export the run again: flowrl export RUN_DIR -o OUT --overwrite")
     fmt = info.get("format")
     if fmt not in EXPORTED_WEIGHTS:
         hints = {

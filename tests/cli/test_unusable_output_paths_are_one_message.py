@@ -116,8 +116,17 @@ def test_inputs_of_the_wrong_kind_are_one_message(run, flowrl_cli, tmp_path):
     (checkpoint / "model.safetensors").unlink()
     calls = [["eval", str(root / "run"), "--prompts", str(root / "a_file.png"), "-o", str(tmp_path / "e.json")],
              ["sample", str(broken), "--num-prompts", "1", "-o", str(tmp_path / "s")],
-             ["eval", str(root / "run"), "--device", "cuda:7", "-o", str(tmp_path / "e.json")]]
-    binary_prompts, no_weights, no_gpu = flowrl_cli.in_process(calls, cwd=tmp_path)
+             ["eval", str(root / "run"), "--device", "cuda:7", "-o", str(tmp_path / "e.json")],
+             ["sweep", "--resume", str(tmp_path / "listed")], ["sample", "--weights", str(tmp_path / "listed")],
+             ["export", str(root / "a_file.png")]]
+    (tmp_path / "listed").mkdir()
+    for name in ("sweep.json", "flowrl_export.json"):  # flowrl's own files, holding a list
+        (tmp_path / "listed" / name).write_text("[]")
+    binary_prompts, no_weights, no_gpu, sweep_list, export_list, not_a_source = flowrl_cli.in_process(calls,
+                                                                                                     cwd=tmp_path)
+    _one_message(sweep_list, "is not a flowrl sweep manifest")
+    _one_message(export_list, "holds a JSON list, not the object `flowrl export` writes")
+    _one_message(not_a_source, "a_file.png: is a file but not a .toml recipe")
     _one_message(binary_prompts, "is not UTF-8 text")
     _one_message(no_weights, "model.safetensors is missing")
     if not torch.cuda.is_available():
