@@ -162,7 +162,11 @@ def plot_run(run_dir: Path, output: Path | None = None, reference: dict | None =
 
     output = Path(output) if output else run_dir / "rewards.png"
     check_figure_path(output, where="--output" if output != run_dir / "rewards.png" else "the run's rewards.png")
-    fig = run_figure(read_metrics(run_dir), run_dir.name, reference)
+    records = read_metrics(run_dir)
+    if not records:
+        raise FlowrlError(f"{run_dir / 'metrics.jsonl'} holds no record yet: nothing to draw",
+                          hint="plot a run after its first iteration has been logged")
+    fig = run_figure(records, run_dir.name, reference)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     plt.close(fig)

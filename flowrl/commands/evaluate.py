@@ -88,6 +88,9 @@ def default_eval_path(src, name: str | None, custom: list[str]) -> Path:
     if src.checkpoint is None:
         raise FlowrlError("without a checkpoint there is nowhere beside it to write", where="-o",
                           hint="pass -o results.json")
+    if name is not None and (not name.strip() or any(c in name for c in "/\\\0") or name in (".", "..")):
+        raise FlowrlError(f"--name {name!r} is not a file name part (no slashes, not empty)", where="--name",
+                          hint="a word such as 'geneval' gives <checkpoint>.geneval.json; -o PATH writes elsewhere")
     if name is not None or not custom:
         return src.checkpoint.parent / f"{src.checkpoint.name}.{name or 'eval'}.json"
     n = 1

@@ -180,3 +180,14 @@ def test_doctor_fails_a_recipe_that_names_a_gpu_this_machine_lacks(run, flowrl_c
     report = json.loads(result.stdout[result.stdout.find("{"):])
     (devices,) = [c for c in report["checks"] if c["section"] == "recipe" and c["name"] == "devices"]
     assert result.returncode == 1 and devices["status"] == "fail" and "names a CUDA device" in devices["detail"]
+
+
+def test_a_result_name_with_a_slash_and_an_empty_run_plot_are_one_message(run, flowrl_cli, tmp_path):
+    (tmp_path / "empty_run").mkdir()
+    (tmp_path / "empty_run" / "metrics.jsonl").write_text("")
+    slash, empty = flowrl_cli.in_process([["eval", str(run / "run"), "--num-prompts", "1", "--name", "a/b"],
+                                          ["plot", str(tmp_path / "empty_run")]])
+    _one_message(slash, "--name 'a/b' is not a file name part")
+    assert not list((run / "run" / "checkpoints").glob("*.a"))  # no folder made from the name
+    _one_message(empty, "holds no record yet")
+    assert not (tmp_path / "empty_run" / "rewards.png").exists()
