@@ -19,6 +19,7 @@ import datetime as _dt
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -624,6 +625,11 @@ def resumed_manifest(sweep_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+#: The most runs one sweep defines: every run is planned and its recipe validated before the first
+#: starts, so a mistyped count (--seeds 1000000) would otherwise validate for minutes.
+MAX_RUNS = 10_000
+
+
 def define_sweep(recipe, grid, variant, seeds, seed_list, output_dir, set_, load: LoadRecipe) -> tuple[Path, dict[str, Any]]:
     """Check the options of a sweep given on the command line: its directory and its spec (the
     recipe and its sha256, the ``--set`` overrides, the grid, the variants and the seeds)."""
@@ -642,8 +648,14 @@ def define_sweep(recipe, grid, variant, seeds, seed_list, output_dir, set_, load
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise FlowrlError(f"variant '{dupes[0]}' is defined twice", where="--variant")
+    listed = parse_seed_list(seed_list) if seed_list is not None else None
+    count = math.prod(len(values) for values in grid_values.values()) * max(1, len(variants)) * \
+        (len(listed) if listed is not None else seeds or 1)
+    if count > MAX_RUNS:
+        raise FlowrlError(f"the sweep defines {count:,} runs, more than {MAX_RUNS:,}", where="--grid, --variant, --seeds",
+                          hint="sweep fewer values at once: a search this wide is a sequence of sweeps")
     base = load(recipe, set_)  # the recipe as the sweep starts from it (and its base seed)
-    seed_values = parse_seed_list(seed_list) if seed_list is not None else [base.run.seed + k for k in range(seeds or 1)]
+    seed_values = listed if listed is not None else [base.run.seed + k for k in range(seeds or 1)]
     sweep_dir = output_dir if output_dir is not None else Path("runs") / f"sweep_{recipe.stem}"
     spec = {"recipe": os.path.normpath(str(recipe)), "recipe_sha256": sha256_of(recipe), "sets": list(set_ or []),
             "grid": grid_values, "variants": [{"name": n, "overrides": o} for n, o in variants],

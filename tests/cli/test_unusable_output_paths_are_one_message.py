@@ -191,3 +191,13 @@ def test_a_result_name_with_a_slash_and_an_empty_run_plot_are_one_message(run, f
     assert not list((run / "run" / "checkpoints").glob("*.a"))  # no folder made from the name
     _one_message(empty, "holds no record yet")
     assert not (tmp_path / "empty_run" / "rewards.png").exists()
+
+
+def test_a_sweep_of_more_runs_than_its_limit_is_refused_at_once(run, flowrl_cli):
+    from flowrl.sweeps import MAX_RUNS
+
+    seeds, grid = flowrl_cli.in_process([["sweep", str(run / "tiny.toml"), "--seeds", "1000000", "--dry-run"],
+                                         ["sweep", str(run / "tiny.toml"), "--grid", "train.lr=" + ",".join(
+                                             f"{k}e-5" for k in range(1, 102)), "--seeds", "100", "--dry-run"]])
+    _one_message(seeds, f"defines 1,000,000 runs, more than {MAX_RUNS:,}")
+    _one_message(grid, f"defines 10,100 runs, more than {MAX_RUNS:,}")
