@@ -71,19 +71,22 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     named = out is not None
     out = Path(out) if named else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
     where = "--output" if named else "the export folder"
-    if (out / "flowrl_export.json").is_file():
-        if not overwrite:
-            raise FlowrlError(f"{out} already holds an export; a new one would mix with its files", where=where,
-                              hint="pass another -o DIR, or replace it with --overwrite (deletes that folder first)")
-        shutil.rmtree(out)
+    earlier = (out / "flowrl_export.json").is_file()
+    if earlier and not overwrite:
+        raise FlowrlError(f"{out} already holds an export; a new one would mix with its files", where=where,
+                          hint="pass another -o DIR, or replace it with --overwrite (deletes that folder first)")
     ensure_writable(out, where=where, directory=True)
-    out.mkdir(parents=True, exist_ok=True)
     model = load_policy(src, "cpu")
-    before = file_identities(out)
     if ema:
         from ..train.ema import load_ema_weights
 
         load_ema_weights(model.denoiser, src.checkpoint)
+    # only now, with the weights in hand: a refused or failed export leaves the earlier one, and
+    # no empty folder, behind
+    if earlier:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    before = file_identities(out)
     if finetune == "lora" and not merge:
         fmt = _save_lora(model, out)
     else:

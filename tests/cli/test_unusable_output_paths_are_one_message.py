@@ -201,3 +201,18 @@ def test_a_sweep_of_more_runs_than_its_limit_is_refused_at_once(run, flowrl_cli)
                                              f"{k}e-5" for k in range(1, 102)), "--seeds", "100", "--dry-run"]])
     _one_message(seeds, f"defines 1,000,000 runs, more than {MAX_RUNS:,}")
     _one_message(grid, f"defines 10,100 runs, more than {MAX_RUNS:,}")
+
+
+def test_an_export_that_fails_leaves_no_folder_and_keeps_an_earlier_export(run, flowrl_cli, tmp_path):
+    """--ema of a run without EMA fails after the output was checked: no empty folder is left,
+    and with --overwrite the earlier export in the folder is still whole."""
+    runs = str(run / "run")
+    fresh, kept = tmp_path / "fresh", tmp_path / "kept"
+    first, failed_fresh, failed_over = flowrl_cli.in_process([
+        ["export", runs, "-o", str(kept)], ["export", runs, "--ema", "-o", str(fresh)],
+        ["export", runs, "--ema", "-o", str(kept), "--overwrite"]])
+    assert first.returncode == 0, first.stderr
+    _one_message(failed_fresh, "--ema")
+    assert not fresh.exists()
+    _one_message(failed_over, "--ema")
+    assert (kept / "flowrl_export.json").is_file()
