@@ -377,3 +377,27 @@ def test_a_balanced_evaluation_may_ask_for_more_prompts_than_the_table_holds(mon
     unbalanced = load_recipe(repo / "recipes" / "compose_nft.toml", [*sets, 'prompts.balance_column=""'])
     with pytest.raises(FlowrlError, match="num_eval = 600"):
         check_startable(unbalanced, devices=False)
+
+
+def test_a_datasets_folder_passes_validation_and_is_checked_as_training_reads_it(tmp_path, monkeypatch, validate):
+    """`flowrl validate` (and so `flowrl train`) refused every Hugging Face dataset as "prompt file
+    not found"; a datasets folder is now read as training reads it (its splits, the evaluation's
+    prompt count), and hf:NAME is left to training (loading it may download)."""
+    datasets = pytest.importorskip("datasets")
+    from tiny_recipe import tiny_recipe, write_recipe
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    saved = tmp_path / "saved"
+    grammar = [f"a red {shape} on a green background" for shape in ("circle", "square", "triangle")]  # area scores these
+    datasets.DatasetDict(train=datasets.Dataset.from_list([{"prompt": p} for p in grammar[:2]]),
+                         test=datasets.Dataset.from_list([{"prompt": grammar[2]}])).save_to_disk(str(saved))
+    recipe = write_recipe(tmp_path, tiny_recipe())
+    assert validate(recipe, f'prompts.source="{saved}"', "prompts.num_eval=1") == (0, "")
+    code, err = validate(recipe, f'prompts.source="{saved}"', "prompts.num_eval=5")
+    assert code == 2 and "num_eval = 5, and the evaluation reads 1 prompts" in " ".join(err.split())
+    assert validate(recipe, 'prompts.source="hf:someone/prompts"')[0] == 0
+    code, err = validate(recipe, f'prompts.source="{tmp_path / "empty"}"', "prompts.num_eval=1")
+    assert code == 2 and "prompt file not found" in err
+    (tmp_path / "empty").mkdir()
+    code, err = validate(recipe, f'prompts.source="{tmp_path / "empty"}"', "prompts.num_eval=1")
+    assert code == 2 and "doesn't contain any data files" in err and "Traceback" not in err

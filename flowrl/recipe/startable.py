@@ -23,7 +23,7 @@ from ..errors import FlowrlError, RecipeError
 from ..embeddings import open_store
 from ..offline import read_offline_rows
 from ..plugins import Registry, get_registry
-from ..prompts import TABLE_SUFFIXES, distinct_rows, evaluation_prompts, read_prompts
+from ..prompts import TABLE_SUFFIXES, distinct_rows, evaluation_prompts, import_extra, read_prompts
 from ..sampling.precision import check_rollout_precision
 from .schema import SECTIONS, ComponentChoice, Recipe
 from .validation import DATA_HINT, build_component, check_launched_strategy, data_kind, plan_context, window_plans
@@ -57,9 +57,13 @@ def check_startable(recipe: Recipe, registry: Registry | None = None, *, devices
             continue
         path = Path(source)
         where = f"{recipe.source}: [prompts].{key}"
+        if source.startswith("hf:") or path.is_dir():  # a Hugging Face dataset: read by _check_prompt_tables
+            import_extra("datasets", "datasets", where)
+            continue
         if not path.is_file():
             raise RecipeError(f"prompt file not found: {path}", where=where,
-                              hint="give an existing text file (one prompt a line), or 'model'")
+                              hint="give an existing text file (one prompt a line), a table (.csv, .jsonl, .parquet), "
+                                   "a datasets folder, hf:DATASET, or 'model'")
         if not any(line.strip() for line in path.read_text(encoding="utf-8", errors="replace").splitlines()):
             raise RecipeError(f"prompt file {path} holds no prompt", where=where)
     _check_required_params(recipe)
@@ -213,7 +217,8 @@ def _check_prompt_tables(recipe: Recipe, registry: Registry) -> None:
     roles = [("source", p.source, "train")] + ([("eval_source" if p.eval_source else "source",
                                                  p.eval_source or p.source, "eval")] if p.num_eval else [])
     for key, source, role in roles:
-        if source == "model" or source.startswith("hf:") or not Path(source).is_file():
+        # hub datasets are not loaded here (that may download); a datasets folder is read as training reads it
+        if source == "model" or source.startswith("hf:") or not (Path(source).is_file() or Path(source).is_dir()):
             continue
         where = f"{recipe.source}: [prompts].{key}"
         rows = distinct_rows(read_prompts(source, None, where, p, role=role))
@@ -259,7 +264,8 @@ def _check_embeddings(recipe: Recipe, registry: Registry) -> None:
     used: list[str] = []
     for key, source, role in [("source", p.source, "train")] + ([("eval_source", p.eval_source or p.source, "eval")]
                                                                  if p.num_eval else []):
-        if source == "model" or source.startswith("hf:") or not Path(source).is_file():
+        # hub datasets are not loaded here (that may download); a datasets folder is read as training reads it
+        if source == "model" or source.startswith("hf:") or not (Path(source).is_file() or Path(source).is_dir()):
             continue  # the engine checks these once it has read them (flowrl.train.session.PromptCache)
         rows = [str(r) for r in read_prompts(source, None, f"{recipe.source}: [prompts].{key}", p, role=role)]
         used += rows if role == "train" else evaluation_prompts(rows, recipe.run.seed, p.num_eval)
