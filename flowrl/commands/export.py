@@ -32,6 +32,7 @@ model.path=...`` if the base weights moved).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -114,6 +115,10 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     (out / "flowrl_export.json").write_text(json.dumps(info, indent=1))
     return out
 
+
+#: A Hugging Face hub repository id, OWNER/NAME, as the hub accepts them (checked before the
+#: export's minutes, not by the upload after them).
+HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
 
 #: The export formats that ``flowrl sample --weights OUT`` loads into a rebuilt model: full weights
 #: of a denoiser not saved as a whole pipeline (``flowrl.commands.sample.EXPORTED_WEIGHTS`` says
@@ -201,6 +206,10 @@ def export(
     if (private or dry_run) and push_to_hub is None:
         raise FlowrlError(f"{'--private' if private else '--dry-run'} applies to --push-to-hub", where="flowrl export",
                           hint="flowrl export RUN_DIR --push-to-hub OWNER/NAME [--private] [--dry-run]")
+    if push_to_hub is not None and not HUB_REPO.fullmatch(push_to_hub):
+        raise FlowrlError(f"{push_to_hub!r} is not a hub repository name", where="--push-to-hub",
+                          hint="OWNER/NAME: letters, digits, '-', '_' and '.', at most 96 characters each, "
+                               "e.g. me/flux-chunk-grpo")
     out = export_run(run_dir, output, checkpoint=checkpoint, overrides=list(set_ or []), merge=merge, ema=ema,
                      overwrite=overwrite)
     info = json.loads((out / "flowrl_export.json").read_text())

@@ -28,7 +28,7 @@ def plan(
     num_processes: Annotated[Optional[int], typer.Option(
         "--num-processes", min=1,
         help="Data-parallel processes (GPUs) to plan for [default: the recipe's [distributed].num_processes].")] = None,
-    gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, help="Memory of one GPU in GB, for the verdict.")] = DEFAULT_GPU_MEMORY_GB,
+    gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, max=100_000.0, help="Memory of one GPU in GB, for the verdict.")] = DEFAULT_GPU_MEMORY_GB,
     num_nodes: Annotated[int, typer.Option("--num-nodes", min=1, help="Machines the processes are spread over "
                                            "(hybrid sharding shards within a machine).")] = 1,
 ) -> None:

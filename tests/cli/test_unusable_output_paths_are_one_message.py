@@ -216,3 +216,11 @@ def test_an_export_that_fails_leaves_no_folder_and_keeps_an_earlier_export(run, 
     assert not fresh.exists()
     _one_message(failed_over, "--ema")
     assert (kept / "flowrl_export.json").is_file()
+
+
+@pytest.mark.parametrize("name", ["bad name!!", "no-owner", "me/", "a/b/c", "me/" + "x" * 97])
+def test_a_hub_repository_name_the_hub_refuses_is_refused_before_the_export(run, flowrl_cli, tmp_path, name):
+    (result,) = flowrl_cli.in_process([["export", str(run / "run"), "-o", str(tmp_path / "hub"), "--push-to-hub",
+                                        name, "--dry-run"]])
+    _one_message(result, "is not a hub repository name")
+    assert not (tmp_path / "hub").exists()
