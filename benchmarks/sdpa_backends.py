@@ -8,8 +8,9 @@ Per backend: ``torch.nn.functional.scaled_dot_product_attention`` at FLUX.1-dev'
 tokens), batch 1 and 4, forward and backward, synchronised; then one double and one single block
 of FLUX.1-dev's width (random weights, gradient checkpointing) forward and backward at batch 4,
 1536 tokens, also under ``FlopCounterMode`` (as flowrl's throughput count runs it). Prints one
-JSON line per backend as soon as it ends: ``ok`` or the error (a line per backend even when the
-caller stops the script early). ``[train].attention_backend`` picks one for a run.
+JSON line per backend as soon as it ends: ``ok`` or the error, so a caller that stops the script
+early keeps the lines of the backends that had ended. ``[train].attention_backend`` picks one for
+a run.
 
     python benchmarks/sdpa_backends.py
     python benchmarks/sdpa_backends.py --tiny --device cpu   # a rehearsal of the script: tiny shapes
@@ -24,7 +25,9 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 BACKENDS = ["auto", "flash", "efficient", "cudnn", "math"]
 #: Seconds one backend's process may take (start-up, imports and every shape).
@@ -99,26 +102,32 @@ def run_backends(backends: list[str], extra: list[str], per_backend_s: float) ->
     """Every backend's process started at once; one JSON line printed per backend as it ends, a
     backend past ``per_backend_s`` killed and reported as timed out."""
     started = time.monotonic()
-    running = {name: subprocess.Popen([sys.executable, __file__, "--backend", name, *extra], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True) for name in backends}
-    results = []
-    while running:
-        for name, process in list(running.items()):
-            if process.poll() is None and time.monotonic() - started < per_backend_s:
-                continue
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-                row = {"backend": name, "ok": False, "error": f"timed out after {per_backend_s:.0f} s"}
-            else:
-                out, err = process.communicate()
-                lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-                row = json.loads(lines[-1]) if lines else {"backend": name, "ok": False, "exit": process.returncode,
-                                                          "stderr": err[-300:]}
-            print(json.dumps(row), flush=True)
-            results.append(row)
-            del running[name]
-        time.sleep(0.2)
+    with tempfile.TemporaryDirectory(prefix="sdpa-backends-") as folder:
+        # files, not pipes: a backend that writes much (warnings, a fault's dump) must not block on
+        # a full pipe nobody reads until it ends
+        outputs = {name: (Path(folder) / f"{name}.out", Path(folder) / f"{name}.err") for name in backends}
+        running = {}
+        for name in backends:
+            with outputs[name][0].open("w") as out, outputs[name][1].open("w") as err:
+                running[name] = subprocess.Popen([sys.executable, __file__, "--backend", name, *extra], stdout=out,
+                                                 stderr=err)
+        results = []
+        while running:
+            for name, process in list(running.items()):
+                if process.poll() is None and time.monotonic() - started < per_backend_s:
+                    continue
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+                    row = {"backend": name, "ok": False, "error": f"timed out after {per_backend_s:.0f} s"}
+                else:
+                    lines = [ln for ln in outputs[name][0].read_text().splitlines() if ln.startswith("{")]
+                    row = json.loads(lines[-1]) if lines else {"backend": name, "ok": False, "exit": process.returncode,
+                                                              "stderr": outputs[name][1].read_text()[-300:]}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+                del running[name]
+            time.sleep(0.2)
     return results
 
 

@@ -876,8 +876,15 @@ def main(argv: list[str] | None = None) -> None:
             if differ:
                 sys.exit(f"this batch's regime differs from the study archived in {archive} in {', '.join(differ)}: "
                          "run the archived regime, or give another --archive DIR")
+            if not args.report_only and first.get("device", "cpu") != now["device"]:
+                sys.exit(f"this batch's runs would compute on {now['device']}, the study archived in {archive} on "
+                         f"{first.get('device', 'cpu')}: one study's seeds share a device; give another --archive DIR "
+                         "(and --out DIR)")
         if path.is_file():
             regime = json.loads(path.read_text())
+            if not args.report_only and regime.get("device", "cpu") != now["device"]:
+                sys.exit(f"the runs in {sweep_dir} began on {regime.get('device', 'cpu')} and would go on on "
+                         f"{now['device']}: finish them there, or start the batch in another --sweep-dir")
             regime_changed = [k for k in ("recipe_sha256", "profiles", "sets", "variants", "seeds") if regime[k] != now[k]]
             if regime_changed:
                 print(f"warning: the regime differs from the one recorded in {path} when the runs began: "

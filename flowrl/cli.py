@@ -103,7 +103,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         # first: one message, not a traceback (--debug shows where).
         if debug or not exc.filename:
             raise
-        err_console.print(f"[bold red]error:[/bold red] {escape(printable(str(exc.filename)))}: "
+        named = str(exc.filename) + (f" -> {exc.filename2}" if getattr(exc, "filename2", None) else "")
+        err_console.print(f"[bold red]error:[/bold red] {escape(printable(named))}: "
                           f"{escape(exc.strerror or type(exc).__name__)}\n  hint: check the path (it must exist to be "
                           "read, its folder must be writable to be written); --debug shows where it was met",
                           highlight=False, soft_wrap=True)

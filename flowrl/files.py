@@ -127,6 +127,9 @@ def ensure_writable(path: Path, *, where: str, directory: bool, suffix: str = ".
     if not directory and path.is_dir():
         raise FlowrlError(f"{path} is a directory; a file path is expected", where=where,
                           hint=f"name a file, e.g. {path / ('output' + suffix)}")
+    if not directory and path.is_file() and not os.access(path, os.W_OK):
+        raise FlowrlError(f"cannot write {path}: it exists and this user may not replace it", where=where,
+                          hint="choose another file name, or a location this user may write")
     folder = path if directory else path.parent
     existing = next((a for a in [folder, *folder.parents] if a.exists()), Path("."))
     if not existing.is_dir():

@@ -26,8 +26,10 @@ class MetricsLog:
     def __init__(self, path: Path, resume_from: int | None = None):
         self.path = path
         if resume_from is not None and path.is_file():
-            kept = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("iteration", -1) < resume_from]
-            write_text_atomic(path, "".join(k + "\n" for k in kept))
+            read_jsonl(path)  # damage inside the file is one message; a record cut by the stop is left out
+            lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.strip()]
+            kept = [line for line in lines if line.endswith("\n") and json.loads(line).get("iteration", -1) < resume_from]
+            write_text_atomic(path, "".join(kept))
         self._f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:

@@ -541,6 +541,12 @@ def test_a_new_study_batch_runs_only_unarchived_seeds_and_refuses_another_regime
     with pytest.raises(SystemExit, match="differs from the study archived .* in sets"):
         study.main([*common, "--seed-list", "46", "--set", "train.lr=1e-4", "--sweep-dir", str(tmp_path / "c")])
     assert sweeps == [[44, 45]] and not (tmp_path / "c" / "sweep.json").exists()
+    # on a GPU machine ("auto" reaches CUDA) a batch for the CPU study is refused before any run
+    with monkeypatch.context() as on_gpu:
+        on_gpu.setattr(study, "runs_device", lambda name: "cuda (NVIDIA H200)")
+        with pytest.raises(SystemExit, match=r"would compute on cuda \(NVIDIA H200\), the study archived .* on cpu"):
+            study.main([*common, "--seed-list", "46", "--sweep-dir", str(tmp_path / "g")])
+    assert sweeps == [[44, 45]] and not (tmp_path / "g" / "sweep.json").exists()
 
     with pytest.raises(SystemExit, match="flowrl sweep exited with 1"):
         study.main([*common, "--seed-list", "46,47", "--sweep-dir", str(tmp_path / "d")])

@@ -32,6 +32,7 @@ model.path=...`` if the base weights moved).
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Optional
@@ -72,10 +73,7 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
     named = out is not None
     out = Path(out) if named else (src.run_dir or src.checkpoint.parent.parent) / "export" / src.checkpoint.name
     where = "--output" if named else "the export folder"
-    earlier = (out / "flowrl_export.json").is_file()
-    if earlier and not overwrite:
-        raise FlowrlError(f"{out} already holds an export; a new one would mix with its files", where=where,
-                          hint="pass another -o DIR, or replace it with --overwrite (deletes that folder first)")
+    replaced = check_earlier_export(out, overwrite, where)
     ensure_writable(out, where=where, directory=True)
     model = load_policy(src, "cpu")
     if ema:
@@ -84,9 +82,14 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         load_ema_weights(model.denoiser, src.checkpoint)
     # only now, with the weights in hand: a refused or failed export leaves the earlier one, and
     # no empty folder, behind
-    if earlier:
-        shutil.rmtree(out)
+    for name in replaced:
+        entry = out / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    present = set(os.listdir(out))
     before = file_identities(out)
     if finetune == "lora" and not merge:
         fmt = _save_lora(model, out)
@@ -112,13 +115,58 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
         t = src.recipe.train
         info["lora"] = {"rank": t.lora_rank, "alpha": t.lora_alpha,
                         "targets": list(t.lora_targets) or (list(model.lora_targets) if isinstance(model, HasLoraTargets) else [])}
+    # what this export wrote, so that a later --overwrite deletes exactly that (and the model card)
+    info["entries"] = sorted((set(os.listdir(out)) - present) | {"flowrl_export.json"})
     (out / "flowrl_export.json").write_text(json.dumps(info, indent=1))
     return out
 
 
+#: What ``--push-to-hub`` writes beside an export's weights (:func:`flowrl.hub.write_card`).
+CARD_FILES = ("README.md", "recipe.toml", "rewards.png")
+
+
+def check_earlier_export(out: Path, overwrite: bool, where: str) -> set[str]:
+    """The entries of an earlier export in ``out`` that this one replaces (none when there is
+    none); refused without ``overwrite``, and when ``out`` holds other files beside it."""
+    if not (out / "flowrl_export.json").is_file():
+        return set()
+    if not overwrite:
+        raise FlowrlError(f"{out} already holds an export; a new one would mix with its files", where=where,
+                          hint="pass another -o DIR, or replace it with --overwrite (deletes that export's files)")
+    replaced = earlier_export_entries(out)
+    strangers = sorted(set(os.listdir(out)) - replaced)
+    if strangers:
+        raise FlowrlError(f"{out} holds an earlier export and other files ({', '.join(strangers[:5])}"
+                          f"{', ...' if len(strangers) > 5 else ''}): --overwrite replaces an export, nothing else",
+                          where=where, hint="export to another -o DIR")
+    return replaced
+
+
+def earlier_export_entries(out: Path) -> set[str]:
+    """The top-level names the export in ``out`` wrote: its record's ``entries``; for an export
+    made before that record existed, its weights, a saved pipeline's folders and the model card."""
+    try:
+        info = json.loads((out / "flowrl_export.json").read_text())
+    except (OSError, ValueError):
+        info = {}
+    info = info if isinstance(info, dict) else {}
+    if isinstance(info.get("entries"), list):
+        names = {str(n) for n in info["entries"]}
+    else:
+        names = {str(n) for n in info.get("weights", [])} | {"transformer", "denoiser.safetensors", "model_index.json"}
+        try:
+            index = json.loads((out / "model_index.json").read_text())
+            names |= {k for k in index if not k.startswith("_")} if isinstance(index, dict) else set()
+        except (OSError, ValueError):
+            pass
+    # only names that are entries of the folder itself: a record can never reach outside it
+    return (names | set(CARD_FILES) | {"flowrl_export.json"}) & set(os.listdir(out))
+
+
 #: A Hugging Face hub repository id, OWNER/NAME, as the hub accepts them (checked before the
 #: export's minutes, not by the upload after them).
-HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+HUB_REPO = re.compile(rf"(?!.*(--|\.\.)){_HUB_PART}/{_HUB_PART}")
 
 #: The export formats that ``flowrl sample --weights OUT`` loads into a rebuilt model: full weights
 #: of a denoiser not saved as a whole pipeline (``flowrl.commands.sample.EXPORTED_WEIGHTS`` says
@@ -200,7 +248,7 @@ def export(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="With --push-to-hub: write the folder and its model card, upload nothing.")] = False,
     ema: Annotated[bool, typer.Option("--ema", help="Export the checkpoint's EMA weights (runs with [ema] enabled).")] = False,
     overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Replace an earlier export in the output folder (the folder is deleted first).")] = False,
+        "--overwrite", help="Replace an earlier export in the output folder (its files are deleted; other files are refused).")] = False,
 ) -> None:
     """Export the trained weights: LoRA for pipe.load_lora_weights, or a full save_pretrained pipeline."""
     if (private or dry_run) and push_to_hub is None:

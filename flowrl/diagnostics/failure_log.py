@@ -8,7 +8,8 @@ as it arrives, failures with the end of their traceback::
 
 One line per report: ``{"test", "when", "outcome", "seconds"}`` and, for a failure,
 ``"traceback"`` (its last :data:`TRACEBACK_LINES` lines). Passing tests write their ``call``
-report only; a skip or failure in set-up or tear-down writes its own line. Under pytest-xdist the
+report only; a skip or failure in set-up or tear-down writes its own line, and a module that
+cannot be collected one with ``"when": "collect"`` (counted as a failure). Under pytest-xdist the
 controller writes (the workers' reports reach it), so lines never interleave. ``flowrl selftest
 --gpu --only suite`` reads the file with :func:`summarise`.
 """
@@ -53,6 +54,13 @@ class OutcomeWriter:
         if report.failed:
             line["traceback"] = traceback_tail(report.longreprtext)
         self.file.write(json.dumps(line) + "\n")
+
+    def pytest_collectreport(self, report: Any) -> None:
+        """A module that cannot be collected (an import error: a missing package on this machine)
+        fails no test, yet its tests never run: a line of its own, named by the module."""
+        if report.failed:
+            self.file.write(json.dumps({"test": report.nodeid or "<collection>", "when": "collect", "outcome": "failed",
+                                        "seconds": 0.0, "traceback": traceback_tail(report.longreprtext)}) + "\n")
 
     def pytest_unconfigure(self, config: Any) -> None:
         self.file.close()

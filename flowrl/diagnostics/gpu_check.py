@@ -330,10 +330,10 @@ def attention_step() -> Step:
 def suite_figures(path: Path) -> dict[str, Any]:
     """Counts and failures of the whole suite from its outcome log (complete or cut at the budget)."""
     if not path.is_file():
-        raise StepFailed("pytest wrote no outcome (did collection fail? see the step's output)")
+        raise StepFailed("pytest wrote no outcome: it stopped before any test (the step's output says why)")
     figures = summarise(path)
     if not any(figures[k] for k in ("passed", "failed", "skipped")):
-        raise StepFailed("the suite ran no test", figures)
+        raise StepFailed("the suite ran no test (the step's output says why)", figures)
     if figures["failed"]:
         names = ", ".join(f["test"] for f in figures["failures"][:10])
         raise StepFailed(f"{figures['failed']} test(s) failed: {names}", figures)
@@ -343,6 +343,7 @@ def suite_figures(path: Path) -> dict[str, Any]:
 def suite_step() -> Step:
     command = from_repo("tests", lambda s, tests: [
         s.python, "-m", "pytest", str(tests), "-m", "not slow and not gpu", "-n", "auto", "-q", "-p", "no:cacheprovider",
+        "--continue-on-collection-errors",
         "-p", "flowrl.diagnostics.failure_log", "--outcome-log", str(s.workdir / "suite.jsonl")])
     return Step("suite", "the whole test suite with CUDA visible (pytest -n auto), failures with tracebacks", 420,
                 command, lambda s, out: suite_figures(s.workdir / "suite.jsonl"), on_request=True)

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import FlowrlError, counted
+from ..files import read_jsonl
 from ..plugins import Registry
 from ..recipe import Recipe, read_toml, validate
 from .checkpoint import (
@@ -397,5 +398,5 @@ def run_is_complete(run_dir: Path, completed: int, recipe: Recipe, evaluates: bo
     if not evaluates:
         return True
     path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = read_jsonl(path) if path.is_file() else []
     return any(r.get("final") and r.get("iteration") == recipe.train.iterations for r in rows)

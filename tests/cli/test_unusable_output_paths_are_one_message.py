@@ -98,13 +98,18 @@ def test_an_export_folder_is_not_mixed_with_an_earlier_export(run, flowrl_cli):
     export = ["export", str(root / "run"), "-o", str(out)]
     (first,) = flowrl_cli.in_process([export])
     assert first.returncode == 0, first.stderr
-    (out / "stale_card.md").write_text("an earlier export's file")
+    (out / "README.md").write_text("an earlier export's model card")
     (again,) = flowrl_cli.in_process([export])
     _one_message(again, "already holds an export", "--overwrite")
-    assert (out / "stale_card.md").is_file()  # refused: nothing of it touched
+    assert (out / "README.md").is_file()  # refused: nothing of it touched
     (replaced,) = flowrl_cli.in_process([[*export, "--overwrite"]])
     assert replaced.returncode == 0, replaced.stderr
-    assert not (out / "stale_card.md").exists() and (out / "flowrl_export.json").is_file()
+    assert not (out / "README.md").exists() and (out / "flowrl_export.json").is_file()
+    # --overwrite replaces an export and nothing else: a folder that also holds other files is refused
+    (out / "my_notes.txt").write_text("not the export's")
+    (mixed,) = flowrl_cli.in_process([[*export, "--overwrite"]])
+    _one_message(mixed, "holds an earlier export and other files (my_notes.txt)")
+    assert (out / "my_notes.txt").is_file() and (out / "flowrl_export.json").is_file()
     shutil.rmtree(out)
 
 
@@ -218,7 +223,8 @@ def test_an_export_that_fails_leaves_no_folder_and_keeps_an_earlier_export(run, 
     assert (kept / "flowrl_export.json").is_file()
 
 
-@pytest.mark.parametrize("name", ["bad name!!", "no-owner", "me/", "a/b/c", "me/" + "x" * 97])
+@pytest.mark.parametrize("name", ["bad name!!", "no-owner", "me/", "a/b/c", "me/" + "x" * 97, "me/a--b", "me/x..y",
+                                  "me/name.", "me-/x"])
 def test_a_hub_repository_name_the_hub_refuses_is_refused_before_the_export(run, flowrl_cli, tmp_path, name):
     (result,) = flowrl_cli.in_process([["export", str(run / "run"), "-o", str(tmp_path / "hub"), "--push-to-hub",
                                         name, "--dry-run"]])

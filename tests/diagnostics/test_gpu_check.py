@@ -113,6 +113,18 @@ def test_a_suite_cut_at_its_budget_still_says_what_failed_and_why(tmp_path):
     assert len(lines) == len({(json.loads(line)["test"], json.loads(line)["when"]) for line in lines})  # none twice
 
 
+def test_a_module_that_cannot_be_collected_is_a_failure_with_its_import_error(tmp_path):
+    tests = _suite_files(tmp_path / "suite")
+    (tests / "test_tiny.py").write_text((tests / "test_tiny.py").read_text().replace("time.sleep(60)", "pass"))
+    (tests / "test_needs_a_package.py").write_text("import no_such_package_here\n\ndef test_x():\n    pass\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    result = gpu_check.run_step(_suite_step(tests, ("-n", "2")), Setting(None, work), 60)
+    assert result.status == "fail" and result.figures["failed"] == 3, result
+    (collect,) = [f for f in result.figures["failures"] if f["when"] == "collect"]
+    assert collect["test"].endswith("test_needs_a_package.py") and "no_such_package_here" in collect["traceback"]
+
+
 def test_a_finished_suite_with_failures_fails_the_step_with_their_names(tmp_path):
     tests = _suite_files(tmp_path / "suite")
     (tests / "test_tiny.py").write_text((tests / "test_tiny.py").read_text().replace("time.sleep(60)", "pass"))

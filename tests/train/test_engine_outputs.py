@@ -376,3 +376,19 @@ def test_sample_compare_base_needs_a_checkpoint(reference_run, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["sample", str(recipe_path), "--prompt", "a red circle", "--compare-base"])
     assert exit_.value.code == 2 and "--compare-base needs a trained checkpoint" in capsys.readouterr().err
+
+
+def test_resume_drops_a_metrics_record_cut_by_the_stop(tmp_path):
+    """A run killed while writing a row leaves its last line without a newline: resuming keeps the
+    rows before the resumed iteration, byte for byte, and drops the cut one (it was a traceback)."""
+    from flowrl.runlog import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"iteration": i, "loss": 0.1 * i}) + "\n" for i in range(3)]
+    path.write_text("".join(rows) + '{"iteration": 3, "lo')
+    log = MetricsLog(path, resume_from=2)
+    log.close()
+    assert path.read_text() == "".join(rows[:2])
+    path.write_text(rows[0] + '{"iteration": 1, "lo\n' + rows[2])  # damage inside the file: one message
+    with pytest.raises(FlowrlError, match="line 2 is not JSON"):
+        MetricsLog(path, resume_from=2)
