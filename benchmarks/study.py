@@ -661,7 +661,8 @@ def compose_report(*, world: World, smoke: bool, command: str, report_dir: Path,
             return f"  - {label}: no interval yet (fewer than 2 seeds)."
         w = [iv.half_width for iv in ivs]
         needed = max(seeds_for_half_width(iv.sd, 0.02) for iv in ivs)
-        return (f"  - {label}: widest paired half-width {max(w):.3f} (narrowest {min(w):.3f}); "
+        widest = f"{max(w):.3f}" if abs(max(w) - 0.02) >= 0.0005 else f"{max(w):.4f}"  # never "0.020, wider"
+        return (f"  - {label}: widest paired half-width {widest} (narrowest {min(w):.3f}); "
                 + ("**within 0.02**." if max(w) <= 0.02 else
                    f"**wider than 0.02**: if the per-seed spread of the differences stays as measured (largest "
                    f"sd {max(iv.sd for iv in ivs):.3f}), about {needed} seeds bring every one to 0.02 (t quantile "
