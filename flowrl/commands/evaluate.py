@@ -36,6 +36,7 @@ images per prompt, steps and table, written to ``<checkpoint>.<suite>.json``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -215,10 +216,10 @@ def evaluate(
         "--seeds": seeds is not None, "--seed": seed is not None, "--steps": steps is not None,
         "--schedule": schedule != "auto", "--hybrid-steps": hybrid_steps > 0, "--reward": bool(reward),
         "--batch-size": batch_size is not None, "--set": bool(set_)})
-    src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps)
+    check = functools.partial(check_outputs_of, output=output, name=name, custom=custom, save_images=save_images)
+    src, dev, ctx, policy, base = prepare(source, model, set_, checkpoint, device, hybrid_steps, before_load=check)
     ema = evaluated_ema(src, policy)
     path = output or default_eval_path(src, name, custom)
-    check_outputs(Path(path), output is not None, save_images)  # before the evaluation's minutes
     rewards = build_rewards(src, list(reward or []))
     if steps is None and src.from_recipe and src.recipe.log.eval_steps:
         steps = src.recipe.log.eval_steps  # the run's own evaluation, reproduced
@@ -250,6 +251,11 @@ def evaluate(
     if output is None and name is None and custom:
         console.print(f"an ad-hoc evaluation ({', '.join(custom)}), kept apart from the run's own "
                       f"{src.checkpoint.name}.eval.json (written by `flowrl eval` without these options)")
+
+
+def check_outputs_of(src, *, output, name, custom, save_images) -> None:
+    """:func:`check_outputs` for the source's default result path: before the model loads."""
+    check_outputs(Path(output or default_eval_path(src, name, custom)), output is not None, save_images)
 
 
 def check_outputs(path: Path, named: bool, save_images: Path | None) -> None:
