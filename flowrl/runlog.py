@@ -26,9 +26,11 @@ class MetricsLog:
     def __init__(self, path: Path, resume_from: int | None = None):
         self.path = path
         if resume_from is not None and path.is_file():
-            read_jsonl(path)  # damage inside the file is one message; a record cut by the stop is left out
-            lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.strip()]
-            kept = [line for line in lines if line.endswith("\n") and json.loads(line).get("iteration", -1) < resume_from]
+            # damage inside the file is one message; a record cut by the stop (no newline) is dropped
+            records = read_jsonl(path)
+            lines = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                     if line.strip() and line.endswith("\n")]
+            kept = [line for line, record in zip(lines, records) if record.get("iteration", -1) < resume_from]
             write_text_atomic(path, "".join(kept))
         self._f = open(path, "a", encoding="utf-8")
 

@@ -47,8 +47,9 @@ def export_run(run_dir: Path, out: Path | None = None, *, checkpoint: Path | Non
                overrides: list[str] | None = None, merge: bool = False, ema: bool = False,
                overwrite: bool = False) -> Path:
     """Export a run's checkpoint (the latest by default); returns the output directory. A folder
-    that holds an earlier export is refused unless ``overwrite`` (then it is emptied first: an
-    export's model card, weights and recipe must all be one export's)."""
+    that holds an earlier export is refused unless ``overwrite`` (then that export's own entries
+    are deleted once the new weights are loaded: an export's model card, weights and recipe must
+    all be one export's; :func:`check_earlier_export`)."""
     import shutil
 
     from ..files import ensure_writable, file_identities, give_ordinary_mode_since

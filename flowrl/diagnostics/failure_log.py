@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..files import read_jsonl
+
 #: How much of a failure's traceback a line keeps: its end, where the error is.
 TRACEBACK_LINES = 30
 TRACEBACK_CHARS = 3000
@@ -71,13 +73,7 @@ def summarise(path: Path) -> dict[str, Any]:
     else skipped if one skipped) and, per failing test, where it failed and its traceback's end."""
     outcome: dict[str, str] = {}
     failures: dict[str, dict[str, str]] = {}
-    for raw in path.read_text().splitlines():
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError:  # the last line of a killed run may be cut
-            continue
+    for line in read_jsonl(path):  # a killed run's cut last line is left out
         test, state = line["test"], line["outcome"]
         if state == "failed":
             outcome[test] = "failed"

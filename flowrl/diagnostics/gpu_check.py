@@ -49,8 +49,8 @@ import json
 import math
 import os
 import re
-import shutil
 import shlex
+import shutil
 import signal
 import subprocess
 import sys

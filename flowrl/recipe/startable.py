@@ -183,6 +183,12 @@ def has_columns(source: str) -> bool:
     return source.startswith("hf:") or Path(source).is_dir() or Path(source).suffix.lower() in TABLE_SUFFIXES
 
 
+def read_here(source: str) -> bool:
+    """Whether validation reads this prompt source as training will: a local file or datasets
+    folder; not the model's own prompts, nor a hub dataset (loading it may download)."""
+    return source != "model" and not source.startswith("hf:") and (Path(source).is_file() or Path(source).is_dir())
+
+
 def _check_prompt_columns(recipe: Recipe) -> None:
     """A key that names a column of the prompt table (split_column, condition_column, a
     text_column other than 'prompt') needs a source with columns: a text file or the model's own
@@ -217,8 +223,7 @@ def _check_prompt_tables(recipe: Recipe, registry: Registry) -> None:
     roles = [("source", p.source, "train")] + ([("eval_source" if p.eval_source else "source",
                                                  p.eval_source or p.source, "eval")] if p.num_eval else [])
     for key, source, role in roles:
-        # hub datasets are not loaded here (that may download); a datasets folder is read as training reads it
-        if source == "model" or source.startswith("hf:") or not (Path(source).is_file() or Path(source).is_dir()):
+        if not read_here(source):
             continue
         where = f"{recipe.source}: [prompts].{key}"
         rows = distinct_rows(read_prompts(source, None, where, p, role=role))
@@ -264,8 +269,7 @@ def _check_embeddings(recipe: Recipe, registry: Registry) -> None:
     used: list[str] = []
     for key, source, role in [("source", p.source, "train")] + ([("eval_source", p.eval_source or p.source, "eval")]
                                                                  if p.num_eval else []):
-        # hub datasets are not loaded here (that may download); a datasets folder is read as training reads it
-        if source == "model" or source.startswith("hf:") or not (Path(source).is_file() or Path(source).is_dir()):
+        if not read_here(source):
             continue  # the engine checks these once it has read them (flowrl.train.session.PromptCache)
         rows = [str(r) for r in read_prompts(source, None, f"{recipe.source}: [prompts].{key}", p, role=role)]
         used += rows if role == "train" else evaluation_prompts(rows, recipe.run.seed, p.num_eval)
