@@ -6,7 +6,7 @@ and how much reward hacking do the anti-hacking regularisers prevent?
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --images --out runs/elbo \
         --recipes quickstart_epg quickstart_pepg quickstart_par quickstart_vgrpo quickstart_fdfo
     OMP_NUM_THREADS=1 python benchmarks/objectives.py learn --seeds 3 --images --recipes offline_sft offline_dpo
-    OMP_NUM_THREADS=1 python benchmarks/objectives.py hacking --seeds 3  # quickstart vs gardo vs diversity
+    OMP_NUM_THREADS=1 python benchmarks/objectives.py hacking --seeds 3  # hacking run vs gardo vs diversity
     python benchmarks/objectives.py learn --smoke --out /tmp/smoke        # 2-iteration rehearsal
 
 Run from the repository root. Finished runs are reused (delete ``--out`` to start over).
@@ -24,13 +24,13 @@ change in the same standard errors. ``--seeds N`` runs seeds 42 .. 42 + N - 1 (d
 recipes (``offline_sft``, ``offline_dpo``) train on tables of the base model's samples, written
 first by ``flowrl sample --tables`` where they are missing (``OFFLINE_TABLES``).
 
-``hacking``: the quickstart (Chunk-GRPO on the area reward), the same with GARDO's gated KL and
-reference reset (``quickstart_gardo``), and with the group-diversity advantage
-(``quickstart_diversity``), over ``--seeds`` seeds (run.seed = 42 + k). For each: the final
-evaluation's area reward and verifier score (prompt correctness, logged with weight 0) minus
-the initial ones. "Correctness loss prevented" is ``1 - loss_method / loss_quickstart`` with
-``loss = initial verifier - final verifier`` (per seed, then the mean); "reward cost" is
-``gain_quickstart - gain_method`` of the area reward. GARDO's gate reads the verifier as its
+``hacking``: the reward-hacking lesson (``quickstart_hacking``: Chunk-GRPO on the area reward),
+the same with GARDO's gated KL and reference reset (``quickstart_gardo``), and with the
+group-diversity advantage (``quickstart_diversity``), over ``--seeds`` seeds (run.seed = 42 + k).
+For each: the final evaluation's area reward and verifier score (prompt correctness, logged with
+weight 0) minus the initial ones. "Correctness loss prevented" is ``1 - loss_method / loss_hacking``
+with ``loss = initial verifier - final verifier`` (per seed, then the mean); "reward cost" is
+``gain_hacking - gain_method`` of the area reward. GARDO's gate reads the verifier as its
 auxiliary reward, i.e. the regulariser sees the score it is judged by: say so when quoting it.
 """
 
@@ -71,7 +71,8 @@ def offline_table(recipe: str) -> None:
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, preexec_fn=exits_with_parent())
     if done.returncode:
         raise SystemExit(f"the table for {recipe} could not be written:\n{done.stderr[-4000:]}")
-HACKING = ["quickstart", "quickstart_gardo", "quickstart_diversity"]
+#: The hacking comparison: its baseline first (the recipes differ only in [objective]).
+HACKING = ["quickstart_hacking", "quickstart_gardo", "quickstart_diversity"]
 
 
 def run(recipe: str, seed: int, out: Path, smoke: bool, images: bool = False) -> Path:
@@ -181,12 +182,12 @@ def hacking(args) -> dict:
     print(f"\n{len(seeds)} seeds; mean ± SE over seeds")
     print(f"{'recipe':24s} {'area gain':>16s} {'verifier loss':>16s} {'loss prevented':>16s} {'reward cost':>16s}")
     summary = {}
-    base = {row["seed"]: row for row in per["quickstart"]}
+    base = {row["seed"]: row for row in per[HACKING[0]]}
     for r in HACKING:
         rows = per[r]
         gain, loss = ms([x["area_gain"] for x in rows]), ms([x["verifier_loss"] for x in rows])
         prevented = ms([1 - x["verifier_loss"] / base[x["seed"]]["verifier_loss"] for x in rows
-                        if base[x["seed"]]["verifier_loss"] > 0]) if r != "quickstart" else (0.0, 0.0)
+                        if base[x["seed"]]["verifier_loss"] > 0]) if r != HACKING[0] else (0.0, 0.0)
         cost = ms([base[x["seed"]]["area_gain"] - x["area_gain"] for x in rows])
         summary[r] = {"runs": rows, "area_gain": gain, "verifier_loss": loss, "loss_prevented": prevented,
                       "reward_cost": cost}

@@ -992,8 +992,8 @@ before the runs). {n_runs} runs ({len(VARIANTS)} variants x {len(seeds)} seeds),
   {textured} of {len(VARIANTS)} variants (mean over seeds; table), and the grids show a faint
   periodic pattern on flat backgrounds in the runs where it rose most (the largest rise,
   `{worst_run}`: {worst_first:.3f} -> {worst_final:.3f}; its grids are below). DiffusionNFT,
-  the quickstart's objective, ended below the base model's `hf_share` on all three seeds
-  (README).
+  the quickstart's objective when this study ran, ended below the base model's `hf_share` on all
+  three seeds (docs/benchmarks.md, "End-to-end figures").
 - The paper's orderings at equal iterations (final evaluation): {tally["final"]["held"]} held,
   {tally["final"]["reversed"]} reversed, {tally["final"]["cannot be told apart"]} cannot be told apart
   (the tie: {"no difference detected" if tally["final"]["no difference detected"] else "see the table"}); at equal wall time:

@@ -73,7 +73,7 @@ def sequence_chunks(T: int) -> tuple[int, ...]:
     return (_check_T(T),)
 
 
-_REMAINDERS = ("last", "merge")
+_REMAINDERS = ("last", "merge", "first")
 
 
 def fixed_chunks(T: int, size: int, remainder: str = "last") -> tuple[int, ...]:
@@ -82,9 +82,11 @@ def fixed_chunks(T: int, size: int, remainder: str = "last") -> tuple[int, ...]:
     ``remainder="last"`` (default): ``(size,) * q + (r,)`` when ``r > 0``: every chunk stays
     ``<= size`` (section 6: small chunks are preferred). ``remainder="merge"``: the remainder is
     added to the last full chunk, ``(size,) * (q - 1) + (size + r,)`` (one chunk of ``T`` when
-    ``size > T``). Dropping the remainder is not offered: a layout must cover all T transitions.
+    ``size > T``). ``remainder="first"``: the smaller chunk opens the layout, ``(r,) + (size,) * q``,
+    so the full chunks end on the last, lowest-noise transition. Dropping the remainder is not
+    offered: a layout must cover all T transitions.
     Examples: ``fixed_chunks(16, 4) = (4, 4, 4, 4)``, ``fixed_chunks(15, 4) = (4, 4, 4, 3)``,
-    ``fixed_chunks(15, 4, "merge") = (4, 4, 7)``.
+    ``fixed_chunks(15, 4, "merge") = (4, 4, 7)``, ``fixed_chunks(15, 4, "first") = (3, 4, 4, 4)``.
     """
     _check_T(T)
     size = _as_int(size, "chunk size")
@@ -100,6 +102,8 @@ def fixed_chunks(T: int, size: int, remainder: str = "last") -> tuple[int, ...]:
         return (size,) * q
     if remainder == "last" or q == 0:
         return (size,) * q + (r,)
+    if remainder == "first":
+        return (r,) + (size,) * q
     return (size,) * (q - 1) + (size + r,)
 
 

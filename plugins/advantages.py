@@ -51,7 +51,7 @@ class GroupZScore:
 
     def __call__(self, rewards, weights, group_ids):
         c = self.config
-        kwargs = dict(std=c.std, eps=c.eps, global_std=c.global_std, clip=c.clip)
+        kwargs = dict(std=c.std, eps=c.eps, global_std=c.global_std, clip=c.clip or None)  # 0: no clamp
         if c.multi_reward == "weighted_sum" or len(rewards) == 1:
             total = weighted_sum_rewards(rewards, weights)
             return group_zscore(total, group_ids, **kwargs)

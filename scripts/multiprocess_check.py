@@ -2,7 +2,7 @@
 
 An outside check that drives only the command line, as a user would: the shipped quickstart
 (``recipes/quickstart.toml``: 4 prompts x 8 samples per iteration, its held-out evaluation of 18
-prompts x 4 noises) for a few iterations with evaluation, images and a checkpoint every
+prompts x 6 noises) for a few iterations with evaluation, images and a checkpoint every
 iteration, once in one process and then in two processes under ``ddp`` and under ``fsdp2``, each
 through ``flowrl train --num-processes 2``, ``torchrun`` and ``accelerate launch``. Every metrics
 row of every 2-process run must equal the 1-process run's within float tolerance (the processes

@@ -1,6 +1,6 @@
 """The quickstart recipes train end to end on the shipped embedded model (shortened here).
 
-The full 30-iteration quickstart (about 2.5 minutes) is measured in README.md; this smoke test
+The full 60-iteration quickstart (about 42 s on a 2-core CPU) is measured in README.md; this smoke test
 runs every quickstart variant for one iteration with the real weights, so a broken recipe,
 component or weight file fails the suite.
 """

@@ -185,6 +185,7 @@ class GatedKLPolicyGradient(PolicyGradient):
         self.compensator = RiskCompensator(base=q)
         self.reset_every, self.kl_threshold = reset_every, kl_threshold
         self.last_reset, self.flagged, self.gate, self.reset_now = 0, False, None, False
+        self.gate_fraction = 0.0
         self.kl_seen: list[float] = []
         self.reference = None  # the update's ReferencePolicy (ctx.kl.reference), from prepare()
 
@@ -213,8 +214,12 @@ class GatedKLPolicyGradient(PolicyGradient):
         u = uncertainty(everyone[main], [everyone[a] for a in self.auxiliary], self.sign)
         q = self.compensator.update(float(u[u >= 0].mean()))
         gate, _ = uncertainty_gate(u, q)
+        # Normalised over the whole batch, then sliced: each process divides its KL by its own
+        # samples and the processes' gradients are averaged, so weights normalised per slice would
+        # scale the term by how the gated samples happen to fall across processes.
         offset = ctx.process.rank * ctx.samples_per_process
-        self.gate = gated_weights(gate[offset: offset + len(batch.indices)]).to(ctx.device)
+        self.gate = gated_weights(gate)[offset: offset + len(batch.indices)].to(ctx.device)
+        self.gate_fraction = float(gate.float().mean())  # of the whole batch, the same on every process
         self.kl_seen = []
 
     def kl_weights(self):
@@ -232,7 +237,7 @@ class GatedKLPolicyGradient(PolicyGradient):
         kl = distributed.all_reduce_scalar(max(self.kl_seen, default=0.0), ctx.process, "max")
         if kl > self.kl_threshold:  # the reference is reset before the next rollout
             self.flagged = True
-        out["gardo/gate_fraction"] = float((self.gate > 0).float().mean())
+        out["gardo/gate_fraction"] = self.gate_fraction
         out["gardo/q"] = float(self.compensator.q)
         out["gardo/reset"] = bool(self.reset_now)
         return out

@@ -105,14 +105,16 @@ def inverse_step_weight(sigma, sigma_next) -> torch.Tensor:
     return 1.0 / h
 
 
-def guard_step_ratio(out, old, reduction: str = "mean", reweight: bool = True) -> torch.Tensor:
+def guard_step_ratio(out, old, reduction: str | None = None, reweight: bool = True) -> torch.Tensor:
     """GRPO-Guard's re-scored step as a "log-prob" relative to the rollout's: ``l_old + zh`` with
     ``zh = reduce(eps * (mu - mu_old))`` (:func:`guard_log_ratio`) and its gradient
     scaled by ``1 / h`` (``reweight``). ``out``: the kernel's StepOutput with gradient, ``old``:
-    the :class:`flowrl.sampling.trajectory.Position` (its ``mean`` kept at rollout)."""
+    the :class:`flowrl.sampling.trajectory.Position` (its ``mean`` kept at rollout).
+    ``reduction`` defaults to the one ``old.log_prob`` was taken with (``[sampler]
+    logprob_reduction``): ``zh`` is added to it, so both must reduce a sample's elements alike."""
     if old.mean is None:
         raise ValueError("GRPO-Guard needs the rollout's proposal means (keep_means)")
-    zh = guard_log_ratio(old.next_sample, out.mean, old.mean, out.std, reduction)
+    zh = guard_log_ratio(old.next_sample, out.mean, old.mean, out.std, reduction or old.reduction)
     if reweight:
         zh = reweighted(zh, inverse_step_weight(old.sigma, old.sigma_next).to(zh.device))
     return old.log_prob.to(zh.device) + zh

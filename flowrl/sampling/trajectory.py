@@ -71,7 +71,8 @@ class Transition:
 class Position:
     """Trainable position ``t`` of the samples ``rows``: ``sample [n, ...] -> next_sample``, per-row
     ``sigma [n]`` and ``sigma_next [n]`` (float32), the rollout ``log_prob [n]``, the proposal
-    ``mean [n, ...]`` when the trajectory kept it (else None), and the kernel."""
+    ``mean [n, ...]`` when the trajectory kept it (else None), the kernel, and the reduction the
+    rollout's ``log_prob`` was taken with (``"mean"`` or ``"sum"`` over a sample's elements)."""
 
     sample: torch.Tensor
     next_sample: torch.Tensor
@@ -80,6 +81,7 @@ class Position:
     log_prob: torch.Tensor
     mean: torch.Tensor | None
     kernel: Kernel | None
+    reduction: str = "mean"
 
 
 @dataclass
@@ -205,6 +207,7 @@ class Trajectory:
             log_prob=self.log_probs[idx.to(self.log_probs.device), steps.to(self.log_probs.device)],
             mean=None if self.means is None else self.means[idx.to(self.means.device), t],
             kernel=kernel,
+            reduction=self.reduction,
         )
 
     def position_std(self, rows: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ def test_layouts_by_hand():
     assert fixed_chunks(15, 4) == (4, 4, 4, 3)          # remainder as its own last chunk
     assert fixed_chunks(15, 4, "merge") == (4, 4, 7)    # remainder merged into the last chunk
     assert fixed_chunks(3, 5) == (3,) and fixed_chunks(3, 5, "merge") == (3,)
+    assert fixed_chunks(15, 4, "first") == (3, 4, 4, 4)    # the smaller chunk first
+    assert fixed_chunks(16, 4, "first") == (4, 4, 4, 4) and fixed_chunks(3, 5, "first") == (3,)
     assert explicit_chunks(16, [2, 3, 4, 7]) == (2, 3, 4, 7)
     assert chunks_from_boundaries(16, [2, 5, 9]) == (2, 3, 4, 7)
     assert chunks_from_boundaries(16, [0, 2, 5, 9, 16]) == (2, 3, 4, 7)
@@ -66,3 +68,18 @@ def test_relative_l1_change_by_hand():
     # one sample, states [1, -1] -> [2, 0] -> [2, 1]: |(1, 1)|_1 / 2 = 1 ; |(0, 1)|_1 / 2 = 0.5
     lat = torch.tensor([[[1.0, -1.0], [2.0, 0.0], [2.0, 1.0]]])
     assert relative_l1_change(lat).tolist() == [1.0, 0.5]
+
+
+def test_every_remainder_the_fixed_chunker_offers_is_a_layout():
+    """The recipe key's choices (plugins/chunkers.py) and the layout function agree: each one
+    yields sizes covering T (``first`` was offered and refused by every recipe once)."""
+    import typing
+
+    from flowrl.plugins import get_registry
+
+    comp = get_registry().get("chunker", "fixed")
+    choices = typing.get_args(typing.get_type_hints(comp.params)["remainder"])
+    assert set(choices) == {"last", "merge", "first"}
+    for remainder in choices:
+        sizes = comp.build(comp.params(size=4, remainder=remainder)).sizes(15)
+        assert sum(sizes) == 15 and max(sizes) <= 7

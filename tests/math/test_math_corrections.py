@@ -119,3 +119,29 @@ def test_guard_at_chunk_level_against_a_float64_hand_gradient():
     for got, exp in zip(grads, want):
         torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-7)
     assert float(new_lp[0, 0] - 0.3) == pytest.approx(zh[0], abs=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_guard_normalised_ratio_reduces_as_the_rollout_log_probs(reduction):
+    """The guard's "log-prob" is the rollout's ``l_old`` plus ``zh``, so ``zh`` must reduce a
+    sample's elements as ``l_old`` did (``[sampler] logprob_reduction``): with ``"sum"`` it is
+    ``sum(eps d)`` (by hand, float64), read from the trajectory's position, not a fixed mean."""
+    from flowrl.objectives.guard import guard_step_ratio
+    from flowrl.sampling.kernels import StepOutput
+    from flowrl.sampling.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(11)
+    D, std = 8, 0.3
+    mu_old, eps, d = (torch.randn(1, 1, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    latents = torch.zeros(1, 3, 1, 2, 4)
+    latents[:, 1] = (mu_old + std * eps).float()
+    traj = Trajectory(latents=latents, log_probs=torch.full((1, 2), 0.3), sigmas=torch.tensor([1.0, 0.5, 0.0]),
+                      trainable=torch.tensor([True, False]), prompts=["a"], group_ids=torch.tensor([0]),
+                      image_latents=torch.zeros(1, 1, 2, 4), reduction=reduction,
+                      means=mu_old.float().unsqueeze(1))
+    old = traj.position(0, torch.tensor([0]))
+    assert old.reduction == reduction
+    out = StepOutput(next_sample=old.next_sample, mean=(mu_old + 0.1 * d).float(), std=torch.tensor([std]),
+                     log_prob=torch.zeros(1))
+    zh = (eps * 0.1 * d).sum() / (D if reduction == "mean" else 1)
+    assert float(guard_step_ratio(out, old, reweight=False) - 0.3) == pytest.approx(float(zh), rel=1e-5, abs=1e-7)

@@ -94,3 +94,23 @@ def test_group_centred_is_the_scaled_deviation_from_the_group_mean():
     torch.testing.assert_close(adv, torch.tensor([0.3, -0.3, 0.0, 0.0, 0.5, -0.5]))
     scaled = comp.build(comp.params(scale=0.1, clip=0.04))(rewards, {"r": 1.0}, groups)
     torch.testing.assert_close(scaled, torch.tensor([0.03, -0.03, 0.0, 0.0, 0.04, -0.04]))
+
+
+@pytest.mark.parametrize("name", ["group_zscore", "tree", "diversity", "group_centred"])
+def test_clip_zero_disables_the_clamp_in_every_estimator(name):
+    """``clip = 0`` is documented as "disables" for every estimator: the 6.93 of
+    ``test_clip_by_hand`` stays 6.93 (it was a ValueError after the first rollout for
+    ``group_zscore`` and ``tree``)."""
+    from flowrl.plugins import get_registry
+
+    comp = get_registry().get("advantage", name)
+    r = torch.zeros(50)
+    r[7] = 1.0
+    rewards, groups = {"r": r}, torch.zeros(50, dtype=torch.long)
+    estimator = comp.build(comp.params(clip=0.0))
+    if name == "diversity":  # equal features: every nearest distance 1, every multiplier 1
+        adv = estimator(rewards, {"r": 1.0}, groups, features=torch.zeros(50, 3))
+    else:
+        adv = estimator(rewards, {"r": 1.0}, groups)
+    expected = 0.98 / 0.1414214 if name != "group_centred" else 0.98
+    assert adv[7].item() == pytest.approx(expected, rel=1e-5)

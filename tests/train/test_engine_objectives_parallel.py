@@ -1,4 +1,4 @@
-"""AWM, Flow-DPPO, online DPO, DGPO and the ELBO losses (EPG, PEPG, PAR, V-GRPO) in 2 gloo processes (torchrun) equal 1 process on the same global batch,
+"""AWM, Flow-DPPO, online DPO, DGPO, GARDO and the ELBO losses (EPG, PEPG, PAR, V-GRPO) in 2 gloo processes (torchrun) equal 1 process on the same global batch,
 under ddp and under fsdp2: the same metrics and the same weights after one iteration of two
 passes (the second pass off-policy: AWM's ratio to its anchors, Flow-DPPO's KL mask, with
 threshold 1e-8 so that it drops units off-policy but none on-policy, where the KL is rounding
@@ -47,6 +47,9 @@ CASES = {
     # pairs, each whole on one process
     "fdfo": ("quickstart_fdfo.toml", ["loss.timesteps=2", "train.prompts_per_iteration=4", "train.group_size=2",
                                       "sampler.steps=9"]),
+    # the gate is drawn over the whole batch and its samples fall unevenly on the two processes:
+    # the KL term is the mean over the gated samples either way
+    "gardo": ("quickstart_gardo.toml", ["sampler.steps=9", "chunker.sizes=[2, 2, 4]"]),
 }
 
 
@@ -84,6 +87,8 @@ def test_two_processes_equal_one(tmp_path, tmp_path_factory, name, strategy):
         assert rec1[0]["elbo/log_ratio_abs_max"] > 0
     elif name == "fdfo":
         assert rec1[0]["fdfo/ratio_mean"] != 1.0  # the second pass is off the rollout's velocities
+    elif name == "gardo":  # some samples gated, and the second pass's KL to the reference is not 0
+        assert 0 < rec1[0]["gardo/gate_fraction"] < 1 and rec1[0]["kl/flow_grpo"] > 0
     else:
         assert rec1[0]["awm/log_ratio_abs_max"] > 0  # the second pass is off its anchors
     for a, b in zip(rec2, rec1):
