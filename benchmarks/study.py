@@ -719,6 +719,10 @@ the overrides of every variant {("`" + " ".join(regime["sets"]) + "`") if regime
 
 <details><summary>The base recipe, as recorded</summary>
 
+Its comments were written before the first run and are kept as they were (the recipe's sha256 is
+part of the regime): where they say "not yet measured" or "no run recorded yet", this page's
+tables now answer.
+
 ```toml
 {regime["recipe_text"].rstrip()}
 ```

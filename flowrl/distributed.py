@@ -317,13 +317,14 @@ def all_reduce_scalar(value: float, ctx: DistContext, op: str = "sum") -> float:
     return sign * float(t.item())
 
 
-def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext, every_process: bool = False) -> torch.Tensor:
     """The element-wise sum over ranks of equal-shaped CPU tensors (a new tensor; ``tensor`` itself
-    on one process)."""
-    if not ctx.enabled:
+    on one process). ``every_process``: over every process, context-parallel ones included (a
+    decision for all of them, as :func:`any_rank`), not over the data-parallel ranks."""
+    if (ctx.process_count if every_process else ctx.world_size) == 1:
         return tensor
     out = tensor.detach().clone()
-    dist.all_reduce(out, group=ctx.data_group)
+    dist.all_reduce(out, group=None if every_process else ctx.data_group)
     return out
 
 

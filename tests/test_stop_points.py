@@ -93,3 +93,35 @@ def test_a_helper_thread_stops_at_its_next_point_and_a_wait_for_it_ends(tmp_path
         wait_for(future)
     assert stop.stopped and time.monotonic() - begun < 2
     assert isinstance(future.exception(), StopRequested)
+
+
+def test_context_parallel_partners_agree_before_stopping_and_while_waiting(tmp_path, monkeypatch):
+    """Two processes that split one data rank's sequences (``context_parallel = 2``, one data
+    rank) make every denoiser call together: the main process, which alone reads the STOP file,
+    must not stop alone (its partner would wait in a split forward forever). Its stop points and
+    waits go through an agreement over every process, not over the (single) data rank."""
+    from flowrl import distributed
+    from flowrl.train import stopping
+
+    agreements, sums = [], []
+    monkeypatch.setattr(stopping.distributed, "any_rank", lambda flag, ctx: agreements.append(flag) or flag)
+
+    def summed(tensor, ctx, every_process=False):
+        sums.append(every_process)
+        return tensor
+
+    monkeypatch.setattr(stopping.distributed, "all_reduce_sum", summed)
+    ctx = distributed.DistContext(rank=0, world_size=1, context_parallel=2, cp_rank=0)
+    assert ctx.is_main and not ctx.enabled and ctx.process_count == 2
+    stop = RunStop(tmp_path, ctx, None)
+    (tmp_path / STOP_FILE).write_text("")
+    with pytest.raises(StopRequested):
+        stop.check(every_process=True)
+    assert agreements == [True], "the main process stopped without its partner"
+    assert stop.stopped and stop.abandoned.is_set()  # agreed: helper threads stop too
+    pending: Future = Future()
+    stop2 = RunStop(tmp_path / "other", ctx, None)
+    stop2.requested = True
+    with pytest.raises(StopRequested):
+        stop2.wait(pending)
+    assert sums == [True], "the wait agreed over the data ranks only"

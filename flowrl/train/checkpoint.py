@@ -450,11 +450,16 @@ def write_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: d
     if strategy.sharded:
         return save_sharded_checkpoint(ckpt_root, name, strategy, state=state, recipe_toml=recipe_toml,
                                        keep_last=keep_last, extra=extra or None)
-    if strategy.topology.rank != 0:
-        return None
-    return save_checkpoint(ckpt_root, name, model=trainable_state_dict(unwrap_module(strategy.module)),
-                           optimizer=strategy.optimizer.state_dict(), state=state, recipe_toml=recipe_toml,
-                           keep_last=keep_last, extra=extra or None)
+    path = None
+    if strategy.topology.rank == 0:
+        path = save_checkpoint(ckpt_root, name, model=trainable_state_dict(unwrap_module(strategy.module)),
+                               optimizer=strategy.optimizer.state_dict(), state=state, recipe_toml=recipe_toml,
+                               keep_last=keep_last, extra=extra or None)
+    # The others wait for the write: a stopping worker that left first (status 130) would have
+    # torchrun end the main process part-way through the stop's checkpoint.
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return path
 
 
 def read_checkpoint(path: Path, strategy: Strategy, extra: dict[str, dict[str, torch.Tensor]]
@@ -505,5 +510,5 @@ def _single_process_ok() -> Iterator[None]:
 
 
 def _barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
+    if ctx.process_count > 1:  # every process, context-parallel partners of one data rank included
         dist.barrier()

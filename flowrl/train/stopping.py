@@ -103,7 +103,7 @@ class RunStop:
         if self.requested:
             return
         self.requested = True
-        if not self.ctx.enabled:  # nothing to agree with: helper threads stop at once too
+        if self.ctx.process_count == 1:  # nothing to agree with: helper threads stop at once too
             self.abandoned.set()
         if self.announce is not None:
             self.announce(message)
@@ -144,8 +144,10 @@ class RunStop:
 
     def check(self, every_process: bool = True, alone: bool = False) -> None:
         """A stop point: raise :class:`StopRequested` if the run stops here. ``alone``: this
-        process makes the phase's model calls alone (a ddp evaluation), so it decides alone."""
-        if alone or not self.ctx.enabled:
+        process makes the phase's model calls alone (a ddp evaluation), so it decides alone.
+        Context-parallel partners of one data rank make every denoiser call together: they agree
+        as data ranks do (the STOP file is read by the main process only)."""
+        if alone or self.ctx.process_count == 1:
             if self.look():
                 raise StopRequested
         elif every_process and self.agreed():
@@ -159,7 +161,9 @@ class RunStop:
         while True:
             wait_futures([future], timeout=WAIT_POLL)
             flags = torch.tensor([float(not future.done()), float(self.look())])
-            pending, asked = (bool(x > 0) for x in (flags if alone else distributed.all_reduce_sum(flags, self.ctx)))
+            if not alone:
+                flags = distributed.all_reduce_sum(flags, self.ctx, every_process=True)
+            pending, asked = (bool(x > 0) for x in flags)
             if not pending:  # every process has it: a stop asked meanwhile waits for the next point
                 return future.result()
             if asked:

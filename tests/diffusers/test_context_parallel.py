@@ -153,6 +153,37 @@ Strategy.prepare_frozen = prepare_frozen
 
 
 @pytest.mark.slow
+def test_a_stop_file_stops_both_processes_of_a_context_parallel_group(tiny_models, tmp_path, monkeypatch):
+    """One data rank split over two processes: the STOP file, which only the main process reads,
+    found at a stop point inside the model calls (here: written by the main process at its 40th
+    stop point, in iteration 2 or so, and looked for at once), stops both processes together,
+    with the last completed iteration checkpointed. The main process used to stop there alone
+    while its partner waited in a split forward until the timeout."""
+    from flowrl.train import stopping
+    from flowrl.train.checkpoint import checkpoint_iteration
+
+    checks, check = [0], stopping.RunStop.check
+
+    def check_finding_the_file(self, every_process=True, alone=False):  # the forked workers inherit it
+        checks[0] += 1
+        if self.file is not None and checks[0] == 40:
+            self.file.write_text("")
+            self._looked = float("-inf")  # looked for at this stop point, not up to a second later
+        return check(self, every_process, alone)
+
+    monkeypatch.setattr(stopping.RunStop, "check", check_finding_the_file)
+    recipe, sets = _sets("wan", tiny_models["wan"], "train.iterations=50", "checkpoint.every=100")
+    out = tmp_path / "stopped"
+    args = [a for s in (*sets, "distributed.context_parallel=2", "distributed.num_processes=2") for a in ("--set", s)]
+    proc = run_forked_workers(["train", recipe, *args, "-o", out], 2, timeout=120)
+    assert proc.returncode == 130, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "STOP found: stopping at the next model call" in proc.stderr
+    trained = [r["iteration"] for r in read_metrics(out) if "loss" in r]
+    assert trained and trained[-1] < 49 and not (out / "STOP").exists()
+    assert checkpoint_iteration(latest_checkpoint(out)) == trained[-1] + 1  # the last completed iteration
+
+
+@pytest.mark.slow
 def test_the_kl_reference_splits_its_sequences_like_the_policy(tiny_models, tmp_path, plugin_site):
     """Full fine-tuning with a KL term keeps a frozen copy of the denoiser: under context
     parallelism it splits every sequence like the policy (before, each process of a group ran the

@@ -63,7 +63,10 @@ PHASE = os.environ.get("STOP_PROBE_PHASE", "")
 ITERATION = int(os.environ.get("STOP_PROBE_ITERATION", "-1"))
 SECONDS = float(os.environ.get("STOP_PROBE_SECONDS", "0"))
 CALLS = Path(os.environ.get("STOP_PROBE_DIR", ".")) / f"calls.{os.environ.get('RANK', '0')}"
+SAVE_SECONDS = float(os.environ.get("STOP_PROBE_SAVE_SECONDS", "0"))  # the stop's checkpoint write, slowed
 probing = [False]
+if PHASE:  # this process's pid, for a signal to one process of several
+    (CALLS.parent / f"pid.{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
 
 
 def model_call():
@@ -114,6 +117,18 @@ if PHASE:
 
     PixelImageAdapter.velocity, overlap.score, PolicyGradient.backward = slow_velocity, slow_score, slow_backward
 
+    if SAVE_SECONDS:
+        from flowrl.train import checkpoint
+
+        save = checkpoint.save_checkpoint
+
+        def slow_save(ckpt_root, name, **kwargs):  # the checkpoint of the stopped iteration's predecessor
+            if name == f"iter_{ITERATION:06d}":
+                time.sleep(SAVE_SECONDS)
+            return save(ckpt_root, name, **kwargs)
+
+        checkpoint.save_checkpoint = slow_save
+
 
 @hookimpl
 def register_rewards(register):
@@ -135,8 +150,10 @@ def reference(tmp_path_factory):
     return recipe, run_dir, read_metrics(run_dir)
 
 
-def start(recipe: Path, run_dir: Path, probe_path: Path, phase: str, iteration: int, *args: str) -> tuple:
-    """``flowrl train RECIPE -o RUN_DIR ARGS`` with the probe slowing ``phase`` of ``iteration``;
+def start(recipe: Path, run_dir: Path, probe_path: Path, phase: str, iteration: int, *args: str,
+          save_seconds: float = 0.0) -> tuple:
+    """``flowrl train RECIPE -o RUN_DIR ARGS`` with the probe slowing ``phase`` of ``iteration``
+    (and by ``save_seconds`` the write of checkpoint ``iteration``);
     ``(process, stdout reader, stderr reader, probe directory)``. Its own session, as a shell
     gives a job, so that a signal sent to it reaches it alone."""
     probe_dir = run_dir.parent / f"probe-{run_dir.name}"
@@ -144,7 +161,7 @@ def start(recipe: Path, run_dir: Path, probe_path: Path, phase: str, iteration: 
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200",
                PYTHONPATH=os.pathsep.join([str(probe_path), os.environ.get("PYTHONPATH", "")]),
                STOP_PROBE_PHASE=phase, STOP_PROBE_ITERATION=str(iteration), STOP_PROBE_SECONDS=str(SECONDS_PER_CALL),
-               STOP_PROBE_DIR=str(probe_dir))
+               STOP_PROBE_DIR=str(probe_dir), STOP_PROBE_SAVE_SECONDS=str(save_seconds))
     proc = subprocess.Popen([sys.executable, "-m", "flowrl", "train", str(recipe), "-o", str(run_dir), *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -263,3 +280,23 @@ def test_the_stop_file_stops_two_processes_together(tmp_path, probe_path, refere
     for got, row in zip(rows, want):
         assert_records_close(got, row)
     assert_weights_close(final_weights(run_dir), final_weights(tmp_path / "whole"))
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_main_process_alone_still_gets_the_stops_checkpoint_written(tmp_path, probe_path, reference):
+    """``flowrl train --num-processes 2``, SIGTERM to the main worker only (a scheduler that
+    signals one process) during iteration 3's rollout, and the stop's checkpoint slow to write
+    (3 s): the other worker waits for the write before it exits. It used to leave at once with
+    status 130, which torchrun takes for a failure: it sent the main worker a SIGTERM, its
+    second signal, which aborted the write, and the run resumed from iteration 2 instead of 3."""
+    recipe, run_dir = reference[0], tmp_path / "run"
+    proc, out, err, probe_dir = start(recipe, run_dir, probe_path, "rollout", 3, "--num-processes", "2",
+                                      save_seconds=3.0)
+    main_pid = lambda: int((probe_dir / "pid.0").read_text())  # noqa: E731
+    stop_during(proc, err, probe_dir, lambda: os.kill(main_pid(), signal.SIGTERM))
+    out.thread.join(5), err.thread.join(5)
+    stdout, stderr = out.text(), err.text()
+    assert proc.returncode == 130 and "Traceback" not in stdout + stderr, (stdout, stderr)
+    flat = " ".join(stdout.split())
+    assert "interrupted after 3 completed iterations; checkpoint written" in flat, (stdout, stderr)
+    assert load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"] == 3
