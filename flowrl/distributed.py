@@ -375,6 +375,16 @@ def reduce_metrics(metrics: dict[str, float], how: dict[str, str], ctx: DistCont
     return {key: float(combine[kinds[key]](values)) for key, values in seen.items()}  # rank 0's key order first
 
 
+def gather_objects(obj, ctx: DistContext) -> list:
+    """Every data rank's ``obj``, in rank order, on every rank (``[obj]`` on one). Picklable
+    objects this run made itself (never a user's file). Every rank must call it at the same point."""
+    if not ctx.enabled:
+        return [obj]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.data_group)
+    return out
+
+
 def drop_gathered_weights(module: torch.nn.Module) -> None:
     """Free the all-gathered weights FSDP2 still holds for ``module`` and its sharded parts.
 

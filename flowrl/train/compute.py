@@ -154,7 +154,7 @@ class ComputeCounter:
                   for kind, table in (("forward", self.forward), ("backward", self.backward), ("minimum", self.minimum),
                                       ("saved", self.saving))}
         counts["decoded"] = float(self.decodes)
-        if ctx is not None and ctx.enabled:  # a phase only some processes ran (ddp's evaluation) counts once
+        if ctx is not None and ctx.enabled:  # summed: each process counts its own share
             counts = distributed.reduce_metrics(counts, {k: "sum" for k in counts}, ctx)
         decoded = counts.pop("decoded")
         phases = sorted({key.rsplit("/", 1)[0] for key in counts})

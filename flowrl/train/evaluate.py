@@ -7,8 +7,12 @@ generator seeded with ``(seed, "eval", j)``, so the numbers do not depend on the
 ``flowrl eval RUN_DIR`` reproduces them at any checkpoint.
 
 :class:`RunEvaluator` is the training run's evaluation: every ``[log].eval_every`` iterations
-and once at the end, on the main process, with the EMA weights when ``[ema].evaluate``; it
-returns the metrics row's ``eval/*`` and hands the images to the run's eval grids.
+and once at the end, with the EMA weights when ``[ema].evaluate``; it returns the metrics
+row's ``eval/*`` and hands the images to the run's eval grids. With several ``ddp`` processes
+each evaluates a contiguous share of the evaluation's batches (:func:`evaluation_share`: the
+batches themselves are those of one process, so every image's score is too) and the main
+process gathers the scores; under FSDP2 the main process evaluates and the others make the
+same sharded forwards alongside.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from contextlib import nullcontext
 
 import torch
 
+from .. import distributed
 from ..artefacts import ARTEFACT_MEASURES
 from ..interfaces import scores_latents
 from ..rewards import score
 from ..prompts import evaluation_prompts, read_prompts, reward_metadata
 from ..sampling.rollout import ode_sample
 from ..seeding import generator
-from ..stop_points import stop_point, stoppable
+from ..stop_points import StopRequested, stop_point, stoppable
+from .outputs import EVAL_GRID_MAX
 from .warning_signs import WarningSigns
 
 
@@ -51,18 +57,31 @@ def evaluation_noise(latent_shape, seed: int, indices: Sequence[int]) -> torch.T
     return torch.stack([torch.randn(tuple(latent_shape), generator=generator(seed, "eval", j)) for j in indices])
 
 
+def evaluation_share(num_items: int, batch: int, rank: int, world_size: int) -> range:
+    """The batch indices (batches of ``batch`` items, in item order) data rank ``rank`` of
+    ``world_size`` evaluates: a contiguous block, the first ranks one batch more when they do
+    not divide, so that the main process holds the first items (those the eval grids show)."""
+    num_batches = -(-num_items // batch)
+    base, extra = divmod(num_batches, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
 @torch.no_grad()
 def evaluate(model, sigmas: torch.Tensor, rewards, prompts: list[str], seeds: int, seed: int, cache, batch: int,
-             on_images: Callable[[torch.Tensor], None] | None = None):
+             on_images: Callable[[torch.Tensor], None] | None = None, batches: Sequence[int] | None = None):
     """Scores ``{label: [len(prompts) * seeds]}`` of every reward on the fixed evaluation set
     (ODE sampling along ``sigmas``, the run's schedule), then of every artefact measure
     (:data:`flowrl.artefacts.ARTEFACT_MEASURES`: the texture a policy may learn). ``on_images``
-    receives each batch's decoded images, in item order. A run may stop before each denoiser
-    forward and each reward call (:mod:`flowrl.stop_points`; the reward calls only where this
-    process evaluates alone: the others of an fsdp2 run make the forwards, not the calls)."""
+    receives each batch's decoded images, in item order. ``batches``: only these batch indices
+    (batches of ``batch`` items; :func:`evaluation_share`), their items' scores in that order.
+    A run may stop before each denoiser forward and each reward call (:mod:`flowrl.stop_points`;
+    the reward calls only where this process evaluates alone: the others of an fsdp2 run make
+    the forwards, not the calls)."""
     scores: dict[str, list[torch.Tensor]] = defaultdict(list)
     items = evaluation_items(prompts, seeds)
-    for start in range(0, len(items), batch):
+    starts = range(0, len(items), batch) if batches is None else [k * batch for k in batches]
+    for start in starts:
         part = items[start : start + batch]
         ps = [p for p, _ in part]
         text = cache.get(ps, sigmas.device)
@@ -109,24 +128,60 @@ class RunEvaluator:
         """``eval/<reward>/mean`` and ``/sem`` of the policy after ``iteration`` iterations
         (``{}`` on the other processes); writes the eval grids."""
         recipe, session = self.session.recipe, self.session
-        if not self.ctx.is_main:
+        batch = recipe.train.micro_batch_size * 4
+        if self.ctx.enabled and not self.lockstep:  # ddp: every data rank evaluates its share
+            share = evaluation_share(len(self.prompts) * recipe.prompts.eval_seeds, batch, self.ctx.rank,
+                                     self.ctx.world_size)
+            scores, images = self._gathered(share, batch)
+            if not self.ctx.is_main:
+                return {}
+        elif not self.ctx.is_main:
             if self.lockstep:  # every forward of a sharded denoiser is a collective: sample alongside, unscored,
                 # with this process's EMA shards swapped in too (else the gathered weights would mix EMA and live)
                 with self.ema.swapped_in() if self.ema is not None else nullcontext():
                     evaluate(session.model, session.eval_sigmas, [], self.prompts, recipe.prompts.eval_seeds,
-                             recipe.run.seed, session.cache, recipe.train.micro_batch_size * 4)
+                             recipe.run.seed, session.cache, batch)
             return {}
-        images: list[torch.Tensor] = []
-
-        def keep(x: torch.Tensor) -> None:  # as 8-bit images in CPU memory
-            images.append((x.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
-
-        with self.ema.swapped_in() if self.ema is not None else nullcontext():
-            scores = evaluate(session.model, session.eval_sigmas, session.components.rewards, self.prompts,
-                              recipe.prompts.eval_seeds, recipe.run.seed, session.cache,
-                              recipe.train.micro_batch_size * 4, on_images=keep)
-        self.outputs.write_eval_grids(iteration, self.prompts, torch.cat(images).float() / 255, scores, final)
+        else:
+            scores, images = self._scores(None, batch)
+        self.outputs.write_eval_grids(iteration, self.prompts, images.float() / 255, scores, final)
         metrics = eval_metrics(scores)
         if self.signs is not None:
             self.signs({"iteration": iteration, **metrics})
         return metrics
+
+    def _scores(self, batches, batch: int, keep_first: int | None = None) -> tuple[dict, torch.Tensor]:
+        """Scores and 8-bit images (of the items before ``keep_first`` only, when given) of these
+        batches (None: all), with the EMA weights when the recipe evaluates them."""
+        recipe, session = self.session.recipe, self.session
+        images: list[torch.Tensor] = []
+        first = [0 if batches is None or not len(batches) else batches[0] * batch]
+
+        def keep(x: torch.Tensor) -> None:  # as 8-bit images in CPU memory
+            wanted = len(x) if keep_first is None else max(0, min(len(x), keep_first - first[0]))
+            if wanted:
+                images.append((x[:wanted].detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
+            first[0] += len(x)
+
+        with self.ema.swapped_in() if self.ema is not None else nullcontext():
+            scores = evaluate(session.model, session.eval_sigmas, session.components.rewards, self.prompts,
+                              recipe.prompts.eval_seeds, recipe.run.seed, session.cache, batch, on_images=keep,
+                              batches=batches)
+        return scores, (torch.cat(images) if images else torch.zeros(0, dtype=torch.uint8))
+
+    def _gathered(self, share: range, batch: int) -> tuple[dict, torch.Tensor]:
+        """This rank's share evaluated, then every rank's scores (and the images the grids show)
+        gathered in item order. A stop asked during the share (its stop points are this process's
+        own: the shares differ in length) is raised on every rank after the gather, which every
+        rank reaches exactly once."""
+        stopped, scores, images = False, {}, torch.zeros(0, dtype=torch.uint8)
+        try:
+            scores, images = self._scores(share, batch, keep_first=EVAL_GRID_MAX)
+        except StopRequested:
+            stopped = True
+        parts = distributed.gather_objects((stopped, scores, images), self.ctx)
+        if any(part[0] for part in parts):
+            raise StopRequested
+        labels = next(part[1] for part in parts if part[1]).keys()  # the first share is never empty
+        gathered = {label: torch.cat([part[1][label] for part in parts if part[1]]) for label in labels}
+        return gathered, torch.cat([part[2] for part in parts if len(part[2])])

@@ -23,10 +23,10 @@
 Several processes stop together, at the same point. A stop point that every process reaches in
 the same order (the rollout's denoiser forwards, the reward calls, the update's micro-batches)
 agrees there: one all-reduce of a flag, true when any process was asked to stop (a signal
-reaches each process at its own moment; the STOP file is read by the main process only). An
-evaluation the main process makes alone (``ddp``: the others wait at the loop's next
-agreement) is checked there alone: abandoning it takes the main process to that agreement at
-once. So the bound is the same for a multi-process run, one model call (plus an all-reduce),
+reaches each process at its own moment; the STOP file is read by the main process only). A
+``ddp`` evaluation, in which each process evaluates its own share of the batches (shares of
+different lengths), is checked by each process alone: abandoning its share takes a process to
+the gather of the scores, which every process reaches once and where they agree. So the bound is the same for a multi-process run, one model call (plus an all-reduce),
 with one exception: an fsdp2 evaluation, whose reward calls the main process makes alone while
 the others sample alongside, stops at its next denoiser forward, after the rewards of the
 evaluation batch under way.
@@ -144,7 +144,8 @@ class RunStop:
 
     def check(self, every_process: bool = True, alone: bool = False) -> None:
         """A stop point: raise :class:`StopRequested` if the run stops here. ``alone``: this
-        process makes the phase's model calls alone (a ddp evaluation), so it decides alone.
+        process makes the phase's model calls by itself (its share of a ddp evaluation), so it
+        decides alone.
         Context-parallel partners of one data rank make every denoiser call together: they agree
         as data ranks do (the STOP file is read by the main process only)."""
         if alone or self.ctx.process_count == 1:

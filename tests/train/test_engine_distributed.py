@@ -14,10 +14,12 @@ from flowrl.runlog import read_metrics
 from flowrl.train import train
 
 # 3 prompts x 4 samples over 2 processes: 6 samples each, so prompt 1's group is split across
-# the processes on purpose and its advantages need the gathered rewards.
+# the processes on purpose and its advantages need the gathered rewards. The evaluation's 10
+# images make 2 batches of 8 (micro-batch x 4): the main process evaluates the first, process 1
+# the second, and the gathered numbers are the one process's.
 ONE_STEP = [
     "train.iterations=1", "train.prompts_per_iteration=3", "train.group_size=4", "train.micro_batch_size=2",
-    "train.updates_per_rollout=1", "train.optimizer_steps_per_update=1",
+    "train.updates_per_rollout=1", "train.optimizer_steps_per_update=1", "prompts.num_eval=5", "prompts.eval_seeds=2",
 ]
 
 
@@ -48,7 +50,10 @@ def test_two_processes_equal_one(tmp_path, reference_run, two_process_iteration)
 
     train(load(recipe_path, *ONE_STEP, f"run.output_dir={str(one)!r}"), console=quiet_console())
 
-    [rec2], [rec1] = read_metrics(two), read_metrics(one)
+    (rec2, final2), (rec1, final1) = read_metrics(two), read_metrics(one)
+    assert final2["final"] and "eval/area/mean" in rec2  # evaluated before the iteration and at the end
+    final2.pop("world_size", None), final1.pop("world_size", None)
+    assert_records_close(final2, final1, rtol=1e-4, atol=1e-6)
     # the world size inside the run, not just what was asked for
     assert rec2["world_size"] == 2 and rec1["world_size"] == 1
     ckpt = two / "checkpoints" / "iter_000001"
@@ -89,7 +94,7 @@ def test_a_ddp_run_resumes_exactly(tmp_path, reference_run, two_process_iteratio
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert not (latest_checkpoint(parts) / "sharded").exists()
     a, b = read_metrics(whole), read_metrics(parts)
-    assert [r["iteration"] for r in b] == [0, 1]
+    assert [r["iteration"] for r in b] == [0, 1, 2]  # 2 iterations and the final evaluation
     for x, y in zip(a, b):
         assert_records_close(x, y, rtol=0, atol=0)
     wa, wb = read_model_weights(latest_checkpoint(whole)), read_model_weights(latest_checkpoint(parts))

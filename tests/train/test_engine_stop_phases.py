@@ -300,3 +300,25 @@ def test_a_signal_to_the_main_process_alone_still_gets_the_stops_checkpoint_writ
     flat = " ".join(stdout.split())
     assert "interrupted after 3 completed iterations; checkpoint written" in flat, (stdout, stderr)
     assert load_checkpoint(latest_checkpoint(run_dir))["state"]["iteration"] == 3
+
+
+@pytest.mark.slow
+def test_a_stop_during_a_shared_ddp_evaluation_stops_both_processes(tmp_path, probe_path, reference):
+    """``--num-processes 2`` under ddp, the evaluation's 12 images in 2 batches, one a process:
+    SIGTERM to the launcher (which passes it to both workers) during iteration 3's evaluation.
+    Each process abandons its own share at its next forward, they agree at the gather of the
+    scores, and the three completed iterations are checkpointed; the resume completes the run."""
+    recipe, run_dir = reference[0], tmp_path / "run"
+    sets = ["--set", "prompts.eval_seeds=4", "--set", "distributed.strategy='ddp'"]
+    proc, out, err, probe_dir = start(recipe, run_dir, probe_path, "eval", 3, "--num-processes", "2", *sets)
+    sent, seconds = stop_during(proc, err, probe_dir, lambda: proc.send_signal(signal.SIGTERM))
+    assert {p.name for p in probe_dir.glob("calls.*")} == {"calls.0", "calls.1"}  # both were evaluating
+    flat = check_stopped(proc, out, err, probe_dir, sent, seconds, run_dir, [0, 1, 2], 3,
+                         "SIGTERM: stopping at the next model call")
+    assert "interrupted after 3 completed iterations; checkpoint written" in flat
+    resumed = run_cli(["train", str(run_dir / "recipe.toml"), "--resume", str(run_dir), "--num-processes", "2"],
+                      timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["final"]
+    assert all("eval/area/mean" in r for r in rows)
