@@ -746,3 +746,12 @@ class NeedsRunDir(Protocol):
     there); ``start`` is called once, on the main process."""
 
     def start(self, run_dir: Path) -> None: ...
+
+
+@runtime_checkable
+class RewindsOnResume(Protocol):
+    """A tracker that drops what it logged at iteration ``step`` and later: a resumed run redoes
+    the iterations after its checkpoint and logs them again (``metrics.jsonl`` drops its own rows
+    of them). Called once, before ``start``, when a run resumes at ``step``."""
+
+    def rewind(self, step: int) -> None: ...

@@ -30,7 +30,8 @@ class TensorBoardConfig:
 
 
 class TensorBoardTracker:
-    """TensorBoard scalars and image grids (needs `pip install "flowrl-diffusion[tensorboard]"`)."""
+    """TensorBoard scalars and image grids (needs `pip install "flowrl-diffusion[tensorboard]"`);
+    a resumed run hides the events of the iterations it redoes (TensorBoard's ``purge_step``)."""
 
     Config = TensorBoardConfig
 
@@ -38,11 +39,15 @@ class TensorBoardTracker:
         require("tensorboard", extra="tensorboard", purpose="the tensorboard tracker")
         self.config = config
         self.writer = None
+        self.purge_step = None
+
+    def rewind(self, step):
+        self.purge_step = step
 
     def start(self, run_dir):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(self.config.log_dir or str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(self.config.log_dir or str(run_dir / "tensorboard"), purge_step=self.purge_step)
 
     def log_metrics(self, step, metrics):
         for key, value in metrics.items():

@@ -78,7 +78,7 @@ def test_every_optional_protocol_is_exercised_by_a_builtin():
         extra = PARAMS.get((kind, name), {})
         built = comp.build(comp.params(**extra) if comp.params else None)
         claimed |= set(check_component(kind, built, **CONTEXT.get((kind, name), {})))
-    claimed |= {"Tracker", "NeedsRunDir"}  # the tensorboard and wandb trackers (checked above when installed)
+    claimed |= {"Tracker", "NeedsRunDir", "RewindsOnResume"}  # the tensorboard and wandb trackers (checked above)
     model_protocols = {"ModelAdapter", "HasReferencePolicy", "CountsForwards", "DeclaresTimestep", "HasImageSeqLen", "HasLoraTargets",
                        "SavesLora", "SavesPretrained", "DiffusersLoraModule", "PlansMemory", "PlansRewardMemory", "HasShardableBlocks",
                        "RewardPlacement", "Reward", "TakesConditionImage", "HasBenchmarkSuites",

@@ -37,6 +37,7 @@ from flowrl.interfaces import (
     KLRegularised,
     LikelihoodEstimator,
     NeedsRunDir,
+    RewindsOnResume,
     NormalisesStepRatio,
     Objective,
     PolicyLoss,
@@ -400,6 +401,9 @@ def check_tracker(tracker, **_) -> list[str]:
     assert isinstance(tracker, Tracker), "a tracker has log_metrics, log_image and close"
     claimed = ["Tracker"]
     with tempfile.TemporaryDirectory() as tmp:
+        if isinstance(tracker, RewindsOnResume):
+            claimed.append("RewindsOnResume")
+            tracker.rewind(1)
         if isinstance(tracker, NeedsRunDir):
             claimed.append("NeedsRunDir")
             tracker.start(Path(tmp))

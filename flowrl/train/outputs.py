@@ -33,7 +33,7 @@ import torch
 from ..artefacts import ARTEFACT_MEASURES
 from ..errors import counted
 from ..files import write_text_atomic
-from ..interfaces import NeedsRunDir, ProfilingChunker
+from ..interfaces import NeedsRunDir, ProfilingChunker, RewindsOnResume
 from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
 from ..video import filmstrip, is_clip, mp4_available, write_gif, write_mp4
@@ -96,6 +96,8 @@ class RunOutputs:
             if int(old.stem.removeprefix("iter_")) >= start_iteration:
                 old.unlink()
         for tracker in self.trackers:
+            if start_iteration and isinstance(tracker, RewindsOnResume):  # the iterations redone now
+                tracker.rewind(start_iteration)
             if isinstance(tracker, NeedsRunDir):
                 tracker.start(run_dir)
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", resume_from=start_iteration)
