@@ -411,7 +411,9 @@ def save_sharded_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, s
     _barrier(ctx)  # every shard and DCP's .metadata are on disk
     final = None
     if ctx.is_main:
-        state = dict(state, world_size=ctx.world_size, strategy=strategy.kind, format="dcp")
+        # state's world_size is the data-parallel ranks' (the grouping of samples a resume checks);
+        # the shards were written by every process, context-parallel ones included
+        state = dict(state, processes=ctx.world_size, strategy=strategy.kind, format="dcp")
         final = commit_checkpoint(Path(ckpt_root), tmp, name, state=state, recipe_toml=recipe_toml, keep_last=keep_last)
     _barrier(ctx)
     return final

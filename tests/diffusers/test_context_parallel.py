@@ -8,6 +8,7 @@ relies on."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,9 @@ def test_two_processes_splitting_every_sequence_train_as_one(name, tiny_models, 
     train(load(recipe, *sets, f"run.output_dir={str(one)!r}"), console=quiet_console())
     _two(recipe, sets, two)
     assert [r["iteration"] for r in read_metrics(two)] == [0, 1, 2]  # 2 iterations and the final evaluation
+    state = json.loads((latest_checkpoint(two) / "state.json").read_text())
+    assert state["world_size"] == 1  # one data rank: a resume with one process groups samples alike
+    assert state.get("processes", 2) == 2  # a sharded checkpoint's shards: both processes wrote
     assert list((two / "images").iterdir())
     _assert_same(two, one)
     # stopped after the first iteration and resumed: the same run
