@@ -182,8 +182,8 @@ def warn_about_fewer_processes_than_intended(resolved) -> None:
 
 
 #: What `flowrl train` writes into a run directory (trackers may add their own directories).
-RUN_OUTPUTS = ("metrics.jsonl", "recipe.toml", "profile.json", "run_info.json", "checkpoints", "images", "tensorboard",
-               "wandb", "wandb_run.json")
+RUN_OUTPUTS = ("metrics.jsonl", "recipe.toml", "profile.json", "run_info.json", "inputs.json", "checkpoints", "images",
+               "tensorboard", "wandb", "wandb_run.json")
 
 
 def overwrite_run_directory(run_dir: Path, wait_s: float = 300.0) -> None:

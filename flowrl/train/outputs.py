@@ -38,6 +38,7 @@ from ..recipe import dump_toml
 from ..runlog import MetricsLog, image_grid, with_condition
 from ..video import filmstrip, is_clip, mp4_available, write_gif, write_mp4
 from .device_memory import peak_memory
+from .inputs import record_inputs
 from .run_dir import LOCK_NAME
 
 #: Evaluation prompts shown in ``eval/evolution.png``, and at most this many evaluations.
@@ -86,6 +87,7 @@ class RunOutputs:
         run_dir = self.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "recipe.toml", dump_toml(session.recipe.to_toml_dict()))
+        record_inputs(session.recipe, run_dir)  # what a resume must find unchanged
         if run_info is not None:  # run constants: device, model FLOPs (flowrl.train.throughput)
             write_text_atomic(run_dir / "run_info.json", json.dumps(run_info, indent=1) + "\n")
         chunker = session.components.chunker

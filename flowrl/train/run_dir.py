@@ -2,7 +2,8 @@
 
 - :func:`check_run_directory`: a new run does not overwrite an earlier one; a resumed run names
   a run directory (:func:`check_resume_directory`) and uses the recipe that started it
-  (:func:`check_resumable_recipe`, naming every differing key);
+  (:func:`check_resumable_recipe`, naming every differing key) and the files it started with
+  (:func:`flowrl.train.inputs.check_inputs_unchanged`);
 - :func:`run_is_complete`: a resumed run with nothing left to do is left untouched;
 - :func:`hold_run_directory`: one writer per run directory, described below.
 (What a run writes there: :mod:`flowrl.train.outputs`, :mod:`flowrl.train.checkpoint`.)
@@ -39,6 +40,7 @@ from ..errors import FlowrlError, counted
 from ..files import read_jsonl
 from ..plugins import Registry
 from ..recipe import Recipe, read_toml, validate
+from .inputs import check_inputs_unchanged
 from .checkpoint import (
     LATEST,
     MARKER,
@@ -282,6 +284,7 @@ def check_run_directory(recipe: Recipe, run_dir: Path, resume: Path | None, regi
         return
     check_resume_directory(run_dir)
     check_resumable_recipe(recipe, run_dir, registry)
+    check_inputs_unchanged(run_dir)
     check_latest_checkpoint_reads(run_dir)
 
 
