@@ -27,7 +27,7 @@ from .errors import FlowrlError, suggest
 from .files import read_jsonl
 from .runlog import is_phase_seconds
 from .stats import Interval, cumulative, curve_auc, paired_interval, t_interval, value_at_budget
-from .sweeps import MANIFEST
+from .sweeps import MANIFEST, run_entries_problem
 
 FORMATS = ("table", "md", "csv", "json")
 QUANTITIES = ("final", "best", "auc")
@@ -107,6 +107,10 @@ def _sweep_runs(sweep_dir: Path, notes: list[str]) -> list[RunRef]:
         runs = manifest["runs"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FlowrlError(f"{sweep_dir / MANIFEST} is not a flowrl sweep manifest ({exc})", where=str(sweep_dir)) from exc
+    problem = run_entries_problem(runs)
+    if problem is not None:
+        raise FlowrlError(f"{sweep_dir / MANIFEST} is not a sweep manifest flowrl wrote: {problem}",
+                          where=str(sweep_dir), hint="restore it from a copy of the sweep")
     refs, skipped = [], []
     for run in runs:
         run_dir = sweep_dir / run["dir"]

@@ -115,9 +115,14 @@ def read_reference(path: Path) -> dict[str, Any]:
         data = json.loads(Path(path).read_text())
         if data.get("format") != FORMAT or not isinstance(data.get("metrics"), dict):
             raise ValueError(f"format {data.get('format')!r}, this flowrl reads {FORMAT}")
+        if not isinstance(data.get("regime"), dict) or not isinstance(data.get("seeds"), list):
+            raise ValueError("no 'regime' table or 'seeds' list")
         for key, curve in data["metrics"].items():
             if not all(len(curve[k]) == len(curve["iterations"]) for k in ("mean", "low", "high")):
                 raise ValueError(f"{key}: curves of different lengths")
+            numbers = [v for k in ("iterations", "mean", "low", "high") for v in curve[k]]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+                raise ValueError(f"{key}: a curve holds a value that is not a number")
     except FileNotFoundError:
         raise FlowrlError(f"reference not found: {path}", where="--reference",
                           hint="give a reference file (scripts/reference_curves.py writes one from a sweep)") from None

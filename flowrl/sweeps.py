@@ -218,7 +218,41 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION or "spec" not in manifest \
             or "runs" not in manifest:
         raise FlowrlError(f"{path} is not a flowrl sweep manifest (version {MANIFEST_VERSION})", where=str(path))
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise FlowrlError(f"{path} is not a sweep manifest flowrl wrote: {problem}", where=str(path),
+                          hint="restore it from a copy, or start the sweep afresh in another -o")
     return manifest
+
+
+#: The keys (and their types) of a manifest's run entries that the commands reading it use.
+RUN_ENTRY_KEYS: dict[str, type | tuple[type, ...]] = {"id": str, "dir": str, "variant": str, "status": str}
+
+
+def run_entries_problem(runs: Any) -> str | None:
+    """What is wrong with a manifest's ``runs`` (None: a list of entries with :data:`RUN_ENTRY_KEYS`)."""
+    if not isinstance(runs, list):
+        return f"'runs' is a {type(runs).__name__}, not a list of runs"
+    for i, run in enumerate(runs):
+        if not isinstance(run, dict):
+            return f"runs[{i}] is a {type(run).__name__}, not a table"
+        for key, kind in RUN_ENTRY_KEYS.items():
+            if not isinstance(run.get(key), kind):
+                return f"runs[{i}] has no {key!r} ({'a string' if kind is str else kind})"
+    return None
+
+
+def manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What a resumed sweep would trip over in its manifest (None: nothing)."""
+    spec = manifest.get("spec")
+    if not isinstance(spec, dict):
+        return "'spec' is not a table"
+    for key in ("recipe", "recipe_sha256"):
+        if not isinstance(spec.get(key), str):
+            return f"spec has no {key!r}"
+    if not isinstance(manifest.get("cwd"), str):
+        return "it has no 'cwd'"
+    return run_entries_problem(manifest["runs"])
 
 
 def sha256_of(path: Path) -> str:

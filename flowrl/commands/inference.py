@@ -58,7 +58,7 @@ def refuse_run_without_checkpoint(source: Optional[Path], checkpoint: Optional[P
 def resolve_source(source: Optional[Path], model: Optional[str], overrides: list[str], checkpoint: Optional[Path]) -> Source:
     """A run directory, a checkpoint directory, a recipe file, or ``--model NAME``."""
     from ..recipe import load_recipe
-    from ..train.checkpoint import MARKER, latest_checkpoint
+    from ..train.checkpoint import MARKER, checkpoint_damage, damaged_file_error, latest_checkpoint
 
     if source is None:
         if model is None:
@@ -95,6 +95,9 @@ def resolve_source(source: Optional[Path], model: Optional[str], overrides: list
         ckpt = Path(checkpoint)
         if not (ckpt / MARKER).is_file():
             raise FlowrlError(f"{ckpt} is not a checkpoint directory (no {MARKER})", where="--checkpoint")
+    damage = checkpoint_damage(ckpt) if ckpt is not None else None
+    if damage is not None:  # before any model loads or anything is written
+        raise damaged_file_error(*damage)
     # Sampling, evaluation and export load the text encoders and encode prompts as they come, from
     # a run that trained from a prompt store too: their prompts (--prompt, a suite) need not be in
     # it, and an exported pipeline needs its encoders.
@@ -206,6 +209,14 @@ class Item:
     seed_index: int
 
 
+def check_hybrid_steps(hybrid_steps: int, sigmas) -> None:
+    """``--hybrid-steps`` must not exceed the sampling steps (checked before anything is written)."""
+    n = len(sigmas) - 1
+    if hybrid_steps > n:
+        raise FlowrlError(f"--hybrid-steps {hybrid_steps} exceeds the {n} sampling steps", where="--hybrid-steps",
+                          hint=f"give at most {n}, or more --steps")
+
+
 def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hybrid_steps: int = 0, base=None,
              noise_of=None, with_latents: bool = False):
     """Yield ``(batch_items, images [b, 3, H, W])`` (with ``with_latents``, ``(batch_items, images,
@@ -218,9 +229,8 @@ def generate(model, items: list[Item], sigmas, *, seed: int, batch_size: int, hy
     from ..sampling.rollout import ode_sample
     from ..train.session import PromptCache
 
-    cache, device, n = PromptCache(model), sigmas.device, len(sigmas) - 1
-    if hybrid_steps > n:
-        raise FlowrlError(f"--hybrid-steps {hybrid_steps} exceeds the {n} sampling steps", where="--hybrid-steps")
+    cache, device = PromptCache(model), sigmas.device
+    check_hybrid_steps(hybrid_steps, sigmas)
     late = (model.reference_velocity if base is None else base.velocity) if hybrid_steps else None
     for start in range(0, len(items), batch_size):
         batch = items[start : start + batch_size]

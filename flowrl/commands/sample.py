@@ -71,6 +71,7 @@ from .base import (
 from .inference import (
     Source,
     barrier,
+    check_hybrid_steps,
     generate,
     load_policy,
     make_items,
@@ -151,13 +152,10 @@ def sample(
     check_tables_source(tables, src)
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
+    check_hybrid_steps(hybrid_steps, sigmas)
     base_seed = seed if seed is not None else src.recipe.run.seed
     out = output or default_output(src, "samples")
-    barrier(ctx)  # every process has looked for an earlier sample before any clears or writes
-    if overwrite and ctx.is_main:
-        remove_earlier_sample(out)
-    barrier(ctx)
-    (out / "images").mkdir(parents=True, exist_ok=True)
+    clear_for_sample(out, overwrite, ctx)
     items = make_items(plist, seeds)
     mine = shard(items, ctx.rank, ctx.world_size)
     records = write_images(generate(policy, mine, sigmas, seed=base_seed, batch_size=batch_size,
@@ -352,7 +350,7 @@ def default_output(src: Source, kind: str) -> Path:
     return UNTRAINED_OUTPUT_ROOT / kind / src.label.replace("/", "_").removesuffix(".toml")
 
 
-#: What one sample writes in its directory (the image folders are emptied of PNGs only).
+#: What one sample writes in its directory, and the folders of its images (their files: in the manifest).
 SAMPLE_FILES = ("samples.jsonl", "settings.json", "grid.png", "compare.png", "best.jsonl", "pairs.jsonl")
 SAMPLE_FOLDERS = ("images", "base")
 
@@ -374,16 +372,37 @@ def check_output(out: Path, overwrite: bool) -> None:
                           hint="pass another -o DIR, or replace it with --overwrite (deletes the earlier sample's files)")
 
 
+def clear_for_sample(out: Path, overwrite: bool, ctx) -> None:
+    """``out`` ready for this sample: with ``--overwrite`` the earlier sample's files gone (once
+    every process has looked for it, before any writes), its image folder made."""
+    barrier(ctx)
+    if overwrite and ctx.is_main:
+        remove_earlier_sample(out)
+    barrier(ctx)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+
+
 def remove_earlier_sample(out: Path) -> None:
-    """The files an earlier sample wrote in ``out`` (nothing else there)."""
+    """The files an earlier sample wrote in ``out``, nothing else there: its manifest names its
+    images and clips (and their ``base/`` twins of ``--compare-base``); other files in ``images/``
+    stay."""
+    from ..files import read_jsonl
+
+    manifest = out / "samples.jsonl"
+    own: set[str] = set()
+    for record in read_jsonl(manifest) if manifest.is_file() else []:
+        for name in [record.get("file"), *(record.get("video") or [])]:
+            if isinstance(name, str) and name.startswith(f"{SAMPLE_FOLDERS[0]}/"):
+                own |= {name, name.replace(SAMPLE_FOLDERS[0], SAMPLE_FOLDERS[1], 1)}
+    root = out.resolve()
+    for name in own:
+        path = (out / name).resolve()
+        if path.parent.parent == root and path.parent.name in SAMPLE_FOLDERS:  # never outside its folders
+            path.unlink(missing_ok=True)
     for name in SAMPLE_FILES:
         (out / name).unlink(missing_ok=True)
     for part in out.glob("samples.rank*.jsonl"):
         part.unlink()
-    for folder in SAMPLE_FOLDERS:
-        for suffix in ("png", "gif", "mp4"):  # a video model's clips too
-            for old in (out / folder).glob(f"*.{suffix}"):
-                old.unlink()
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:

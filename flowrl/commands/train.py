@@ -57,6 +57,10 @@ def train(
     check_this_machine(resolved, num_processes if launching else None)
     run_dir = resume if resume is not None else resolved.output_dir
     where = "--resume" if resume is not None else "--output-dir" if output_dir is not None else "[run].output_dir"
+    if overwrite and not dry_run:  # what the run would refuse, refused before the earlier run is deleted
+        from ..recipe import check_startable
+
+        check_startable(resolved, registry(), devices=False)  # (the devices: checked above)
     if launching:
         from ..distributed import launch
 

@@ -1,0 +1,116 @@
+"""What a command would refuse is refused before it deletes or writes anything, and a file it
+reads that is damaged or not its kind is one message (from a probe of the less-used paths):
+
+- ``train --overwrite`` deleted the earlier run, then refused a missing prompt file;
+- ``sample --overwrite`` deleted the earlier sample, then refused ``--hybrid-steps``, and emptied
+  ``OUT/images`` of every PNG, the user's own too;
+- a checkpoint whose ``state.json`` is cut short: a traceback in ``export`` after half the export
+  was written (in ``eval`` after the whole evaluation);
+- a ``--reference`` file without its ``regime``, a sweep manifest whose runs lack their keys:
+  tracebacks in ``diagnose`` and ``compare``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from tiny_recipe import CLI, tiny_recipe
+
+
+def one_message(result, *fragments: str) -> str:
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    flat = " ".join(result.stderr.split())
+    assert flat.startswith("error:") and flat.count(" error:") == 0, flat
+    for fragment in fragments:
+        assert fragment in flat, (fragment, flat)
+    return flat
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, flowrl_cli):
+    """A one-iteration run of the tiny CLI recipe and a sample of it."""
+    root = tmp_path_factory.mktemp("refusals")
+    recipe = root / "tiny.toml"
+    recipe.write_text(tiny_recipe(CLI, prompts={"num_eval": 0, "eval_seeds": None}), encoding="utf-8")
+    run_dir, sample = root / "run", root / "sample"
+    results = flowrl_cli.in_process([["train", str(recipe), "-o", str(run_dir)],
+                                     ["sample", str(run_dir), "--prompt", "a red circle", "--steps", "2",
+                                      "-o", str(sample), "--device", "cpu"]], cwd=root)
+    for r in results:
+        assert r.returncode == 0, r.stderr
+    return recipe, run_dir, sample
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_train_overwrite_refuses_a_missing_prompt_file_before_deleting_the_run(trained, tmp_path, flowrl_cli):
+    recipe, run_dir, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    before = files_of(copy)
+    (r,) = flowrl_cli.in_process([["train", str(recipe), "-o", str(copy), "--overwrite",
+                                   "--set", f"prompts.source={str(tmp_path / 'nope.txt')!r}"]], cwd=tmp_path)
+    one_message(r, "prompt file not found")
+    assert files_of(copy) == before and "removed" not in r.stdout + r.stderr
+
+
+def test_sample_overwrite_refuses_hybrid_steps_first_and_deletes_only_its_own_images(trained, tmp_path, flowrl_cli):
+    _, run_dir, sample = trained
+    out = tmp_path / "sample"
+    shutil.copytree(sample, out)
+    (out / "images" / "mine.png").write_bytes(b"the user's own file")
+    before = files_of(out)
+    argv = ["sample", str(run_dir), "--prompt", "a red circle", "--steps", "2", "-o", str(out), "--overwrite",
+            "--device", "cpu"]
+    (refused,) = flowrl_cli.in_process([[*argv, "--hybrid-steps", "5"]], cwd=tmp_path)
+    one_message(refused, "--hybrid-steps 5 exceeds the 2 sampling steps")
+    assert files_of(out) == before
+    (replaced,) = flowrl_cli.in_process([[*argv, "--prompt", "a blue square"]], cwd=tmp_path)
+    assert replaced.returncode == 0, replaced.stderr
+    assert (out / "images" / "mine.png").read_bytes() == b"the user's own file"
+    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {r["prompt"] for r in records} == {"a red circle", "a blue square"}
+
+
+def test_a_checkpoint_with_a_cut_state_json_is_one_message_before_anything_is_written(trained, tmp_path, flowrl_cli):
+    _, run_dir, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (state,) = (copy / "checkpoints").glob("iter_*/state.json")
+    state.write_text(state.read_text()[:40])
+    results = flowrl_cli.in_process([["export", str(copy), "-o", str(tmp_path / "export")],
+                                     ["sample", str(copy), "--prompt", "a red circle", "--steps", "2",
+                                      "-o", str(tmp_path / "sample"), "--device", "cpu"]], cwd=tmp_path)
+    for r in results:
+        one_message(r, "state.json", "does not parse")
+    assert not (tmp_path / "export").exists() and not (tmp_path / "sample").exists()
+
+
+def test_a_reference_without_its_regime_and_a_sweep_without_run_keys_are_one_message(trained, tmp_path, flowrl_cli):
+    _, run_dir, _ = trained
+    reference = tmp_path / "ref.json"
+    reference.write_text(json.dumps({"format": 1, "metrics": {}}))
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps({"runs": [{"id": "a", "status": "done"}]}))
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "sweep.json").write_text(json.dumps({"runs": ["a", "b"]}))
+    results = flowrl_cli.in_process([["diagnose", str(run_dir), "--reference", str(reference)],
+                                     ["compare", str(sweep)], ["compare", str(listed)]], cwd=tmp_path)
+    one_message(results[0], "is not a reference file", "regime")
+    one_message(results[1], "not a sweep manifest flowrl wrote", "runs[0] has no 'dir'")
+    one_message(results[2], "runs[0] is a str, not a table")
+
+
+def test_sweep_resume_of_a_manifest_missing_its_keys_is_one_message(tmp_path, flowrl_cli):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text(json.dumps({"version": 1, "spec": {"recipe": "r.toml"}, "runs": []}))
+    (r,) = flowrl_cli.in_process([["sweep", "--resume", str(sweep)]], cwd=tmp_path)
+    one_message(r, "not a sweep manifest flowrl wrote", "spec has no 'recipe_sha256'")
