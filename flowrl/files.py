@@ -143,3 +143,11 @@ def ensure_writable(path: Path, *, where: str, directory: bool, suffix: str = ".
         raise FlowrlError(f"cannot write {path}: {exc.strerror or exc}", where=where,
                           hint="choose a location this user may write") from None
     return path
+
+
+def image_read_errors() -> tuple[type[BaseException], ...]:
+    """What PIL raises for a file that is no readable image: not an image, cut short after its
+    header (OSError), or larger than PIL decodes without a warning of a decompression bomb."""
+    from PIL import Image, UnidentifiedImageError
+
+    return UnidentifiedImageError, OSError, Image.DecompressionBombError

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .errors import FlowrlError
+from .files import image_read_errors
 from .interfaces import EncodesImages
 from .seeding import generator
 
@@ -118,12 +119,16 @@ def load_image(path: Path, size: tuple[int, int] | None = None) -> torch.Tensor:
     kept) and centre-cropped to it. An image already of that size is read as it is."""
     from PIL import Image, ImageOps
 
-    with Image.open(path) as im:
-        im = ImageOps.exif_transpose(im).convert("RGB")
-        if size is not None and (im.height, im.width) != tuple(size):
-            im = _cover_and_crop(im, size)
-        data = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
-        w, h = im.size
+    try:
+        with Image.open(path) as im:
+            im = ImageOps.exif_transpose(im).convert("RGB")
+            if size is not None and (im.height, im.width) != tuple(size):
+                im = _cover_and_crop(im, size)
+            data = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+            w, h = im.size
+    except image_read_errors() as exc:
+        raise FlowrlError(f"cannot read the image {path}: {exc}", where="[data].path",
+                          hint="replace or remove the table's row that names it") from exc
     return data.reshape(h, w, 3).permute(2, 0, 1).to(torch.float32) / 255.0
 
 

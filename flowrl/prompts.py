@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .errors import FlowrlError, MissingDependencyError, require
+from .files import image_read_errors
 from .seeding import generator
 
 #: Prompts whose text embeddings a run keeps (the engine's per-prompt cache,
@@ -90,7 +91,7 @@ def condition_of(prompt) -> str | None:
 
 def load_condition_image(path: str, where: str = "condition image"):
     """The condition image at ``path`` as an RGB PIL image (one clear error if it cannot be read)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     if not Path(path).is_file():
         raise FlowrlError(f"condition image not found: {path}", where=where,
@@ -98,7 +99,7 @@ def load_condition_image(path: str, where: str = "condition image"):
     try:
         with Image.open(path) as img:
             return img.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
+    except image_read_errors() as exc:
         raise FlowrlError(f"cannot read condition image {path}: {exc}", where=where) from exc
 
 

@@ -147,14 +147,16 @@ def refuse_clip_rewards(reward, name: str) -> None:
 def image_sizes(paths: list[Path]) -> list[tuple[int, int]]:
     """``(H, W)`` of each image, read from its header: an unreadable file is found before the
     reward is built, and no image is held in memory until its batch is scored."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
+
+    from ..files import image_read_errors
 
     sizes = []
     for path in paths:
         try:
             with Image.open(path) as image:
                 sizes.append((image.height, image.width))
-        except (UnidentifiedImageError, OSError) as exc:
+        except image_read_errors() as exc:
             raise FlowrlError(f"cannot read the image {path}: {exc}", where=f"{COMMAND} --images") from exc
     return sizes
 
@@ -165,10 +167,12 @@ def load_image(path: Path):
     import torch
     from PIL import Image
 
+    from ..files import image_read_errors
+
     try:
         with Image.open(path) as image:
             array = np.asarray(image.convert("RGB"), dtype=np.uint8).copy()
-    except OSError as exc:  # a file truncated after its header
+    except image_read_errors() as exc:  # e.g. a file truncated after its header
         raise FlowrlError(f"cannot read the image {path}: {exc}", where=f"{COMMAND} --images") from exc
     return torch.from_numpy(array).permute(2, 0, 1).float() / 255
 

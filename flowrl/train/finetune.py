@@ -95,6 +95,14 @@ def load_trainable_state_dict(denoiser: torch.nn.Module, state: dict[str, torch.
             f"(e.g. {(missing or unknown)[0]})",
             hint="resume with the same recipe (model and finetune settings) that wrote the checkpoint",
         )
+    reshaped = [(n, tuple(t.shape), tuple(params[n].shape)) for n, t in state.items() if t.shape != params[n].shape]
+    if reshaped:  # e.g. another LoRA rank: copy_ would fail, or broadcast a smaller tensor silently
+        name, saved, wanted = reshaped[0]
+        raise FlowrlError(
+            f"checkpoint does not match the model: {len(reshaped)} tensors of another shape (e.g. {name}: "
+            f"{list(saved)} in the checkpoint, {list(wanted)} in the model)",
+            hint="use the recipe (model and finetune settings, e.g. train.lora_rank) that wrote the checkpoint",
+        )
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t)

@@ -114,3 +114,15 @@ def test_sweep_resume_of_a_manifest_missing_its_keys_is_one_message(tmp_path, fl
     (sweep / "sweep.json").write_text(json.dumps({"version": 1, "spec": {"recipe": "r.toml"}, "runs": []}))
     (r,) = flowrl_cli.in_process([["sweep", "--resume", str(sweep)]], cwd=tmp_path)
     one_message(r, "not a sweep manifest flowrl wrote", "spec has no 'recipe_sha256'")
+
+
+def test_an_image_too_large_to_decode_safely_is_one_message(tmp_path, flowrl_cli, monkeypatch):
+    """PIL refuses an image past twice its pixel limit with DecompressionBombError, no OSError:
+    ``reward score`` let it through as a traceback. (The limit lowered here, not the image raised.)"""
+    from PIL import Image
+
+    image = tmp_path / "big.png"
+    Image.new("RGB", (64, 64)).save(image)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64 x 64 = 4096 > 2 x 1000
+    (r,) = flowrl_cli.in_process([["reward", "score", "area", "--images", str(image), "--prompt", "x"]], cwd=tmp_path)
+    one_message(r, f"cannot read the image {image}", "decompression bomb")
