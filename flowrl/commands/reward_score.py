@@ -84,6 +84,10 @@ def score(
 ) -> None:
     """Score images on disk with reward NAME: a table of scores and their mean; --json writes them."""
     choice = reward_choice(name, list(set_ or []), COMMAND)  # the name and keys first: nothing is read yet
+    if json_out is not None:  # an unwritable --json costs no scoring
+        from ..files import ensure_writable
+
+        ensure_writable(json_out, where=f"{COMMAND} --json", directory=False)
     paths = image_paths(list(images or []))
     texts = prompt_list(prompts, prompt, len(paths))
     sizes = image_sizes(paths)

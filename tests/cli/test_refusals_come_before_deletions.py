@@ -126,3 +126,27 @@ def test_an_image_too_large_to_decode_safely_is_one_message(tmp_path, flowrl_cli
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64 x 64 = 4096 > 2 x 1000
     (r,) = flowrl_cli.in_process([["reward", "score", "area", "--images", str(image), "--prompt", "x"]], cwd=tmp_path)
     one_message(r, f"cannot read the image {image}", "decompression bomb")
+
+
+def test_profile_compare_and_reward_score_refuse_before_their_work(trained, tmp_path, flowrl_cli, monkeypatch):
+    """``profile --compare`` of a run without a checkpoint refused only after profiling the base
+    model; ``reward score --json`` into a directory, only after scoring every image."""
+    from PIL import Image
+
+    from flowrl.commands import reward_score
+    from flowrl.train import session
+
+    recipe, _, _ = trained
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(recipe, bare / "recipe.toml")
+    image = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(image)
+    work = AssertionError("the work started before the refusal")
+    monkeypatch.setattr(session.Session, "open", lambda *a, **k: (_ for _ in ()).throw(work))
+    monkeypatch.setattr(reward_score, "score_files", lambda *a, **k: (_ for _ in ()).throw(work))
+    results = flowrl_cli.in_process([["profile", "--compare", str(bare)],
+                                     ["reward", "score", "area", "--images", str(image), "--prompt", "x",
+                                      "--json", str(tmp_path)]], cwd=tmp_path)
+    one_message(results[0], f"{bare} has no checkpoint")
+    one_message(results[1], "is a directory; a file path is expected")
