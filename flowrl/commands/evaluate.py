@@ -291,7 +291,7 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)
     records = []
-    for batch, images, latents in generate(policy, shard(plan.items, ctx.rank, ctx.world_size), sigmas, seed=seed,
+    for batch, images, latents in generate(policy, shard(plan.items, ctx.rank, ctx.world_size, plan.batch_size), sigmas, seed=seed,
                                   batch_size=plan.batch_size, hybrid_steps=hybrid_steps, base=base,
                                   noise_of=plan.noise_of, with_latents=True):
         batch_prompts = [it.prompt for it in batch]
@@ -451,8 +451,9 @@ def sample_suite(run, policy, sigmas, ctx, seed: int, repeats: int, batch_size,
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)
     records, image_size = [], None
-    for batch, images in generate(policy, shard(items, ctx.rank, ctx.world_size), sigmas, seed=seed,
-                                  batch_size=batch_size or run.batch_size):
+    size = batch_size or run.batch_size
+    for batch, images in generate(policy, shard(items, ctx.rank, ctx.world_size, size), sigmas, seed=seed,
+                                  batch_size=size):
         image_size = list(images.shape[-2:])
         verdicts = run.score(images, [it.prompt for it in batch])
         for it, verdict, image in zip(batch, verdicts, images):

@@ -187,9 +187,15 @@ def resolve_sigmas(schedule: str, steps: Optional[int], src: Source, model):
     return sched.sigmas(n, model).to(torch.float32)
 
 
-def shard(items: list, rank: int, world_size: int) -> list:
-    """Items ``j`` with ``j mod world_size == rank``: every item exactly once over all ranks."""
-    return items[rank::world_size]
+def shard(items: list, rank: int, world_size: int, batch_size: int = 1) -> list:
+    """This rank's items: a contiguous share of whole batches of ``batch_size`` (as a training
+    run's evaluation shares them, :func:`flowrl.train.evaluate.evaluation_share`), so that every
+    batch holds the items one process would put in it, and so gives the same numbers; every item
+    exactly once over all ranks."""
+    from ..train.evaluate import evaluation_share
+
+    share = evaluation_share(len(items), batch_size, rank, world_size)
+    return items[share.start * batch_size : share.stop * batch_size]
 
 
 def noise_for(model, seed: int, prompt: str, k: int):

@@ -157,7 +157,7 @@ def sample(
     out = output or default_output(src, "samples")
     clear_for_sample(out, overwrite, ctx)
     items = make_items(plist, seeds)
-    mine = shard(items, ctx.rank, ctx.world_size)
+    mine = shard(items, ctx.rank, ctx.world_size, batch_size)
     records = write_images(generate(policy, mine, sigmas, seed=base_seed, batch_size=batch_size,
                                     hybrid_steps=hybrid_steps, base=base), out, "images")
     if compare_base:

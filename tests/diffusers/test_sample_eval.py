@@ -46,12 +46,15 @@ def test_sample_images_do_not_depend_on_batch_size_or_prompt_order(cli, tmp_path
     assert np.abs(ia[("a red cat", 0)] - ia[("a red cat", 1)]).max() > 0  # seeds differ
 
 
-def test_shard_covers_every_item_once():
+def test_shard_covers_every_item_once_in_the_batches_of_one_process():
     from flowrl.commands.inference import shard
 
     items = list(range(11))
     parts = [shard(items, r, 3) for r in range(3)]
     assert sorted(sum(parts, [])) == items and sum(len(p) for p in parts) == 11
+    # batches of 4: [0-3] [4-7] [8-10], one a process, so each batch is the one process's
+    assert [shard(items, r, 3, 4) for r in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert sum((shard(items, r, 2, 4) for r in range(2)), []) == items  # in item order
 
 
 def test_sharded_sampling_writes_each_image_once(cli, tmp_path, flux_lora_run, monkeypatch):
