@@ -50,7 +50,7 @@ def test_every_quickstart_command_runs_as_written(tmp_path, flowrl_cli):
     shorter = ["--set", "train.iterations=2", "--set", "prompts.eval_seeds=1", "--set", "log.progress=false"]
     calls = [c.split()[1:] + shorter for c in trains]
     calls += [c.split()[1:] for c in commands if c.split()[1] != "train"]
-    assert sorted(c[0] for c in calls[3:]) == ["diagnose", "plot", "sample"]
+    assert sorted(c[0] for c in calls[3:]) == ["diagnose", "diagnose", "plot", "sample"]  # both runs diagnosed
     results = flowrl_cli.in_process(calls, cwd=tmp_path)
     for r in results:
         assert r.returncode == 0 and "Traceback" not in r.stderr, (r.argv, r.stderr[-2000:])
