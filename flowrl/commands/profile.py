@@ -15,6 +15,7 @@ the output.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -136,12 +137,27 @@ def _option_overrides(reg, kernel_name, steps, shift, kernel, noise, model_param
     return out
 
 
+def _with_kernel(validated, overrides: list[str]):
+    """``validated(overrides)``, the recipe. A deterministic kernel (``--kernel ode``) leaves no
+    trainable transition, which validation refuses for a training recipe; a profile never trains,
+    so the recipe is validated with its own kernel and the ODE kernel put in its place after."""
+    if 'kernel.use="ode"' not in overrides:
+        return validated(overrides)
+    from ..recipe.loading import component_choice
+    from ..recipe.validation import trainable_transitions
+
+    recipe = validated([o for o in overrides if not o.startswith("kernel.")])
+    recipe.components["kernel"] = component_choice(registry(), "kernel", {"use": "ode"}, "--kernel")
+    recipe.num_trainable = trainable_transitions(recipe, registry())  # 0: no proposals, the curves only
+    return recipe
+
+
 def _recipe_with_options(path: Path, overrides, steps, shift, kernel, noise, model_param):
     from ..recipe import read_toml
 
     kernel_name = (read_toml(path).get("kernel") or {}).get("use") or registry().default("kernel")
     overrides = overrides + _option_overrides(registry(), kernel_name, steps, shift, kernel, noise, model_param)
-    return load(path, overrides), overrides
+    return _with_kernel(lambda chosen: load(path, chosen), overrides), overrides
 
 
 def _run_recipe(run_dir: Path, set_, steps, shift, kernel, noise, model_param):
@@ -168,10 +184,14 @@ def _recipe_from_options(model, model_param, steps, shift, kernel, noise):
         "model": {"use": model},
         "sampler": {"steps": 17},
         "schedule": {"use": "shift", "shift": 3.0},
-        "kernel": {"use": kernel_name},  # the kernel's own defaults (flow: a = 0.7, the paper's setting)
+        "kernel": {"use": "flow"},  # the kernel's own defaults (flow: a = 0.7, the paper's setting)
     }
-    apply_overrides(data, _option_overrides(reg, kernel_name, steps, shift, kernel, noise, model_param))
-    return validate(data, source="options", registry=reg, require_rewards=False)
+
+    def validated(overrides: list[str]):
+        return validate(apply_overrides(copy.deepcopy(data), overrides), source="options", registry=reg,
+                        require_rewards=False)
+
+    return _with_kernel(validated, _option_overrides(reg, kernel_name, steps, shift, kernel, noise, model_param))
 
 
 def _segmentation_settings(resolved, num_chunks, min_size, max_size, curve) -> dict[str, Any]:

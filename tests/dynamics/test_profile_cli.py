@@ -101,3 +101,24 @@ def test_quickstart_dynamics_trains(tmp_path, flowrl_cli):
     assert sum(record["chunk_sizes"]) == 16 and len(record["chunk_sizes"]) == 4
     assert all(len(units) == 2 for units in record["trained_units"])  # weighted: 2 of 4 chunks
     assert expected["format"] == "flowrl-profile"
+
+
+@pytest.mark.slow
+def test_the_profile_pages_commands_run_as_written(tmp_path, flowrl_cli):
+    """docs/profile.md's command block, line by line, from a directory holding ``recipes/`` (the
+    run that ``--compare runs/quickstart`` reads: the quickstart trained for 2 iterations)."""
+    import re
+
+    REPO = Path(__file__).resolve().parents[2]
+
+    text = (REPO / "docs" / "profile.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```bash\n(.*?)```", text, re.S)[:1]
+    commands = [line.split("#")[0].split()[1:] for line in block.splitlines() if line.startswith("flowrl ")]
+    assert len(commands) == 5 and commands[-1][:2] == ["profile", "--compare"]
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    train = ["train", "recipes/quickstart.toml", "--set", "train.iterations=2", "--set", "prompts.eval_seeds=1",
+             "--set", "log.progress=false"]
+    results = flowrl_cli.in_process([train, *commands], cwd=tmp_path)
+    for r in results:
+        assert r.returncode == 0 and "Traceback" not in r.stderr, (r.argv, r.stderr[-2000:])
+    assert (tmp_path / "out" / "profile.json").is_file() and list((tmp_path / "profiles").glob("*/profile.json"))
