@@ -34,7 +34,8 @@ BASES = {
 NOT_RECIPES = {
     ("README.md", "# pyproject.toml (beside my_rewards/, which also holds an empty __init__.py)"):
         "a plugin's pyproject.toml: tests/test_readme_plugin.py installs it",
-    ("README.md", "[[rewards]]"): "the plugin's reward, installed by tests/test_readme_plugin.py, which trains this entry",
+    ("README.md", "[[rewards]]"):
+        "the plugin's reward, installed by tests/test_readme_plugin.py, which trains this entry",
 }
 #: Pages generated from results (their recipes are records, checked by the tests of their generators).
 GENERATED = {"docs/reference.md", "docs/study.md", "docs/study_shapes.md"}

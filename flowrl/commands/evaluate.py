@@ -291,7 +291,8 @@ def score_items(plan: EvalPlan, policy, base, sigmas, rewards, ctx, seed: int, h
     if save_images is not None:
         Path(save_images).mkdir(parents=True, exist_ok=True)
     records = []
-    for batch, images, latents in generate(policy, shard(plan.items, ctx.rank, ctx.world_size, plan.batch_size), sigmas, seed=seed,
+    mine = shard(plan.items, ctx.rank, ctx.world_size, plan.batch_size)
+    for batch, images, latents in generate(policy, mine, sigmas, seed=seed,
                                   batch_size=plan.batch_size, hybrid_steps=hybrid_steps, base=base,
                                   noise_of=plan.noise_of, with_latents=True):
         batch_prompts = [it.prompt for it in batch]

@@ -166,7 +166,8 @@ def _run_recipe(run_dir: Path, set_, steps, shift, kernel, noise, model_param):
     if not (run_dir / "recipe.toml").is_file():
         raise FlowrlError(f"no recipe.toml in {run_dir}", where="--compare", hint="pass the directory of a `flowrl train` run")
     if latest_checkpoint(run_dir) is None:  # before the base model is profiled, not after
-        raise FlowrlError(f"{run_dir} has no checkpoint", where="--compare", hint="train first, or wait for the first checkpoint")
+        raise FlowrlError(f"{run_dir} has no checkpoint", where="--compare",
+                          hint="train first, or wait for the first checkpoint")
     return _recipe_with_options(run_dir / "recipe.toml", list(set_ or []), steps, shift, kernel, noise, model_param)
 
 

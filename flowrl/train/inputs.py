@@ -39,7 +39,8 @@ def input_files(recipe: Recipe) -> dict[str, Path]:
             continue
         for f, _ in fields_of(type(table)):
             value = getattr(table, f.name)
-            if f.metadata.get("path") and isinstance(value, str) and value:
+            # resolved paths are absolute; a word ("model") or a hub id is no file of the run's
+            if f.metadata.get("path") and isinstance(value, str) and Path(value).is_absolute():
                 path = Path(value)
                 if path.is_file() and path.stat().st_size <= MAX_BYTES:
                     found[f"{prefix}.{f.name}"] = path
@@ -55,9 +56,7 @@ def sha256(path: Path) -> str:
 
 
 def record_inputs(recipe: Recipe, run_dir: Path) -> None:
-    """Write ``RUN_DIR/inputs.json`` (a new run; a resumed run keeps the record of its start)."""
-    if (run_dir / INPUTS_FILE).is_file():
-        return
+    """Write ``RUN_DIR/inputs.json``, at a run's start (a resumed run keeps the record of its start)."""
     record = {key: {"path": str(path), "sha256": sha256(path)} for key, path in input_files(recipe).items()}
     write_text_atomic(run_dir / INPUTS_FILE, json.dumps(record, indent=1) + "\n")
 
@@ -72,7 +71,7 @@ def check_inputs_unchanged(run_dir: Path) -> None:
         entries = [(key, Path(entry["path"]), entry["sha256"]) for key, entry in record.items()]
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise FlowrlError(f"{recorded} is not a record flowrl wrote ({exc})", where="--resume",
-                          hint=f"restore it from a copy of the run, or delete it to resume without the check") from None
+                          hint="restore it from a copy of the run, or delete it to resume without the check") from None
     changed = [(key, path) for key, path, digest in entries if path.is_file() and sha256(path) != digest]
     if changed:
         shown = "; ".join(f"{key} ({path})" for key, path in changed)

@@ -87,7 +87,9 @@ class RunOutputs:
         run_dir = self.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "recipe.toml", dump_toml(session.recipe.to_toml_dict()))
-        record_inputs(session.recipe, run_dir)  # what a resume must find unchanged
+        resumed = (run_dir / "metrics.jsonl").is_file()  # an earlier start of this run logged here
+        if not resumed:
+            record_inputs(session.recipe, run_dir)  # what a resume must find unchanged
         if run_info is not None:  # run constants: device, model FLOPs (flowrl.train.throughput)
             write_text_atomic(run_dir / "run_info.json", json.dumps(run_info, indent=1) + "\n")
         chunker = session.components.chunker
@@ -98,7 +100,7 @@ class RunOutputs:
             if int(old.stem.removeprefix("iter_")) >= start_iteration:
                 old.unlink()
         for tracker in self.trackers:
-            if start_iteration and isinstance(tracker, RewindsOnResume):  # the iterations redone now
+            if resumed and isinstance(tracker, RewindsOnResume):  # the iterations redone now, from 0 too
                 tracker.rewind(start_iteration)
             if isinstance(tracker, NeedsRunDir):
                 tracker.start(run_dir)

@@ -26,10 +26,13 @@ agrees there: one all-reduce of a flag, true when any process was asked to stop 
 reaches each process at its own moment; the STOP file is read by the main process only). A
 ``ddp`` evaluation, in which each process evaluates its own share of the batches (shares of
 different lengths), is checked by each process alone: abandoning its share takes a process to
-the gather of the scores, which every process reaches once and where they agree. So the bound is the same for a multi-process run, one model call (plus an all-reduce),
-with one exception: an fsdp2 evaluation, whose reward calls the main process makes alone while
-the others sample alongside, stops at its next denoiser forward, after the rewards of the
-evaluation batch under way.
+the gather of the scores, which every process reaches once and where they agree. So the bound
+is the same for a multi-process run, one model call (plus an all-reduce), with two exceptions:
+an fsdp2 evaluation, whose reward calls the main process makes alone while the others sample
+alongside, stops at its next denoiser forward, after the rewards of the evaluation batch under
+way; and in a ddp evaluation a stop that reaches the main process only (the STOP file, a signal
+to it alone) ends the others' shares when they are done, not at their next forward (a signal
+sent to every process, as a launcher passes it on, stops each at its next forward).
 
 Helper threads (overlapped rewards, the pipelined rollout) never make a collective: their stop
 points stop them once the processes have agreed to stop (at once, in a one-process run), and
@@ -186,10 +189,10 @@ class RunStop:
 
     @contextlib.contextmanager
     def evaluation(self, shared: bool) -> Iterator[None]:
-        """An evaluation: ``shared`` when every process samples it (fsdp2), else the main process
-        makes it alone. A stop abandons it and ends the block quietly; leaving the block, the
-        processes agree whether to stop (:meth:`agreed`), so that the main process, abandoning
-        an evaluation alone, brings the others along."""
+        """An evaluation: ``shared`` when every process samples it in lockstep (fsdp2), else each
+        process its own share (ddp: checked alone). A stop abandons it and ends the block quietly;
+        leaving the block, the processes agree whether to stop (:meth:`agreed`), so that a
+        process abandoning its share alone brings the others along."""
         try:
             with checked(_Checks(self, alone=not shared)):
                 yield

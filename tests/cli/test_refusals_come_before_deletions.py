@@ -70,11 +70,14 @@ def test_sample_overwrite_refuses_hybrid_steps_first_and_deletes_only_its_own_im
     (refused,) = flowrl_cli.in_process([[*argv, "--hybrid-steps", "5"]], cwd=tmp_path)
     one_message(refused, "--hybrid-steps 5 exceeds the 2 sampling steps")
     assert files_of(out) == before
-    (replaced,) = flowrl_cli.in_process([[*argv, "--prompt", "a blue square"]], cwd=tmp_path)
+    two = ["sample", str(run_dir), "--prompt", "a red circle", "--prompt", "a blue square", "--steps", "2",
+           "-o", str(out), "--overwrite", "--device", "cpu"]
+    (first,) = flowrl_cli.in_process([two], cwd=tmp_path)  # the earlier sample now draws 2 prompts
+    assert first.returncode == 0 and (out / "images" / "00001_00.png").is_file(), first.stderr
+    (replaced,) = flowrl_cli.in_process([argv], cwd=tmp_path)  # 1 prompt: its earlier second image goes
     assert replaced.returncode == 0, replaced.stderr
+    assert not (out / "images" / "00001_00.png").exists() and (out / "images" / "00000_00.png").is_file()
     assert (out / "images" / "mine.png").read_bytes() == b"the user's own file"
-    records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert {r["prompt"] for r in records} == {"a red circle", "a blue square"}
 
 
 def test_a_checkpoint_with_a_cut_state_json_is_one_message_before_anything_is_written(trained, tmp_path, flowrl_cli):

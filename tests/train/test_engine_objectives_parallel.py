@@ -1,5 +1,5 @@
-"""AWM, Flow-DPPO, online DPO, DGPO, GARDO and the ELBO losses (EPG, PEPG, PAR, V-GRPO) in 2 gloo processes (torchrun) equal 1 process on the same global batch,
-under ddp and under fsdp2: the same metrics and the same weights after one iteration of two
+"""AWM, Flow-DPPO, online DPO, DGPO, GARDO and the ELBO losses (EPG, PEPG, PAR, V-GRPO) in 2
+gloo processes (torchrun) equal 1 process on the same global batch, under ddp and under fsdp2: the same metrics and the same weights after one iteration of two
 passes (the second pass off-policy: AWM's ratio to its anchors, Flow-DPPO's KL mask, with
 threshold 1e-8 so that it drops units off-policy but none on-policy, where the KL is rounding
 level; in lockstep under fsdp2).

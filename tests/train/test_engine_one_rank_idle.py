@@ -4,8 +4,8 @@ collectives in the same order.
 A reward plugin, installed the way a third party installs one (an entry point of a distribution
 on the path), ties every group of process 1: its advantages are all zero, so in the update it
 re-scores nothing (no rows at any position) and its on-policy probe is never fed. (Under ddp
-it also evaluates nothing: the evaluation's 2 images are one batch, the main process's share.) The runs keep evaluation, images and checkpoints
-on every iteration, as users run, with two passes over each rollout (the first on-policy through
+it also evaluates nothing: the evaluation's 2 images are one batch, the main process's share.)
+The runs keep evaluation, images and checkpoints on every iteration, as users run, with two passes over each rollout (the first on-policy through
 the fast path, the second off-policy), under ddp and under FSDP2 (where process 1 must still make
 the sharded denoiser's forwards alongside). Before the fix, ddp aborted in the first iteration
 (the compute counter all-reduced tables of different lengths) and a process that fed nothing to

@@ -47,3 +47,20 @@ def test_a_resumed_run_shows_each_iteration_once(tmp_path):
     assert [step for step, _ in logged] == [0, 1, 2]
     rows = {r["iteration"]: r for r in read_metrics(run) if "reward/area/mean" in r}
     assert [value for _, value in logged] == pytest.approx([rows[i]["reward/area/mean"] for i in (0, 1, 2)])
+
+
+def test_a_run_resumed_before_its_first_checkpoint_shows_each_iteration_once(tmp_path):
+    """Stopped in an update before its first checkpoint (or killed), a run resumes at iteration 0
+    and redoes everything it logged: TensorBoard hides all of it (purge_step 0), not nothing."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    text = tiny_recipe(ENGINE, trackers=[{"use": "tensorboard"}])
+    path = write_recipe(tmp_path, text)
+    run = train(load(path, f"run.output_dir={str(tmp_path / 'run')!r}", "train.iterations=2"), console=quiet_console())
+    shutil.rmtree(run / "checkpoints")  # as if it never reached one
+    train(load(run / "recipe.toml"), resume=run, console=quiet_console())
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/area/mean")] == [0, 1]
