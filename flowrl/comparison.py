@@ -200,6 +200,11 @@ def compare_runs(curves: list[RunCurve], baseline: str | None, confidence: float
                 if not c.contiguous:
                     raise FlowrlError(f"run {c.ref.dir} did not log every iteration, so its train time is unknown",
                                       where="--at-wall-time", hint="train with [log].every = 1")
+                if c.costs[0] > at_wall_time:  # its first evaluation came later (e.g. only the final one)
+                    raise FlowrlError(
+                        f"run {c.ref.dir} has no value of the metric within {at_wall_time:g} s of train time (its "
+                        f"first is at {c.costs[0]:.1f} s, iteration {c.xs[0]})", where="--at-wall-time",
+                        hint=f"give a budget of at least {c.costs[0]:.1f} s, or a metric the runs log from the start")
                 i, ended = value_at_budget(list(zip(c.costs, c.ys)), at_wall_time)
                 row["at_wall_time"] = c.ys[i]
                 row["at_wall_time_iteration"] = c.xs[i]

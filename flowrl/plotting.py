@@ -162,7 +162,7 @@ def plot_run(run_dir: Path, output: Path | None = None, reference: dict | None =
 
     output = Path(output) if output else run_dir / "rewards.png"
     check_figure_path(output, where="--output" if output != run_dir / "rewards.png" else "the run's rewards.png")
-    records = read_metrics(run_dir)
+    records = plottable(read_metrics(run_dir), run_dir / "metrics.jsonl")
     if not records:
         raise FlowrlError(f"{run_dir / 'metrics.jsonl'} holds no record yet: nothing to draw",
                           hint="plot a run after its first iteration has been logged")
@@ -171,6 +171,22 @@ def plot_run(run_dir: Path, output: Path | None = None, reference: dict | None =
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return output
+
+
+def plottable(records: list[dict], path: Path) -> list[dict]:
+    """The rows as the figures read them: each with an integer ``iteration`` (one message naming
+    the row, else), and only its numbers and lists (the per-unit diagnostics): a null or a string
+    is no point."""
+    out = []
+    for i, row in enumerate(records):
+        iteration = row.get("iteration")
+        if not isinstance(iteration, int) or isinstance(iteration, bool):
+            raise FlowrlError(f"{path}: row {i + 1} has no integer 'iteration' ({iteration!r})",
+                              hint="a metrics.jsonl flowrl wrote has one in every row: restore the file from a copy")
+        out.append({k: v for k, v in row.items()
+                    if k in ("iteration", "final") or isinstance(v, list)
+                    or isinstance(v, (int, float)) and not isinstance(v, bool)})
+    return out
 
 
 #: Rewards whose largest values differ by more than this factor get panels of their own: on one

@@ -114,3 +114,22 @@ def test_an_offline_run_draws_no_empty_training_reward_panel():
         assert any(t.startswith("evaluation reward") for t in titles) and "objective: sft" in titles
     finally:
         plt.close(fig)
+
+
+def test_a_metrics_file_with_a_null_or_no_iteration_is_drawn_or_refused_in_one_message(tmp_path, flowrl_cli):
+    """A null value is no point (``float(None)`` was a traceback); a row without an integer
+    iteration is one message naming it (a KeyError was)."""
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = _grpo(3, 0.01)
+    rows[1]["reward/area/mean"] = None
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "metrics.jsonl").write_text(json.dumps({"reward/area/mean": 0.5}) + "\n")
+    drawn, refused = flowrl_cli.in_process([["plot", str(run)], ["plot", str(broken)]], cwd=tmp_path)
+    assert drawn.returncode == 0 and (run / "rewards.png").is_file(), drawn.stderr
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "row 1 has no integer 'iteration' (None)" in refused.flat_err

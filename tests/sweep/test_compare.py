@@ -138,7 +138,15 @@ def test_bad_compare_input_gives_one_message_and_exit_2(study, tmp_path, flowrl_
     _write_run(gappy, [0.5, 0.6, 0.7], 1.0, seed=1)
     lines = (gappy / "metrics.jsonl").read_text().splitlines()
     (gappy / "metrics.jsonl").write_text("\n".join([lines[0], lines[2]]) + "\n")  # iteration 1 not logged
+    late = tmp_path / "late" / "x_seed1"  # the metric only at the final evaluation, after 2 s of training
+    _write_run(late, [0.5, 0.6, 0.7], 1.0, seed=1)
+    rows = [json.loads(line) for line in (late / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[:-1]:
+        row.pop("eval/verifier/mean")
+    (late / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     calls = {
+        "a metric first logged after the budget": (["compare", str(late.parent), "--at-wall-time", "1"],
+                                                    ["has no value of the metric within 1 s", "its first is at 2.0 s"]),
         "empty dir": (["compare", str(tmp_path / "empty")], ["no runs in", "no sweep.json"]),
         "missing": (["compare", str(tmp_path / "nope")], ["does not exist"]),
         "unknown metric": (["compare", str(study), "--metric", "clip"], ["no 'eval/clip/mean' values", "available: eval/area/mean, eval/verifier/mean"]),
