@@ -399,6 +399,16 @@ def drop_gathered_weights(module: torch.nn.Module) -> None:
             part.reshard()
 
 
+def default_store():
+    """The key-value store of the default process group (torchrun's TCPStore), which every process
+    reaches without a collective; None without a process group."""
+    if not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
 def broadcast_object(obj, ctx: DistContext):
     """The main process's ``obj`` on every process (its decisions, which every process follows)."""
     if ctx.process_count == 1:

@@ -125,3 +125,37 @@ def test_context_parallel_partners_agree_before_stopping_and_while_waiting(tmp_p
     with pytest.raises(StopRequested):
         stop2.wait(pending)
     assert sums == [True], "the wait agreed over the data ranks only"
+
+
+def test_a_stop_asked_of_one_process_reaches_the_others_through_the_store(tmp_path, monkeypatch):
+    """The processes of a ddp evaluation forward without agreeing in between, so a stop asked of
+    one (the STOP file the main process reads, a signal to one worker) reaches the others through
+    the process group's store, at their next look: not when their shares end."""
+    from flowrl import distributed
+    from flowrl.train import stopping
+
+    class Store:  # the methods of torch's TCPStore that a stop uses
+        def __init__(self):
+            self.keys = {}
+
+        def set(self, key, value):
+            self.keys[key] = value
+
+        def check(self, keys):
+            return all(k in self.keys for k in keys)
+
+    store = Store()
+    monkeypatch.setattr(distributed, "default_store", lambda: store)
+    main = RunStop(tmp_path, DistContext(rank=0, world_size=2), None)
+    other = RunStop(tmp_path, DistContext(rank=1, world_size=2), None)
+    assert not main.look() and not other.look() and store.keys == {}
+    (tmp_path / STOP_FILE).write_text("")
+    main._looked = float("-inf")  # the next look is due
+    assert main.look() and store.keys == {stopping.STOP_KEY: "1"}
+    other._polled = float("-inf")
+    assert other.look() and other.requested  # the file it does not read, learnt from the store
+    worker = RunStop(tmp_path / "w", DistContext(rank=1, world_size=2), None)
+    fresh = Store()
+    monkeypatch.setattr(distributed, "default_store", lambda: fresh)
+    worker.handler(signal.SIGTERM, None)  # asked of a worker alone: set at its next look, not in the handler
+    assert fresh.keys == {} and worker.look() and fresh.keys == {stopping.STOP_KEY: "1"}

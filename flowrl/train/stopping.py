@@ -23,16 +23,16 @@
 Several processes stop together, at the same point. A stop point that every process reaches in
 the same order (the rollout's denoiser forwards, the reward calls, the update's micro-batches)
 agrees there: one all-reduce of a flag, true when any process was asked to stop (a signal
-reaches each process at its own moment; the STOP file is read by the main process only). A
+reaches each process at its own moment; the STOP file is read by the main process only, and
+a stop asked of one process is also set in the process group's store for the others). A
 ``ddp`` evaluation, in which each process evaluates its own share of the batches (shares of
 different lengths), is checked by each process alone: abandoning its share takes a process to
 the gather of the scores, which every process reaches once and where they agree. So the bound
-is the same for a multi-process run, one model call (plus an all-reduce), with two exceptions:
+is the same for a multi-process run, one model call (plus an all-reduce), with one exception:
 an fsdp2 evaluation, whose reward calls the main process makes alone while the others sample
 alongside, stops at its next denoiser forward, after the rewards of the evaluation batch under
-way; and in a ddp evaluation a stop that reaches the main process only (the STOP file, a signal
-to it alone) ends the others' shares when they are done, not at their next forward (a signal
-sent to every process, as a launcher passes it on, stops each at its next forward).
+way. (In a ddp evaluation, where no agreement runs between the forwards, a stop asked of one
+process reaches the others through the process group's store: :meth:`RunStop._share`.)
 
 Helper threads (overlapped rewards, the pipelined rollout) never make a collective: their stop
 points stop them once the processes have agreed to stop (at once, in a one-process run), and
@@ -65,6 +65,8 @@ STOP_MESSAGE = "stopping at the next model call; the unfinished iteration is red
 ABORT_HINT = "(Ctrl-C again to abort)"
 #: Seconds between two looks for the STOP file (a stat, which a network filesystem may make slow).
 STOP_FILE_POLL = 1.0
+#: The key of the process group's store that says a stop was asked of one of the processes.
+STOP_KEY = "flowrl/stop"
 #: Seconds between two looks for a stop while waiting for a helper thread's result.
 WAIT_POLL = 0.05
 
@@ -91,6 +93,7 @@ class RunStop:
         self.abandoned = threading.Event()  # helper threads end their work at their next stop point
         self.signals = 0
         self._looked = float("-inf")
+        self._shared, self._polled = False, float("-inf")
         self._previous: dict[int, object] = {}
 
     # ------------------------------------------------------------------ asking
@@ -112,13 +115,35 @@ class RunStop:
             self.announce(message)
 
     def look(self) -> bool:
-        """Whether a stop was asked here, after a look for the STOP file when one is due."""
+        """Whether a stop was asked here, after a look for the STOP file when one is due; with
+        several processes, also whether one was asked of another (:meth:`_share`)."""
         if not self.requested and self.file is not None and time.monotonic() - self._looked >= STOP_FILE_POLL:
             self._looked = time.monotonic()
             if self.file.exists():
                 self.seen_file = True
                 self._ask(f"{self.file} found: {STOP_MESSAGE}")
+        if self.ctx.process_count > 1:
+            self._share()
         return self.requested
+
+    def _share(self) -> None:
+        """A stop asked of this process is set in the process group's store, and one asked of
+        another is read from it (at most once every :data:`STOP_FILE_POLL` seconds): processes
+        that evaluate their own shares of a ddp evaluation (no agreement between their forwards)
+        learn of the STOP file, which only the main process reads, at their next forward, not
+        when their shares end. Set here, never in the signal handler (no store call interrupted
+        by another)."""
+        store = distributed.default_store()
+        if store is None:
+            return
+        if self.requested and not self._shared:
+            store.set(STOP_KEY, "1")
+            self._shared = True
+        elif not self.requested and time.monotonic() - self._polled >= STOP_FILE_POLL:
+            self._polled = time.monotonic()
+            if store.check([STOP_KEY]):
+                self._shared = True  # already there
+                self._ask(f"another process of the run was asked to stop: {STOP_MESSAGE}")
 
     def __enter__(self) -> RunStop:
         for sig in self.SIGNALS:

@@ -36,6 +36,7 @@ from tiny_recipe import ENGINE, tiny_recipe, write_recipe
 from flowrl.runlog import read_metrics
 from flowrl.train import train
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint
+from flowrl.train.stopping import STOP_FILE_POLL
 
 #: Seconds each model call of the probed phase takes (a sleep before it).
 SECONDS_PER_CALL = 3.0
@@ -322,3 +323,23 @@ def test_a_stop_during_a_shared_ddp_evaluation_stops_both_processes(tmp_path, pr
     rows = read_metrics(run_dir)
     assert [r["iteration"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["final"]
     assert all("eval/area/mean" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_the_stop_file_stops_a_shared_ddp_evaluation_at_the_next_forward(tmp_path, probe_path, reference):
+    """The STOP file, which only the main process reads, written during a ddp evaluation whose
+    shares the two processes make without agreeing in between: the other process learns of it
+    through the process group's store at its next forward (it used to finish its whole share,
+    one forward per sampling step, first)."""
+    recipe, run_dir = reference[0], tmp_path / "run"
+    sets = ["--set", "prompts.eval_seeds=4", "--set", "distributed.strategy='ddp'"]
+    proc, out, err, probe_dir = start(recipe, run_dir, probe_path, "eval", 3, "--num-processes", "2", *sets)
+    sent, seconds = stop_during(proc, err, probe_dir, lambda: (run_dir / "STOP").write_text(""))
+    out.thread.join(5), err.thread.join(5)
+    stdout, stderr = out.text(), err.text()
+    assert proc.returncode == 130 and "Traceback" not in stdout + stderr, (stdout, stderr)
+    # the main process sees the file at its next forward, the other at its next one after that
+    assert seconds < 2 * SECONDS_PER_CALL + STOP_FILE_POLL + EXIT_OVERHEAD, f"exited {seconds:.1f} s after the stop"
+    late = [t for t in call_starts(probe_dir) if t > sent + SECONDS_PER_CALL + STOP_FILE_POLL]
+    assert late == [], "a model call started well after the stop"
+    assert "interrupted after 3 completed iterations; checkpoint written" in " ".join(stdout.split())
