@@ -162,7 +162,8 @@ SourceArg = Annotated[
 CheckpointOpt = Annotated[Optional[Path], typer.Option("--checkpoint", help="A specific checkpoint directory of the run.")]
 PromptOpt = Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt (repeatable).")]
 NumPromptsOpt = Annotated[int, typer.Option("--num-prompts", min=0, help="Use the first N prompts (0 = all).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Base seed (default: the recipe's run.seed, else 42).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, max=2**63 - 1,
+                                                help="Base seed (default: the recipe's run.seed, else 42).")]
 ScheduleOpt = Annotated[
     str, typer.Option("--schedule", help="'auto' (recipe's, else the model's own), 'model', or a schedule name.")
 ]

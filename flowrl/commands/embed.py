@@ -56,7 +56,12 @@ def embed(
                           "text only", where=f"{cfg.source}: [prompts].condition_column",
                           hint="image-editing runs encode their prompts as they come")
     from ..distributed import resolve_device
+    from ..files import ensure_writable
 
+    # what can be refused without the model, refused before it loads (minutes for a large one)
+    ensure_writable(output, where="--output", directory=True)
+    extra_texts = [str(x) for extra in prompts_file or [] for x in read_prompts(str(extra), None, "--prompts", p,
+                                                                              role="eval")]
     session = Session.open(cfg, rewards=False, trackers=False,
                            device=resolve_device(device, where="--device") if device else cfg.run.device)
     model = session.model
@@ -66,9 +71,7 @@ def embed(
                                                role="eval")]
     if cfg.data.enabled:  # an offline run trains on its table's prompts
         texts += read_offline_rows(cfg.data.path, f"{cfg.source}: [data].path").prompts
-    for extra in prompts_file or []:
-        texts += [str(x) for x in read_prompts(str(extra), model, "--prompts", p, role="eval")]
-    texts = list(dict.fromkeys(texts))
+    texts = list(dict.fromkeys(texts + extra_texts))
     check_attention_backend(cfg.train.attention_backend, session.device, cfg.source)
     with loop_attention(cfg.train.attention_backend, session.device, cfg.source), Progress(TextColumn("[bold]embedding prompts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:

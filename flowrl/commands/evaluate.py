@@ -197,7 +197,7 @@ def evaluate(
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="With --suite: only its first N prompts (smoke runs); the result is named <suite>-firstN.")] = None,
 ) -> None:
     """Score a checkpoint as the run evaluates it (or given prompts and seeds); JSON beside it."""
-    from .inference import prepare, refuse_run_without_checkpoint, resolve_sigmas
+    from .inference import check_prompts_scorable, prepare, refuse_run_without_checkpoint, resolve_sigmas
 
     start_time = time.perf_counter()
     if suite is not None:
@@ -226,6 +226,7 @@ def evaluate(
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     base_seed = seed if seed is not None else src.recipe.run.seed
     plan = plan_evaluation(prompt, prompts, num_prompts, seeds, batch_size, src, policy, base_seed)
+    check_prompts_scorable(reward or [c.use for c in src.recipe.rewards], plan.prompts)  # before sampling
     records = score_items(plan, policy, base, sigmas, rewards, ctx, base_seed, hybrid_steps, save_images)
     if not ctx.is_main:
         return

@@ -167,6 +167,21 @@ def read_prompt_list(prompt: Optional[list[str]], prompts_file: Optional[Path], 
     return list(out[:num_prompts] if num_prompts else out)
 
 
+def check_prompts_scorable(uses: list[str], prompts: list[str], where: str = "--prompt") -> None:
+    """Every reward among ``uses`` that declares which prompts it can score (``accepts_prompt``,
+    :mod:`flowrl.hookspecs`) accepts each prompt: checked before any image is sampled (as
+    ``flowrl validate`` checks a recipe's prompt files), not at the first reward call."""
+    reg = registry()
+    for use in dict.fromkeys(uses):
+        accepts = getattr(reg.get("reward", use).factory, "accepts_prompt", None)
+        for prompt in dict.fromkeys(map(str, prompts)) if accepts is not None else ():
+            try:
+                accepts(prompt)
+            except ValueError as exc:
+                raise FlowrlError(f"reward '{use}' cannot score the prompt {prompt!r}: {exc}", where=where,
+                                  hint=f"give prompts that '{use}' can score, or another --reward") from exc
+
+
 def resolve_sigmas(schedule: str, steps: Optional[int], src: Source, model):
     """The sampling schedule ``[N + 1]``: 'auto' = the recipe's schedule (or, without a recipe,
     the model's own, else the default schedule), 'model' = the model's own, or a schedule name."""

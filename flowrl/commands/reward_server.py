@@ -76,8 +76,9 @@ def _serve(name: str, settings: list[str], *, host: str, port: int, verbose: boo
     if given:
         raise FlowrlError(f"{', '.join(given)} need(s) --backend litserve", where="flowrl reward serve",
                           hint="the simple backend serves one reward in one process")
-    from ..serving.simple import make_server
+    from ..serving.simple import check_port, make_server
 
+    check_port(port)  # before the reward is built: a model may download and load for minutes
     reward = build_reward(name, settings)
     server = make_server(reward, name=name, host=host, port=port, verbose=verbose)
     # Printed (and flushed) only once the socket is bound, so scripts can wait for this line.

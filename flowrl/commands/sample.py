@@ -72,6 +72,7 @@ from .inference import (
     Source,
     barrier,
     check_hybrid_steps,
+    check_prompts_scorable,
     generate,
     load_policy,
     make_items,
@@ -151,6 +152,9 @@ def sample(
         load_exported_weights(policy, Path(weights), export)
     check_tables_source(tables, src)
     plist = read_prompt_list(prompt, prompts, num_prompts, src, policy)
+    if tables:  # --tables scores every image with the recipe's rewards: their prompts, checked first
+        check_prompts_scorable([r.use for r in src.recipe.rewards if r.weight], plist,
+                               where="--prompts" if prompts is not None else "--prompt")
     sigmas = resolve_sigmas(schedule, steps, src, policy).to(dev)
     check_hybrid_steps(hybrid_steps, sigmas)
     base_seed = seed if seed is not None else src.recipe.run.seed

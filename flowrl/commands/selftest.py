@@ -60,7 +60,7 @@ def selftest(
         "--budget", min=1, help="With --gpu: the whole check's wall-clock seconds (default 480).")] = None,
 ) -> None:
     """Train a tiny FLUX offline on this machine and check training, resume, kernels and sharding (CPU: ~15 s)."""
-    if gpu or dry_run or output is not None or only or skip or budget is not None:
+    if gpu or dry_run or output is not None or only is not None or skip is not None or budget is not None:
         return _gpu_check(gpu, dry_run, device, output, only, skip, budget)
     # the tiny pipeline is built here: nothing may reach for the hub, and no download bar is due
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

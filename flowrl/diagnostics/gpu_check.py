@@ -550,7 +550,13 @@ def choose(names: str | None, skip: str | None) -> list[Step]:
                                   hint="the steps are " + ", ".join(known))
     only = {n.strip() for n in (names or "").split(",") if n.strip()}
     skipped = {n.strip() for n in (skip or "").split(",") if n.strip()}
-    return [s for s in every if (s.name in only if only else not s.on_request) and s.name not in skipped]
+    if names is not None and not only:
+        raise FlowrlError("--only names no step", where="--only", hint="the steps are " + ", ".join(known))
+    chosen = [s for s in every if (s.name in only if only else not s.on_request) and s.name not in skipped]
+    if not chosen:  # an empty check would still write a report, under the whole check's file name
+        raise FlowrlError("--only and --skip leave no step to run", where="--skip",
+                          hint="skip fewer steps; the steps are " + ", ".join(known))
+    return chosen
 
 
 def find_repo(start: Path | None = None) -> Path | None:

@@ -29,6 +29,9 @@ class RunConfig:
     def __post_init__(self):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        # a name is one folder of the output directory: "" made it runs/ itself, "x/../.." a folder outside
+        if not self.name.strip() or self.name in (".", "..") or "/" in self.name:
+            raise ValueError(f"name must be a folder name (no '/', not empty, '.' or '..'), got {self.name!r}")
 
 
 @dataclasses.dataclass

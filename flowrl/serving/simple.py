@@ -9,6 +9,7 @@ device. For batching across many trainer processes and several replicas, see
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 import time
@@ -97,10 +98,19 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_server(reward, *, name: str, host: str = "127.0.0.1", port: int = 8700, verbose: bool = False) -> RewardHTTPServer:
     """Bind a server for ``reward`` (port 0 picks a free port; read it from ``server.url``)."""
-    if not 0 <= port <= 65535:  # the socket would raise OverflowError, not OSError
-        raise FlowrlError(f"--port {port} is not a port number (0-65535)", where="flowrl reward serve",
-                          hint="choose a port from 1024 to 65535, or 0 for any free one")
+    check_port(port)
     try:
         return RewardHTTPServer((host, port), reward, name=name, verbose=verbose)
+    except socket.gaierror as exc:  # the address, not the port
+        raise FlowrlError(f"cannot listen on {host}:{port}: {host!r} is no address of this machine ({exc})",
+                          where="--host", hint="give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0") from exc
     except OSError as exc:
         raise FlowrlError(f"cannot listen on {host}:{port}: {exc}", hint="choose another --port (0 = any free port)") from exc
+
+
+def check_port(port: int) -> None:
+    """``--port`` is a port number (the socket would raise OverflowError, not OSError); checked
+    before the reward is built (a model's download and load)."""
+    if not 0 <= port <= 65535:
+        raise FlowrlError(f"--port {port} is not a port number (0-65535)", where="flowrl reward serve",
+                          hint="choose a port from 1024 to 65535, or 0 for any free one")

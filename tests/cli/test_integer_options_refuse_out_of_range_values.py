@@ -14,7 +14,6 @@ from flowrl.cli import app
 
 #: Integer options without a least value on the command line, and why.
 UNBOUNDED = {
-    "--seed": "any integer is a seed",
     # flowrl reward serve: port 0 picks a free port; flowrl.serving refuses what is no port number
     # (make_server) and what the litserve backend refuses (fleet.check_options), in one message each
     "--port": "checked by flowrl.serving",
@@ -88,3 +87,26 @@ def test_reward_serve_refuses_what_is_no_port_number():
     for port in (-5, 70000):
         with pytest.raises(FlowrlError, match="not a port number"):
             make_server(object(), name="x", port=port)
+
+
+@pytest.mark.parametrize("command", ["sample", "eval", "profile"])
+def test_a_seed_past_what_a_seed_holds_is_one_usage_error(command, flowrl_cli):
+    """A seed is packed as a signed 64-bit integer (flowrl.seeding): 2**63 was a struct.error
+    traceback, after the model had loaded and an empty images folder was made."""
+    (result,) = flowrl_cli.in_process([[command, "--seed", str(2**63)]])
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "--seed" in result.stderr, result.stderr
+
+
+def test_reward_serve_checks_the_port_before_building_the_reward_and_names_a_bad_host(flowrl_cli, monkeypatch):
+    """The port was checked only after the reward was built (PickScore downloaded and loaded first);
+    a host name that does not resolve was told to choose another port."""
+    from flowrl.commands import reward_server
+    from flowrl.errors import FlowrlError
+    from flowrl.serving.simple import make_server
+
+    monkeypatch.setattr(reward_server, "build_reward", lambda *a, **k: pytest.fail("the reward was built first"))
+    (result,) = flowrl_cli.in_process([["reward", "serve", "pickscore", "-p", "70000"]])
+    assert result.returncode == 2 and "--port 70000 is not a port number" in result.flat_err, result.stderr
+    with pytest.raises(FlowrlError, match="no address of this machine") as info:
+        make_server(object(), name="x", host="999.1.1.1", port=0)
+    assert "--port" not in (info.value.hint or "")

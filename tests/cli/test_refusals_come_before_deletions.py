@@ -153,3 +153,37 @@ def test_profile_compare_and_reward_score_refuse_before_their_work(trained, tmp_
                                       "--json", str(tmp_path)]], cwd=tmp_path)
     one_message(results[0], f"{bare} has no checkpoint")
     one_message(results[1], "is a directory; a file path is expected")
+
+
+def test_prompts_a_reward_cannot_score_are_refused_before_sampling(trained, tmp_path, flowrl_cli, monkeypatch):
+    """``eval -p`` and ``sample --tables -p`` with a prompt outside the embedded grammar: a
+    ValueError traceback from the reward, after every image was sampled (and, for sample, written)."""
+    from flowrl.commands import inference
+
+    _, run_dir, _ = trained
+    monkeypatch.setattr(inference, "generate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("sampled")))
+    results = flowrl_cli.in_process([
+        ["eval", str(run_dir), "-p", "a red circle", "--seeds", "1", "-o", str(tmp_path / "e.json"), "--device", "cpu"],
+        ["sample", str(run_dir), "-p", "a red circle", "--tables", "--steps", "2", "-o", str(tmp_path / "s"),
+         "--device", "cpu"]], cwd=tmp_path)
+    for r in results:
+        one_message(r, "cannot score the prompt 'a red circle'", "not a prompt of the grammar")
+    assert not (tmp_path / "e.json").exists() and not (tmp_path / "s" / "samples.jsonl").exists()
+
+
+def test_embed_refuses_its_prompt_files_and_output_before_loading_the_model(trained, tmp_path, flowrl_cli, monkeypatch):
+    """An empty ``--prompts`` file and an ``-o`` under a regular file were refused only after the
+    model loaded (seconds here, minutes for FLUX), the second as "File exists"."""
+    from flowrl.train import session
+
+    recipe, _, _ = trained
+    monkeypatch.setattr(session.Session, "open", lambda *a, **k: pytest.fail("the model loaded first"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    results = flowrl_cli.in_process([["embed", str(recipe), "-o", str(tmp_path / "emb"), "--prompts", str(empty)],
+                                     ["embed", str(recipe), "-o", str(a_file / "sub")]], cwd=tmp_path)
+    one_message(results[0], str(empty))
+    one_message(results[1], "afile")
+    assert "File exists" not in results[1].stderr and not (tmp_path / "emb").exists()

@@ -50,6 +50,9 @@ def test_gpu_check_without_cuda_is_one_message_and_writes_nothing(flowrl_cli, tm
 @pytest.mark.parametrize("argv, expected", [
     (["selftest", "--gpu", "--dry-run", "--only", "doctor,nope"], "no step named 'nope'"),
     (["selftest", "--dry-run"], "belong to the GPU check"),
+    # an empty check wrote its report under the whole check's name, over that day's results
+    (["selftest", "--gpu", "--dry-run", "--only", "doctor", "--skip", "doctor"], "leave no step to run"),
+    (["selftest", "--gpu", "--dry-run", "--only", ","], "--only names no step"),
 ])
 def test_bad_gpu_check_options_are_one_message(flowrl_cli, argv, expected):
     (result,) = flowrl_cli.in_process([argv])
