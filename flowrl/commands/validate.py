@@ -20,7 +20,7 @@ def validate(
     explain: Annotated[bool, typer.Option("--explain", help="Print the documentation of every key the recipe can use.")] = False,
     markdown: Annotated[bool, typer.Option("--markdown", help="With --explain and no RECIPE: print docs/reference.md (Markdown).")] = False,
     gpu_memory: Annotated[Optional[float], typer.Option(
-        "--gpu-memory", min=1.0, help="Check the recipe for a machine whose GPUs have this much memory (GB), "
+        "--gpu-memory", min=1.0, max=100_000.0, help="Check the recipe for a machine whose GPUs have this much memory (GB), "
         "not for this one: the memory plan's verdict against it, and no check of this machine's CUDA devices "
         "[default: this machine: its GPU, or where PyTorch sees none, its CPU and RAM].")] = None,
 ) -> None:

@@ -187,3 +187,10 @@ def test_embed_refuses_its_prompt_files_and_output_before_loading_the_model(trai
     one_message(results[0], str(empty))
     one_message(results[1], "afile")
     assert "File exists" not in results[1].stderr and not (tmp_path / "emb").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "1e308"])
+def test_validate_bounds_the_gpu_memory_as_plan_does(trained, value, flowrl_cli):
+    recipe, _, _ = trained
+    (r,) = flowrl_cli.in_process([["validate", str(recipe), "--gpu-memory", value]])
+    assert r.returncode == 2 and "--gpu-memory" in r.stderr and "Traceback" not in r.stderr, r.stderr
