@@ -81,7 +81,8 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 def suggest(name: str, valid: Iterable[str]) -> str:
     """Return a hint naming the closest valid name and listing all of them."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
+    same_but_case = [v for v in valid if v.lower() == str(name).lower()]  # "EPG" for "epg": too short for difflib
+    close = same_but_case or difflib.get_close_matches(str(name), valid, n=1, cutoff=0.5)
     listing = ", ".join(valid) if valid else "(none)"
     if close:
         return f"did you mean '{close[0]}'? valid: {listing}"

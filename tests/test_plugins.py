@@ -438,6 +438,8 @@ def test_unknown_component_suggests_the_closest():
     with pytest.raises(RecipeError) as info:
         get_registry().get("chunker", "explict", where="x.toml: [chunker].use")
     assert "did you mean 'explicit'?" in str(info.value) and "x.toml: [chunker].use" in str(info.value)
+    with pytest.raises(RecipeError, match="did you mean 'epg'"):  # too short for a close match: the case differs
+        get_registry().get("loss", "EPG", where="x.toml: [loss].use")
 
 
 # ----------------------------------------------------------------------------- plain-function rewards
