@@ -244,7 +244,7 @@ def test_the_docs_example_reads_the_shipped_edit_table(monkeypatch):
     repo = Path(__file__).resolve().parents[1]
     text = (repo / "docs" / "recipes.md").read_text()
     block = re.search(r"```toml\n(\[prompts\]\n.*?)```", text, re.S).group(1)
-    monkeypatch.chdir(repo)
+    monkeypatch.chdir(repo / "recipes")  # its path is relative to a recipe file in recipes/, as the page says
     recipe = validate({**tomllib.loads(block), "rewards": [{"use": "brightness"}]}, source="docs/recipes.md")
     train = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts)
     evals = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts, role="eval")
@@ -350,8 +350,8 @@ def test_the_docs_balance_example_reads_the_compose_table_category_by_category(m
 
     repo = Path(__file__).resolve().parents[1]
     text = (repo / "docs" / "recipes.md").read_text()
-    block = re.search(r"```toml\n(\[prompts\]\nsource = \"recipes/prompts/compose.csv\".*?)```", text, re.S).group(1)
-    monkeypatch.chdir(repo)
+    block = re.search(r"```toml\n(\[prompts\]\nsource = \"prompts/compose.csv\".*?)```", text, re.S).group(1)
+    monkeypatch.chdir(repo / "recipes")  # its path is relative to a recipe file in recipes/, as the page says
     recipe = validate({**tomllib.loads(block), "model": {"use": "embedded_compose"},
                        "rewards": [{"use": "compose_geneval_exact"}]}, source="docs/recipes.md")
     train = read_prompts(recipe.prompts.source, None, "docs", recipe.prompts)

@@ -66,7 +66,8 @@ def test_a_store_for_another_model_configuration_is_refused_by_validate(stored, 
     assert code == 0, err
 
 
-@pytest.mark.parametrize("where, says", [("exists", "exists"), ("/proc/flowrl_store", "cannot write the embeddings")])
+@pytest.mark.parametrize("where, says", [("exists", "exists"),
+                                         ("/proc/flowrl_store", "cannot write /proc/flowrl_store")])
 def test_embed_into_an_existing_or_unwritable_directory_is_one_message(stored, tmp_path, flowrl_cli, where, says):
     path, _ = stored
     if where == "exists":
