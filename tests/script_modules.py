@@ -1,4 +1,5 @@
-"""Import a script of ``scripts/`` (not a package) as a module, for the tests that check it."""
+"""Import a script of ``scripts/`` or ``benchmarks/`` (not packages) as a module, for the tests
+that check it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def script_module(name: str) -> Iterator[ModuleType]:
@@ -22,3 +24,13 @@ def script_module(name: str) -> Iterator[ModuleType]:
         yield module
     finally:
         sys.modules.pop(name, None)
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` imported as module ``flowrl_bench_<name>``, registered in
+    ``sys.modules`` (its dataclasses resolve their annotations through it)."""
+    spec = importlib.util.spec_from_file_location(f"flowrl_bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -12,13 +12,13 @@ slow lane (``pytest -m slow``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_modules import benchmark_module
 
 from flowrl.runlog import read_metrics
 
@@ -26,12 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _bench(name: str):
-    path = REPO / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"flowrl_bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module(name)
 
 
 @pytest.fixture(scope="module")

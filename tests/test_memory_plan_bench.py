@@ -10,25 +10,16 @@ shards the same, and the AdamW state twice that.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from script_modules import benchmark_module
 
 pytest.importorskip("diffusers")
 
 
 def _bench():
-    path = REPO / "benchmarks" / "memory_plan.py"
-    spec = importlib.util.spec_from_file_location("flowrl_bench_memory_plan", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("memory_plan")
 
 
 # Every dimension even, so that sharding over 2 ranks needs no padding and halves exactly.

@@ -8,26 +8,21 @@ here instead of in a results file.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from script_modules import benchmark_module
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = REPO / "benchmarks" / "objectives.py"
-    spec = importlib.util.spec_from_file_location("flowrl_bench_objectives", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield benchmark_module("objectives")
+    sys.modules.pop("flowrl_bench_objectives", None)
 
 
 def _recipe(name: str) -> dict:
