@@ -459,8 +459,7 @@ def write_checkpoint(ckpt_root: Path, name: str, strategy: Strategy, *, state: d
                                keep_last=keep_last, extra=extra or None)
     # The others wait for the write: a stopping worker that left first (status 130) would have
     # torchrun end the main process part-way through the stop's checkpoint.
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    _barrier(DistContext(rank=strategy.topology.rank, world_size=strategy.topology.world_size))
     return path
 
 

@@ -150,18 +150,20 @@ class RunEvaluator:
             self.signs({"iteration": iteration, **metrics})
         return metrics
 
-    def _scores(self, batches, batch: int, keep_first: int | None = None) -> tuple[dict, torch.Tensor]:
-        """Scores and 8-bit images (of the items before ``keep_first`` only, when given) of these
-        batches (None: all), with the EMA weights when the recipe evaluates them."""
+    def _scores(self, batches, batch: int) -> tuple[dict, torch.Tensor]:
+        """Scores of these batches (None: all), with the EMA weights when the recipe evaluates
+        them, and the 8-bit images among the first :data:`EVAL_GRID_MAX` items (what the eval
+        grids show)."""
         recipe, session = self.session.recipe, self.session
         images: list[torch.Tensor] = []
-        first = [0 if batches is None or not len(batches) else batches[0] * batch]
+        item = 0 if not batches else batches[0] * batch  # the index of the next image kept
 
         def keep(x: torch.Tensor) -> None:  # as 8-bit images in CPU memory
-            wanted = len(x) if keep_first is None else max(0, min(len(x), keep_first - first[0]))
+            nonlocal item
+            wanted = max(0, min(len(x), EVAL_GRID_MAX - item))
             if wanted:
                 images.append((x[:wanted].detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu())
-            first[0] += len(x)
+            item += len(x)
 
         with self.ema.swapped_in() if self.ema is not None else nullcontext():
             scores = evaluate(session.model, session.eval_sigmas, session.components.rewards, self.prompts,
@@ -176,7 +178,7 @@ class RunEvaluator:
         rank reaches exactly once."""
         stopped, scores, images = False, {}, torch.zeros(0, dtype=torch.uint8)
         try:
-            scores, images = self._scores(share, batch, keep_first=EVAL_GRID_MAX)
+            scores, images = self._scores(share, batch)
         except StopRequested:
             stopped = True
         parts = distributed.gather_objects((stopped, scores, images), self.ctx)
