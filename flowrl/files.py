@@ -12,6 +12,7 @@ is readable by whoever the umask allows. :func:`give_ordinary_mode` gives them t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -151,3 +152,12 @@ def image_read_errors() -> tuple[type[BaseException], ...]:
     from PIL import Image, UnidentifiedImageError
 
     return UnidentifiedImageError, OSError, Image.DecompressionBombError
+
+
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read a megabyte at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import itertools
 import json
 import math
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint_dirs import checkpoint_iteration, latest_checkpoint
 from .errors import FlowrlError
+from .files import sha256_of
 from .processes import pid_alive, signal_on_parent_death
 
 if sys.version_info >= (3, 11):
@@ -253,10 +253,6 @@ def manifest_problem(manifest: dict[str, Any]) -> str | None:
     if not isinstance(manifest.get("cwd"), str):
         return "it has no 'cwd'"
     return run_entries_problem(manifest["runs"])
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _tail(path: Path, start: int, lines: int = STDERR_TAIL) -> str:

@@ -11,13 +11,12 @@ start), and a resume whose files differ is refused with the keys and files that 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
 from ..config import fields_of
 from ..errors import FlowrlError
-from ..files import write_text_atomic
+from ..files import sha256_of, write_text_atomic
 from ..recipe import Recipe
 from ..recipe.schema import SECTIONS
 
@@ -47,17 +46,9 @@ def input_files(recipe: Recipe) -> dict[str, Path]:
     return found
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def record_inputs(recipe: Recipe, run_dir: Path) -> None:
     """Write ``RUN_DIR/inputs.json``, at a run's start (a resumed run keeps the record of its start)."""
-    record = {key: {"path": str(path), "sha256": sha256(path)} for key, path in input_files(recipe).items()}
+    record = {key: {"path": str(path), "sha256": sha256_of(path)} for key, path in input_files(recipe).items()}
     write_text_atomic(run_dir / INPUTS_FILE, json.dumps(record, indent=1) + "\n")
 
 
@@ -72,7 +63,7 @@ def check_inputs_unchanged(run_dir: Path) -> None:
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise FlowrlError(f"{recorded} is not a record flowrl wrote ({exc})", where="--resume",
                           hint="restore it from a copy of the run, or delete it to resume without the check") from None
-    changed = [(key, path) for key, path, digest in entries if path.is_file() and sha256(path) != digest]
+    changed = [(key, path) for key, path, digest in entries if path.is_file() and sha256_of(path) != digest]
     if changed:
         shown = "; ".join(f"{key} ({path})" for key, path in changed)
         raise FlowrlError(
